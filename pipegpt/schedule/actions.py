@@ -1,0 +1,134 @@
+"""The action IR: what one rank does next, as plain data.
+
+An action names a stage (a slice of layers), a kind and a microbatch, and
+prints as "2F0" (stage 2, forward, microbatch 0) or "1SEND_B3". A Plan holds,
+for every rank, its ordered list of actions, plus where each stage lives.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import NamedTuple
+
+
+class ScheduleError(ValueError):
+    """A schedule, its arguments or a schedule file is not valid."""
+
+
+class Kind(str, enum.Enum):
+    F = "F"  # forward
+    B = "B"  # full backward: input and weight gradients together
+    I = "I"  # noqa: E741 - backward for the input gradient only
+    W = "W"  # backward for the weight gradient only
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+# Longest names first so that "SEND_F" is not read as "S" + ... by the regex.
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+class Action(NamedTuple):
+    # A NamedTuple, not a dataclass: plans hold thousands and the validator and
+    # lowering hash them constantly.
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        match = _ACTION_RE.match(text.strip())
+        if not match:
+            raise ScheduleError(
+                f"bad action {text!r}: expected <stage><kind><microbatch> such as '2F0' or '1SEND_B3', "
+                f"kind one of {', '.join(k.value for k in Kind)}"
+            )
+        return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
+
+
+def F(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.F, mb)
+
+
+def B(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.B, mb)
+
+
+def I(stage: int, mb: int) -> Action:  # noqa: E743
+    return Action(stage, Kind.I, mb)
+
+
+def W(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.W, mb)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-rank ordered actions for one training step.
+
+    stage_to_rank[s] is the rank that owns stage s. Stages are the model's
+    slices in forward order: stage 0 holds the embedding, the last stage the
+    head and the loss. A rank may own several stages (interleaved, V-shape).
+    """
+
+    name: str
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    @property
+    def is_lowered(self) -> bool:
+        return any(a.kind.is_comm for actions in self.ranks for a in actions)
+
+    @cached_property
+    def split_pairs(self) -> frozenset[tuple[int, int]]:
+        """(stage, microbatch) pairs whose backward is split into I and W."""
+        return frozenset((a.stage, a.microbatch) for acts in self.ranks for a in acts if a.kind is Kind.I)
+
+    def backward_of(self, stage: int, mb: int) -> Action:
+        """The action that produces a stage's input gradient: I where the plan splits, else B."""
+        return Action(stage, Kind.I if (stage, mb) in self.split_pairs else Kind.B, mb)
+
+    def compute_only(self) -> "Plan":
+        return self.with_ranks([[a for a in acts if a.kind.is_compute] for acts in self.ranks])
+
+    def with_ranks(self, ranks) -> "Plan":
+        return replace(self, ranks=tuple(tuple(acts) for acts in ranks))
+
+    def to_text(self) -> str:
+        """One line per rank of action strings: the schedule-file format."""
+        return "\n".join(" ".join(str(a) for a in acts) for acts in self.ranks) + "\n"
+
+    def as_strings(self) -> list[list[str]]:
+        return [[str(a) for a in acts] for acts in self.ranks]

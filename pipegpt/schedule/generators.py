@@ -1,0 +1,261 @@
+"""Schedule generators: plain integers in, a Plan of compute actions out.
+
+Each generator returns, per rank, the ordered F/B/I/W actions; lowering.py adds
+the communication. All are found by name in SCHEDULES.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from .actions import Action, Kind, Plan, ScheduleError, B, F, I, W
+
+
+def _check_positive(num_ranks: int, num_microbatches: int) -> None:
+    if num_ranks < 1:
+        raise ScheduleError(f"stages={num_ranks} must be at least 1")
+    if num_microbatches < 1:
+        raise ScheduleError(f"microbatches={num_microbatches} must be at least 1")
+
+
+def gpipe(num_ranks: int, num_microbatches: int) -> Plan:
+    """All forwards, then all backwards: simple, but every rank holds m activations."""
+    _check_positive(num_ranks, num_microbatches)
+    m = num_microbatches
+    ranks = [[F(r, i) for i in range(m)] + [B(r, i) for i in range(m)] for r in range(num_ranks)]
+    return Plan("gpipe", m, tuple(range(num_ranks)), tuple(map(tuple, ranks)))
+
+
+def one_f_one_b(num_ranks: int, num_microbatches: int) -> Plan:
+    """1F1B (PipeDream-flush): warm up with p-1-r forwards, then alternate, then drain."""
+    _check_positive(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    ranks = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        acts = [F(r, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            acts += [F(r, warmup + i), B(r, i)]
+        acts += [B(r, i) for i in range(m - warmup, m)]
+        ranks.append(tuple(acts))
+    return Plan("1f1b", m, tuple(range(p)), tuple(ranks))
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2) -> Plan:
+    """Megatron's interleaved 1F1B: rank r owns stages r, r+p, r+2p, ...
+
+    Microbatches go round in groups of p per model chunk, which is why m must
+    be a multiple of p.
+    """
+    _check_positive(num_ranks, num_microbatches)
+    p, m, v = num_ranks, num_microbatches, virtual_stages
+    if v < 1:
+        raise ScheduleError(f"virtual-stages={v} must be at least 1")
+    if m % p:
+        lower, upper = (m // p) * p, (m // p + 1) * p
+        nearest = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ScheduleError(
+            f"interleaved-1f1b needs microbatches to be a multiple of stages={p}; "
+            f"microbatches={m} is not (nearest valid: {nearest})"
+        )
+
+    def order(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        if backward:
+            chunk = v - 1 - chunk
+        return chunk, (k // (p * v)) * p + k % p
+
+    total = m * v
+    ranks = []
+    for r in range(p):
+        fwd = [F(c * p + r, mb) for c, mb in (order(k, False) for k in range(total))]
+        bwd = [B(c * p + r, mb) for c, mb in (order(k, True) for k in range(total))]
+        warmup = min((p - 1 - r) * 2 + (v - 1) * p, total)
+        acts = fwd[:warmup]
+        for i in range(total - warmup):
+            acts += [fwd[warmup + i], bwd[i]]
+        acts += bwd[total - warmup:]
+        ranks.append(tuple(acts))
+    stage_to_rank = tuple(s % p for s in range(p * v))
+    return Plan("interleaved-1f1b", m, stage_to_rank, tuple(ranks), meta={"virtual_stages": v})
+
+
+def v_shape(num_ranks: int) -> tuple[int, ...]:
+    """Stage s on rank s going down, then back up: rank r holds stages r and 2p-1-r."""
+    return tuple(list(range(num_ranks)) + list(reversed(range(num_ranks))))
+
+
+def _greedy_zero_bubble(stage_to_rank: tuple[int, ...], m: int, limits: list[int]) -> list[list[Action]]:
+    """List-schedule F, I, W at unit cost, the way the zero-bubble paper builds its plans.
+
+    At every time step each idle rank takes, in priority order: an input-gradient
+    backward that is ready (it is on the critical path), a forward if the rank
+    holds fewer than limits[rank] live microbatches, else the oldest pending W.
+    W work thus fills what would otherwise be bubbles. Stages process
+    microbatches in order. Deterministic: the same integers give the same plan.
+    """
+    num_stages, num_ranks = len(stage_to_rank), max(stage_to_rank) + 1
+    stages_of = [[s for s in range(num_stages) if stage_to_rank[s] == r] for r in range(num_ranks)]
+    done: dict[Action, int] = {}  # action -> finish time
+    next_f = [0] * num_stages
+    next_i = [0] * num_stages
+    pending_w: list[deque[Action]] = [deque() for _ in range(num_ranks)]
+    live = [0] * num_ranks
+    free_at = [0] * num_ranks
+    plan: list[list[Action]] = [[] for _ in range(num_ranks)]
+    total = 3 * num_stages * m
+    t = 0
+    while sum(map(len, plan)) < total:
+        for r in range(num_ranks):
+            if free_at[r] > t:
+                continue
+            choice = None
+            # Deepest stage first: its backward unblocks everything upstream.
+            for s in sorted(stages_of[r], reverse=True):
+                mb = next_i[s]
+                if mb < next_f[s] and (s == num_stages - 1 or done.get(I(s + 1, mb), t + 1) <= t):
+                    if done.get(F(s, mb), t + 1) <= t:
+                        choice = I(s, mb)
+                        break
+            if choice is None and live[r] < limits[r]:
+                # Deepest stage first for forwards too: it reaches the loss sooner.
+                for s in sorted(stages_of[r], reverse=True):
+                    mb = next_f[s]
+                    if mb < m and (s == 0 or done.get(F(s - 1, mb), t + 1) <= t):
+                        choice = F(s, mb)
+                        break
+            if choice is None and pending_w[r]:
+                choice = pending_w[r].popleft()
+            if choice is None:
+                continue
+            plan[r].append(choice)
+            done[choice] = t + 1
+            free_at[r] = t + 1
+            if choice.kind is Kind.F:
+                next_f[choice.stage] += 1
+                live[r] += 1
+            elif choice.kind is Kind.I:
+                next_i[choice.stage] += 1
+                pending_w[r].append(W(choice.stage, choice.microbatch))
+            else:
+                live[r] -= 1
+        t += 1
+        if t > 10 * total + 10:  # cannot happen for sane limits; never loop forever
+            raise ScheduleError(f"greedy zero-bubble scheduling made no progress (limits={limits})")
+    return plan
+
+
+def zb_h1(num_ranks: int, num_microbatches: int) -> Plan:
+    """ZB-H1: 1F1B with B split into I and W, W filling the bubbles.
+
+    Each rank holds at most p live microbatches, so the peak (rank 0's) equals 1F1B's.
+    """
+    _check_positive(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    stage_to_rank = tuple(range(p))
+    plan = _greedy_zero_bubble(stage_to_rank, m, [min(p, m)] * p)
+    return Plan("zb-h1", m, stage_to_rank, tuple(map(tuple, plan)))
+
+
+def zbv(num_ranks: int, num_microbatches: int) -> Plan:
+    """ZB-V: two stages per rank in a V, split backward, peak memory of 1F1B.
+
+    Each stage holds half a 1F1B stage's layers, so 2p live stage-microbatches
+    per rank weigh what 1F1B's p on rank 0 weigh.
+    """
+    _check_positive(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    stage_to_rank = v_shape(p)
+    plan = _greedy_zero_bubble(stage_to_rank, m, [2 * p] * p)
+    return Plan("zbv", m, stage_to_rank, tuple(map(tuple, plan)))
+
+
+def dualpipev(num_ranks: int, num_microbatches: int) -> Plan:
+    """DualPipe-V (DeepSeek): V placement, phases of overlapped forward+backward pairs.
+
+    An overlapped pair is modelled as two adjacent actions (F then B) on the
+    rank; the simulator runs them back to back, so it gives no credit for
+    overlapping one's compute with the other's communication.
+    """
+    _check_positive(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    if m < 2 * p:
+        raise ScheduleError(
+            f"dualpipev needs microbatches >= 2 x stages = {2 * p}; microbatches={m} is too few "
+            f"(nearest valid: {2 * p})"
+        )
+    ranks = []
+    for r in range(p):
+        s0, s1 = r, 2 * p - 1 - r
+        nxt = {}
+        weights: deque[Action] = deque()
+        acts: list[Action] = []
+
+        def take(kind: Kind, stage: int) -> None:
+            key = (Kind.B if kind is Kind.I else kind, stage)
+            mb = nxt.get(key, 0)
+            nxt[key] = mb + 1
+            acts.append(Action(stage, kind, mb))
+            if kind is Kind.I:
+                weights.append(W(stage, mb))
+
+        def weight() -> None:
+            acts.append(weights.popleft())
+
+        for _ in range((p - r - 1) * 2):
+            take(Kind.F, s0)
+        for _ in range(r + 1):
+            take(Kind.F, s0)
+            take(Kind.F, s1)
+        for _ in range(p - r - 1):
+            take(Kind.I, s1)
+            weight()
+            take(Kind.F, s1)
+        for _ in range(m - 2 * p + r + 1):  # the main phase: F0+B1 and F1+B0 pairs
+            take(Kind.F, s0)
+            take(Kind.B, s1)
+            take(Kind.F, s1)
+            take(Kind.B, s0)
+        for _ in range(p - r - 1):
+            take(Kind.B, s1)
+            take(Kind.F, s1)
+            take(Kind.B, s0)
+        split = False  # the second half of the drain splits backward to let W fill the tail
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                split = True
+            take(Kind.I if split else Kind.B, s1)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                split = True
+            take(Kind.I if split else Kind.B, s0)
+        for _ in range(p - r - 1):
+            weight()
+            take(Kind.I, s0)
+        while weights:
+            weight()
+        ranks.append(tuple(acts))
+    return Plan("dualpipev", m, v_shape(p), tuple(ranks))
+
+
+SCHEDULES: dict[str, Callable[..., Plan]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zbv": zbv,
+    "dualpipev": dualpipev,
+}
+
+
+def build_plan(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Plan:
+    """Look a schedule up by name and generate its compute plan."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
+    if name == "interleaved-1f1b":
+        return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages or 2)
+    if virtual_stages not in (None, 1) and not (name in ("zbv", "dualpipev") and virtual_stages == 2):
+        raise ScheduleError(
+            f"virtual-stages={virtual_stages} only applies to interleaved-1f1b "
+            f"(zbv and dualpipev always use 2); leave it out for {name}"
+        )
+    return SCHEDULES[name](num_ranks, num_microbatches)

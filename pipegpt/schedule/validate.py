@@ -1,0 +1,199 @@
+"""The validator: a plan the runtime may execute is complete, ordered and deadlock-free.
+
+Errors name the rank and the step and show the plan around it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .actions import Action, Kind, Plan, ScheduleError
+from .lowering import comm_batches, messages, peer
+
+
+class PlanError(ScheduleError):
+    def __init__(self, plan: Plan, rank: int, step: int, problem: str):
+        self.rank, self.step = rank, step
+        super().__init__(f"rank {rank} step {step} ({_at(plan, rank, step)}): {problem}; plan around it: "
+                         f"{context(plan, rank, step)}")
+
+
+def _at(plan: Plan, rank: int, step: int) -> str:
+    actions = plan.ranks[rank]
+    return str(actions[step]) if 0 <= step < len(actions) else "end"
+
+
+def context(plan: Plan, rank: int, step: int, radius: int = 4) -> str:
+    actions = plan.ranks[rank]
+    lo, hi = max(0, step - radius), min(len(actions), step + radius + 1)
+    shown = [f"[{a}]" if i == step else str(a) for i, a in enumerate(actions[lo:hi], start=lo)]
+    return f"rank {rank}: " + ("... " if lo else "") + " ".join(shown) + (" ..." if hi < len(actions) else "")
+
+
+def dependencies(action: Action, plan: Plan) -> list[Action]:
+    """Compute actions that must finish before this compute action may start."""
+    s, mb, last = action.stage, action.microbatch, plan.num_stages - 1
+    if action.kind is Kind.F:
+        return [Action(s - 1, Kind.F, mb)] if s > 0 else []
+    if action.kind in (Kind.B, Kind.I):
+        deps = [Action(s, Kind.F, mb)]
+        if s < last:
+            deps.append(plan.backward_of(s + 1, mb))
+        return deps
+    if action.kind is Kind.W:
+        return [Action(s, Kind.I, mb)]
+    return []
+
+
+def validate(plan: Plan) -> Plan:
+    """Raise PlanError/ScheduleError if the plan is not executable; return it unchanged otherwise."""
+    _check_shape(plan)
+    _check_counts(plan)
+    _check_order(plan.compute_only())
+    if plan.is_lowered:
+        _check_messages(plan)
+        check_deadlock_free(plan)
+    return plan
+
+
+def _check_shape(plan: Plan) -> None:
+    if plan.num_ranks < 1 or not plan.stage_to_rank:
+        raise ScheduleError("a plan needs at least one rank and one stage")
+    if sorted(set(plan.stage_to_rank)) != list(range(plan.num_ranks)):
+        raise ScheduleError(f"stage_to_rank {list(plan.stage_to_rank)} must use every rank 0..{plan.num_ranks - 1}")
+    for r, actions in enumerate(plan.ranks):
+        for k, a in enumerate(actions):
+            if not 0 <= a.stage < plan.num_stages:
+                raise PlanError(plan, r, k, f"stage {a.stage} out of range 0..{plan.num_stages - 1}")
+            if not 0 <= a.microbatch < plan.num_microbatches:
+                raise PlanError(plan, r, k, f"microbatch {a.microbatch} out of range 0..{plan.num_microbatches - 1}")
+            if plan.stage_to_rank[a.stage] != r:
+                raise PlanError(plan, r, k, f"stage {a.stage} belongs to rank {plan.stage_to_rank[a.stage]}")
+
+
+def _check_counts(plan: Plan) -> None:
+    where: dict[Action, tuple[int, int]] = {}
+    for r, actions in enumerate(plan.ranks):
+        for k, a in enumerate(actions):
+            if a in where:
+                raise PlanError(plan, r, k, f"{a} appears twice (first at rank {where[a][0]} step {where[a][1]})")
+            where[a] = (r, k)
+    for s in range(plan.num_stages):
+        r = plan.stage_to_rank[s]
+        for mb in range(plan.num_microbatches):
+            has = {kind for kind in Kind if kind.is_compute and Action(s, kind, mb) in where}
+            end = len(plan.ranks[r])
+            if Kind.F not in has:
+                raise PlanError(plan, r, end, f"missing {Action(s, Kind.F, mb)}")
+            if Kind.B in has and has & {Kind.I, Kind.W}:
+                raise PlanError(plan, r, where[Action(s, Kind.B, mb)][1],
+                                f"stage {s} microbatch {mb} has both B and an I/W split")
+            if Kind.B not in has and has & {Kind.I, Kind.W} != {Kind.I, Kind.W}:
+                missing = "B" if not has & {Kind.I, Kind.W} else ("I" if Kind.I not in has else "W")
+                raise PlanError(plan, r, end, f"missing {s}{missing}{mb}")
+
+
+def _check_order(plan: Plan) -> None:
+    """Run the plan on dependencies alone; a rank that can never proceed is an error."""
+    done: set[Action] = set()
+    pos = [0] * plan.num_ranks
+    where = {a: (r, k) for r, acts in enumerate(plan.ranks) for k, a in enumerate(acts)}
+    progress = True
+    while progress:
+        progress = False
+        for r, actions in enumerate(plan.ranks):
+            while pos[r] < len(actions) and all(d in done for d in dependencies(actions[pos[r]], plan)):
+                done.add(actions[pos[r]])
+                pos[r] += 1
+                progress = True
+    stuck = [r for r in range(plan.num_ranks) if pos[r] < len(plan.ranks[r])]
+    if not stuck:
+        return
+    waits = []
+    for r in stuck:
+        a = plan.ranks[r][pos[r]]
+        missing = next(d for d in dependencies(a, plan) if d not in done)
+        dr, dk = where[missing]
+        if dr == r and dk > pos[r]:
+            raise PlanError(plan, r, pos[r], f"needs {missing}, which comes later on the same rank (step {dk})")
+        waits.append(f"rank {r} step {pos[r]} ({a}) waits for {missing} (rank {dr} step {dk})")
+    r = stuck[0]
+    raise PlanError(plan, r, pos[r], "circular wait: " + "; ".join(waits))
+
+
+def _check_messages(plan: Plan) -> None:
+    """Every cross-rank edge has one SEND after its producer and one RECV before its consumer, in FIFO order."""
+    for r, (got, want) in enumerate(zip(plan.ranks, messages(plan))):
+        got_comm = {a for a in got if a.kind.is_comm}
+        for a in sorted(got_comm - want):
+            raise PlanError(plan, r, got.index(a), f"{a} matches no message between ranks")
+        for a in sorted(want - got_comm):
+            raise PlanError(plan, r, len(got), f"missing {a}")
+        index = {a: k for k, a in enumerate(got)}
+        for k, a in enumerate(got):
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                producer = Action(a.stage, Kind.F, a.microbatch) if a.kind is Kind.SEND_F \
+                    else plan.backward_of(a.stage, a.microbatch)
+                if index[producer] > k:
+                    raise PlanError(plan, r, k, f"sends before {producer} has computed it")
+            elif a.kind.is_comm:
+                consumer = Action(a.stage, Kind.F, a.microbatch) if a.kind is Kind.RECV_F \
+                    else plan.backward_of(a.stage, a.microbatch)
+                if index[consumer] < k:
+                    raise PlanError(plan, r, k, f"receives after {consumer} needed it")
+    # NCCL matches point-to-point messages per pair of ranks in posting order.
+    sent, received = defaultdict(list), defaultdict(list)
+    for r, actions in enumerate(plan.ranks):
+        for k, a in enumerate(actions):
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                dst, partner = peer(a, plan)
+                sent[(r, dst)].append((a, k))
+            elif a.kind.is_comm:
+                src, _ = peer(a, plan)
+                received[(src, r)].append((a, k))
+    for (src, dst), sends in sent.items():
+        for (send, k), (recv, j) in zip(sends, received[(src, dst)]):
+            if peer(send, plan)[1] != recv:
+                raise PlanError(plan, dst, j, f"receives {recv} from rank {src} while rank {src} sends {send} "
+                                              f"(its step {k}) first: messages between two ranks must keep order")
+
+
+def check_deadlock_free(plan: Plan) -> None:
+    """Execute the lowered plan with blocking point-to-point and prove every rank finishes.
+
+    Each maximal run of comm actions on a rank is posted together, and the rank
+    waits there until every message in it has met its partner. Compute never
+    blocks here because _check_order and _check_messages already hold.
+    """
+    batches = [comm_batches(acts) for acts in plan.ranks]
+    batch_at = [{start: end for start, end in b} for b in batches]
+    pos = [0] * plan.num_ranks
+    posted: set[tuple[int, Action]] = set()
+    progress = True
+    while progress:
+        progress = False
+        for r, actions in enumerate(plan.ranks):
+            while pos[r] < len(actions):
+                end = batch_at[r].get(pos[r])
+                if end is None:  # compute
+                    pos[r] += 1
+                    progress = True
+                    continue
+                ops = actions[pos[r]:end]
+                posted.update((r, a) for a in ops)
+                if all(peer(a, plan) in posted for a in ops):
+                    pos[r] = end
+                    progress = True
+                else:
+                    break
+    stuck = [r for r in range(plan.num_ranks) if pos[r] < len(plan.ranks[r])]
+    if stuck:
+        waits = []  # only on failure, so the linear .index() lookups below are fine
+        for r in stuck:
+            end = batch_at[r][pos[r]]
+            for a in plan.ranks[r][pos[r]:end]:
+                pr, pa = peer(a, plan)
+                if (pr, pa) not in posted:
+                    waits.append(f"rank {r} ({a}) waits for rank {pr} to post {pa} "
+                                 f"(its step {plan.ranks[pr].index(pa)}, it is at step {pos[pr]})")
+                    break
+        raise PlanError(plan, stuck[0], pos[stuck[0]], "deadlock with blocking point-to-point: " + "; ".join(waits))
