@@ -1,0 +1,86 @@
+"""Configuration as frozen dataclasses, checked before any process starts.
+
+Every check raises ConfigError with a one-line message that names the bad
+value and says what would be valid, so the driver can print it as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A configuration value is not valid (one-line, user-facing message)."""
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+    if value < 1:
+        raise ConfigError(f"{name}={value} must be a positive integer (>= 1)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a GPT-2 style model. Defaults are the byte-level `tiny` preset."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    pad_vocab_to: int = 1  # round the embedding/head rows up to a multiple of this (e.g. 64)
+    bias: bool = True
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_to
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def validate(self) -> "ModelConfig":
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "pad_vocab_to"):
+            _check_positive_int(name, getattr(self, name))
+        if self.n_embd % self.n_head:
+            lo = self.n_embd // self.n_head * self.n_head
+            hi = lo + self.n_head
+            such_as = f"{lo} or {hi}" if lo > 0 else f"{hi}"
+            raise ConfigError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                f"use a multiple of {self.n_head} such as {such_as}"
+            )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout={self.dropout!r} must be a number in [0, 1), e.g. 0.0 or 0.1")
+        for name in ("tie_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        return self
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=128),
+    "gpt2": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+def model_config(preset: str, **overrides) -> ModelConfig:
+    """The preset named `preset` with `overrides` applied (None values are ignored), validated."""
+    if preset not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}: known presets are {', '.join(MODEL_PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise ConfigError(
+            f"unknown model setting {', '.join(unknown)}: valid settings are {', '.join(sorted(fields))}"
+        )
+    return dataclasses.replace(MODEL_PRESETS[preset], **changes).validate()

@@ -1,0 +1,289 @@
+"""A nanoGPT-style GPT-2 whose blocks can be sliced into pipeline stages.
+
+The module knows nothing of processes. `GPT(config)` is the whole model;
+`GPT(config, layers=range(2, 4), embed=False, head=True)` is one stage of it.
+Every parameter keeps its one-process name whichever slice holds it
+(`wte.weight`, `blocks.3.attn.qkv.weight`, `ln_f.weight`, `lm_head.weight`).
+
+Initial values: each parameter is drawn from its own generator seeded by
+(init_seed, its one-process name), so a slice built with the same init_seed
+(or right after the same torch.manual_seed) holds exactly the values of the
+full model's corresponding parameters, without building the full model.
+To load existing weights into a slice use `GPT.load_from_full(full_sd)` (or
+`load_state_dict(slice_state_dict(full_sd, ...))`).
+
+Tied embeddings: in a slice holding both the embedding and the head,
+`lm_head.weight` IS `wte.weight`. A slice holding the head but not the
+embedding owns its own `lm_head.weight`, a copy of `wte.weight`;
+`tied_parameter_names()` tells the runtime which local parameter belongs to
+the tied group so it can sum the group's gradients across stages.
+
+Split backward (zero-bubble I and W): every Linear in the blocks and the head
+is a SplitLinear. Inside `with defer_weight_grads() as pending:` a backward
+computes input gradients only and appends to `pending` one closure per linear
+that later computes and accumulates that linear's weight/bias gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from pipegpt.config import ConfigError, ModelConfig
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+TIED_NAME = "wte.weight"  # the one-process name of the tied embedding/head weight
+
+# ---------------------------------------------------------------------------
+# Deferred weight gradients
+# ---------------------------------------------------------------------------
+# A module-level stack, deliberately NOT thread-local: the autograd engine runs
+# CUDA (and other accelerator) backward functions on its own per-device worker
+# threads, which would not see a thread-local set by the caller. The list is
+# also not captured on ctx at forward time: whether to defer is decided by the
+# backward call (an I action), and with recomputation the forward runs again
+# later anyway. One process drives one backward at a time, so a global is safe.
+_DEFER_STACK: list[list] = []
+
+
+@contextlib.contextmanager
+def defer_weight_grads():
+    """Backward passes inside this context compute input grads only; yields the
+    list of closures that compute and accumulate the weight/bias grads (W)."""
+    pending: list = []
+    _DEFER_STACK.append(pending)
+    try:
+        yield pending
+    finally:
+        # by identity: list.remove compares by ==, and two empty lists are equal
+        del _DEFER_STACK[next(i for i, p in enumerate(_DEFER_STACK) if p is pending)]
+
+
+def _weight_grads(grad_out, x, need_w: bool, need_b: bool):
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    gw = g2.t().matmul(x.reshape(-1, x.shape[-1])) if need_w else None
+    gb = g2.sum(0) if need_b else None
+    return gw, gb
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+@torch.no_grad()
+def _deferred_w(grad_out, x, weight, bias) -> None:
+    gw, gb = _weight_grads(grad_out, x, weight is not None, bias is not None)
+    if weight is not None:
+        _accumulate(weight, gw)
+    if bias is not None:
+        _accumulate(bias, gb)
+
+
+def _autocast_dtype(x: torch.Tensor):
+    try:
+        if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+    except (TypeError, AttributeError):  # torch < 2.4: no per-device autocast query
+        pass
+    return None
+
+
+class _SplitLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        dtype = _autocast_dtype(x)
+        xc, wc, bc = x, weight, bias
+        if dtype is not None:  # do autocast's cast ourselves so backward sees matching dtypes
+            xc, wc = x.to(dtype), weight.to(dtype)
+            bc = None if bias is None else bias.to(dtype)
+        ctx.save_for_backward(xc, wc)
+        ctx.params = (weight, bias)  # the leaf Parameters themselves, for deferred accumulation
+        return F.linear(xc, wc, bc)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w = ctx.saved_tensors  # unpack once: checkpoint allows a single unpack
+        weight, bias = ctx.params
+        grad_x = grad_out.matmul(w) if ctx.needs_input_grad[0] else None
+        need_w = ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        if (need_w or need_b) and _DEFER_STACK:
+            _DEFER_STACK[-1].append(functools.partial(
+                _deferred_w, grad_out, x, weight if need_w else None, bias if need_b else None))
+            return grad_x, None, None
+        gw, gb = _weight_grads(grad_out, x, need_w, need_b)
+        return grad_x, gw, gb
+
+
+class SplitLinear(nn.Linear):
+    """nn.Linear whose weight gradient can be deferred (see defer_weight_grads)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SplitLinearFn.apply(x, self.weight, self.bias)
+
+
+# ---------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------
+def _causal_sdpa(q, k, v, dropout_p: float):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, selective: bool):
+        super().__init__()
+        self.n_head, self.dropout, self.selective = config.n_head, config.dropout, selective
+        self.qkv = SplitLinear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = SplitLinear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.qkv(x).split(C, dim=2))
+        p = self.dropout if self.training else 0.0
+        if self.selective and torch.is_grad_enabled():
+            y = checkpoint(_causal_sdpa, q, k, v, p, use_reentrant=False)
+        else:
+            y = _causal_sdpa(q, k, v, p)
+        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc = SplitLinear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = SplitLinear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, selective: bool = False):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, selective)
+        self.ln2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def slice_state_dict(full_state_dict: dict, layers: range, embed: bool, head: bool, tie: bool) -> dict:
+    """The entries of a full model's state dict that the slice (layers, embed, head) holds,
+    under their one-process names. With tying, `lm_head.weight` comes from `wte.weight`."""
+    prefixes = tuple(f"blocks.{i}." for i in layers)
+    out = {k: v for k, v in full_state_dict.items() if k.startswith(prefixes)}
+    if embed:
+        out.update({k: full_state_dict[k] for k in ("wte.weight", "wpe.weight")})
+    if head:
+        out.update({k: v for k, v in full_state_dict.items() if k.startswith("ln_f.")})
+        out["lm_head.weight"] = full_state_dict[TIED_NAME if tie else "lm_head.weight"]
+    return out
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig, layers: range | None = None, embed: bool = True,
+                 head: bool = True, recompute: str = "none", init_seed: int | None = None):
+        super().__init__()
+        if init_seed is None:  # drawn first: deterministic given torch.manual_seed, same for every slice
+            init_seed = int(torch.randint(0, 2**62, (1,)).item())
+        config.validate()
+        layers = range(config.n_layer) if layers is None else layers
+        if not (isinstance(layers, range) and layers.step == 1 and 0 <= layers.start <= layers.stop <= config.n_layer):
+            raise ConfigError(f"layers={layers!r} must be a range(start, stop) with "
+                              f"0 <= start <= stop <= n_layer={config.n_layer}")
+        if not (len(layers) or embed or head):
+            raise ConfigError("a model slice must hold at least one block, the embedding or the head")
+        if recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"recompute={recompute!r} is not valid: use one of {', '.join(RECOMPUTE_MODES)}")
+        self.config, self.layers, self.embed, self.head, self.recompute = config, layers, embed, head, recompute
+        V, C = config.padded_vocab_size, config.n_embd
+        if embed:
+            self.wte = nn.Embedding(V, C)
+            self.wpe = nn.Embedding(config.seq_len, C)
+            self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(config, recompute == "selective") for i in layers})
+        if head:
+            self.ln_f = nn.LayerNorm(C, bias=config.bias)
+            self.lm_head = SplitLinear(C, V, bias=False)
+            if embed and config.tie_embeddings:
+                self.lm_head.weight = self.wte.weight
+        self.init_weights(init_seed)
+
+    def tied_parameter_names(self) -> dict[str, str]:
+        """{local name: one-process name} of this slice's parameters in the tied group whose
+        copies live on other slices (their grads must be summed across those slices before the
+        optimizer step). Empty when untied or when this slice holds both embedding and head."""
+        if not self.config.tie_embeddings or self.embed == self.head:
+            return {}
+        return {"wte.weight": TIED_NAME} if self.embed else {"lm_head.weight": TIED_NAME}
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 init; each parameter from a generator seeded by (seed, one-process name)."""
+        tied = self.tied_parameter_names()
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            if ".ln" in "." + name:  # LayerNorm: ln1, ln2, ln_f
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+                continue
+            if name.endswith("bias"):
+                p.zero_()
+                continue
+            std = resid_std if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else 0.02
+            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(tied.get(name, name).encode())) % 2**63)
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
+
+    def load_from_full(self, full_state_dict: dict, strict: bool = True):
+        """Load this slice's entries of a full model's state dict (see slice_state_dict)."""
+        sd = slice_state_dict(full_state_dict, self.layers, self.embed, self.head, self.config.tie_embeddings)
+        return self.load_state_dict(sd, strict=strict)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.embed:
+            T = x.size(1)
+            if T > self.config.seq_len:
+                raise ValueError(f"sequence length {T} exceeds seq_len={self.config.seq_len}")
+            pos = torch.arange(T, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks.values():
+            if self.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if not self.head:
+            return x
+        logits = self.lm_head(self.ln_f(x))
+        V = self.config.vocab_size
+        if logits.size(-1) != V:  # padded rows are never predicted
+            logits = logits[..., :V]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
+
+
+def build_reference_model(config: ModelConfig, seed: int, recompute: str = "none") -> GPT:
+    """The whole model in one process: the correctness oracle. Seeds torch (dropout) too;
+    GPT(config, layers=..., init_seed=seed) slices get exactly the same initial values."""
+    torch.manual_seed(seed)
+    return GPT(config, recompute=recompute, init_seed=seed)

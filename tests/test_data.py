@@ -1,0 +1,111 @@
+"""Built-in corpus, tokenizers, token files and the deterministic batch sampler."""
+import numpy as np
+import pytest
+import torch
+
+from pipegpt.data import (BatchSampler, ByteTokenizer, DataError, builtin_text, builtin_tokens, get_tokenizer,
+                          load_token_file, write_token_file)
+
+
+def test_builtin_corpus_is_python_help_topics():
+    from pydoc_data.topics import topics
+
+    text = builtin_text()
+    assert len(text) > 100_000
+    assert text.startswith(topics[sorted(topics)[0]])
+    assert text.endswith(topics[sorted(topics)[-1]])
+
+
+def test_byte_tokenizer_round_trip():
+    tok = get_tokenizer("bytes")
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 256
+    text = "def f(x):\n    return x → ∞ ünïcödé 🐍"
+    ids = tok.encode(text)
+    assert ids[:3] == [100, 101, 102] and all(0 <= i < 256 for i in ids)
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert tok.decode(np.asarray(ids, dtype=np.uint16)) == text
+
+
+def test_builtin_tokens_bytes():
+    tokens = builtin_tokens(get_tokenizer("bytes"))
+    assert tokens.dtype == np.uint16
+    assert tokens.tobytes() == np.frombuffer(builtin_text().encode(), np.uint8).astype(np.uint16).tobytes()
+    assert ByteTokenizer().decode(tokens[:200]) == builtin_text()[:200]
+
+
+def test_gpt2_tokenizer_works_or_says_why_in_one_line():
+    try:
+        tok = get_tokenizer("gpt2")
+    except DataError as e:  # offline: tiktoken cannot fetch its BPE file
+        assert "\n" not in str(e) and "network" in str(e) and "bytes" in str(e)
+        return
+    assert tok.vocab_size == 50257
+    assert tok.decode(tok.encode("Hello world")) == "Hello world"
+
+
+def test_unknown_tokenizer():
+    with pytest.raises(DataError, match="unknown tokenizer 'sentencepiece': use one of bytes, gpt2"):
+        get_tokenizer("sentencepiece")
+
+
+def test_token_file_round_trip(tmp_path):
+    path = tmp_path / "train.bin"
+    tokens = np.array([1, 2, 3, 65535, 0, 50256], dtype=np.uint16)
+    write_token_file(path, tokens)
+    assert path.stat().st_size == 12
+    loaded = load_token_file(path)
+    assert isinstance(loaded, np.memmap) and loaded.dtype == np.uint16
+    np.testing.assert_array_equal(loaded, tokens)
+
+
+def test_token_file_errors(tmp_path):
+    with pytest.raises(DataError, match="not found") as e:
+        load_token_file(tmp_path / "missing.bin")
+    assert "missing.bin" in str(e.value) and "\n" not in str(e.value)
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"abc")
+    with pytest.raises(DataError, match="3 bytes"):
+        load_token_file(odd)
+    with pytest.raises(DataError, match="uint16"):
+        write_token_file(tmp_path / "big.bin", [70000])
+
+
+def test_sampler_shapes_and_shift():
+    tokens = np.arange(1000, dtype=np.uint16)
+    s = BatchSampler(tokens, batch_size=4, seq_len=16, seed=0)
+    x, y = s.batch(0)
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    # windows of consecutive tokens, inside the array (the last target included)
+    assert torch.equal(x[:, 1:] - x[:, :-1], torch.ones(4, 15, dtype=torch.int64))
+    assert torch.equal(y, x + 1) and int(y.max()) <= 999
+
+
+def test_sampler_is_deterministic_per_seed_and_step():
+    tokens = builtin_tokens(ByteTokenizer())
+    a = BatchSampler(tokens, 8, 32, seed=3)
+    b = BatchSampler(tokens, 8, 32, seed=3)
+    first, second = a.next(), a.next()
+    assert a.step == 2
+    for got, want in zip(b.batch(1), second):  # any process, any order: same batch for step 1
+        assert torch.equal(got, want)
+    for got, want in zip(b.batch(0), first):
+        assert torch.equal(got, want)
+    assert not torch.equal(first[0], second[0])
+    assert not torch.equal(BatchSampler(tokens, 8, 32, seed=4).batch(0)[0], first[0])
+    x, y = first  # windows are real slices of the corpus
+    text = builtin_text().encode()
+    row = bytes(x[0].tolist())
+    start = text.find(row)
+    assert start >= 0 and text[start + 1:start + 33] == bytes(y[0].tolist())
+
+
+def test_sampler_on_memmap_and_edge_sizes(tmp_path):
+    path = tmp_path / "t.bin"
+    write_token_file(path, np.arange(17))
+    s = BatchSampler(load_token_file(path), batch_size=2, seq_len=16, seed=0)
+    x, y = next(iter(s))
+    assert torch.equal(x, torch.arange(16).expand(2, 16)) and torch.equal(y, x + 1)
+    with pytest.raises(DataError, match="too few"):
+        BatchSampler(np.arange(16), batch_size=2, seq_len=16, seed=0)
