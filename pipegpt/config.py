@@ -84,3 +84,57 @@ def model_config(preset: str, **overrides) -> ModelConfig:
             f"unknown model setting {', '.join(unknown)}: valid settings are {', '.join(sorted(fields))}"
         )
     return dataclasses.replace(MODEL_PRESETS[preset], **changes).validate()
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training job: model, layout (dp x pp x tp), schedule, optimisation, data."""
+
+    model: ModelConfig = ModelConfig()
+    stages: int = 4  # pipeline ranks (pp)
+    dp: int = 1
+    tp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 8
+    microbatch_size: int = 4
+    virtual_stages: int | None = None
+    layers_per_stage: tuple[int, ...] | None = None  # per model stage (rank x virtual stage)
+    recompute: str = "none"
+    steps: int = 50
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # 0 turns clipping off
+    seed: int = 1337
+    device: str = "auto"
+    tokenizer: str = "bytes"
+    data: str | None = None  # a flat uint16 token file; None means the built-in corpus
+    timeout_s: float = 60.0
+    threads_per_worker: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.stages * self.tp
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per step across all data-parallel replicas."""
+        return self.dp * self.microbatches * self.microbatch_size
+
+    def validate(self) -> "TrainConfig":
+        self.model.validate()
+        for name in ("stages", "dp", "tp", "microbatches", "microbatch_size", "steps"):
+            _check_positive_int(name, getattr(self, name))
+        if self.recompute not in ("none", "full", "selective"):
+            raise ConfigError(f"recompute={self.recompute!r} is not one of none, full, selective")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
+        for name in ("lr", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("grad_clip and weight_decay must be >= 0")
+        return self

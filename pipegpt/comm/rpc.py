@@ -1,0 +1,228 @@
+"""The actor control plane: a driver steers one worker actor per rank over torch.distributed.rpc.
+
+Only small control messages travel here (build, step, metrics, shutdown);
+activations and gradients go worker to worker over c10d (p2p.py).
+
+Two ways to get a cluster:
+  LocalCluster    the driver starts one process per rank on this machine, watches
+                  them, and brings everything down when one fails;
+  TorchrunCluster under torchrun every process is a worker and rank 0 also
+                  hosts the driver.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+
+POLL_S = 0.05
+HEARTBEAT_EVERY_S = 2.0
+
+
+class WorkerFailure(RuntimeError):
+    """A worker raised, died or stopped answering; names the rank and the cause."""
+
+    def __init__(self, rank: int, cause: str):
+        self.rank, self.cause = rank, cause
+        super().__init__(f"rank {rank} failed: {cause}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _rpc_options(init_method: str, timeout_s: float):
+    return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s, num_worker_threads=16)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker if the driver dies, so no orphan survives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size + 1,
+                 rpc_backend_options=_rpc_options(init_method, timeout_s))
+    rpc.shutdown()  # serve requests until the driver shuts everyone down
+
+
+def _ping() -> int:
+    return os.getpid()
+
+
+def _last_line(error: BaseException) -> str:
+    """The remote exception's own message and where it was raised, from the text RPC wraps it in."""
+    text = str(error).split("\nAt:\n")[0]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return type(error).__name__
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
+    where = f" (in {frames[-1][2]}, {os.path.basename(frames[-1][0])}:{frames[-1][1]})" if frames else ""
+    return lines[-1] + where
+
+
+class Cluster:
+    """Actors, one per rank, and a way to call them all and notice failures quickly."""
+
+    world_size: int
+    timeout_s: float
+
+    def spawn(self, cls: type, args_for_rank: Callable[[int], tuple]) -> None:
+        self.actors = [rpc.remote(f"worker{r}", cls, args=args_for_rank(r), timeout=self.timeout_s)
+                       for r in range(self.world_size)]
+
+    def call(self, method: str, *args, ranks=None, timeout_s: float | None = None) -> list[Any]:
+        """Call method on every actor (or the given ranks) and wait for all, failing fast."""
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        timeout = timeout_s or self.timeout_s
+        futures = {r: getattr(self.actors[r].rpc_async(timeout=timeout), method)(*args) for r in ranks}
+        settled = threading.Event()  # wakes the loop as soon as any answer arrives
+        for fut in futures.values():
+            fut.add_done_callback(lambda _: settled.set())
+        deadline = time.monotonic() + timeout
+        next_heartbeat = time.monotonic() + HEARTBEAT_EVERY_S
+        pings: dict[int, Any] = {}
+        while True:
+            self.check_alive()
+            for r, fut in futures.items():
+                if fut.done():
+                    try:
+                        fut.wait()
+                    except Exception as e:
+                        raise WorkerFailure(r, _last_line(e)) from None
+            if all(f.done() for f in futures.values()):
+                return [futures[r].wait() for r in ranks]
+            now = time.monotonic()
+            if now > deadline:
+                late = [r for r, f in futures.items() if not f.done()]
+                raise WorkerFailure(late[0], f"no answer to {method}() within {timeout:.0f}s (ranks {late} pending)")
+            if now > next_heartbeat:
+                # A rank that stops answering pings is stuck (or stopped), not merely busy:
+                # the RPC agent answers from its own threads while compute runs.
+                for r, ping in pings.items():
+                    if not ping.done():
+                        raise WorkerFailure(r, f"stopped answering (no heartbeat for {HEARTBEAT_EVERY_S:.0f}s)")
+                pings = {r: rpc.rpc_async(f"worker{r}", _ping, timeout=0) for r in ranks}
+                next_heartbeat = now + HEARTBEAT_EVERY_S
+            settled.wait(POLL_S)
+            settled.clear()
+
+    def check_alive(self) -> None:
+        pass
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class LocalCluster(Cluster):
+    """One worker process per rank on this machine; this process is the driver."""
+
+    def __init__(self, world_size: int, timeout_s: float, threads_per_worker: int, rpc_port: int | None = None):
+        self.world_size, self.timeout_s = world_size, timeout_s
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # keep RPC on loopback: one machine
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        init_method = f"tcp://127.0.0.1:{rpc_port or free_port()}"
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_local_worker_main, daemon=False, name=f"pipegpt-rank{r}",
+                                  args=(r, world_size, init_method, timeout_s, threads_per_worker))
+                      for r in range(world_size)]
+        self._closing = False
+        for p in self.procs:
+            p.start()
+        joined = threading.Event()
+        error: list[BaseException] = []
+
+        def join_rpc():
+            try:
+                rpc.init_rpc("driver", rank=world_size, world_size=world_size + 1,
+                             rpc_backend_options=_rpc_options(init_method, timeout_s))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                error.append(e)
+            joined.set()
+
+        threading.Thread(target=join_rpc, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not joined.wait(POLL_S):  # a worker that dies while starting must not leave us waiting
+            self.check_alive()
+            if time.monotonic() > deadline:
+                self.kill()
+                raise WorkerFailure(0, f"workers did not start within {timeout_s:.0f}s")
+        if error:
+            self.kill()
+            raise WorkerFailure(0, f"could not start the control plane: {_last_line(error[0])}")
+
+    def check_alive(self) -> None:
+        if self._closing:
+            return
+        for rank, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                code = p.exitcode
+                cause = (f"killed by signal {signal.Signals(-code).name}" if code < 0
+                         else f"process exited with code {code}")
+                self.kill()
+                raise WorkerFailure(rank, cause)
+
+    def kill(self) -> None:
+        """Bring every worker down now (they may be blocked in communication)."""
+        self._closing = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+    def close(self) -> None:
+        self._closing = True
+        try:
+            rpc.shutdown(graceful=True, timeout=min(self.timeout_s, 30))
+        finally:
+            for p in self.procs:
+                p.join(timeout=10)
+            self.kill()
+
+
+class TorchrunCluster(Cluster):
+    """Under torchrun: every process is a worker; rank 0 also runs the driver."""
+
+    def __init__(self, timeout_s: float):
+        self.world_size, self.timeout_s = int(os.environ["WORLD_SIZE"]), timeout_s
+        self.rank = int(os.environ["RANK"])
+        # torchrun's store owns MASTER_PORT (c10d uses it through env://); RPC takes the next port.
+        init_method = f"tcp://{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}"
+        rpc.init_rpc(f"worker{self.rank}", rank=self.rank, world_size=self.world_size,
+                     rpc_backend_options=_rpc_options(init_method, timeout_s))
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        rpc.shutdown(graceful=True)
+
+    def kill(self) -> None:
+        rpc.shutdown(graceful=False)

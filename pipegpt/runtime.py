@@ -1,0 +1,117 @@
+"""The runtime walks plan.ranks[rank] and dispatches each action to a Stage or to comm.
+
+It decides nothing about order: the lowered plan from pipegpt.schedule does.
+Each run of consecutive SEND/RECV actions is posted as one batch; receives are
+waited for before the next compute, sends only when their buffer is released.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pipegpt.comm.p2p import Message, PointToPoint
+from pipegpt.schedule.actions import Action, Kind, Plan
+from pipegpt.schedule.lowering import comm_batches
+from pipegpt.stages import Stage
+
+
+@dataclass
+class StepResult:
+    losses: list[float]  # per microbatch, on the rank holding the last stage
+    events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start_s, end_s)
+
+
+class PipelineRuntime:
+    def __init__(self, plan: Plan, rank: int, stages: dict[int, Stage], p2p: PointToPoint,
+                 pipeline_ranks: list[int], activation_shape: tuple[int, ...], dtype, device):
+        self.plan, self.rank, self.stages, self.p2p = plan, rank, stages, p2p
+        self.actions = plan.ranks[pipeline_ranks.index(rank)]
+        self.batch_end = dict(comm_batches(self.actions))
+        # Global rank that owns each stage in this rank's pipeline.
+        self.owner = [pipeline_ranks[r] for r in plan.stage_to_rank]
+        self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
+
+    def _tag(self, sender_stage: int, mb: int, backward: bool) -> int:
+        # Tags keep messages apart where the backend honours them (gloo); NCCL matches by
+        # order instead, which lowering guarantees is the same at both ends.
+        return (mb * self.plan.num_stages + sender_stage) * 2 + int(backward)
+
+    def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> StepResult:
+        """Run one training step's forward and backward; gradients accumulate in the stages' params."""
+        inbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to consume
+        outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to send
+        in_flight: list[tuple[Message, Action]] = []
+        events: list[tuple[str, float, float]] = []
+        clock, start = time.perf_counter, time.perf_counter()
+        i, actions = 0, self.actions
+        while i < len(actions):
+            t0 = clock() - start
+            end = self.batch_end.get(i)
+            if end is not None:
+                self._communicate(actions[i:end], inbox, outbox, in_flight)
+                t1 = clock() - start
+                events.extend((str(a), t0, t1) for a in actions[i:end])
+                i = end
+                continue
+            self._compute(actions[i], inputs, targets, inbox, outbox)
+            events.append((str(actions[i]), t0, clock() - start))
+            i += 1
+        for message, action in in_flight:
+            self.p2p.wait(message)
+        losses = [float(loss) for stage in self.stages.values() for loss in stage.pop_losses()]
+        return StepResult(losses, events)
+
+    def _compute(self, a: Action, inputs, targets, inbox, outbox) -> None:
+        stage, s, mb = self.stages[a.stage], a.stage, a.microbatch
+        if a.kind is Kind.F:
+            x = inputs[mb] if stage.is_first else inbox.pop((Kind.F, s, mb))
+            out = stage.forward(mb, x, targets[mb] if stage.is_last else None)
+            if not stage.is_last:
+                self._hand_over(Kind.F, s, s + 1, mb, out, inbox, outbox)
+        elif a.kind in (Kind.B, Kind.I):
+            grad = None if stage.is_last else inbox.pop((Kind.B, s, mb))
+            grad_input = stage.backward(mb, grad, split=a.kind is Kind.I)
+            if not stage.is_first:
+                self._hand_over(Kind.B, s, s - 1, mb, grad_input, inbox, outbox)
+        else:
+            stage.backward_weight(mb)
+
+    def _hand_over(self, kind: Kind, s: int, to: int, mb: int, tensor, inbox, outbox) -> None:
+        if self.owner[to] == self.rank:  # the next stage lives here too (V-shape turn)
+            inbox[(kind, to, mb)] = tensor
+        else:
+            outbox[(kind, s, mb)] = tensor
+
+    def _communicate(self, batch, inbox, outbox, in_flight) -> None:
+        sends, recvs = [], []
+        for a in batch:
+            s, mb = a.stage, a.microbatch
+            if a.kind is Kind.SEND_F:
+                sends.append((Message(outbox.pop((Kind.F, s, mb)), self.owner[s + 1], self._tag(s, mb, False), f"send {a}"), a))
+            elif a.kind is Kind.SEND_B:
+                sends.append((Message(outbox.pop((Kind.B, s, mb)), self.owner[s - 1], self._tag(s, mb, True), f"send {a}"), a))
+            else:
+                backward = a.kind is Kind.RECV_B
+                sender = s + 1 if backward else s - 1
+                buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                recvs.append(Message(buffer, self.owner[sender], self._tag(sender, mb, backward), f"receive {a}"))
+                inbox[(Kind.B if backward else Kind.F, s, mb)] = buffer
+        self.p2p.post([m for m, _ in sends], recvs)
+        for message in recvs:
+            self.p2p.wait(message)
+        in_flight.extend(sends)
+        self._release_sent(in_flight)
+
+    def _release_sent(self, in_flight: list) -> None:
+        """Free forward outputs whose sends have completed; backward keeps only their graph."""
+        still = []
+        for message, action in in_flight:
+            if self.p2p.done(message):
+                self.p2p.wait(message)  # surfaces a failed send
+                if action.kind is Kind.SEND_F:
+                    self.stages[action.stage].release_output(action.microbatch)
+            else:
+                still.append((message, action))
+        in_flight[:] = still

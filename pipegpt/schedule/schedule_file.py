@@ -1,0 +1,111 @@
+"""Schedule files: a plan written by hand (or by Plan.to_text) and read back.
+
+One line per rank, in rank order, of action strings separated by spaces or
+commas (so a CSV with a row per rank works too)::
+
+    # name: my-1f1b
+    # stages: 0 1 2 3          <- stage_to_rank: stage s lives on rank <s-th number>
+    0F0 0F1 0F2 0F3 0B0 ...
+    1F0 1F1 1F2 1B0 ...
+
+Blank lines and `#` comments are ignored, except the optional `# stages:`
+(or `# stage_to_rank:`) and `# name:` headers. Without `# stages:` each stage
+lives on the rank whose line uses it, which is stage s on rank s for
+1F1B-like files. The number of microbatches is the largest one used plus one.
+Files may be compute-only or lowered (with SEND/RECV); either way the plan is
+validated, so a dependency error names the rank, the step and the line.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from .actions import Action, Plan, ScheduleError
+from .validate import PlanError, validate
+
+_HEADER_RE = re.compile(r"^#\s*(stages|stage_to_rank|name)\s*:\s*(.*)$", re.IGNORECASE)
+_SPLIT_RE = re.compile(r"[\s,;]+")
+
+
+def load_schedule_file(path) -> Plan:
+    """Read and validate a schedule file; errors read "FILE:LINE: ..."."""
+    name = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise ScheduleError(f"{name}: cannot read schedule file: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ScheduleError(f"{name}: not a text file") from None
+    default_name = os.path.splitext(os.path.basename(name))[0]
+    return parse_schedule_text(text, source=name, default_name=default_name)
+
+
+def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str = "file") -> Plan:
+    """Parse schedule-file text (see the module docstring); source names it in errors."""
+    rows: list[list[Action]] = []
+    row_lines: list[int] = []
+    stage_to_rank: tuple[int, ...] | None = None
+    plan_name = default_name
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        header = _HEADER_RE.match(line)
+        if header:
+            key, value = header.group(1).lower(), header.group(2).split("#")[0].strip()
+            if key == "name":
+                plan_name = value or plan_name
+                continue
+            numbers = [t for t in _SPLIT_RE.split(value.strip("[]() ")) if t]
+            if not numbers or not all(t.isdigit() for t in numbers):
+                raise ScheduleError(f"{source}:{lineno}: bad '# {key}:' header {value!r} "
+                                    f"(expected the rank of each stage, e.g. '# stages: 0 1 2 3 3 2 1 0')")
+            stage_to_rank = tuple(int(t) for t in numbers)
+            continue
+        line = line.split("#", 1)[0]
+        tokens = [t for t in _SPLIT_RE.split(line) if t]
+        if not tokens:
+            continue
+        actions = []
+        for token in tokens:
+            try:
+                actions.append(Action.parse(token))
+            except ScheduleError:
+                raise ScheduleError(f"{source}:{lineno}: bad token {token!r} (expected <stage><kind><microbatch> "
+                                    f"such as 2F0, 1B3, 0W5 or 1SEND_B3)") from None
+        rows.append(actions)
+        row_lines.append(lineno)
+    if not rows:
+        raise ScheduleError(f"{source}: no actions (expected one line of actions per rank)")
+
+    if stage_to_rank is None:
+        owner: dict[int, int] = {}
+        for r, actions in enumerate(rows):
+            for a in actions:
+                owner.setdefault(a.stage, r)
+        missing = [s for s in range(max(owner) + 1) if s not in owner]
+        if missing:
+            raise ScheduleError(f"{source}: stage {missing[0]} has no actions; stages must be numbered 0.."
+                                f"{max(owner)} (or give '# stages: ...' with the rank of each stage)")
+        stage_to_rank = tuple(owner[s] for s in range(len(owner)))
+    if max(stage_to_rank) + 1 != len(rows):
+        raise ScheduleError(f"{source}: '# stages:' places stages on {max(stage_to_rank) + 1} ranks but the file "
+                            f"has {len(rows)} rank lines")
+    num_microbatches = 1 + max(a.microbatch for actions in rows for a in actions)
+    plan = Plan(plan_name, num_microbatches, stage_to_rank, tuple(map(tuple, rows)), meta={"source": source})
+    try:
+        return validate(plan)
+    except PlanError as e:
+        raise ScheduleError(f"{source}:{row_lines[e.rank]}: {e}") from None
+    except ScheduleError as e:
+        raise ScheduleError(f"{source}: {e}") from None
+
+
+def dump_schedule_text(plan: Plan) -> str:
+    """The schedule-file text of a plan, with name and stages headers (so V placements round-trip)."""
+    stages = " ".join(map(str, plan.stage_to_rank))
+    return f"# name: {plan.name}\n# stages: {stages}\n" + plan.to_text()
+
+
+def save_schedule_file(plan: Plan, path) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(dump_schedule_text(plan))

@@ -1,0 +1,74 @@
+"""A Stage runs forward and backward of one microbatch on one slice of the model.
+
+It keeps, per microbatch in flight, only what backward needs: the input
+(a leaf that collects the input gradient) and the output's autograd graph.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd import Variable
+
+from pipegpt.model import GPT, defer_weight_grads
+
+
+class Stage:
+    def __init__(self, index: int, num_stages: int, module: GPT, num_microbatches: int):
+        self.index, self.num_stages, self.module = index, num_stages, module
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.num_microbatches = num_microbatches
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pending_weight_grads: dict[int, list] = {}
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the output to pass on (detached), or on the last stage the microbatch loss."""
+        if not self.is_first:
+            x = x.detach().requires_grad_()
+        self.inputs[mb] = x
+        if self.is_last:
+            loss = self.module(x, targets)
+            self.losses.append(loss.detach())
+            # Microbatches are equal-sized, so the mean of their mean losses is the batch's mean loss.
+            self.outputs[mb] = loss / self.num_microbatches
+            return loss.detach()
+        out = self.module(x)
+        self.outputs[mb] = out
+        return out.detach()
+
+    def release_output(self, mb: int) -> None:
+        """Free the output's storage once it has been sent: backward needs only its graph.
+
+        Safe because every stage ends in a residual add, whose backward does not read its output.
+        """
+        out = self.outputs.get(mb)
+        if out is not None:
+            out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+
+    def backward(self, mb: int, grad_output: torch.Tensor | None, split: bool = False) -> torch.Tensor | None:
+        """Full backward (B), or with split=True only the input gradient (I), keeping W for later."""
+        out, x = self.outputs.pop(mb), self.inputs.pop(mb)
+        grads = (torch.ones_like(out),) if self.is_last else (grad_output,)
+        if split:
+            with defer_weight_grads() as pending:
+                _run_backward(out, grads)
+            self.pending_weight_grads[mb] = pending
+        else:
+            _run_backward(out, grads)
+        return None if self.is_first else x.grad
+
+    def backward_weight(self, mb: int) -> None:
+        for accumulate in self.pending_weight_grads.pop(mb):
+            accumulate()
+
+    def pop_losses(self) -> list[torch.Tensor]:
+        losses, self.losses = self.losses, []
+        return losses
+
+
+def _run_backward(out: torch.Tensor, grads) -> None:
+    # The engine call (as Megatron does) skips backward()'s shape check, which a
+    # released output (empty storage, intact graph) would fail.
+    Variable._execution_engine.run_backward(
+        (out,), grads, keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)

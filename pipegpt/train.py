@@ -1,0 +1,227 @@
+"""Data -> model slices -> plan -> runtime -> optimizer, on every worker; and the driver that steers them.
+
+Worker is the actor each rank runs. The driver (train()) talks to the workers
+over RPC, one control message per step; activations never pass through it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from pipegpt.comm.mesh import Grid, init_mesh
+from pipegpt.comm.p2p import PointToPoint
+from pipegpt.config import ConfigError, TrainConfig
+from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer, load_token_file
+from pipegpt.model import GPT
+from pipegpt.runtime import PipelineRuntime
+from pipegpt.schedule import Plan, ScheduleError, build_plan, lower, validate
+from pipegpt.stages import Stage, partition_layers
+
+
+def make_plan(cfg: TrainConfig) -> Plan:
+    try:
+        return validate(lower(build_plan(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual_stages)))
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
+
+
+def resolve_device(cfg: TrainConfig) -> str:
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world_size else "cpu"
+    return cfg.device
+
+
+def check(cfg: TrainConfig) -> Plan:
+    """Everything that can be refused before a worker starts; returns the plan."""
+    cfg.validate()
+    if cfg.tp != 1 or cfg.dp != 1:
+        raise ConfigError(f"dp={cfg.dp}, tp={cfg.tp}: only dp=1 and tp=1 are supported so far")
+    plan = make_plan(cfg)
+    partition_layers(cfg.model.n_layer, plan.num_stages, cfg.layers_per_stage)
+    if resolve_device(cfg) == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+        if have < local:
+            raise ConfigError(f"device=cuda needs one GPU per rank on this machine ({local}), "
+                              f"but {have} are visible: use --device cpu or fewer ranks")
+    return plan
+
+
+def _decays(name: str, p: torch.Tensor) -> bool:
+    return p.dim() >= 2  # matrices decay; biases, LayerNorm gains do not (as GPT-2 / nanoGPT)
+
+
+def make_optimizer(named_params: list[tuple[str, torch.Tensor]], cfg: TrainConfig) -> torch.optim.AdamW:
+    groups = [
+        {"params": [p for n, p in named_params if _decays(n, p)], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in named_params if not _decays(n, p)], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False)
+
+
+class Worker:
+    """The actor on one rank: owns its model stages, its optimizer and its runtime."""
+
+    def __init__(self, rank: int, cfg: TrainConfig, init_method: str):
+        self.rank = rank
+        self.device = torch.device(resolve_device(cfg))
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        plan = make_plan(cfg)
+        ends = (plan.stage_to_rank[0], plan.stage_to_rank[-1])
+        self.mesh = init_mesh(Grid(cfg.dp, cfg.stages, cfg.tp), rank, backend, init_method, cfg.timeout_s, ends)
+        self.p2p = PointToPoint(rank, cfg.timeout_s)
+        self.build(cfg)
+
+    def build(self, cfg: TrainConfig) -> dict:
+        """(Re)build model stages, optimizer and runtime for cfg on the existing process group."""
+        self.cfg = cfg
+        plan = self.plan = make_plan(cfg)
+        ranges = partition_layers(cfg.model.n_layer, plan.num_stages, cfg.layers_per_stage)
+        last = plan.num_stages - 1
+        self.stages: dict[int, Stage] = {}
+        for s in plan.stages_of(self.mesh.pp_index):
+            module = GPT(cfg.model, layers=ranges[s], embed=s == 0, head=s == last,
+                         recompute=cfg.recompute, init_seed=cfg.seed).to(self.device)
+            self.stages[s] = Stage(s, plan.num_stages, module, cfg.microbatches)
+        if 0 in self.stages and last in self.stages and last != 0 and cfg.model.tie_embeddings:
+            # Both ends of a V live here: share one tensor, so the gradient sums by itself.
+            self.stages[last].module.lm_head.weight = self.stages[0].module.wte.weight
+        self.named_params = self._unique_named_params()
+        self.optimizer = make_optimizer(self.named_params, cfg)
+        self.runtime = PipelineRuntime(
+            plan, self.rank, self.stages, self.p2p, self.mesh.grid.pipeline_ranks(self.rank),
+            (cfg.microbatch_size, cfg.model.seq_len, cfg.model.n_embd), torch.float32, self.device)
+        self.sampler = None
+        if 0 in self.stages or last in self.stages:
+            tokens = load_token_file(cfg.data) if cfg.data else builtin_tokens(get_tokenizer(cfg.tokenizer))
+            self.sampler = BatchSampler(tokens, cfg.batch_size, cfg.model.seq_len, cfg.seed)
+        return {"rank": self.rank, "stages": sorted(self.stages),
+                "parameters": sum(p.numel() for _, p in self.named_params)}
+
+    def _unique_named_params(self) -> list[tuple[str, torch.Tensor]]:
+        seen, named = set(), []
+        for stage in self.stages.values():
+            for name, p in stage.module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((name, p))
+        return named
+
+    def _tied_copies(self) -> list[torch.Tensor]:
+        """This rank's copy of the tied embedding, if the other copy lives on another rank."""
+        if self.mesh.group("embedding") is None:
+            return []
+        copies = []
+        for stage in self.stages.values():
+            for local in stage.module.tied_parameter_names():
+                copies.append(stage.module.get_parameter(local))
+        return copies
+
+    def step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        for _, p in self.named_params:
+            p.grad = None
+        inputs = targets = None
+        if self.sampler is not None:
+            x, y = self.sampler.batch(step)
+            lo = self.mesh.dp_index * cfg.microbatches * cfg.microbatch_size
+            x, y = x[lo:lo + cfg.microbatches * cfg.microbatch_size], y[lo:lo + cfg.microbatches * cfg.microbatch_size]
+            inputs = list(x.to(self.device).split(cfg.microbatch_size))
+            targets = list(y.to(self.device).split(cfg.microbatch_size))
+        result = self.runtime.step(inputs, targets)
+        for copy in self._tied_copies():
+            dist.all_reduce(copy.grad, group=self.mesh.group("embedding"))
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        return {"rank": self.rank, "losses": result.losses, "events": result.events,
+                "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0, "peak_memory": self._peak_memory()}
+
+    def _clip_gradients(self) -> float:
+        """Global gradient norm over the whole pipeline (each tied copy counted once), then clip."""
+        counted_twice = {id(p) for p in self._tied_copies()} if 0 not in self.stages else set()
+        grads = [p.grad for _, p in self.named_params if p.grad is not None and id(p) not in counted_twice]
+        local = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else \
+            torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.mesh.group("pp") is not None:
+            dist.all_reduce(local, group=self.mesh.group("pp"))
+        norm = float(local.sqrt())
+        if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
+            scale = self.cfg.grad_clip / (norm + 1e-6)
+            for _, p in self.named_params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def _peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad.detach().cpu().clone() for n, p in self.named_params if p.grad is not None}
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.named_params}
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    grad_norm: float
+    peak_memory_per_rank: list[int]
+
+
+def step_metrics(step: int, results: list[dict], cfg: TrainConfig, elapsed: float) -> StepMetrics:
+    losses = [loss for r in results for loss in r["losses"]]
+    tokens = cfg.batch_size * cfg.model.seq_len
+    return StepMetrics(step, sum(losses) / len(losses) if losses else math.nan, elapsed, tokens / elapsed,
+                       results[0]["grad_norm"], [r["peak_memory"] for r in results])
+
+
+def new_run_dir(root: str = "runs") -> Path:
+    path = Path(root) / time.strftime("%Y%m%d-%H%M%S")
+    suffix, candidate = 1, path
+    while candidate.exists():
+        suffix += 1
+        candidate = Path(f"{path}-{suffix}")
+    candidate.mkdir(parents=True)
+    return candidate
+
+
+def train(cfg: TrainConfig, cluster, run_dir: Path, on_step: Callable[[StepMetrics], None] = lambda m: None,
+          init_method: str = "") -> list[StepMetrics]:
+    """Drive cfg.steps training steps on an already-started cluster; writes metrics.jsonl."""
+    cluster.spawn(Worker, lambda r: (r, cfg, init_method))
+    history = []
+    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+    with open(run_dir / "metrics.jsonl", "a") as log:
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            results = cluster.call("step", step)
+            metrics = step_metrics(step, results, cfg, time.perf_counter() - t0)
+            log.write(json.dumps(asdict(metrics)) + "\n")
+            log.flush()
+            history.append(metrics)
+            on_step(metrics)
+    cluster.call("shutdown")
+    return history
