@@ -78,9 +78,10 @@ class Worker:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        plan = make_plan(cfg)
-        ends = (plan.stage_to_rank[0], plan.stage_to_rank[-1])
-        self.mesh = init_mesh(Grid(cfg.dp, cfg.stages, cfg.tp), rank, backend, init_method, cfg.timeout_s, ends)
+        # Every schedule puts the first stage on pipeline rank 0 and the last on rank 0 or pp-1,
+        # so this group serves any plan a later build() brings.
+        self.mesh = init_mesh(Grid(cfg.dp, cfg.stages, cfg.tp), rank, backend, init_method, cfg.timeout_s,
+                              embedding_pp_indices=(0, cfg.stages - 1))
         self.p2p = PointToPoint(rank, cfg.timeout_s)
         self.build(cfg)
 
@@ -95,7 +96,8 @@ class Worker:
             module = GPT(cfg.model, layers=ranges[s], embed=s == 0, head=s == last,
                          recompute=cfg.recompute, init_seed=cfg.seed).to(self.device)
             self.stages[s] = Stage(s, plan.num_stages, module, cfg.microbatches)
-        if 0 in self.stages and last in self.stages and last != 0 and cfg.model.tie_embeddings:
+        if plan.stage_to_rank[0] == plan.stage_to_rank[-1] and self.stages.keys() >= {0, last} \
+                and last != 0 and cfg.model.tie_embeddings:
             # Both ends of a V live here: share one tensor, so the gradient sums by itself.
             self.stages[last].module.lm_head.weight = self.stages[0].module.wte.weight
         self.named_params = self._unique_named_params()
@@ -121,8 +123,8 @@ class Worker:
 
     def _tied_copies(self) -> list[torch.Tensor]:
         """This rank's copy of the tied embedding, if the other copy lives on another rank."""
-        if self.mesh.group("embedding") is None:
-            return []
+        if self.plan.stage_to_rank[0] == self.plan.stage_to_rank[-1]:
+            return []  # both copies on one rank are one shared tensor (see build)
         copies = []
         for stage in self.stages.values():
             for local in stage.module.tied_parameter_names():

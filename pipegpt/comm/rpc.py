@@ -108,6 +108,7 @@ class Cluster:
         next_heartbeat = time.monotonic() + HEARTBEAT_EVERY_S
         pings: dict[int, Any] = {}
         while True:
+            settled.clear()
             self.check_alive()
             for r, fut in futures.items():
                 if fut.done():
@@ -130,7 +131,6 @@ class Cluster:
                 pings = {r: rpc.rpc_async(f"worker{r}", _ping, timeout=0) for r in ranks}
                 next_heartbeat = now + HEARTBEAT_EVERY_S
             settled.wait(POLL_S)
-            settled.clear()
 
     def check_alive(self) -> None:
         pass

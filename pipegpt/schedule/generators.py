@@ -146,15 +146,35 @@ def _greedy_zero_bubble(stage_to_rank: tuple[int, ...], m: int, limits: list[int
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Plan:
-    """ZB-H1: 1F1B with B split into I and W, W filling the bubbles.
+    """ZB-H1: 1F1B with B split into I and W; rank r keeps up to r W passes pending.
 
-    Each rank holds at most p live microbatches, so the peak (rank 0's) equals 1F1B's.
+    I is on the critical path and goes first; the deferred W fill the gaps the
+    next I would otherwise leave, which cuts the bubble to a third of 1F1B's at
+    F = I = W. Rank r holds p-r forwards plus r deferred W: p live microbatches,
+    1F1B's peak (rank 0's).
     """
     _check_positive(num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
-    stage_to_rank = tuple(range(p))
-    plan = _greedy_zero_bubble(stage_to_rank, m, [min(p, m)] * p)
-    return Plan("zb-h1", m, stage_to_rank, tuple(map(tuple, plan)))
+    ranks = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        acts = [F(r, i) for i in range(warmup)]
+        pending: deque[Action] = deque()
+
+        def backward(mb: int) -> None:
+            acts.append(I(r, mb))
+            pending.append(W(r, mb))
+            if len(pending) > r:
+                acts.append(pending.popleft())
+
+        for i in range(m - warmup):
+            acts.append(F(r, warmup + i))
+            backward(i)
+        for i in range(m - warmup, m):
+            backward(i)
+        acts += pending
+        ranks.append(tuple(acts))
+    return Plan("zb-h1", m, tuple(range(p)), tuple(ranks))
 
 
 def zbv(num_ranks: int, num_microbatches: int) -> Plan:

@@ -10,7 +10,7 @@ import json
 import math
 import os
 import shutil
-from xml.sax.saxutils import escape
+from html import escape  # not xml.sax.saxutils: it imports urllib (30 ms of start-up)
 
 from .actions import Kind, ScheduleError
 from .simulate import Event, Timeline
@@ -72,14 +72,14 @@ def _labeler(timeline: Timeline):
     return label, legend
 
 
-def _rank_suffixes(timeline: Timeline) -> list[str]:
+def _rank_summaries(timeline: Timeline) -> list[str]:
     busy, span = timeline.busy_per_rank, timeline.makespan
     live = timeline.peak_live_microbatches_per_rank
     peak_bytes = timeline.peak_activation_bytes_per_rank
     out = []
     for r in range(timeline.num_ranks):
         pct = 100 * float(busy[r] / span) if span else 0.0
-        text = f" busy {pct:5.1f}%  live {live[r]}"
+        text = f"busy {pct:5.1f}%  idle {_fmt(span - busy[r])}  peak live {live[r]}"
         if peak_bytes is not None:
             text += f" ({human_bytes(peak_bytes[r])})"
         out.append(text)
@@ -89,18 +89,17 @@ def _rank_suffixes(timeline: Timeline) -> list[str]:
 def ascii_gantt(timeline: Timeline, width: int | None = None) -> str:
     """One row per rank, time left to right, scaled to `width` columns.
 
-    Blocks start with their label (F3, B3, I3, W3) where it fits and are
-    filled with spaces; '.' is idle. Each row ends with the rank's busy share
-    and its peak of live microbatches (and bytes when known).
+    Blocks start with their label (F3, B3, I3, W3) where it fits (else just
+    the kind letter) and are filled with spaces; '.' is idle. Below the chart,
+    a line per rank gives its busy share, idle time and peak of live
+    microbatches (and bytes when known).
     """
     if width is None:
         width = min(200, max(60, shutil.get_terminal_size((100, 24)).columns))
     label, legend = _labeler(timeline)
     names = [f"r{r}" for r in range(timeline.num_ranks)]
     name_w = max(map(len, names), default=2)
-    suffixes = _rank_suffixes(timeline)
-    suffix_w = max(map(len, suffixes), default=0)
-    bar = max(10, width - (name_w + 2) - (suffix_w + 1))
+    bar = max(10, width - (name_w + 3))
     t0, span = timeline.start_time, timeline.makespan
     scale = bar / float(span) if span else 0.0
 
@@ -129,11 +128,11 @@ def ascii_gantt(timeline: Timeline, width: int | None = None) -> str:
             if len(text) > c1 - c0:  # never show a cut-off number: fall back to the kind letter
                 text = text.rstrip("0123456789")[-1]
             cells[c0:c1] = list(text.ljust(c1 - c0))
-        lines.append(f"{names[r]:<{name_w}} |{''.join(cells)}|{suffixes[r]}")
-    end = _fmt(span)
-    lines.append(" " * (name_w + 1) + "0" + end.rjust(bar + 1))
-    if legend:
-        lines.append(legend + "; '.' idle")
+        lines.append(f"{names[r]:<{name_w}} |{''.join(cells)}|")
+    lines.append(" " * (name_w + 1) + "0" + _fmt(span).rjust(bar + 1))
+    lines.append((legend + "; " if legend else "") + "'.' idle")
+    for name, text in zip(names, _rank_summaries(timeline)):
+        lines.append(f"{name:<{name_w}}  {text}")
     return "\n".join(lines) + "\n"
 
 
@@ -153,8 +152,8 @@ def to_svg(timeline: Timeline) -> str:
     label, legend = _labeler(timeline)
     chunks = _chunks(timeline)
     plot_w, row_h, gap, left, top = 960, 26, 8, 56, 48
-    suffixes = _rank_suffixes(timeline)
-    right = 14 + 7 * max(map(len, suffixes), default=0)
+    suffixes = _rank_summaries(timeline)
+    right = 14 + 6 * max(map(len, suffixes), default=0)
     height = top + timeline.num_ranks * (row_h + gap) + 56
     width = left + plot_w + right
     t0, span = timeline.start_time, float(timeline.makespan)

@@ -87,7 +87,13 @@ def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str
             raise ScheduleError(f"{source}: stage {missing[0]} has no actions; stages must be numbered 0.."
                                 f"{max(owner)} (or give '# stages: ...' with the rank of each stage)")
         stage_to_rank = tuple(owner[s] for s in range(len(owner)))
-    if max(stage_to_rank) + 1 != len(rows):
+        for r, actions in enumerate(rows):
+            other = next((a for a in actions if owner[a.stage] != r), None)
+            if other is not None:
+                raise ScheduleError(f"{source}:{row_lines[r]}: {other} is on rank {r}, but stage {other.stage} is "
+                                    f"already on rank {owner[other.stage]} (line {row_lines[owner[other.stage]]}); "
+                                    f"a stage lives on one rank")
+    elif max(stage_to_rank) + 1 != len(rows):
         raise ScheduleError(f"{source}: '# stages:' places stages on {max(stage_to_rank) + 1} ranks but the file "
                             f"has {len(rows)} rank lines")
     num_microbatches = 1 + max(a.microbatch for actions in rows for a in actions)

@@ -13,6 +13,7 @@ import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from numbers import Real
 
 from .actions import Action, Kind, Plan, ScheduleError
@@ -21,6 +22,7 @@ from .validate import dependencies, validate
 # Keys accepted by Costs.parse / Costs.from_json (lower case) and the field each fills.
 _KEYS = {"f": "forward", "b": "backward", "w": "weight", "comm": "comm",
          "act_bytes": "activation_bytes", "activation_bytes": "activation_bytes"}
+_SHOWN = {"forward": "F", "backward": "B", "weight": "W", "comm": "comm", "activation_bytes": "act_bytes"}
 _VALID_KEYS = "F, B, W, comm, act_bytes"
 
 
@@ -49,14 +51,19 @@ class Costs:
     activation_bytes: tuple | None = None
 
     def __post_init__(self):
+        for name in ("forward", "backward", "weight", "activation_bytes"):  # lists welcome; stored as tuples
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
         n = len(self.forward)
         if n < 1:
             raise ScheduleError("costs: need at least one stage")
-        for name in ("backward", "weight") + (("activation_bytes",) if self.activation_bytes is not None else ()):
+        optional = ("activation_bytes",) if self.activation_bytes is not None else ()
+        for name in ("backward", "weight") + optional:
             if len(getattr(self, name)) != n:
                 raise ScheduleError(f"costs: {name} has {len(getattr(self, name))} values but forward has {n}; "
                                     f"give one per stage")
-        for name in ("forward", "backward", "weight") + (("activation_bytes",) if self.activation_bytes else ()):
+        for name in ("forward", "backward", "weight") + optional:
             for s, value in enumerate(getattr(self, name)):
                 _check_number(f"{name}[{s}]", value)
         _check_number("comm", self.comm)
@@ -118,7 +125,9 @@ class Costs:
             key = key.strip().lower()
             if not sep or not raw.strip():
                 raise ScheduleError(f"costs: {item.strip()!r} is not KEY=VALUE; write e.g. 'F=1,B=2,W=1,comm=0.1'")
-            values[key] = _parse_number(key, raw.strip())
+            if key in values:
+                raise ScheduleError(f"costs: {key!r} given twice in {text!r}")
+            values[key] = _parse_number(_SHOWN.get(_KEYS.get(key), key), raw.strip())
         return cls._from_mapping(values, num_stages)
 
     @classmethod
@@ -128,19 +137,13 @@ class Costs:
         Each of F, B, W, act_bytes is a number (every stage) or a list with one
         number per stage; comm is a number. E.g. {"F": [1.2, 1, 1, 1.5], "B": 2, "comm": 0.1}.
         """
-        if isinstance(source, (str, os.PathLike)):
-            try:
-                with open(source) as fh:
-                    data = json.load(fh)
-            except OSError as e:
-                raise ScheduleError(f"costs: cannot read {os.fspath(source)}: {e.strerror}") from None
-            except json.JSONDecodeError as e:
-                raise ScheduleError(f"costs: {os.fspath(source)} is not valid JSON ({e})") from None
-        else:
-            data = source
+        data = load_costs_json(source) if isinstance(source, (str, os.PathLike)) else source
         if not isinstance(data, dict):
             raise ScheduleError(f"costs: expected a JSON object with keys {_VALID_KEYS}, got {type(data).__name__}")
-        return cls._from_mapping({str(k).lower(): v for k, v in data.items()}, num_stages)
+        lowered = {str(k).lower(): v for k, v in data.items()}
+        if len(lowered) != len(data):
+            raise ScheduleError(f"costs: a key is given twice (keys are case-insensitive): {', '.join(map(str, data))}")
+        return cls._from_mapping(lowered, num_stages)
 
     @classmethod
     def _from_mapping(cls, values: dict, num_stages: int) -> "Costs":
@@ -149,20 +152,21 @@ class Costs:
             if key not in _KEYS:
                 raise ScheduleError(f"costs: unknown key {key!r}; valid keys: {_VALID_KEYS}")
             name = _KEYS[key]
+            shown = _SHOWN[name]
             if name in fields:
-                raise ScheduleError(f"costs: {key!r} given twice")
+                raise ScheduleError(f"costs: {shown} given twice")
             if isinstance(value, (list, tuple)):
                 if name == "comm":
                     raise ScheduleError(f"costs: comm must be one number (the latency of any message between ranks), "
                                         f"got a list")
                 if len(value) != num_stages:
-                    raise ScheduleError(f"costs: {key} has {len(value)} values but the plan has {num_stages} stages; "
+                    raise ScheduleError(f"costs: {shown} has {len(value)} values but the plan has {num_stages} stages; "
                                         f"give {num_stages} values or one number")
                 for s, x in enumerate(value):
-                    _check_number(f"{key}[{s}]", x)
+                    _check_number(f"{shown}[{s}]", x)
                 fields[name] = tuple(value)
             else:
-                _check_number(key, value)
+                _check_number(shown, value)
                 fields[name] = value if name == "comm" else (value,) * num_stages
         if num_stages < 1:
             raise ScheduleError(f"costs: num_stages={num_stages} must be at least 1")
@@ -170,6 +174,20 @@ class Costs:
         backward = fields.get("backward", (2.0,) * num_stages)
         weight = fields.get("weight", tuple(b / 2 for b in backward))
         return cls(forward, backward, weight, fields.get("comm", 0), fields.get("activation_bytes"))
+
+
+def load_costs_json(path) -> dict:
+    """The raw dict of a costs JSON file (Costs.from_json checks it)."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except OSError as e:
+        raise ScheduleError(f"costs: cannot read {os.fspath(path)}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ScheduleError(f"costs: {os.fspath(path)} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ScheduleError(f"costs: {os.fspath(path)} must hold a JSON object with keys {_VALID_KEYS}")
+    return data
 
 
 def _parse_number(key: str, raw: str) -> Real:
@@ -247,12 +265,12 @@ class Timeline:
         span = self.makespan
         if not span:
             return 0
-        return 1 - sum(self.busy_per_rank) / (self.num_ranks * span)
+        return 1 - _ratio(sum(self.busy_per_rank), self.num_ranks * span)
 
     @property
     def bubble_fraction_per_rank(self) -> list[Real]:
         span = self.makespan
-        return [1 - busy / span if span else 0 for busy in self.busy_per_rank]
+        return [1 - _ratio(busy, span) if span else 0 for busy in self.busy_per_rank]
 
     @property
     def idle_time(self) -> Real:
@@ -320,6 +338,11 @@ class Timeline:
         }
 
 
+def _ratio(a, b):
+    """a / b, exact (a Fraction) when both are integers."""
+    return Fraction(a, b) if isinstance(a, int) and isinstance(b, int) else a / b
+
+
 def _plain(x):
     return int(x) if x == int(x) else float(x)
 
@@ -332,7 +355,7 @@ def simulate(plan: Plan, costs: Costs) -> Timeline:
     and every dependency (validate.dependencies) is available: at once on the
     same rank, costs.comm after it ended on another. The times are computed
     in dependency order, which gives exactly what an event-driven run gives.
-    Integer or Fraction costs give exact times.
+    Integer or Fraction costs give exact times (and an exact Fraction bubble).
     """
     validate(plan)  # an unrunnable plan fails here, naming the rank and step
     if costs.num_stages != plan.num_stages:

@@ -1,0 +1,278 @@
+"""The `pipegpt` command line.
+
+`pipegpt simulate` needs only the pure-Python schedule package, so this module
+must not import torch (or anything that does) at import time: torch-dependent
+modules are imported inside the commands that need them. Every user error
+(ScheduleError, ConfigError, a bad option) prints one `Error: ...` line on
+stderr and exits with status 2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from pipegpt.config import ConfigError
+from pipegpt.schedule.actions import ScheduleError
+
+USER_ERRORS = (ScheduleError, ConfigError)
+
+
+class _Main(click.Group):
+    """A click group whose user errors are one line on stderr, exit status 2, no traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help() if e.ctx else str(e))
+            sys.exit(0)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except click.ClickException as e:
+            _fail(e.format_message())
+        except USER_ERRORS as e:
+            _fail(str(e))
+        except BrokenPipeError:  # `pipegpt simulate ... | head`
+            sys.stderr.close()
+            sys.exit(1)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _fail(message: str):
+    click.echo("Error: " + " ".join(str(message).split()), err=True)
+    sys.exit(2)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Pipeline-parallel GPT training whose schedules are data."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# simulate
+
+def _costs_for(spec: str | None, plan):
+    """Costs for this plan from --costs text or a .json path.
+
+    Numbers are for one rank's share of the model (a 1F1B stage): a plan with
+    v stages per rank (interleaved, zbv, dualpipev) runs each stage at 1/v of
+    them, so every schedule does the same total work and makespans compare.
+    Per-stage lists (JSON) are taken as they are, one value per stage of the plan.
+    """
+    from fractions import Fraction
+
+    from pipegpt.schedule.simulate import Costs
+
+    factor = Fraction(plan.num_ranks, plan.num_stages)
+    factor = 1 if factor == 1 else float(factor)
+    spec = spec or ""
+    if spec.lower().endswith(".json") or (spec and os.path.isfile(spec)):
+        from pipegpt.schedule.simulate import load_costs_json
+
+        data = load_costs_json(spec)
+        scaled = {k: (v if isinstance(v, list) or str(k).lower() == "comm" or isinstance(v, bool)
+                      or not isinstance(v, (int, float)) else v * factor)
+                  for k, v in data.items()}
+        return Costs.from_json(scaled, plan.num_stages)
+    costs = Costs.parse(spec, plan.num_stages)
+    return costs if factor == 1 else costs.scaled(factor)
+
+
+def _split_names(schedule: str) -> list[str]:
+    from pipegpt.schedule.generators import SCHEDULES
+
+    if schedule.strip().lower() == "all":
+        return list(SCHEDULES)
+    names = [n.strip() for n in schedule.split(",") if n.strip()]
+    if not names:
+        raise ScheduleError(f"--schedule is empty; known schedules: {', '.join(SCHEDULES)} (or 'all')")
+    for n in names:
+        if n not in SCHEDULES:
+            raise ScheduleError(f"unknown schedule {n!r}; known schedules: {', '.join(SCHEDULES)} (or 'all')")
+    return names
+
+
+def _out_path(out: str, name: str, several: bool) -> str:
+    if not several:
+        return out
+    stem, ext = os.path.splitext(out)
+    return f"{stem}.{name}{ext}"
+
+
+def _record(plan, timeline, costs) -> dict:
+    s = timeline.summary()
+    record = {
+        "schedule": plan.name,
+        "applies": True,
+        "stages": plan.num_ranks,
+        "microbatches": plan.num_microbatches,
+        "model_stages": plan.num_stages,
+        "stage_to_rank": list(plan.stage_to_rank),
+        "virtual_stages": plan.meta.get("virtual_stages", plan.num_stages // plan.num_ranks),
+        "costs": {k: (list(map(float, v)) if isinstance(v, list) else float(v)) for k, v in costs.as_dict().items()},
+    }
+    record.update({k: s[k] for k in ("makespan", "bubble_fraction", "bubble_fraction_per_rank", "busy_per_rank",
+                                     "peak_live_microbatches_per_rank", "peak_activation_bytes_per_rank")})
+    record["plan"] = plan.compute_only().as_strings()
+    return record
+
+
+def _summary_text(record: dict) -> str:
+    from pipegpt.schedule.render import human_bytes
+
+    pct = ", ".join(f"{100 * b:.1f}%" for b in record["bubble_fraction_per_rank"])
+    lines = [
+        f"schedule {record['schedule']}: {record['stages']} ranks, {record['model_stages']} stages, "
+        f"{record['microbatches']} microbatches",
+        f"makespan          {record['makespan']:g}",
+        f"bubble            {100 * record['bubble_fraction']:.1f}%  (per rank: {pct})",
+        "peak live         " + " ".join(map(str, record["peak_live_microbatches_per_rank"]))
+        + "  stage-microbatches per rank",
+    ]
+    if record["peak_activation_bytes_per_rank"] is not None:
+        lines.append("peak activations  " + ", ".join(human_bytes(b) for b in record["peak_activation_bytes_per_rank"]))
+    return "\n".join(lines)
+
+
+def _table(records: list[dict]) -> str:
+    from pipegpt.schedule.render import human_bytes
+
+    has_bytes = any(r.get("peak_activation_bytes_per_rank") for r in records)
+    head = ["schedule", "makespan", "bubble", "peak live max/min"] + (["peak bytes max"] if has_bytes else []) \
+        + ["applies"]
+    rows = []
+    for r in records:
+        if not r["applies"]:
+            rows.append([r["schedule"], "-", "-", "-"] + (["-"] if has_bytes else []) + ["no: " + r["reason"]])
+            continue
+        live = r["peak_live_microbatches_per_rank"]
+        row = [r["schedule"], f"{r['makespan']:g}", f"{100 * r['bubble_fraction']:.1f}%", f"{max(live)}/{min(live)}"]
+        if has_bytes:
+            pb = r["peak_activation_bytes_per_rank"]
+            row.append(human_bytes(max(pb)) if pb else "-")
+        rows.append(row + ["yes"])
+    widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head) - 1)]
+    out = []
+    for row in [head] + rows:
+        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        out.append("  ".join(cells + [row[-1]]).rstrip())
+    return "\n".join(out)
+
+
+@main.command()
+@click.option("--schedule", "-s", default=None, metavar="NAME",
+              help="Schedule name, a comma list, or 'all' to compare (default 1f1b).")
+@click.option("--stages", "-p", type=click.IntRange(min=1), default=None,
+              help="Pipeline ranks p (each holds one stage, or v for interleaved/V schedules).")
+@click.option("--microbatches", "-m", type=click.IntRange(min=1), default=None, help="Microbatches per step.")
+@click.option("--costs", "costs_spec", default=None, metavar="SPEC",
+              help="'F=1,B=2,W=1,comm=0.1' (act_bytes= too) or a .json file with per-stage lists. Numbers are "
+                   "per rank's share of the model: schedules with v stages per rank run each at 1/v. "
+                   "Default F=1,B=2,W=1,comm=0.")
+@click.option("--virtual-stages", "-v", type=click.IntRange(min=1), default=None,
+              help="Stages per rank for interleaved-1f1b (default 2).")
+@click.option("--schedule-file", type=click.Path(dir_okay=False), default=None,
+              help="Simulate a plan from a file (one line of actions per rank) instead of a generator.")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
+              help="Also write a picture: .svg, .html or .json (Chrome trace for Perfetto). With several "
+                   "schedules the name goes before the extension (out.1f1b.svg).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (a list with several schedules).")
+@click.option("--no-chart", is_flag=True, help="Leave out the ASCII chart.")
+@click.option("--width", type=click.IntRange(min=40), default=None, help="Chart width (default: the terminal's).")
+def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedule_file, out, as_json, no_chart,
+             width):
+    """Simulate pipeline schedules: ASCII chart, bubble %, makespan, peak live activations.
+
+    \b
+    pipegpt simulate --schedule 1f1b --stages 4 --microbatches 16
+    pipegpt simulate --schedule all -p 4 -m 16 --costs F=1,B=2,W=1,comm=0.1
+    pipegpt simulate --schedule-file my_plan.txt --out plan.html
+    """
+    from pipegpt.schedule import render
+    from pipegpt.schedule.generators import build_plan
+    from pipegpt.schedule.simulate import simulate as run_simulation
+
+    if out is not None:
+        ext = os.path.splitext(out)[1].lower()
+        if ext not in (".svg", ".html", ".htm", ".json"):
+            raise click.BadParameter(f"{out!r} must end in .svg, .html or .json", param_hint="--out")
+
+    if schedule_file is not None:
+        if schedule is not None:
+            raise click.UsageError("give either --schedule or --schedule-file, not both")
+        if virtual_stages is not None:
+            raise click.UsageError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
+        from pipegpt.schedule.schedule_file import load_schedule_file
+
+        plan = load_schedule_file(schedule_file)
+        for flag, given, actual in (("--stages", stages, plan.num_ranks),
+                                    ("--microbatches", microbatches, plan.num_microbatches)):
+            if given is not None and given != actual:
+                raise click.UsageError(f"{flag} {given} does not match {schedule_file}, which has {actual}; "
+                                       f"leave {flag} out")
+        jobs = [(plan.name, lambda plan=plan: plan)]
+    else:
+        if stages is None or microbatches is None:
+            raise click.UsageError("--stages and --microbatches are required (or give --schedule-file)")
+        names = _split_names(schedule or "1f1b")
+        several = len(names) > 1
+
+        def job(name):
+            v = virtual_stages if (name == "interleaved-1f1b" or not several) else None
+            return lambda: build_plan(name, stages, microbatches, v)
+
+        jobs = [(name, job(name)) for name in names]
+
+    several = len(jobs) > 1
+    records, timelines = [], []
+    for name, make in jobs:
+        try:
+            plan = make()
+            costs = _costs_for(costs_spec, plan)
+            timeline = run_simulation(plan, costs)
+        except USER_ERRORS as e:
+            if not several:
+                raise
+            records.append({"schedule": name, "applies": False, "reason": " ".join(str(e).split())})
+            timelines.append(None)
+            continue
+        records.append(_record(plan, timeline, costs))
+        timelines.append(timeline)
+
+    if out is not None:
+        for record, timeline in zip(records, timelines):
+            if timeline is not None:
+                path = _out_path(out, record["schedule"], several)
+                render.write(timeline, path)
+                click.echo(f"wrote {path}", err=True)
+
+    if as_json:
+        click.echo(json.dumps(records if several else records[0], indent=None))
+        return
+    if several:
+        click.echo(f"{stages} ranks, {microbatches} microbatches; costs {costs_spec or 'F=1,B=2,W=1,comm=0'} "
+                   f"per rank's share of the model (v stages per rank: 1/v each)")
+        click.echo(_table(records))
+        return
+    if not no_chart:
+        click.echo(render.ascii_gantt(timelines[0], width=width), nl=False)
+        click.echo()
+    click.echo(_summary_text(records[0]))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# run: RESERVED FOR THE LEAD. The `run` command (real training) goes here. It must import torch and every
+# torch-dependent module (pipegpt.model, pipegpt.runtime, pipegpt.train, ...) lazily, inside the command body,
+# so that `pipegpt simulate` keeps starting without torch. ConfigError raised inside it is already turned into a
+# one-line `Error: ...` with exit status 2 by _Main.
+# --------------------------------------------------------------------------------------------------------------
+
+
+if __name__ == "__main__":
+    main()

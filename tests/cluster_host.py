@@ -1,0 +1,83 @@
+"""Host a LocalCluster's driver in a child process, so one pytest process can use several clusters.
+
+torch.distributed.rpc can be initialised once per process; the oracle tests need
+clusters of 2 and 4 ranks. The child runs commands sent over a pipe.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+
+def _one_process_name(name: str, cfg) -> str:
+    # The last stage's copy of a tied embedding is the one-process wte.weight.
+    return "wte.weight" if name == "lm_head.weight" and cfg.model.tie_embeddings else name
+
+
+def _serve(conn, p: int, cfg) -> None:
+    from pipegpt.comm.rpc import LocalCluster, free_port
+    from pipegpt.train import Worker
+
+    cluster = None
+    try:
+        cluster = LocalCluster(p, timeout_s=60, threads_per_worker=1)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        cluster.spawn(Worker, lambda r: (r, cfg, init_method))
+        cluster.call("named_parameters")  # surfaces a failed construction here
+        conn.send(("ok", None))
+        while True:
+            command, args = conn.recv()
+            if command == "stop":
+                break
+            try:
+                conn.send(("ok", _run(cluster, *args)))
+            except Exception as e:  # report, keep serving the next case
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+        cluster.call("shutdown")
+        cluster.close()
+    except BaseException as e:
+        if cluster is not None:
+            cluster.kill()
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _run(cluster, cfg, steps: int):
+    """Loss and grads of step 0, and parameters after `steps` steps, by one-process name."""
+    cluster.call("build", cfg)
+    results = cluster.call("step", 0)
+    losses = [loss for r in results for loss in r["losses"]]
+    grads = [(_one_process_name(n, cfg), g) for d in cluster.call("named_grads") for n, g in d.items()]
+    for step in range(1, steps):
+        cluster.call("step", step)
+    params = [(_one_process_name(n, cfg), v) for d in cluster.call("named_parameters") for n, v in d.items()]
+    return sum(losses) / len(losses), grads, params
+
+
+class ClusterHost:
+    def __init__(self, p: int, cfg):
+        self.conn, child = mp.get_context("spawn").Pipe()
+        # Not a daemon: it starts the worker processes itself.
+        self.proc = mp.get_context("spawn").Process(target=_serve, args=(child, p, cfg))
+        self.proc.start()
+        self._answer(180)
+
+    def _answer(self, timeout: float):
+        waited = 0.0
+        while not self.conn.poll(1.0):
+            waited += 1.0
+            if not self.proc.is_alive() or waited > timeout:
+                self.proc.kill()
+                raise RuntimeError(f"cluster host {'died' if waited <= timeout else 'did not answer'}")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def run(self, cfg, steps: int):
+        self.conn.send(("run", (cfg, steps)))
+        return self._answer(300)
+
+    def close(self) -> None:
+        self.conn.send(("stop", None))
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
