@@ -267,11 +267,110 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
 
 
 # --------------------------------------------------------------------------------------------------------------
-# run: RESERVED FOR THE LEAD. The `run` command (real training) goes here. It must import torch and every
-# torch-dependent module (pipegpt.model, pipegpt.runtime, pipegpt.train, ...) lazily, inside the command body,
-# so that `pipegpt simulate` keeps starting without torch. ConfigError raised inside it is already turned into a
-# one-line `Error: ...` with exit status 2 by _Main.
-# --------------------------------------------------------------------------------------------------------------
+# run: torch and everything that needs it are imported inside the command, so `simulate` starts without them.
+
+def _int_list(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers such as 3,3,2,2") from None
+
+
+def _progress_line(m, steps: int) -> str:
+    done = (m.step + 1) * 20 // steps
+    return (f"step {m.step + 1:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}] loss {m.loss:.4f}  "
+            f"{m.step_time_s * 1000:7.1f} ms  {m.tokens_per_s:9,.0f} tok/s")
+
+
+@main.command()
+@click.option("--stages", "-p", default=4, show_default=True, help="Pipeline ranks (one worker process each).")
+@click.option("--microbatches", "-m", default=8, show_default=True, help="Microbatches per step.")
+@click.option("--microbatch-size", default=4, show_default=True, help="Sequences per microbatch.")
+@click.option("--schedule", "-s", default="1f1b", show_default=True, help="A schedule from `pipegpt simulate --schedule all`.")
+@click.option("--virtual-stages", "-v", type=int, default=None, help="Model chunks per rank (interleaved-1f1b).")
+@click.option("--layers-per-stage", default=None, help="Explicit split such as 3,3,2,2 (one entry per model stage).")
+@click.option("--recompute", type=click.Choice(["none", "full", "selective"]), default="none", show_default=True,
+              help="Activation recomputation: every block, or only the attention core.")
+@click.option("--steps", default=100, show_default=True)
+@click.option("--model", "preset", default="tiny", show_default=True, help="tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
+@click.option("--n-layer", type=int, default=None)
+@click.option("--n-embd", type=int, default=None)
+@click.option("--n-head", type=int, default=None)
+@click.option("--seq-len", type=int, default=None)
+@click.option("--vocab-size", type=int, default=None)
+@click.option("--pad-vocab", is_flag=True, help="Pad the vocabulary to a multiple of 64 (padded logits are never predicted).")
+@click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight instead of the token embedding.")
+@click.option("--lr", default=1e-3, show_default=True)
+@click.option("--weight-decay", default=0.1, show_default=True)
+@click.option("--grad-clip", default=1.0, show_default=True, help="Global gradient-norm clip (0: off).")
+@click.option("--seed", default=1337, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--tokenizer", type=click.Choice(["bytes", "gpt2"]), default="bytes", show_default=True)
+@click.option("--data", type=click.Path(), default=None, help="Flat uint16 token file (default: built-in corpus).")
+@click.option("--dp", default=1, show_default=True, help="Data-parallel replicas.")
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel ranks per stage.")
+@click.option("--run-dir", type=click.Path(), default=None, help="Where metrics.jsonl goes (default: runs/<time>).")
+@click.option("--port", type=int, default=None, help="Port for the workers' process group (default: a free one).")
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True,
+              help="Seconds any wait may take before the job is brought down.")
+@click.option("--threads-per-worker", type=int, default=None, help="Intra-op threads per worker (default: cores / ranks).")
+@click.option("--log-every", default=10, show_default=True, help="Print a line every N steps.")
+def run(stages, microbatches, microbatch_size, schedule, virtual_stages, layers_per_stage, recompute, steps, preset,
+        n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie_embeddings, lr, weight_decay, grad_clip,
+        seed, device, tokenizer, data, dp, tp, run_dir, port, timeout_s, threads_per_worker, log_every):
+    """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them)."""
+    import statistics
+    import warnings
+    from pathlib import Path
+
+    from pipegpt.config import TrainConfig, model_config
+
+    if tokenizer == "gpt2" and vocab_size is None:
+        vocab_size = 50257
+    model = model_config(preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq_len=seq_len,
+                         vocab_size=vocab_size, tie_embeddings=False if no_tie_embeddings else None,
+                         pad_vocab_to=64 if pad_vocab else None)
+    cfg = TrainConfig(model=model, stages=stages, dp=dp, tp=tp, schedule=schedule, microbatches=microbatches,
+                      microbatch_size=microbatch_size, virtual_stages=virtual_stages,
+                      layers_per_stage=_int_list(layers_per_stage), recompute=recompute, steps=steps, lr=lr,
+                      weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, device=device, tokenizer=tokenizer,
+                      data=data, timeout_s=timeout_s, threads_per_worker=threads_per_worker)
+    if data is not None and not os.path.isfile(data):
+        raise ConfigError(f"--data {data}: no such file (a flat uint16 token file; leave it out for the built-in corpus)")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    from pipegpt.comm.rpc import WorkerFailure
+    from pipegpt.train import check, new_run_dir, resolve_device, run_job, under_torchrun
+
+    check(cfg)  # refuse bad configurations before any process starts
+    out = Path(run_dir) if run_dir else new_run_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    if not under_torchrun() or os.environ.get("RANK") == "0":
+        click.echo(f"pipegpt: {model.n_layer}-layer GPT ({preset}), {cfg.world_size} workers on "
+                   f"{resolve_device(cfg)}, schedule {schedule}, {microbatches} microbatches x {microbatch_size} "
+                   f"sequences x {model.seq_len} tokens; run dir {out}")
+
+    def on_step(m):
+        if m.step == 0 or (m.step + 1) % log_every == 0 or m.step + 1 == steps:
+            click.echo(_progress_line(m, steps))
+
+    try:
+        history = run_job(cfg, out, port, on_step)
+    except WorkerFailure as e:
+        click.echo(f"Error: {e}; all workers stopped", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("Interrupted: all workers stopped", err=True)
+        sys.exit(130)
+    if not history:
+        return
+    timed = [m.step_time_s for m in history[1:]] or [history[0].step_time_s]  # step 0 includes warm-up
+    click.echo(f"done: loss {history[0].loss:.4f} -> {history[-1].loss:.4f} in {len(history)} steps; "
+               f"median step {statistics.median(timed) * 1000:.1f} ms, "
+               f"{statistics.median(m.tokens_per_s for m in history[1:] or history):,.0f} tok/s; "
+               f"peak memory per rank {', '.join(f'{b / 2**20:.0f} MiB' for b in history[-1].peak_memory_per_rank)}")
+    click.echo(f"metrics: {out / 'metrics.jsonl'}; last step's measured timeline: {out / 'trace.json'} (Perfetto)")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from pipegpt.stages import Stage
 @dataclass
 class StepResult:
     losses: list[float]  # per microbatch, on the rank holding the last stage
-    events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start_s, end_s)
+    # (action, start_s, end_s) on time.perf_counter(), which on Linux is one clock for every
+    # process of the machine, so ranks' events line up in one timeline.
+    events: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 class PipelineRuntime:
@@ -44,19 +46,19 @@ class PipelineRuntime:
         outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to send
         in_flight: list[tuple[Message, Action]] = []
         events: list[tuple[str, float, float]] = []
-        clock, start = time.perf_counter, time.perf_counter()
+        clock = time.perf_counter
         i, actions = 0, self.actions
         while i < len(actions):
-            t0 = clock() - start
+            t0 = clock()
             end = self.batch_end.get(i)
             if end is not None:
                 self._communicate(actions[i:end], inbox, outbox, in_flight)
-                t1 = clock() - start
+                t1 = clock()
                 events.extend((str(a), t0, t1) for a in actions[i:end])
                 i = end
                 continue
             self._compute(actions[i], inputs, targets, inbox, outbox)
-            events.append((str(actions[i]), t0, clock() - start))
+            events.append((str(actions[i]), t0, clock()))
             i += 1
         for message, action in in_flight:
             self.p2p.wait(message)

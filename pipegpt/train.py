@@ -109,8 +109,7 @@ class Worker:
         if 0 in self.stages or last in self.stages:
             tokens = load_token_file(cfg.data) if cfg.data else builtin_tokens(get_tokenizer(cfg.tokenizer))
             self.sampler = BatchSampler(tokens, cfg.batch_size, cfg.model.seq_len, cfg.seed)
-        return {"rank": self.rank, "stages": sorted(self.stages),
-                "parameters": sum(p.numel() for _, p in self.named_params)}
+        return self.describe()
 
     def _unique_named_params(self) -> list[tuple[str, torch.Tensor]]:
         seen, named = set(), []
@@ -172,6 +171,10 @@ class Worker:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
+    def describe(self) -> dict:
+        return {"rank": self.rank, "stages": sorted(self.stages), "device": str(self.device),
+                "parameters": sum(p.numel() for _, p in self.named_params)}
+
     def named_grads(self) -> dict[str, torch.Tensor]:
         return {n: p.grad.detach().cpu().clone() for n, p in self.named_params if p.grad is not None}
 
@@ -210,10 +213,12 @@ def new_run_dir(root: str = "runs") -> Path:
     return candidate
 
 
-def train(cfg: TrainConfig, cluster, run_dir: Path, on_step: Callable[[StepMetrics], None] = lambda m: None,
+def train(cfg: TrainConfig, cluster, run_dir: Path,
+          on_step: Callable[[StepMetrics, list[dict]], None] = lambda m, results: None,
           init_method: str = "") -> list[StepMetrics]:
     """Drive cfg.steps training steps on an already-started cluster; writes metrics.jsonl."""
     cluster.spawn(Worker, lambda r: (r, cfg, init_method))
+    cluster.call("describe")  # wait for every worker to be built, so step 0's time is a step's
     history = []
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     with open(run_dir / "metrics.jsonl", "a") as log:
@@ -224,6 +229,64 @@ def train(cfg: TrainConfig, cluster, run_dir: Path, on_step: Callable[[StepMetri
             log.write(json.dumps(asdict(metrics)) + "\n")
             log.flush()
             history.append(metrics)
-            on_step(metrics)
+            on_step(metrics, results)
     cluster.call("shutdown")
+    return history
+
+
+def measured_timeline(results: list[dict], plan: Plan):
+    """One step's recorded actions from every rank as the Timeline type the simulator produces."""
+    from pipegpt.schedule.actions import Action
+    from pipegpt.schedule.simulate import Event, Timeline
+
+    t0 = min((start for r in results for _, start, _ in r["events"]), default=0.0)
+    events = [Event(r["rank"], Action.parse(name), start - t0, end - t0)
+              for r in results for name, start, end in r["events"]]
+    return Timeline(events, len(results), schedule=plan.name, num_microbatches=plan.num_microbatches,
+                    stage_to_rank=plan.stage_to_rank, time_unit="s")
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ)
+
+
+def run_job(cfg: TrainConfig, run_dir: Path, port: int | None = None,
+            on_step: Callable[[StepMetrics], None] = lambda m: None) -> list[StepMetrics] | None:
+    """Start (or join, under torchrun) the workers, train, and write metrics and the last step's trace.
+
+    Returns the step metrics on the driver, None on the other torchrun ranks.
+    """
+    from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, free_port, port_is_free
+    from pipegpt.schedule.render import to_chrome_trace
+
+    plan = check(cfg)
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != cfg.world_size:
+            raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} processes but dp x pp x tp = "
+                              f"{cfg.dp} x {cfg.stages} x {cfg.tp} = {cfg.world_size}")
+        cluster, init_method = TorchrunCluster(cfg.timeout_s), "env://"
+        if not cluster.is_driver:
+            cluster.close()  # serve the driver's requests until it shuts everyone down
+            return None
+    else:
+        if port is not None and not port_is_free(port):
+            raise ConfigError(f"port {port} is in use: choose a free port or leave --port out")
+        threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
+        init_method = f"tcp://127.0.0.1:{port or free_port()}"
+        cluster = LocalCluster(cfg.world_size, cfg.timeout_s, threads)
+    last_results: list[dict] = []
+
+    def record(metrics: StepMetrics, results: list[dict]) -> None:
+        last_results[:] = results
+        on_step(metrics)
+
+    try:
+        history = train(cfg, cluster, run_dir, record, init_method)
+    except BaseException:
+        cluster.kill()
+        raise
+    cluster.close()
+    if last_results:
+        trace = to_chrome_trace(measured_timeline(last_results, plan))
+        (run_dir / "trace.json").write_text(json.dumps(trace))
     return history

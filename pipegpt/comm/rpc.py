@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -63,8 +64,14 @@ def _die_with_parent() -> None:
         pass
 
 
+def quiet_torch_warnings() -> None:
+    """Silence a deprecation warning gloo process groups trigger inside torch itself."""
+    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+
+
 def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int) -> None:
     _die_with_parent()
+    quiet_torch_warnings()
     torch.set_num_threads(threads)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size + 1,
                  rpc_backend_options=_rpc_options(init_method, timeout_s))
@@ -146,6 +153,8 @@ class LocalCluster(Cluster):
         self.world_size, self.timeout_s = world_size, timeout_s
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # keep RPC on loopback: one machine
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # TensorPipe logs every closed connection at shutdown as a warning; failures reach us anyway.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         init_method = f"tcp://127.0.0.1:{rpc_port or free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_local_worker_main, daemon=False, name=f"pipegpt-rank{r}",
