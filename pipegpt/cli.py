@@ -278,6 +278,15 @@ def _int_list(value: str | None) -> tuple[int, ...] | None:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers such as 3,3,2,2") from None
 
 
+def _exit_now(message: str, code: int):
+    """Exit without interpreter teardown: with workers killed mid-call, the RPC agent's
+    destructor can abort the process, turning a clean error into a crash."""
+    click.echo(message, err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _progress_line(m, steps: int) -> str:
     done = (m.step + 1) * 20 // steps
     return (f"step {m.step + 1:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}] loss {m.loss:.4f}  "
@@ -288,6 +297,8 @@ def _progress_line(m, steps: int) -> str:
 @click.option("--stages", "-p", default=4, show_default=True, help="Pipeline ranks (one worker process each).")
 @click.option("--microbatches", "-m", default=8, show_default=True, help="Microbatches per step.")
 @click.option("--microbatch-size", default=4, show_default=True, help="Sequences per microbatch.")
+@click.option("--batch-size", type=int, default=None,
+              help="Sequences per step in all (sets the microbatch size: batch / (dp x microbatches)).")
 @click.option("--schedule", "-s", default="1f1b", show_default=True, help="A schedule from `pipegpt simulate --schedule all`.")
 @click.option("--virtual-stages", "-v", type=int, default=None, help="Model chunks per rank (interleaved-1f1b).")
 @click.option("--layers-per-stage", default=None, help="Explicit split such as 3,3,2,2 (one entry per model stage).")
@@ -317,7 +328,7 @@ def _progress_line(m, steps: int) -> str:
               help="Seconds any wait may take before the job is brought down.")
 @click.option("--threads-per-worker", type=int, default=None, help="Intra-op threads per worker (default: cores / ranks).")
 @click.option("--log-every", default=10, show_default=True, help="Print a line every N steps.")
-def run(stages, microbatches, microbatch_size, schedule, virtual_stages, layers_per_stage, recompute, steps, preset,
+def run(stages, microbatches, microbatch_size, batch_size, schedule, virtual_stages, layers_per_stage, recompute, steps, preset,
         n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie_embeddings, lr, weight_decay, grad_clip,
         seed, device, tokenizer, data, dp, tp, run_dir, port, timeout_s, threads_per_worker, log_every):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them)."""
@@ -325,8 +336,18 @@ def run(stages, microbatches, microbatch_size, schedule, virtual_stages, layers_
     import warnings
     from pathlib import Path
 
+    # TensorPipe reports each connection a stopping job closes; failures reach us as WorkerFailure.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from pipegpt.config import TrainConfig, model_config
 
+    if batch_size is not None:
+        per_step = dp * microbatches
+        if batch_size < 1 or batch_size % per_step:
+            lo, hi = batch_size // per_step * per_step, (batch_size // per_step + 1) * per_step
+            raise ConfigError(f"batch-size={batch_size} does not split into dp x microbatches = {dp} x {microbatches} "
+                              f"equal microbatches: use a multiple of {per_step} such as {lo or hi}"
+                              + (f" or {hi}" if lo else ""))
+        microbatch_size = batch_size // per_step
     if tokenizer == "gpt2" and vocab_size is None:
         vocab_size = 50257
     model = model_config(preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq_len=seq_len,
@@ -358,11 +379,9 @@ def run(stages, microbatches, microbatch_size, schedule, virtual_stages, layers_
     try:
         history = run_job(cfg, out, port, on_step)
     except WorkerFailure as e:
-        click.echo(f"Error: {e}; all workers stopped", err=True)
-        sys.exit(1)
+        _exit_now(f"Error: {e}; all workers stopped", 1)
     except KeyboardInterrupt:
-        click.echo("Interrupted: all workers stopped", err=True)
-        sys.exit(130)
+        _exit_now("Interrupted: all workers stopped", 130)
     if not history:
         return
     timed = [m.step_time_s for m in history[1:]] or [history[0].step_time_s]  # step 0 includes warm-up

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import resource
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from pipegpt.comm.mesh import Grid, init_mesh
 from pipegpt.comm.p2p import PointToPoint
+from pipegpt.comm.rpc import reports_failures
 from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer, load_token_file
 from pipegpt.model import GPT
@@ -68,11 +70,41 @@ def make_optimizer(named_params: list[tuple[str, torch.Tensor]], cfg: TrainConfi
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False)
 
 
+FAULT_ENV = "PIPEGPT_FAULT"
+
+
+def planned_fault(rank: int) -> tuple[str, int] | None:
+    """PIPEGPT_FAULT=KIND:RANK:STEP makes RANK fail at STEP, to rehearse failure handling.
+
+    KIND is raise (an exception), exit (the process dies) or freeze (the process stops: SIGSTOP).
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    kind, fault_rank, step = spec.split(":")
+    return (kind, int(step)) if int(fault_rank) == rank else None
+
+
+def _fail_now(kind: str, rank: int, step: int) -> None:
+    if kind == "raise":
+        raise RuntimeError(f"fault injected by {FAULT_ENV} at step {step}")
+    if kind == "exit":
+        os._exit(13)
+    if kind == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    raise ValueError(f"{FAULT_ENV} kind {kind!r} is not one of raise, exit, freeze")
+
+
 class Worker:
     """The actor on one rank: owns its model stages, its optimizer and its runtime."""
 
     def __init__(self, rank: int, cfg: TrainConfig, init_method: str):
-        self.rank = rank
+        # Nothing here can fail: the work is in start(), whose failure the driver hears about.
+        self.rank, self.cfg, self.init_method = rank, cfg, init_method
+
+    @reports_failures
+    def start(self) -> dict:
+        rank, cfg, init_method = self.rank, self.cfg, self.init_method
         self.device = torch.device(resolve_device(cfg))
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -83,8 +115,10 @@ class Worker:
         self.mesh = init_mesh(Grid(cfg.dp, cfg.stages, cfg.tp), rank, backend, init_method, cfg.timeout_s,
                               embedding_pp_indices=(0, cfg.stages - 1))
         self.p2p = PointToPoint(rank, cfg.timeout_s)
-        self.build(cfg)
+        self.fault = planned_fault(rank)
+        return self.build(cfg)
 
+    @reports_failures
     def build(self, cfg: TrainConfig) -> dict:
         """(Re)build model stages, optimizer and runtime for cfg on the existing process group."""
         self.cfg = cfg
@@ -109,7 +143,7 @@ class Worker:
         if 0 in self.stages or last in self.stages:
             tokens = load_token_file(cfg.data) if cfg.data else builtin_tokens(get_tokenizer(cfg.tokenizer))
             self.sampler = BatchSampler(tokens, cfg.batch_size, cfg.model.seq_len, cfg.seed)
-        return self.describe()
+        return self.describe.__wrapped__(self)
 
     def _unique_named_params(self) -> list[tuple[str, torch.Tensor]]:
         seen, named = set(), []
@@ -130,7 +164,10 @@ class Worker:
                 copies.append(stage.module.get_parameter(local))
         return copies
 
+    @reports_failures
     def step(self, step: int) -> dict:
+        if self.fault and self.fault[1] == step:
+            _fail_now(self.fault[0], self.rank, step)
         t0 = time.perf_counter()
         cfg = self.cfg
         for _, p in self.named_params:
@@ -171,16 +208,20 @@ class Worker:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
+    @reports_failures
     def describe(self) -> dict:
         return {"rank": self.rank, "stages": sorted(self.stages), "device": str(self.device),
                 "parameters": sum(p.numel() for _, p in self.named_params)}
 
+    @reports_failures
     def named_grads(self) -> dict[str, torch.Tensor]:
         return {n: p.grad.detach().cpu().clone() for n, p in self.named_params if p.grad is not None}
 
+    @reports_failures
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().cpu().clone() for n, p in self.named_params}
 
+    @reports_failures
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -218,7 +259,7 @@ def train(cfg: TrainConfig, cluster, run_dir: Path,
           init_method: str = "") -> list[StepMetrics]:
     """Drive cfg.steps training steps on an already-started cluster; writes metrics.jsonl."""
     cluster.spawn(Worker, lambda r: (r, cfg, init_method))
-    cluster.call("describe")  # wait for every worker to be built, so step 0's time is a step's
+    cluster.call("start")  # every worker built before step 0 starts its clock
     history = []
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     with open(run_dir / "metrics.jsonl", "a") as log:

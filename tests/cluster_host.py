@@ -22,7 +22,7 @@ def _serve(conn, p: int, cfg) -> None:
         cluster = LocalCluster(p, timeout_s=60, threads_per_worker=1)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         cluster.spawn(Worker, lambda r: (r, cfg, init_method))
-        cluster.call("named_parameters")  # surfaces a failed construction here
+        cluster.call("start")
         conn.send(("ok", None))
         while True:
             command, args = conn.recv()

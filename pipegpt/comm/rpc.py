@@ -12,13 +12,16 @@ Two ways to get a cluster:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import signal
 import socket
 import threading
 import time
+import traceback
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -93,6 +96,27 @@ def _last_line(error: BaseException) -> str:
     return lines[-1] + where
 
 
+@dataclass
+class Failed:
+    """What an actor method returns instead of raising (RPC would print the remote traceback)."""
+
+    cause: str
+
+
+def reports_failures(method):
+    """Decorate actor methods: an exception becomes a Failed naming its type, message and place."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - every failure must reach the driver
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            return Failed(f"{type(e).__name__}: {e} (in {frame.name}, {os.path.basename(frame.filename)}:{frame.lineno})")
+
+    return wrapper
+
+
 class Cluster:
     """Actors, one per rank, and a way to call them all and notice failures quickly."""
 
@@ -120,9 +144,11 @@ class Cluster:
             for r, fut in futures.items():
                 if fut.done():
                     try:
-                        fut.wait()
+                        value = fut.wait()
                     except Exception as e:
                         raise WorkerFailure(r, _last_line(e)) from None
+                    if isinstance(value, Failed):
+                        raise WorkerFailure(r, value.cause)
             if all(f.done() for f in futures.values()):
                 return [futures[r].wait() for r in ranks]
             now = time.monotonic()
