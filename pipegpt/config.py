@@ -114,6 +114,7 @@ class TrainConfig:
     data: str | None = None  # a flat uint16 token file; None means the built-in corpus
     timeout_s: float = 60.0
     threads_per_worker: int | None = None
+    zero: int = 0  # 1: shard the optimizer state across data-parallel replicas (ZeRO stage 1)
 
     @property
     def world_size(self) -> int:
@@ -135,6 +136,8 @@ class TrainConfig:
         for name in ("lr", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.zero not in (0, 1):
+            raise ConfigError(f"zero={self.zero} is not supported: use 0 (off) or 1 (shard optimizer state)")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError("grad_clip and weight_decay must be >= 0")
         return self

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -25,12 +26,21 @@ class StepResult:
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
 
+def last_gradient_actions(actions) -> dict[int, int]:
+    """Per stage, the index of the action after which its weight gradients are complete (last B or W)."""
+    return {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+
+
 class PipelineRuntime:
     def __init__(self, plan: Plan, rank: int, stages: dict[int, Stage], p2p: PointToPoint,
-                 pipeline_ranks: list[int], activation_shape: tuple[int, ...], dtype, device):
+                 pipeline_ranks: list[int], activation_shape: tuple[int, ...], dtype, device,
+                 on_gradients_ready: Callable[[int], None] = lambda stage: None):
         self.plan, self.rank, self.stages, self.p2p = plan, rank, stages, p2p
         self.actions = plan.ranks[pipeline_ranks.index(rank)]
         self.batch_end = dict(comm_batches(self.actions))
+        # Data-parallel reduction of a stage's gradients can start while other stages still compute.
+        self.gradients_ready_after = {i: s for s, i in last_gradient_actions(self.actions).items()}
+        self.on_gradients_ready = on_gradients_ready
         # Global rank that owns each stage in this rank's pipeline.
         self.owner = [pipeline_ranks[r] for r in plan.stage_to_rank]
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
@@ -59,6 +69,8 @@ class PipelineRuntime:
                 continue
             self._compute(actions[i], inputs, targets, inbox, outbox)
             events.append((str(actions[i]), t0, clock()))
+            if i in self.gradients_ready_after:
+                self.on_gradients_ready(self.gradients_ready_after[i])
             i += 1
         for message, action in in_flight:
             self.p2p.wait(message)

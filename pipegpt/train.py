@@ -18,13 +18,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from pipegpt.comm.data_parallel import GradientAverager
 from pipegpt.comm.mesh import Grid, init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.comm.rpc import reports_failures
 from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer, load_token_file
 from pipegpt.model import GPT
-from pipegpt.runtime import PipelineRuntime
+from pipegpt.runtime import PipelineRuntime, last_gradient_actions
 from pipegpt.schedule import Plan, ScheduleError, build_plan, lower, validate
 from pipegpt.stages import Stage, partition_layers
 
@@ -45,8 +46,8 @@ def resolve_device(cfg: TrainConfig) -> str:
 def check(cfg: TrainConfig) -> Plan:
     """Everything that can be refused before a worker starts; returns the plan."""
     cfg.validate()
-    if cfg.tp != 1 or cfg.dp != 1:
-        raise ConfigError(f"dp={cfg.dp}, tp={cfg.tp}: only dp=1 and tp=1 are supported so far")
+    if cfg.tp != 1:
+        raise ConfigError(f"tp={cfg.tp}: tensor parallelism is not wired into the runtime yet; use --tp 1")
     plan = make_plan(cfg)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.layers_per_stage)
     if resolve_device(cfg) == "cuda":
@@ -62,11 +63,18 @@ def _decays(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2  # matrices decay; biases, LayerNorm gains do not (as GPT-2 / nanoGPT)
 
 
-def make_optimizer(named_params: list[tuple[str, torch.Tensor]], cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(named_params: list[tuple[str, torch.Tensor]], cfg: TrainConfig, dp_group=None):
+    """AdamW; with zero=1 and data parallelism, torch's ZeroRedundancyOptimizer shards its state across replicas."""
     groups = [
         {"params": [p for n, p in named_params if _decays(n, p)], "weight_decay": cfg.weight_decay},
         {"params": [p for n, p in named_params if not _decays(n, p)], "weight_decay": 0.0},
     ]
+    groups = [g for g in groups if g["params"]]
+    if cfg.zero and dp_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=dp_group,
+                                       lr=cfg.lr, betas=cfg.betas, foreach=False)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False)
 
 
@@ -135,10 +143,15 @@ class Worker:
             # Both ends of a V live here: share one tensor, so the gradient sums by itself.
             self.stages[last].module.lm_head.weight = self.stages[0].module.wte.weight
         self.named_params = self._unique_named_params()
-        self.optimizer = make_optimizer(self.named_params, cfg)
+        dp_group = self.mesh.group("dp")
+        self.optimizer = make_optimizer(self.named_params, cfg, dp_group)
+        self.averager = None
+        if dp_group is not None:
+            self.averager = GradientAverager(self._params_by_stage(plan), dp_group, self.rank, cfg.timeout_s)
         self.runtime = PipelineRuntime(
             plan, self.rank, self.stages, self.p2p, self.mesh.grid.pipeline_ranks(self.rank),
-            (cfg.microbatch_size, cfg.model.seq_len, cfg.model.n_embd), torch.float32, self.device)
+            (cfg.microbatch_size, cfg.model.seq_len, cfg.model.n_embd), torch.float32, self.device,
+            on_gradients_ready=self.averager.start if self.averager else lambda stage: None)
         self.sampler = None
         if 0 in self.stages or last in self.stages:
             tokens = load_token_file(cfg.data) if cfg.data else builtin_tokens(get_tokenizer(cfg.tokenizer))
@@ -153,6 +166,19 @@ class Worker:
                     seen.add(id(p))
                     named.append((name, p))
         return named
+
+    def _params_by_stage(self, plan: Plan) -> dict[int, list[torch.Tensor]]:
+        """Each parameter under the stage whose gradients complete last among those using it
+        (a tensor shared by two stages here, the V-shape's tied embedding, waits for both)."""
+        done_at = last_gradient_actions(plan.ranks[self.mesh.pp_index])
+        owner: dict[int, tuple[int, torch.Tensor]] = {}
+        for s in sorted(self.stages, key=lambda s: done_at[s]):
+            for p in self.stages[s].module.parameters():
+                owner[id(p)] = (s, p)
+        by_stage: dict[int, list[torch.Tensor]] = {s: [] for s in self.stages}
+        for s, p in owner.values():
+            by_stage[s].append(p)
+        return by_stage
 
     def _tied_copies(self) -> list[torch.Tensor]:
         """This rank's copy of the tied embedding, if the other copy lives on another rank."""
@@ -180,6 +206,8 @@ class Worker:
             inputs = list(x.to(self.device).split(cfg.microbatch_size))
             targets = list(y.to(self.device).split(cfg.microbatch_size))
         result = self.runtime.step(inputs, targets)
+        if self.averager:
+            self.averager.finish()
         for copy in self._tied_copies():
             dist.all_reduce(copy.grad, group=self.mesh.group("embedding"))
         grad_norm = self._clip_gradients()
@@ -210,8 +238,13 @@ class Worker:
 
     @reports_failures
     def describe(self) -> dict:
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO wraps this rank's shard
+        state_bytes = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+                          for t in state.values() if torch.is_tensor(t))
         return {"rank": self.rank, "stages": sorted(self.stages), "device": str(self.device),
-                "parameters": sum(p.numel() for _, p in self.named_params)}
+                "parameters": sum(p.numel() for _, p in self.named_params),
+                "parameter_bytes": sum(p.numel() * p.element_size() for _, p in self.named_params),
+                "optimizer_state_bytes": state_bytes}
 
     @reports_failures
     def named_grads(self) -> dict[str, torch.Tensor]:

@@ -13,13 +13,13 @@ def _one_process_name(name: str, cfg) -> str:
     return "wte.weight" if name == "lm_head.weight" and cfg.model.tie_embeddings else name
 
 
-def _serve(conn, p: int, cfg) -> None:
+def _serve(conn, cfg) -> None:
     from pipegpt.comm.rpc import LocalCluster, free_port
     from pipegpt.train import Worker
 
     cluster = None
     try:
-        cluster = LocalCluster(p, timeout_s=60, threads_per_worker=1)
+        cluster = LocalCluster(cfg.world_size, timeout_s=60, threads_per_worker=1)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         cluster.spawn(Worker, lambda r: (r, cfg, init_method))
         cluster.call("start")
@@ -53,10 +53,11 @@ def _run(cluster, cfg, steps: int):
 
 
 class ClusterHost:
-    def __init__(self, p: int, cfg):
+    def __init__(self, cfg):
+        """Workers for cfg's dp x pp x tp grid; later runs may change anything but the grid."""
         self.conn, child = mp.get_context("spawn").Pipe()
         # Not a daemon: it starts the worker processes itself.
-        self.proc = mp.get_context("spawn").Process(target=_serve, args=(child, p, cfg))
+        self.proc = mp.get_context("spawn").Process(target=_serve, args=(child, cfg))
         self.proc.start()
         self._answer(180)
 

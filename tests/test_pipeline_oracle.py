@@ -63,8 +63,9 @@ def _reference(cfg: TrainConfig, steps: int):
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         x, y = sampler.batch(step)
-        for xm, ym in zip(x.split(cfg.microbatch_size), y.split(cfg.microbatch_size)):
-            (model(xm, ym) / cfg.microbatches).backward()
+        chunks = list(zip(x.split(cfg.microbatch_size), y.split(cfg.microbatch_size)))  # dp x m of them
+        for xm, ym in chunks:
+            (model(xm, ym) / len(chunks)).backward()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         for n, p in named:
@@ -99,10 +100,10 @@ def assert_matches(cfg: TrainConfig, cluster, steps: int = 3) -> None:
 def workers():
     hosts = {}
 
-    def get(p: int) -> ClusterHost:
-        if p not in hosts:
-            hosts[p] = ClusterHost(p, base_config(p))
-        return hosts[p]
+    def get(p: int, dp: int = 1) -> ClusterHost:
+        if (dp, p) not in hosts:
+            hosts[(dp, p)] = ClusterHost(base_config(p, dp=dp))
+        return hosts[(dp, p)]
 
     yield get
     for host in hosts.values():
@@ -152,6 +153,15 @@ def test_four_stages_interleaved_uneven(workers):
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_four_stages(workers, schedule):
     assert_matches(base_config(4, schedule=schedule, microbatches=8), workers(4))
+
+
+@pytest.mark.parametrize("dp,p,schedule,zero,clip", [(2, 2, "1f1b", 0, 1.0), (2, 2, "1f1b", 0, 0.0),
+                                                      (2, 2, "zb-h1", 1, 1.0), (2, 1, "1f1b", 0, 1.0),
+                                                      (2, 2, "zbv", 0, 1.0)])
+def test_data_parallel_matches(workers, dp, p, schedule, zero, clip):
+    cfg = base_config(p, dp=dp, schedule=schedule, microbatches=2 * p, zero=zero, grad_clip=clip)
+    check(cfg)
+    assert_matches(cfg, workers(p, dp))
 
 
 # The full matrix, on demand: pytest -m slow

@@ -1,0 +1,529 @@
+"""pipegpt vs torch.distributed.pipelining vs the one-process model, measured side by side on CPU (gloo).
+
+    .venv/bin/python benchmarks/bench_pipeline.py                       # 2 stages, 1f1b, 8 x 4, tiny
+    .venv/bin/python benchmarks/bench_pipeline.py --stages 4 --microbatches 16
+    .venv/bin/python benchmarks/bench_pipeline.py --schedules gpipe,1f1b,interleaved-1f1b
+
+Contenders (each run is a fresh set of processes; contenders are interleaved across repeats, ABC ABC ABC):
+
+  pipegpt     `pipegpt run ... --device cpu --run-dir TMP` as a user runs it; per-step `step_time_s`,
+              `tokens_per_s` and `peak_memory_per_rank` read back from TMP/metrics.jsonl.
+  torch.pp    torch.distributed.pipelining with the same model: one pipegpt.model.GPT slice per stage
+              (pipegpt.stages.partition_layers split, same init seed, tied embedding synchronised the way
+              pipegpt does it), PipelineStage + the matching torch schedule, worker processes started with
+              torch.multiprocessing spawn, gloo, the same AdamW (pipegpt.train.make_optimizer), the same
+              global-norm gradient clip and the same threads per process (cores // ranks).
+  1-process   GPT(cfg) whole in one process, gradient accumulation over the same microbatches, same
+              optimizer and clip, torch.set_num_threads(cores).
+
+All three see exactly the same batches (pipegpt.data.BatchSampler, same seed) and start from exactly the
+same weights, so their losses must agree: the table prints the first and last step's loss as a check.
+
+This file is also its own worker: `bench_pipeline.py _run torch|single SPEC.json OUT.json` runs one contender
+once and writes its measurements (the parent never imports torch, so it takes no memory or CPU from them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a plain script from a checkout
+    sys.path.insert(0, str(REPO))
+
+# pipegpt schedule name -> torch.distributed.pipelining schedule class name (None: no counterpart).
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+    "zb-h1": None,  # torch has no one-stage-per-rank zero-bubble schedule (its ZB schedules are multi-stage)
+}
+MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Layout shared by every contender: which model stages exist and which rank holds them (same as pipegpt).
+
+def stage_layout(schedule: str, ranks: int, virtual_stages: int | None) -> tuple[int, list[int]]:
+    """(number of model stages, stage -> rank), exactly as pipegpt's generators place them."""
+    if schedule == "interleaved-1f1b":
+        v = virtual_stages or 2
+        return ranks * v, [s % ranks for s in range(ranks * v)]
+    if schedule in ("zbv", "dualpipev"):
+        return 2 * ranks, list(range(ranks)) + list(reversed(range(ranks)))
+    return ranks, list(range(ranks))
+
+
+def model_cfg(spec: dict):
+    from pipegpt.config import ModelConfig
+
+    return ModelConfig(**spec["model"])
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def sampler_for(spec: dict):
+    from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer
+
+    tokens = builtin_tokens(get_tokenizer("bytes"))
+    return BatchSampler(tokens, spec["microbatches"] * spec["microbatch_size"], spec["model"]["seq_len"], spec["seed"])
+
+
+def train_cfg(spec: dict):
+    from pipegpt.config import TrainConfig
+
+    return TrainConfig(model=model_cfg(spec), stages=spec["stages"], microbatches=spec["microbatches"],
+                       microbatch_size=spec["microbatch_size"], lr=spec["lr"], seed=spec["seed"])
+
+
+def clip_(named_params, counted_twice: set, grad_clip: float, group=None) -> float:
+    """pipegpt's global-norm clip (Worker._clip_gradients): fp64 sum of squares, all-reduced, then scale."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for _, p in named_params if p.grad is not None and id(p) not in counted_twice]
+    local = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(local, group=group)
+    norm = float(local.sqrt())
+    if grad_clip > 0 and norm > grad_clip:
+        scale = grad_clip / (norm + 1e-6)
+        for _, p in named_params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Contender 2: torch.distributed.pipelining
+
+def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed import pipelining
+
+    from pipegpt.model import GPT
+    from pipegpt.stages import partition_layers
+    from pipegpt.train import make_optimizer
+
+    torch.set_num_threads(spec["threads_per_worker"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cfg = model_cfg(spec)
+    num_stages, stage_to_rank = stage_layout(spec["schedule"], world, spec["virtual_stages"])
+    last = num_stages - 1
+    ranges = partition_layers(cfg.n_layer, num_stages)
+    mine = [s for s in range(num_stages) if stage_to_rank[s] == rank]
+    if spec["schedule"] in ("zbv", "dualpipev"):
+        mine = [rank, 2 * world - 1 - rank]  # torch's V schedules want the stages in this order
+    modules = {s: GPT(cfg, layers=ranges[s], embed=s == 0, head=s == last, init_seed=spec["seed"]) for s in mine}
+    tied_here = cfg.tie_embeddings and last != 0 and {0, last} <= set(mine)
+    if tied_here:  # both ends of a V on this rank: one shared tensor, as pipegpt does
+        modules[last].lm_head.weight = modules[0].wte.weight
+    # The tied embedding's two copies on different ranks: sum their grads (pipegpt's "embedding" group).
+    tie_ranks = sorted({stage_to_rank[0], stage_to_rank[last]})
+    tie_group = dist.new_group(tie_ranks) if cfg.tie_embeddings and len(tie_ranks) == 2 else None
+    tied_copies = []
+    if tie_group is not None:
+        for s in mine:
+            for local in modules[s].tied_parameter_names():
+                tied_copies.append(modules[s].get_parameter(local))
+    seen, named = set(), []
+    for s in mine:
+        for n, p in modules[s].named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((n, p))
+    counted_twice = {id(p) for p in tied_copies} if 0 not in mine else set()
+    optimizer = make_optimizer(named, train_cfg(spec))
+
+    m, V = spec["microbatches"], cfg.vocab_size
+
+    # The head slice returns logits (GPT.forward without targets); the loss is computed here, the same
+    # cross-entropy pipegpt computes inside GPT.forward. Divided by m with scale_grads=False, as pipegpt
+    # divides each microbatch's loss by m (scale_grads=True would also scale a V-shape's shared tied
+    # weight once per stage holding it, i.e. twice).
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1)) / m
+
+    device = torch.device("cpu")
+    stages = [pipelining.PipelineStage(modules[s], s, num_stages, device) for s in mine]
+    cls = getattr(pipelining, spec["torch_schedule"])
+    if cls.__name__ in MULTI_STAGE:
+        schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+
+    sampler = sampler_for(spec) if (0 in mine or last in mine) else None
+    step_times, losses = [], []
+    profile = None
+    if spec.get("cprofile") and rank == spec.get("cprofile_rank", 0):
+        import cProfile
+
+        profile = cProfile.Profile()
+    dist.barrier()
+    for step in range(spec["steps"]):
+        if profile is not None and step == spec["warmup"]:
+            profile.enable()
+        t0 = time.perf_counter()
+        for _, p in named:
+            p.grad = None
+        x = y = None
+        if sampler is not None:
+            x, y = sampler.batch(step)
+        step_losses: list = []
+        kwargs = {}
+        if last in mine:
+            kwargs = {"target": y, "losses": step_losses}
+        args = (x,) if 0 in mine else ()
+        schedule.step(*args, **kwargs)
+        for copy in tied_copies:
+            dist.all_reduce(copy.grad, group=tie_group)
+        clip_(named, counted_twice, spec["grad_clip"])
+        optimizer.step()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+        step_times.append(float(elapsed))
+        loss = torch.tensor([float(sum(float(v) for v in step_losses)) if last in mine else 0.0], dtype=torch.float64)
+        dist.all_reduce(loss)  # only the last stage's rank contributes
+        losses.append(float(loss))
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(spec["cprofile"])
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak_rss_bytes())
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"step_times": step_times, "losses": losses, "peak_memory_per_rank": peaks}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_torch(spec: dict, out_path: str) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_torch_worker, args=(spec["stages"], port, spec, out_path), nprocs=spec["stages"], join=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Contender 3: the whole model in one process
+
+def run_single(spec: dict, out_path: str) -> None:
+    import torch
+
+    from pipegpt.model import GPT
+    from pipegpt.train import make_optimizer
+
+    torch.set_num_threads(spec["cores"])
+    cfg = model_cfg(spec)
+    model = GPT(cfg, init_seed=spec["seed"])
+    named = list(model.named_parameters())  # named_parameters() yields the tied weight once
+    optimizer = make_optimizer(named, train_cfg(spec))
+    sampler = sampler_for(spec)
+    m, mbs = spec["microbatches"], spec["microbatch_size"]
+    step_times, losses = [], []
+    for step in range(spec["steps"]):
+        t0 = time.perf_counter()
+        for _, p in named:
+            p.grad = None
+        x, y = sampler.batch(step)
+        total = 0.0
+        for xm, ym in zip(x.split(mbs), y.split(mbs)):
+            loss = model(xm, ym)
+            (loss / m).backward()
+            total += float(loss.detach())
+        clip_(named, set(), spec["grad_clip"])
+        optimizer.step()
+        step_times.append(time.perf_counter() - t0)
+        losses.append(total / m)
+    Path(out_path).write_text(json.dumps({"step_times": step_times, "losses": losses,
+                                          "peak_memory_per_rank": [peak_rss_bytes()]}))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Contender 1: pipegpt as a user runs it
+
+def pipegpt_command(spec: dict, run_dir: str) -> list[str]:
+    exe = Path(sys.executable).parent / "pipegpt"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pipegpt"]
+    mdl = spec["model"]
+    cmd += ["run", "--stages", str(spec["stages"]), "--microbatches", str(spec["microbatches"]),
+            "--microbatch-size", str(spec["microbatch_size"]), "--schedule", spec["schedule"],
+            "--steps", str(spec["steps"]), "--model", spec["preset"],
+            "--n-layer", str(mdl["n_layer"]), "--n-embd", str(mdl["n_embd"]), "--n-head", str(mdl["n_head"]),
+            "--seq-len", str(mdl["seq_len"]), "--lr", str(spec["lr"]), "--grad-clip", str(spec["grad_clip"]),
+            "--seed", str(spec["seed"]), "--device", "cpu", "--run-dir", run_dir,
+            "--log-every", str(10 ** 6), "--threads-per-worker", str(spec["threads_per_worker"])]
+    if spec["schedule"] == "interleaved-1f1b" and spec["virtual_stages"]:
+        cmd += ["--virtual-stages", str(spec["virtual_stages"])]
+    return cmd
+
+
+def run_pipegpt(spec: dict, workdir: str, timeout: float) -> dict:
+    run_dir = os.path.join(workdir, "run")
+    cmd = pipegpt_command(spec, run_dir)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pipegpt run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+    rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
+    result = {"step_times": [r["step_time_s"] for r in rows], "losses": [r["loss"] for r in rows],
+              "peak_memory_per_rank": rows[-1]["peak_memory_per_rank"],
+              "tokens_per_s": [r["tokens_per_s"] for r in rows]}
+    if spec.get("keep_trace"):
+        shutil.copy(Path(run_dir, "trace.json"), spec["keep_trace"])
+    return result
+
+
+def run_contender(kind: str, spec: dict, timeout: float) -> dict:
+    workdir = tempfile.mkdtemp(prefix=f"bench-{kind}-")
+    try:
+        t0 = time.perf_counter()
+        if kind == "pipegpt":
+            result = run_pipegpt(spec, workdir, timeout)
+        else:
+            spec_path, out_path = os.path.join(workdir, "spec.json"), os.path.join(workdir, "out.json")
+            Path(spec_path).write_text(json.dumps(spec))
+            cmd = [sys.executable, str(Path(__file__).resolve()), "_run", kind, spec_path, out_path]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir)
+            if proc.returncode != 0 or not os.path.exists(out_path):
+                raise RuntimeError(f"{kind} contender failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+            result = json.loads(Path(out_path).read_text())
+        result["wall_s"] = time.perf_counter() - t0
+        return result
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The parent: configuration, interleaved repeats, the table
+
+def build_specs(args) -> tuple[dict, list[str]]:
+    from pipegpt.config import model_config
+
+    model = model_config(args.model, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                         seq_len=args.seq_len)
+    cores = args.cores or os.cpu_count() or 1
+    base = {
+        "preset": args.model, "model": {k: getattr(model, k) for k in model.__dataclass_fields__},
+        "stages": args.stages, "microbatches": args.microbatches, "microbatch_size": args.microbatch_size,
+        "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "grad_clip": args.grad_clip, "seed": args.seed,
+        "cores": cores, "threads_per_worker": args.threads_per_worker or max(1, cores // args.stages),
+        "virtual_stages": args.virtual_stages,
+    }
+    schedules = [s.strip() for s in (args.schedules or args.schedule).split(",") if s.strip()]
+    return base, schedules
+
+
+def check_schedule(base: dict, schedule: str) -> str | None:
+    """Why pipegpt would refuse this schedule here (None: it runs)."""
+    from pipegpt.config import ConfigError
+    from pipegpt.schedule import ScheduleError, build_plan
+    from pipegpt.stages.partition import partition_layers
+
+    try:
+        plan = build_plan(schedule, base["stages"], base["microbatches"],
+                          base["virtual_stages"] if schedule == "interleaved-1f1b" else None)
+        partition_layers(base["model"]["n_layer"], plan.num_stages)
+    except (ScheduleError, ConfigError) as e:
+        return " ".join(str(e).split())
+    return None
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(results: list[dict], spec: dict) -> dict:
+    w = spec["warmup"]
+    tokens = spec["microbatches"] * spec["microbatch_size"] * spec["model"]["seq_len"]
+    times = [t for r in results for t in r["step_times"][w:]]
+    per_repeat = [median(r["step_times"][w:]) for r in results]
+    tps = [tokens / t for t in times]
+    peaks = [max(col) for col in zip(*[r["peak_memory_per_rank"] for r in results])]
+    return {"tokens_per_s": median(tps), "step_ms": 1000 * median(times),
+            "step_ms_range": (1000 * min(per_repeat), 1000 * max(per_repeat)),
+            "peak_mib": [p / 2**20 for p in peaks],
+            "loss_first": results[0]["losses"][0], "loss_last": results[0]["losses"][-1],
+            "wall_s": median([r["wall_s"] for r in results]), "timed_steps": len(times)}
+
+
+def format_table(rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def describe(base: dict, schedules: list[str], contenders: list[str], args) -> str:
+    from pipegpt.stages.partition import partition_layers
+
+    m = base["model"]
+    n_params = _param_count(m)
+    tokens = base["microbatches"] * base["microbatch_size"] * m["seq_len"]
+    lines = [
+        "pipegpt vs torch.distributed.pipelining vs one process -- CPU, gloo, measured side by side",
+        f"model       {base['preset']}: n_layer={m['n_layer']} n_embd={m['n_embd']} n_head={m['n_head']} "
+        f"seq_len={m['seq_len']} vocab={m['vocab_size']} tied={m['tie_embeddings']} dropout={m['dropout']} "
+        f"({n_params / 1e6:.2f}M parameters)",
+        f"pipeline    {base['stages']} stages (one worker process per stage/rank), "
+        f"{base['microbatches']} microbatches x {base['microbatch_size']} sequences x {m['seq_len']} tokens "
+        f"= {tokens} tokens/step",
+    ]
+    for s in schedules:
+        num_stages, s2r = stage_layout(s, base["stages"], base["virtual_stages"])
+        why = check_schedule(base, s)
+        split = [len(r) for r in partition_layers(m["n_layer"], num_stages)] if why is None else None
+        torch_name = TORCH_SCHEDULES.get(s)
+        lines.append(f"schedule    {s} -> torch {torch_name or '(none)'}; "
+                     + (f"{num_stages} model stages, layers per stage {split}, stage->rank {s2r}"
+                        if why is None else f"skipped: {why}"))
+    lines += [
+        f"threads     {base['threads_per_worker']} per pipeline worker ({base['cores']} cores / {base['stages']} ranks); "
+        f"one-process baseline {base['cores']}",
+        f"optimizer   AdamW (pipegpt.train.make_optimizer) lr={base['lr']} wd=0.1 betas=(0.9, 0.95) foreach=False, "
+        f"global grad-norm clip {base['grad_clip']}",
+        f"timing      {base['steps']} steps per run, first {base['warmup']} skipped; {args.repeats} repeats, "
+        f"contenders interleaved per repeat ({', '.join(contenders)}); medians over all timed steps of all repeats",
+    ]
+    return "\n".join(lines)
+
+
+def _param_count(m: dict) -> int:
+    V, C, L, T = m["vocab_size"], m["n_embd"], m["n_layer"], m["seq_len"]
+    per_block = 12 * C * C + 13 * C if m["bias"] else 12 * C * C + 2 * C
+    head = 0 if m["tie_embeddings"] else V * C
+    return V * C + T * C + L * per_block + 2 * C + head
+
+
+def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["_run"]:  # internal: one contender, one run
+        kind, spec_path, out_path = argv[1:4]
+        spec = json.loads(Path(spec_path).read_text())
+        {"torch": run_torch, "single": run_single}[kind](spec, out_path)
+        return 0
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", "-p", type=int, default=2, help="pipeline ranks (worker processes) [2]")
+    ap.add_argument("--microbatches", "-m", type=int, default=8, help="[8]")
+    ap.add_argument("--microbatch-size", type=int, default=4, help="sequences per microbatch [4]")
+    ap.add_argument("--schedule", "-s", default="1f1b", help="pipegpt schedule name [1f1b]")
+    ap.add_argument("--schedules", default=None,
+                    help="comma list of pipegpt schedules to run, each against its torch counterpart where one "
+                         "exists (e.g. gpipe,1f1b,zb-h1,interleaved-1f1b); overrides --schedule")
+    ap.add_argument("--virtual-stages", "-v", type=int, default=None, help="stages per rank for interleaved-1f1b [2]")
+    ap.add_argument("--steps", type=int, default=12, help="steps per run [12]")
+    ap.add_argument("--warmup", type=int, default=2, help="leading steps of each run left out of the medians [2]")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per contender, interleaved [3]")
+    ap.add_argument("--model", default="tiny", help="pipegpt.config.MODEL_PRESETS name [tiny]")
+    ap.add_argument("--n-layer", type=int, default=None)
+    ap.add_argument("--n-embd", type=int, default=None)
+    ap.add_argument("--n-head", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--cores", type=int, default=None, help="cores to size threads by [os.cpu_count()]")
+    ap.add_argument("--threads-per-worker", type=int, default=None, help="[cores // stages, at least 1]")
+    ap.add_argument("--contenders", default="pipegpt,torch,single",
+                    help="subset of pipegpt,torch,single [all three]")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take [600]")
+    ap.add_argument("--json", dest="json_out", default=None, help="also write every measurement to this file")
+    args = ap.parse_args(argv)
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
+
+    base, schedules = build_specs(args)
+    kinds = [k.strip() for k in args.contenders.split(",") if k.strip()]
+    for k in kinds:
+        if k not in ("pipegpt", "torch", "single"):
+            ap.error(f"unknown contender {k!r}")
+    # Work list per repeat: (label, kind, schedule, spec)
+    jobs = []
+    skipped = {}
+    for s in schedules:
+        if s not in TORCH_SCHEDULES:
+            ap.error(f"unknown schedule {s!r}: one of {', '.join(TORCH_SCHEDULES)}")
+        why = check_schedule(base, s)
+        if why:
+            skipped[s] = why
+            continue
+        spec = dict(base, schedule=s, torch_schedule=TORCH_SCHEDULES[s])
+        if "pipegpt" in kinds:
+            jobs.append((f"pipegpt {s}", "pipegpt", s, spec))
+        if "torch" in kinds and TORCH_SCHEDULES[s]:
+            jobs.append((f"torch.pp {TORCH_SCHEDULES[s]}", "torch", s, spec))
+    if "single" in kinds:
+        jobs.append(("1-process (grad accum)", "single", None, dict(base, schedule=None, torch_schedule=None)))
+    contenders = [label for label, *_ in jobs]
+    print(describe(base, schedules, contenders, args), flush=True)
+    if not jobs:
+        print("nothing to run")
+        return 1
+
+    results: dict[str, list[dict]] = {label: [] for label in contenders}
+    t_start = time.perf_counter()
+    for rep in range(args.repeats):
+        for label, kind, s, spec in jobs:
+            r = run_contender(kind, spec, args.timeout)
+            results[label].append(r)
+            med = 1000 * median(r["step_times"][args.warmup:])
+            print(f"  repeat {rep + 1}/{args.repeats}  {label:<34} median step {med:8.1f} ms  "
+                  f"(run took {r['wall_s']:.1f} s)", file=sys.stderr, flush=True)
+
+    summary = {label: summarize(results[label], jobs[i][3]) for i, label in enumerate(contenders)}
+    ref = {s: summary[f"pipegpt {s}"] for s in schedules if f"pipegpt {s}" in summary}
+    first_ref = next(iter(ref.items()), None)
+    head = ["contender", "tokens/s", "step ms", "(repeat medians)", "vs pipegpt", "peak RSS/rank MiB", "loss first->last"]
+    rows = [head]
+    for label, kind, s, spec in jobs:
+        sm = summary[label]
+        if kind == "pipegpt" or (kind == "torch" and s in ref):
+            ratio = f"x{sm['tokens_per_s'] / ref[s]['tokens_per_s']:.2f}"
+        elif first_ref is not None:
+            ratio = f"x{sm['tokens_per_s'] / first_ref[1]['tokens_per_s']:.2f}" + \
+                    (f" ({first_ref[0]})" if len(ref) > 1 else "")
+        else:
+            ratio = "-"
+        lo, hi = sm["step_ms_range"]
+        rows.append([label, f"{sm['tokens_per_s']:,.0f}", f"{sm['step_ms']:.1f}", f"{lo:.1f}-{hi:.1f}", ratio,
+                     " ".join(f"{p:.0f}" for p in sm["peak_mib"]),
+                     f"{sm['loss_first']:.4f} -> {sm['loss_last']:.4f}"])
+    print()
+    print(format_table(rows, right={1, 2, 3}))
+    for s, why in skipped.items():
+        print(f"skipped {s}: {why}")
+    print(f"\n(total benchmark wall time {time.perf_counter() - t_start:.0f} s; ratio = tokens/s / pipegpt's with the "
+          f"same schedule; peak RSS = max RSS of each worker process, torch library included)")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"config": base, "schedules": schedules, "results": results,
+                                                   "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
