@@ -254,3 +254,34 @@ def test_costs_errors_are_one_line_schedule_errors(make, pattern):
     with pytest.raises(ScheduleError, match=pattern) as info:
         make()
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the other parallel axes
+
+
+def test_tensor_parallel_comm_lengthens_forward_and_input_backward_not_weight():
+    plan = build_plan("zb-h1", 2, 4)
+    tl = simulate(plan, Costs.parse("F=1,B=2,W=1,tp_comm=1", 2))
+    durations = {e.action.kind.value: e.end - e.start for e in tl.events}
+    assert durations == {"F": 2, "I": 2, "W": 1}
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_tensor_parallel_comm_keeps_the_1f1b_closed_form(p, m):
+    tl = simulate(build_plan("1f1b", p, m), Costs.parse("F=1,B=2,tp_comm=1", p))
+    assert tl.makespan == (m + p - 1) * (1 + 2 + 2 * 1)
+
+
+def test_data_parallel_allreduce_starts_when_each_stage_is_done_and_can_end_the_step():
+    plan = build_plan("1f1b", 2, 4)
+    free = simulate(plan, Costs.parse("F=1,B=2", 2))
+    assert free.makespan == 15  # rank 1's last B ends at 14, rank 0's at 15
+    assert simulate(plan, Costs.parse("F=1,B=2,dp_comm=1", 2)).makespan == 16  # hidden on rank 1, not rank 0
+    tl = simulate(plan, Costs.parse("F=1,B=2,dp_comm=3", 2))
+    assert tl.makespan == 18 and tl.bubble_fraction > free.bubble_fraction
+
+
+def test_bad_axis_costs_are_named():
+    with pytest.raises(ScheduleError, match="dp_comm"):
+        Costs.parse("F=1,dp_comm=-1", 2)

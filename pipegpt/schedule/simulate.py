@@ -21,9 +21,11 @@ from .validate import dependencies, validate
 
 # Keys accepted by Costs.parse / Costs.from_json (lower case) and the field each fills.
 _KEYS = {"f": "forward", "b": "backward", "w": "weight", "comm": "comm",
-         "act_bytes": "activation_bytes", "activation_bytes": "activation_bytes"}
-_SHOWN = {"forward": "F", "backward": "B", "weight": "W", "comm": "comm", "activation_bytes": "act_bytes"}
-_VALID_KEYS = "F, B, W, comm, act_bytes"
+         "act_bytes": "activation_bytes", "activation_bytes": "activation_bytes",
+         "tp_comm": "tp_comm", "dp_comm": "dp_comm"}
+_SHOWN = {"forward": "F", "backward": "B", "weight": "W", "comm": "comm", "activation_bytes": "act_bytes",
+          "tp_comm": "tp_comm", "dp_comm": "dp_comm"}
+_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm"
 
 
 def _check_number(name: str, value) -> None:
@@ -42,6 +44,12 @@ class Costs:
     comm is the latency of one point-to-point message between two ranks;
     messages between stages on the same rank are free. activation_bytes[s],
     when given, is what one microbatch's saved activations take on stage s.
+
+    The other parallel axes: tp_comm[s] is the time stage s spends in its
+    tensor-parallel all-reduces for one microbatch's forward; its backward (B or
+    I) makes as many, W none. dp_comm[s] is the time to all-reduce stage s's
+    gradients across data-parallel replicas: it starts when the stage's last
+    B/W ends, overlaps compute, and a rank's reductions run one after another.
     """
 
     forward: tuple
@@ -49,9 +57,14 @@ class Costs:
     weight: tuple
     comm: Real = 0
     activation_bytes: tuple | None = None
+    tp_comm: tuple | None = None
+    dp_comm: tuple | None = None
 
     def __post_init__(self):
-        for name in ("forward", "backward", "weight", "activation_bytes"):  # lists welcome; stored as tuples
+        for name in ("tp_comm", "dp_comm"):  # absent means free
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, (0,) * len(self.forward))
+        for name in ("forward", "backward", "weight", "activation_bytes", "tp_comm", "dp_comm"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
@@ -59,11 +72,11 @@ class Costs:
         if n < 1:
             raise ScheduleError("costs: need at least one stage")
         optional = ("activation_bytes",) if self.activation_bytes is not None else ()
-        for name in ("backward", "weight") + optional:
+        for name in ("backward", "weight", "tp_comm", "dp_comm") + optional:
             if len(getattr(self, name)) != n:
                 raise ScheduleError(f"costs: {name} has {len(getattr(self, name))} values but forward has {n}; "
                                     f"give one per stage")
-        for name in ("forward", "backward", "weight") + optional:
+        for name in ("forward", "backward", "weight", "tp_comm", "dp_comm") + optional:
             for s, value in enumerate(getattr(self, name)):
                 _check_number(f"{name}[{s}]", value)
         _check_number("comm", self.comm)
@@ -79,11 +92,11 @@ class Costs:
     def duration(self, action: Action) -> Real:
         s, kind = action.stage, action.kind
         if kind is Kind.F:
-            return self.forward[s]
+            return self.forward[s] + self.tp_comm[s]
         if kind is Kind.B:
-            return self.backward[s]
+            return self.backward[s] + self.tp_comm[s]
         if kind is Kind.I:
-            return self.backward[s] - self.weight[s]
+            return self.backward[s] - self.weight[s] + self.tp_comm[s]
         if kind is Kind.W:
             return self.weight[s]
         return 0
@@ -93,6 +106,8 @@ class Costs:
         return replace(self, forward=tuple(x * factor for x in self.forward),
                        backward=tuple(x * factor for x in self.backward),
                        weight=tuple(x * factor for x in self.weight),
+                       tp_comm=tuple(x * factor for x in self.tp_comm),
+                       dp_comm=tuple(x * factor for x in self.dp_comm),
                        activation_bytes=None if self.activation_bytes is None
                        else tuple(x * factor for x in self.activation_bytes))
 
@@ -100,6 +115,9 @@ class Costs:
         out = {"F": list(self.forward), "B": list(self.backward), "W": list(self.weight), "comm": self.comm}
         if self.activation_bytes is not None:
             out["act_bytes"] = list(self.activation_bytes)
+        for name in ("tp_comm", "dp_comm"):
+            if any(getattr(self, name)):
+                out[name] = list(getattr(self, name))
         return out
 
     @classmethod
@@ -173,7 +191,8 @@ class Costs:
         forward = fields.get("forward", (1.0,) * num_stages)
         backward = fields.get("backward", (2.0,) * num_stages)
         weight = fields.get("weight", tuple(b / 2 for b in backward))
-        return cls(forward, backward, weight, fields.get("comm", 0), fields.get("activation_bytes"))
+        return cls(forward, backward, weight, fields.get("comm", 0), fields.get("activation_bytes"),
+                   fields.get("tp_comm"), fields.get("dp_comm"))
 
 
 def load_costs_json(path) -> dict:
@@ -250,7 +269,8 @@ class Timeline:
 
     @property
     def makespan(self) -> Real:
-        return self.end_time - self.start_time
+        """Until the step ends: the last action, or the last gradient all-reduce if later (meta step_end)."""
+        return max(self.end_time, self.meta.get("step_end", self.end_time)) - self.start_time
 
     @property
     def busy_per_rank(self) -> list[Real]:
@@ -396,6 +416,20 @@ def simulate(plan: Plan, costs: Costs) -> Timeline:
         r = stuck[0]
         raise ScheduleError(f"rank {r} step {pos[r]} ({actions[r][pos[r]]}): simulation cannot progress")
     events.sort(key=lambda e: e.rank)  # stable: each rank keeps its plan order
+    meta = {**plan.meta, "costs": costs.as_dict()}
+    if any(costs.dp_comm):
+        meta["step_end"] = _gradient_sync_end(events, costs, plan.num_ranks)
     return Timeline(events, plan.num_ranks, schedule=plan.name, num_microbatches=plan.num_microbatches,
-                    stage_to_rank=tuple(plan.stage_to_rank), activation_bytes=costs.activation_bytes,
-                    meta={**plan.meta, "costs": costs.as_dict()})
+                    stage_to_rank=tuple(plan.stage_to_rank), activation_bytes=costs.activation_bytes, meta=meta)
+
+
+def _gradient_sync_end(events: list[Event], costs: Costs, num_ranks: int) -> Real:
+    """When the last data-parallel gradient all-reduce ends: each stage's starts once its last B/W has."""
+    ready: dict[int, tuple[Real, int]] = {}  # stage -> (its gradients complete, rank)
+    for e in events:
+        if e.action.kind in (Kind.B, Kind.W):
+            ready[e.action.stage] = max(ready.get(e.action.stage, (e.end, e.rank)), (e.end, e.rank))
+    channel_free: list[Real] = [0] * num_ranks
+    for stage, (at, rank) in sorted(ready.items(), key=lambda item: item[1]):
+        channel_free[rank] = max(channel_free[rank], at) + costs.dp_comm[stage]
+    return max(channel_free)
