@@ -317,11 +317,15 @@ def _progress_line(m, steps: int) -> str:
 @click.option("--weight-decay", default=0.1, show_default=True)
 @click.option("--grad-clip", default=1.0, show_default=True, help="Global gradient-norm clip (0: off).")
 @click.option("--seed", default=1337, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True,
+              help="Parameters and activations (float64: for exact comparisons on CPU).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--tokenizer", type=click.Choice(["bytes", "gpt2"]), default="bytes", show_default=True)
 @click.option("--data", type=click.Path(), default=None, help="Flat uint16 token file (default: built-in corpus).")
 @click.option("--dp", default=1, show_default=True, help="Data-parallel replicas.")
 @click.option("--tp", default=1, show_default=True, help="Tensor-parallel ranks per stage.")
+@click.option("--sequence-parallel", is_flag=True,
+              help="With --tp: shard the LayerNorm/dropout regions along the sequence (Megatron SP).")
 @click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
               help="1: shard the optimizer state across data-parallel replicas (ZeRO-1).")
 @click.option("--run-dir", type=click.Path(), default=None, help="Where metrics.jsonl goes (default: runs/<time>).")
@@ -332,7 +336,7 @@ def _progress_line(m, steps: int) -> str:
 @click.option("--log-every", default=10, show_default=True, help="Print a line every N steps.")
 def run(stages, microbatches, microbatch_size, batch_size, schedule, virtual_stages, layers_per_stage, recompute, steps, preset,
         n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie_embeddings, lr, weight_decay, grad_clip,
-        seed, device, tokenizer, data, dp, tp, zero, run_dir, port, timeout_s, threads_per_worker, log_every):
+        seed, dtype, device, tokenizer, data, dp, tp, sequence_parallel, zero, run_dir, port, timeout_s, threads_per_worker, log_every):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them)."""
     import statistics
     import warnings
@@ -358,8 +362,9 @@ def run(stages, microbatches, microbatch_size, batch_size, schedule, virtual_sta
     cfg = TrainConfig(model=model, stages=stages, dp=dp, tp=tp, schedule=schedule, microbatches=microbatches,
                       microbatch_size=microbatch_size, virtual_stages=virtual_stages,
                       layers_per_stage=_int_list(layers_per_stage), recompute=recompute, steps=steps, lr=lr,
-                      weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, device=device, tokenizer=tokenizer,
-                      data=data, timeout_s=timeout_s, threads_per_worker=threads_per_worker, zero=int(zero))
+                      weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, dtype=dtype, device=device, tokenizer=tokenizer,
+                      data=data, timeout_s=timeout_s, threads_per_worker=threads_per_worker, zero=int(zero),
+                      sequence_parallel=sequence_parallel)
     if data is not None and not os.path.isfile(data):
         raise ConfigError(f"--data {data}: no such file (a flat uint16 token file; leave it out for the built-in corpus)")
     warnings.filterwarnings("ignore", category=UserWarning)

@@ -115,6 +115,8 @@ class TrainConfig:
     timeout_s: float = 60.0
     threads_per_worker: int | None = None
     zero: int = 0  # 1: shard the optimizer state across data-parallel replicas (ZeRO stage 1)
+    sequence_parallel: bool = False  # with tp > 1: shard LayerNorm/dropout regions along the sequence
+    dtype: str = "float32"  # of parameters and activations; float64 makes runs comparable bit for bit-ish
 
     @property
     def world_size(self) -> int:
@@ -136,6 +138,8 @@ class TrainConfig:
         for name in ("lr", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.dtype not in ("float32", "float64"):
+            raise ConfigError(f"dtype={self.dtype!r} is not one of float32, float64")
         if self.zero not in (0, 1):
             raise ConfigError(f"zero={self.zero} is not supported: use 0 (off) or 1 (shard optimizer state)")
         if self.grad_clip < 0 or self.weight_decay < 0:

@@ -148,15 +148,18 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for t in self.qkv(x).split(C, dim=2))
+        # Widths come from qkv's output, not x: a tensor-parallel shard holds n_head/tp heads
+        # (self.n_head is per instance) and may see a longer (sequence-gathered) input.
+        qkv = self.qkv(x)
+        B, T, W = qkv.shape
+        q, k, v = (t.view(B, T, self.n_head, W // (3 * self.n_head)).transpose(1, 2)
+                   for t in qkv.split(W // 3, dim=2))
         p = self.dropout if self.training else 0.0
         if self.selective and torch.is_grad_enabled():
             y = checkpoint(_causal_sdpa, q, k, v, p, use_reentrant=False)
         else:
             y = _causal_sdpa(q, k, v, p)
-        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, W // 3)))
 
 
 class MLP(nn.Module):
@@ -181,6 +184,18 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+def head_output(logits: torch.Tensor, targets: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """What the head returns from its logits: without targets the logits of the real vocabulary
+    (padded columns dropped, they are never predicted), with targets the mean cross-entropy
+    ignoring targets == -1. GPT.head_output is this, per instance, so tensor parallelism can put
+    a vocabulary-parallel version in its place."""
+    if logits.size(-1) != vocab_size:
+        logits = logits[..., :vocab_size]
+    if targets is None:
+        return logits
+    return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=-1)
 
 
 def slice_state_dict(full_state_dict: dict, layers: range, embed: bool, head: bool, tie: bool) -> dict:
@@ -223,6 +238,7 @@ class GPT(nn.Module):
             self.lm_head = SplitLinear(C, V, bias=False)
             if embed and config.tie_embeddings:
                 self.lm_head.weight = self.wte.weight
+            self.head_output = functools.partial(head_output, vocab_size=config.vocab_size)
         self.init_weights(init_seed)
 
     def tied_parameter_names(self) -> dict[str, str]:
@@ -273,13 +289,7 @@ class GPT(nn.Module):
                 x = block(x)
         if not self.head:
             return x
-        logits = self.lm_head(self.ln_f(x))
-        V = self.config.vocab_size
-        if logits.size(-1) != V:  # padded rows are never predicted
-            logits = logits[..., :V]
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
+        return self.head_output(self.lm_head(self.ln_f(x)), targets)
 
 
 def build_reference_model(config: ModelConfig, seed: int, recompute: str = "none") -> GPT:

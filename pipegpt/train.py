@@ -28,6 +28,8 @@ from pipegpt.model import GPT
 from pipegpt.runtime import PipelineRuntime, last_gradient_actions
 from pipegpt.schedule import Plan, ScheduleError, build_plan, lower, validate
 from pipegpt.stages import Stage, partition_layers
+from pipegpt.stages.tensor_parallel import (REPLICATED, sequence_parallel_grad_params, shard_for_tp,
+                                           tp_shard_spec, validate_tp)
 
 
 def make_plan(cfg: TrainConfig) -> Plan:
@@ -46,8 +48,9 @@ def resolve_device(cfg: TrainConfig) -> str:
 def check(cfg: TrainConfig) -> Plan:
     """Everything that can be refused before a worker starts; returns the plan."""
     cfg.validate()
-    if cfg.tp != 1:
-        raise ConfigError(f"tp={cfg.tp}: tensor parallelism is not wired into the runtime yet; use --tp 1")
+    validate_tp(cfg.model, cfg.tp, cfg.sequence_parallel)
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("sequence parallelism shards along the sequence across tensor-parallel ranks: use it with --tp 2 or more")
     plan = make_plan(cfg)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.layers_per_stage)
     if resolve_device(cfg) == "cuda":
@@ -136,8 +139,11 @@ class Worker:
         self.stages: dict[int, Stage] = {}
         for s in plan.stages_of(self.mesh.pp_index):
             module = GPT(cfg.model, layers=ranges[s], embed=s == 0, head=s == last,
-                         recompute=cfg.recompute, init_seed=cfg.seed).to(self.device)
-            self.stages[s] = Stage(s, plan.num_stages, module, cfg.microbatches)
+                         recompute=cfg.recompute, init_seed=cfg.seed)
+            if cfg.tp > 1:  # built whole from the per-name seeds, then cut to this rank's shard
+                shard_for_tp(module, self.mesh.tp_index, cfg.tp, self.mesh.group("tp"), cfg.sequence_parallel)
+            self.stages[s] = Stage(s, plan.num_stages, module.to(self.device, getattr(torch, cfg.dtype)),
+                                   cfg.microbatches)
         if plan.stage_to_rank[0] == plan.stage_to_rank[-1] and self.stages.keys() >= {0, last} \
                 and last != 0 and cfg.model.tie_embeddings:
             # Both ends of a V live here: share one tensor, so the gradient sums by itself.
@@ -148,9 +154,10 @@ class Worker:
         self.averager = None
         if dp_group is not None:
             self.averager = GradientAverager(self._params_by_stage(plan), dp_group, self.rank, cfg.timeout_s)
+        seq = cfg.model.seq_len // cfg.tp if cfg.sequence_parallel else cfg.model.seq_len
         self.runtime = PipelineRuntime(
             plan, self.rank, self.stages, self.p2p, self.mesh.grid.pipeline_ranks(self.rank),
-            (cfg.microbatch_size, cfg.model.seq_len, cfg.model.n_embd), torch.float32, self.device,
+            (cfg.microbatch_size, seq, cfg.model.n_embd), getattr(torch, cfg.dtype), self.device,
             on_gradients_ready=self.averager.start if self.averager else lambda stage: None)
         self.sampler = None
         if 0 in self.stages or last in self.stages:
@@ -208,6 +215,9 @@ class Worker:
         result = self.runtime.step(inputs, targets)
         if self.averager:
             self.averager.finish()
+        for stage in self.stages.values():  # replicated weights saw only this rank's part of the sequence
+            for p in sequence_parallel_grad_params(stage.module):
+                dist.all_reduce(p.grad, group=self.mesh.group("tp"))
         for copy in self._tied_copies():
             dist.all_reduce(copy.grad, group=self.mesh.group("embedding"))
         grad_norm = self._clip_gradients()
@@ -216,13 +226,19 @@ class Worker:
                 "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0, "peak_memory": self._peak_memory()}
 
     def _clip_gradients(self) -> float:
-        """Global gradient norm over the whole pipeline (each tied copy counted once), then clip."""
-        counted_twice = {id(p) for p in self._tied_copies()} if 0 not in self.stages else set()
-        grads = [p.grad for _, p in self.named_params if p.grad is not None and id(p) not in counted_twice]
+        """Global gradient norm over one model replica, each value counted once, then clip.
+
+        Not counted here: the last stage's copy of a tied embedding (rank 0 counts it), and
+        tensor-parallel replicated weights on tp ranks other than 0.
+        """
+        skip = {id(p) for p in self._tied_copies()} if 0 not in self.stages else set()
+        if self.mesh.tp_index > 0:
+            skip |= {id(p) for n, p in self.named_params if tp_shard_spec(n) == REPLICATED}
+        grads = [p.grad for _, p in self.named_params if p.grad is not None and id(p) not in skip]
         local = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else \
             torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.mesh.group("pp") is not None:
-            dist.all_reduce(local, group=self.mesh.group("pp"))
+        if self.mesh.group("model") is not None:
+            dist.all_reduce(local, group=self.mesh.group("model"))
         norm = float(local.sqrt())
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (norm + 1e-6)

@@ -40,15 +40,43 @@ def _serve(conn, cfg) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
+def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
+    """(one-process name, full tensor) per pipeline copy: tensor-parallel shards gathered to full shape.
+
+    Data-parallel replicas must hold identical values: replica 0's are returned, the others checked.
+    """
+    import torch
+
+    from pipegpt.comm.mesh import Grid
+    from pipegpt.stages.tensor_parallel import gather_full
+
+    grid = Grid(cfg.dp, cfg.stages, cfg.tp)
+    shards: dict[tuple[str, int], dict[int, object]] = {}
+    replicas: dict[tuple[str, int, int], object] = {}
+    for rank, tensors in enumerate(per_rank):
+        d, p, t = grid.coords(rank)
+        for name, value in tensors.items():
+            key = (_one_process_name(name, cfg), p)
+            if d == 0:
+                shards.setdefault(key, {})[t] = value
+            else:
+                replicas[(*key, t)] = value
+    for (name, p, t), value in replicas.items():
+        assert torch.equal(value, shards[(name, p)][t]), f"data-parallel replicas differ in {name}"
+    return [(name, gather_full(name, [parts[t] for t in range(cfg.tp)]) if cfg.tp > 1 else parts[0])
+            for (name, _), parts in shards.items()]
+
+
 def _run(cluster, cfg, steps: int):
     """Loss and grads of step 0, and parameters after `steps` steps, by one-process name."""
     cluster.call("build", cfg)
     results = cluster.call("step", 0)
     losses = [loss for r in results for loss in r["losses"]]
-    grads = [(_one_process_name(n, cfg), g) for d in cluster.call("named_grads") for n, g in d.items()]
+    # tensor-parallel ranks of the last stage report the same losses: the mean is unchanged
+    grads = _one_process_tensors(cluster.call("named_grads"), cfg)
     for step in range(1, steps):
         cluster.call("step", step)
-    params = [(_one_process_name(n, cfg), v) for d in cluster.call("named_parameters") for n, v in d.items()]
+    params = _one_process_tensors(cluster.call("named_parameters"), cfg)
     return sum(losses) / len(losses), grads, params
 
 

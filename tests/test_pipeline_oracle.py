@@ -27,7 +27,7 @@ NOISE = 1e-7  # |grad| below this is fp32 rounding noise here (real gradients ar
 
 def base_config(p: int, **changes) -> TrainConfig:
     cfg = TrainConfig(model=MODEL, stages=p, microbatches=p, microbatch_size=2, device="cpu", seed=7,
-                      lr=1e-2, timeout_s=60)
+                      lr=1e-3, timeout_s=60)  # the CLI default; 1e-2 (half the init scale per step) drowns fp32 in Adam noise
     return dataclasses.replace(cfg, **changes)
 
 
@@ -49,7 +49,7 @@ def reference(cfg: TrainConfig, steps: int):
 
 
 def _reference(cfg: TrainConfig, steps: int):
-    model = build_reference_model(cfg.model, cfg.seed)
+    model = build_reference_model(cfg.model, cfg.seed).to(getattr(torch, cfg.dtype))
     named = list(model.named_parameters())
     optimizer = make_optimizer(named, cfg)
     sampler = BatchSampler(builtin_tokens(get_tokenizer(cfg.tokenizer)), cfg.batch_size, cfg.model.seq_len, cfg.seed)
@@ -88,10 +88,11 @@ def assert_matches(cfg: TrainConfig, cluster, steps: int = 3) -> None:
         # ignores a shift shared by all scores, so their true gradient is exactly 0. Compare the
         # elements whose gradient carried signal (the rest must still have moved by <= lr per step).
         # Small gradients carry large relative rounding errors for the same reason, so elements get
-        # an absolute bound (0.1% of one step) and the tensor the 1e-5 relative one, norm-wise.
+        # an absolute bound (a fraction of one step) and the tensor a relative one, norm-wise.
+        rtol, step_fraction = (RTOL, 1e-3) if cfg.dtype == "float32" else (1e-9, 1e-6)
         ref, real = ref_params[name], signal[name] > NOISE
-        assert float((value[real] - ref[real]).norm() / ref[real].norm()) <= RTOL, f"param {name}"
-        torch.testing.assert_close(value[real], ref[real], rtol=RTOL, atol=cfg.lr * 1e-4,
+        assert float((value[real] - ref[real]).norm() / ref[real].norm()) <= rtol, f"param {name}"
+        torch.testing.assert_close(value[real], ref[real], rtol=RTOL, atol=cfg.lr * step_fraction,
                                    msg=lambda m: f"param {name}: {m}")
         assert float((value - ref).abs().max()) <= 2 * cfg.lr * steps, f"param {name} moved too far"
 
@@ -100,10 +101,14 @@ def assert_matches(cfg: TrainConfig, cluster, steps: int = 3) -> None:
 def workers():
     hosts = {}
 
-    def get(p: int, dp: int = 1) -> ClusterHost:
-        if (dp, p) not in hosts:
-            hosts[(dp, p)] = ClusterHost(base_config(p, dp=dp))
-        return hosts[(dp, p)]
+    def get(p: int, dp: int = 1, tp: int = 1) -> ClusterHost:
+        # One grid's workers alive at a time keeps memory flat; tests of a grid run together.
+        if (dp, p, tp) not in hosts:
+            for host in hosts.values():
+                host.close()
+            hosts.clear()
+            hosts[(dp, p, tp)] = ClusterHost(base_config(p, dp=dp, tp=tp))
+        return hosts[(dp, p, tp)]
 
     yield get
     for host in hosts.values():
@@ -156,8 +161,8 @@ def test_four_stages(workers, schedule):
 
 
 @pytest.mark.parametrize("dp,p,schedule,zero,clip", [(2, 2, "1f1b", 0, 1.0), (2, 2, "1f1b", 0, 0.0),
-                                                      (2, 2, "zb-h1", 1, 1.0), (2, 1, "1f1b", 0, 1.0),
-                                                      (2, 2, "zbv", 0, 1.0)])
+                                                      (2, 2, "zb-h1", 1, 1.0), (2, 2, "zbv", 0, 1.0),
+                                                      (2, 1, "1f1b", 0, 1.0)])
 def test_data_parallel_matches(workers, dp, p, schedule, zero, clip):
     cfg = base_config(p, dp=dp, schedule=schedule, microbatches=2 * p, zero=zero, grad_clip=clip)
     check(cfg)
@@ -175,3 +180,23 @@ FULL = [(s, p, m, rc, tie) for s in SCHEDULES for p in (2, 4) for m in valid_mic
 def test_full_matrix(workers, schedule, p, m, recompute, tie):
     model = dataclasses.replace(MODEL, tie_embeddings=tie)
     assert_matches(base_config(p, schedule=schedule, microbatches=m, recompute=recompute, model=model), workers(p))
+
+
+# The dp x pp x tp grid. Tensor-parallel gradients are gathered to full shape (stages.tensor_parallel.gather_full).
+GRIDS = [(1, 1, 2, "1f1b", False), (1, 2, 2, "1f1b", False), (1, 2, 2, "zb-h1", True), (2, 2, 1, "interleaved-1f1b", False),
+         (2, 1, 2, "1f1b", True)]
+
+
+@pytest.mark.parametrize("dp,p,tp,schedule,sp", GRIDS, ids=[f"{d}x{p}x{t}-{s}{'-sp' if sp else ''}" for d, p, t, s, sp in GRIDS])
+def test_grid_matches(workers, dp, p, tp, schedule, sp):
+    """Step 0's loss and gradients in fp32; the 3 AdamW steps in float64.
+
+    Tensor parallelism sums each layer's partial products in another order (split K), and AdamW's
+    normalisation amplifies that fp32 rounding in the parameters to 1e-5..4e-5 relative after 3
+    steps (measured), the noise floor of any reordering. In float64 rounding vanishes, so the
+    multi-step comparison is exact to 1e-9 and a real error (O(1e-3)) cannot hide in it.
+    """
+    cfg = base_config(p, dp=dp, tp=tp, schedule=schedule, microbatches=2 * p, sequence_parallel=sp)
+    check(cfg)
+    assert_matches(cfg, workers(p, dp, tp), steps=1)
+    assert_matches(dataclasses.replace(cfg, dtype="float64"), workers(p, dp, tp), steps=3)

@@ -81,6 +81,8 @@ def init_mesh(grid: Grid, rank: int, backend: str, init_method: str, timeout_s: 
         "dp": [[g.rank_of(d, p, t) for d in range(g.dp)] for p in range(g.pp) for t in range(g.tp)],
         "tp": [[g.rank_of(d, p, t) for t in range(g.tp)] for d in range(g.dp) for p in range(g.pp)],
         "pp": [[g.rank_of(d, p, t) for p in range(g.pp)] for d in range(g.dp) for t in range(g.tp)],
+        # One model replica (pp x tp): what a gradient norm sums over.
+        "model": [[g.rank_of(d, p, t) for p in range(g.pp) for t in range(g.tp)] for d in range(g.dp)],
     }
     if len(set(embedding_pp_indices)) > 1:
         families["embedding"] = [[g.rank_of(d, p, t) for p in sorted(set(embedding_pp_indices))]

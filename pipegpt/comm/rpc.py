@@ -30,6 +30,8 @@ import torch.multiprocessing as mp
 
 POLL_S = 0.05
 HEARTBEAT_EVERY_S = 2.0
+# A loaded machine can delay an answer by seconds; a stopped process never answers.
+HEARTBEAT_TIMEOUT_S = 10.0
 
 
 class WorkerFailure(RuntimeError):
@@ -138,6 +140,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         next_heartbeat = time.monotonic() + HEARTBEAT_EVERY_S
         pings: dict[int, Any] = {}
+        answered = {r: time.monotonic() for r in ranks}
         while True:
             settled.clear()
             self.check_alive()
@@ -158,10 +161,14 @@ class Cluster:
             if now > next_heartbeat:
                 # A rank that stops answering pings is stuck (or stopped), not merely busy:
                 # the RPC agent answers from its own threads while compute runs.
-                for r, ping in pings.items():
-                    if not ping.done():
-                        raise WorkerFailure(r, f"stopped answering (no heartbeat for {HEARTBEAT_EVERY_S:.0f}s)")
-                pings = {r: rpc.rpc_async(f"worker{r}", _ping, timeout=0) for r in ranks}
+                for r in ranks:
+                    if r in pings and not pings[r].done():
+                        if now - answered[r] > HEARTBEAT_TIMEOUT_S:
+                            raise WorkerFailure(r, f"stopped answering (no heartbeat for {now - answered[r]:.0f}s)")
+                        continue
+                    if r in pings:
+                        answered[r] = now
+                    pings[r] = rpc.rpc_async(f"worker{r}", _ping, timeout=0)
                 next_heartbeat = now + HEARTBEAT_EVERY_S
             settled.wait(POLL_S)
 

@@ -1,0 +1,343 @@
+"""Megatron-style tensor parallelism as module replacement on a plain GPT slice.
+
+`shard_for_tp(slice, tp_rank, tp_size, group)` swaps, in place, the slice's layers for
+tensor-parallel ones holding this rank's shard, under the same one-process parameter names:
+
+    attn.qkv   column-parallel: rows of this rank's n_head/tp heads from each of q, k and v
+    attn.proj  row-parallel (input columns of those heads), bias added once after the reduce
+    mlp.fc     column-parallel;  mlp.proj row-parallel
+    wte        vocabulary-parallel: a contiguous range of the (padded) vocabulary per rank;
+               tokens outside it embed to 0, then the ranks' embeddings are summed
+    lm_head    column-parallel over the vocabulary (tied to the local wte shard when the slice
+               holds both); the loss is vocab_parallel_cross_entropy, logits are never gathered
+    LayerNorms, wpe, row-parallel biases: replicated (identical on every tp rank)
+
+Shapes (B microbatch, T sequence, C n_embd, tp ranks; rank r's sequence chunk is positions
+[r*T/tp, (r+1)*T/tp)):
+
+                             sequence_parallel=False     sequence_parallel=True
+    first stage input        tokens [B, T]               tokens [B, T] (the same on every tp rank)
+    hidden states between    [B, T, C], the same on      [B, T/tp, C], rank r's sequence chunk
+    stages (and their grads) every tp rank
+    last stage targets       [B, T]                      [B, T]
+    loss                     scalar, the same on every tp rank
+    logits (no targets)      [B, T, real columns of this rank's vocabulary range]
+
+With sequence parallelism the LayerNorm/dropout/residual regions hold a sequence chunk: a
+column-parallel layer all-gathers its input along the sequence (instead of copy_to_tp) and a
+row-parallel one reduce-scatters its output (instead of all-reduce); the embedding
+reduce-scatters and adds the position embeddings of its chunk. Every replicated parameter then
+gets a PARTIAL gradient (from its chunk only): `sequence_parallel_grad_params(slice)` lists them,
+for the caller to all-reduce (sum) over the tp group after backward.
+
+Dropout: tp ranks must seed torch identically, so dropout in replicated regions agrees. Masks in
+sharded regions (attention heads, sequence chunks) then repeat across ranks: correct in
+expectation, but not the one-process masks (nothing with dropout > 0 matches one process).
+
+Sharded linears stay pipegpt.model.SplitLinear, so defer_weight_grads() defers their weight
+grads (and the row-parallel biases', added after the reduce); W closures never communicate.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from pipegpt.comm.tensor_parallel import (copy_to_tp, gather_from_sequence, group_size, reduce_from_tp,
+                                          reduce_scatter_to_sequence, vocab_parallel_cross_entropy)
+from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.model import GPT, SplitLinear, _DEFER_STACK, _deferred_w, _SplitLinearFn
+
+# How a parameter is split over tp ranks (tp_shard_spec); shards are contiguous and in rank order.
+REPLICATED = "replicated"  # every rank holds the whole tensor
+DIM0 = "dim0"              # rank r holds rows [r*n/tp, (r+1)*n/tp)
+DIM1 = "dim1"              # rank r holds columns [r*n/tp, (r+1)*n/tp)
+QKV_DIM0 = "qkv-dim0"      # rows stacked [q; k; v]: rank r holds its DIM0 chunk of each, stacked
+
+_SPECS = (  # (name suffix, spec), first match wins; names are one-process names
+    ("attn.qkv.weight", QKV_DIM0), ("attn.qkv.bias", QKV_DIM0),
+    ("mlp.fc.weight", DIM0), ("mlp.fc.bias", DIM0),
+    ("attn.proj.weight", DIM1), ("mlp.proj.weight", DIM1),
+    ("attn.proj.bias", REPLICATED), ("mlp.proj.bias", REPLICATED),
+    ("wte.weight", DIM0), ("lm_head.weight", DIM0), ("wpe.weight", REPLICATED),
+)
+
+
+def tp_shard_spec(name: str) -> str:
+    """How the parameter called `name` (its one-process name) is split: REPLICATED, DIM0, DIM1
+    or QKV_DIM0."""
+    for suffix, spec in _SPECS:
+        if name == suffix or name.endswith("." + suffix):
+            return spec
+    if name.startswith("ln_f.") or ".ln1." in name or ".ln2." in name:
+        return REPLICATED
+    raise KeyError(f"no tensor-parallel layout known for parameter {name!r}")
+
+
+def shard_tensor(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank tp_rank's shard of the one-process tensor `full` called `name` (a view where possible)."""
+    spec = tp_shard_spec(name)
+    if spec == REPLICATED:
+        return full
+    dim = 1 if spec == DIM1 else 0
+    parts = 3 * tp_size if spec == QKV_DIM0 else tp_size
+    if full.size(dim) % parts:
+        raise ValueError(f"{name}: size {full.size(dim)} of dim {dim} is not divisible into {parts} parts")
+    if spec == QKV_DIM0:
+        return torch.cat([t.chunk(tp_size, 0)[tp_rank] for t in full.chunk(3, 0)])
+    return full.chunk(tp_size, dim)[tp_rank]
+
+
+def gather_full(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The one-process tensor called `name` from its shards in tp rank order (the inverse of
+    shard_tensor). A replicated tensor is the first rank's."""
+    spec = tp_shard_spec(name)
+    if spec == REPLICATED:
+        return shards[0]
+    if spec == QKV_DIM0:
+        q, k, v = zip(*(s.chunk(3, 0) for s in shards))
+        return torch.cat([*q, *k, *v])
+    return torch.cat(shards, 1 if spec == DIM1 else 0)
+
+
+def shard_state_dict(full_state_dict: dict, tp_rank: int, tp_size: int) -> dict:
+    """{name: shard} of a slice's one-process state dict (e.g. slice_state_dict's)."""
+    return {k: shard_tensor(k, v, tp_rank, tp_size) for k, v in full_state_dict.items()}
+
+
+def gather_state_dicts(shard_state_dicts: list[dict]) -> dict:
+    """One one-process state dict from the tp ranks' sharded ones, in tp rank order."""
+    return {k: gather_full(k, [sd[k] for sd in shard_state_dicts]) for k in shard_state_dicts[0]}
+
+
+# ---------------------------------------------------------------------------
+# Checks (pure: the driver can run them before any process starts)
+# ---------------------------------------------------------------------------
+def _near_divisors(n: int, k: int) -> str:
+    """The divisors of n nearest to k, below and above: 'tp=2 or tp=4'."""
+    below = max(d for d in range(1, k) if n % d == 0)
+    above = next((d for d in range(k + 1, n + 1) if n % d == 0), None)
+    return f"tp={below}" + (f" or tp={above}" if above else "")
+
+
+def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """Raise ConfigError (one line, naming the values and the nearest valid ones) unless
+    `config` can be split over `tp` tensor-parallel ranks."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp={tp!r} must be an integer >= 1")
+    if tp == 1:
+        return
+    C = config.n_embd
+    if config.n_head % tp:
+        heads = [h for h in range(tp, C + 1, tp) if C % h == 0]  # multiples of tp dividing n_embd
+        lo = [h for h in heads if h < config.n_head]
+        hi = [h for h in heads if h > config.n_head]
+        alt = " or ".join(str(h) for h in (lo[-1:] + hi[:1]))
+        raise ConfigError(f"n_head={config.n_head} is not divisible by tp={tp} (each tp rank holds "
+                          f"n_head/tp heads): use {_near_divisors(config.n_head, tp)}"
+                          + (f", or n_head={alt} (with n_embd={C})" if alt else ""))
+    if 4 * C % tp:  # implied by the n_head check while n_embd % n_head == 0; kept as a guard
+        raise ConfigError(f"the MLP width 4*n_embd={4 * C} is not divisible by tp={tp}: "
+                          f"use {_near_divisors(4 * C, tp)}")
+    V, pad = config.padded_vocab_size, config.pad_vocab_to
+    if V % tp:
+        if 64 % tp == 0 and pad != 64:
+            fix = f"pass --pad-vocab (pad_vocab_to=64, padded vocab {-(-config.vocab_size // 64) * 64})"
+        else:
+            m = math.lcm(pad, tp)
+            fix = f"use pad_vocab_to={m} (padded vocab {-(-config.vocab_size // m) * m})"
+        raise ConfigError(f"padded vocab_size={V} (vocab_size={config.vocab_size}, pad_vocab_to={pad}) "
+                          f"is not divisible by tp={tp}: {fix}")
+    T = config.seq_len
+    if sequence_parallel and T % tp:
+        lo, hi = T // tp * tp, T // tp * tp + tp
+        raise ConfigError(f"sequence parallelism needs seq_len divisible by tp: seq_len={T}, tp={tp}; "
+                          + (f"use seq_len={lo} or {hi}" if lo else f"use seq_len={hi}"))
+
+
+# ---------------------------------------------------------------------------
+# Tensor-parallel layers
+# ---------------------------------------------------------------------------
+class _BiasAdd(torch.autograd.Function):
+    """y + bias whose bias gradient defers like SplitLinear's (see defer_weight_grads)."""
+
+    @staticmethod
+    def forward(ctx, y, bias):
+        ctx.bias = bias
+        return y + bias.to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[1]:
+            return grad, None
+        if _DEFER_STACK:
+            _DEFER_STACK[-1].append(functools.partial(_deferred_w, grad, None, None, ctx.bias))
+            return grad, None
+        return grad, grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias.dtype)
+
+
+class ColumnParallelLinear(SplitLinear):
+    """Output features split over tp ranks; the input is replicated (copy_to_tp) or, with
+    sequence parallelism, gathered along the sequence. The output stays split."""
+
+    def __init__(self, in_features, out_features_local, bias, group, sequence_parallel, device=None,
+                 dtype=None):
+        super().__init__(in_features, out_features_local, bias=bias, device=device, dtype=dtype)
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x):
+        x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        return super().forward(x)
+
+
+class RowParallelLinear(SplitLinear):
+    """Input features split over tp ranks; the partial outputs are summed (all-reduce) or, with
+    sequence parallelism, reduce-scattered along the sequence; then the bias, once."""
+
+    def __init__(self, in_features_local, out_features, bias, group, sequence_parallel, device=None,
+                 dtype=None):
+        super().__init__(in_features_local, out_features, bias=bias, device=device, dtype=dtype)
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x):
+        y = _SplitLinearFn.apply(x, self.weight, None)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.group)
+        else:
+            y = reduce_from_tp(y, self.group)
+        return y if self.bias is None else _BiasAdd.apply(y, self.bias)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [vocab_start, vocab_start + num_embeddings) of the (padded) vocabulary; tokens outside
+    embed to 0, then the ranks' embeddings are summed (or reduce-scattered along the sequence)."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start, group, sequence_parallel):
+        super().__init__(*weight.shape, _weight=weight)  # _weight: no init drawn
+        self.vocab_start, self.group, self.sequence_parallel = vocab_start, group, sequence_parallel
+
+    def forward(self, idx):
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = super().forward(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.group)
+        return reduce_from_tp(out, self.group)
+
+
+class SequenceChunkEmbedding(nn.Embedding):
+    """A replicated position embedding that, given all T positions, embeds this rank's chunk."""
+
+    def __init__(self, weight: torch.Tensor, tp_rank, tp_size):
+        super().__init__(*weight.shape, _weight=weight)  # _weight: no init drawn
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def forward(self, pos):
+        if pos.size(0) % self.tp_size:
+            raise ValueError(f"sequence parallelism: sequence length {pos.size(0)} is not divisible "
+                             f"by tp={self.tp_size}")
+        return super().forward(pos.chunk(self.tp_size, 0)[self.tp_rank])
+
+
+def _vocab_parallel_head_output(logits, targets, vocab_start: int, vocab_size: int, group):
+    """GPT.head_output for a vocabulary shard: the loss, or the logits of this rank's real columns."""
+    if targets is None:
+        return logits[..., :max(0, min(logits.size(-1), vocab_size - vocab_start))]
+    return vocab_parallel_cross_entropy(logits, targets, vocab_start, group, vocab_size=vocab_size)
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Set as `slice.tensor_parallel` by shard_for_tp."""
+
+    tp_rank: int
+    tp_size: int
+    sequence_parallel: bool
+
+
+# ---------------------------------------------------------------------------
+# Module replacement
+# ---------------------------------------------------------------------------
+def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parallel: bool = False) -> GPT:
+    """Replace `module`'s layers, in place, by tensor-parallel ones holding rank tp_rank's shard
+    of their current values (build the slice unsharded, e.g. from its init_seed, then shard).
+    `group`: the tp process group (None only when tp_size == 1). Returns `module`.
+
+    Don't call init_weights or load_from_full on the result: load shards with
+    load_state_dict(shard_state_dict(full_sd, tp_rank, tp_size)).
+    """
+    validate_tp(module.config, tp_size, sequence_parallel)
+    if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
+        raise ConfigError(f"tp_rank={tp_rank!r} must be an integer in [0, {tp_size})")
+    if getattr(module, "tensor_parallel", None) is not None:
+        raise ValueError("this model slice is already sharded for tensor parallelism")
+    if tp_size > 1 and (group is None or group_size(group) != tp_size):
+        got = "None" if group is None else f"a group of {group_size(group)} ranks"
+        raise ValueError(f"tp_size={tp_size} needs a tp process group of {tp_size} ranks, got {got}")
+    sp = sequence_parallel and tp_size > 1
+    module.tensor_parallel = TPLayout(tp_rank, tp_size, sp)
+    if tp_size == 1:
+        return module
+
+    def take(name: str, old: nn.Parameter) -> nn.Parameter:
+        shard = shard_tensor(name, old.detach(), tp_rank, tp_size)
+        return nn.Parameter(shard.clone(memory_format=torch.contiguous_format), requires_grad=old.requires_grad)
+
+    def meta(*shape) -> torch.Tensor:
+        return torch.empty(shape, device="meta")
+
+    def swap(new: nn.Module, old: nn.Module, prefix: str) -> nn.Module:
+        # new was built on the meta device (no init, no RNG drawn): give it the old one's shards
+        for pname, p in old.named_parameters(recurse=False):
+            setattr(new, pname, take(f"{prefix}.{pname}", p))
+        new.train(old.training)
+        return new
+
+    def column(old: SplitLinear, prefix: str) -> ColumnParallelLinear:
+        new = ColumnParallelLinear(old.in_features, old.out_features // tp_size, old.bias is not None,
+                                   group, sp, device="meta")
+        return swap(new, old, prefix)
+
+    def row(old: SplitLinear, prefix: str) -> RowParallelLinear:
+        new = RowParallelLinear(old.in_features // tp_size, old.out_features, old.bias is not None,
+                                group, sp, device="meta")
+        return swap(new, old, prefix)
+
+    for i, block in module.blocks.items():
+        p = f"blocks.{i}"
+        block.attn.qkv = column(block.attn.qkv, f"{p}.attn.qkv")
+        block.attn.proj = row(block.attn.proj, f"{p}.attn.proj")
+        block.attn.n_head //= tp_size
+        block.mlp.fc = column(block.mlp.fc, f"{p}.mlp.fc")
+        block.mlp.proj = row(block.mlp.proj, f"{p}.mlp.proj")
+
+    V_local = module.config.padded_vocab_size // tp_size
+    vocab_start = tp_rank * V_local
+    if module.embed:
+        old = module.wte
+        module.wte = swap(VocabParallelEmbedding(meta(V_local, old.embedding_dim), vocab_start, group, sp),
+                          old, "wte")
+        if sp:
+            old = module.wpe
+            module.wpe = swap(SequenceChunkEmbedding(meta(*old.weight.shape), tp_rank, tp_size), old, "wpe")
+    if module.head:
+        module.lm_head = column(module.lm_head, "lm_head")
+        if module.embed and module.config.tie_embeddings:
+            module.lm_head.weight = module.wte.weight  # the local vocabulary shard, shared
+        module.head_output = functools.partial(_vocab_parallel_head_output, vocab_start=vocab_start,
+                                               vocab_size=module.config.vocab_size, group=group)
+    return module
+
+
+def sequence_parallel_grad_params(module: GPT) -> list[torch.Tensor]:
+    """The parameters whose gradients are partial under sequence parallelism (every replicated
+    one: LayerNorms, row-parallel biases, wpe): all-reduce (sum) their .grad over the tp group
+    after the step's backward (all B, or all I and W), before clipping and the optimizer.
+    Empty without sequence parallelism (replicated gradients are then already whole)."""
+    layout = getattr(module, "tensor_parallel", None)
+    if layout is None or not layout.sequence_parallel:
+        return []
+    return [p for name, p in module.named_parameters() if tp_shard_spec(name) == REPLICATED]
