@@ -372,6 +372,11 @@ def run(stages, microbatches, microbatch_size, batch_size, schedule, virtual_sta
     from pipegpt.train import check, new_run_dir, resolve_device, run_job, under_torchrun
 
     check(cfg)  # refuse bad configurations before any process starts
+    if port is not None and not under_torchrun():
+        from pipegpt.comm.rpc import port_is_free
+
+        if not port_is_free(port):
+            raise ConfigError(f"port {port} is in use: choose a free port or leave --port out")
     out = Path(run_dir) if run_dir else new_run_dir()
     out.mkdir(parents=True, exist_ok=True)
     if not under_torchrun() or os.environ.get("RANK") == "0":

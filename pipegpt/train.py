@@ -28,7 +28,7 @@ from pipegpt.model import GPT
 from pipegpt.runtime import PipelineRuntime, last_gradient_actions
 from pipegpt.schedule import Plan, ScheduleError, build_plan, lower, validate
 from pipegpt.stages import Stage, partition_layers
-from pipegpt.stages.tensor_parallel import (REPLICATED, sequence_parallel_grad_params, shard_for_tp,
+from pipegpt.tensor_parallel import (REPLICATED, sequence_parallel_grad_params, shard_for_tp,
                                            tp_shard_spec, validate_tp)
 
 

@@ -48,7 +48,7 @@ def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
     import torch
 
     from pipegpt.comm.mesh import Grid
-    from pipegpt.stages.tensor_parallel import gather_full
+    from pipegpt.tensor_parallel import gather_full
 
     grid = Grid(cfg.dp, cfg.stages, cfg.tp)
     shards: dict[tuple[str, int], dict[int, object]] = {}

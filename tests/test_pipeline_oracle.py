@@ -182,7 +182,7 @@ def test_full_matrix(workers, schedule, p, m, recompute, tie):
     assert_matches(base_config(p, schedule=schedule, microbatches=m, recompute=recompute, model=model), workers(p))
 
 
-# The dp x pp x tp grid. Tensor-parallel gradients are gathered to full shape (stages.tensor_parallel.gather_full).
+# The dp x pp x tp grid. Tensor-parallel gradients are gathered to full shape (tensor_parallel.gather_full).
 GRIDS = [(1, 1, 2, "1f1b", False), (1, 2, 2, "1f1b", False), (1, 2, 2, "zb-h1", True), (2, 2, 1, "interleaved-1f1b", False),
          (2, 1, 2, "1f1b", True)]
 

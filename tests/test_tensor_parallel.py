@@ -18,7 +18,7 @@ from torch.testing import assert_close
 from pipegpt.comm.tensor_parallel import scatter_to_sequence, vocab_parallel_cross_entropy
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.model import GPT, SplitLinear, defer_weight_grads
-from pipegpt.stages.tensor_parallel import (DIM0, DIM1, QKV_DIM0, REPLICATED, gather_full,
+from pipegpt.tensor_parallel import (DIM0, DIM1, QKV_DIM0, REPLICATED, gather_full,
                                             gather_state_dicts, sequence_parallel_grad_params,
                                             shard_for_tp, shard_state_dict, shard_tensor, tp_shard_spec,
                                             validate_tp)

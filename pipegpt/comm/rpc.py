@@ -149,6 +149,11 @@ class Cluster:
                     try:
                         value = fut.wait()
                     except Exception as e:
+                        # A dead worker's connection can close before its exit code is visible:
+                        # give the process check a moment, so the cause named is the real one.
+                        for _ in range(10):
+                            time.sleep(POLL_S)
+                            self.check_alive()
                         raise WorkerFailure(r, _last_line(e)) from None
                     if isinstance(value, Failed):
                         raise WorkerFailure(r, value.cause)
@@ -254,10 +259,10 @@ class TorchrunCluster(Cluster):
     def __init__(self, timeout_s: float):
         self.world_size, self.timeout_s = int(os.environ["WORLD_SIZE"]), timeout_s
         self.rank = int(os.environ["RANK"])
-        # torchrun's store owns MASTER_PORT (c10d uses it through env://); RPC takes the next port.
-        init_method = f"tcp://{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}"
+        # torchrun's agent serves the store at MASTER_PORT and makes every rank its client
+        # (TORCHELASTIC_USE_AGENT_STORE): RPC, like c10d, must rendezvous through it.
         rpc.init_rpc(f"worker{self.rank}", rank=self.rank, world_size=self.world_size,
-                     rpc_backend_options=_rpc_options(init_method, timeout_s))
+                     rpc_backend_options=_rpc_options("env://", timeout_s))
 
     @property
     def is_driver(self) -> bool:

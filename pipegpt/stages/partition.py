@@ -26,8 +26,9 @@ def partition_layers(n_layer: int, num_stages: int, layers_per_stage: list[int] 
             raise ConfigError(f"layers-per-stage {','.join(map(str, counts))} has {len(counts)} entries "
                               f"but there are {num_stages} stages")
         if sum(counts) != n_layer:
+            even = ",".join(str(len(r)) for r in partition_layers(n_layer, num_stages)) if n_layer >= num_stages else ""
             raise ConfigError(f"layers-per-stage {','.join(map(str, counts))} sums to {sum(counts)} "
-                              f"but the model has n_layer={n_layer}")
+                              f"but the model has n_layer={n_layer}" + (f": e.g. {even}" if even else ""))
         for s, c in enumerate(counts):
             ends = s in (0, num_stages - 1)
             if c < 0 or (c == 0 and not ends):

@@ -1,0 +1,137 @@
+"""Module boundaries from DESIGN.md, each checked in a fresh interpreter.
+
+A child `python -c` imports the modules under test and prints which pipegpt modules and which
+top-level third-party modules ended up in sys.modules. Importing all submodules of a package in
+one interpreter checks each of them: whatever one of them loads is in the union. When the union
+breaks a boundary, the test names the submodule(s) responsible (one interpreter each).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = r"""
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+std = set(sys.stdlib_module_names)
+tops = {n.split(".")[0] for n in sys.modules}
+print(json.dumps({
+    "pipegpt": sorted(n for n in sys.modules if n == "pipegpt" or n.startswith("pipegpt.")),
+    "third_party": sorted(t for t in tops if t not in std and t != "pipegpt" and not t.startswith("_")
+                          and t not in sys.builtin_module_names),
+}))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(*modules: str) -> dict[str, list[str]]:
+    """pipegpt.* and top-level third-party modules loaded by importing `modules` in a fresh interpreter."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", PROBE, *modules], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    if proc.returncode != 0:  # not an AssertionError: a known violation's xfail must not absorb it
+        raise RuntimeError(f"importing {modules} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def submodules(package: str) -> list[str]:
+    """The package and every module under it, found on disk (nothing is imported here)."""
+    base = ROOT.joinpath(*package.split("."))
+    found = []
+    for path in sorted(base.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if all(part.isidentifier() for part in parts):
+            found.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return sorted(set(found))
+
+
+def _under(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def check(modules: list[str], forbidden_pipegpt=(), forbid_torch=False) -> None:
+    found = loaded(*modules)
+    bad = [n for n in found["pipegpt"] if _under(n, forbidden_pipegpt)]
+    if forbid_torch:
+        bad += [t for t in found["third_party"] if t == "torch" or t.startswith("torch")]
+    if bad and len(modules) > 1:  # name the culprits
+        culprits = {}
+        for m in modules:
+            one = loaded(m)
+            why = [n for n in one["pipegpt"] if _under(n, forbidden_pipegpt)]
+            why += [t for t in one["third_party"] if forbid_torch and t.startswith("torch")]
+            if why:
+                culprits[m] = why
+        pytest.fail(f"boundary broken: {culprits}")
+    assert not bad, f"importing {modules} loaded {bad}; everything loaded: {found}"
+
+
+# Imports that break a boundary today, by module: the test for each is an expected failure,
+# and strict, so it turns red (XPASS) the day the module is fixed and this entry can go.
+KNOWN_VIOLATIONS: dict[str, str] = {}
+
+
+def _split(package: str) -> tuple[list[str], list]:
+    mods = submodules(package)
+    clean = [m for m in mods if m not in KNOWN_VIOLATIONS]
+    known = [pytest.param(m, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                             reason=KNOWN_VIOLATIONS[m]), id=m)
+             for m in mods if m in KNOWN_VIOLATIONS]
+    return clean, known
+
+
+def test_schedule_loads_no_torch():
+    mods = submodules("pipegpt.schedule")
+    assert {"pipegpt.schedule.actions", "pipegpt.schedule.simulate", "pipegpt.schedule.render"} <= set(mods)
+    check(mods, forbid_torch=True)
+
+
+STAGES_FORBIDDEN = ("pipegpt.comm", "pipegpt.schedule", "pipegpt.runtime", "pipegpt.train")
+STAGES_CLEAN, STAGES_KNOWN = _split("pipegpt.stages")
+
+
+def test_stages_load_no_comm_schedule_runtime_or_train():
+    assert "pipegpt.stages" in STAGES_CLEAN and "pipegpt.stages.stage" in STAGES_CLEAN
+    check(STAGES_CLEAN, STAGES_FORBIDDEN)
+
+
+@pytest.mark.parametrize("module", STAGES_KNOWN or [pytest.param(None, marks=pytest.mark.skip("none known"))])
+def test_stages_known_violation(module):
+    check([module], STAGES_FORBIDDEN)
+
+
+def test_model_loads_no_comm_schedule_stages_runtime_or_train():
+    check(["pipegpt.model"], ("pipegpt.comm", "pipegpt.schedule", "pipegpt.stages", "pipegpt.runtime",
+                              "pipegpt.train"))
+
+
+def test_comm_loads_no_schedule_stages_model_runtime_or_train():
+    mods = submodules("pipegpt.comm")
+    assert {"pipegpt.comm.mesh", "pipegpt.comm.p2p", "pipegpt.comm.rpc"} <= set(mods)
+    check(mods, ("pipegpt.schedule", "pipegpt.stages", "pipegpt.model", "pipegpt.runtime", "pipegpt.train"))
+
+
+def test_cli_import_loads_no_torch():
+    found = loaded("pipegpt.cli")
+    assert "pipegpt.cli" in found["pipegpt"]
+    assert not [t for t in found["third_party"] if t.startswith("torch")], found
+    # Nor anything that needs torch.
+    assert not [n for n in found["pipegpt"] if _under(n, ("pipegpt.model", "pipegpt.stages", "pipegpt.comm",
+                                                          "pipegpt.runtime", "pipegpt.train"))], found
+
+
+def test_the_probe_sees_torch():
+    """The probe can fail: importing a torch-using module does show torch and the pipegpt modules."""
+    found = loaded(*STAGES_CLEAN)  # the same interpreter's answer as the stages test above
+    assert "torch" in found["third_party"]
+    assert {"pipegpt.model", "pipegpt.stages.stage"} <= set(found["pipegpt"])
