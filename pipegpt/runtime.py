@@ -37,6 +37,7 @@ class PipelineRuntime:
                  on_gradients_ready: Callable[[int], None] = lambda stage: None):
         self.plan, self.rank, self.stages, self.p2p = plan, rank, stages, p2p
         self.actions = plan.ranks[pipeline_ranks.index(rank)]
+        self.names = [str(a) for a in self.actions]  # trace labels, formatted once, not per step
         self.batch_end = dict(comm_batches(self.actions))
         # Data-parallel reduction of a stage's gradients can start while other stages still compute.
         self.gradients_ready_after = {i: s for s, i in last_gradient_actions(self.actions).items()}
@@ -64,11 +65,11 @@ class PipelineRuntime:
             if end is not None:
                 self._communicate(actions[i:end], inbox, outbox, in_flight)
                 t1 = clock()
-                events.extend((str(a), t0, t1) for a in actions[i:end])
+                events.extend((name, t0, t1) for name in self.names[i:end])
                 i = end
                 continue
             self._compute(actions[i], inputs, targets, inbox, outbox)
-            events.append((str(actions[i]), t0, clock()))
+            events.append((self.names[i], t0, clock()))
             if i in self.gradients_ready_after:
                 self.on_gradients_ready(self.gradients_ready_after[i])
             i += 1
