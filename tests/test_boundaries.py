@@ -76,38 +76,16 @@ def check(modules: list[str], forbidden_pipegpt=(), forbid_torch=False) -> None:
     assert not bad, f"importing {modules} loaded {bad}; everything loaded: {found}"
 
 
-# Imports that break a boundary today, by module: the test for each is an expected failure,
-# and strict, so it turns red (XPASS) the day the module is fixed and this entry can go.
-KNOWN_VIOLATIONS: dict[str, str] = {}
-
-
-def _split(package: str) -> tuple[list[str], list]:
-    mods = submodules(package)
-    clean = [m for m in mods if m not in KNOWN_VIOLATIONS]
-    known = [pytest.param(m, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                                             reason=KNOWN_VIOLATIONS[m]), id=m)
-             for m in mods if m in KNOWN_VIOLATIONS]
-    return clean, known
-
-
 def test_schedule_loads_no_torch():
     mods = submodules("pipegpt.schedule")
     assert {"pipegpt.schedule.actions", "pipegpt.schedule.simulate", "pipegpt.schedule.render"} <= set(mods)
     check(mods, forbid_torch=True)
 
 
-STAGES_FORBIDDEN = ("pipegpt.comm", "pipegpt.schedule", "pipegpt.runtime", "pipegpt.train")
-STAGES_CLEAN, STAGES_KNOWN = _split("pipegpt.stages")
-
-
 def test_stages_load_no_comm_schedule_runtime_or_train():
-    assert "pipegpt.stages" in STAGES_CLEAN and "pipegpt.stages.stage" in STAGES_CLEAN
-    check(STAGES_CLEAN, STAGES_FORBIDDEN)
-
-
-@pytest.mark.parametrize("module", STAGES_KNOWN or [pytest.param(None, marks=pytest.mark.skip("none known"))])
-def test_stages_known_violation(module):
-    check([module], STAGES_FORBIDDEN)
+    mods = submodules("pipegpt.stages")
+    assert "pipegpt.stages" in mods and "pipegpt.stages.stage" in mods
+    check(mods, ("pipegpt.comm", "pipegpt.schedule", "pipegpt.runtime", "pipegpt.train"))
 
 
 def test_model_loads_no_comm_schedule_stages_runtime_or_train():
