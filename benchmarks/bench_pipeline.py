@@ -170,6 +170,29 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
 
     sampler = sampler_for(spec) if (0 in mine or last in mine) else None
     step_times, losses = [], []
+    action_times: dict[str, list[float]] = {"F": [], "B": [], "wait": [], "step_wait": []}
+    if spec.get("instrument"):  # per-action compute and p2p wait times, to compare with pipegpt's trace
+        from torch.distributed.pipelining import schedules as _sched
+
+        _orig_wait = _sched._wait_batch_p2p
+
+        def _timed_wait(work, _orig=_orig_wait):
+            t = time.perf_counter()
+            try:
+                return _orig(work)
+            finally:
+                action_times["wait"].append(time.perf_counter() - t)
+
+        _sched._wait_batch_p2p = _timed_wait
+        for st in stages:
+            for name, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+                def timed(*a, _orig=getattr(st, attr), _name=name, **k):
+                    t = time.perf_counter()
+                    try:
+                        return _orig(*a, **k)
+                    finally:
+                        action_times[_name].append(time.perf_counter() - t)
+                setattr(st, attr, timed)
     profile = None
     if spec.get("cprofile") and rank == spec.get("cprofile_rank", 0):
         import cProfile
@@ -195,6 +218,9 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
             dist.all_reduce(copy.grad, group=tie_group)
         clip_(named, counted_twice, spec["grad_clip"])
         optimizer.step()
+        if spec.get("instrument"):
+            action_times["step_wait"].append(sum(action_times["wait"]))
+            action_times["wait"].clear()
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
         step_times.append(float(elapsed))
@@ -204,10 +230,12 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
     if profile is not None:
         profile.disable()
         profile.dump_stats(spec["cprofile"])
-    peaks = [None] * world
+    peaks, actions = [None] * world, [None] * world
     dist.all_gather_object(peaks, peak_rss_bytes())
+    dist.all_gather_object(actions, action_times)
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"step_times": step_times, "losses": losses, "peak_memory_per_rank": peaks}))
+        Path(out_path).write_text(json.dumps({"step_times": step_times, "losses": losses, "peak_memory_per_rank": peaks,
+                                              "action_times": actions}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -410,6 +438,30 @@ def describe(base: dict, schedules: list[str], contenders: list[str], args) -> s
     return "\n".join(lines)
 
 
+def _cpu_accounting() -> tuple[float, float, float]:
+    """(wall s, machine busy CPU s from /proc/stat, CPU s of this process and its finished children)."""
+    import resource
+
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    own = sum(getattr(resource.getrusage(w), a) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for a in ("ru_utime", "ru_stime"))
+    return time.monotonic(), busy, own
+
+
+def _other_load(before, after, cores: int) -> str:
+    """How much CPU processes outside this benchmark took while it ran: they make every number noisier."""
+    wall = after[0] - before[0]
+    other = max(0.0, (after[1] - before[1]) - (after[2] - before[2]))
+    share = other / (wall * cores) if wall > 0 else 0.0
+    line = (f"other processes used {share:.0%} of the machine's {cores} cores during the benchmark "
+            f"(load average now {os.getloadavg()[0]:.1f})")
+    if share > 0.10:
+        line += ": absolute numbers are inflated and noisy; ratios between interleaved contenders hold up better"
+    return line
+
+
 def _param_count(m: dict) -> int:
     V, C, L, T = m["vocab_size"], m["n_embd"], m["n_layer"], m["seq_len"]
     per_block = 12 * C * C + 13 * C if m["bias"] else 12 * C * C + 2 * C
@@ -487,23 +539,37 @@ def main(argv=None) -> int:
 
     results: dict[str, list[dict]] = {label: [] for label in contenders}
     t_start = time.perf_counter()
+    cpu_before = _cpu_accounting()
+    failures: dict[str, list[str]] = {label: [] for label in contenders}
     for rep in range(args.repeats):
         for label, kind, s, spec in jobs:
-            r = run_contender(kind, spec, args.timeout)
+            try:
+                r = run_contender(kind, spec, args.timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # one failed run must not lose the others
+                lines = [ln for ln in str(e).splitlines() if ln.strip()]
+                why = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else type(e).__name__)
+                failures[label].append(why.strip())
+                print(f"  repeat {rep + 1}/{args.repeats}  {label:<34} FAILED: {why.strip()}", file=sys.stderr, flush=True)
+                continue
             results[label].append(r)
             med = 1000 * median(r["step_times"][args.warmup:])
             print(f"  repeat {rep + 1}/{args.repeats}  {label:<34} median step {med:8.1f} ms  "
                   f"(run took {r['wall_s']:.1f} s)", file=sys.stderr, flush=True)
 
-    summary = {label: summarize(results[label], jobs[i][3]) for i, label in enumerate(contenders)}
+    summary = {label: summarize(results[label], jobs[i][3]) for i, label in enumerate(contenders) if results[label]}
     ref = {s: summary[f"pipegpt {s}"] for s in schedules if f"pipegpt {s}" in summary}
     first_ref = next(iter(ref.items()), None)
     head = ["contender", "tokens/s", "step ms", "(repeat medians)", "vs pipegpt", "peak RSS/rank MiB", "loss first->last"]
     rows = [head]
     for label, kind, s, spec in jobs:
+        if label not in summary:
+            rows.append([label + " (every run failed)", "-", "-", "-", "-", "-", "-"])
+            continue
         sm = summary[label]
-        if kind == "pipegpt" or (kind == "torch" and s in ref):
-            ratio = f"x{sm['tokens_per_s'] / ref[s]['tokens_per_s']:.2f}"
+        if failures[label]:
+            label += f" ({len(failures[label])} of {args.repeats} runs failed)"
+        if kind in ("pipegpt", "torch"):
+            ratio = f"x{sm['tokens_per_s'] / ref[s]['tokens_per_s']:.2f}" if s in ref else "-"
         elif first_ref is not None:
             ratio = f"x{sm['tokens_per_s'] / first_ref[1]['tokens_per_s']:.2f}" + \
                     (f" ({first_ref[0]})" if len(ref) > 1 else "")
@@ -517,10 +583,14 @@ def main(argv=None) -> int:
     print(format_table(rows, right={1, 2, 3}))
     for s, why in skipped.items():
         print(f"skipped {s}: {why}")
+    for label, whys in failures.items():
+        for why in sorted(set(whys)):
+            print(f"failed {label}: {why}")
     print(f"\n(total benchmark wall time {time.perf_counter() - t_start:.0f} s; ratio = tokens/s / pipegpt's with the "
           f"same schedule; peak RSS = max RSS of each worker process, torch library included)")
+    print(_other_load(cpu_before, _cpu_accounting(), base["cores"]))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"config": base, "schedules": schedules, "results": results,
+        Path(args.json_out).write_text(json.dumps({"config": base, "schedules": schedules, "results": results, "failures": failures,
                                                    "summary": summary}, indent=1))
     return 0
 
