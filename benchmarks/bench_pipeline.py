@@ -54,14 +54,19 @@ MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDual
 # ----------------------------------------------------------------------------------------------------------
 # Layout shared by every contender: which model stages exist and which rank holds them (same as pipegpt).
 
+def virtual_stages_for(schedule: str, virtual_stages: int | None) -> int | None:
+    """--virtual-stages as the schedule gets it: only where it applies (elsewhere the schedule's own)."""
+    from pipegpt.schedule import schedule_spec
+
+    return virtual_stages if schedule_spec(schedule).takes_virtual_stages else None
+
+
 def stage_layout(schedule: str, ranks: int, virtual_stages: int | None) -> tuple[int, list[int]]:
-    """(number of model stages, stage -> rank), exactly as pipegpt's generators place them."""
-    if schedule == "interleaved-1f1b":
-        v = virtual_stages or 2
-        return ranks * v, [s % ranks for s in range(ranks * v)]
-    if schedule in ("zbv", "dualpipev"):
-        return 2 * ranks, list(range(ranks)) + list(reversed(range(ranks)))
-    return ranks, list(range(ranks))
+    """(number of model stages, stage -> rank), as pipegpt's schedule registry places them."""
+    from pipegpt.schedule import schedule_spec
+
+    stage_to_rank = schedule_spec(schedule).stage_to_rank(ranks, virtual_stages_for(schedule, virtual_stages))
+    return len(stage_to_rank), list(stage_to_rank)
 
 
 def model_cfg(spec: dict):
@@ -127,9 +132,8 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
     num_stages, stage_to_rank = stage_layout(spec["schedule"], world, spec["virtual_stages"])
     last = num_stages - 1
     ranges = partition_layers(cfg.n_layer, num_stages)
+    # Ascending: on a V that is [rank, 2p-1-rank], the order torch's V schedules want.
     mine = [s for s in range(num_stages) if stage_to_rank[s] == rank]
-    if spec["schedule"] in ("zbv", "dualpipev"):
-        mine = [rank, 2 * world - 1 - rank]  # torch's V schedules want the stages in this order
     modules = {s: GPT(cfg, layers=ranges[s], embed=s == 0, head=s == last, init_seed=spec["seed"]) for s in mine}
     tied_here = cfg.tie_embeddings and last != 0 and {0, last} <= set(mine)
     if tied_here:  # both ends of a V on this rank: one shared tensor, as pipegpt does
@@ -301,8 +305,9 @@ def pipegpt_command(spec: dict, run_dir: str) -> list[str]:
             "--seq-len", str(mdl["seq_len"]), "--lr", str(spec["lr"]), "--grad-clip", str(spec["grad_clip"]),
             "--seed", str(spec["seed"]), "--device", "cpu", "--run-dir", run_dir,
             "--log-every", str(10 ** 6), "--threads-per-worker", str(spec["threads_per_worker"])]
-    if spec["schedule"] == "interleaved-1f1b" and spec["virtual_stages"]:
-        cmd += ["--virtual-stages", str(spec["virtual_stages"])]
+    v = virtual_stages_for(spec["schedule"], spec["virtual_stages"])
+    if v:
+        cmd += ["--virtual-stages", str(v)]
     return cmd
 
 
@@ -369,7 +374,7 @@ def check_schedule(base: dict, schedule: str) -> str | None:
 
     try:
         plan = build_plan(schedule, base["stages"], base["microbatches"],
-                          base["virtual_stages"] if schedule == "interleaved-1f1b" else None)
+                          virtual_stages_for(schedule, base["virtual_stages"]))
         partition_layers(base["model"]["n_layer"], plan.num_stages)
     except (ScheduleError, ConfigError) as e:
         return " ".join(str(e).split())
@@ -420,8 +425,8 @@ def describe(base: dict, schedules: list[str], contenders: list[str], args) -> s
         f"= {tokens} tokens/step",
     ]
     for s in schedules:
-        num_stages, s2r = stage_layout(s, base["stages"], base["virtual_stages"])
         why = check_schedule(base, s)
+        num_stages, s2r = stage_layout(s, base["stages"], base["virtual_stages"]) if why is None else (0, [])
         split = [len(r) for r in partition_layers(m["n_layer"], num_stages)] if why is None else None
         torch_name = TORCH_SCHEDULES.get(s)
         lines.append(f"schedule    {s} -> torch {torch_name or '(none)'}; "

@@ -85,7 +85,7 @@ def _costs_for(spec: str | None, plan):
 
 
 def _split_names(schedule: str) -> list[str]:
-    from pipegpt.schedule.generators import SCHEDULES
+    from pipegpt.schedule.registry import SCHEDULES
 
     if schedule.strip().lower() == "all":
         return list(SCHEDULES)
@@ -195,7 +195,7 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
     pipegpt simulate --schedule-file my_plan.txt --out plan.html
     """
     from pipegpt.schedule import render
-    from pipegpt.schedule.generators import build_plan
+    from pipegpt.schedule.registry import schedule_spec
     from pipegpt.schedule.simulate import simulate as run_simulation
 
     if out is not None:
@@ -224,8 +224,11 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
         several = len(names) > 1
 
         def job(name):
-            v = virtual_stages if (name == "interleaved-1f1b" or not several) else None
-            return lambda: build_plan(name, stages, microbatches, v)
+            spec = schedule_spec(name)
+            # Among several schedules, --virtual-stages goes to those it applies to; alone, a misfit is an error.
+            v = virtual_stages if (spec.takes_virtual_stages or not several) else None
+            return lambda: spec.build(stages, microbatches, v)
+
 
         jobs = [(name, job(name)) for name in names]
 

@@ -14,7 +14,7 @@ import torch
 
 from pipegpt.comm.p2p import Message, PointToPoint
 from pipegpt.schedule.actions import Action, Kind, Plan
-from pipegpt.schedule.lowering import comm_batches
+from pipegpt.schedule.messages import comm_batches
 from pipegpt.stages import Stage
 
 

@@ -1,7 +1,8 @@
 """Schedules as data: pure Python, no torch (so `pipegpt simulate` starts instantly)."""
-from .actions import Action, Kind, Plan, ScheduleError
-from .generators import SCHEDULES, build_plan
+from .actions import Action, Kind, Plan, PlanError, ScheduleError
 from .lowering import lower
-from .validate import PlanError, validate
+from .registry import SCHEDULES, ScheduleSpec, build_plan, schedule_spec
+from .validate import validate
 
-__all__ = ["Action", "Kind", "Plan", "PlanError", "ScheduleError", "SCHEDULES", "build_plan", "lower", "validate"]
+__all__ = ["Action", "Kind", "Plan", "PlanError", "ScheduleError", "SCHEDULES", "ScheduleSpec", "build_plan",
+           "lower", "schedule_spec", "validate"]

@@ -132,3 +132,24 @@ class Plan:
 
     def as_strings(self) -> list[list[str]]:
         return [[str(a) for a in acts] for acts in self.ranks]
+
+
+class PlanError(ScheduleError):
+    """A plan cannot run: names the rank and the step and shows the plan around it."""
+
+    def __init__(self, plan: Plan, rank: int, step: int, problem: str):
+        self.rank, self.step = rank, step
+        super().__init__(f"rank {rank} step {step} ({_at(plan, rank, step)}): {problem}; plan around it: "
+                         f"{context(plan, rank, step)}")
+
+
+def _at(plan: Plan, rank: int, step: int) -> str:
+    actions = plan.ranks[rank]
+    return str(actions[step]) if 0 <= step < len(actions) else "end"
+
+
+def context(plan: Plan, rank: int, step: int, radius: int = 4) -> str:
+    actions = plan.ranks[rank]
+    lo, hi = max(0, step - radius), min(len(actions), step + radius + 1)
+    shown = [f"[{a}]" if i == step else str(a) for i, a in enumerate(actions[lo:hi], start=lo)]
+    return f"rank {rank}: " + ("... " if lo else "") + " ".join(shown) + (" ..." if hi < len(actions) else "")

@@ -1,12 +1,11 @@
 """Schedule generators: plain integers in, a Plan of compute actions out.
 
 Each generator returns, per rank, the ordered F/B/I/W actions; lowering.py adds
-the communication. All are found by name in SCHEDULES.
+the communication. registry.py names them and declares their placement.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
 
 from .actions import Action, Kind, Plan, ScheduleError, B, F, I, W
 
@@ -76,13 +75,17 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int 
             acts += [fwd[warmup + i], bwd[i]]
         acts += bwd[total - warmup:]
         ranks.append(tuple(acts))
-    stage_to_rank = tuple(s % p for s in range(p * v))
-    return Plan("interleaved-1f1b", m, stage_to_rank, tuple(ranks), meta={"virtual_stages": v})
+    return Plan("interleaved-1f1b", m, looped(p, v), tuple(ranks), meta={"virtual_stages": v})
 
 
-def v_shape(num_ranks: int) -> tuple[int, ...]:
-    """Stage s on rank s going down, then back up: rank r holds stages r and 2p-1-r."""
-    return tuple(list(range(num_ranks)) + list(reversed(range(num_ranks))))
+def looped(num_ranks: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Rank r holds stages r, r+p, r+2p, ...: one stage per rank at v=1, Megatron's interleaving above."""
+    return tuple(s % num_ranks for s in range(num_ranks * virtual_stages))
+
+
+def v_shape(num_ranks: int, virtual_stages: int = 2) -> tuple[int, ...]:
+    """Stage s on rank s going down, then back up: rank r holds stages r and 2p-1-r (a zigzag past v=2)."""
+    return tuple(r if c % 2 == 0 else num_ranks - 1 - r for c in range(virtual_stages) for r in range(num_ranks))
 
 
 def _greedy_zero_bubble(stage_to_rank: tuple[int, ...], m: int, limits: list[int]) -> list[list[Action]]:
@@ -255,27 +258,3 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Plan:
             weight()
         ranks.append(tuple(acts))
     return Plan("dualpipev", m, v_shape(p), tuple(ranks))
-
-
-SCHEDULES: dict[str, Callable[..., Plan]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-h1": zb_h1,
-    "zbv": zbv,
-    "dualpipev": dualpipev,
-}
-
-
-def build_plan(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Plan:
-    """Look a schedule up by name and generate its compute plan."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
-    if name == "interleaved-1f1b":
-        return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages or 2)
-    if virtual_stages not in (None, 1) and not (name in ("zbv", "dualpipev") and virtual_stages == 2):
-        raise ScheduleError(
-            f"virtual-stages={virtual_stages} only applies to interleaved-1f1b "
-            f"(zbv and dualpipev always use 2); leave it out for {name}"
-        )
-    return SCHEDULES[name](num_ranks, num_microbatches)

@@ -15,25 +15,8 @@ from __future__ import annotations
 
 import heapq
 
-from .actions import Action, Kind, Plan
-
-
-def _sends_after(action: Action, plan: Plan) -> list[Action]:
-    s, mb, owner = action.stage, action.microbatch, plan.stage_to_rank[action.stage]
-    if action.kind is Kind.F and s + 1 < plan.num_stages and plan.stage_to_rank[s + 1] != owner:
-        return [Action(s, Kind.SEND_F, mb)]
-    if action.kind in (Kind.B, Kind.I) and s > 0 and plan.stage_to_rank[s - 1] != owner:
-        return [Action(s, Kind.SEND_B, mb)]
-    return []
-
-
-def _recvs_before(action: Action, plan: Plan) -> list[Action]:
-    s, mb, owner = action.stage, action.microbatch, plan.stage_to_rank[action.stage]
-    if action.kind is Kind.F and s > 0 and plan.stage_to_rank[s - 1] != owner:
-        return [Action(s, Kind.RECV_F, mb)]
-    if action.kind in (Kind.B, Kind.I) and s + 1 < plan.num_stages and plan.stage_to_rank[s + 1] != owner:
-        return [Action(s, Kind.RECV_B, mb)]
-    return []
+from .actions import Action, Kind, Plan, PlanError
+from .messages import peer, recvs_before, sends_after
 
 
 # Unit costs used only to pick where messages meet; any valid costs give a valid order.
@@ -73,7 +56,7 @@ def lower(plan: Plan) -> Plan:
     while events:
         now, r = heapq.heappop(events)
         if running[r] is not None:
-            outbox[r] += _sends_after(running[r], plan)
+            outbox[r] += sends_after(running[r], plan)
             running[r] = None
         for send in list(outbox[r]):  # hand outputs to consumers already waiting for them
             dst, recv = peer(send, plan)
@@ -83,7 +66,7 @@ def lower(plan: Plan) -> Plan:
             idle[r] = True
             continue
         action = plan.ranks[r][pos[r]]
-        needs = [a for a in _recvs_before(action, plan) if a not in received[r]]
+        needs = [a for a in recvs_before(action, plan) if a not in received[r]]
         if needs:
             src, send = peer(needs[0], plan)
             if send in outbox[src] and idle[src]:
@@ -98,45 +81,7 @@ def lower(plan: Plan) -> Plan:
 
     stuck = [r for r in range(num_ranks) if pos[r] < len(plan.ranks[r]) or outbox[r]]
     if stuck:
-        from .validate import PlanError  # only reached for plans that fail validation anyway
-
         r = stuck[0]
         raise PlanError(plan, r, pos[r], f"cannot be lowered: waits for {waiting[r]}")
     return plan.with_ranks(lowered)
 
-
-def messages(plan: Plan) -> list[set[Action]]:
-    """Per rank, the SEND and RECV actions a lowered plan must contain."""
-    wanted: list[set[Action]] = [set() for _ in range(plan.num_ranks)]
-    for r, actions in enumerate(plan.ranks):
-        for a in actions:
-            if a.kind.is_compute:
-                wanted[r].update(_recvs_before(a, plan) + _sends_after(a, plan))
-    return wanted
-
-
-def peer(action: Action, plan: Plan) -> tuple[int, Action]:
-    """The rank on the other end of a comm action, and the action it runs there."""
-    kind = action.kind
-    if kind is Kind.SEND_F:
-        partner = Action(action.stage + 1, Kind.RECV_F, action.microbatch)
-    elif kind is Kind.RECV_F:
-        partner = Action(action.stage - 1, Kind.SEND_F, action.microbatch)
-    elif kind is Kind.SEND_B:
-        partner = Action(action.stage - 1, Kind.RECV_B, action.microbatch)
-    else:
-        partner = Action(action.stage + 1, Kind.SEND_B, action.microbatch)
-    return plan.stage_to_rank[partner.stage], partner
-
-
-def comm_batches(actions) -> list[tuple[int, int]]:
-    """Index ranges [start, end) of each maximal run of comm actions in a rank's list."""
-    batches, start = [], None
-    for i, a in enumerate(list(actions) + [None]):
-        is_comm = a is not None and a.kind.is_comm
-        if is_comm and start is None:
-            start = i
-        elif not is_comm and start is not None:
-            batches.append((start, i))
-            start = None
-    return batches

@@ -6,27 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .actions import Action, Kind, Plan, ScheduleError
-from .lowering import comm_batches, messages, peer
-
-
-class PlanError(ScheduleError):
-    def __init__(self, plan: Plan, rank: int, step: int, problem: str):
-        self.rank, self.step = rank, step
-        super().__init__(f"rank {rank} step {step} ({_at(plan, rank, step)}): {problem}; plan around it: "
-                         f"{context(plan, rank, step)}")
-
-
-def _at(plan: Plan, rank: int, step: int) -> str:
-    actions = plan.ranks[rank]
-    return str(actions[step]) if 0 <= step < len(actions) else "end"
-
-
-def context(plan: Plan, rank: int, step: int, radius: int = 4) -> str:
-    actions = plan.ranks[rank]
-    lo, hi = max(0, step - radius), min(len(actions), step + radius + 1)
-    shown = [f"[{a}]" if i == step else str(a) for i, a in enumerate(actions[lo:hi], start=lo)]
-    return f"rank {rank}: " + ("... " if lo else "") + " ".join(shown) + (" ..." if hi < len(actions) else "")
+from .actions import Action, Kind, Plan, PlanError, ScheduleError
+from .messages import comm_batches, messages, peer
 
 
 def dependencies(action: Action, plan: Plan) -> list[Action]:
