@@ -229,7 +229,6 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
             v = virtual_stages if (spec.takes_virtual_stages or not several) else None
             return lambda: spec.build(stages, microbatches, v)
 
-
         jobs = [(name, job(name)) for name in names]
 
     several = len(jobs) > 1
@@ -372,7 +371,8 @@ def run(stages, microbatches, microbatch_size, batch_size, schedule, virtual_sta
         raise ConfigError(f"--data {data}: no such file (a flat uint16 token file; leave it out for the built-in corpus)")
     warnings.filterwarnings("ignore", category=UserWarning)
     from pipegpt.comm.rpc import WorkerFailure
-    from pipegpt.train import check, new_run_dir, resolve_device, run_job, under_torchrun
+    from pipegpt.devices import resolve_device, under_torchrun
+    from pipegpt.train import check, new_run_dir, run_job
 
     check(cfg)  # refuse bad configurations before any process starts
     if port is not None and not under_torchrun():
@@ -384,7 +384,7 @@ def run(stages, microbatches, microbatch_size, batch_size, schedule, virtual_sta
     out.mkdir(parents=True, exist_ok=True)
     if not under_torchrun() or os.environ.get("RANK") == "0":
         click.echo(f"pipegpt: {model.n_layer}-layer GPT ({preset}), {cfg.world_size} workers on "
-                   f"{resolve_device(cfg)}, schedule {schedule}, {microbatches} microbatches x {microbatch_size} "
+                   f"{resolve_device(cfg.device, cfg.world_size)}, schedule {schedule}, {microbatches} microbatches x {microbatch_size} "
                    f"sequences x {model.seq_len} tokens; run dir {out}")
 
     def on_step(m):

@@ -6,7 +6,6 @@ waited for before the next compute, sends only when their buffer is released.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,13 +15,14 @@ from pipegpt.comm.p2p import Message, PointToPoint
 from pipegpt.schedule.actions import Action, Kind, Plan
 from pipegpt.schedule.messages import comm_batches
 from pipegpt.stages import Stage
+from pipegpt.timing import clock_for
 
 
 @dataclass
 class StepResult:
     losses: list[float]  # per microbatch, on the rank holding the last stage
-    # (action, start_s, end_s) on time.perf_counter(), which on Linux is one clock for every
-    # process of the machine, so ranks' events line up in one timeline.
+    # (action, start_s, end_s) on time.perf_counter()'s time line, which on Linux is one clock for
+    # every process of the machine, so ranks' events line up in one timeline (pipegpt.timing).
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
 
@@ -45,6 +45,7 @@ class PipelineRuntime:
         # Global rank that owns each stage in this rank's pipeline.
         self.owner = [pipeline_ranks[r] for r in plan.stage_to_rank]
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
+        self.clock = clock_for(torch.device(device))
 
     def _tag(self, sender_stage: int, mb: int, backward: bool) -> int:
         # Tags keep messages apart where the backend honours them (gloo); NCCL matches by
@@ -56,8 +57,9 @@ class PipelineRuntime:
         inbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to consume
         outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to send
         in_flight: list[tuple[Message, Action]] = []
-        events: list[tuple[str, float, float]] = []
-        clock = time.perf_counter
+        events: list = []
+        self.clock.start()
+        clock = self.clock.mark
         i, actions = 0, self.actions
         while i < len(actions):
             t0 = clock()
@@ -75,8 +77,10 @@ class PipelineRuntime:
             i += 1
         for message, action in in_flight:
             self.p2p.wait(message)
-        losses = [float(loss) for stage in self.stages.values() for loss in stage.pop_losses()]
-        return StepResult(losses, events)
+        self.p2p.settle()
+        losses = [loss for stage in self.stages.values() for loss in stage.pop_losses()]
+        losses = torch.stack(losses).tolist() if losses else []  # one device-to-host transfer
+        return StepResult(losses, self.clock.resolve(events))
 
     def _compute(self, a: Action, inputs, targets, inbox, outbox) -> None:
         stage, s, mb = self.stages[a.stage], a.stage, a.microbatch

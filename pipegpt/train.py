@@ -5,6 +5,7 @@ over RPC, one control message per step; activations never pass through it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from pipegpt.comm.mesh import Grid, init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.comm.rpc import reports_failures
 from pipegpt.config import ConfigError, TrainConfig
+from pipegpt.devices import cuda_device_index, local_world_size, resolve_device, under_torchrun
 from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer, load_token_file
 from pipegpt.model import GPT
 from pipegpt.runtime import PipelineRuntime, last_gradient_actions
@@ -39,12 +41,6 @@ def make_plan(cfg: TrainConfig) -> Plan:
         raise ConfigError(str(e)) from None
 
 
-def resolve_device(cfg: TrainConfig) -> str:
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world_size else "cpu"
-    return cfg.device
-
-
 def check(cfg: TrainConfig) -> Plan:
     """Everything that can be refused before a worker starts; returns the plan."""
     cfg.validate()
@@ -53,9 +49,9 @@ def check(cfg: TrainConfig) -> Plan:
         raise ConfigError("sequence parallelism shards along the sequence across tensor-parallel ranks: use it with --tp 2 or more")
     plan = make_plan(cfg)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.layers_per_stage)
-    if resolve_device(cfg) == "cuda":
+    if resolve_device(cfg.device, cfg.world_size) == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+        local = local_world_size(cfg.world_size)
         if have < local:
             raise ConfigError(f"device=cuda needs one GPU per rank on this machine ({local}), "
                               f"but {have} are visible: use --device cpu or fewer ranks")
@@ -106,30 +102,46 @@ def _fail_now(kind: str, rank: int, step: int) -> None:
     raise ValueError(f"{FAULT_ENV} kind {kind!r} is not one of raise, exit, freeze")
 
 
+def actor_method(method):
+    """An actor method, called over RPC: it runs on one of the RPC agent's pool threads, where the
+    current CUDA device is per thread, so it enters the worker's device first; and any exception
+    reaches the driver as a Failed (reports_failures)."""
+
+    @functools.wraps(method)
+    def on_device(self, *args, **kwargs):
+        device = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
+        return method(self, *args, **kwargs)
+
+    wrapped = reports_failures(on_device)
+    wrapped.is_actor_method = True
+    return wrapped
+
+
 class Worker:
-    """The actor on one rank: owns its model stages, its optimizer and its runtime."""
+    """The actor on one rank: owns its model stages, its optimizer, its runtime and its device."""
 
     def __init__(self, rank: int, cfg: TrainConfig, init_method: str):
         # Nothing here can fail: the work is in start(), whose failure the driver hears about.
         self.rank, self.cfg, self.init_method = rank, cfg, init_method
 
-    @reports_failures
+    @actor_method
     def start(self) -> dict:
         rank, cfg, init_method = self.rank, self.cfg, self.init_method
-        self.device = torch.device(resolve_device(cfg))
+        self.device = torch.device(resolve_device(cfg.device, cfg.world_size))
         if self.device.type == "cuda":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            self.device = torch.device("cuda", cuda_device_index(rank))
             torch.cuda.set_device(self.device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
         # Every schedule puts the first stage on pipeline rank 0 and the last on rank 0 or pp-1,
         # so this group serves any plan a later build() brings.
-        self.mesh = init_mesh(Grid(cfg.dp, cfg.stages, cfg.tp), rank, backend, init_method, cfg.timeout_s,
+        self.mesh = init_mesh(Grid(cfg.dp, cfg.stages, cfg.tp), rank, self.device, init_method, cfg.timeout_s,
                               embedding_pp_indices=(0, cfg.stages - 1))
-        self.p2p = PointToPoint(rank, cfg.timeout_s)
+        self.p2p = PointToPoint(rank, cfg.timeout_s, self.device.type)
         self.fault = planned_fault(rank)
         return self.build(cfg)
 
-    @reports_failures
+    @actor_method
     def build(self, cfg: TrainConfig) -> dict:
         """(Re)build model stages, optimizer and runtime for cfg on the existing process group."""
         self.cfg = cfg
@@ -197,7 +209,7 @@ class Worker:
                 copies.append(stage.module.get_parameter(local))
         return copies
 
-    @reports_failures
+    @actor_method
     def step(self, step: int) -> dict:
         if self.fault and self.fault[1] == step:
             _fail_now(self.fault[0], self.rank, step)
@@ -210,8 +222,8 @@ class Worker:
             x, y = self.sampler.batch(step)
             lo = self.mesh.dp_index * cfg.microbatches * cfg.microbatch_size
             x, y = x[lo:lo + cfg.microbatches * cfg.microbatch_size], y[lo:lo + cfg.microbatches * cfg.microbatch_size]
-            inputs = list(x.to(self.device).split(cfg.microbatch_size))
-            targets = list(y.to(self.device).split(cfg.microbatch_size))
+            inputs = list(self._to_device(x).split(cfg.microbatch_size))
+            targets = list(self._to_device(y).split(cfg.microbatch_size))
         result = self.runtime.step(inputs, targets)
         if self.averager:
             self.averager.finish()
@@ -222,8 +234,15 @@ class Worker:
             dist.all_reduce(copy.grad, group=self.mesh.group("embedding"))
         grad_norm = self._clip_gradients()
         self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step is done when its kernels are, not launched
         return {"rank": self.rank, "losses": result.losses, "events": result.events,
                 "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0, "peak_memory": self._peak_memory()}
+
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # pinned, so the copy overlaps with the host's next steps
+            return batch.pin_memory().to(self.device, non_blocking=True)
+        return batch
 
     def _clip_gradients(self) -> float:
         """Global gradient norm over one model replica, each value counted once, then clip.
@@ -252,7 +271,7 @@ class Worker:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
-    @reports_failures
+    @actor_method
     def describe(self) -> dict:
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO wraps this rank's shard
         state_bytes = sum(t.numel() * t.element_size() for state in optimizer.state.values()
@@ -262,15 +281,15 @@ class Worker:
                 "parameter_bytes": sum(p.numel() * p.element_size() for _, p in self.named_params),
                 "optimizer_state_bytes": state_bytes}
 
-    @reports_failures
+    @actor_method
     def named_grads(self) -> dict[str, torch.Tensor]:
         return {n: p.grad.detach().cpu().clone() for n, p in self.named_params if p.grad is not None}
 
-    @reports_failures
+    @actor_method
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().cpu().clone() for n, p in self.named_params}
 
-    @reports_failures
+    @actor_method
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -334,10 +353,6 @@ def measured_timeline(results: list[dict], plan: Plan):
               for r in results for name, start, end in r["events"]]
     return Timeline(events, len(results), schedule=plan.name, num_microbatches=plan.num_microbatches,
                     stage_to_rank=plan.stage_to_rank, time_unit="s")
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ)
 
 
 def run_job(cfg: TrainConfig, run_dir: Path, port: int | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -64,17 +65,21 @@ class Mesh:
         return self.groups.get(name)
 
 
-def init_mesh(grid: Grid, rank: int, backend: str, init_method: str, timeout_s: float,
+def init_mesh(grid: Grid, rank: int, device: torch.device, init_method: str, timeout_s: float,
               embedding_pp_indices: tuple[int, ...] = ()) -> Mesh:
-    """Join the default process group and create every subgroup.
+    """Join the default process group (NCCL on CUDA, gloo on CPU) and create every subgroup.
 
     new_group must be called by every rank for every group in the same order,
     so each rank builds all of them and keeps the ones it belongs to.
     embedding_pp_indices: pipeline positions that hold a copy of the tied
     embedding (first and last stage) and must sum its gradient.
     """
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=grid.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    cuda = device.type == "cuda"
+    # device_id binds the group to this rank's GPU: communicators are created now (not at the first
+    # collective, on whatever device is current then) and subgroups are split from them.
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                            world_size=grid.world_size, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if cuda else None)
     mesh = Mesh(grid, rank)
     g = grid
     families = {

@@ -24,7 +24,7 @@ import torch.distributed as dist
 # torch >= 2.11 names the single-tensor collectives *_single; older ones *_tensor (same signature)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_NO_REDUCE_SCATTER: set[str] = set()  # backends found to lack reduce-scatter (old gloo)
+_NO_REDUCE_SCATTER: set[str] = set()  # "gloo" once found to lack reduce-scatter (older torch)
 
 
 def group_size(group) -> int:
@@ -60,9 +60,10 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Sum over the group, keeping my chunk along dim. Backends without reduce-scatter (gloo
-    before torch 2.x added it) fall back to all-reduce + take my chunk: same result, tp times
-    the traffic; the first failure is remembered per backend."""
+    """Sum over the group, keeping my chunk along dim. Gloo builds without reduce-scatter fall
+    back to all-reduce + take my chunk (same result, tp times the traffic; remembered). Any
+    other backend's failure is real (an NCCL error): it propagates, since carrying on would
+    leave the ranks issuing mismatched collectives."""
     n = group_size(group)
     if n == 1:
         return x
@@ -75,7 +76,10 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
             _reduce_scatter_single(out, xt, group=group)
             return out.movedim(0, dim).contiguous()
         except (RuntimeError, NotImplementedError):
+            if backend != "gloo":
+                raise
             _NO_REDUCE_SCATTER.add(backend)
+    xt = xt.clone()  # movedim + contiguous can be x itself, which the caller may still hold
     dist.all_reduce(xt, group=group)
     return xt.chunk(n, 0)[dist.get_rank(group)].movedim(0, dim).contiguous()
 

@@ -1,0 +1,198 @@
+"""The CUDA/NCCL path's logic, checked on CPU with stand-ins for what only a GPU has.
+
+- Point-to-point: NCCL coalesces a batch and returns ONE Work for it (gloo: one per operation).
+  A stand-in backend whose batch returns one Work that delivers every receive only when waited
+  proves that each receive of a batch is waited for before its buffer is read.
+- Device choice under a torchrun-like environment and in a local launch that inherited LOCAL_RANK.
+- The tensor-parallel reduce-scatter falls back to all-reduce only on gloo; an NCCL error propagates.
+- Actor methods, which run on RPC pool threads, make the worker's GPU current on their own thread.
+"""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipegpt.comm import tensor_parallel as tpc
+from pipegpt.comm.p2p import CommError, Message, PointToPoint
+from pipegpt.devices import cuda_device_index, local_world_size, resolve_device, under_torchrun
+from pipegpt.train import Worker, actor_method
+
+
+class BatchWork:
+    """A coalesced batch's single Work: the receives hold their data only once it is waited for.
+    Each receive gets the value of its tag (what its sender would have sent)."""
+
+    def __init__(self, ops, arrives: bool = True):
+        self.ops, self.arrives, self.completed = ops, arrives, False
+
+    def _deliver(self):
+        for op in self.ops:
+            if op.op is dist.irecv:
+                op.tensor.fill_(float(op.tag))
+        self.completed = True
+
+    def wait(self, timeout=None):
+        if not self.arrives:  # as NCCL's timed wait on a receive whose sender never sends
+            raise RuntimeError("Work timed out in blocking wait")
+        self._deliver()
+        return True
+
+    def is_completed(self):
+        return self.completed
+
+
+@pytest.fixture
+def coalescing_backend(monkeypatch):
+    """dist.batch_isend_irecv as on NCCL: one Work for the whole batch. Returns the batches posted."""
+    posted = []
+
+    def batch_isend_irecv(ops):
+        posted.append(BatchWork(ops))
+        return [posted[-1]]
+
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
+    return posted
+
+
+def _messages():
+    send = Message(torch.zeros(3), peer=1, tag=1, label="send 0SEND_F0")
+    recvs = [Message(torch.zeros(3), peer=1, tag=t, label=f"receive 0RECV_B{t}") for t in (2, 3)]
+    return send, recvs
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_every_receive_of_a_coalesced_batch_is_waited_for(coalescing_backend, device_type):
+    # The steady state of 1F1B: a send first, then the receives, in one batch.
+    p2p = PointToPoint(rank=0, timeout_s=5, device_type=device_type)
+    send, recvs = _messages()
+    p2p.post([send], recvs)
+    assert not any(p2p.done(m) for m in recvs), "a receive looked complete before its batch was"
+    for message in recvs:
+        p2p.wait(message)
+        assert torch.equal(message.tensor, torch.full((3,), float(message.tag))), message.label
+    p2p.settle()
+    assert p2p.done(send)
+
+
+def test_a_send_is_done_only_when_its_batch_is(coalescing_backend):
+    p2p = PointToPoint(rank=0, timeout_s=5)
+    send, recvs = _messages()
+    p2p.post([send], recvs)
+    assert not p2p.done(send)
+    coalescing_backend[0].wait()
+    assert p2p.done(send) and all(p2p.done(m) for m in recvs)
+
+
+def test_one_work_per_operation_is_kept_per_message(monkeypatch):
+    """gloo's form: each message waits only for its own operation."""
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [BatchWork([op]) for op in ops])
+    p2p = PointToPoint(rank=0, timeout_s=5)
+    send, recvs = _messages()
+    p2p.post([send], recvs)
+    p2p.wait(recvs[0])
+    assert recvs[0].tensor[0] == 2 and recvs[1].tensor[0] == 0  # the other receive is still on its way
+    assert not p2p.done(recvs[1])
+
+
+def test_on_cuda_a_receive_that_never_comes_ends_the_step_with_the_message_named(monkeypatch):
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [BatchWork(ops, arrives=False)])
+    p2p = PointToPoint(rank=3, timeout_s=2, device_type="cuda")
+    recv = Message(torch.zeros(3), peer=2, tag=0, label="receive 3RECV_F0")
+    p2p.post([], [recv])
+    with pytest.raises(CommError, match=r"rank 3: receive 3RECV_F0 with rank 2 failed after at most 2s"):
+        p2p.settle()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Device choice
+
+TORCHRUN_NODE = {"RANK": "5", "WORLD_SIZE": "16", "MASTER_ADDR": "node0", "MASTER_PORT": "29500",
+                 "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}
+
+
+def test_torchrun_uses_the_local_world_size_and_local_rank():
+    assert under_torchrun(TORCHRUN_NODE)
+    assert local_world_size(16, TORCHRUN_NODE) == 4
+    # 4 GPUs on a node of 4 ranks, 16 ranks in all: CUDA (comparing with 16 would fall back to CPU).
+    assert resolve_device("auto", 16, cuda_count=4, env=TORCHRUN_NODE) == "cuda"
+    assert resolve_device("auto", 16, cuda_count=2, env=TORCHRUN_NODE) == "cpu"
+    assert cuda_device_index(5, TORCHRUN_NODE) == 1
+
+
+def test_a_local_launch_ignores_an_inherited_local_rank():
+    shell = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # e.g. left over from a launcher
+    assert not under_torchrun(shell)
+    assert [cuda_device_index(r, shell) for r in range(4)] == [0, 1, 2, 3]
+    assert local_world_size(4, shell) == 4
+    assert resolve_device("auto", 4, cuda_count=2, env=shell) == "cpu"
+    assert resolve_device("auto", 4, cuda_count=4, env=shell) == "cuda"
+    assert resolve_device("cpu", 4, cuda_count=4, env=shell) == "cpu"
+    assert resolve_device("auto", 1, cuda_count=0, env={}) == "cpu"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reduce-scatter fallback
+
+@pytest.fixture
+def reduce_scatter_fails(monkeypatch):
+    """A two-rank group whose reduce-scatter raises; all-reduce doubles (the other rank holds the same)."""
+    monkeypatch.setattr(tpc, "group_size", lambda group: 2)
+    monkeypatch.setattr(tpc, "_NO_REDUCE_SCATTER", set())
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+
+    def failing(out, x, group=None):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    monkeypatch.setattr(tpc, "_reduce_scatter_single", failing)
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None, op=None: x.mul_(2))
+    return monkeypatch
+
+
+def test_reduce_scatter_falls_back_to_all_reduce_on_gloo(reduce_scatter_fails):
+    reduce_scatter_fails.setattr(dist, "get_backend", lambda group=None: "gloo")
+    x = torch.arange(8.0).view(1, 4, 2)
+    out = tpc._reduce_scatter(x, 1, group=object())
+    assert torch.equal(out, 2 * torch.arange(4.0, 8.0).view(1, 2, 2)), "rank 1's half of the sum"
+    assert torch.equal(x, torch.arange(8.0).view(1, 4, 2)), "the input is not modified"
+    assert tpc._NO_REDUCE_SCATTER == {"gloo"}
+
+
+def test_reduce_scatter_errors_propagate_on_nccl(reduce_scatter_fails):
+    reduce_scatter_fails.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(RuntimeError, match="NCCL error"):
+        tpc._reduce_scatter(torch.arange(8.0).view(1, 4, 2), 1, group=object())
+    assert not tpc._NO_REDUCE_SCATTER
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The worker's device on RPC threads
+
+def test_every_worker_method_the_driver_calls_enters_the_device():
+    public = [name for name in vars(Worker) if not name.startswith("_") and callable(getattr(Worker, name))]
+    assert {"start", "build", "step", "describe", "named_grads", "shutdown"} <= set(public)
+    assert [n for n in public if not getattr(getattr(Worker, n), "is_actor_method", False)] == []
+
+
+def test_an_actor_method_sets_the_current_device_on_its_own_thread(monkeypatch):
+    current = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.__setitem__(threading.get_ident(), d))
+
+    class Actor:
+        device = torch.device("cuda", 3)
+
+        @actor_method
+        def where(self):
+            return current.get(threading.get_ident())
+
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(Actor().where()))  # as an RPC pool thread
+    thread.start()
+    thread.join()
+    assert seen == [torch.device("cuda", 3)]
