@@ -15,7 +15,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 LAYOUTS = "1x2x1,1x2x1:zero1,1x2x2,2x2x1,2x2x1:zero1,2x1x2,2x2x2,2x2x2:zero1"
@@ -29,34 +28,24 @@ def parse_layout(text: str) -> dict:
 
 def measure(layout: str, steps: int, microbatches: int, global_batch: int) -> dict:
     """Runs in a child process: train `steps` steps of the tiny model and describe every rank."""
-    import os
+    import time
 
-    from pipegpt.comm.rpc import LocalCluster, free_port
-    from pipegpt.config import TrainConfig
-    from pipegpt.train import Worker, step_metrics
+    from pipegpt.config import TrainConfig, microbatch_size_for
+    from pipegpt.driver import Job
+    from pipegpt.metrics import step_metrics
 
     layout_kw = parse_layout(layout)
-    cfg = replace(TrainConfig(), microbatches=microbatches, steps=steps, device="cpu", **layout_kw)
-    cfg = replace(cfg, microbatch_size=global_batch // (cfg.dp * microbatches))
-    threads = max(1, (os.cpu_count() or 1) // cfg.world_size)
-    cluster = LocalCluster(cfg.world_size, cfg.timeout_s, threads)
-    try:
-        init = f"tcp://127.0.0.1:{free_port()}"
-        cluster.spawn(Worker, lambda r: (r, cfg, init))
-        cluster.call("start")
+    mbs = microbatch_size_for(global_batch, layout_kw["dp"], microbatches)
+    cfg = TrainConfig.build(microbatches=microbatches, microbatch_size=mbs, steps=steps, device="cpu", **layout_kw)
+    with Job(cfg) as job:
+        job.start()
         times = []
         for step in range(steps):
-            import time
-
             t0 = time.perf_counter()
-            results = cluster.call("step", step)
+            results = job.step(step)
             times.append(step_metrics(step, results, cfg, time.perf_counter() - t0).tokens_per_s)
-        described = cluster.call("describe")  # after a step: Adam's state exists
-        cluster.call("shutdown")
-    except BaseException:
-        cluster.kill()
-        raise
-    cluster.close()
+        described = job.call("describe")  # after a step: Adam's state exists
+        job.close()
     return {"layout": layout, "world": cfg.world_size, "tokens_per_s": statistics.median(times[2:] or times),
             "param_bytes": [d["parameter_bytes"] for d in described],
             "optim_bytes": [d["optimizer_state_bytes"] for d in described]}

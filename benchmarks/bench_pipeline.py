@@ -11,7 +11,7 @@ Contenders (each run is a fresh set of processes; contenders are interleaved acr
   torch.pp    torch.distributed.pipelining with the same model: one pipegpt.model.GPT slice per stage
               (pipegpt.stages.partition_layers split, same init seed, tied embedding synchronised the way
               pipegpt does it), PipelineStage + the matching torch schedule, worker processes started with
-              torch.multiprocessing spawn, gloo, the same AdamW (pipegpt.train.make_optimizer), the same
+              torch.multiprocessing spawn, gloo, the same AdamW (pipegpt.optim.make_optimizer), the same
               global-norm gradient clip and the same threads per process (cores // ranks).
   1-process   GPT(cfg) whole in one process, gradient accumulation over the same microbatches, same
               optimizer and clip, torch.set_num_threads(cores).
@@ -88,29 +88,21 @@ def sampler_for(spec: dict):
     return BatchSampler(tokens, spec["microbatches"] * spec["microbatch_size"], spec["model"]["seq_len"], spec["seed"])
 
 
-def train_cfg(spec: dict):
-    from pipegpt.config import TrainConfig
+def optim_cfg(spec: dict):
+    from pipegpt.config import OptimizerConfig
 
-    return TrainConfig(model=model_cfg(spec), stages=spec["stages"], microbatches=spec["microbatches"],
-                       microbatch_size=spec["microbatch_size"], lr=spec["lr"], seed=spec["seed"])
+    return OptimizerConfig(lr=spec["lr"], grad_clip=spec["grad_clip"])
 
 
-def clip_(named_params, counted_twice: set, grad_clip: float, group=None) -> float:
-    """pipegpt's global-norm clip (Worker._clip_gradients): fp64 sum of squares, all-reduced, then scale."""
-    import torch
+def clip_(named_params, counted_twice: set, grad_clip: float) -> float:
+    """pipegpt's global-norm clip (pipegpt.optim), over every rank of the pipeline."""
     import torch.distributed as dist
 
-    grads = [p.grad for _, p in named_params if p.grad is not None and id(p) not in counted_twice]
-    local = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(local, group=group)
-    norm = float(local.sqrt())
-    if grad_clip > 0 and norm > grad_clip:
-        scale = grad_clip / (norm + 1e-6)
-        for _, p in named_params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm
+    from pipegpt.optim import clip_grad_norm_
+
+    params = [p for _, p in named_params]
+    group = dist.group.WORLD if dist.is_initialized() else None
+    return clip_grad_norm_([p for p in params if id(p) not in counted_twice], params, grad_clip, group)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,7 +116,7 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
 
     from pipegpt.model import GPT
     from pipegpt.stages import partition_layers
-    from pipegpt.train import make_optimizer
+    from pipegpt.optim import make_optimizer
 
     torch.set_num_threads(spec["threads_per_worker"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -153,7 +145,7 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
                 seen.add(id(p))
                 named.append((n, p))
     counted_twice = {id(p) for p in tied_copies} if 0 not in mine else set()
-    optimizer = make_optimizer(named, train_cfg(spec))
+    optimizer = make_optimizer(named, optim_cfg(spec))
 
     m, V = spec["microbatches"], cfg.vocab_size
 
@@ -245,13 +237,11 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
 
 
 def run_torch(spec: dict, out_path: str) -> None:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from pipegpt.comm.rpc import free_port
+
+    port = free_port()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     mp.spawn(_torch_worker, args=(spec["stages"], port, spec, out_path), nprocs=spec["stages"], join=True)
 
@@ -263,13 +253,13 @@ def run_single(spec: dict, out_path: str) -> None:
     import torch
 
     from pipegpt.model import GPT
-    from pipegpt.train import make_optimizer
+    from pipegpt.optim import make_optimizer
 
     torch.set_num_threads(spec["cores"])
     cfg = model_cfg(spec)
     model = GPT(cfg, init_seed=spec["seed"])
     named = list(model.named_parameters())  # named_parameters() yields the tied weight once
-    optimizer = make_optimizer(named, train_cfg(spec))
+    optimizer = make_optimizer(named, optim_cfg(spec))
     sampler = sampler_for(spec)
     m, mbs = spec["microbatches"], spec["microbatch_size"]
     step_times, losses = [], []
@@ -399,16 +389,6 @@ def summarize(results: list[dict], spec: dict) -> dict:
             "wall_s": median([r["wall_s"] for r in results]), "timed_steps": len(times)}
 
 
-def format_table(rows: list[list[str]], right: set[int]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for k, row in enumerate(rows):
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def describe(base: dict, schedules: list[str], contenders: list[str], args) -> str:
     from pipegpt.stages.partition import partition_layers
 
@@ -435,7 +415,7 @@ def describe(base: dict, schedules: list[str], contenders: list[str], args) -> s
     lines += [
         f"threads     {base['threads_per_worker']} per pipeline worker ({base['cores']} cores / {base['stages']} ranks); "
         f"one-process baseline {base['cores']}",
-        f"optimizer   AdamW (pipegpt.train.make_optimizer) lr={base['lr']} wd=0.1 betas=(0.9, 0.95) foreach=False, "
+        f"optimizer   AdamW (pipegpt.optim.make_optimizer) lr={base['lr']} wd=0.1 betas=(0.9, 0.95) foreach=False, "
         f"global grad-norm clip {base['grad_clip']}",
         f"timing      {base['steps']} steps per run, first {base['warmup']} skipped; {args.repeats} repeats, "
         f"contenders interleaved per repeat ({', '.join(contenders)}); medians over all timed steps of all repeats",
@@ -585,7 +565,9 @@ def main(argv=None) -> int:
                      " ".join(f"{p:.0f}" for p in sm["peak_mib"]),
                      f"{sm['loss_first']:.4f} -> {sm['loss_last']:.4f}"])
     print()
-    print(format_table(rows, right={1, 2, 3}))
+    from pipegpt.schedule.render import text_table
+
+    print(text_table(rows, right={1, 2, 3}, rule=True))
     for s, why in skipped.items():
         print(f"skipped {s}: {why}")
     for label, whys in failures.items():

@@ -141,6 +141,7 @@ def _summary_text(record: dict) -> str:
 
 
 def _table(records: list[dict]) -> str:
+    from pipegpt.schedule import render
     from pipegpt.schedule.render import human_bytes
 
     has_bytes = any(r.get("peak_activation_bytes_per_rank") for r in records)
@@ -157,12 +158,7 @@ def _table(records: list[dict]) -> str:
             pb = r["peak_activation_bytes_per_rank"]
             row.append(human_bytes(max(pb)) if pb else "-")
         rows.append(row + ["yes"])
-    widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head) - 1)]
-    out = []
-    for row in [head] + rows:
-        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        out.append("  ".join(cells + [row[-1]]).rstrip())
-    return "\n".join(out)
+    return render.text_table([head] + rows, right=set(range(1, len(head))), free_last=True)
 
 
 @main.command()
@@ -295,18 +291,64 @@ def _progress_line(m, steps: int) -> str:
             f"{m.step_time_s * 1000:7.1f} ms  {m.tokens_per_s:9,.0f} tok/s")
 
 
+def _int_tuple(value):
+    return None if value is None else _int_list(value)
+
+
+def _option_kind(f) -> dict:
+    """click's type and default for a config field (annotations are strings: `from __future__`)."""
+    meta, kind = f.metadata, {"default": f.default, "show_default": f.default is not None}
+    if f.type == "bool":
+        return {"is_flag": True, "default": f.default}
+    if meta["choices"]:
+        kind["type"] = click.Choice([str(c) for c in meta["choices"]])
+        if all(isinstance(c, int) for c in meta["choices"]):
+            kind["callback"] = lambda ctx, param, value: int(value)
+        kind["default"] = str(f.default)
+    elif f.type.startswith("tuple[int"):
+        kind["callback"] = lambda ctx, param, value: _int_tuple(value)
+    else:
+        kind["type"] = {"int": int, "float": float, "str": str}[f.type.split(" |")[0]]
+    return kind
+
+
+def config_options(command):
+    """One option per config field that has help text: pipegpt.config holds every default once."""
+    import dataclasses
+
+    from pipegpt.config import SECTIONS
+
+    for section in reversed(list(SECTIONS.values())):
+        for f in reversed(dataclasses.fields(section)):
+            if f.metadata.get("help"):
+                names = [f.metadata["flag"] or "--" + f.name.replace("_", "-")] + [n for n in [f.metadata["short"]] if n]
+                command = click.option(*names, f.name, help=f.metadata["help"], **_option_kind(f))(command)
+    return command
+
+
+def _from_schedule_file(ctx, settings: dict) -> None:
+    """A schedule file fixes the ranks and microbatches: take them from it, refusing contradictions."""
+    from click.core import ParameterSource
+
+    from pipegpt.schedule.schedule_file import load_schedule_file
+
+    path = settings["schedule_file"]
+    if ctx.get_parameter_source("schedule") is not ParameterSource.DEFAULT:
+        raise click.UsageError("give either --schedule or --schedule-file, not both")
+    plan = load_schedule_file(path)
+    settings["schedule"] = plan.name
+    for name, actual in (("stages", plan.num_ranks), ("microbatches", plan.num_microbatches)):
+        if ctx.get_parameter_source(name) is ParameterSource.DEFAULT:
+            settings[name] = actual
+        elif settings[name] != actual:
+            raise ConfigError(f"--{name} {settings[name]} does not match {path}, which has {actual} "
+                              f"{'ranks' if name == 'stages' else name}: leave --{name} out")
+
+
 @main.command()
-@click.option("--stages", "-p", default=4, show_default=True, help="Pipeline ranks (one worker process each).")
-@click.option("--microbatches", "-m", default=8, show_default=True, help="Microbatches per step.")
-@click.option("--microbatch-size", default=4, show_default=True, help="Sequences per microbatch.")
+@config_options
 @click.option("--batch-size", type=int, default=None,
               help="Sequences per step in all (sets the microbatch size: batch / (dp x microbatches)).")
-@click.option("--schedule", "-s", default="1f1b", show_default=True, help="A schedule from `pipegpt simulate --schedule all`.")
-@click.option("--virtual-stages", "-v", type=int, default=None, help="Model chunks per rank (interleaved-1f1b).")
-@click.option("--layers-per-stage", default=None, help="Explicit split such as 3,3,2,2 (one entry per model stage).")
-@click.option("--recompute", type=click.Choice(["none", "full", "selective"]), default="none", show_default=True,
-              help="Activation recomputation: every block, or only the attention core.")
-@click.option("--steps", default=100, show_default=True)
 @click.option("--model", "preset", default="tiny", show_default=True, help="tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
 @click.option("--n-layer", type=int, default=None)
 @click.option("--n-embd", type=int, default=None)
@@ -315,30 +357,12 @@ def _progress_line(m, steps: int) -> str:
 @click.option("--vocab-size", type=int, default=None)
 @click.option("--pad-vocab", is_flag=True, help="Pad the vocabulary to a multiple of 64 (padded logits are never predicted).")
 @click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight instead of the token embedding.")
-@click.option("--lr", default=1e-3, show_default=True)
-@click.option("--weight-decay", default=0.1, show_default=True)
-@click.option("--grad-clip", default=1.0, show_default=True, help="Global gradient-norm clip (0: off).")
-@click.option("--seed", default=1337, show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True,
-              help="Parameters and activations (float64: for exact comparisons on CPU).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--tokenizer", type=click.Choice(["bytes", "gpt2"]), default="bytes", show_default=True)
-@click.option("--data", type=click.Path(), default=None, help="Flat uint16 token file (default: built-in corpus).")
-@click.option("--dp", default=1, show_default=True, help="Data-parallel replicas.")
-@click.option("--tp", default=1, show_default=True, help="Tensor-parallel ranks per stage.")
-@click.option("--sequence-parallel", is_flag=True,
-              help="With --tp: shard the LayerNorm/dropout regions along the sequence (Megatron SP).")
-@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
-              help="1: shard the optimizer state across data-parallel replicas (ZeRO-1).")
 @click.option("--run-dir", type=click.Path(), default=None, help="Where metrics.jsonl goes (default: runs/<time>).")
 @click.option("--port", type=int, default=None, help="Port for the workers' process group (default: a free one).")
-@click.option("--timeout", "timeout_s", default=60.0, show_default=True,
-              help="Seconds any wait may take before the job is brought down.")
-@click.option("--threads-per-worker", type=int, default=None, help="Intra-op threads per worker (default: cores / ranks).")
 @click.option("--log-every", default=10, show_default=True, help="Print a line every N steps.")
-def run(stages, microbatches, microbatch_size, batch_size, schedule, virtual_stages, layers_per_stage, recompute, steps, preset,
-        n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie_embeddings, lr, weight_decay, grad_clip,
-        seed, dtype, device, tokenizer, data, dp, tp, sequence_parallel, zero, run_dir, port, timeout_s, threads_per_worker, log_every):
+@click.pass_context
+def run(ctx, batch_size, preset, n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie_embeddings, run_dir,
+        port, log_every, **settings):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them)."""
     import statistics
     import warnings
@@ -346,53 +370,43 @@ def run(stages, microbatches, microbatch_size, batch_size, schedule, virtual_sta
 
     # TensorPipe reports each connection a stopping job closes; failures reach us as WorkerFailure.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    from pipegpt.config import TrainConfig, model_config
+    from pipegpt.config import TrainConfig, microbatch_size_for, model_config
 
+    if settings["schedule_file"] is not None:
+        _from_schedule_file(ctx, settings)
     if batch_size is not None:
-        per_step = dp * microbatches
-        if batch_size < 1 or batch_size % per_step:
-            lo, hi = batch_size // per_step * per_step, (batch_size // per_step + 1) * per_step
-            raise ConfigError(f"batch-size={batch_size} does not split into dp x microbatches = {dp} x {microbatches} "
-                              f"equal microbatches: use a multiple of {per_step} such as {lo or hi}"
-                              + (f" or {hi}" if lo else ""))
-        microbatch_size = batch_size // per_step
-    if tokenizer == "gpt2" and vocab_size is None:
+        settings["microbatch_size"] = microbatch_size_for(batch_size, settings["dp"], settings["microbatches"])
+    if settings["tokenizer"] == "gpt2" and vocab_size is None:
         vocab_size = 50257
     model = model_config(preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq_len=seq_len,
                          vocab_size=vocab_size, tie_embeddings=False if no_tie_embeddings else None,
                          pad_vocab_to=64 if pad_vocab else None)
-    cfg = TrainConfig(model=model, stages=stages, dp=dp, tp=tp, schedule=schedule, microbatches=microbatches,
-                      microbatch_size=microbatch_size, virtual_stages=virtual_stages,
-                      layers_per_stage=_int_list(layers_per_stage), recompute=recompute, steps=steps, lr=lr,
-                      weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, dtype=dtype, device=device, tokenizer=tokenizer,
-                      data=data, timeout_s=timeout_s, threads_per_worker=threads_per_worker, zero=int(zero),
-                      sequence_parallel=sequence_parallel)
+    cfg = TrainConfig.build(model, **settings)
+    data = cfg.data.data
     if data is not None and not os.path.isfile(data):
         raise ConfigError(f"--data {data}: no such file (a flat uint16 token file; leave it out for the built-in corpus)")
     warnings.filterwarnings("ignore", category=UserWarning)
     from pipegpt.comm.rpc import WorkerFailure
     from pipegpt.devices import resolve_device, under_torchrun
-    from pipegpt.train import check, new_run_dir, run_job
+    from pipegpt.driver import Job, run_job
+    from pipegpt.metrics import new_run_dir
 
-    check(cfg)  # refuse bad configurations before any process starts
-    if port is not None and not under_torchrun():
-        from pipegpt.comm.rpc import port_is_free
-
-        if not port_is_free(port):
-            raise ConfigError(f"port {port} is in use: choose a free port or leave --port out")
+    job = Job(cfg, port)  # refuses a bad configuration, schedule or port before any process starts
     out = Path(run_dir) if run_dir else new_run_dir()
     out.mkdir(parents=True, exist_ok=True)
+    p, steps = cfg.parallel, cfg.runtime.steps
     if not under_torchrun() or os.environ.get("RANK") == "0":
         click.echo(f"pipegpt: {model.n_layer}-layer GPT ({preset}), {cfg.world_size} workers on "
-                   f"{resolve_device(cfg.device, cfg.world_size)}, schedule {schedule}, {microbatches} microbatches x {microbatch_size} "
-                   f"sequences x {model.seq_len} tokens; run dir {out}")
+                   f"{resolve_device(cfg.runtime.device, cfg.world_size)}, schedule {p.schedule}, "
+                   f"{p.microbatches} microbatches x {p.microbatch_size} sequences x {model.seq_len} tokens; "
+                   f"run dir {out}")
 
     def on_step(m):
         if m.step == 0 or (m.step + 1) % log_every == 0 or m.step + 1 == steps:
             click.echo(_progress_line(m, steps))
 
     try:
-        history = run_job(cfg, out, port, on_step)
+        history = run_job(job, out, on_step)
     except WorkerFailure as e:
         _exit_now(f"Error: {e}; all workers stopped", 1)
     except KeyboardInterrupt:

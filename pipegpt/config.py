@@ -1,12 +1,16 @@
-"""Configuration as frozen dataclasses, checked before any process starts.
+"""Configuration as frozen dataclasses in sections, every default defined once, checked before any process starts.
 
-Every check raises ConfigError with a one-line message that names the bad
-value and says what would be valid, so the driver can print it as it is.
+TrainConfig = model + parallel (dp x pp x tp, schedule, microbatches) + optim + data + runtime. Fields
+with help text are also `pipegpt run` options (pipegpt.cli derives them from here). Nothing here imports
+torch: `validate()` runs before any worker exists. Every check raises ConfigError with a one-line
+message that names the bad value and says what would be valid, so the driver can print it as it is.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
 
 
 class ConfigError(ValueError):
@@ -87,61 +91,207 @@ def model_config(preset: str, **overrides) -> ModelConfig:
 
 
 DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "float64")
+RECOMPUTE = ("none", "full", "selective")
+TOKENIZERS = ("bytes", "gpt2")
+
+
+def setting(default, help: str = "", flag: str | None = None, short: str | None = None, choices=None):
+    """A config field; with help text it is also a `pipegpt run` option (--name-with-dashes unless flag)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "short": short, "choices": choices})
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """One training job: model, layout (dp x pp x tp), schedule, optimisation, data."""
+class ParallelConfig:
+    """How the model is laid out over ranks (dp x pp x tp) and how a step is cut into microbatches."""
 
-    model: ModelConfig = ModelConfig()
-    stages: int = 4  # pipeline ranks (pp)
-    dp: int = 1
-    tp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 8
-    microbatch_size: int = 4
-    virtual_stages: int | None = None
-    layers_per_stage: tuple[int, ...] | None = None  # per model stage (rank x virtual stage)
-    recompute: str = "none"
-    steps: int = 50
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0  # 0 turns clipping off
-    seed: int = 1337
-    device: str = "auto"
-    tokenizer: str = "bytes"
-    data: str | None = None  # a flat uint16 token file; None means the built-in corpus
-    timeout_s: float = 60.0
-    threads_per_worker: int | None = None
-    zero: int = 0  # 1: shard the optimizer state across data-parallel replicas (ZeRO stage 1)
-    sequence_parallel: bool = False  # with tp > 1: shard LayerNorm/dropout regions along the sequence
-    dtype: str = "float32"  # of parameters and activations; float64 makes runs comparable bit for bit-ish
+    stages: int = setting(4, "Pipeline ranks (one worker process each).", short="-p")
+    dp: int = setting(1, "Data-parallel replicas.")
+    tp: int = setting(1, "Tensor-parallel ranks per stage.")
+    schedule: str = setting("1f1b", "A schedule from `pipegpt simulate --schedule all`.", short="-s")
+    schedule_file: str | None = setting(None, "Train with a schedule written by hand, one line of actions per rank "
+                                              "(the format `pipegpt simulate --schedule-file` reads).")
+    virtual_stages: int | None = setting(None, "Model chunks per rank (interleaved-1f1b).", short="-v")
+    layers_per_stage: tuple[int, ...] | None = setting(None, "Explicit split such as 3,3,2,2 (one entry per model stage).")
+    microbatches: int = setting(8, "Microbatches per step.", short="-m")
+    microbatch_size: int = setting(4, "Sequences per microbatch.")
+    recompute: str = setting("none", "Activation recomputation: every block, or only the attention core.",
+                             choices=RECOMPUTE)
+    zero: int = setting(0, "1: shard the optimizer state across data-parallel replicas (ZeRO-1).", choices=(0, 1))
+    sequence_parallel: bool = setting(False, "With --tp: shard the LayerNorm/dropout regions along the sequence "
+                                             "(Megatron SP).")
 
     @property
     def world_size(self) -> int:
         return self.dp * self.stages * self.tp
 
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with decoupled weight decay on matrices, and global-norm gradient clipping."""
+
+    lr: float = setting(1e-3, "Learning rate.")
+    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only).")
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = setting(1.0, "Global gradient-norm clip (0: off).")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data: str | None = setting(None, "Flat uint16 token file (default: built-in corpus).")
+    tokenizer: str = setting("bytes", "bytes (vocabulary 256, offline) or gpt2 (tiktoken BPE).", choices=TOKENIZERS)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    steps: int = setting(100, "Training steps.")
+    seed: int = setting(1337, "Seed of the initial weights and of the batches.")
+    device: str = setting("auto", "auto: CUDA when every rank on this machine has a GPU.", choices=DEVICES)
+    dtype: str = setting("float32", "Parameters and activations (float64: for exact comparisons on CPU).",
+                         choices=DTYPES)
+    timeout_s: float = setting(60.0, "Seconds any wait may take before the job is brought down.", flag="--timeout")
+    threads_per_worker: int | None = setting(None, "Intra-op threads per worker (default: cores / ranks).")
+
+
+SECTIONS = {"parallel": ParallelConfig, "optim": OptimizerConfig, "data": DataConfig, "runtime": RuntimeConfig}
+
+
+def section_of(name: str) -> str:
+    """The section holding the field called `name` (field names are unique across sections)."""
+    for section, cls in SECTIONS.items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            return section
+    valid = sorted(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls))
+    raise ConfigError(f"unknown setting {name!r}: valid settings are {', '.join(valid)}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training job: the model, its layout over ranks, the optimizer, the data, the runtime."""
+
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    @classmethod
+    def build(cls, model: ModelConfig = ModelConfig(), **settings) -> "TrainConfig":
+        """A config from the model and settings named by field (`stages=4, lr=3e-4`), whatever their section."""
+        return cls(model=model).replace(**settings)
+
+    def replace(self, **settings) -> "TrainConfig":
+        """This config with settings changed by field name (`model=` replaces the model)."""
+        changes: dict[str, dict] = {}
+        for name, value in settings.items():
+            if name == "model":
+                continue
+            changes.setdefault(section_of(name), {})[name] = value
+        sections = {s: dataclasses.replace(getattr(self, s), **c) for s, c in changes.items()}
+        return dataclasses.replace(self, model=settings.get("model", self.model), **sections)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
     @property
     def batch_size(self) -> int:
         """Sequences per step across all data-parallel replicas."""
-        return self.dp * self.microbatches * self.microbatch_size
+        p = self.parallel
+        return p.dp * p.microbatches * p.microbatch_size
 
-    def validate(self) -> "TrainConfig":
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq_len
+
+    def validate(self, env: Mapping[str, str] | None = None) -> "TrainConfig":
+        """Every check that needs no process, no plan and no torch. With env (os.environ), also the world
+        size torchrun started, if it did."""
         self.model.validate()
-        for name in ("stages", "dp", "tp", "microbatches", "microbatch_size", "steps"):
-            _check_positive_int(name, getattr(self, name))
-        if self.recompute not in ("none", "full", "selective"):
-            raise ConfigError(f"recompute={self.recompute!r} is not one of none, full, selective")
-        if self.device not in DEVICES:
-            raise ConfigError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
-        for name in ("lr", "timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        if self.dtype not in ("float32", "float64"):
-            raise ConfigError(f"dtype={self.dtype!r} is not one of float32, float64")
-        if self.zero not in (0, 1):
-            raise ConfigError(f"zero={self.zero} is not supported: use 0 (off) or 1 (shard optimizer state)")
-        if self.grad_clip < 0 or self.weight_decay < 0:
+        p, o, r = self.parallel, self.optim, self.runtime
+        for name in ("stages", "dp", "tp", "microbatches", "microbatch_size"):
+            _check_positive_int(name, getattr(p, name))
+        _check_positive_int("steps", r.steps)
+        _check_choice("recompute", p.recompute, RECOMPUTE)
+        _check_choice("device", r.device, DEVICES)
+        _check_choice("dtype", r.dtype, DTYPES)
+        _check_choice("tokenizer", self.data.tokenizer, TOKENIZERS)
+        if p.zero not in (0, 1):
+            raise ConfigError(f"zero={p.zero} is not supported: use 0 (off) or 1 (shard optimizer state)")
+        for name, value in (("lr", o.lr), ("timeout_s", r.timeout_s)):
+            if not value > 0:
+                raise ConfigError(f"{name}={value} must be > 0")
+        if o.grad_clip < 0 or o.weight_decay < 0:
             raise ConfigError("grad_clip and weight_decay must be >= 0")
+        if p.sequence_parallel and p.tp == 1:
+            raise ConfigError("sequence parallelism shards along the sequence across tensor-parallel ranks: "
+                              "use it with --tp 2 or more")
+        validate_tp(self.model, p.tp, p.sequence_parallel)
+        if p.schedule_file is not None and p.virtual_stages is not None:
+            raise ConfigError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
+        if env is not None and _under_torchrun(env) and int(env["WORLD_SIZE"]) != p.world_size:
+            raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but dp x pp x tp = "
+                              f"{p.dp} x {p.stages} x {p.tp} = {p.world_size}")
         return self
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _under_torchrun(env: Mapping[str, str]) -> bool:
+    return "TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(env)
+
+
+def microbatch_size_for(batch_size: int, dp: int, microbatches: int) -> int:
+    """Sequences per microbatch for a global batch, or a ConfigError naming the nearest valid batches."""
+    per_step = dp * microbatches
+    if batch_size < 1 or batch_size % per_step:
+        lo, hi = batch_size // per_step * per_step, (batch_size // per_step + 1) * per_step
+        raise ConfigError(f"batch-size={batch_size} does not split into dp x microbatches = {dp} x {microbatches} "
+                          f"equal microbatches: use a multiple of {per_step} such as {lo or hi}"
+                          + (f" or {hi}" if lo else ""))
+    return batch_size // per_step
+
+
+def _near_divisors(n: int, k: int) -> str:
+    """The divisors of n nearest to k, below and above: 'tp=2 or tp=4'."""
+    below = max(d for d in range(1, k) if n % d == 0)
+    above = next((d for d in range(k + 1, n + 1) if n % d == 0), None)
+    return f"tp={below}" + (f" or tp={above}" if above else "")
+
+
+def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """Raise ConfigError (one line, naming the values and the nearest valid ones) unless
+    `config` can be split over `tp` tensor-parallel ranks."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp={tp!r} must be an integer >= 1")
+    if tp == 1:
+        return
+    C = config.n_embd
+    if config.n_head % tp:
+        heads = [h for h in range(tp, C + 1, tp) if C % h == 0]  # multiples of tp dividing n_embd
+        lo = [h for h in heads if h < config.n_head]
+        hi = [h for h in heads if h > config.n_head]
+        alt = " or ".join(str(h) for h in (lo[-1:] + hi[:1]))
+        raise ConfigError(f"n_head={config.n_head} is not divisible by tp={tp} (each tp rank holds "
+                          f"n_head/tp heads): use {_near_divisors(config.n_head, tp)}"
+                          + (f", or n_head={alt} (with n_embd={C})" if alt else ""))
+    if 4 * C % tp:  # implied by the n_head check while n_embd % n_head == 0; kept as a guard
+        raise ConfigError(f"the MLP width 4*n_embd={4 * C} is not divisible by tp={tp}: "
+                          f"use {_near_divisors(4 * C, tp)}")
+    V, pad = config.padded_vocab_size, config.pad_vocab_to
+    if V % tp:
+        if 64 % tp == 0 and pad != 64:
+            fix = f"pass --pad-vocab (pad_vocab_to=64, padded vocab {-(-config.vocab_size // 64) * 64})"
+        else:
+            m = math.lcm(pad, tp)
+            fix = f"use pad_vocab_to={m} (padded vocab {-(-config.vocab_size // m) * m})"
+        raise ConfigError(f"padded vocab_size={V} (vocab_size={config.vocab_size}, pad_vocab_to={pad}) "
+                          f"is not divisible by tp={tp}: {fix}")
+    T = config.seq_len
+    if sequence_parallel and T % tp:
+        lo, hi = T // tp * tp, T // tp * tp + tp
+        raise ConfigError(f"sequence parallelism needs seq_len divisible by tp: seq_len={T}, tp={tp}; "
+                          + (f"use seq_len={lo} or {hi}" if lo else f"use seq_len={hi}"))

@@ -121,12 +121,13 @@ class BatchSampler:
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
         self.step = 0
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def starts(self, step: int) -> np.ndarray:
+        """Where each of the step's batch_size windows starts."""
         rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        idx = starts[:, None] + np.arange(self.seq_len + 1)
-        buf = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
-        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return windows(self.tokens, self.starts(step), self.seq_len)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.batch(self.step)
@@ -137,3 +138,44 @@ class BatchSampler:
 
     def __iter__(self):
         return self
+
+
+def windows(tokens, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of the windows at `starts`: y is x shifted by one token."""
+    idx = starts[:, None] + np.arange(seq_len + 1)
+    buf = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+    return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+
+
+class RankLoader:
+    """What one rank needs of each step: its data-parallel replica's slice of the global batch, as
+    microbatches, and only the part its stages use (inputs on the first stage, targets on the last).
+
+    It draws the same global batch as BatchSampler, which the one-process reference uses, so every
+    layout trains on the same data. Its position is a small state (state_dict) that a checkpoint keeps.
+    """
+
+    def __init__(self, tokens, seq_len: int, microbatches: int, microbatch_size: int, dp: int, dp_index: int,
+                 seed: int, inputs: bool, targets: bool):
+        per_replica = microbatches * microbatch_size
+        self.sampler = BatchSampler(tokens, dp * per_replica, seq_len, seed)
+        self.rows = slice(dp_index * per_replica, (dp_index + 1) * per_replica)
+        self.microbatch_size, self.inputs, self.targets = microbatch_size, inputs, targets
+        self.step = 0
+
+    def batch(self, step: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """(input microbatches or None, target microbatches or None) of a step."""
+        x, y = windows(self.sampler.tokens, self.sampler.starts(step)[self.rows], self.sampler.seq_len)
+        return (list(x.split(self.microbatch_size)) if self.inputs else None,
+                list(y.split(self.microbatch_size)) if self.targets else None)
+
+    def next(self):
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])

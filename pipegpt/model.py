@@ -19,13 +19,12 @@ embedding owns its own `lm_head.weight`, a copy of `wte.weight`;
 the tied group so it can sum the group's gradients across stages.
 
 Split backward (zero-bubble I and W): every Linear in the blocks and the head
-is a SplitLinear. Inside `with defer_weight_grads() as pending:` a backward
-computes input gradients only and appends to `pending` one closure per linear
-that later computes and accumulates that linear's weight/bias gradients.
+is a SplitLinear, so a backward inside `defer_weight_grads()` leaves their
+weight/bias gradients for later. That machinery lives in pipegpt.split_backward;
+this module holds the model only.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import zlib
@@ -36,101 +35,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.split_backward import SplitLinear
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 TIED_NAME = "wte.weight"  # the one-process name of the tied embedding/head weight
-
-# ---------------------------------------------------------------------------
-# Deferred weight gradients
-# ---------------------------------------------------------------------------
-# A module-level stack, deliberately NOT thread-local: the autograd engine runs
-# CUDA (and other accelerator) backward functions on its own per-device worker
-# threads, which would not see a thread-local set by the caller. The list is
-# also not captured on ctx at forward time: whether to defer is decided by the
-# backward call (an I action), and with recomputation the forward runs again
-# later anyway. One process drives one backward at a time, so a global is safe.
-_DEFER_STACK: list[list] = []
-
-
-@contextlib.contextmanager
-def defer_weight_grads():
-    """Backward passes inside this context compute input grads only; yields the
-    list of closures that compute and accumulate the weight/bias grads (W)."""
-    pending: list = []
-    _DEFER_STACK.append(pending)
-    try:
-        yield pending
-    finally:
-        # by identity: list.remove compares by ==, and two empty lists are equal
-        del _DEFER_STACK[next(i for i, p in enumerate(_DEFER_STACK) if p is pending)]
-
-
-def _weight_grads(grad_out, x, need_w: bool, need_b: bool):
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    gw = g2.t().matmul(x.reshape(-1, x.shape[-1])) if need_w else None
-    gb = g2.sum(0) if need_b else None
-    return gw, gb
-
-
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    grad = grad.to(param.dtype)
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-
-
-@torch.no_grad()
-def _deferred_w(grad_out, x, weight, bias) -> None:
-    gw, gb = _weight_grads(grad_out, x, weight is not None, bias is not None)
-    if weight is not None:
-        _accumulate(weight, gw)
-    if bias is not None:
-        _accumulate(bias, gb)
-
-
-def _autocast_dtype(x: torch.Tensor):
-    try:
-        if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-            return torch.get_autocast_dtype(x.device.type)
-    except (TypeError, AttributeError):  # torch < 2.4: no per-device autocast query
-        pass
-    return None
-
-
-class _SplitLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        dtype = _autocast_dtype(x)
-        xc, wc, bc = x, weight, bias
-        if dtype is not None:  # do autocast's cast ourselves so backward sees matching dtypes
-            xc, wc = x.to(dtype), weight.to(dtype)
-            bc = None if bias is None else bias.to(dtype)
-        ctx.save_for_backward(xc, wc)
-        ctx.params = (weight, bias)  # the leaf Parameters themselves, for deferred accumulation
-        return F.linear(xc, wc, bc)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, w = ctx.saved_tensors  # unpack once: checkpoint allows a single unpack
-        weight, bias = ctx.params
-        grad_x = grad_out.matmul(w) if ctx.needs_input_grad[0] else None
-        need_w = ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
-        if (need_w or need_b) and _DEFER_STACK:
-            _DEFER_STACK[-1].append(functools.partial(
-                _deferred_w, grad_out, x, weight if need_w else None, bias if need_b else None))
-            return grad_x, None, None
-        gw, gb = _weight_grads(grad_out, x, need_w, need_b)
-        return grad_x, gw, gb
-
-
-class SplitLinear(nn.Linear):
-    """nn.Linear whose weight gradient can be deferred (see defer_weight_grads)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SplitLinearFn.apply(x, self.weight, self.bias)
-
 
 # ---------------------------------------------------------------------------
 # The model

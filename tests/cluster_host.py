@@ -14,29 +14,25 @@ def _one_process_name(name: str, cfg) -> str:
 
 
 def _serve(conn, cfg) -> None:
-    from pipegpt.comm.rpc import LocalCluster, free_port
-    from pipegpt.train import Worker
+    from pipegpt.driver import Job
 
-    cluster = None
+    job = None
     try:
-        cluster = LocalCluster(cfg.world_size, timeout_s=60, threads_per_worker=1)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        cluster.spawn(Worker, lambda r: (r, cfg, init_method))
-        cluster.call("start")
+        job = Job(cfg, threads_per_worker=1)
+        job.start()
         conn.send(("ok", None))
         while True:
             command, args = conn.recv()
             if command == "stop":
                 break
             try:
-                conn.send(("ok", _run(cluster, *args)))
+                conn.send(("ok", _run(job, *args)))
             except Exception as e:  # report, keep serving the next case
                 conn.send(("error", f"{type(e).__name__}: {e}"))
-        cluster.call("shutdown")
-        cluster.close()
+        job.close()
     except BaseException as e:
-        if cluster is not None:
-            cluster.kill()
+        if job is not None:
+            job.kill()
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
@@ -50,7 +46,8 @@ def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
     from pipegpt.comm.mesh import Grid
     from pipegpt.tensor_parallel import gather_full
 
-    grid = Grid(cfg.dp, cfg.stages, cfg.tp)
+    layout = cfg.parallel
+    grid = Grid(layout.dp, layout.stages, layout.tp)
     shards: dict[tuple[str, int], dict[int, object]] = {}
     replicas: dict[tuple[str, int, int], object] = {}
     for rank, tensors in enumerate(per_rank):
@@ -63,20 +60,20 @@ def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
                 replicas[(*key, t)] = value
     for (name, p, t), value in replicas.items():
         assert torch.equal(value, shards[(name, p)][t]), f"data-parallel replicas differ in {name}"
-    return [(name, gather_full(name, [parts[t] for t in range(cfg.tp)]) if cfg.tp > 1 else parts[0])
+    return [(name, gather_full(name, [parts[t] for t in range(layout.tp)]) if layout.tp > 1 else parts[0])
             for (name, _), parts in shards.items()]
 
 
-def _run(cluster, cfg, steps: int):
+def _run(job, cfg, steps: int):
     """Loss and grads of step 0, and parameters after `steps` steps, by one-process name."""
-    cluster.call("build", cfg)
-    results = cluster.call("step", 0)
+    job.build(cfg)
+    results = job.step(0)
     losses = [loss for r in results for loss in r["losses"]]
     # tensor-parallel ranks of the last stage report the same losses: the mean is unchanged
-    grads = _one_process_tensors(cluster.call("named_grads"), cfg)
+    grads = _one_process_tensors(job.call("named_grads"), cfg)
     for step in range(1, steps):
-        cluster.call("step", step)
-    params = _one_process_tensors(cluster.call("named_parameters"), cfg)
+        job.step(step)
+    params = _one_process_tensors(job.call("named_parameters"), cfg)
     return sum(losses) / len(losses), grads, params
 
 

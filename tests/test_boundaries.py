@@ -82,21 +82,46 @@ def test_schedule_loads_no_torch():
     check(mods, forbid_torch=True)
 
 
-def test_stages_load_no_comm_schedule_runtime_or_train():
+def test_stages_load_no_comm_tensor_parallel_schedule_runtime():
     mods = submodules("pipegpt.stages")
     assert "pipegpt.stages" in mods and "pipegpt.stages.stage" in mods
-    check(mods, ("pipegpt.comm", "pipegpt.schedule", "pipegpt.runtime", "pipegpt.train"))
+    check(mods, ("pipegpt.comm", "pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.runtime",
+                 "pipegpt.worker", "pipegpt.driver"))
 
 
-def test_model_loads_no_comm_schedule_stages_runtime_or_train():
-    check(["pipegpt.model"], ("pipegpt.comm", "pipegpt.schedule", "pipegpt.stages", "pipegpt.runtime",
-                              "pipegpt.train"))
+def test_model_loads_no_comm_tensor_parallel_schedule_stages_runtime():
+    check(["pipegpt.model"], ("pipegpt.comm", "pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.stages",
+                              "pipegpt.runtime", "pipegpt.worker", "pipegpt.driver"))
 
 
-def test_comm_loads_no_schedule_stages_model_runtime_or_train():
+def test_split_backward_loads_no_model_comm_tensor_parallel_schedule_or_stages():
+    check(["pipegpt.split_backward"], ("pipegpt.model", "pipegpt.comm", "pipegpt.tensor_parallel",
+                                       "pipegpt.schedule", "pipegpt.stages", "pipegpt.runtime",
+                                       "pipegpt.worker", "pipegpt.driver"))
+
+
+def test_tensor_parallel_loads_no_comm_schedule_stages_runtime():
+    mods = submodules("pipegpt.tensor_parallel")
+    assert {"pipegpt.tensor_parallel.layout", "pipegpt.tensor_parallel.collectives",
+            "pipegpt.tensor_parallel.layers"} <= set(mods)
+    check(mods, ("pipegpt.comm", "pipegpt.schedule", "pipegpt.stages", "pipegpt.runtime",
+                 "pipegpt.worker", "pipegpt.driver"))
+
+
+def test_tensor_parallel_layout_loads_no_torch_model_or_collectives():
+    """The layouts serve torch-free code and checkpoints: importing the package, or its layout,
+    loads neither torch nor the layers and collectives."""
+    for mods in (["pipegpt.tensor_parallel.layout"], ["pipegpt.tensor_parallel"]):
+        check(mods, ("pipegpt.tensor_parallel.collectives", "pipegpt.tensor_parallel.layers", "pipegpt.model",
+                     "pipegpt.split_backward", "pipegpt.comm", "pipegpt.stages", "pipegpt.schedule",
+                     "pipegpt.runtime", "pipegpt.worker", "pipegpt.driver"), forbid_torch=True)
+
+
+def test_comm_loads_no_tensor_parallel_schedule_stages_model_runtime():
     mods = submodules("pipegpt.comm")
     assert {"pipegpt.comm.mesh", "pipegpt.comm.p2p", "pipegpt.comm.rpc"} <= set(mods)
-    check(mods, ("pipegpt.schedule", "pipegpt.stages", "pipegpt.model", "pipegpt.runtime", "pipegpt.train"))
+    check(mods, ("pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.stages", "pipegpt.model",
+                 "pipegpt.split_backward", "pipegpt.runtime", "pipegpt.worker", "pipegpt.driver"))
 
 
 def test_cli_import_loads_no_torch():
@@ -105,7 +130,8 @@ def test_cli_import_loads_no_torch():
     assert not [t for t in found["third_party"] if t.startswith("torch")], found
     # Nor anything that needs torch.
     assert not [n for n in found["pipegpt"] if _under(n, ("pipegpt.model", "pipegpt.stages", "pipegpt.comm",
-                                                          "pipegpt.runtime", "pipegpt.train"))], found
+                                                          "pipegpt.runtime", "pipegpt.worker",
+                                                          "pipegpt.driver"))], found
 
 
 def test_the_probe_sees_torch():
@@ -113,3 +139,9 @@ def test_the_probe_sees_torch():
     found = loaded(*submodules("pipegpt.stages"))  # what the stages test above imports
     assert "torch" in found["third_party"]
     assert {"pipegpt.model", "pipegpt.stages.stage"} <= set(found["pipegpt"])
+
+
+def test_config_and_devices_load_no_torch():
+    """validate() runs before any worker exists, in a process that need not load torch."""
+    check(["pipegpt.config", "pipegpt.devices"], ("pipegpt.schedule", "pipegpt.model", "pipegpt.comm"),
+          forbid_torch=True)

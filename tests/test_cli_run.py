@@ -85,7 +85,7 @@ def test_run_writes_metrics_jsonl(real_run):
         assert math.isfinite(r["loss"]) and r["loss"] > 0
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
     assert records[-1]["loss"] < records[0]["loss"], [r["loss"] for r in records]
-    assert json.loads((run_dir / "config.json").read_text())["stages"] == STAGES
+    assert json.loads((run_dir / "config.json").read_text())["parallel"]["stages"] == STAGES
 
 
 def test_run_writes_a_trace_covering_the_plan(real_run):

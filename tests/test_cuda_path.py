@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipegpt.comm import tensor_parallel as tpc
 from pipegpt.comm.p2p import CommError, Message, PointToPoint
 from pipegpt.devices import cuda_device_index, local_world_size, resolve_device, under_torchrun
-from pipegpt.train import Worker, actor_method
+from pipegpt.tensor_parallel import collectives as tpc
+from pipegpt.worker import Worker, actor_method
 
 
 class BatchWork:

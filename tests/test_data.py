@@ -109,3 +109,45 @@ def test_sampler_on_memmap_and_edge_sizes(tmp_path):
     assert torch.equal(x, torch.arange(16).expand(2, 16)) and torch.equal(y, x + 1)
     with pytest.raises(DataError, match="too few"):
         BatchSampler(np.arange(16), batch_size=2, seq_len=16, seed=0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The per-rank loader
+
+def _loader(tokens, dp_index, inputs=True, targets=True):
+    from pipegpt.data import RankLoader
+
+    return RankLoader(tokens, seq_len=8, microbatches=3, microbatch_size=2, dp=2, dp_index=dp_index, seed=5,
+                      inputs=inputs, targets=targets)
+
+
+def test_rank_loader_gives_its_replica_the_reference_batch_slice():
+    from pipegpt.data import BatchSampler
+
+    tokens = np.arange(1000, dtype=np.uint16) % 251
+    reference = BatchSampler(tokens, batch_size=2 * 3 * 2, seq_len=8, seed=5)
+    for step in (0, 1, 7):
+        x, y = reference.batch(step)
+        for d in range(2):
+            inputs, targets = _loader(tokens, d).batch(step)
+            assert len(inputs) == len(targets) == 3
+            assert torch.equal(torch.cat(inputs), x[6 * d:6 * d + 6])
+            assert torch.equal(torch.cat(targets), y[6 * d:6 * d + 6])
+
+
+def test_rank_loader_draws_only_what_its_stages_use():
+    tokens = np.arange(1000, dtype=np.uint16) % 251
+    assert _loader(tokens, 0, targets=False).batch(0)[1] is None
+    assert _loader(tokens, 0, inputs=False).batch(0)[0] is None
+
+
+def test_rank_loader_position_is_a_state_that_restores():
+    tokens = np.arange(1000, dtype=np.uint16) % 251
+    loader = _loader(tokens, 1)
+    loader.next(), loader.next()
+    state = loader.state_dict()
+    expected = loader.next()
+    resumed = _loader(tokens, 1)
+    resumed.load_state_dict(state)
+    assert state == {"step": 2}
+    assert all(torch.equal(a, b) for a, b in zip(resumed.next()[0], expected[0]))

@@ -10,7 +10,6 @@ Multi-rank NCCL (real peers) needs two GPUs and is not covered here.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -37,18 +36,19 @@ PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
 
 
 def _config(schedule: str) -> TrainConfig:
-    return TrainConfig(model=MODEL, stages=1, schedule=schedule, microbatches=4, microbatch_size=2,
-                       device="cuda", seed=11, timeout_s=120)
+    return TrainConfig.build(MODEL, stages=1, schedule=schedule, microbatches=4, microbatch_size=2,
+                             device="cuda", seed=11, timeout_s=120)
 
 
 def _reference_grads(cfg: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
     """Step 0's loss and clipped gradients of the whole model on CPU in float64."""
-    model = build_reference_model(cfg.model, cfg.seed).double()
-    sampler = BatchSampler(builtin_tokens(get_tokenizer(cfg.tokenizer)), cfg.batch_size, cfg.model.seq_len, cfg.seed)
+    model = build_reference_model(cfg.model, cfg.runtime.seed).double()
+    sampler = BatchSampler(builtin_tokens(get_tokenizer(cfg.data.tokenizer)), cfg.batch_size, cfg.model.seq_len,
+                           cfg.runtime.seed)
     x, y = sampler.batch(0)
     loss = model(x, y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -75,8 +75,8 @@ def test_cuda_runtime_matches_the_float64_model(schedule):
 def _nccl_child(check: str, port: int, queue) -> None:
     import torch.distributed as dist
 
-    from pipegpt.comm import tensor_parallel as tpc
     from pipegpt.comm.p2p import CommError, Message, PointToPoint
+    from pipegpt.tensor_parallel import collectives as tpc
 
     device = torch.device("cuda", 0)
     try:

@@ -16,7 +16,9 @@ from pipegpt.config import ModelConfig, TrainConfig
 from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer
 from pipegpt.model import build_reference_model
 from pipegpt.schedule import SCHEDULES, ScheduleError, build_plan
-from pipegpt.train import check, make_optimizer
+from pipegpt.schedule.schedule_file import load_schedule_file
+from pipegpt.driver import check
+from pipegpt.optim import make_optimizer
 
 from cluster_host import ClusterHost
 
@@ -26,9 +28,9 @@ NOISE = 1e-7  # |grad| below this is fp32 rounding noise here (real gradients ar
 
 
 def base_config(p: int, **changes) -> TrainConfig:
-    cfg = TrainConfig(model=MODEL, stages=p, microbatches=p, microbatch_size=2, device="cpu", seed=7,
-                      lr=1e-3, timeout_s=60)  # the CLI default; 1e-2 (half the init scale per step) drowns fp32 in Adam noise
-    return dataclasses.replace(cfg, **changes)
+    cfg = TrainConfig.build(MODEL, stages=p, microbatches=p, microbatch_size=2, device="cpu", seed=7,
+                            lr=1e-3, timeout_s=60)  # the CLI default; 1e-2 (half the init scale per step) drowns fp32 in Adam noise
+    return cfg.replace(**changes)
 
 
 def reference(cfg: TrainConfig, steps: int):
@@ -49,25 +51,28 @@ def reference(cfg: TrainConfig, steps: int):
 
 
 def _reference(cfg: TrainConfig, steps: int):
-    model = build_reference_model(cfg.model, cfg.seed).to(getattr(torch, cfg.dtype))
+    model = build_reference_model(cfg.model, cfg.runtime.seed).to(getattr(torch, cfg.runtime.dtype))
     named = list(model.named_parameters())
-    optimizer = make_optimizer(named, cfg)
-    sampler = BatchSampler(builtin_tokens(get_tokenizer(cfg.tokenizer)), cfg.batch_size, cfg.model.seq_len, cfg.seed)
+    optimizer = make_optimizer(named, cfg.optim)
+    sampler = BatchSampler(builtin_tokens(get_tokenizer(cfg.data.tokenizer)), cfg.batch_size, cfg.model.seq_len,
+                           cfg.runtime.seed)
+    grad_clip = cfg.optim.grad_clip
     x, y = sampler.batch(0)
     loss0 = model(x, y)
     loss0.backward()
-    if cfg.grad_clip > 0:  # workers report gradients as the optimizer saw them: clipped
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if grad_clip > 0:  # workers report gradients as the optimizer saw them: clipped
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     grads0 = {n: p.grad.clone() for n, p in named}
     signal = {n: torch.zeros_like(p) for n, p in named}  # largest |grad| each element ever saw
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         x, y = sampler.batch(step)
-        chunks = list(zip(x.split(cfg.microbatch_size), y.split(cfg.microbatch_size)))  # dp x m of them
+        mbs = cfg.parallel.microbatch_size
+        chunks = list(zip(x.split(mbs), y.split(mbs)))  # dp x m of them
         for xm, ym in chunks:
             (model(xm, ym) / len(chunks)).backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         for n, p in named:
             signal[n] = torch.maximum(signal[n], p.grad.abs())
         optimizer.step()
@@ -89,12 +94,12 @@ def assert_matches(cfg: TrainConfig, cluster, steps: int = 3) -> None:
         # elements whose gradient carried signal (the rest must still have moved by <= lr per step).
         # Small gradients carry large relative rounding errors for the same reason, so elements get
         # an absolute bound (a fraction of one step) and the tensor a relative one, norm-wise.
-        rtol, step_fraction = (RTOL, 1e-3) if cfg.dtype == "float32" else (1e-9, 1e-6)
+        rtol, step_fraction = (RTOL, 1e-3) if cfg.runtime.dtype == "float32" else (1e-9, 1e-6)
         ref, real = ref_params[name], signal[name] > NOISE
         assert float((value[real] - ref[real]).norm() / ref[real].norm()) <= rtol, f"param {name}"
-        torch.testing.assert_close(value[real], ref[real], rtol=RTOL, atol=cfg.lr * step_fraction,
+        torch.testing.assert_close(value[real], ref[real], rtol=RTOL, atol=cfg.optim.lr * step_fraction,
                                    msg=lambda m: f"param {name}: {m}")
-        assert float((value - ref).abs().max()) <= 2 * cfg.lr * steps, f"param {name} moved too far"
+        assert float((value - ref).abs().max()) <= 2 * cfg.optim.lr * steps, f"param {name} moved too far"
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +174,26 @@ def test_data_parallel_matches(workers, dp, p, schedule, zero, clip):
     assert_matches(cfg, workers(p, dp))
 
 
+# Written by hand, unlike any generator: one rank mixes whole backwards (B) with split ones (I, W).
+HAND_WRITTEN = """# name: hand-mixed
+0F0 0F1 0F2 0B0 0I1 0W1 0B2
+1F0 1I0 1F1 1B1 1W0 1F2 1B2
+"""
+
+
+def test_a_hand_written_schedule_file_trains_like_one_process(workers, tmp_path):
+    path = tmp_path / "hand.txt"
+    path.write_text(HAND_WRITTEN)
+    plan = load_schedule_file(path)
+    for name in SCHEDULES:
+        try:
+            generated = build_plan(name, 2, 3)
+        except ScheduleError:
+            continue
+        assert generated.ranks != plan.ranks, f"the hand-written plan is {name}'s"
+    assert_matches(base_config(2, schedule_file=str(path), microbatches=3), workers(2))
+
+
 # The full matrix, on demand: pytest -m slow
 FULL = [(s, p, m, rc, tie) for s in SCHEDULES for p in (2, 4) for m in valid_microbatches(s, p)
         for rc in ("none", "full", "selective") for tie in (True, False)]
@@ -199,4 +224,4 @@ def test_grid_matches(workers, dp, p, tp, schedule, sp):
     cfg = base_config(p, dp=dp, tp=tp, schedule=schedule, microbatches=2 * p, sequence_parallel=sp)
     check(cfg)
     assert_matches(cfg, workers(p, dp, tp), steps=1)
-    assert_matches(dataclasses.replace(cfg, dtype="float64"), workers(p, dp, tp), steps=3)
+    assert_matches(cfg.replace(dtype="float64"), workers(p, dp, tp), steps=3)

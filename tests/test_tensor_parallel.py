@@ -15,13 +15,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from pipegpt.comm.tensor_parallel import scatter_to_sequence, vocab_parallel_cross_entropy
 from pipegpt.config import ConfigError, ModelConfig
-from pipegpt.model import GPT, SplitLinear, defer_weight_grads
-from pipegpt.tensor_parallel import (DIM0, DIM1, QKV_DIM0, REPLICATED, gather_full,
-                                            gather_state_dicts, sequence_parallel_grad_params,
-                                            shard_for_tp, shard_state_dict, shard_tensor, tp_shard_spec,
-                                            validate_tp)
+from pipegpt.model import GPT
+from pipegpt.split_backward import SplitLinear, defer_weight_grads
+from pipegpt.config import validate_tp
+from pipegpt.tensor_parallel import (DIM0, DIM1, QKV_DIM0, REPLICATED, gather_full, gather_state_dicts,
+                                     shard_state_dict, shard_tensor, tp_shard_spec)
+from pipegpt.tensor_parallel.collectives import scatter_to_sequence, vocab_parallel_cross_entropy
+from pipegpt.tensor_parallel.layers import sequence_parallel_grad_params, shard_for_tp
 
 TP = 2
 SEED = 4321

@@ -35,6 +35,21 @@ def human_bytes(n) -> str:
     return f"{n} B"  # unreachable
 
 
+def text_table(rows: list[list], right: set[int] = frozenset(), rule: bool = False, free_last: bool = False) -> str:
+    """Rows of cells as aligned columns: `right` are the right-aligned column indices, `rule` puts a
+    dashed line under the header row, and with free_last the last column is not padded."""
+    rows = [[str(c) for c in row] for row in rows]
+    padded = len(rows[0]) - (1 if free_last else 0)
+    widths = [max(len(r[i]) for r in rows) for i in range(padded)]
+    lines = []
+    for k, row in enumerate(rows):
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells + row[padded:]).rstrip())
+        if rule and k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def _chunks(timeline: Timeline) -> dict[int, int]:
     """stage -> index among its rank's stages (0 for the rank's first stage, 1 for its second, ...)."""
     stages = sorted(set(range(len(timeline.stage_to_rank))) |

@@ -34,151 +34,33 @@ Dropout: tp ranks must seed torch identically, so dropout in replicated regions 
 sharded regions (attention heads, sequence chunks) then repeat across ranks: correct in
 expectation, but not the one-process masks (nothing with dropout > 0 matches one process).
 
-Sharded linears stay pipegpt.model.SplitLinear, so defer_weight_grads() defers their weight
-grads (and the row-parallel biases', added after the reduce); W closures never communicate.
+Sharded linears stay pipegpt.split_backward.SplitLinear, so defer_weight_grads() defers their
+weight grads (and the row-parallel biases', added after the reduce with add_bias); W closures
+never communicate.
+
+Which parameter is split how (by one-process name) is in pipegpt.tensor_parallel.layout; the
+collectives the layers call are in pipegpt.tensor_parallel.collectives.
 """
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from pipegpt.comm.tensor_parallel import (copy_to_tp, gather_from_sequence, group_size, reduce_from_tp,
-                                          reduce_scatter_to_sequence, vocab_parallel_cross_entropy)
-from pipegpt.config import ConfigError, ModelConfig
-from pipegpt.model import GPT, SplitLinear, _DEFER_STACK, _deferred_w, _SplitLinearFn
-
-# How a parameter is split over tp ranks (tp_shard_spec); shards are contiguous and in rank order.
-REPLICATED = "replicated"  # every rank holds the whole tensor
-DIM0 = "dim0"              # rank r holds rows [r*n/tp, (r+1)*n/tp)
-DIM1 = "dim1"              # rank r holds columns [r*n/tp, (r+1)*n/tp)
-QKV_DIM0 = "qkv-dim0"      # rows stacked [q; k; v]: rank r holds its DIM0 chunk of each, stacked
-
-_SPECS = (  # (name suffix, spec), first match wins; names are one-process names
-    ("attn.qkv.weight", QKV_DIM0), ("attn.qkv.bias", QKV_DIM0),
-    ("mlp.fc.weight", DIM0), ("mlp.fc.bias", DIM0),
-    ("attn.proj.weight", DIM1), ("mlp.proj.weight", DIM1),
-    ("attn.proj.bias", REPLICATED), ("mlp.proj.bias", REPLICATED),
-    ("wte.weight", DIM0), ("lm_head.weight", DIM0), ("wpe.weight", REPLICATED),
-)
-
-
-def tp_shard_spec(name: str) -> str:
-    """How the parameter called `name` (its one-process name) is split: REPLICATED, DIM0, DIM1
-    or QKV_DIM0."""
-    for suffix, spec in _SPECS:
-        if name == suffix or name.endswith("." + suffix):
-            return spec
-    if name.startswith("ln_f.") or ".ln1." in name or ".ln2." in name:
-        return REPLICATED
-    raise KeyError(f"no tensor-parallel layout known for parameter {name!r}")
-
-
-def shard_tensor(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """Rank tp_rank's shard of the one-process tensor `full` called `name` (a view where possible)."""
-    spec = tp_shard_spec(name)
-    if spec == REPLICATED:
-        return full
-    dim = 1 if spec == DIM1 else 0
-    parts = 3 * tp_size if spec == QKV_DIM0 else tp_size
-    if full.size(dim) % parts:
-        raise ValueError(f"{name}: size {full.size(dim)} of dim {dim} is not divisible into {parts} parts")
-    if spec == QKV_DIM0:
-        return torch.cat([t.chunk(tp_size, 0)[tp_rank] for t in full.chunk(3, 0)])
-    return full.chunk(tp_size, dim)[tp_rank]
-
-
-def gather_full(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    """The one-process tensor called `name` from its shards in tp rank order (the inverse of
-    shard_tensor). A replicated tensor is the first rank's."""
-    spec = tp_shard_spec(name)
-    if spec == REPLICATED:
-        return shards[0]
-    if spec == QKV_DIM0:
-        q, k, v = zip(*(s.chunk(3, 0) for s in shards))
-        return torch.cat([*q, *k, *v])
-    return torch.cat(shards, 1 if spec == DIM1 else 0)
-
-
-def shard_state_dict(full_state_dict: dict, tp_rank: int, tp_size: int) -> dict:
-    """{name: shard} of a slice's one-process state dict (e.g. slice_state_dict's)."""
-    return {k: shard_tensor(k, v, tp_rank, tp_size) for k, v in full_state_dict.items()}
-
-
-def gather_state_dicts(shard_state_dicts: list[dict]) -> dict:
-    """One one-process state dict from the tp ranks' sharded ones, in tp rank order."""
-    return {k: gather_full(k, [sd[k] for sd in shard_state_dicts]) for k in shard_state_dicts[0]}
-
-
-# ---------------------------------------------------------------------------
-# Checks (pure: the driver can run them before any process starts)
-# ---------------------------------------------------------------------------
-def _near_divisors(n: int, k: int) -> str:
-    """The divisors of n nearest to k, below and above: 'tp=2 or tp=4'."""
-    below = max(d for d in range(1, k) if n % d == 0)
-    above = next((d for d in range(k + 1, n + 1) if n % d == 0), None)
-    return f"tp={below}" + (f" or tp={above}" if above else "")
-
-
-def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
-    """Raise ConfigError (one line, naming the values and the nearest valid ones) unless
-    `config` can be split over `tp` tensor-parallel ranks."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tp={tp!r} must be an integer >= 1")
-    if tp == 1:
-        return
-    C = config.n_embd
-    if config.n_head % tp:
-        heads = [h for h in range(tp, C + 1, tp) if C % h == 0]  # multiples of tp dividing n_embd
-        lo = [h for h in heads if h < config.n_head]
-        hi = [h for h in heads if h > config.n_head]
-        alt = " or ".join(str(h) for h in (lo[-1:] + hi[:1]))
-        raise ConfigError(f"n_head={config.n_head} is not divisible by tp={tp} (each tp rank holds "
-                          f"n_head/tp heads): use {_near_divisors(config.n_head, tp)}"
-                          + (f", or n_head={alt} (with n_embd={C})" if alt else ""))
-    if 4 * C % tp:  # implied by the n_head check while n_embd % n_head == 0; kept as a guard
-        raise ConfigError(f"the MLP width 4*n_embd={4 * C} is not divisible by tp={tp}: "
-                          f"use {_near_divisors(4 * C, tp)}")
-    V, pad = config.padded_vocab_size, config.pad_vocab_to
-    if V % tp:
-        if 64 % tp == 0 and pad != 64:
-            fix = f"pass --pad-vocab (pad_vocab_to=64, padded vocab {-(-config.vocab_size // 64) * 64})"
-        else:
-            m = math.lcm(pad, tp)
-            fix = f"use pad_vocab_to={m} (padded vocab {-(-config.vocab_size // m) * m})"
-        raise ConfigError(f"padded vocab_size={V} (vocab_size={config.vocab_size}, pad_vocab_to={pad}) "
-                          f"is not divisible by tp={tp}: {fix}")
-    T = config.seq_len
-    if sequence_parallel and T % tp:
-        lo, hi = T // tp * tp, T // tp * tp + tp
-        raise ConfigError(f"sequence parallelism needs seq_len divisible by tp: seq_len={T}, tp={tp}; "
-                          + (f"use seq_len={lo} or {hi}" if lo else f"use seq_len={hi}"))
+from pipegpt.config import ConfigError
+from pipegpt.model import GPT
+from pipegpt.split_backward import SplitLinear, add_bias, split_linear
+from pipegpt.tensor_parallel.collectives import (copy_to_tp, gather_from_sequence, group_size, reduce_from_tp,
+                                                 reduce_scatter_to_sequence, vocab_parallel_cross_entropy)
+from pipegpt.config import validate_tp
+from pipegpt.tensor_parallel.layout import REPLICATED, shard_tensor, tp_shard_spec
 
 
 # ---------------------------------------------------------------------------
 # Tensor-parallel layers
 # ---------------------------------------------------------------------------
-class _BiasAdd(torch.autograd.Function):
-    """y + bias whose bias gradient defers like SplitLinear's (see defer_weight_grads)."""
-
-    @staticmethod
-    def forward(ctx, y, bias):
-        ctx.bias = bias
-        return y + bias.to(y.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.needs_input_grad[1]:
-            return grad, None
-        if _DEFER_STACK:
-            _DEFER_STACK[-1].append(functools.partial(_deferred_w, grad, None, None, ctx.bias))
-            return grad, None
-        return grad, grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias.dtype)
-
-
 class ColumnParallelLinear(SplitLinear):
     """Output features split over tp ranks; the input is replicated (copy_to_tp) or, with
     sequence parallelism, gathered along the sequence. The output stays split."""
@@ -203,12 +85,12 @@ class RowParallelLinear(SplitLinear):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
-        y = _SplitLinearFn.apply(x, self.weight, None)
+        y = split_linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)
         else:
             y = reduce_from_tp(y, self.group)
-        return y if self.bias is None else _BiasAdd.apply(y, self.bias)
+        return y if self.bias is None else add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -1,0 +1,49 @@
+"""The optimizer side of a step: parameter groups, AdamW (ZeRO-1 optionally), global-norm clipping."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pipegpt.config import OptimizerConfig
+
+
+def decays(p: torch.Tensor) -> bool:
+    """Matrices decay; biases and LayerNorm gains do not (as GPT-2 and nanoGPT)."""
+    return p.dim() >= 2
+
+
+def make_optimizer(named_params: list[tuple[str, torch.Tensor]], optim: OptimizerConfig, zero_group=None):
+    """AdamW over two groups (decay, no decay). With zero_group (the data-parallel group), torch's
+    ZeroRedundancyOptimizer shards the optimizer state across the replicas (ZeRO-1)."""
+    groups = [
+        {"params": [p for _, p in named_params if decays(p)], "weight_decay": optim.weight_decay},
+        {"params": [p for _, p in named_params if not decays(p)], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if zero_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group,
+                                       lr=optim.lr, betas=optim.betas, foreach=False)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, foreach=False)
+
+
+def clip_grad_norm_(counted: list[torch.Tensor], params: list[torch.Tensor], max_norm: float, group=None,
+                    device=None) -> float:
+    """The global gradient norm, then every grad of `params` scaled so that it is at most max_norm (0: off).
+
+    counted: the parameters whose gradients make up this rank's share of the norm, each value once
+    across `group` (the ranks of one model replica), whose squares are summed in float64.
+    """
+    grads = [p.grad for p in counted if p.grad is not None]
+    local = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else \
+        torch.zeros((), dtype=torch.float64, device=device)
+    if group is not None:
+        dist.all_reduce(local, group=group)
+    norm = float(local.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm

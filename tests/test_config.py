@@ -1,0 +1,140 @@
+"""Configuration: one source of defaults, the CLI derived from it (and frozen), torch-free cross-field checks,
+and a schedule file refused before any worker starts."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipegpt.cli import main
+from pipegpt.config import (SECTIONS, ConfigError, ModelConfig, TrainConfig, microbatch_size_for, section_of,
+                            validate_tp)
+
+PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
+
+# Every option of `pipegpt run`. A change here is a change of the CLI that users and scripts see: make it on purpose.
+RUN_OPTIONS = [
+    "--batch-size", "--data", "--device", "--dp", "--dtype", "--grad-clip", "--layers-per-stage", "--log-every",
+    "--lr", "--microbatch-size", "--microbatches", "--model", "--n-embd", "--n-head", "--n-layer", "--no-tie-embeddings",
+    "--pad-vocab", "--port", "--recompute", "--run-dir", "--schedule", "--schedule-file", "--seed", "--seq-len",
+    "--sequence-parallel", "--stages", "--steps", "--threads-per-worker", "--timeout", "--tokenizer", "--tp",
+    "--virtual-stages", "--vocab-size", "--weight-decay", "--zero", "-m", "-p", "-s", "-v",
+]
+
+
+def _run_command():
+    return main.get_command(None, "run")
+
+
+def test_run_options_are_the_frozen_list():
+    flags = sorted(flag for p in _run_command().params for flag in p.opts + p.secondary_opts if flag != "--help")
+    assert flags == sorted(RUN_OPTIONS)
+
+
+def test_cli_defaults_are_the_config_defaults():
+    fields = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+    compared = 0
+    for param in _run_command().params:
+        if param.name in fields:
+            default = fields[param.name].default
+            assert param.default in (default, str(default)), f"--{param.name}: CLI {param.default!r}, config {default!r}"
+            compared += 1
+    assert compared == sum(bool(f.metadata.get("help")) for f in fields.values()) >= 20
+
+
+def test_a_setting_lives_in_exactly_one_section():
+    names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    assert section_of("stages") == "parallel" and section_of("lr") == "optim" and section_of("steps") == "runtime"
+    with pytest.raises(ConfigError, match="unknown setting 'stage'"):
+        TrainConfig().replace(stage=2)
+
+
+def test_build_routes_settings_to_their_sections():
+    cfg = TrainConfig.build(ModelConfig(n_layer=2), stages=2, lr=3e-4, tokenizer="gpt2", steps=7)
+    assert (cfg.parallel.stages, cfg.optim.lr, cfg.data.tokenizer, cfg.runtime.steps, cfg.model.n_layer) == \
+        (2, 3e-4, "gpt2", 7, 2)
+    assert cfg.replace(dp=2).world_size == 4 and cfg.world_size == 2
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"sequence_parallel": True}, "use it with --tp 2 or more"),
+    ({"tp": 3}, "n_head=4 is not divisible by tp=3"),
+    ({"microbatches": 0}, "microbatches=0 must be a positive integer"),
+    ({"recompute": "some"}, "recompute='some' is not one of none, full, selective"),
+    ({"zero": 2}, "zero=2 is not supported"),
+    ({"schedule_file": "x.txt", "virtual_stages": 2}, "--virtual-stages does not apply to --schedule-file"),
+])
+def test_cross_field_checks(settings, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        TrainConfig.build(**settings).validate({})
+
+
+def test_torchrun_world_size_must_match_the_grid():
+    env = {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "a", "MASTER_PORT": "1"}
+    with pytest.raises(ConfigError, match=r"torchrun started 8 processes but dp x pp x tp = 1 x 4 x 1 = 4"):
+        TrainConfig().validate(env)
+    TrainConfig.build(stages=8).validate(env)
+
+
+def test_batch_splits_into_microbatches_or_names_the_nearest():
+    assert microbatch_size_for(32, 2, 4) == 4
+    with pytest.raises(ConfigError, match="use a multiple of 8 such as 24 or 32"):
+        microbatch_size_for(30, 2, 4)
+
+
+def test_tp_divisibility_is_a_config_check():
+    validate_tp(ModelConfig(), 2)
+    with pytest.raises(ConfigError, match="pass --pad-vocab"):
+        validate_tp(ModelConfig(vocab_size=50257, n_head=12, n_embd=768), 4)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Schedule files for `pipegpt run`: refused before any worker starts, naming file, line and token
+
+def _refused(args, tmp_path):
+    t0 = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                            "TORCHELASTIC_RUN_ID")}
+    proc = subprocess.run([PIPEGPT, "run", *args, "--run-dir", str(tmp_path / "run")], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 15
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
+    return lines[0]
+
+
+def test_a_bad_token_in_a_schedule_file_is_refused(tmp_path):
+    path = tmp_path / "mine.txt"
+    path.write_text("0F0 0F1 0B0 0B1\n1F0 1X0 1F1 1B1\n")
+    line = _refused(["--schedule-file", str(path)], tmp_path)
+    assert f"{path}:2: bad token '1X0'" in line
+
+
+def test_a_schedule_file_for_other_ranks_is_refused(tmp_path):
+    path = tmp_path / "two.txt"
+    path.write_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
+    line = _refused(["--schedule-file", str(path), "--stages", "4"], tmp_path)
+    assert f"--stages 4 does not match {path}, which has 2 ranks" in line
+
+
+def test_an_invalid_schedule_file_names_the_line(tmp_path):
+    path = tmp_path / "early.txt"
+    path.write_text("0F0 0B0\n1F0 1B0\n0F1 0B1\n")  # 3 lines: 3 ranks, but stage 0 appears on two of them
+    line = _refused(["--schedule-file", str(path)], tmp_path)
+    assert f"{path}:3:" in line
+
+
+def test_schedule_and_schedule_file_exclude_each_other(tmp_path):
+    path = tmp_path / "two.txt"
+    path.write_text("0F0 0B0\n1F0 1B0\n")
+    result = CliRunner().invoke(main, ["run", "--schedule", "gpipe", "--schedule-file", str(path)])
+    assert result.exit_code == 2 and "either --schedule or --schedule-file" in result.output
