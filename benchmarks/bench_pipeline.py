@@ -292,9 +292,13 @@ def pipegpt_command(spec: dict, run_dir: str) -> list[str]:
             "--microbatch-size", str(spec["microbatch_size"]), "--schedule", spec["schedule"],
             "--steps", str(spec["steps"]), "--model", spec["preset"],
             "--n-layer", str(mdl["n_layer"]), "--n-embd", str(mdl["n_embd"]), "--n-head", str(mdl["n_head"]),
-            "--seq-len", str(mdl["seq_len"]), "--lr", str(spec["lr"]), "--grad-clip", str(spec["grad_clip"]),
+            "--seq-len", str(mdl["seq_len"]), "--vocab-size", str(mdl["vocab_size"]),
+            "--lr", str(spec["lr"]), "--lr-schedule", "constant",
+            "--grad-clip", str(spec["grad_clip"]),
             "--seed", str(spec["seed"]), "--device", "cpu", "--run-dir", run_dir,
             "--log-every", str(10 ** 6), "--threads-per-worker", str(spec["threads_per_worker"])]
+    if not mdl["tie_embeddings"]:
+        cmd += ["--no-tie-embeddings"]
     v = virtual_stages_for(spec["schedule"], spec["virtual_stages"])
     if v:
         cmd += ["--virtual-stages", str(v)]
@@ -343,7 +347,8 @@ def build_specs(args) -> tuple[dict, list[str]]:
     from pipegpt.config import model_config
 
     model = model_config(args.model, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                         seq_len=args.seq_len)
+                         seq_len=args.seq_len, vocab_size=args.vocab_size,
+                         tie_embeddings=False if args.untied else None)
     cores = args.cores or os.cpu_count() or 1
     base = {
         "preset": args.model, "model": {k: getattr(model, k) for k in model.__dataclass_fields__},
@@ -481,6 +486,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-embd", type=int, default=None)
     ap.add_argument("--n-head", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--vocab-size", type=int, default=None, help="the built-in corpus is bytes: any size >= 256")
+    ap.add_argument("--untied", action="store_true", help="a separate LM-head weight")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1337)

@@ -14,10 +14,11 @@ import sys
 
 import click
 
-from pipegpt.config import ConfigError
+from pipegpt.checkpoint import CheckpointError
+from pipegpt.config import ConfigError, TOKENIZERS
 from pipegpt.schedule.actions import ScheduleError
 
-USER_ERRORS = (ScheduleError, ConfigError)
+USER_ERRORS = (ScheduleError, ConfigError, CheckpointError)
 
 
 class _Main(click.Group):
@@ -175,20 +176,28 @@ def _table(records: list[dict]) -> str:
               help="Stages per rank for interleaved-1f1b (default 2).")
 @click.option("--schedule-file", type=click.Path(dir_okay=False), default=None,
               help="Simulate a plan from a file (one line of actions per rank) instead of a generator.")
+@click.option("--trace", "trace_dir", type=click.Path(), default=None, metavar="RUN_DIR",
+              help="Measured beside predicted: calibrate costs from a run directory's trace.json, simulate "
+                   "its plan.txt with them, show both and the fidelity (predicted / measured).")
+@click.option("--trace-step", type=click.IntRange(min=0), default=None, metavar="N",
+              help="With --trace: read the run's traces/step-N.json (a step `pipegpt run --trace-steps` named) "
+                   "instead of trace.json (the last step).")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
               help="Also write a picture: .svg, .html or .json (Chrome trace for Perfetto). With several "
-                   "schedules the name goes before the extension (out.1f1b.svg).")
+                   "schedules the name goes before the extension (out.1f1b.svg); with --trace, .html is one "
+                   "page with both timelines, .svg/.json two files (out.measured.svg, out.predicted.svg).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (a list with several schedules).")
 @click.option("--no-chart", is_flag=True, help="Leave out the ASCII chart.")
 @click.option("--width", type=click.IntRange(min=40), default=None, help="Chart width (default: the terminal's).")
-def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedule_file, out, as_json, no_chart,
-             width):
+def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedule_file, trace_dir, trace_step, out,
+             as_json, no_chart, width):
     """Simulate pipeline schedules: ASCII chart, bubble %, makespan, peak live activations.
 
     \b
     pipegpt simulate --schedule 1f1b --stages 4 --microbatches 16
     pipegpt simulate --schedule all -p 4 -m 16 --costs F=1,B=2,W=1,comm=0.1
     pipegpt simulate --schedule-file my_plan.txt --out plan.html
+    pipegpt simulate --trace runs/20250101-120000 --out measured_vs_predicted.html
     """
     from pipegpt.schedule import render
     from pipegpt.schedule.registry import schedule_spec
@@ -198,6 +207,17 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
         ext = os.path.splitext(out)[1].lower()
         if ext not in (".svg", ".html", ".htm", ".json"):
             raise click.BadParameter(f"{out!r} must end in .svg, .html or .json", param_hint="--out")
+
+    if trace_dir is not None:
+        given = [flag for flag, value in (("--schedule", schedule), ("--schedule-file", schedule_file),
+                                          ("--costs", costs_spec), ("--virtual-stages", virtual_stages))
+                 if value is not None]
+        if given:
+            raise click.UsageError(f"--trace simulates the run's own plan with costs calibrated from its trace; "
+                                   f"leave out {' and '.join(given)}")
+        return _simulate_trace(trace_dir, stages, microbatches, out, as_json, no_chart, width, trace_step)
+    if trace_step is not None:
+        raise click.UsageError("--trace-step N picks a traced step of a run: give it with --trace RUN_DIR")
 
     if schedule_file is not None:
         if schedule is not None:
@@ -264,6 +284,56 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
     click.echo(_summary_text(records[0]))
 
 
+def _write_text(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as fh:
+            fh.write(text)
+    except OSError as e:
+        raise ScheduleError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _simulate_trace(run_dir, stages, microbatches, out, as_json, no_chart, width, step=None):
+    """`simulate --trace RUN_DIR`: the run's measured timeline beside its plan simulated with calibrated costs."""
+    from pipegpt.schedule import render
+    from pipegpt.schedule.calibrate import compare, comparison_text
+
+    comparison = compare(run_dir, step)
+    plan = comparison.plan
+    for flag, given, actual in (("--stages", stages, plan.num_ranks),
+                                ("--microbatches", microbatches, plan.num_microbatches)):
+        if given is not None and given != actual:
+            raise click.UsageError(f"{flag} {given} does not match the run in {run_dir}, which has {actual}; "
+                                   f"leave {flag} out")
+    measured, predicted = comparison.measured, comparison.predicted
+    text = comparison_text(comparison)
+    if out is not None:
+        stem, ext = os.path.splitext(out)
+        if ext.lower() in (".html", ".htm"):
+            html = render.to_html_side_by_side([("measured", measured), ("predicted", predicted)], text=text,
+                                               title=f"{plan.name}: measured vs predicted ({run_dir})")
+            _write_text(out, html)
+            click.echo(f"wrote {out}", err=True)
+        else:
+            span = max(measured.makespan, predicted.makespan)
+            for name, timeline in (("measured", measured), ("predicted", predicted)):
+                path = f"{stem}.{name}{ext}"
+                if ext.lower() == ".svg":  # one time scale for both pictures
+                    _write_text(path, render.to_svg(timeline, span=span))
+                else:
+                    render.write(timeline, path)
+                click.echo(f"wrote {path}", err=True)
+    if as_json:
+        click.echo(json.dumps(comparison.summary()))
+        return
+    if not no_chart:
+        span = max(measured.makespan, predicted.makespan)  # one scale: a shorter prediction ends early
+        for name, timeline in (("measured", measured), ("predicted (calibrated costs)", predicted)):
+            click.echo(f"{name}:")
+            click.echo(render.ascii_gantt(timeline, width=width, span=span), nl=False)
+            click.echo()
+    click.echo(text)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # run: torch and everything that needs it are imported inside the command, so `simulate` starts without them.
 
@@ -283,6 +353,16 @@ def _exit_now(message: str, code: int):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _resumed_run_dir(cfg):
+    """A resumed run goes on in the run directory its checkpoint is in (RUN/checkpoints/step-N)."""
+    from pipegpt.checkpoint import resolve
+
+    if cfg.checkpoint.resume is None:
+        return None
+    found = resolve(cfg.checkpoint.resume)
+    return found.parent.parent if found.parent.name == "checkpoints" else None
 
 
 def _progress_line(m, steps: int) -> str:
@@ -383,16 +463,17 @@ def run(ctx, batch_size, preset, n_layer, n_embd, n_head, seq_len, vocab_size, p
                          pad_vocab_to=64 if pad_vocab else None)
     cfg = TrainConfig.build(model, **settings)
     data = cfg.data.data
-    if data is not None and not os.path.isfile(data):
-        raise ConfigError(f"--data {data}: no such file (a flat uint16 token file; leave it out for the built-in corpus)")
+    if data is not None and not os.path.exists(data):
+        raise ConfigError(f"--data {data}: no such file or directory (a directory from `pipegpt prepare`, nanoGPT "
+                          f"or llm.c token files, or a flat uint16 file; leave it out for the built-in corpus)")
     warnings.filterwarnings("ignore", category=UserWarning)
     from pipegpt.comm.rpc import WorkerFailure
     from pipegpt.devices import resolve_device, under_torchrun
     from pipegpt.driver import Job, run_job
     from pipegpt.metrics import new_run_dir
 
-    job = Job(cfg, port)  # refuses a bad configuration, schedule or port before any process starts
-    out = Path(run_dir) if run_dir else new_run_dir()
+    job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
+    out = Path(run_dir) if run_dir else _resumed_run_dir(cfg) or new_run_dir()
     out.mkdir(parents=True, exist_ok=True)
     p, steps = cfg.parallel, cfg.runtime.steps
     if not under_torchrun() or os.environ.get("RANK") == "0":
@@ -408,10 +489,14 @@ def run(ctx, batch_size, preset, n_layer, n_embd, n_head, seq_len, vocab_size, p
     try:
         history = run_job(job, out, on_step)
     except WorkerFailure as e:
+        if e.report:  # the stall watchdog's table: where each rank was
+            click.echo(e.report, err=True)
         _exit_now(f"Error: {e}; all workers stopped", 1)
     except KeyboardInterrupt:
         _exit_now("Interrupted: all workers stopped", 130)
     if not history:
+        if history is not None:
+            click.echo(f"nothing to do: the checkpoint was taken after step {job.first_step} of {steps}")
         return
     timed = [m.step_time_s for m in history[1:]] or [history[0].step_time_s]  # step 0 includes warm-up
     click.echo(f"done: loss {history[0].loss:.4f} -> {history[-1].loss:.4f} in {len(history)} steps; "
@@ -419,6 +504,161 @@ def run(ctx, batch_size, preset, n_layer, n_embd, n_head, seq_len, vocab_size, p
                f"{statistics.median(m.tokens_per_s for m in history[1:] or history):,.0f} tok/s; "
                f"peak memory per rank {', '.join(f'{b / 2**20:.0f} MiB' for b in history[-1].peak_memory_per_rank)}")
     click.echo(f"metrics: {out / 'metrics.jsonl'}; last step's measured timeline: {out / 'trace.json'} (Perfetto)")
+    if cfg.runtime.trace_steps != "last":
+        click.echo(f"traces of steps {', '.join(map(str, cfg.runtime.traced_steps()))}: {out / 'traces'}/step-N.json "
+                   f"(pipegpt simulate --trace {out} --trace-step N)")
+    if cfg.runtime.profile and any((out / "profiles").glob("rank-*")):
+        click.echo(f"profiles (py-spy): {out / 'profiles'}/rank-N.svg, rank-N.speedscope.json")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# prepare: text files -> token shards (pipegpt.prepare needs numpy and a tokenizer, not torch)
+
+@main.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False),
+              help="Directory for the shards and meta.json (created; must not hold prepared tokens already).")
+@click.option("--tokenizer", type=click.Choice(["bytes", "gpt2"]), default="bytes", show_default=True,
+              help="bytes (vocabulary 256, offline) or gpt2 (tiktoken BPE; documents start with token 50256).")
+@click.option("--val-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.01, show_default=True,
+              help="The tail of the input that becomes the val split (cut at a line start).")
+@click.option("--shard-tokens", type=click.IntRange(min=1), default=100_000_000, show_default=True,
+              help="Tokens per shard file.")
+def prepare(inputs, out, tokenizer, val_fraction, shard_tokens):
+    """Tokenize text files into uint16 token shards (llm.c's format) with a train/val split.
+
+    \b
+    pipegpt prepare book.txt --out data/book                     # bytes tokenizer, 1% val
+    pipegpt prepare docs/*.txt --out data/docs --tokenizer gpt2
+    pipegpt run --data data/docs --tokenizer gpt2 ...
+    """
+    from pipegpt.prepare import check_prepare, input_bytes
+    from pipegpt.prepare import prepare as run_prepare
+
+    check_prepare(inputs, out, tokenizer, val_fraction, shard_tokens)  # refusals come before the progress bar
+    with click.progressbar(length=input_bytes(inputs), label="tokenizing", file=sys.stderr) as bar:
+        meta = run_prepare(inputs, out, tokenizer, val_fraction, shard_tokens, on_bytes=bar.update)
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    click.echo(f"wrote {train['tokens']:,} train tokens ({len(train['shards'])} shards) and {val['tokens']:,} val "
+               f"tokens ({len(val['shards'])} shards) to {out}; tokenizer {meta['tokenizer']}, max token id "
+               f"{meta['max_token_id']}")
+    click.echo(f"train on it: pipegpt run --data {out} --tokenizer {meta['tokenizer']}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# convert: GPT-2 in Hugging Face layout <-> a pipegpt checkpoint; sample: text from a checkpoint (torch inside)
+
+def _run_flags(model, tokenizer: str) -> str:
+    """The `pipegpt run` model flags that build exactly this model (as --init-from requires)."""
+    from pipegpt.config import MODEL_PRESETS
+
+    preset = next((name for name, m in MODEL_PRESETS.items() if m == model), None)
+    if preset is not None:
+        flags = f"--model {preset}"
+    else:
+        flags = (f"--n-layer {model.n_layer} --n-embd {model.n_embd} --n-head {model.n_head} "
+                 f"--seq-len {model.seq_len} --vocab-size {model.vocab_size}")
+        flags += "" if model.tie_embeddings else " --no-tie-embeddings"
+    return f"{flags} --tokenizer {tokenizer}"
+
+
+@main.command()
+@click.option("--from-hf", "from_hf", type=click.Path(), default=None,
+              help="Import: a Hugging Face GPT-2 directory (config.json and model.safetensors or pytorch_model.bin).")
+@click.option("--out", type=click.Path(), default=None, help="Import: the checkpoint directory to create.")
+@click.option("--tokenizer", type=click.Choice(list(TOKENIZERS)), default=None,
+              help="Import: the tokenizer the checkpoint remembers (default: gpt2).")
+@click.option("--to-hf", "to_hf", type=click.Path(), default=None,
+              help="Export: the directory for config.json and model.safetensors.")
+@click.option("--checkpoint", "source", type=click.Path(), default=None,
+              help="Export: a checkpoint, or a run directory (its latest checkpoint).")
+def convert(from_hf, out, tokenizer, to_hf, source):
+    """GPT-2 weights in Hugging Face layout into a pipegpt checkpoint, or back.
+
+    \b
+    pipegpt convert --from-hf gpt2/ --out ckpt/gpt2          # weights only, step 0
+    pipegpt run --init-from ckpt/gpt2 --model gpt2 --tokenizer gpt2 ...
+    pipegpt convert --to-hf exported/ --checkpoint runs/my-run  # GPT2LMHeadModel.from_pretrained("exported/")
+    """
+    if (from_hf is None) == (to_hf is None):
+        raise click.UsageError("give --from-hf HF_DIR --out CHECKPOINT (import) or --to-hf HF_DIR "
+                               "--checkpoint CHECKPOINT (export)")
+    if from_hf is not None:
+        if out is None or source is not None:
+            raise click.UsageError("--from-hf HF_DIR needs --out CHECKPOINT (and no --checkpoint)")
+        from pipegpt.convert import import_hf
+
+        tokenizer = tokenizer or "gpt2"
+        path, model = import_hf(from_hf, out, tokenizer)
+        click.echo(f"wrote {path}: {model.n_layer}-layer GPT-2, n_embd {model.n_embd}, {model.n_head} heads, "
+                   f"vocabulary {model.vocab_size}, seq_len {model.seq_len}, "
+                   f"{'tied' if model.tie_embeddings else 'untied'} embeddings; tokenizer {tokenizer}")
+        click.echo(f"train from it: pipegpt run --init-from {path} {_run_flags(model, tokenizer)}")
+        click.echo(f"sample from it: pipegpt sample {path} --prompt ...")
+        return
+    if source is None or out is not None or tokenizer is not None:
+        raise click.UsageError("--to-hf HF_DIR needs --checkpoint CHECKPOINT (and no --out or --tokenizer)")
+    from pipegpt.convert import export_hf
+
+    found, model = export_hf(source, to_hf)
+    click.echo(f"wrote {to_hf}/config.json and model.safetensors from {found}: {model.n_layer}-layer GPT-2, "
+               f"n_embd {model.n_embd}, vocabulary {model.vocab_size}")
+
+
+@main.command()
+@click.argument("path", type=click.Path())
+@click.option("--prompt", default="\n", show_default="a newline", help="The text to continue.")
+@click.option("--max-new-tokens", type=int, default=200, show_default=True, help="Tokens to generate.")
+@click.option("--temperature", type=float, default=0.8, show_default=True,
+              help="Softmax temperature; 0: always the most likely token (greedy).")
+@click.option("--top-k", type=int, default=200, show_default=True, help="Draw only from the k most likely tokens.")
+@click.option("--seed", type=int, default=1337, show_default=True, help="Seed of the draws.")
+@click.option("--tokenizer", type=click.Choice(list(TOKENIZERS)), default=None,
+              help="Override the tokenizer the checkpoint remembers.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="auto: CUDA when a GPU is visible.")
+def sample(path, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, device):
+    """Generate text from a checkpoint (or a run directory's latest) in one process.
+
+    \b
+    pipegpt sample runs/my-run --prompt "def main(" --max-new-tokens 100
+    pipegpt sample ckpt/gpt2 --prompt "Hello, I'm a language model," --temperature 0   # greedy
+    """
+    from pipegpt.sample import check_settings
+    from pipegpt.sample import sample as run_sample
+
+    check_settings(max_new_tokens, temperature, top_k)  # refused before the checkpoint is read
+    result = run_sample(path, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, device)
+    click.echo(result.text)
+
+
+@main.command()
+@click.argument("path", type=click.Path())
+@click.option("--file", "jsonl", required=True, type=click.Path(), metavar="FILE",
+              help="HellaSwag jsonl (nanoGPT's hellaswag_val.jsonl): ctx, endings (4), label per line.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Score only the first N examples.")
+@click.option("--tokenizer", type=click.Choice(list(TOKENIZERS)), default=None,
+              help="Override the tokenizer the checkpoint remembers.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="auto: CUDA when a GPU is visible.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
+    """HellaSwag accuracy of a checkpoint (or a run directory's latest), nanoGPT's scoring.
+
+    Each ending is scored by the cross-entropy of its tokens after ctx + " ": acc picks the ending with the
+    smallest sum of losses, acc_norm the smallest mean loss per ending token (nanoGPT's number). A candidate
+    longer than seq_len keeps its last seq_len tokens.
+
+    \b
+    pipegpt hellaswag ckpt/gpt2 --file hellaswag_val.jsonl --limit 1000 --json
+    """
+    from pipegpt.hellaswag import evaluate
+
+    result = evaluate(path, jsonl, limit, tokenizer, device)
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+    else:
+        click.echo(f"hellaswag: {result.examples} examples, acc {result.acc:.4f}, acc_norm {result.acc_norm:.4f}")
 
 
 if __name__ == "__main__":

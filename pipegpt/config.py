@@ -1,6 +1,6 @@
 """Configuration as frozen dataclasses in sections, every default defined once, checked before any process starts.
 
-TrainConfig = model + parallel (dp x pp x tp, schedule, microbatches) + optim + data + runtime. Fields
+TrainConfig = model + parallel (dp x pp x tp, schedule, microbatches) + optim + data + runtime + checkpoint + eval. Fields
 with help text are also `pipegpt run` options (pipegpt.cli derives them from here). Nothing here imports
 torch: `validate()` runs before any worker exists. Every check raises ConfigError with a one-line
 message that names the bad value and says what would be valid, so the driver can print it as it is.
@@ -94,6 +94,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float64")
 RECOMPUTE = ("none", "full", "selective")
 TOKENIZERS = ("bytes", "gpt2")
+LR_SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("fp32", "bf16")
 
 
 def setting(default, help: str = "", flag: str | None = None, short: str | None = None, choices=None):
@@ -134,11 +136,22 @@ class OptimizerConfig:
     weight_decay: float = setting(0.1, "AdamW weight decay (matrices only).")
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = setting(1.0, "Global gradient-norm clip (0: off).")
+    warmup_steps: int = setting(0, "Steps of linear learning-rate warmup, lr*(step+1)/(warmup+1), as nanoGPT.")
+    min_lr: float | None = setting(None, "Learning rate the cosine schedule decays to at the end of the run "
+                                         "(default: lr/10).")
+    lr_schedule: str = setting("cosine", "After warmup: cosine decay from lr to min-lr over the run's steps, "
+                                         "or constant lr.", choices=LR_SCHEDULES)
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate cosine decay ends at: min_lr, or a tenth of lr when not set (nanoGPT's choice)."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    data: str | None = setting(None, "Flat uint16 token file (default: built-in corpus).")
+    data: str | None = setting(None, "Tokens: a `pipegpt prepare` directory, nanoGPT's train.bin/val.bin, "
+                                               "llm.c shards or one flat uint16 file (default: built-in corpus).")
     tokenizer: str = setting("bytes", "bytes (vocabulary 256, offline) or gpt2 (tiktoken BPE).", choices=TOKENIZERS)
 
 
@@ -151,9 +164,39 @@ class RuntimeConfig:
                          choices=DTYPES)
     timeout_s: float = setting(60.0, "Seconds any wait may take before the job is brought down.", flag="--timeout")
     threads_per_worker: int | None = setting(None, "Intra-op threads per worker (default: cores / ranks).")
+    precision: str = setting("fp32", "bf16: autocast each stage's forward to bfloat16, weights and optimizer state "
+                                     "stay fp32. fp32 on CUDA means TF32 matmuls (as nanoGPT).", choices=PRECISIONS)
+    compile: bool = setting(False, "torch.compile each stage's module (split-backward schedules then compute the "
+                                   "weight gradients together with the input gradients).")
+    peak_tflops: float | None = setting(None, "Peak TFLOPS of one device for MFU (default: looked up by GPU name "
+                                              "and precision; none on CPU).")
+    trace_steps: str = setting("last", "Steps whose measured timeline goes to traces/step-N.json: last, all, or "
+                                       "step numbers such as 3,7,10 (from 0, as metrics.jsonl counts). trace.json "
+                                       "is always the last step's; other steps record nothing.")
+    profile: bool = setting(False, "Run py-spy on every worker over the traced steps (first to last): a flame graph "
+                                   "per rank, profiles/rank-N.svg and profiles/rank-N.speedscope.json.")
+
+    def traced_steps(self) -> tuple[int, ...]:
+        """The steps --trace-steps names, sorted (ConfigError if it names none that this run has)."""
+        return trace_step_list(self.trace_steps, self.steps)
 
 
-SECTIONS = {"parallel": ParallelConfig, "optim": OptimizerConfig, "data": DataConfig, "runtime": RuntimeConfig}
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_every: int = setting(0, "Save a checkpoint every N steps and after the last (0: never).")
+    keep: int = setting(3, "Keep the newest N checkpoints (0: all).")
+    resume: str | None = setting(None, "Resume from a checkpoint, or a run directory's latest; any layout.")
+    init_from: str | None = setting(None, "Start from a checkpoint's weights with a fresh optimizer, at step 0.")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    eval_every: int = setting(0, "Validation loss every N steps and after the last (0: never).")
+    eval_batches: int = setting(4, "Global batches per evaluation (the same ones each time).")
+
+
+SECTIONS = {"parallel": ParallelConfig, "optim": OptimizerConfig, "data": DataConfig, "runtime": RuntimeConfig,
+            "checkpoint": CheckpointConfig, "eval": EvalConfig}
 
 
 def section_of(name: str) -> str:
@@ -174,6 +217,8 @@ class TrainConfig:
     optim: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
 
     @classmethod
     def build(cls, model: ModelConfig = ModelConfig(), **settings) -> "TrainConfig":
@@ -223,16 +268,59 @@ class TrainConfig:
                 raise ConfigError(f"{name}={value} must be > 0")
         if o.grad_clip < 0 or o.weight_decay < 0:
             raise ConfigError("grad_clip and weight_decay must be >= 0")
+        _check_choice("lr_schedule", o.lr_schedule, LR_SCHEDULES)
+        if isinstance(o.warmup_steps, bool) or not isinstance(o.warmup_steps, int) or o.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps={o.warmup_steps!r} must be an integer >= 0")
+        if o.min_lr is not None and not 0 <= o.min_lr <= o.lr:
+            raise ConfigError(f"min_lr={o.min_lr} must be in [0, lr={o.lr}] (default lr/10)")
+        _check_choice("precision", r.precision, PRECISIONS)
+        if r.precision == "bf16" and r.dtype != "float32":
+            raise ConfigError(f"precision=bf16 keeps float32 master weights: use it with dtype=float32, "
+                              f"not {r.dtype}")
+        if r.peak_tflops is not None and not r.peak_tflops > 0:
+            raise ConfigError(f"peak_tflops={r.peak_tflops} must be > 0 (or left out)")
+        r.traced_steps()
+        if not isinstance(r.profile, bool):
+            raise ConfigError(f"profile={r.profile!r} must be True or False")
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("sequence parallelism shards along the sequence across tensor-parallel ranks: "
                               "use it with --tp 2 or more")
         validate_tp(self.model, p.tp, p.sequence_parallel)
+        c, e = self.checkpoint, self.eval
+        for name in ("eval_every", "eval_batches"):
+            value = getattr(e, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "eval_every" else 1):
+                raise ConfigError(f"{name}={value!r} must be an integer >= {0 if name == 'eval_every' else 1}")
+        if isinstance(c.save_every, bool) or not isinstance(c.save_every, int) or c.save_every < 0 or c.keep < 0:
+            raise ConfigError(f"save_every={c.save_every} and keep={c.keep} must be integers >= 0")
+        if c.resume is not None and c.init_from is not None:
+            raise ConfigError("give --resume (weights, optimizer, step, data position) or --init-from (weights "
+                              "only, step 0), not both")
         if p.schedule_file is not None and p.virtual_stages is not None:
             raise ConfigError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
         if env is not None and _under_torchrun(env) and int(env["WORLD_SIZE"]) != p.world_size:
             raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but dp x pp x tp = "
                               f"{p.dp} x {p.stages} x {p.tp} = {p.world_size}")
         return self
+
+
+def trace_step_list(text, steps: int) -> tuple[int, ...]:
+    """'last', 'all' or comma-separated step numbers (0-based; 'last' may be one of them) -> sorted steps."""
+    words = [w.strip().lower() for w in str(text).split(",")] if isinstance(text, str) else []
+    try:
+        if words == ["all"]:
+            return tuple(range(steps))
+        chosen = {steps - 1 if w == "last" else int(w) for w in words}
+    except ValueError:
+        chosen = set()
+    if not chosen:
+        raise ConfigError(f"trace_steps={text!r} must be last, all, or comma-separated step numbers such as "
+                          f"{'0,' if steps > 1 else ''}{steps - 1} (counted from 0)")
+    outside = sorted(s for s in chosen if not 0 <= s < steps)
+    if outside:
+        raise ConfigError(f"trace_steps={text!r}: step {outside[0]} is not in this run, whose steps are 0 to "
+                          f"{steps - 1} (steps={steps}, counted from 0)")
+    return tuple(sorted(chosen))
 
 
 def _check_choice(name: str, value, choices) -> None:

@@ -11,17 +11,22 @@ between steps, where the loop says so.
 from __future__ import annotations
 
 import os
+import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, free_port, port_is_free
+from pipegpt import checkpoint
+from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, free_ports, port_is_free
 from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.devices import local_world_size, resolve_device, under_torchrun
 from pipegpt.metrics import RunLog, StepMetrics, step_metrics
+from pipegpt.profile import problem_line
 from pipegpt.schedule import Plan, ScheduleError, build_plan, lower, validate
 from pipegpt.schedule.schedule_file import load_schedule_file
 from pipegpt.stages import partition_layers
+from pipegpt.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold
 from pipegpt.worker import Worker
 
 
@@ -42,11 +47,25 @@ def make_plan(cfg: TrainConfig) -> Plan:
         raise ConfigError(str(e)) from None
 
 
+def evaluation_plan(plan: Plan) -> Plan:
+    """The training plan's forwards alone, lowered: validation runs through the same runtime."""
+    return validate(lower(plan.compute_only().forward_only()))
+
+
 def check(cfg: TrainConfig) -> Plan:
     """Everything that can be refused before a worker starts; returns the plan."""
     import torch
 
+    from pipegpt.data import get_tokenizer, open_tokens
+
     cfg.validate(os.environ)
+    if cfg.data.data is not None:  # headers, sizes, token ids below the vocabulary, enough tokens, the tokenizer
+        m = cfg.model
+        open_tokens(cfg.data.data, "train", vocab_size=m.vocab_size, seq_len=m.seq_len, tokenizer=cfg.data.tokenizer)
+        open_tokens(cfg.data.data, "val", vocab_size=m.vocab_size, tokenizer=cfg.data.tokenizer)
+    else:  # the built-in corpus is tokenized by each worker: gpt2 offline fails here, in one line
+        get_tokenizer(cfg.data.tokenizer)
+    start_from(cfg)
     plan = make_plan(cfg)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)
     if resolve_device(cfg.runtime.device, cfg.world_size) == "cuda":
@@ -58,17 +77,37 @@ def check(cfg: TrainConfig) -> Plan:
     return plan
 
 
+def start_from(cfg: TrainConfig) -> Path | None:
+    """The checkpoint --resume or --init-from names, checked whole and of this model's shape (None: neither)."""
+    path = cfg.checkpoint.resume or cfg.checkpoint.init_from
+    if path is None:
+        return None
+    try:
+        found = checkpoint.resolve(path)
+        manifest = checkpoint.read_manifest(found)
+        checkpoint.check_compatible(manifest, asdict(cfg.model), found)
+        if cfg.checkpoint.resume and not manifest.get("optimizer", True):
+            raise checkpoint.CheckpointError(f"{found}: holds weights only (no optimizer state, no step): "
+                                             f"start from it with --init-from")
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    return found
+
+
 class Job:
     """A job's workers, from start to close: one actor per rank, steered over RPC."""
 
     def __init__(self, cfg: TrainConfig, port: int | None = None, threads_per_worker: int | None = None):
         self.cfg, self.plan = cfg, check(cfg)
+        self.eval_plan = evaluation_plan(self.plan)
         if port is not None and not under_torchrun() and not port_is_free(port):
             raise ConfigError(f"port {port} is in use: choose a free port or leave --port out")
         self.port = port
         self.threads = threads_per_worker or cfg.runtime.threads_per_worker \
             or max(1, (os.cpu_count() or 1) // cfg.world_size)
         self.cluster = None
+        self.first_step = 0  # where training starts: 0, or the step a resumed checkpoint was taken after
+        self.step_times: list[float] = []  # seconds, of this job's steps so far: the stall watchdog's reference
 
     def start(self) -> bool:
         """Start the workers and build them for the plan. Under torchrun every process calls this; the
@@ -80,14 +119,51 @@ class Job:
                 self.cluster.close()  # serve the driver's requests until it shuts everyone down
                 return False
         else:
-            init_method = f"tcp://127.0.0.1:{self.port or free_port()}"
-            self.cluster = LocalCluster(cfg.world_size, cfg.runtime.timeout_s, self.threads)
+            ports = [port for port in free_ports(3) if port != self.port]  # the control plane's and the groups'
+            init_method = f"tcp://127.0.0.1:{self.port or ports[1]}"
+            self.cluster = LocalCluster(cfg.world_size, cfg.runtime.timeout_s, self.threads, rpc_port=ports[0])
         self.cluster.spawn(Worker, lambda r: (r, cfg, init_method))
-        self.cluster.call("start", self.plan)  # every worker built before step 0 starts its clock
+        self.cluster.call("start", self.plan, self.eval_plan)  # every worker built before step 0 starts its clock
+        source = start_from(cfg)
+        if source is not None:
+            steps = self.cluster.call("load", str(source), cfg.checkpoint.resume is None)
+            self.first_step = steps[0]
         return True
 
+    def save(self, root: Path, step: int) -> Path:
+        """A checkpoint after `step` steps under root: every rank writes its part, then the atomic commit."""
+        cfg = self.cfg
+        tmp = checkpoint.begin(root, step)
+        self.cluster.call("save", str(tmp), step)
+        return checkpoint.commit(tmp, {"step": step, "model": asdict(cfg.model), "tokenizer": cfg.data.tokenizer,
+                                       "world_size": cfg.world_size, "config": asdict(cfg), "optimizer": True,
+                                       "plan": self.plan.name}, cfg.checkpoint.keep)
+
     def step(self, step: int) -> list[dict]:
-        return self.cluster.call("step", step)
+        """One step on every rank, watched: one that runs far longer than the steps before it ends the job,
+        naming the rank that holds the others up (pipegpt.watchdog), well before the communication timeout."""
+        threshold, t0 = stall_threshold(self.step_times), time.perf_counter()
+        results = self.cluster.call("step", step, stall_after_s=threshold,
+                                    on_stall=lambda waited: self._stalled(step, waited, threshold))
+        self.step_times.append(time.perf_counter() - t0)
+        return results
+
+    def _stalled(self, step: int, waited_s: float, threshold_s: float) -> None:
+        """Ask every rank where it is and raise naming the culprit, with the table as the report."""
+        answers = self.cluster.ask("where", timeout_s=WHERE_TIMEOUT_S)
+        rows = [answers.get(r, {"rank": r}) for r in range(self.cluster.world_size)]
+        waits = {row["rank"]: (row["now"] and row["now"][2]) if "now" in row else () for row in rows}  # silent: a sink
+        doing = {row["rank"]: row["now"][1] for row in rows if row.get("now")}
+        culprit = find_culprit(waits, doing)
+        if culprit is None:
+            return  # every rank is between steps: their answers to step() are on their way
+        report = "\n".join([f"step {step} stalled: running for {waited_s:.1f}s, past {threshold_s:.1f}s "
+                            f"(max({STALL_FACTOR:g} x the recent median step, {STALL_FLOOR_S:g}s)); "
+                            f"where each rank is:", *format_table(rows)])
+        if culprit.rank not in answers:
+            raise WorkerFailure(culprit.rank, f"stopped answering (no answer to where() within "
+                                              f"{WHERE_TIMEOUT_S:.0f}s once step {step} stalled)", report)
+        raise WorkerStalled(culprit.rank, f"{culprit.cause} (step {step}, {waited_s:.0f}s)", report)
 
     def build(self, cfg: TrainConfig) -> list[dict]:
         """Rebuild every worker for another config on the same grid (dp x pp x tp)."""
@@ -95,7 +171,14 @@ class Job:
         if grid(cfg) != grid(self.cfg):
             raise ConfigError(f"a running job keeps its grid dp x pp x tp = {grid(self.cfg)}, not {grid(cfg)}")
         self.cfg, self.plan = cfg, check(cfg)
-        return self.cluster.call("build", cfg, self.plan)
+        self.step_times = []  # another config, other step times
+        self.eval_plan = evaluation_plan(self.plan)
+        return self.cluster.call("build", cfg, self.plan, self.eval_plan)
+
+    def evaluate(self) -> float:
+        """Validation loss: the mean over the eval batches' microbatches (the last stage's ranks report them)."""
+        losses = [loss for r in self.cluster.call("evaluate", self.cfg.eval.eval_batches) for loss in r["losses"]]
+        return sum(losses) / len(losses)
 
     def call(self, method: str, *args) -> list:
         return self.cluster.call(method, *args)
@@ -118,16 +201,36 @@ class Job:
 
 def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics, list[dict]], None] = lambda m, r: None
           ) -> list[StepMetrics]:
-    """The training loop on a started job: a step, its metrics, and (later) checkpoint/eval/profile hooks."""
+    """The training loop on a started job: a step, its metrics, a checkpoint when one is due."""
     cfg, history = job.cfg, []
-    for step in range(cfg.runtime.steps):
+    every, last, eval_every = cfg.checkpoint.save_every, cfg.runtime.steps - 1, cfg.eval.eval_every
+    traced = set(cfg.runtime.traced_steps())
+    profiled = sorted(s for s in traced if s >= job.first_step) if cfg.runtime.profile else []
+    for step in range(job.first_step, cfg.runtime.steps):
+        if profiled and step == profiled[0]:  # py-spy on every worker, from the first traced step to the last
+            _warn(problem_line(job.call("profile_start", str((log.run_dir / "profiles").resolve())),
+                               "the run goes on without profiles"))
         t0 = time.perf_counter()
         results = job.step(step)
         metrics = step_metrics(step, results, cfg, time.perf_counter() - t0)
+        if profiled and step == profiled[-1]:
+            stopped = job.cluster.call("profile_stop", timeout_s=cfg.runtime.timeout_s + 60)
+            _warn(problem_line([problem for _, problem in stopped], "no profile from it"))
+        if step in traced:
+            log.trace(results, job.plan, step)
+        if eval_every and ((step + 1) % eval_every == 0 or step == last):
+            metrics.val_loss = job.evaluate()
         log.step(metrics)
         history.append(metrics)
         on_step(metrics, results)
+        if every and ((step + 1) % every == 0 or step == last):
+            job.save(log.run_dir / "checkpoints", step + 1)
     return history
+
+
+def _warn(line: str | None) -> None:
+    if line:
+        print(line, file=sys.stderr, flush=True)
 
 
 def run_job(job: Job, run_dir: Path, on_step: Callable[[StepMetrics], None] = lambda m: None
@@ -145,7 +248,7 @@ def run_job(job: Job, run_dir: Path, on_step: Callable[[StepMetrics], None] = la
     with job:
         if not job.start():
             return None
-        log = RunLog(run_dir, job.cfg)
+        log = RunLog(run_dir, job.cfg, job.plan)
         try:
             history = train(job, log, record)
             if last:

@@ -1,16 +1,22 @@
 """Rehearsed failures: PIPEGPT_FAULT=KIND:RANK:STEP makes RANK fail at the start of STEP.
 
-KIND is raise (an exception), exit (the process dies) or freeze (the process stops: SIGSTOP).
+KIND is raise (an exception), exit (the process dies), freeze (the process stops: SIGSTOP), or
+kill-in-save (SIGKILL halfway through writing the checkpoint taken after STEP steps), or stuck (the
+rank stays alive and answering, heartbeats and all, but its first compute action of STEP never returns:
+the stall watchdog must name it, though its pipeline neighbours are the ones seen waiting).
 The failure tests use it to prove that every kind brings the whole job down, naming the rank.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Mapping
 
 FAULT_ENV = "PIPEGPT_FAULT"
-KINDS = ("raise", "exit", "freeze")
+KINDS = ("raise", "exit", "freeze", "kill-in-save", "stuck")
+IN_SAVE = "kill-in-save"
+STUCK = "stuck"
 
 
 def planned_fault(rank: int, env: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
@@ -25,9 +31,23 @@ def planned_fault(rank: int, env: Mapping[str, str] = os.environ) -> tuple[str, 
 
 
 def fail_now(kind: str, step: int) -> None:
+    if kind == IN_SAVE:
+        os.kill(os.getpid(), signal.SIGKILL)
     if kind == "raise":
         raise RuntimeError(f"fault injected by {FAULT_ENV} at step {step}")
     if kind == "exit":
         os._exit(13)
     while True:  # freeze: stay stopped even if something sends SIGCONT
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def get_stuck(stages) -> None:
+    """Make the rank's next compute action (at a step's start, always a forward) sleep forever, in
+    Python, so its RPC threads keep answering. Only a faulty rank's stages are touched."""
+    for stage in stages:
+        stage.forward = _forever
+
+
+def _forever(*args, **kwargs) -> None:
+    while True:
+        time.sleep(1.0)

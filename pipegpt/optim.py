@@ -1,5 +1,8 @@
-"""The optimizer side of a step: parameter groups, AdamW (ZeRO-1 optionally), global-norm clipping."""
+"""The optimizer side of a step: parameter groups, AdamW (ZeRO-1 optionally), the learning-rate schedule,
+global-norm clipping."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,33 @@ def make_optimizer(named_params: list[tuple[str, torch.Tensor]], optim: Optimize
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group,
                                        lr=optim.lr, betas=optim.betas, foreach=False)
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, foreach=False)
+
+
+def lr_at(step: int, optim: OptimizerConfig, total_steps: int) -> float:
+    """The learning rate of step `step` (0-based) of a run of `total_steps` steps: nanoGPT's get_lr.
+
+    warmup (step < w):   lr * (step + 1) / (w + 1), linear, never 0 at the first step
+    cosine (after):      min_lr + (lr - min_lr) * (1 + cos(pi * (step - w) / (total_steps - w))) / 2,
+                         lr at step w, down to min_lr (default lr/10) at step total_steps, min_lr after
+    constant (after):    lr
+    """
+    lr, w = optim.lr, optim.warmup_steps
+    if step < w:
+        return lr * (step + 1) / (w + 1)
+    if optim.lr_schedule == "constant":
+        return lr
+    min_lr = optim.final_lr
+    if step >= total_steps:
+        return min_lr
+    ratio = (step - w) / (total_steps - w)
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * ratio))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every parameter group's learning rate. ZeroRedundancyOptimizer copies its param_groups' settings into
+    its inner (sharded) optimizer at each step (torch's _sync_param_groups), so setting them here suffices."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def clip_grad_norm_(counted: list[torch.Tensor], params: list[torch.Tensor], max_norm: float, group=None,

@@ -26,6 +26,10 @@ class StepResult:
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
 
+def _ranks(ranks) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
 def last_gradient_actions(actions) -> dict[int, int]:
     """Per stage, the index of the action after which its weight gradients are complete (last B or W)."""
     return {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
@@ -46,41 +50,65 @@ class PipelineRuntime:
         self.owner = [pipeline_ranks[r] for r in plan.stage_to_rank]
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         self.clock = clock_for(torch.device(device))
+        # Where step() is, for the stall watchdog (read from another thread by Worker.where()):
+        # (action index, action, ranks it waits for, what it waits for), one prebuilt tuple per action
+        # so that keeping it costs one attribute store; None between steps.
+        self.now: tuple[int | None, str, tuple[int, ...], str] | None = None
+        self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
+        self.index_of = {a: i for i, a in enumerate(self.actions)}
+
+    def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
+        if a.kind.is_compute:
+            return i, self.names[i], (), "nobody (computing)"
+        receive, forward = a.kind in (Kind.RECV_F, Kind.RECV_B), a.kind in (Kind.SEND_F, Kind.RECV_B)
+        peer = self.owner[a.stage + 1 if forward else a.stage - 1]
+        return i, self.names[i], (peer,), (f"receive {a} from rank {peer}" if receive else f"send {a} to rank {peer}")
 
     def _tag(self, sender_stage: int, mb: int, backward: bool) -> int:
         # Tags keep messages apart where the backend honours them (gloo); NCCL matches by
         # order instead, which lowering guarantees is the same at both ends.
         return (mb * self.plan.num_stages + sender_stage) * 2 + int(backward)
 
-    def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> StepResult:
-        """Run one training step's forward and backward; gradients accumulate in the stages' params."""
+    def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
+             record: bool = True) -> StepResult:
+        """Run one training step's forward and backward; gradients accumulate in the stages' params.
+        record=False: no per-action timestamps (no clock reads; on CUDA no events and no synchronisation)."""
         inbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to consume
         outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to send
         in_flight: list[tuple[Message, Action]] = []
         events: list = []
-        self.clock.start()
+        if record:
+            self.clock.start()
         clock = self.clock.mark
-        i, actions = 0, self.actions
+        i, actions, at = 0, self.actions, self.at
         while i < len(actions):
-            t0 = clock()
+            self.now = at[i]
+            t0 = clock() if record else None
             end = self.batch_end.get(i)
             if end is not None:
-                self._communicate(actions[i:end], inbox, outbox, in_flight)
-                t1 = clock()
-                events.extend((name, t0, t1) for name in self.names[i:end])
+                self._communicate(actions[i:end], inbox, outbox, in_flight, i)
+                if record:
+                    t1 = clock()
+                    events.extend((name, t0, t1) for name in self.names[i:end])
                 i = end
                 continue
             self._compute(actions[i], inputs, targets, inbox, outbox)
-            events.append((self.names[i], t0, clock()))
+            if record:
+                events.append((self.names[i], t0, clock()))
             if i in self.gradients_ready_after:
                 self.on_gradients_ready(self.gradients_ready_after[i])
             i += 1
         for message, action in in_flight:
+            self.now = at[self.index_of[action]]
             self.p2p.wait(message)
+        if self.p2p.unsettled:  # CUDA: the host waits for the step's communication here
+            peers = tuple(sorted({m.peer for m in self.p2p.unsettled}))
+            self.now = (None, "end of step", peers, f"this step's communication with {_ranks(peers)}")
         self.p2p.settle()
+        self.now = None
         losses = [loss for stage in self.stages.values() for loss in stage.pop_losses()]
         losses = torch.stack(losses).tolist() if losses else []  # one device-to-host transfer
-        return StepResult(losses, self.clock.resolve(events))
+        return StepResult(losses, self.clock.resolve(events) if record else [])
 
     def _compute(self, a: Action, inputs, targets, inbox, outbox) -> None:
         stage, s, mb = self.stages[a.stage], a.stage, a.microbatch
@@ -103,9 +131,9 @@ class PipelineRuntime:
         else:
             outbox[(kind, s, mb)] = tensor
 
-    def _communicate(self, batch, inbox, outbox, in_flight) -> None:
-        sends, recvs = [], []
-        for a in batch:
+    def _communicate(self, batch, inbox, outbox, in_flight, first: int) -> None:
+        sends, recvs, recv_at = [], [], []
+        for i, a in enumerate(batch, first):
             s, mb = a.stage, a.microbatch
             if a.kind is Kind.SEND_F:
                 sends.append((Message(outbox.pop((Kind.F, s, mb)), self.owner[s + 1], self._tag(s, mb, False), f"send {a}"), a))
@@ -116,9 +144,11 @@ class PipelineRuntime:
                 sender = s + 1 if backward else s - 1
                 buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
                 recvs.append(Message(buffer, self.owner[sender], self._tag(sender, mb, backward), f"receive {a}"))
+                recv_at.append(self.at[i])
                 inbox[(Kind.B if backward else Kind.F, s, mb)] = buffer
         self.p2p.post([m for m, _ in sends], recvs)
-        for message in recvs:
+        for message, now in zip(recvs, recv_at):
+            self.now = now
             self.p2p.wait(message)
         in_flight.extend(sends)
         self._release_sent(in_flight)

@@ -1,8 +1,9 @@
 """The actor on one rank: its model stages, optimizer, runtime, loader and device.
 
-The driver calls its methods over RPC (they are the control plane's whole surface: start, build,
-step, describe, named_grads, named_parameters, shutdown). Activations never pass through here:
-the runtime sends them worker to worker.
+The driver calls its methods over RPC; the methods marked @actor_method are the control plane's
+whole surface (start, build, step, evaluate, save, load, where, profile_start/stop, describe, shutdown,
+and for tests named_grads, named_parameters, named_optimizer_state). Activations never pass through
+here: the runtime sends them worker to worker.
 """
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ from pipegpt.comm.mesh import Grid, init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.comm.rpc import reports_failures
 from pipegpt.config import TrainConfig
-from pipegpt.data import RankLoader, builtin_tokens, get_tokenizer, load_token_file
+from pipegpt.data import RankLoader, builtin_tokens, get_tokenizer, open_tokens
 from pipegpt.devices import cuda_device_index, resolve_device
-from pipegpt.faults import fail_now, planned_fault
+from pipegpt import checkpoint
+from pipegpt.faults import IN_SAVE, STUCK, fail_now, get_stuck, planned_fault
 from pipegpt.model import GPT
-from pipegpt.optim import clip_grad_norm_, make_optimizer
+from pipegpt.optim import clip_grad_norm_, lr_at, make_optimizer, set_lr
+from pipegpt.profile import Profiler
 from pipegpt.runtime import PipelineRuntime, last_gradient_actions
 from pipegpt.schedule import Plan
 from pipegpt.stages import Stage, partition_layers
-from pipegpt.tensor_parallel import REPLICATED, tp_shard_spec
+from pipegpt.tensor_parallel import REPLICATED, shard_tensor, tp_shard_spec
 from pipegpt.tensor_parallel.layers import sequence_parallel_grad_params, shard_for_tp
 
 
@@ -53,13 +56,17 @@ class Worker:
         self.rank, self.cfg, self.init_method = rank, cfg, init_method
 
     @actor_method
-    def start(self, plan: Plan) -> dict:
+    def start(self, plan: Plan, eval_plan: Plan | None = None) -> dict:
         """Take this rank's device, join the process groups, then build for the plan."""
         cfg, rank = self.cfg, self.rank
         self.device = torch.device(resolve_device(cfg.runtime.device, cfg.world_size))
         if self.device.type == "cuda":
             self.device = torch.device("cuda", cuda_device_index(rank))
             torch.cuda.set_device(self.device)
+            if cfg.runtime.precision == "fp32":  # as nanoGPT: fp32 matmuls on tensor cores (float64 is unaffected)
+                torch.backends.cuda.matmul.allow_tf32 = True
+                torch.backends.cudnn.allow_tf32 = True
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         p = cfg.parallel
         # Every schedule puts the first stage on pipeline rank 0 and the last on rank 0 or pp-1,
         # so this group serves any plan a later build() brings.
@@ -67,14 +74,16 @@ class Worker:
                               embedding_pp_indices=(0, p.stages - 1))
         self.p2p = PointToPoint(rank, cfg.runtime.timeout_s, self.device.type)
         self.fault = planned_fault(rank)
-        return self.build.__wrapped__(self, cfg, plan)
+        return self.build.__wrapped__(self, cfg, plan, eval_plan)
 
     @actor_method
-    def build(self, cfg: TrainConfig, plan: Plan) -> dict:
-        """(Re)build model stages, optimizer, runtime and loader for cfg and the driver's plan, on the
-        existing process groups (the grid must not change)."""
+    def build(self, cfg: TrainConfig, plan: Plan, eval_plan: Plan | None = None) -> dict:
+        """(Re)build model stages, optimizer, runtimes and loaders for cfg and the driver's plans (training;
+        forward-only for evaluation), on the existing process groups (the grid must not change)."""
         self.cfg, self.plan = cfg, plan
         p, last = cfg.parallel, plan.num_stages - 1
+        # Steps whose per-action timestamps are recorded: --trace-steps and the last (trace.json); others skip it.
+        self.recorded_steps = frozenset(cfg.runtime.traced_steps()) | {cfg.runtime.steps - 1}
         ranges = partition_layers(cfg.model.n_layer, plan.num_stages, p.layers_per_stage)
         dtype = getattr(torch, cfg.runtime.dtype)
         self.stages: dict[int, Stage] = {}
@@ -83,28 +92,48 @@ class Worker:
                          recompute=p.recompute, init_seed=cfg.runtime.seed)
             if p.tp > 1:  # built whole from the per-name seeds, then cut to this rank's shard
                 shard_for_tp(module, self.mesh.tp_index, p.tp, self.mesh.group("tp"), p.sequence_parallel)
-            self.stages[s] = Stage(s, plan.num_stages, module.to(self.device, dtype), plan.num_microbatches)
+            module = module.to(self.device, dtype)  # fp32 master weights under bf16 autocast too
+            if cfg.runtime.compile:
+                module.compile()  # in place: parameter names and the module's attributes stay as they are
+            self.stages[s] = Stage(s, plan.num_stages, module, plan.num_microbatches,
+                                   torch.bfloat16 if cfg.runtime.precision == "bf16" else None)
         if self.stages.keys() >= {0, last} and last != 0 and cfg.model.tie_embeddings:
             # Both ends of a V live here: share one tensor, so the gradient sums by itself.
             self.stages[last].module.lm_head.weight = self.stages[0].module.wte.weight
         self.named_params = self._unique_named_params()
+        # One-process names: the last stage's copy of a tied embedding is wte.weight.
+        self.full_names = {id(p): stage.module.tied_parameter_names().get(local, local)
+                           for stage in reversed(self.stages.values()) for local, p in stage.module.named_parameters()}
         dp_group = self.mesh.group("dp")
         self.optimizer = make_optimizer(self.named_params, cfg.optim, dp_group if p.zero else None)
         self.averager = None
         if dp_group is not None:
             self.averager = GradientAverager(self._params_by_stage(plan), dp_group, self.rank, cfg.runtime.timeout_s)
         seq = cfg.model.seq_len // p.tp if p.sequence_parallel else cfg.model.seq_len
+        shape, pipeline = (p.microbatch_size, seq, cfg.model.n_embd), self.mesh.grid.pipeline_ranks(self.rank)
         self.runtime = PipelineRuntime(
-            plan, self.rank, self.stages, self.p2p, self.mesh.grid.pipeline_ranks(self.rank),
-            (p.microbatch_size, seq, cfg.model.n_embd), dtype, self.device,
+            plan, self.rank, self.stages, self.p2p, pipeline, shape, dtype, self.device,
             on_gradients_ready=self.averager.start if self.averager else lambda stage: None)
-        self.loader = None
+        self.eval_runtime = eval_plan and PipelineRuntime(eval_plan, self.rank, self.stages, self.p2p, pipeline,
+                                                          shape, dtype, self.device)
+        self.loader = self.val_loader = None
         if 0 in self.stages or last in self.stages:
-            tokens = load_token_file(cfg.data.data) if cfg.data.data else builtin_tokens(get_tokenizer(cfg.data.tokenizer))
-            self.loader = RankLoader(tokens, cfg.model.seq_len, plan.num_microbatches, p.microbatch_size, p.dp,
-                                     self.mesh.dp_index, cfg.runtime.seed, inputs=0 in self.stages,
-                                     targets=last in self.stages)
+            train, val = self._tokens()
+            loader = lambda tokens, seed: RankLoader(  # noqa: E731
+                tokens, cfg.model.seq_len, plan.num_microbatches, p.microbatch_size, p.dp, self.mesh.dp_index, seed,
+                inputs=0 in self.stages, targets=last in self.stages)
+            self.loader = loader(train, cfg.runtime.seed)
+            # Without a validation split (the built-in corpus, one flat file), validation windows come from
+            # the training tokens under another seed: a check of the mechanics, not a held-out loss.
+            self.val_loader = loader(train, cfg.runtime.seed + 1) if val is None else loader(val, cfg.runtime.seed)
         return self.describe.__wrapped__(self)
+
+    def _tokens(self):
+        """(train, val or None) token arrays."""
+        data = self.cfg.data
+        if data.data is None:
+            return builtin_tokens(get_tokenizer(data.tokenizer)), None
+        return open_tokens(data.data, "train"), open_tokens(data.data, "val")
 
     def _unique_named_params(self) -> list[tuple[str, torch.Tensor]]:
         seen, named = set(), []
@@ -138,26 +167,68 @@ class Worker:
     @actor_method
     def step(self, step: int) -> dict:
         """One training step: loader -> runtime -> finish gradients -> clip -> optimizer."""
-        if self.fault and self.fault[1] == step:
+        if self.fault and self.fault[0] not in (IN_SAVE, STUCK) and self.fault[1] == step:
             fail_now(*self.fault)
+        if self.fault == (STUCK, step):
+            get_stuck(self.stages.values())
         t0 = time.perf_counter()
         for _, p in self.named_params:
             p.grad = None
-        inputs, targets = self._batch(step)
-        result = self.runtime.step(inputs, targets)
+        inputs, targets = self._batch(self.loader, step)
+        result = self.runtime.step(inputs, targets, record=step in self.recorded_steps)
+        self.runtime.now = self._finishing()  # for where(): gradient all-reduces, clipping, optimizer
         self._finish_gradients()
         grad_norm = self._clip_gradients()
+        lr = lr_at(step, self.cfg.optim, self.cfg.runtime.steps)
+        set_lr(self.optimizer, lr)
         self.optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step is done when its kernels are, not launched
+        self.runtime.now = None
         return {"rank": self.rank, "losses": result.losses, "events": result.events,
-                "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0, "peak_memory": self._peak_memory()}
+                "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0, "peak_memory": self._peak_memory(),
+                "lr": lr, "device_name": self.device_name}
 
-    def _batch(self, step: int):
-        if self.loader is None:
+    @actor_method
+    def evaluate(self, batches: int) -> dict:
+        """Mean loss of the forward-only plan over the first `batches` validation batches (the same each time)."""
+        losses = []
+        for stage in self.stages.values():
+            stage.module.eval()
+        try:
+            with torch.no_grad():
+                for k in range(batches):
+                    losses += self.eval_runtime.step(*self._batch(self.val_loader, k)).losses
+                    for stage in self.stages.values():
+                        stage.discard()
+        finally:
+            for stage in self.stages.values():
+                stage.module.train()
+        return {"rank": self.rank, "losses": losses}
+
+    def _finishing(self) -> tuple[None, str, tuple[int, ...], str]:
+        """Where a step is after its actions: in collectives with its model replica and dp peers."""
+        grid, (d, p, t) = self.mesh.grid, self.mesh.grid.coords(self.rank)
+        peers = {grid.rank_of(d, pp, tt) for pp in range(grid.pp) for tt in range(grid.tp)}
+        peers = tuple(sorted(peers | {grid.rank_of(dd, p, t) for dd in range(grid.dp)} - {self.rank}))
+        what = f"collectives with ranks {', '.join(map(str, peers))}" if peers else "nobody (computing)"
+        return None, "finishing the step", peers, what
+
+    @actor_method
+    def where(self) -> dict:
+        """Which action this rank is on and which ranks it waits for (now: None between steps); answered
+        on an RPC thread while step() runs on another, for the driver's stall watchdog."""
+        now = None
+        for runtime in (getattr(self, "runtime", None), getattr(self, "eval_runtime", None)):
+            now = now or getattr(runtime, "now", None)
+        mesh = getattr(self, "mesh", None)
+        return {"rank": self.rank, "pp_index": mesh.pp_index if mesh else None, "now": now}
+
+    def _batch(self, loader: RankLoader | None, step: int):
+        if loader is None:
             return None, None
-        self.loader.step = step + 1
-        inputs, targets = self.loader.batch(step)
+        loader.step = step + 1
+        inputs, targets = loader.batch(step)
         return ([self._to_device(x) for x in inputs] if inputs else None,
                 [self._to_device(y) for y in targets] if targets else None)
 
@@ -192,15 +263,89 @@ class Worker:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
+    def _owned(self, p: torch.Tensor) -> bool:
+        """Whether this rank stores p: tp-replicated tensors on tp rank 0 only, the tied embedding
+        on the rank holding stage 0 only."""
+        if self.mesh.tp_index > 0 and tp_shard_spec(self.full_names[id(p)]) == REPLICATED:
+            return False
+        return 0 in self.stages or all(p is not copy for copy in self._tied_copies())
+
+    @actor_method
+    def save(self, directory: str, step: int) -> None:
+        """Write what this rank owns of the checkpoint after `step` steps into `directory`."""
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO: this replica's shard of the state
+        shard = [self.mesh.tp_index, self.cfg.parallel.tp]
+        tensors = {f"rng/{self.rank}": torch.get_rng_state()}
+        if self.mesh.dp_index == 0:
+            tensors.update({f"param/{self.full_names[id(p)]}": p for _, p in self.named_params if self._owned(p)})
+        if self.mesh.dp_index == 0 or self.cfg.parallel.zero:
+            for p, state in optimizer.state.items():
+                if self._owned(p):
+                    tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})
+        shards = {key: ([0, 1] if key.startswith("rng/") else shard) for key in tensors}
+        if self.fault == (IN_SAVE, step):  # rehearse a kill mid-save: half a file, then SIGKILL
+            checkpoint.write_rank_file(directory, self.rank, dict(list(tensors.items())[:len(tensors) // 2]), {})
+            fail_now(IN_SAVE, step)
+        checkpoint.write_rank_file(directory, self.rank, tensors, shards)
+
+    @actor_method
+    def load(self, path: str, weights_only: bool = False) -> int:
+        """Load a checkpoint written under any layout; returns the step it was taken after."""
+        reader, manifest = checkpoint.CheckpointReader(path), checkpoint.read_manifest(path)
+        step = manifest["step"]
+        tp_rank, tp = self.mesh.tp_index, self.cfg.parallel.tp
+
+        def mine(key: str, p: torch.Tensor) -> torch.Tensor:
+            name = self.full_names[id(p)]
+            return shard_tensor(name, reader.full(f"{key}/{name}", name), tp_rank, tp).to(p.device, p.dtype)
+
+        with torch.no_grad():
+            for _, p in self.named_params:
+                p.copy_(mine("param", p))
+        if weights_only:
+            return 0
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p] = {"step": torch.tensor(float(step)),
+                                      "exp_avg": mine("exp_avg", p), "exp_avg_sq": mine("exp_avg_sq", p)}
+        if reader.has(f"rng/{self.rank}") and manifest["world_size"] == self.cfg.world_size:
+            torch.set_rng_state(reader.full(f"rng/{self.rank}", ""))
+        if self.loader is not None:
+            self.loader.load_state_dict({"step": step})
+        return step
+
+    @actor_method
+    def named_optimizer_state(self) -> dict[str, torch.Tensor]:
+        """{"exp_avg/<name>": moment, ...} of this rank's parameters, by one-process name (for tests)."""
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)
+        return {f"{k}/{self.full_names[id(p)]}": state[k].detach().cpu().clone()
+                for p, state in optimizer.state.items() for k in ("exp_avg", "exp_avg_sq")}
+
     @actor_method
     def describe(self) -> dict:
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO wraps this rank's shard
         state_bytes = sum(t.numel() * t.element_size() for state in optimizer.state.values()
                           for t in state.values() if torch.is_tensor(t))
         return {"rank": self.rank, "stages": sorted(self.stages), "device": str(self.device),
+                "device_name": self.device_name,
+                "compiled": any(getattr(st.module, "_compiled_call_impl", None) is not None
+                                for st in self.stages.values()),
                 "parameters": sum(p.numel() for _, p in self.named_params),
                 "parameter_bytes": sum(p.numel() * p.element_size() for _, p in self.named_params),
                 "optimizer_state_bytes": state_bytes}
+
+    @actor_method
+    def profile_start(self, directory: str) -> str | None:
+        """Start py-spy on this process (pipegpt.profile); None once it samples, else why not (one line)."""
+        self.profiler = Profiler(directory, self.rank)
+        return self.profiler.start()
+
+    @actor_method
+    def profile_stop(self) -> tuple[list[str], str | None]:
+        """Stop py-spy: (the profiles it wrote, None or why not)."""
+        profiler, self.profiler = getattr(self, "profiler", None), None
+        return profiler.stop() if profiler is not None else ([], None)
 
     @actor_method
     def named_grads(self) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ def _serve(conn, cfg) -> None:
             if command == "stop":
                 break
             try:
-                conn.send(("ok", _run(job, *args)))
+                conn.send(("ok", COMMANDS[command](job, *args)))
             except Exception as e:  # report, keep serving the next case
                 conn.send(("error", f"{type(e).__name__}: {e}"))
         job.close()
@@ -77,6 +77,47 @@ def _run(job, cfg, steps: int):
     return sum(losses) / len(losses), grads, params
 
 
+def _gathered(per_rank: list[dict], cfg) -> dict[str, object]:
+    """{"<kind>/<one-process name>": full tensor} from every rank's {"<kind>/<name>": shard}; a key held
+    by several data-parallel replicas (or by only one, with ZeRO-1) counts once."""
+    from pipegpt.comm.mesh import Grid
+    from pipegpt.tensor_parallel import gather_full
+
+    layout = cfg.parallel
+    grid = Grid(layout.dp, layout.stages, layout.tp)
+    shards: dict[str, dict[int, object]] = {}
+    for rank, tensors in enumerate(per_rank):
+        _, _, t = grid.coords(rank)
+        for key, value in tensors.items():
+            shards.setdefault(key, {})[t] = value
+    out = {}
+    for key, parts in shards.items():
+        kind, name = key.split("/", 1)
+        out[key] = gather_full(name, [parts[t] for t in range(layout.tp)]) if layout.tp > 1 else parts[0]
+    return out
+
+
+def _resume(job, cfg, path: str):
+    """Load a checkpoint into this grid: every parameter and optimizer moment by one-process name, then
+    the loss of the step after it."""
+    job.build(cfg)
+    step = job.call("load", path, False)[0]
+    params = _gathered([{f"param/{_one_process_name(n, cfg)}": v for n, v in r.items()}
+                        for r in job.call("named_parameters")], cfg)
+    moments = _gathered(job.call("named_optimizer_state"), cfg)
+    losses = [loss for r in job.step(step) for loss in r["losses"]]
+    return params, moments, sum(losses) / len(losses)
+
+
+def _evaluate(job, cfg):
+    """The validation loss of cfg's freshly built model."""
+    job.build(cfg)
+    return job.evaluate()
+
+
+COMMANDS = {"run": _run, "resume": _resume, "evaluate": _evaluate}
+
+
 class ClusterHost:
     def __init__(self, cfg):
         """Workers for cfg's dp x pp x tp grid; later runs may change anything but the grid."""
@@ -100,6 +141,15 @@ class ClusterHost:
 
     def run(self, cfg, steps: int):
         self.conn.send(("run", (cfg, steps)))
+        return self._answer(300)
+
+    def resume(self, cfg, path):
+        """Load the checkpoint at path into this grid: (params, optimizer moments, next step's loss)."""
+        self.conn.send(("resume", (cfg, str(path))))
+        return self._answer(300)
+
+    def evaluate(self, cfg) -> float:
+        self.conn.send(("evaluate", (cfg,)))
         return self._answer(300)
 
     def close(self) -> None:

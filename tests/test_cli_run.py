@@ -113,6 +113,15 @@ def test_run_writes_a_trace_covering_the_plan(real_run):
             assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (a, b)  # 1 us slack for rounding
 
 
+def test_run_writes_the_plan_it_ran(real_run):
+    from pipegpt.schedule.schedule_file import load_schedule_file
+
+    proc, run_dir = real_run
+    assert proc.returncode == 0, proc.stderr
+    ran = load_schedule_file(run_dir / "plan.txt")
+    assert ran.ranks == lower(build_plan("1f1b", STAGES, MICROBATCHES)).ranks
+
+
 # --------------------------------------------------------------------------------------------------------------
 # (b) bad input: refused before any worker starts
 

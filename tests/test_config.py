@@ -20,11 +20,15 @@ PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
 
 # Every option of `pipegpt run`. A change here is a change of the CLI that users and scripts see: make it on purpose.
 RUN_OPTIONS = [
-    "--batch-size", "--data", "--device", "--dp", "--dtype", "--grad-clip", "--layers-per-stage", "--log-every",
+    "--batch-size", "--data", "--eval-batches", "--eval-every", "--init-from", "--keep", "--resume", "--save-every", "--device", "--dp", "--dtype", "--grad-clip", "--layers-per-stage", "--log-every",
     "--lr", "--microbatch-size", "--microbatches", "--model", "--n-embd", "--n-head", "--n-layer", "--no-tie-embeddings",
     "--pad-vocab", "--port", "--recompute", "--run-dir", "--schedule", "--schedule-file", "--seed", "--seq-len",
     "--sequence-parallel", "--stages", "--steps", "--threads-per-worker", "--timeout", "--tokenizer", "--tp",
     "--virtual-stages", "--vocab-size", "--weight-decay", "--zero", "-m", "-p", "-s", "-v",
+    # the nanoGPT/llm.c recipe: learning-rate schedule, precision, compilation, MFU
+    "--warmup-steps", "--min-lr", "--lr-schedule", "--precision", "--compile", "--peak-tflops",
+    # measured timelines of chosen steps, py-spy flame graphs
+    "--trace-steps", "--profile",
 ]
 
 

@@ -151,3 +151,64 @@ def test_rank_loader_position_is_a_state_that_restores():
     resumed.load_state_dict(state)
     assert state == {"step": 2}
     assert all(torch.equal(a, b) for a, b in zip(resumed.next()[0], expected[0]))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# open_tokens and several shards read as one (TokenShards)
+
+def _shards(tmp_path, sizes):
+    """A prepared-style directory of llm.c shards holding 0, 1, 2, ... split at `sizes`; and the whole array."""
+    from pipegpt.data import shard_header
+
+    whole = (np.arange(sum(sizes)) % 60000).astype(np.uint16)
+    start = 0
+    for i, n in enumerate(sizes):
+        (tmp_path / f"train_{i:06d}.bin").write_bytes(shard_header(n) + whole[start:start + n].tobytes())
+        start += n
+    return whole
+
+
+def test_open_tokens_reads_a_flat_file_like_load_token_file(tmp_path):
+    from pipegpt.data import open_tokens
+
+    path = tmp_path / "train.bin"
+    write_token_file(path, np.arange(50))
+    np.testing.assert_array_equal(open_tokens(path), load_token_file(path))
+    assert open_tokens(path, "val") is None
+    with pytest.raises(DataError, match="unknown split 'test'"):
+        open_tokens(path, "test")
+
+
+def test_token_shards_index_like_one_array(tmp_path):
+    from pipegpt.data import TokenShards, open_tokens
+
+    whole = _shards(tmp_path, [100, 1, 57, 0, 200])
+    tokens = open_tokens(tmp_path)
+    assert isinstance(tokens, TokenShards) and len(tokens) == len(whole) == 358 and tokens.shape == (358,)
+    np.testing.assert_array_equal(tokens[:], whole)
+    np.testing.assert_array_equal(np.asarray(tokens), whole)
+    for s in (slice(95, 160), slice(100, 101), slice(0, 0), slice(-10, None), slice(3, 300, 7)):
+        np.testing.assert_array_equal(tokens[s], whole[s])
+    for i in (0, 99, 100, 101, 157, 158, 357, -1):
+        assert tokens[i] == whole[i]
+    idx = np.random.default_rng(0).integers(0, 358 - 17, size=(9, 1)) + np.arange(17)  # windows across shards
+    got = tokens[idx]
+    assert got.shape == (9, 17) and got.dtype == np.uint16
+    np.testing.assert_array_equal(got, whole[idx])
+    with pytest.raises(IndexError):
+        tokens[np.array([358])]
+    assert tokens.max() == int(whole.max())
+
+
+def test_sampler_and_rank_loader_on_shards_equal_one_array(tmp_path):
+    from pipegpt.data import RankLoader, open_tokens
+
+    whole = _shards(tmp_path, [300, 10, 300])
+    tokens = open_tokens(tmp_path)
+    for step in (0, 1, 5):
+        for got, want in zip(BatchSampler(tokens, 6, 32, seed=1).batch(step), BatchSampler(whole, 6, 32, seed=1).batch(step)):
+            assert torch.equal(got, want)
+        a = RankLoader(tokens, 16, 3, 2, 2, 1, 1, inputs=True, targets=True).batch(step)
+        b = RankLoader(whole, 16, 3, 2, 2, 1, 1, inputs=True, targets=True).batch(step)
+        for xs, ys in zip(a, b):
+            assert all(torch.equal(x, y) for x, y in zip(xs, ys))

@@ -18,7 +18,7 @@ from pipegpt.model import build_reference_model
 from pipegpt.schedule import SCHEDULES, ScheduleError, build_plan
 from pipegpt.schedule.schedule_file import load_schedule_file
 from pipegpt.driver import check
-from pipegpt.optim import make_optimizer
+from pipegpt.optim import lr_at, make_optimizer, set_lr
 
 from cluster_host import ClusterHost
 
@@ -75,6 +75,7 @@ def _reference(cfg: TrainConfig, steps: int):
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         for n, p in named:
             signal[n] = torch.maximum(signal[n], p.grad.abs())
+        set_lr(optimizer, lr_at(step, cfg.optim, cfg.runtime.steps))  # the schedule the workers follow
         optimizer.step()
     return loss0.item(), grads0, {n: p.detach().clone() for n, p in named}, signal
 

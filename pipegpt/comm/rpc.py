@@ -37,15 +37,34 @@ HEARTBEAT_TIMEOUT_S = 10.0
 class WorkerFailure(RuntimeError):
     """A worker raised, died or stopped answering; names the rank and the cause."""
 
-    def __init__(self, rank: int, cause: str):
-        self.rank, self.cause = rank, cause
-        super().__init__(f"rank {rank} failed: {cause}")
+    verb = "failed"
+
+    def __init__(self, rank: int, cause: str, report: str = ""):
+        self.rank, self.cause, self.report = rank, cause, report  # report: lines to show before the error
+        super().__init__(f"rank {rank} {self.verb}: {cause}")
+
+
+class WorkerStalled(WorkerFailure):
+    """A worker alive and answering, but holding the job up (the stall watchdog's verdict)."""
+
+    verb = "stalled"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: each is held until all are found (two calls of one can return one port twice,
+    and two rendezvous on one port garble each other: gloo then dies of std::bad_alloc)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -58,7 +77,11 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def _rpc_options(init_method: str, timeout_s: float):
-    return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s, num_worker_threads=16)
+    # TCP only: TensorPipe's shared-memory transport busy-polls a reactor thread in every process
+    # (measured: a third of a core in all for a 4-rank job on 2 cores), and the control plane carries
+    # one small message per step, whose latency does not matter.
+    return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s, num_worker_threads=16,
+                                           _transports=["uv"])
 
 
 def _die_with_parent() -> None:
@@ -129,15 +152,21 @@ class Cluster:
         self.actors = [rpc.remote(f"worker{r}", cls, args=args_for_rank(r), timeout=self.timeout_s)
                        for r in range(self.world_size)]
 
-    def call(self, method: str, *args, ranks=None, timeout_s: float | None = None) -> list[Any]:
-        """Call method on every actor (or the given ranks) and wait for all, failing fast."""
+    def call(self, method: str, *args, ranks=None, timeout_s: float | None = None, stall_after_s: float | None = None,
+             on_stall: Callable[[float], None] | None = None) -> list[Any]:
+        """Call method on every actor (or the given ranks) and wait for all, failing fast.
+
+        stall_after_s, on_stall: once the call has waited that long, on_stall(seconds waited) runs here;
+        it may raise (a WorkerFailure); if it returns, the call waits on and asks again as long later."""
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         timeout = timeout_s or self.timeout_s
         futures = {r: getattr(self.actors[r].rpc_async(timeout=timeout), method)(*args) for r in ranks}
         settled = threading.Event()  # wakes the loop as soon as any answer arrives
         for fut in futures.values():
             fut.add_done_callback(lambda _: settled.set())
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        stall_at = started + stall_after_s if stall_after_s and on_stall else float("inf")
         next_heartbeat = time.monotonic() + HEARTBEAT_EVERY_S
         pings: dict[int, Any] = {}
         answered = {r: time.monotonic() for r in ranks}
@@ -163,6 +192,10 @@ class Cluster:
             if now > deadline:
                 late = [r for r, f in futures.items() if not f.done()]
                 raise WorkerFailure(late[0], f"no answer to {method}() within {timeout:.0f}s (ranks {late} pending)")
+            if now > stall_at:
+                on_stall(now - started)
+                now = time.monotonic()
+                stall_at = now + stall_after_s
             if now > next_heartbeat:
                 # A rank that stops answering pings is stuck (or stopped), not merely busy:
                 # the RPC agent answers from its own threads while compute runs.
@@ -176,6 +209,25 @@ class Cluster:
                     pings[r] = rpc.rpc_async(f"worker{r}", _ping, timeout=0)
                 next_heartbeat = now + HEARTBEAT_EVERY_S
             settled.wait(POLL_S)
+
+    def ask(self, method: str, *args, timeout_s: float) -> dict[int, Any]:
+        """Call method on every actor and wait at most timeout_s: {rank: answer} of the ranks that answered
+        in time (one that failed, raised or stayed silent is left out). For quick questions to a busy job."""
+        futures = {r: getattr(self.actors[r].rpc_async(timeout=timeout_s), method)(*args)
+                   for r in range(self.world_size)}
+        deadline = time.monotonic() + timeout_s
+        while not all(f.done() for f in futures.values()) and time.monotonic() < deadline:
+            time.sleep(POLL_S / 5)
+        answers = {}
+        for r, fut in futures.items():
+            if fut.done():
+                try:
+                    value = fut.wait()
+                except Exception:  # noqa: BLE001 - a rank that cannot answer is reported as silent
+                    continue
+                if not isinstance(value, Failed):
+                    answers[r] = value
+        return answers
 
     def check_alive(self) -> None:
         pass

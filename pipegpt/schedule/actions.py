@@ -123,6 +123,16 @@ class Plan:
     def compute_only(self) -> "Plan":
         return self.with_ranks([[a for a in acts if a.kind.is_compute] for acts in self.ranks])
 
+    def forward_only(self) -> "Plan":
+        """The plan's forwards alone, in its order (for evaluation): each rank's F order already
+        respects every F dependency, so dropping the backwards leaves a valid plan to lower."""
+        return replace(self.with_ranks([[a for a in acts if a.kind is Kind.F] for acts in self.ranks]),
+                       name=f"{self.name}-forward")
+
+    @property
+    def is_forward_only(self) -> bool:
+        return all(a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F) for acts in self.ranks for a in acts)
+
     def with_ranks(self, ranks) -> "Plan":
         return replace(self, ranks=tuple(tuple(acts) for acts in ranks))
 

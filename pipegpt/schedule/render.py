@@ -101,13 +101,15 @@ def _rank_summaries(timeline: Timeline) -> list[str]:
     return out
 
 
-def ascii_gantt(timeline: Timeline, width: int | None = None) -> str:
+def ascii_gantt(timeline: Timeline, width: int | None = None, span=None) -> str:
     """One row per rank, time left to right, scaled to `width` columns.
 
     Blocks start with their label (F3, B3, I3, W3) where it fits (else just
     the kind letter) and are filled with spaces; '.' is idle. Below the chart,
     a line per rank gives its busy share, idle time and peak of live
-    microbatches (and bytes when known).
+    microbatches (and bytes when known). `span`, when longer than the
+    timeline's makespan, is the time the full width stands for (to draw two
+    timelines on one scale).
     """
     if width is None:
         width = min(200, max(60, shutil.get_terminal_size((100, 24)).columns))
@@ -115,7 +117,8 @@ def ascii_gantt(timeline: Timeline, width: int | None = None) -> str:
     names = [f"r{r}" for r in range(timeline.num_ranks)]
     name_w = max(map(len, names), default=2)
     bar = max(10, width - (name_w + 3))
-    t0, span = timeline.start_time, timeline.makespan
+    t0, own = timeline.start_time, timeline.makespan
+    span = own if span is None or span <= own else span
     scale = bar / float(span) if span else 0.0
 
     def col(t) -> int:
@@ -125,12 +128,13 @@ def ascii_gantt(timeline: Timeline, width: int | None = None) -> str:
     title = f"{timeline.schedule or 'timeline'}: {timeline.num_ranks} ranks"
     if timeline.stage_to_rank and len(timeline.stage_to_rank) != timeline.num_ranks:
         title += f", {len(timeline.stage_to_rank)} stages"
-    title += (f", {timeline.num_microbatches} microbatches; makespan {_fmt(span)}"
+    title += (f", {timeline.num_microbatches} microbatches; makespan {_fmt(own)}"
               f"{'' if timeline.time_unit == 'unit' else ' ' + timeline.time_unit}, "
               f"bubble {100 * float(timeline.bubble_fraction):.1f}%")
     lines.append(title)
+    drawn = bar if span == own else col(t0 + own)  # the columns up to the timeline's own end; blank beyond
     for r in range(timeline.num_ranks):
-        cells = ["."] * bar
+        cells = ["."] * drawn + [" "] * (bar - drawn)
         for e in timeline.events_of(r):
             if not e.action.kind.is_compute:
                 continue
@@ -162,8 +166,11 @@ def _nice_step(span: float, target: int = 8) -> float:
     return 10 * power
 
 
-def to_svg(timeline: Timeline) -> str:
-    """A self-contained SVG: a row per rank, a colored block per F/B/I/W, hatched idle, a time axis."""
+def to_svg(timeline: Timeline, span=None) -> str:
+    """A self-contained SVG: a row per rank, a colored block per F/B/I/W, hatched idle, a time axis.
+
+    `span`, when longer than the makespan, is the time the plot's width stands for (one scale for two).
+    """
     label, legend = _labeler(timeline)
     chunks = _chunks(timeline)
     plot_w, row_h, gap, left, top = 960, 26, 8, 56, 48
@@ -171,14 +178,16 @@ def to_svg(timeline: Timeline) -> str:
     right = 14 + 6 * max(map(len, suffixes), default=0)
     height = top + timeline.num_ranks * (row_h + gap) + 56
     width = left + plot_w + right
-    t0, span = timeline.start_time, float(timeline.makespan)
+    t0, own = timeline.start_time, float(timeline.makespan)
+    span = own if span is None or span <= own else float(span)
     scale = plot_w / span if span else 0.0
+    idle_w = plot_w if span == own else round(own * scale, 2)
 
     def x(t) -> float:
         return left + float(t - t0) * scale
 
     title = (f"{timeline.schedule or 'timeline'}: {timeline.num_ranks} ranks, {timeline.num_microbatches} "
-             f"microbatches; makespan {_fmt(span)}{'' if timeline.time_unit == 'unit' else ' ' + timeline.time_unit}"
+             f"microbatches; makespan {_fmt(own)}{'' if timeline.time_unit == 'unit' else ' ' + timeline.time_unit}"
              f", bubble {100 * float(timeline.bubble_fraction):.1f}%")
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -202,7 +211,7 @@ def to_svg(timeline: Timeline) -> str:
     for r in range(timeline.num_ranks):
         y = top + r * (row_h + gap)
         out.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end">rank {r}</text>')
-        out.append(f'<rect x="{left}" y="{y}" width="{plot_w}" height="{row_h}" fill="url(#idle)"/>')
+        out.append(f'<rect x="{left}" y="{y}" width="{idle_w}" height="{row_h}" fill="url(#idle)"/>')
         for e in timeline.events_of(r):
             kind = e.action.kind
             if not kind.is_compute:
@@ -258,6 +267,19 @@ def to_html(timeline: Timeline) -> str:
         f"{to_svg(timeline)}"
         "<table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr>\n"
         + "\n".join(rows) + "\n</table>\n</body></html>\n"
+    )
+
+
+def to_html_side_by_side(titled: list[tuple[str, Timeline]], text: str = "", title: str = "") -> str:
+    """Several timelines (e.g. measured and predicted) in one page, on one time scale, under a <pre> text."""
+    span = max((float(t.makespan) for _, t in titled), default=0.0)
+    title = escape(title or " vs ".join(name for name, _ in titled))
+    parts = [f"<h3>{escape(name)}</h3>\n{to_svg(t, span=span)}" for name, t in titled]
+    return (
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+        f"<title>{title}</title>\n<style>body{{font-family:sans-serif;margin:1.5em}}</style></head><body>\n"
+        f"<h2>{title}</h2>\n" + (f"<pre>{escape(text)}</pre>\n" if text else "")
+        + "\n".join(parts) + "\n</body></html>\n"
     )
 
 

@@ -58,6 +58,7 @@ def _check_counts(plan: Plan) -> None:
             if a in where:
                 raise PlanError(plan, r, k, f"{a} appears twice (first at rank {where[a][0]} step {where[a][1]})")
             where[a] = (r, k)
+    training = not plan.is_forward_only  # an evaluation plan has forwards only
     for s in range(plan.num_stages):
         r = plan.stage_to_rank[s]
         for mb in range(plan.num_microbatches):
@@ -65,6 +66,8 @@ def _check_counts(plan: Plan) -> None:
             end = len(plan.ranks[r])
             if Kind.F not in has:
                 raise PlanError(plan, r, end, f"missing {Action(s, Kind.F, mb)}")
+            if not training:
+                continue
             if Kind.B in has and has & {Kind.I, Kind.W}:
                 raise PlanError(plan, r, where[Action(s, Kind.B, mb)][1],
                                 f"stage {s} microbatch {mb} has both B and an I/W split")

@@ -2,6 +2,12 @@
 
 It keeps, per microbatch in flight, only what backward needs: the input
 (a leaf that collects the input gradient) and the output's autograd graph.
+
+Mixed precision: with autocast_dtype (torch.bfloat16), the forward runs under torch.autocast (a
+recomputation under checkpoint inherits it) while parameters stay in their own dtype (fp32 master
+weights). The residual stream stays fp32 (embeddings are fp32, and each block adds its bf16 branch
+to the fp32 stream), so outputs and input gradients keep the runtime dtype the receive buffers use.
+Backward runs outside autocast, as torch recommends.
 """
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ from pipegpt.split_backward import defer_weight_grads
 
 
 class Stage:
-    def __init__(self, index: int, num_stages: int, module: GPT, num_microbatches: int):
+    def __init__(self, index: int, num_stages: int, module: GPT, num_microbatches: int,
+                 autocast_dtype: torch.dtype | None = None):
         self.index, self.num_stages, self.module = index, num_stages, module
+        self.autocast_dtype = autocast_dtype
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.num_microbatches = num_microbatches
         self.inputs: dict[int, torch.Tensor] = {}
@@ -27,6 +35,12 @@ class Stage:
         if not self.is_first:
             x = x.detach().requires_grad_()
         self.inputs[mb] = x
+        if self.autocast_dtype is None:
+            return self._forward(mb, x, targets)
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype):
+            return self._forward(mb, x, targets)
+
+    def _forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         if self.is_last:
             loss = self.module(x, targets)
             self.losses.append(loss.detach())
@@ -61,6 +75,11 @@ class Stage:
     def backward_weight(self, mb: int) -> None:
         for accumulate in self.pending_weight_grads.pop(mb):
             accumulate()
+
+    def discard(self) -> None:
+        """Forget every microbatch in flight (after an evaluation pass: forwards with no backward)."""
+        self.inputs.clear()
+        self.outputs.clear()
 
     def pop_losses(self) -> list[torch.Tensor]:
         losses, self.losses = self.losses, []

@@ -1,0 +1,271 @@
+"""GPT-2 in Hugging Face layout in and out of pipegpt checkpoints (`pipegpt convert`).
+
+    HF_DIR/config.json                     GPT-2's shape: n_embd, n_layer, n_head, n_positions, vocab_size, ...
+    HF_DIR/model.safetensors               transformer.h.0.attn.c_attn.weight, ... (or pytorch_model.bin,
+                                           or either one sharded with its *.index.json)
+
+import_hf reads them into a weights-only checkpoint (step 0, no optimizer state: `pipegpt run --init-from`
+starts training from it, `pipegpt sample` generates from it); export_hf writes a checkpoint's parameters
+back, so that `transformers.GPT2LMHeadModel.from_pretrained(HF_DIR)` loads them. Hugging Face's GPT-2 keeps
+its linear layers as Conv1D, weights [in, out]: they are transposed to nn.Linear's [out, in] both ways.
+Names (one-process names on pipegpt's side):
+
+    wte.weight, wpe.weight                 wte.weight, wpe.weight
+    h.{i}.ln_1.*, h.{i}.ln_2.*             blocks.{i}.ln1.*, blocks.{i}.ln2.*
+    h.{i}.attn.c_attn.*, .c_proj.*         blocks.{i}.attn.qkv.*, .proj.*      (q, k, v in the same order)
+    h.{i}.mlp.c_fc.*, .c_proj.*            blocks.{i}.mlp.fc.*, .proj.*
+    ln_f.*                                 ln_f.*
+    lm_head.weight                         lm_head.weight                      (untied models only)
+
+The Hugging Face names may carry a `transformer.` prefix (save_pretrained) or not (OpenAI's original
+upload); the attention-mask buffers some files hold (h.{i}.attn.bias, .masked_bias) are not weights.
+Only models pipegpt computes exactly are accepted: GELU with the tanh approximation, LayerNorm epsilon
+1e-5, MLP width 4 x n_embd, attention scaled by 1/sqrt(head_dim); anything else is refused with one
+line naming the config field. Weights are stored as float32. Nothing read can run code: safetensors
+holds tensors only, and a .bin file is read with torch.load(weights_only=True).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from pipegpt import checkpoint
+from pipegpt.config import ConfigError, ModelConfig
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+BIN_FILE = "pytorch_model.bin"
+LAYER_NORM_EPS = 1e-5                                     # torch.nn.LayerNorm's, which pipegpt's model uses
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")          # both are GELU with the tanh approximation
+EOT_TOKENS = {"gpt2": 50256}                              # the end-of-text token of each tokenizer that has one
+
+# Hugging Face defaults (GPT2Config) for fields a config.json leaves out.
+HF_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+               "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+               "tie_word_embeddings": True, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+               "add_cross_attention": False}
+
+# (Hugging Face suffix within a block, pipegpt suffix within a block, Conv1D weight to transpose)
+_BLOCK = [("ln_1.weight", "ln1.weight", False), ("ln_1.bias", "ln1.bias", False),
+          ("attn.c_attn.weight", "attn.qkv.weight", True), ("attn.c_attn.bias", "attn.qkv.bias", False),
+          ("attn.c_proj.weight", "attn.proj.weight", True), ("attn.c_proj.bias", "attn.proj.bias", False),
+          ("ln_2.weight", "ln2.weight", False), ("ln_2.bias", "ln2.bias", False),
+          ("mlp.c_fc.weight", "mlp.fc.weight", True), ("mlp.c_fc.bias", "mlp.fc.bias", False),
+          ("mlp.c_proj.weight", "mlp.proj.weight", True), ("mlp.c_proj.bias", "mlp.proj.bias", False)]
+_TOP = [("wte.weight", "wte.weight"), ("wpe.weight", "wpe.weight"), ("ln_f.weight", "ln_f.weight"),
+        ("ln_f.bias", "ln_f.bias")]
+_NOT_WEIGHTS = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")  # causal-mask buffers of older files
+
+
+class ConvertError(ConfigError):
+    """A Hugging Face directory or a conversion target is unusable (one line; the CLI prints it, exit 2)."""
+
+
+def name_map(n_layer: int, tied: bool) -> list[tuple[str, str, bool]]:
+    """(Hugging Face name without `transformer.`, pipegpt one-process name, transpose) for every weight."""
+    names = [(hf, ours, False) for hf, ours in _TOP]
+    names += [(f"h.{i}.{hf}", f"blocks.{i}.{ours}", t) for i in range(n_layer) for hf, ours, t in _BLOCK]
+    if not tied:
+        names.append(("lm_head.weight", "lm_head.weight", False))
+    return names
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Hugging Face -> pipegpt
+
+def read_hf_config(hf_dir: Path) -> dict:
+    path = Path(hf_dir) / CONFIG_FILE
+    if not Path(hf_dir).is_dir():
+        raise ConvertError(f"{hf_dir}: no such directory (expected a Hugging Face model directory with "
+                           f"{CONFIG_FILE} and {SAFETENSORS_FILE} or {BIN_FILE})")
+    if not path.is_file():
+        raise ConvertError(f"{path}: not found (a Hugging Face GPT-2 directory holds {CONFIG_FILE} beside its "
+                           f"weights)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+    if not isinstance(config, dict):
+        raise ConvertError(f"{path}: not a JSON object")
+    return config
+
+
+def model_config_from_hf(config: dict, where: Path | str = CONFIG_FILE) -> ModelConfig:
+    """pipegpt's ModelConfig of a Hugging Face GPT-2 config.json, or a ConvertError naming the field that
+    pipegpt's model cannot compute exactly."""
+    c = {**HF_DEFAULTS, **config}
+    model_type = config.get("model_type")
+    if model_type not in (None, "gpt2"):
+        raise ConvertError(f"{where}: model_type={model_type!r}: only GPT-2 (model_type 'gpt2') can be converted")
+    if c["activation_function"] not in ACTIVATIONS:
+        raise ConvertError(f"{where}: activation_function={c['activation_function']!r} is not supported: pipegpt "
+                           f"computes GELU with the tanh approximation ({' or '.join(map(repr, ACTIVATIONS))})")
+    if c["layer_norm_epsilon"] != LAYER_NORM_EPS:
+        raise ConvertError(f"{where}: layer_norm_epsilon={c['layer_norm_epsilon']!r} is not supported: pipegpt's "
+                           f"LayerNorm uses {LAYER_NORM_EPS}")
+    if c["n_inner"] not in (None, 4 * c["n_embd"]):
+        raise ConvertError(f"{where}: n_inner={c['n_inner']!r} is not supported: pipegpt's MLP is 4 x n_embd = "
+                           f"{4 * c['n_embd']} wide")
+    for field, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+        if c[field] is not want:
+            raise ConvertError(f"{where}: {field}={c[field]!r} is not supported (pipegpt's GPT-2 needs {want})")
+    try:
+        return ModelConfig(vocab_size=c["vocab_size"], seq_len=c["n_positions"], n_layer=c["n_layer"],
+                           n_head=c["n_head"], n_embd=c["n_embd"], dropout=0.0,
+                           tie_embeddings=c["tie_word_embeddings"], pad_vocab_to=1, bias=True).validate()
+    except ConfigError as e:
+        raise ConvertError(f"{where}: {e}") from None
+
+
+def _load_tensor_file(path: Path) -> dict:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)  # tensors only: nothing runs
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ConvertError(f"{path}: unreadable weights ({type(e).__name__}: {first})") from None
+
+
+def read_hf_weights(hf_dir: Path) -> dict:
+    """{Hugging Face name: tensor} of model.safetensors or pytorch_model.bin (either may be sharded, with an
+    index), names without their `transformer.` prefix."""
+    hf_dir = Path(hf_dir)
+    for single in (SAFETENSORS_FILE, BIN_FILE):
+        index = hf_dir / f"{single}.index.json"
+        if (hf_dir / single).is_file():
+            files = [hf_dir / single]
+        elif index.is_file():
+            try:
+                files = [hf_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ConvertError(f"{index}: unreadable index ({type(e).__name__})") from None
+        else:
+            continue
+        weights = {}
+        for f in files:
+            if not f.is_file():
+                raise ConvertError(f"{f}: not found (named by {index.name})")
+            loaded = _load_tensor_file(f)
+            if not isinstance(loaded, dict):
+                raise ConvertError(f"{f}: holds a {type(loaded).__name__}, not a state dict")
+            weights.update(loaded)
+        return {k.removeprefix("transformer."): v for k, v in weights.items()}
+    raise ConvertError(f"{hf_dir}: holds no {SAFETENSORS_FILE} or {BIN_FILE} (nor a sharded index of either)")
+
+
+def _expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every one-process parameter name of the model and its shape (built on the meta device: no memory)."""
+    from pipegpt.model import GPT
+
+    with torch.device("meta"):
+        gpt = GPT(model, init_seed=0)
+    return {name: tuple(p.shape) for name, p in gpt.named_parameters()}
+
+
+def from_hf_state_dict(weights: dict, model: ModelConfig, where: Path | str = "") -> dict:
+    """pipegpt's one-process state dict (float32) of a Hugging Face GPT-2 state dict (names without
+    `transformer.`); a ConvertError names the first missing, unexpected or misshapen tensor."""
+    shapes = _expected_shapes(model)
+    mapping = name_map(model.n_layer, model.tie_embeddings)
+    expected = {hf for hf, _, _ in mapping} | ({"lm_head.weight"} if model.tie_embeddings else set())
+    unexpected = sorted(k for k in weights if k not in expected and not _NOT_WEIGHTS.match(k))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConvertError(f"{where}: unexpected tensor {unexpected[0]!r}{more}: not a GPT-2 of this config.json")
+    out = {}
+    for hf, ours, transpose in mapping:
+        if hf not in weights:
+            raise ConvertError(f"{where}: holds no {hf!r} (config.json says n_layer={model.n_layer}, "
+                               f"tie_word_embeddings={model.tie_embeddings})")
+        t = weights[hf]
+        if not torch.is_tensor(t) or not t.is_floating_point():
+            raise ConvertError(f"{where}: {hf!r} is not a floating-point tensor")
+        t = t.t() if transpose else t
+        if tuple(t.shape) != shapes[ours]:
+            raise ConvertError(f"{where}: {hf!r} has shape {list(weights[hf].shape)}, config.json implies "
+                               f"{list(shapes[ours][::-1] if transpose else shapes[ours])}")
+        out[ours] = t.to(torch.float32).contiguous()
+    return out
+
+
+def import_hf(hf_dir, out, tokenizer: str = "gpt2") -> tuple[Path, ModelConfig]:
+    """Convert a Hugging Face GPT-2 directory into a weights-only checkpoint at `out` (atomically)."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    hf_config = read_hf_config(hf_dir)
+    model = model_config_from_hf(hf_config, hf_dir / CONFIG_FILE)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ConvertError(f"--out {out}: already exists: choose a new path for the checkpoint")
+    state = from_hf_state_dict(read_hf_weights(hf_dir), model, hf_dir)
+    source = {"from_hf": str(hf_dir), "hf_config": hf_config}
+    path = checkpoint.write_weights(out, state, {"model": dataclasses.asdict(model), "tokenizer": tokenizer,
+                                                 "config": source})
+    return path, model
+
+
+# --------------------------------------------------------------------------------------------------------------
+# pipegpt -> Hugging Face
+
+def hf_config(model: ModelConfig, tokenizer: str | None = None) -> dict:
+    """A Hugging Face GPT2Config (as config.json) for the model."""
+    eot = EOT_TOKENS.get(tokenizer)
+    eot = eot if eot is not None and eot < model.vocab_size else None
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": model.vocab_size,
+            "n_positions": model.seq_len, "n_ctx": model.seq_len, "n_embd": model.n_embd, "n_layer": model.n_layer,
+            "n_head": model.n_head, "n_inner": None, "activation_function": "gelu_new",
+            "resid_pdrop": model.dropout, "embd_pdrop": model.dropout, "attn_pdrop": model.dropout,
+            "layer_norm_epsilon": LAYER_NORM_EPS, "initializer_range": 0.02, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": model.tie_embeddings, "bos_token_id": eot, "eos_token_id": eot,
+            "use_cache": True}
+
+
+def to_hf_state_dict(state: dict, model: ModelConfig) -> dict:
+    """Hugging Face names (with `transformer.`, as save_pretrained writes them) of a one-process state dict.
+    Padded vocabulary rows are dropped; a model without biases gets zero biases (the same function)."""
+    out = {}
+    for hf, ours, transpose in name_map(model.n_layer, model.tie_embeddings):
+        if ours in state:
+            t = state[ours]
+        elif not model.bias and ours.endswith(".bias"):
+            t = torch.zeros(state[ours.removesuffix(".bias") + ".weight"].shape[0])
+        else:
+            raise ConvertError(f"the checkpoint holds no param/{ours}")
+        if ours in ("wte.weight", "lm_head.weight"):
+            t = t[:model.vocab_size]
+        t = t.t() if transpose else t
+        out[hf if hf == "lm_head.weight" else f"transformer.{hf}"] = t.to(torch.float32).contiguous()
+    return out
+
+
+def export_hf(path, hf_dir) -> tuple[Path, ModelConfig]:
+    """Write a checkpoint's (or a run directory's latest's) parameters as HF_DIR/config.json and
+    HF_DIR/model.safetensors; refuses to overwrite either."""
+    from safetensors.torch import save_file
+
+    found = checkpoint.resolve(path)
+    manifest = checkpoint.read_manifest(found)
+    model = ModelConfig(**manifest["model"])
+    hf_dir = Path(hf_dir)
+    if hf_dir.exists() and not hf_dir.is_dir():
+        raise ConvertError(f"--to-hf {hf_dir}: exists and is not a directory")
+    for name in (CONFIG_FILE, SAFETENSORS_FILE):
+        if (hf_dir / name).exists():
+            raise ConvertError(f"--to-hf {hf_dir}: already holds {name}: choose a new directory")
+    tensors = to_hf_state_dict(checkpoint.read_weights(found), model)
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    partial = hf_dir / f"{SAFETENSORS_FILE}.partial"
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    os.replace(partial, hf_dir / SAFETENSORS_FILE)
+    partial = hf_dir / f"{CONFIG_FILE}.partial"
+    partial.write_text(json.dumps(hf_config(model, manifest.get("tokenizer")), indent=2) + "\n")
+    os.replace(partial, hf_dir / CONFIG_FILE)  # last: a directory with config.json is whole
+    return found, model

@@ -1,0 +1,370 @@
+"""Measured beside predicted: calibrate the simulator from a run and simulate the plan that run ran.
+
+A `pipegpt run` leaves in its run directory plan.txt (the lowered plan every rank ran, in the
+schedule-file format), trace.json (the last step's measured per-action timeline, a Chrome trace; the steps
+`--trace-steps` named also as traces/step-N.json, which `--trace-step N` reads) and config.json. This
+module reads them without torch, fills a Costs from the measured durations, simulates the same plan with it
+and compares the two timelines: fidelity = predicted makespan / measured step span.
+
+How the costs are calibrated (the simulator's meaning of each, measured where it can be seen):
+
+* F, B, W of stage s: the median measured duration of stage s's actions of that kind. A stage whose
+  backward is split gets B = median(I) + median(W) (the simulator runs I for B - W, W for W); W of a
+  stage without W actions is B/2 (the simulator never uses it).
+* comm: in the simulator, an action whose input comes from another rank can start `comm` after the
+  producing action ended (a per-message latency; the receiver spends no time on it). So: on every
+  cross-rank dependency (0F2 -> 1F2, 1B2 -> 0B2, ...) whose consumer's rank had finished its previous
+  compute before the producer ended -- its start waited on that message -- take consumer start minus
+  producer end; comm is the median of those samples. This folds in all that lies between the two
+  computes: the sender posting its SEND (the lowered plan may place it after later compute), the
+  transfer, the receiver waking up. No such dependency (one rank, or no rank ever waited): comm = 0.
+
+What the simulator does not model shows up as a fidelity below 1: time a rank spends in a comm batch
+after its message has already arrived (posting and copying), skew between the ranks' starts, and the
+spread around the medians. Ranks on different machines have different clocks (perf_counter), so
+cross-rank gaps, and with them comm, are only meaningful for a trace from one machine.
+
+With data or tensor parallelism the trace holds every global rank; the pipeline of dp index 0, tp
+index 0 is read: pipeline rank r is global rank r * tp (global = (dp_index * pp + r) * tp + tp_index).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from .actions import Action, Kind, Plan, ScheduleError
+from .messages import peer
+from .render import _US_PER
+from .schedule_file import load_schedule_file
+from .simulate import Costs, Event, Timeline, simulate
+from .validate import dependencies
+
+PLAN_FILE, TRACE_FILE, CONFIG_FILE = "plan.txt", "trace.json", "config.json"
+TRACES_DIR = "traces"  # traces/step-N.json: the steps `pipegpt run --trace-steps` named
+
+
+@dataclass
+class Calibration:
+    """Costs filled from a measured timeline, and how many measurements each figure rests on."""
+
+    costs: Costs
+    samples: dict  # "F"/"B"/"I"/"W": per-stage counts; "comm": number of waits measured
+
+    def as_dict(self) -> dict:
+        return {"costs": {k: ([float(x) for x in v] if isinstance(v, list) else float(v))
+                          for k, v in self.costs.as_dict().items()},
+                "samples": self.samples}
+
+
+@dataclass
+class Comparison:
+    """A run's measured timeline beside the simulation of its plan with calibrated costs."""
+
+    run_dir: str
+    plan: Plan
+    measured: Timeline
+    predicted: Timeline
+    calibration: Calibration
+    global_ranks: tuple[int, ...] = ()  # pipeline rank r was read from the trace's process global_ranks[r]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fidelity(self) -> float:
+        """Predicted makespan / measured step span: 1.0 is a perfect prediction, below 1 too optimistic."""
+        span = float(self.measured.makespan)
+        return float(self.predicted.makespan) / span if span else math.nan
+
+    def summary(self) -> dict:
+        """Plain numbers (floats) for printing or JSON."""
+        def side(t: Timeline, span_key: str) -> dict:
+            span = float(t.makespan)
+            busy = [float(b) for b in t.busy_per_rank]
+            return {span_key: span, "bubble_fraction": float(t.bubble_fraction),
+                    "bubble_fraction_per_rank": [float(x) for x in t.bubble_fraction_per_rank],
+                    "busy_per_rank": busy, "idle_per_rank": [span - b for b in busy]}
+
+        measured = side(self.measured, "step_span")
+        overhead = comm_overhead_per_rank(self.plan, self.measured)
+        measured["comm_overhead_per_rank"] = None if overhead is None else [float(x) for x in overhead]
+
+        return {
+            "run_dir": self.run_dir,
+            "schedule": self.plan.name,
+            "ranks": self.plan.num_ranks,
+            "stages": self.plan.num_stages,
+            "microbatches": self.plan.num_microbatches,
+            "stage_to_rank": list(self.plan.stage_to_rank),
+            "global_ranks": list(self.global_ranks),
+            "time_unit": self.measured.time_unit,
+            **self.calibration.as_dict(),
+            "measured": measured,
+            "predicted": side(self.predicted, "makespan"),
+            "fidelity": self.fidelity,
+            "notes": list(self.notes),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading a run directory
+
+
+def _read_json(path: str, what: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as e:
+        raise ScheduleError(f"cannot read {what} {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ScheduleError(f"{path} is not valid JSON ({e})") from None
+
+
+def pipeline_global_ranks(config: dict | None, num_ranks: int) -> tuple[int, ...]:
+    """The global rank of each pipeline rank of replica dp 0, tp 0, from config.json's "parallel" section.
+
+    global rank = (dp_index * pp + pp_index) * tp + tp_index, so pipeline rank r is global rank r * tp.
+    Without a config every global rank is a pipeline rank (dp = tp = 1).
+    """
+    parallel = (config or {}).get("parallel") or {}
+    pp, tp = parallel.get("stages", num_ranks), parallel.get("tp", 1)
+    if not isinstance(pp, int) or not isinstance(tp, int) or tp < 1:
+        raise ScheduleError(f"config.json: 'parallel' has stages={pp!r}, tp={tp!r}; expected positive integers")
+    if pp != num_ranks:
+        raise ScheduleError(f"config.json says stages={pp} but plan.txt has {num_ranks} ranks; "
+                            f"they are not from the same run")
+    return tuple(r * tp for r in range(num_ranks))
+
+
+def read_trace(path, plan: Plan, global_ranks: tuple[int, ...] | None = None) -> Timeline:
+    """A Chrome trace (trace.json of a run, or `simulate --out x.json`) as a Timeline of `plan`'s ranks.
+
+    "X" events whose pid is global_ranks[r] become events of pipeline rank r (global_ranks defaults to
+    0..ranks-1); the action comes from args.action. Times are in the trace's otherData.time_unit ("s"
+    for a measured run). The events must be the plan's: per rank, exactly its compute actions, and
+    comm actions only among its own.
+    """
+    path = os.fspath(path)
+    data = _read_json(path, "trace")
+    raw = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(raw, list):
+        raise ScheduleError(f"{path}: expected a Chrome trace (an object with a 'traceEvents' list)")
+    other = data.get("otherData") if isinstance(data, dict) else None
+    unit = str((other if isinstance(other, dict) else {}).get("time_unit") or "s")
+    if unit not in _US_PER:
+        raise ScheduleError(f"{path}: unknown time_unit {unit!r}; expected one of {', '.join(_US_PER)}")
+    us = _US_PER[unit]
+    global_ranks = tuple(range(plan.num_ranks)) if global_ranks is None else tuple(global_ranks)
+    rank_of = {g: r for r, g in enumerate(global_ranks)}
+    events = []
+    for e in raw:
+        if not isinstance(e, dict) or e.get("ph") != "X" or e.get("pid") not in rank_of:
+            continue
+        name = (e.get("args") or {}).get("action")
+        try:
+            action = Action.parse(str(name))
+            start, end = float(e["ts"]) / us, (float(e["ts"]) + float(e["dur"])) / us
+        except (KeyError, TypeError, ValueError):
+            raise ScheduleError(f"{path}: event {json.dumps(e)[:120]} has no action (args.action such as "
+                                f"'1F3') or no ts/dur") from None
+        events.append(Event(rank_of[e["pid"]], action, start, end))
+    _check_matches(events, plan, path, global_ranks)
+    return Timeline(events, plan.num_ranks, schedule=plan.name, num_microbatches=plan.num_microbatches,
+                    stage_to_rank=tuple(plan.stage_to_rank), time_unit=unit,
+                    meta={"source": path, "global_ranks": list(global_ranks)})
+
+
+def _check_matches(events: list[Event], plan: Plan, path: str, global_ranks) -> None:
+    ran: list[Counter] = [Counter() for _ in range(plan.num_ranks)]
+    for e in events:
+        ran[e.rank][e.action] += 1
+    where = [f"rank {r}" + (f" (global rank {g})" if g != r else "") for r, g in enumerate(global_ranks)]
+    for r in range(plan.num_ranks):
+        if not ran[r]:
+            raise ScheduleError(f"{path} has no events for {where[r]}; is it a trace of this plan "
+                                f"({plan.num_ranks} ranks)?")
+    for r, actions in enumerate(plan.ranks):
+        planned = Counter(actions)
+        compute = Counter({a: n for a, n in ran[r].items() if a.kind.is_compute})
+        extra = (ran[r] - planned) if any(a.kind.is_comm for a in ran[r]) else (compute - planned)
+        missing = Counter({a: n for a, n in planned.items() if a.kind.is_compute}) - compute
+        if extra or missing:
+            problem = (f"it has {sorted(extra, key=str)[0]}, which the plan does not have there" if extra else
+                       f"the plan's {sorted(missing, key=str)[0]} is not in it")
+            raise ScheduleError(f"{path} is not a trace of this plan ({plan.name}, {plan.num_ranks} ranks, "
+                                f"{plan.num_microbatches} microbatches): on {where[r]} {problem}")
+
+
+def traced_steps(run_dir) -> list[int]:
+    """The steps a run directory holds traces/step-N.json of, sorted."""
+    try:
+        names = os.listdir(os.path.join(os.fspath(run_dir), TRACES_DIR))
+    except OSError:
+        return []
+    return sorted(int(n[5:-5]) for n in names if n.startswith("step-") and n.endswith(".json") and n[5:-5].isdigit())
+
+
+def load_run(run_dir, step: int | None = None) -> tuple[Plan, Timeline]:
+    """plan.txt and trace.json of a run directory (config.json, when there, says which processes to read);
+    with a step, traces/step-N.json instead of trace.json."""
+    run_dir = os.fspath(run_dir)
+    if not os.path.isdir(run_dir):
+        raise ScheduleError(f"--trace {run_dir}: no such run directory (give the directory a `pipegpt run` "
+                            f"wrote, holding {PLAN_FILE} and {TRACE_FILE})")
+    for name in (PLAN_FILE, TRACE_FILE) if step is None else (PLAN_FILE,):
+        if not os.path.isfile(os.path.join(run_dir, name)):
+            raise ScheduleError(f"--trace {run_dir}: no {name} in it (a `pipegpt run` writes {PLAN_FILE} at the "
+                                f"start and {TRACE_FILE} after the last step)")
+    trace = os.path.join(run_dir, TRACE_FILE)
+    if step is not None:
+        trace = os.path.join(run_dir, TRACES_DIR, f"step-{step}.json")
+        if not os.path.isfile(trace):
+            steps = traced_steps(run_dir)
+            raise ScheduleError(f"{run_dir} has no trace of step {step}; traced steps: "
+                                f"{', '.join(map(str, steps)) or 'none'}")
+    plan = load_schedule_file(os.path.join(run_dir, PLAN_FILE))
+    config_path = os.path.join(run_dir, CONFIG_FILE)
+    config = _read_json(config_path, "config") if os.path.isfile(config_path) else None
+    global_ranks = pipeline_global_ranks(config, plan.num_ranks)
+    return plan, read_trace(trace, plan, global_ranks)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# calibration
+
+
+def calibrate(plan: Plan, measured: Timeline) -> Calibration:
+    """Per-stage F, B, W and one comm latency from a measured timeline of `plan` (see the module docstring)."""
+    durations: dict[tuple[Kind, int], list] = defaultdict(list)
+    for e in measured.compute_events():
+        durations[(e.action.kind, e.action.stage)].append(e.end - e.start)
+
+    def median(kind: Kind, stage: int):
+        values = durations.get((kind, stage))
+        return statistics.median(values) if values else None
+
+    forward, backward, weight = [], [], []
+    for s in range(plan.num_stages):
+        f, b, i, w = (median(k, s) for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+        full = i + (w or 0) if i is not None else (b if b is not None else 0)
+        forward.append(max(f or 0, 0))
+        backward.append(max(full, 0))
+        weight.append(min(max(w, 0), backward[-1]) if w is not None else backward[-1] / 2)
+    samples = {k.value: [len(durations.get((k, s), ())) for s in range(plan.num_stages)]
+               for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
+    waits = comm_samples(plan, measured)
+    samples["comm"] = len(waits)
+    comm = max(statistics.median(waits), 0) if waits else 0
+    return Calibration(Costs(tuple(forward), tuple(backward), tuple(weight), comm), samples)
+
+
+def comm_samples(plan: Plan, measured: Timeline) -> list:
+    """Consumer start - producer end on each cross-rank dependency that its consumer's rank waited for.
+
+    Waited for: the consumer's rank had finished its previous compute (or, for its first, started its
+    step: its first event of any kind) no later than the producer ended.
+    """
+    ends: dict[Action, object] = {}
+    for e in measured.compute_events():
+        ends[e.action] = e.end
+    rank_of = plan.stage_to_rank
+    out = []
+    for r in range(measured.num_ranks):
+        events = measured.events_of(r)
+        ready = events[0].start if events else 0
+        for e in events:
+            if not e.action.kind.is_compute:
+                continue
+            for dep in dependencies(e.action, plan):
+                if rank_of[dep.stage] != r and dep in ends and ends[dep] >= ready:
+                    out.append(e.start - ends[dep])
+            ready = e.end
+    return out
+
+
+def comm_overhead_per_rank(plan: Plan, measured: Timeline) -> list | None:
+    """Per rank, time spent in comm batches after every message it receives there had been sent.
+
+    The simulator has no such time (a rank waits for a message or runs on); it is part of what makes
+    a fidelity below 1. A batch's wait lasts until the last of its RECVs' peers posted the matching SEND
+    (the start of the peer's batch); the rest of the batch is overhead. None for a trace without comm
+    events (one written from a simulation).
+    """
+    batches: dict[tuple[int, object, object], list[Action]] = defaultdict(list)
+    posted: dict[Action, object] = {}
+    for e in measured.events:
+        if e.action.kind.is_comm:
+            batches[(e.rank, e.start, e.end)].append(e.action)
+            posted[e.action] = e.start
+    if not batches:
+        return None
+    out = [0.0] * measured.num_ranks
+    for (rank, start, end), actions in batches.items():
+        sent = [posted.get(peer(a, plan)[1]) for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        waited_until = max([start] + [t for t in sent if t is not None])
+        out[rank] += max(0.0, end - min(max(start, waited_until), end))
+    return out
+
+
+def compare(run_dir, step: int | None = None) -> Comparison:
+    """Read a run directory (its trace.json, or traces/step-N.json), calibrate, simulate its plan with the
+    calibrated costs."""
+    plan, measured = load_run(run_dir, step)
+    calibration = calibrate(plan, measured)
+    predicted = simulate(plan, calibration.costs)
+    predicted.time_unit = measured.time_unit
+    notes = []
+    if plan.num_ranks > 1 and not calibration.samples["comm"]:
+        notes.append("no rank ever waited on a message, so comm could not be measured; it is 0")
+    return Comparison(os.fspath(run_dir), plan, measured, predicted, calibration,
+                      tuple(measured.meta.get("global_ranks", ())), notes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# text
+
+
+def format_time(x, unit: str) -> str:
+    """A measured time in ms ('12.34 ms'), a simulated one as it is."""
+    x = float(x)
+    if unit == "s":
+        return f"{x * 1e3:.4g} ms"
+    return f"{x:.4g}" + ("" if unit == "unit" else f" {unit}")
+
+
+def comparison_text(comparison: Comparison) -> str:
+    """The measured-versus-predicted table, the fidelity and the calibrated costs, for the terminal."""
+    from .render import text_table
+
+    s = comparison.summary()
+    unit, m, p = s["time_unit"], s["measured"], s["predicted"]
+    t = lambda x: format_time(x, unit)  # noqa: E731
+    rows = [["", "measured", "predicted"],
+            ["step span / makespan", t(m["step_span"]), t(p["makespan"])],
+            ["bubble", f"{100 * m['bubble_fraction']:.1f}%", f"{100 * p['bubble_fraction']:.1f}%"]]
+    for r in range(s["ranks"]):
+        rows.append([f"idle r{r}", t(m["idle_per_rank"][r]), t(p["idle_per_rank"][r])])
+    lines = [f"{s['run_dir']}: {s['schedule']}, {s['ranks']} ranks, {s['stages']} stages, "
+             f"{s['microbatches']} microbatches" + (f"; global ranks {s['global_ranks']}"
+                                                    if s["global_ranks"] != list(range(s["ranks"])) else ""),
+             text_table(rows, right={1, 2}, rule=True),
+             f"fidelity {s['fidelity']:.3f}  (predicted makespan / measured step span)", "",
+             "calibrated costs (medians of the measured actions):"]
+    costs, n = s["costs"], s["samples"]
+    split = any(n["I"]) or any(n["W"])
+    head = ["stage", "rank", "F", "B"] + (["W"] if split else []) + ["measured F/B/I/W"]
+    rows = [head]
+    for st in range(s["stages"]):
+        rows.append([st, s["stage_to_rank"][st], t(costs["F"][st]), t(costs["B"][st])]
+                    + ([t(costs["W"][st])] if split else [])
+                    + ["/".join(str(n[k][st]) for k in "FBIW")])
+    lines.append(text_table(rows, right=set(range(2, len(head) - 1)), free_last=True))
+    lines.append(f"comm {t(costs['comm'])} per message (median of {n['comm']} waits: consumer start - "
+                 f"producer end where the consumer's rank was waiting)")
+    if m["comm_overhead_per_rank"] is not None:
+        lines.insert(3, "not modelled: time in comm batches after the peer's send was posted: " + ", ".join(
+            f"r{r} {t(x)}" for r, x in enumerate(m["comm_overhead_per_rank"])))
+    lines.extend("note: " + x for x in s["notes"])
+    return "\n".join(lines)
