@@ -85,6 +85,31 @@ def _costs_for(spec: str | None, plan):
     return costs if factor == 1 else costs.scaled(factor)
 
 
+def _layer_costs(spec, n_layers, balance, costs_spec):
+    """--layer-costs (with --layers, --balance) read, or None; the options' misfits refused."""
+    if spec is None:
+        if n_layers is not None or balance is not None:
+            raise click.UsageError(f"{'--layers' if n_layers is not None else '--balance'} goes with --layer-costs "
+                                   f"(e.g. --layer-costs embed=0.1,block=1,head=3 --layers 8)")
+        return None
+    if costs_spec is not None:
+        raise click.UsageError("give --costs (the same F, B, W for every stage) or --layer-costs (each stage's "
+                               "from its layers), not both")
+    from pipegpt.plan.balance import parse_layer_costs
+
+    return parse_layer_costs(spec, n_layers)
+
+
+def _costs_from_layers(layer_costs, balance: str, plan):
+    """Per-stage costs of this plan's stages from per-layer costs and the split (even or balanced)."""
+    from pipegpt.schedule.simulate import Costs
+
+    split = layer_costs.split(balance, plan.stage_to_rank)
+    forward = layer_costs.stage_forward(split)
+    return Costs(tuple(forward), tuple(f * layer_costs.backward for f in forward),
+                 tuple(f * layer_costs.weight for f in forward), layer_costs.comm), split
+
+
 def _split_names(schedule: str) -> list[str]:
     from pipegpt.schedule.registry import SCHEDULES
 
@@ -189,8 +214,18 @@ def _table(records: list[dict]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (a list with several schedules).")
 @click.option("--no-chart", is_flag=True, help="Leave out the ASCII chart.")
 @click.option("--width", type=click.IntRange(min=40), default=None, help="Chart width (default: the terminal's).")
+@click.option("--layer-costs", "layer_costs_spec", default=None, metavar="SPEC",
+              help="Per-layer forward costs instead of --costs: 'embed=0.1,block=1,head=3' (B=2,W=1 as multiples "
+                   "of F and comm= may follow) with --layers N, or a .json file with the same keys (\"blocks\": "
+                   "one cost per block). Each stage's F is its layers' sum, plus the embedding on the first and "
+                   "the head on the last.")
+@click.option("--layers", "n_layers", type=click.IntRange(min=1), default=None,
+              help="With --layer-costs: the number of blocks.")
+@click.option("--balance", type=click.Choice(["even", "cost"]), default=None,
+              help="With --layer-costs: split the layers evenly (as pipegpt run does by default) or by cost (as "
+                   "pipegpt run --balance cost does). Default even.")
 def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedule_file, trace_dir, trace_step, out,
-             as_json, no_chart, width):
+             as_json, no_chart, width, layer_costs_spec, n_layers, balance):
     """Simulate pipeline schedules: ASCII chart, bubble %, makespan, peak live activations.
 
     \b
@@ -198,6 +233,7 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
     pipegpt simulate --schedule all -p 4 -m 16 --costs F=1,B=2,W=1,comm=0.1
     pipegpt simulate --schedule-file my_plan.txt --out plan.html
     pipegpt simulate --trace runs/20250101-120000 --out measured_vs_predicted.html
+    pipegpt simulate -p 4 -m 16 --layer-costs embed=0.1,block=1,head=4 --layers 8 --balance cost
     """
     from pipegpt.schedule import render
     from pipegpt.schedule.registry import schedule_spec
@@ -210,7 +246,9 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
 
     if trace_dir is not None:
         given = [flag for flag, value in (("--schedule", schedule), ("--schedule-file", schedule_file),
-                                          ("--costs", costs_spec), ("--virtual-stages", virtual_stages))
+                                          ("--costs", costs_spec), ("--virtual-stages", virtual_stages),
+                                          ("--layer-costs", layer_costs_spec), ("--layers", n_layers),
+                                          ("--balance", balance))
                  if value is not None]
         if given:
             raise click.UsageError(f"--trace simulates the run's own plan with costs calibrated from its trace; "
@@ -218,6 +256,7 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
         return _simulate_trace(trace_dir, stages, microbatches, out, as_json, no_chart, width, trace_step)
     if trace_step is not None:
         raise click.UsageError("--trace-step N picks a traced step of a run: give it with --trace RUN_DIR")
+    layer_costs = _layer_costs(layer_costs_spec, n_layers, balance, costs_spec)
 
     if schedule_file is not None:
         if schedule is not None:
@@ -252,7 +291,11 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
     for name, make in jobs:
         try:
             plan = make()
-            costs = _costs_for(costs_spec, plan)
+            split = None
+            if layer_costs is None:
+                costs = _costs_for(costs_spec, plan)
+            else:
+                costs, split = _costs_from_layers(layer_costs, balance or "even", plan)
             timeline = run_simulation(plan, costs)
         except USER_ERRORS as e:
             if not several:
@@ -261,6 +304,8 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
             timelines.append(None)
             continue
         records.append(_record(plan, timeline, costs))
+        if split is not None:
+            records[-1].update(layers_per_stage=split, balance=balance or "even")
         timelines.append(timeline)
 
     if out is not None:
@@ -274,14 +319,21 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
         click.echo(json.dumps(records if several else records[0], indent=None))
         return
     if several:
-        click.echo(f"{stages} ranks, {microbatches} microbatches; costs {costs_spec or 'F=1,B=2,W=1,comm=0'} "
-                   f"per rank's share of the model (v stages per rank: 1/v each)")
+        if layer_costs is not None:
+            click.echo(f"{stages} ranks, {microbatches} microbatches; {len(layer_costs.blocks)} layers costing "
+                       f"{layer_costs_spec}, split {balance or 'even'} per schedule")
+        else:
+            click.echo(f"{stages} ranks, {microbatches} microbatches; costs {costs_spec or 'F=1,B=2,W=1,comm=0'} "
+                       f"per rank's share of the model (v stages per rank: 1/v each)")
         click.echo(_table(records))
         return
     if not no_chart:
         click.echo(render.ascii_gantt(timelines[0], width=width), nl=False)
         click.echo()
     click.echo(_summary_text(records[0]))
+    if "layers_per_stage" in records[0]:
+        click.echo(f"layers per stage  {','.join(map(str, records[0]['layers_per_stage']))}  "
+                   f"(balance {records[0]['balance']})")
 
 
 def _write_text(path: str, text: str) -> None:
@@ -483,8 +535,14 @@ def run(ctx, batch_size, preset, n_layer, n_embd, n_head, seq_len, vocab_size, p
                    f"run dir {out}")
 
     def on_step(m):
+        if m.step == job.first_step and job.loaded:
+            click.echo(f"started from {job.loaded[0]} at step {job.first_step} (loaded in {job.loaded[1]:.2f} s)")
         if m.step == 0 or (m.step + 1) % log_every == 0 or m.step + 1 == steps:
             click.echo(_progress_line(m, steps))
+        if m.val_loss is not None:
+            click.echo(f"step {m.step + 1}: val loss {m.val_loss:.4f}")
+        if m.checkpoint_s is not None:
+            click.echo(f"step {m.step + 1}: checkpoint saved in {m.checkpoint_s:.2f} s")
 
     try:
         history = run_job(job, out, on_step)
@@ -660,6 +718,100 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
     else:
         click.echo(f"hellaswag: {result.examples} examples, acc {result.acc:.4f}, acc_norm {result.acc_norm:.4f}")
 
+
+# --------------------------------------------------------------------------------------------------------------
+# plan: choose the layout before spending GPU time (pure Python: pipegpt.plan imports no torch)
+
+@main.command()
+@click.option("--model", "preset", default="tiny", show_default=True, help="tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
+@click.option("--n-layer", type=int, default=None)
+@click.option("--n-embd", type=int, default=None)
+@click.option("--n-head", type=int, default=None)
+@click.option("--seq-len", type=int, default=None)
+@click.option("--vocab-size", type=int, default=None)
+@click.option("--pad-vocab", is_flag=True, help="Pad the vocabulary to a multiple of 64 (as `pipegpt run --pad-vocab`).")
+@click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight (as `pipegpt run`).")
+@click.option("--batch-size", type=int, default=None, help="Sequences per step, all replicas together.")
+@click.option("--batch-tokens", type=int, default=None, help="Tokens per step (a multiple of seq_len).")
+@click.option("--gpus", type=int, required=True, help="GPUs available (a plan may use fewer).")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's node, 8).")
+@click.option("--device", default=None, metavar="PRESET",
+              help="GPU preset: h100, h100-pcie, h200, a100-80gb, a100-40gb, l4, a10g, v100 (datasheet peak and "
+                   "memory, links of the usual DGX/HGX node); the options below override it.")
+@click.option("--gpu-memory", default=None, metavar="SIZE", help="Memory per GPU: 80GiB, 40GB, 81920MiB.")
+@click.option("--gpu-tflops", type=float, default=None, help="Peak dense TFLOPS per GPU at --precision.")
+@click.option("--intra-node-gbps", default=None, metavar="RATE",
+              help="Bandwidth per GPU and direction inside a node: Gbit/s, or with a unit (450GB/s).")
+@click.option("--inter-node-gbps", default=None, metavar="RATE",
+              help="Bandwidth per GPU and direction between nodes: Gbit/s, or with a unit (50GB/s).")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="What the plan runs with (pipegpt run --precision).")
+@click.option("--efficiency", type=float, default=None,
+              help="Achieved / peak matmul FLOP/s of the analytical model (default 0.5).")
+@click.option("--layer-overhead-us", type=float, default=None,
+              help="Least host time of one block's forward, microseconds (default 100; backward twice).")
+@click.option("--calibrate", "calibrate_dir", type=click.Path(), default=None, metavar="RUN_DIR",
+              help="Scale compute to a run's measured F/B/W (its trace.json) instead of --efficiency.")
+@click.option("--schedule", "-s", "schedules", default="all", show_default=True,
+              help="Schedules to consider: a comma list or 'all'.")
+@click.option("--all-gpus", is_flag=True, help="Only layouts that use every GPU (dp x pp x tp = --gpus).")
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print.")
+@click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def plan(preset, n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie_embeddings, batch_size, batch_tokens,
+         gpus, gpus_per_node, device, gpu_memory, gpu_tflops, intra_node_gbps, inter_node_gbps, precision, efficiency,
+         layer_overhead_us, calibrate_dir, schedules, all_gpus, top, explain, as_json):
+    """Choose dp x pp x tp, schedule, microbatches and recomputation; predict step time and memory.
+
+    Every candidate's step is simulated (pipegpt simulate's simulator) with per-stage costs from FLOPs at a
+    device efficiency, collectives and messages from bytes and bandwidths (or costs calibrated from a run),
+    and its memory is pipegpt.plan.memory's; the best plans come with the `pipegpt run` command that runs them.
+
+    \b
+    pipegpt plan --model gpt2 --gpus 8 --device h100 --batch-size 512
+    pipegpt plan --n-layer 96 --n-embd 12288 --n-head 96 --seq-len 2048 --vocab-size 51200 \\
+                 --gpus 1024 --device a100-80gb --batch-size 1536 --explain
+    pipegpt plan --model tiny --gpus 2 --gpu-memory 8GiB --gpu-tflops 1 --intra-node-gbps 80 \\
+                 --batch-size 16 --calibrate runs/<time>
+    """
+    from pipegpt.config import model_config
+    from pipegpt.plan import search as plan_search
+    from pipegpt.plan.cost import AnalyticalCosts, DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, calibrate_costs
+    from pipegpt.plan.devices import make_cluster
+
+    model = model_config(preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
+                         tie_embeddings=False if no_tie_embeddings else None, pad_vocab_to=64 if pad_vocab else None)
+    if (batch_size is None) == (batch_tokens is None):
+        raise click.UsageError("give the global batch as --batch-size SEQUENCES or --batch-tokens TOKENS (one of them)")
+    if batch_tokens is not None:
+        if batch_tokens < 1 or batch_tokens % model.seq_len:
+            lo = batch_tokens // model.seq_len * model.seq_len
+            hi = lo + model.seq_len
+            raise ConfigError(f"--batch-tokens {batch_tokens} is not a whole number of sequences of seq_len="
+                              f"{model.seq_len}: use {lo or hi}" + (f" or {hi}" if lo else ""))
+        batch_size = batch_tokens // model.seq_len
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size {batch_size} must be at least 1 sequence")
+    cluster = make_cluster(gpus, gpus_per_node, device, gpu_memory, gpu_tflops, intra_node_gbps, inter_node_gbps,
+                           precision)
+    if calibrate_dir is not None:
+        if efficiency is not None or layer_overhead_us is not None:
+            raise click.UsageError("--calibrate takes the compute from the run: leave out --efficiency and "
+                                   "--layer-overhead-us")
+        costs = calibrate_costs(calibrate_dir, cluster)
+    else:
+        costs = AnalyticalCosts(cluster, DEFAULT_EFFICIENCY if efficiency is None else efficiency,
+                                DEFAULT_LAYER_OVERHEAD_S if layer_overhead_us is None else layer_overhead_us * 1e-6)
+    names = tuple(_split_names(schedules))
+    request = plan_search.Request(model, batch_size, cluster, costs, top=top, explain=explain, schedules=names,
+                                  exact_gpus=all_gpus)
+    result = plan_search.search(request)
+    if not result.best:
+        raise ConfigError(plan_search.no_fit_message(result))
+    if as_json:
+        click.echo(json.dumps(plan_search.as_json(result)))
+    else:
+        click.echo(plan_search.format_text(result))
 
 if __name__ == "__main__":
     main()

@@ -96,6 +96,7 @@ RECOMPUTE = ("none", "full", "selective")
 TOKENIZERS = ("bytes", "gpt2")
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
+BALANCE = ("even", "cost")
 
 
 def setting(default, help: str = "", flag: str | None = None, short: str | None = None, choices=None):
@@ -115,6 +116,12 @@ class ParallelConfig:
                                               "(the format `pipegpt simulate --schedule-file` reads).")
     virtual_stages: int | None = setting(None, "Model chunks per rank (interleaved-1f1b).", short="-v")
     layers_per_stage: tuple[int, ...] | None = setting(None, "Explicit split such as 3,3,2,2 (one entry per model stage).")
+    balance: str = setting("even", "How blocks are split over the stages: evenly, or by cost (measured on the workers "
+                                   "before step 0: the split that makes the busiest rank's work the least).",
+                           choices=BALANCE)
+    # With balance=cost, what the run measured (seconds of forward + backward: embedding, one block, head and
+    # loss) and so where its layers_per_stage came from; set by the driver, never an option.
+    balanced_costs: tuple[float, float, float] | None = None
     microbatches: int = setting(8, "Microbatches per step.", short="-m")
     microbatch_size: int = setting(4, "Sequences per microbatch.")
     recompute: str = setting("none", "Activation recomputation: every block, or only the attention core.",
@@ -193,6 +200,8 @@ class CheckpointConfig:
 class EvalConfig:
     eval_every: int = setting(0, "Validation loss every N steps and after the last (0: never).")
     eval_batches: int = setting(4, "Global batches per evaluation (the same ones each time).")
+    hellaswag: str | None = setting(None, "HellaSwag jsonl (nanoGPT's format): accuracy at every evaluation, "
+                                          "scored on the model gathered into the driver.")
 
 
 SECTIONS = {"parallel": ParallelConfig, "optim": OptimizerConfig, "data": DataConfig, "runtime": RuntimeConfig,
@@ -296,6 +305,10 @@ class TrainConfig:
         if c.resume is not None and c.init_from is not None:
             raise ConfigError("give --resume (weights, optimizer, step, data position) or --init-from (weights "
                               "only, step 0), not both")
+        _check_choice("balance", p.balance, BALANCE)
+        if p.balance == "cost" and p.layers_per_stage is not None and p.balanced_costs is None:
+            raise ConfigError(f"--balance cost chooses the layers per stage from measured costs: leave out "
+                              f"--layers-per-stage {','.join(map(str, p.layers_per_stage))}, or use --balance even")
         if p.schedule_file is not None and p.virtual_stages is not None:
             raise ConfigError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
         if env is not None and _under_torchrun(env) and int(env["WORLD_SIZE"]) != p.world_size:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipegpt import checkpoint
-from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, free_ports, port_is_free
+from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.devices import local_world_size, resolve_device, under_torchrun
 from pipegpt.metrics import RunLog, StepMetrics, step_metrics
@@ -66,6 +66,12 @@ def check(cfg: TrainConfig) -> Plan:
     else:  # the built-in corpus is tokenized by each worker: gpt2 offline fails here, in one line
         get_tokenizer(cfg.data.tokenizer)
     start_from(cfg)
+    if cfg.eval.hellaswag:
+        from pipegpt.hellaswag import read_examples
+
+        if not cfg.eval.eval_every:
+            raise ConfigError("--hellaswag scores the model at evaluation steps: give --eval-every N too")
+        read_examples(cfg.eval.hellaswag)  # a bad file is refused before any worker starts
     plan = make_plan(cfg)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)
     if resolve_device(cfg.runtime.device, cfg.world_size) == "cuda":
@@ -107,7 +113,9 @@ class Job:
             or max(1, (os.cpu_count() or 1) // cfg.world_size)
         self.cluster = None
         self.first_step = 0  # where training starts: 0, or the step a resumed checkpoint was taken after
+        self.loaded = None  # (checkpoint, seconds to load it) once started from one
         self.step_times: list[float] = []  # seconds, of this job's steps so far: the stall watchdog's reference
+        self.say: Callable[[str], None] = lambda line: print(line, flush=True)  # the driver's notes (--balance cost)
 
     def start(self) -> bool:
         """Start the workers and build them for the plan. Under torchrun every process calls this; the
@@ -119,16 +127,34 @@ class Job:
                 self.cluster.close()  # serve the driver's requests until it shuts everyone down
                 return False
         else:
-            ports = [port for port in free_ports(3) if port != self.port]  # the control plane's and the groups'
-            init_method = f"tcp://127.0.0.1:{self.port or ports[1]}"
-            self.cluster = LocalCluster(cfg.world_size, cfg.runtime.timeout_s, self.threads, rpc_port=ports[0])
+            self.cluster = LocalCluster(cfg.world_size, cfg.runtime.timeout_s, self.threads, group_port=self.port)
+            init_method = self.cluster.group_init_method
         self.cluster.spawn(Worker, lambda r: (r, cfg, init_method))
         self.cluster.call("start", self.plan, self.eval_plan)  # every worker built before step 0 starts its clock
+        if cfg.parallel.balance == "cost" and cfg.parallel.balanced_costs is None:
+            self.balance_by_cost()
         source = start_from(cfg)
         if source is not None:
+            t0 = time.perf_counter()
             steps = self.cluster.call("load", str(source), cfg.checkpoint.resume is None)
-            self.first_step = steps[0]
+            self.first_step, self.loaded = steps[0], (source, time.perf_counter() - t0)
         return True
+
+    def balance_by_cost(self) -> list[int]:
+        """--balance cost, on started workers before step 0: rank 0 measures the embedding, one block and the head
+        with its loss on its device (forward + backward of a microbatch of the run's shape), balance_layers picks
+        the split that makes the busiest rank's work the least for the plan's placement, and every worker is
+        rebuilt for it (Job.build: the same grid and plan, the same initial weights, which come from per-name
+        seeds). The job's config then holds the split and the costs it came from (config.json records both)."""
+        from pipegpt.plan.balance import balance_layers
+
+        costs = self.cluster.call("measure_layer_costs", ranks=[0])[0]
+        embed, block, head = costs["embed"], costs["block"], costs["head"]
+        layers = balance_layers([block] * self.cfg.model.n_layer, embed, head, self.plan.stage_to_rank)
+        self.build(self.cfg.replace(layers_per_stage=tuple(layers), balanced_costs=(embed, block, head)))
+        self.say(f"pipegpt: balanced layers per stage {','.join(map(str, layers))} (costs: embed {embed * 1e3:.2f} ms, "
+                 f"block {block * 1e3:.2f} ms, head {head * 1e3:.2f} ms)")
+        return layers
 
     def save(self, root: Path, step: int) -> Path:
         """A checkpoint after `step` steps under root: every rank writes its part, then the atomic commit."""
@@ -175,6 +201,34 @@ class Job:
         self.eval_plan = evaluation_plan(self.plan)
         return self.cluster.call("build", cfg, self.plan, self.eval_plan)
 
+    def gathered_model(self):
+        """The whole model in this process: every rank's parameters by one-process name, tensor-parallel
+        shards joined (data-parallel replica 0). For evaluations that need all of it at once (HellaSwag)."""
+        from pipegpt.comm.mesh import Grid
+        from pipegpt.model import GPT
+        from pipegpt.tensor_parallel import gather_full
+
+        p = self.cfg.parallel
+        grid, shards = Grid(p.dp, p.stages, p.tp), {}
+        for rank, named in enumerate(self.cluster.call("model_state")):
+            d, _, t = grid.coords(rank)
+            if d == 0:
+                for name, value in named.items():
+                    shards.setdefault(name, {})[t] = value
+        full = {n: gather_full(n, [parts[t] for t in range(p.tp)]) if p.tp > 1 else parts[0]
+                for n, parts in shards.items()}
+        model = GPT(self.cfg.model, init_seed=0)
+        model.load_from_full(full)
+        return model.eval()
+
+    def hellaswag(self, examples) -> tuple[float, float]:
+        """(acc, acc_norm) of the current model on HellaSwag examples."""
+        from pipegpt.hellaswag import score
+
+        correct, correct_norm = score(self.gathered_model(), examples, self.cfg.data.tokenizer,
+                                      self.cfg.eval.hellaswag)
+        return correct / len(examples), correct_norm / len(examples)
+
     def evaluate(self) -> float:
         """Validation loss: the mean over the eval batches' microbatches (the last stage's ranks report them)."""
         losses = [loss for r in self.cluster.call("evaluate", self.cfg.eval.eval_batches) for loss in r["losses"]]
@@ -205,6 +259,11 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics, list[dict]], No
     cfg, history = job.cfg, []
     every, last, eval_every = cfg.checkpoint.save_every, cfg.runtime.steps - 1, cfg.eval.eval_every
     traced = set(cfg.runtime.traced_steps())
+    hellaswag = None
+    if cfg.eval.hellaswag:
+        from pipegpt.hellaswag import read_examples
+
+        hellaswag = read_examples(cfg.eval.hellaswag)
     profiled = sorted(s for s in traced if s >= job.first_step) if cfg.runtime.profile else []
     for step in range(job.first_step, cfg.runtime.steps):
         if profiled and step == profiled[0]:  # py-spy on every worker, from the first traced step to the last
@@ -220,11 +279,15 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics, list[dict]], No
             log.trace(results, job.plan, step)
         if eval_every and ((step + 1) % eval_every == 0 or step == last):
             metrics.val_loss = job.evaluate()
+            if hellaswag:
+                metrics.hellaswag_acc, metrics.hellaswag_acc_norm = job.hellaswag(hellaswag)
+        if every and ((step + 1) % every == 0 or step == last):
+            t0 = time.perf_counter()
+            job.save(log.run_dir / "checkpoints", step + 1)
+            metrics.checkpoint_s = time.perf_counter() - t0
         log.step(metrics)
         history.append(metrics)
         on_step(metrics, results)
-        if every and ((step + 1) % every == 0 or step == last):
-            job.save(log.run_dir / "checkpoints", step + 1)
     return history
 
 

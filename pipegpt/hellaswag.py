@@ -154,18 +154,26 @@ def evaluate(path, file, limit: int | None = None, tokenizer: str | None = None,
     dev = pick_device(device)
     model, manifest, found = load_model(path, dev)
     name = tokenizer or manifest.get("tokenizer") or "bytes"
-    tok = get_tokenizer(name)
+    if model.config.seq_len < 2:
+        raise ConfigError(f"{found}: seq_len={model.config.seq_len}: a model must see at least 2 tokens to score "
+                          f"an ending")
+    correct, correct_norm = score(model, examples, name, file)
+    return Result(len(examples), correct, correct_norm, found, name, Path(file))
+
+
+def score(model: GPT, examples: list[Example], tokenizer: str, file) -> tuple[int, int]:
+    """(correct by summed ending loss, correct by mean ending loss) of a model on the examples."""
+    tok = get_tokenizer(tokenizer)
     seq_len, vocab = model.config.seq_len, model.config.vocab_size
-    if seq_len < 2:
-        raise ConfigError(f"{found}: seq_len={seq_len}: a model must see at least 2 tokens to score an ending")
     correct = correct_norm = 0
     for ex in examples:
         rows, masks = render(ex, tok, seq_len)
         top = max(max(r) for r in rows)
         if top >= vocab:
-            raise DataError(f"{Path(file)}:{ex.line}: token id {top} (tokenizer {name}) is not below the model's "
-                            f"vocabulary size {vocab}: use the tokenizer the model was trained with (--tokenizer)")
+            raise DataError(f"{Path(file)}:{ex.line}: token id {top} (tokenizer {tokenizer}) is not below the "
+                            f"model's vocabulary size {vocab}: use the tokenizer the model was trained with "
+                            f"(--tokenizer)")
         total, mean = ending_losses(model, rows, masks)
         correct += int(int(total.argmin()) == ex.label)
         correct_norm += int(int(mean.argmin()) == ex.label)
-    return Result(len(examples), correct, correct_norm, found, name, Path(file))
+    return correct, correct_norm

@@ -29,6 +29,9 @@ class StepMetrics:
     flops_per_s: float | None = None  # model FLOPs (flops_per_token x tokens) per second, all ranks together
     mfu: float | None = None  # flops_per_s / (ranks x one device's peak); None where the peak is unknown
     val_loss: float | None = None  # on evaluation steps (--eval-every), after this step's update
+    hellaswag_acc: float | None = None  # with --hellaswag, on evaluation steps: argmin of the summed ending loss
+    hellaswag_acc_norm: float | None = None  # ... of the mean ending loss per token (what nanoGPT reports)
+    checkpoint_s: float | None = None  # on checkpoint steps (--save-every): seconds to save, commit included
 
 
 def step_metrics(step: int, results: list[dict], cfg: TrainConfig, elapsed: float) -> StepMetrics:

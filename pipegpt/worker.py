@@ -1,9 +1,9 @@
 """The actor on one rank: its model stages, optimizer, runtime, loader and device.
 
 The driver calls its methods over RPC; the methods marked @actor_method are the control plane's
-whole surface (start, build, step, evaluate, save, load, where, profile_start/stop, describe, shutdown,
-and for tests named_grads, named_parameters, named_optimizer_state). Activations never pass through
-here: the runtime sends them worker to worker.
+whole surface (start, build, step, measure_layer_costs, evaluate, save, load, where, profile_start/stop,
+describe, shutdown, and for tests named_grads, named_parameters, named_optimizer_state). Activations never
+pass through here: the runtime sends them worker to worker.
 """
 from __future__ import annotations
 
@@ -282,7 +282,8 @@ class Worker:
             for p, state in optimizer.state.items():
                 if self._owned(p):
                     tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})
-        shards = {key: ([0, 1] if key.startswith("rng/") else shard) for key in tensors}
+        whole = lambda key: key.startswith("rng/") or tp_shard_spec(key.split("/", 1)[1]) == REPLICATED  # noqa: E731
+        shards = {key: [0, 1] if whole(key) else shard for key in tensors}
         if self.fault == (IN_SAVE, step):  # rehearse a kill mid-save: half a file, then SIGKILL
             checkpoint.write_rank_file(directory, self.rank, dict(list(tensors.items())[:len(tensors) // 2]), {})
             fail_now(IN_SAVE, step)
@@ -316,6 +317,11 @@ class Worker:
         return step
 
     @actor_method
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by one-process name (its tensor-parallel shards), on the CPU."""
+        return {self.full_names[id(p)]: p.detach().cpu().clone() for _, p in self.named_params}
+
+    @actor_method
     def named_optimizer_state(self) -> dict[str, torch.Tensor]:
         """{"exp_avg/<name>": moment, ...} of this rank's parameters, by one-process name (for tests)."""
         optimizer = getattr(self.optimizer, "optim", self.optimizer)
@@ -334,6 +340,18 @@ class Worker:
                 "parameters": sum(p.numel() for _, p in self.named_params),
                 "parameter_bytes": sum(p.numel() * p.element_size() for _, p in self.named_params),
                 "optimizer_state_bytes": state_bytes}
+
+    @actor_method
+    def measure_layer_costs(self, repeats: int = 5) -> dict[str, float]:
+        """Median seconds of forward + backward of the embedding, one block, and the head with the loss, each on
+        one microbatch of the run's shape on this rank's device (for --balance cost; pipegpt.stages.measure)."""
+        from pipegpt.stages.measure import measure_layer_costs
+
+        cfg = self.cfg
+        return measure_layer_costs(cfg.model, cfg.parallel.microbatch_size, self.device,
+                                   getattr(torch, cfg.runtime.dtype), cfg.parallel.recompute,
+                                   torch.bfloat16 if cfg.runtime.precision == "bf16" else None, repeats,
+                                   seed=cfg.runtime.seed)
 
     @actor_method
     def profile_start(self, directory: str) -> str | None:

@@ -82,6 +82,16 @@ def test_schedule_loads_no_torch():
     check(mods, forbid_torch=True)
 
 
+def test_plan_loads_no_torch():
+    """The planner (memory model, balance, search) is arithmetic on shapes and plans: `pipegpt plan`
+    answers without loading torch, and nothing it imports needs torch either."""
+    mods = submodules("pipegpt.plan")
+    assert {"pipegpt.plan", "pipegpt.plan.memory"} <= set(mods)
+    check(mods, ("pipegpt.model", "pipegpt.stages", "pipegpt.comm", "pipegpt.tensor_parallel.layers",
+                 "pipegpt.tensor_parallel.collectives", "pipegpt.runtime", "pipegpt.worker", "pipegpt.driver"),
+          forbid_torch=True)
+
+
 def test_stages_load_no_comm_tensor_parallel_schedule_runtime():
     mods = submodules("pipegpt.stages")
     assert "pipegpt.stages" in mods and "pipegpt.stages.stage" in mods

@@ -121,6 +121,23 @@ def test_dp2_zero1_resumes_in_dp1(tmp_path):
     assert loss == pytest.approx(losses(run)[2], rel=1e-5)
 
 
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process(tmp_path):
+    run = tmp_path / "tp2"
+    pipegpt_run(run, "--stages", "1", "--tp", "2", "--microbatches", "4", "--steps", "3", "--save-every", "2",
+                "--dtype", "float64")
+    path = run / "checkpoints" / "step-00000002"
+    cfg = _config(stages=1)
+    host = ClusterHost(cfg)
+    try:
+        params, moments, loss = host.resume(cfg, path)
+    finally:
+        host.close()
+    reader = checkpoint.CheckpointReader(path)
+    for key, value in {**params, **moments}.items():
+        assert torch.equal(value, reader.full(key, key.split("/", 1)[1])), key
+    assert loss == pytest.approx(losses(run)[2], rel=1e-5)
+
+
 def test_keep_prunes_old_checkpoints(tmp_path):
     pipegpt_run(tmp_path, *LAYOUTS["1f1b"], "--steps", "4", "--save-every", "1", "--keep", "2")
     assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "checkpoints")] == \

@@ -20,7 +20,7 @@ PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
 
 # Every option of `pipegpt run`. A change here is a change of the CLI that users and scripts see: make it on purpose.
 RUN_OPTIONS = [
-    "--batch-size", "--data", "--eval-batches", "--eval-every", "--init-from", "--keep", "--resume", "--save-every", "--device", "--dp", "--dtype", "--grad-clip", "--layers-per-stage", "--log-every",
+    "--batch-size", "--data", "--eval-batches", "--eval-every", "--hellaswag", "--init-from", "--keep", "--resume", "--save-every", "--device", "--dp", "--dtype", "--grad-clip", "--layers-per-stage", "--log-every",
     "--lr", "--microbatch-size", "--microbatches", "--model", "--n-embd", "--n-head", "--n-layer", "--no-tie-embeddings",
     "--pad-vocab", "--port", "--recompute", "--run-dir", "--schedule", "--schedule-file", "--seed", "--seq-len",
     "--sequence-parallel", "--stages", "--steps", "--threads-per-worker", "--timeout", "--tokenizer", "--tp",
@@ -29,6 +29,8 @@ RUN_OPTIONS = [
     "--warmup-steps", "--min-lr", "--lr-schedule", "--precision", "--compile", "--peak-tflops",
     # measured timelines of chosen steps, py-spy flame graphs
     "--trace-steps", "--profile",
+    # cost-balanced stages (the split from measured embedding/block/head costs)
+    "--balance",
 ]
 
 

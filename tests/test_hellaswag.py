@@ -166,3 +166,35 @@ def test_bad_inputs_are_one_line_errors(ckpt, tmp_path):
                    "token id 126", "vocabulary size 100")
     if not torch.cuda.is_available():
         one_line_error(cli(path, "--file", data, "--device", "cuda"), "no CUDA GPU")
+
+
+def test_during_a_pipelined_run_it_scores_the_model_the_checkpoint_holds(tmp_path):
+    """`pipegpt run --hellaswag` gathers the 2-stage x tp-2 model into the driver at an evaluation step; its
+    accuracies equal the oracle's on the checkpoint saved at that step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pipegpt.sample import load_model
+
+    labels = [0, 1, 2, 3, 0, 1]
+    data = write_jsonl(tmp_path / "hs.jsonl", labels)
+    run = tmp_path / "run"
+    proc = subprocess.run([str(Path(sys.executable).with_name("pipegpt")), "run", "--stages", "2", "--tp", "2",
+                           "--microbatches", "2", "--steps", "2", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32",
+                           "--eval-every", "2", "--save-every", "2", "--hellaswag", str(data), "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    model, _, _ = load_model(run, "cpu")
+    by_sum, by_mean = predictions(model.eval())
+    assert last["hellaswag_acc"] == sum(p == lab for p, lab in zip(by_sum, labels)) / len(labels)
+    assert last["hellaswag_acc_norm"] == sum(p == lab for p, lab in zip(by_mean, labels)) / len(labels)
+
+
+def test_a_bad_file_is_refused_before_any_worker_starts(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 7}\n')
+    result = CliRunner().invoke(main, ["run", "--eval-every", "1", "--hellaswag", str(bad), "--run-dir",
+                                       str(tmp_path / "run")])
+    assert result.exit_code == 2 and "label" in result.output and not (tmp_path / "run").exists()

@@ -75,11 +75,14 @@ def init_mesh(grid: Grid, rank: int, device: torch.device, init_method: str, tim
     embedding (first and last stage) and must sum its gradient.
     """
     cuda = device.type == "cuda"
+    rendezvous: dict = {"init_method": init_method}
+    if init_method.startswith("tcp://"):  # the driver holds the store (LocalCluster): join it as a client
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        rendezvous = {"store": dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))}
     # device_id binds the group to this rank's GPU: communicators are created now (not at the first
     # collective, on whatever device is current then) and subgroups are split from them.
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
-                            world_size=grid.world_size, timeout=timedelta(seconds=timeout_s),
-                            device_id=device if cuda else None)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=grid.world_size,
+                            timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None, **rendezvous)
     mesh = Mesh(grid, rank)
     g = grid
     families = {

@@ -22,9 +22,11 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
@@ -51,20 +53,9 @@ class WorkerStalled(WorkerFailure):
 
 
 def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports: each is held until all are found (two calls of one can return one port twice,
-    and two rendezvous on one port garble each other: gloo then dies of std::bad_alloc)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -101,7 +92,7 @@ def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: 
     _die_with_parent()
     quiet_torch_warnings()
     torch.set_num_threads(threads)
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size + 1,
+    rpc.init_rpc(f"worker{rank}", rank=rank + 1, world_size=world_size + 1,  # the driver is RPC rank 0
                  rpc_backend_options=_rpc_options(init_method, timeout_s))
     rpc.shutdown()  # serve requests until the driver shuts everyone down
 
@@ -237,34 +228,43 @@ class Cluster:
 
 
 class LocalCluster(Cluster):
-    """One worker process per rank on this machine; this process is the driver."""
+    """One worker process per rank on this machine; this process is the driver.
 
-    def __init__(self, world_size: int, timeout_s: float, threads_per_worker: int, rpc_port: int | None = None):
+    The driver binds every rendezvous port itself before a worker starts: the control plane's (it is
+    RPC rank 0) and the process groups' store (`group_init_method`, port 0 unless group_port is given).
+    A port chosen here but bound seconds later by a starting worker could be taken in between by
+    another job, and two rendezvous on one port garble each other.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float, threads_per_worker: int, group_port: int | None = None):
         self.world_size, self.timeout_s = world_size, timeout_s
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # keep RPC on loopback: one machine
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # TensorPipe logs every closed connection at shutdown as a warning; failures reach us anyway.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        init_method = f"tcp://127.0.0.1:{rpc_port or free_port()}"
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_local_worker_main, daemon=False, name=f"pipegpt-rank{r}",
-                                  args=(r, world_size, init_method, timeout_s, threads_per_worker))
-                      for r in range(world_size)]
+        self.store = dist.TCPStore("127.0.0.1", group_port or 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s))
+        self.group_init_method = f"tcp://127.0.0.1:{self.store.port}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._closing = False
-        for p in self.procs:
-            p.start()
         joined = threading.Event()
         error: list[BaseException] = []
 
         def join_rpc():
             try:
-                rpc.init_rpc("driver", rank=world_size, world_size=world_size + 1,
+                rpc.init_rpc("driver", rank=0, world_size=world_size + 1,
                              rpc_backend_options=_rpc_options(init_method, timeout_s))
             except BaseException as e:  # noqa: BLE001 - reported below
                 error.append(e)
             joined.set()
 
-        threading.Thread(target=join_rpc, daemon=True).start()
+        threading.Thread(target=join_rpc, daemon=True).start()  # binds the control plane's port at once
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_local_worker_main, daemon=False, name=f"pipegpt-rank{r}",
+                                  args=(r, world_size, init_method, timeout_s, threads_per_worker))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
         deadline = time.monotonic() + timeout_s
         while not joined.wait(POLL_S):  # a worker that dies while starting must not leave us waiting
             self.check_alive()

@@ -1,0 +1,327 @@
+"""How long each piece of a step takes on a cluster: per-layer F, B, I, W, collectives, messages, the optimizer.
+
+The planner never adds these up into a step time itself: they become a schedule.simulate.Costs (per-stage F,
+B, W, tp_comm, dp_comm and the message latency comm) and the simulator gives the makespan. Only what happens
+after the last gradient all-reduce (the optimizer step, ZeRO-1's parameter broadcast, the tied embedding's
+gradient sum) is added to it: it follows every pipeline action, so a sum is exact there.
+
+Analytical model (AnalyticalCosts), per microbatch of `mbs` sequences of T tokens, model width C, padded
+vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficiency e:
+
+* a block's forward: FLOPs_fwd = mbs * (24 T C^2 + 4 T^2 C) / tp (the matmuls and attention's two T x T
+  products: pipegpt.metrics.flops_per_token / 3 per layer and token) -> F = FLOPs_fwd / (P e), B = 2F,
+  I = W = F. A pass never takes less than the host needs to launch it (`layer_overhead_s`, default 100 us
+  per block forward, twice that backward: eager PyTorch issues a dozen or two kernels per block and pass);
+  the GPU runs ahead of the host otherwise, so the larger of the two counts, not their sum.
+* recomputation: full adds the block's forward (and its collectives) to the backward (its I half),
+  selective adds attention's T x T products (4 T^2 C mbs / tp FLOPs).
+* the head: 2 T C V mbs / tp FLOPs forward (B = 2F, W = F), plus the cross-entropy's passes over the logits
+  at HBM speed; the embedding: memory-bound (a gather forward, the dense V x C gradient backward, all W).
+* tensor parallelism (Megatron): two all-reduces of mbs T C activations per block forward and two in its
+  backward (sequence parallelism turns each into a reduce-scatter + all-gather of the same volume, so the
+  same time); the vocabulary-parallel embedding one forward, the head one backward; ring all-reduce time
+  2 (n-1)/n bytes / B_intra + 2 (n-1) latency. Forward and backward collectives go into the simulator's
+  tp_comm (which it charges to F, B and I, never W); any difference between the two into F or B.
+* pipeline messages: mbs T C fp32 values (the residual stream stays fp32 under autocast; 1/tp of them with
+  sequence parallelism) per microbatch, at intra-node bandwidth when the neighbouring stage's rank is in the
+  same node, inter-node otherwise. The simulator has one message latency for every link: it gets the mean
+  over the links the placement uses (on the critical path every link is crossed about equally often).
+* data-parallel gradient all-reduce of each stage's fp32 gradients (1/tp of the sharded matrices), ring
+  bandwidth term, tree latency term, at intra-node bandwidth only when the whole group is in one node:
+  the simulator's dp_comm (started when the stage's last backward ends, overlapping the rest).
+* after the step's last action: AdamW over the rank's parameters (1/dp of them with ZeRO-1) at HBM speed
+  (OPTIMIZER_BYTES_PER_PARAM: torch's per-tensor AdamW reads and writes each value about sixteen times,
+  clipping included), or the host's per-tensor overhead if larger; with ZeRO-1, torch's
+  ZeroRedundancyOptimizer broadcasts the updated shards ((dp-1)/dp of the rank's parameters received);
+  the tied embedding's gradient summed between the first and the last stage.
+
+Calibrated model (CalibratedCosts, `pipegpt plan --calibrate RUN_DIR`): the same shapes, with the compute
+of F, B and W each scaled by (measured / analytical) over the stages of a run's trace
+(pipegpt.schedule.calibrate), the message latency the run measured, no host floor (the measurement has it),
+and what the run spent after its last action (step time - trace span) scaled by parameters per rank.
+Collectives stay analytical (a trace shows no separate collective times).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from pipegpt.config import ConfigError, ModelConfig
+
+from .devices import Cluster
+
+DEFAULT_EFFICIENCY = 0.5  # achieved / peak matmul FLOP/s: Megatron-LM reports 44-52% on A100 (Narayanan et al. 2021)
+DEFAULT_LAYER_OVERHEAD_S = 100e-6  # host time to launch one block's forward (backward: twice)
+OPTIMIZER_BYTES_PER_PARAM = 64  # fp32 AdamW (foreach=False) plus clipping: ~16 reads/writes of 4 bytes
+FP32 = 4
+
+
+def allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce of nbytes over n ranks (reduce-scatter + all-gather: the same time)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One part of a stage (a block, the embedding, the head) for one microbatch, in seconds.
+
+    f, b, w: compute of the forward, the whole backward (recomputation included) and its weight-gradient
+    part; comm_f, comm_b: tensor-parallel collectives in the forward and in the backward."""
+
+    f: float
+    b: float
+    w: float
+    comm_f: float = 0.0
+    comm_b: float = 0.0
+
+    def scaled(self, k: float) -> "Piece":
+        return Piece(self.f * k, self.b * k, self.w * k, self.comm_f * k, self.comm_b * k)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    layer: Piece
+    embed: Piece
+    head: Piece
+    message_bytes: float  # one pipeline message (activations or their gradients) per microbatch per tp rank
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The parallel shape the pieces are for."""
+
+    tp: int
+    sequence_parallel: bool
+    recompute: str
+    mbs: int
+
+
+def layer_flops_fwd(model: ModelConfig) -> float:
+    """Forward FLOPs of one block for one sequence (matmuls and attention's T x T products)."""
+    T, C = model.seq_len, model.n_embd
+    return 24 * T * C * C + 4 * T * T * C
+
+
+def head_flops_fwd(model: ModelConfig) -> float:
+    return 2 * model.seq_len * model.n_embd * model.padded_vocab_size
+
+
+class AnalyticalCosts:
+    """Piece times from FLOPs and bytes (see the module docstring)."""
+
+    kind = "analytical"
+
+    def __init__(self, cluster: Cluster, efficiency: float = DEFAULT_EFFICIENCY,
+                 layer_overhead_s: float = DEFAULT_LAYER_OVERHEAD_S):
+        if not 0 < efficiency <= 1:
+            raise ConfigError(f"--efficiency {efficiency} must be in (0, 1]: achieved / peak FLOP/s, e.g. 0.5")
+        if layer_overhead_s < 0:
+            raise ConfigError(f"--layer-overhead-us must be >= 0, got {layer_overhead_s * 1e6:g}")
+        self.cluster, self.efficiency, self.layer_overhead_s = cluster, efficiency, layer_overhead_s
+
+    def describe(self) -> str:
+        return (f"analytical: {self.efficiency:g} of peak, at least {self.layer_overhead_s * 1e6:g} us per block "
+                f"forward (host launch)")
+
+    # --- compute ------------------------------------------------------------------------------------
+    def _rate(self) -> float:
+        return self.cluster.peak_flops * self.efficiency
+
+    def compute(self, model: ModelConfig, shape: Shape) -> tuple[Piece, Piece, Piece]:
+        """(layer, embed, head) compute only, no collectives."""
+        T, C, V = model.seq_len, model.n_embd, model.padded_vocab_size
+        tp, mbs, rate, hbm = shape.tp, shape.mbs, self._rate(), self.cluster.hbm_bytes_per_s
+        floor = self.layer_overhead_s
+        f = mbs * layer_flops_fwd(model) / tp / rate
+        lf, lw, li = max(f, floor), max(f, floor), max(f, floor)
+        if shape.recompute == "full":
+            li += lf
+        elif shape.recompute == "selective":
+            li += mbs * 4 * T * T * C / tp / rate
+        layer = Piece(lf, li + lw, lw)
+        hf = mbs * head_flops_fwd(model) / tp / rate
+        logits = mbs * T * V / tp * FP32 / hbm  # one pass over the fp32 logits
+        head = Piece(max(hf + 3 * logits, floor / 2), max(2 * hf + 2 * logits, floor), max(hf, floor / 2))
+        eb = max((mbs * T * C * FP32 + 2 * V / tp * C * FP32) / hbm, floor / 4)
+        embed = Piece(max(3 * mbs * T * C * FP32 / hbm, floor / 4), eb, eb)
+        return layer, embed, head
+
+    # --- collectives and messages ---------------------------------------------------------------------
+    def collectives(self, model: ModelConfig, shape: Shape) -> tuple[tuple, tuple, tuple]:
+        """(layer, embed, head) tensor-parallel collective times: (forward, backward) each."""
+        tp = shape.tp
+        if tp == 1:
+            return (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)
+        c = self.cluster
+        act = 2 if c.precision == "bf16" else FP32  # autocast's matmul outputs
+        tokens = shape.mbs * model.seq_len
+        ar = lambda nbytes: allreduce_time(nbytes, tp, c.intra_node_bytes_per_s, c.latency_intra_s)  # noqa: E731
+        block = ar(tokens * model.n_embd * act)
+        layer_b = 2 * block + (2 * block if shape.recompute == "full" else 0.0)
+        embed = (ar(tokens * model.n_embd * FP32), 0.0)
+        head = (ar(tokens * FP32) + ar(2 * tokens * FP32), ar(tokens * model.n_embd * act))
+        return (2 * block, layer_b), embed, head
+
+    def message_bytes(self, model: ModelConfig, shape: Shape) -> float:
+        values = shape.mbs * model.seq_len * model.n_embd
+        return values * FP32 / (shape.tp if shape.sequence_parallel else 1)
+
+    def group_allreduce_time(self, nbytes: float, n: int, same_node: bool) -> float:
+        """An all-reduce of nbytes among n ranks of a data-parallel (or other) group: ring bandwidth term,
+        tree latency term (2 log2 n steps), at intra-node bandwidth only when the whole group is in a node."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        c = self.cluster
+        bw, lat = ((c.intra_node_bytes_per_s, c.latency_intra_s) if same_node
+                   else (c.inter_node_bytes_per_s, c.latency_inter_s))
+        return allreduce_time(nbytes, n, bw, 0.0) + 2 * math.ceil(math.log2(n)) * lat
+
+    def broadcast_shards_time(self, nbytes: float, n: int, same_node: bool) -> float:
+        """ZeRO-1's parameter update: each of n ranks receives the (n-1)/n of nbytes the others own (torch's
+        ZeroRedundancyOptimizer broadcasts every rank's shard: n broadcasts, each a latency)."""
+        if n <= 1:
+            return 0.0
+        c = self.cluster
+        bw, lat = ((c.intra_node_bytes_per_s, c.latency_intra_s) if same_node
+                   else (c.inter_node_bytes_per_s, c.latency_inter_s))
+        return (n - 1) / n * nbytes / bw + n * lat
+
+    def message_time(self, nbytes: float, same_node: bool) -> float:
+        c = self.cluster
+        if same_node:
+            return c.latency_intra_s + nbytes / c.intra_node_bytes_per_s
+        return c.latency_inter_s + nbytes / c.inter_node_bytes_per_s
+
+    def pieces(self, model: ModelConfig, shape: Shape) -> Pieces:
+        (lc, ec, hc) = self.collectives(model, shape)
+        layer, embed, head = self.compute(model, shape)
+        with_comm = lambda p, cc: Piece(p.f, p.b, p.w, cc[0], cc[1])  # noqa: E731
+        return Pieces(with_comm(layer, lc), with_comm(embed, ec), with_comm(head, hc),
+                      self.message_bytes(model, shape))
+
+    # --- after the last action ------------------------------------------------------------------------
+    def optimizer_time(self, params: float, tensors: int) -> float:
+        """AdamW over `params` values in `tensors` tensors on one GPU."""
+        return max(params * OPTIMIZER_BYTES_PER_PARAM / self.cluster.hbm_bytes_per_s,
+                   tensors * self.layer_overhead_s)
+
+
+class CalibratedCosts(AnalyticalCosts):
+    """AnalyticalCosts whose compute is scaled per kind to a measured run (see the module docstring)."""
+
+    kind = "calibrated"
+
+    def __init__(self, cluster: Cluster, scale_f: float, scale_b: float, scale_w: float, message_s: float,
+                 after_per_param_s: float, source: str = "", notes: tuple = ()):
+        super().__init__(cluster, efficiency=1.0, layer_overhead_s=0.0)
+        self.scale_f, self.scale_b, self.scale_w = scale_f, scale_b, scale_w
+        self.message_s, self.after_per_param_s, self.source, self.notes = message_s, after_per_param_s, source, notes
+
+    def describe(self) -> str:
+        return (f"calibrated from {self.source}: compute x{self.scale_f:.3g} (F), x{self.scale_b:.3g} (B), "
+                f"x{self.scale_w:.3g} (W) of the FLOP model at peak; {self.message_s * 1e3:.3g} ms per message")
+
+    def compute(self, model: ModelConfig, shape: Shape) -> tuple[Piece, Piece, Piece]:
+        out = []
+        for p in super().compute(model, shape):
+            b, w = p.b * self.scale_b, p.w * self.scale_w
+            out.append(Piece(p.f * self.scale_f, b, min(w, b)))
+        return tuple(out)
+
+    def message_time(self, nbytes: float, same_node: bool) -> float:
+        return self.message_s
+
+    def optimizer_time(self, params: float, tensors: int) -> float:
+        return params * self.after_per_param_s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# calibration from a run directory
+
+
+@dataclass
+class RunShape:
+    """What a run directory says about the run: its model and layout."""
+
+    model: ModelConfig
+    tp: int
+    sequence_parallel: bool
+    recompute: str
+    mbs: int
+    layers: tuple
+    stage_to_rank: tuple
+    step_time_s: float | None
+    extra: dict = field(default_factory=dict)
+
+
+def _run_shape(run_dir: str, plan) -> RunShape:
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as fh:
+            cfg = json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--calibrate {run_dir}: cannot read its config.json ({e})") from None
+    fields = {f for f in ModelConfig.__dataclass_fields__}
+    model = ModelConfig(**{k: v for k, v in cfg.get("model", {}).items() if k in fields})
+    par = cfg.get("parallel", {})
+    layers = par.get("layers_per_stage")
+    if layers is None:
+        from .balance import even_layers
+
+        layers = even_layers(model.n_layer, plan.num_stages)
+    step_time = None
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        if rows:
+            step_time = float(rows[-1]["step_time_s"])  # trace.json is the last step's
+    return RunShape(model, int(par.get("tp", 1)), bool(par.get("sequence_parallel", False)),
+                    str(par.get("recompute", "none")), int(par.get("microbatch_size", 1)), tuple(layers),
+                    tuple(plan.stage_to_rank), step_time, {"precision": cfg.get("runtime", {}).get("precision")})
+
+
+def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
+    """CalibratedCosts from a `pipegpt run` directory (its plan.txt, trace.json, config.json, metrics.jsonl)."""
+    from pipegpt.schedule import ScheduleError
+    from pipegpt.schedule.calibrate import calibrate, load_run
+
+    from . import memory as memory_model
+
+    try:
+        plan, measured = load_run(run_dir)
+    except ScheduleError as e:
+        raise ConfigError(f"--calibrate: {e}") from None
+    run = _run_shape(run_dir, plan)
+    unit = AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0)
+    shape = Shape(run.tp, run.sequence_parallel, run.recompute, run.mbs)
+    layer, embed, head = unit.compute(run.model, shape)
+    S = plan.num_stages
+    predicted = {"f": [], "b": [], "w": []}
+    for s, n in enumerate(run.layers):
+        for kind in predicted:
+            x = n * getattr(layer, kind)
+            x += getattr(embed, kind) if s == 0 else 0.0
+            x += getattr(head, kind) if s == S - 1 else 0.0
+            predicted[kind].append(x)
+    cal = calibrate(plan, measured).costs
+    measured_of = {"f": cal.forward, "b": cal.backward, "w": cal.weight}
+    scale = {k: sum(measured_of[k]) / sum(predicted[k]) if sum(predicted[k]) > 0 else 1.0 for k in predicted}
+    notes = []
+    after = 0.0
+    if run.step_time_s is not None:
+        after = max(0.0, run.step_time_s - float(measured.makespan))
+    else:
+        notes.append("no metrics.jsonl: nothing after the last action is counted")
+    params = [0] * plan.num_ranks
+    for s, n in enumerate(run.layers):
+        params[plan.stage_to_rank[s]] += memory_model.parameter_count(run.model, n, s == 0, s == S - 1, run.tp)
+    per_param = after / max(params) if max(params) else 0.0
+    return CalibratedCosts(cluster, scale["f"], scale["b"], scale["w"], float(cal.comm), per_param,
+                           source=os.fspath(run_dir), notes=tuple(notes))
+
+

@@ -1,0 +1,596 @@
+"""How many bytes one rank of a layout needs: weights, gradients, optimizer state, activations,
+communication buffers. Pure arithmetic on shapes (no torch), exact where it can be, and checked
+against pipegpt's real modules and a measured replay (tests/test_plan_memory.py).
+
+    parameter_count(model, layers, embed, head, tp)     parameters of one stage's slice, per tp rank
+    state_bytes(model, stages, tp, precision, dp, zero) weights, gradients, AdamW state of one rank
+    activation_bytes(model, layers, microbatch_size=.., tp=.., ...)
+                                                        what one stage keeps per microbatch in flight
+    deferred_bytes(...)                                 what it keeps between an I and its W
+    workspace_bytes(...)                                its actions' transients (an estimate)
+    stage_activation_bytes(model, layers_per_stage, ...) the three for every stage
+    activation_peaks(plan, saved, deferred, workspace)  each rank's (held, working) peak, walking its
+    peak_activation_bytes(plan, saved, deferred)        actions / the held one alone
+    plan_memory(model, plan, layers_per_stage, ...)     MemoryBreakdown of every rank / of one
+    rank_memory(model, plan, layers_per_stage, rank, ...)
+
+A planner calls plan_memory (or rank_memory) per candidate layout: everything that depends only on
+shapes is cached, and the peaks walk each rank's actions once (well under a millisecond per call for
+GPT-2 sizes).
+
+Precision ("precision" below): "fp32" (dtype float32), "bf16" (autocast; float32 master weights,
+gradients and AdamW moments) or "fp64" (dtype float64: everything 8 bytes). memory_precision()
+maps a run's (precision, dtype) to it.
+
+Parameters (exact)
+------------------
+One stage's slice holds, per tp rank t of tp (shapes as pipegpt.tensor_parallel shards them): the
+embedding wte [Vp/tp, h] (Vp: the padded vocabulary) and wpe [seq_len, h] (replicated); per block
+ln1, ln2 (weight, bias: replicated), attn.qkv [3h/tp, h] + bias [3h/tp], attn.proj [h, h/tp] + bias
+[h] (replicated: added once after the reduce), mlp.fc [4h/tp, h] + bias [4h/tp], mlp.proj
+[h, 4h/tp] + bias [h]; the head ln_f and lm_head [Vp/tp, h] (no bias). With tied embeddings a slice
+holding both ends shares one tensor, and so does a rank holding both ends of a V-shape
+(pipegpt.worker makes them one tensor); a head stage on another rank than the embedding keeps its own
+copy of wte.
+
+State (exact)
+-------------
+weights and gradients: 4 bytes per parameter (8 with fp64; bf16 autocast keeps fp32 master weights
+and fp32 .grad). AdamW: exp_avg and exp_avg_sq, 2 x the parameter bytes (the per-tensor `step` is a
+4-byte host scalar, left out). ZeRO-1 (torch's ZeroRedundancyOptimizer over the dp group) gives each
+dp rank the state of a subset of whole parameters: per parameter group (decay: matrices; no decay:
+vectors) largest first, each to the dp rank with the fewest elements so far. The model replays that
+greedy partition and reports the worst dp rank's share, not an even 1/dp split, which can be far
+off: whole tensors cannot be split, so for GPT-2 (124M, vocabulary padded to 64) the worst share
+over the even one is 1.00 / 1.24 / 2.48 at dp = 2 / 4 / 8 with one stage; with pp=4 a middle stage
+(3 blocks, 12 matrices of 0.6-2.4M) gives 1.00 / 1.11 / 1.33 and the first stage (wte's 38.6M
+and 3 blocks) 1.27 / 2.55 / 5.09; gpt2-medium with one stage 1.00 / 1.01 / 1.16.
+
+Activations (per microbatch in flight; checked against the measured replay)
+------------------------------------------------------------------------------
+Korthikanti et al. 2022 (Table 2) count, per layer and in 16-bit, s*b*h*(34 + 5*a*s/h) bytes:
+    LayerNorm inputs 4sbh | QKV input 2sbh | Q, K 4sbh | V 2sbh | softmax output 2as^2b |
+    softmax dropout mask as^2b | dropout output 2as^2b | proj input 2sbh | attn dropout mask sbh |
+    fc input 2sbh | GeLU input 8sbh | proj input (GeLU output) 8sbh | MLP dropout mask sbh
+i.e. 16 stored sbh-elements of 2 bytes, 2sbh bytes of masks and 5as^2b. What pipegpt stores instead
+(N = b*s*h; Ns = b*s*h/tp with sequence parallelism, else N; t = tp; sizes in bytes, r = residual
+and LayerNorm dtype: 4, or 8 with fp64; c = compute dtype: 2 under bf16, else r):
+
+    term                           pipegpt                              paper (16-bit, t-way tp)
+    LayerNorm inputs (ln1, ln2)    2*Ns*r                               4sbh (SP: 4sbh/t)
+    LayerNorm mean, rstd           4*(b*s or b*s/t)*r                   (not counted)
+    QKV and fc inputs              2*N*c: full even with SP: the        4sbh (SP: 4sbh/t: Megatron
+      (LayerNorm outputs)          column-parallel layer saves the      re-gathers it in backward)
+                                   all-gathered input; under bf16 it
+                                   is the bf16 cast (the fp32 LN output
+                                   is not kept)
+    Q, K, V                        3*N/t*c (the qkv output SDPA keeps)  6sbh/t
+    attention core                 SDPA flash/efficient: its output     5as^2b/t (softmax, mask,
+                                   N/t*c (also the proj input: the      dropout output) + proj
+                                   transpose(1,2).contiguous() is a     input 2sbh/t
+                                   no-op on its layout) and logsumexp
+                                   b*a/t*s*r. No s^2 term. (CPU with
+                                   dropout > 0: the math path, with
+                                   softmax output, dropout mask and
+                                   output, 3*b*a/t*s^2*c, instead of
+                                   the logsumexp.)
+    fc output (GeLU input)         4*N/t*c                              8sbh/t
+    GeLU output (proj input)       4*N/t*c                              8sbh/t
+    dropout masks                  none with dropout = 0; else 1 byte   2sbh (+ as^2b)
+                                   per element (CUDA; CPU: a mask of
+                                   the tensor's dtype), see device=
+    bf16 weight casts              12*h*h/t*2 per layer: SplitLinear    (not counted)
+                                   casts each weight to bf16 per call
+                                   and saves the cast, so each
+                                   microbatch in flight keeps its own
+
+(Check, tp=1 fp32 per layer: 2+2+3+1+4+4 = 16 elements of 4 bytes = 64*b*s*h bytes plus the small
+stats and logsumexp; the paper's 34 less the 2 of masks is 32 bytes = the same 16 elements of 2.)
+
+Recomputation: "full" keeps each block's input (Ns*r per layer, checkpoint's frame) and nothing else
+of the block; "selective" (pipegpt checkpoints the attention core only) drops what the core saves
+beyond its inputs and output: with SDPA's flash/efficient kernels that is only the logsumexp, so
+unlike the paper's selective recomputation (which drops the 5as^2b) it saves almost nothing. Only
+on SDPA's math path (CPU with dropout > 0) is there an s^2 term to drop.
+
+Stage extras: the first stage keeps its tokens (Stage.inputs, b*s int64) and wpe's positions (s
+int64); tp > 1 adds the vocabulary-parallel embedding's local ids (b*s int64) and outside-mask (b*s
+bool). The embedding output is the first block's input (counted there). The last stage keeps ln_f's
+input (Ns*r) and stats, lm_head's input (N*c, gathered/full), under bf16 the bf16 cast of lm_head's
+weight (Vp/t*h*2), and the loss's: tp = 1 the log-softmax of the real vocabulary (b*s*V*r: fp32 even
+under autocast) and the targets (b*s int64); tp > 1 the vocabulary-parallel softmax (b*s*Vp/t*r),
+the target index (b*s int64), two b*s bool masks; and a few loss scalars. A stage's output is
+released once sent (its graph stays); a non-first stage's input is its first block's (or ln_f's)
+input, counted there.
+
+Measured on CPU, where SDPA (dropout = 0) runs its flash kernel. On CUDA the flash (bf16) and
+memory-efficient (fp32) kernels keep the same q, k, v, output and logsumexp (the efficient kernel
+pads the logsumexp's sequence to a multiple of 32) and dropout keeps 1-byte masks; that side is
+not measured here.
+
+Between an I and its W (zb-h1, zbv, ...) a stage keeps what the deferred weight gradients read:
+each linear's input and output gradient, per layer (4*N + 12*N/t)*c (+ 2*Ns*c: the row-parallel
+biases' own gradients under sequence parallelism), for the head ln_f's output (N*c) and the logits'
+gradient (b*s*Vp/t*c), and on a non-first stage its input and the input's gradient (2*Ns*r: the W
+closures' tensors reference graph nodes that reach the input's AccumulateGrad). This does not
+depend on recomputation: the I pass recomputes, and W keeps what it recomputed. With full
+recomputation this is far more than the forward keeps.
+
+Workspace (an estimate)
+-----------------------
+What an action allocates and frees again, on top of what the rank holds: a block's temporaries in a
+forward (2*N*r; with full recomputation nothing is kept, so 8*N/t*c + 2*N*r), about one block's
+gradients in a backward (8*N*r; with full recomputation also that block's recomputed activations),
+the logits next to the saved softmax in the head's forward (b*s*Vp/t*c, plus their fp32 copy under
+bf16), the logits' gradient and its padded or bf16 copy in the head's backward (2 or 2.5 x
+b*s*Vp/t*r: on GPT-2's last stage the largest transient by far), the embedding's dense gradient at
+the end of the first stage's backward (Vp/t*h*r), a weight's gradient before it accumulates
+(W). activation_peaks adds each action's to the level it runs at; the replay's per-op peak is met
+within a few percent, overshot by up to ~25% with full recomputation.
+
+Rank totals
+-----------
+weights + gradients + optimizer + p2p buffers + activations + workspace, plus the data-parallel gradient
+copies: pipegpt's GradientAverager flattens every bucket of a stage's gradients (BUCKET_BYTES each,
+but ALL buckets stay pending until finish()), so dp > 1 costs a second copy of the rank's gradients;
+on a rank with one stage they are made after its last backward, when no activation is left, so the
+total takes the larger of the two (with several stages on a rank, their sum). p2p buffers: per
+stage with a neighbour on another rank, one gradient received and waiting for its backward and one
+tensor being sent (b*S*h*r each; S = s/tp with sequence parallelism, else s).
+
+Not modelled: the CUDA context and the caching allocator's rounding and fragmentation, the optimizer
+step's temporaries (one parameter's size at a time with foreach=False), torch.compile's buffers, the
+batch of token ids the loader holds for the step (a few KB).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from pipegpt.config import ConfigError, ModelConfig, validate_tp
+from pipegpt.schedule.actions import Kind, Plan
+
+MEMORY_PRECISIONS = ("fp32", "bf16", "fp64")
+INT64, BOOL = 8, 1
+
+
+def memory_precision(precision: str = "fp32", dtype: str = "float32") -> str:
+    """A run's (runtime.precision, runtime.dtype) as this module's precision."""
+    if dtype == "float64":
+        return "fp64"
+    if precision not in ("fp32", "bf16"):
+        raise ConfigError(f"precision={precision!r} is not valid: use fp32 or bf16")
+    return precision
+
+
+def _widths(precision: str) -> tuple[int, int]:
+    """(r, c): bytes of a residual/LayerNorm/parameter element and of a compute element."""
+    if precision == "fp32":
+        return 4, 4
+    if precision == "bf16":
+        return 4, 2
+    if precision == "fp64":
+        return 8, 8
+    raise ConfigError(f"precision={precision!r} is not valid: use one of {', '.join(MEMORY_PRECISIONS)}")
+
+
+def _count(layers) -> int:
+    return layers if isinstance(layers, int) else len(layers)
+
+
+def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+    validate_tp(model, tp, sequence_parallel)
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+
+
+# ---------------------------------------------------------------------------
+# Parameters and their state
+# ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def stage_parameter_shapes(model: ModelConfig, layers: int, embed: bool, head: bool,
+                           tp: int = 1) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of every parameter one tp rank of the slice holds, in GPT.named_parameters order
+    (block names without their index). A tied lm_head in a slice that holds the embedding is wte."""
+    _check_tp(model, tp)
+    h, Vp, bias = model.n_embd, model.padded_vocab_size, model.bias
+    out: list[tuple[str, tuple[int, ...]]] = []
+
+    def ln(prefix):
+        out.append((f"{prefix}.weight", (h,)))
+        if bias:
+            out.append((f"{prefix}.bias", (h,)))
+
+    def linear(prefix, rows, cols, has_bias, bias_len):
+        out.append((f"{prefix}.weight", (rows, cols)))
+        if has_bias:
+            out.append((f"{prefix}.bias", (bias_len,)))
+
+    if embed:
+        out += [("wte.weight", (Vp // tp, h)), ("wpe.weight", (model.seq_len, h))]
+    for _ in range(_count(layers)):
+        ln("ln1")
+        linear("attn.qkv", 3 * h // tp, h, bias, 3 * h // tp)
+        linear("attn.proj", h, h // tp, bias, h)
+        ln("ln2")
+        linear("mlp.fc", 4 * h // tp, h, bias, 4 * h // tp)
+        linear("mlp.proj", h, 4 * h // tp, bias, h)
+    if head:
+        ln("ln_f")
+        if not (embed and model.tie_embeddings):
+            out.append(("lm_head.weight", (Vp // tp, h)))
+    return tuple(out)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def parameter_count(model: ModelConfig, layers, embed: bool, head: bool, tp: int = 1) -> int:
+    """Parameters one tp rank of the slice (layers: a count or a range) holds; see the module docstring."""
+    return sum(_numel(shape) for _, shape in stage_parameter_shapes(model, _count(layers), embed, head, tp))
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    parameters: int  # on this rank (a V-shape's tied embedding once)
+    weights: int
+    gradients: int
+    optimizer: int  # AdamW moments; with ZeRO-1 the largest dp rank's share
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def zero_partition(numels_by_group: Sequence[Sequence[int]], dp: int) -> list[int]:
+    """Elements each of dp ranks gets from torch's ZeroRedundancyOptimizer: per parameter group,
+    largest parameter first, each to the rank with the fewest elements so far (lowest index on ties)."""
+    sizes = [0] * dp
+    for group in numels_by_group:
+        for n in sorted(group, reverse=True):
+            r = min(range(dp), key=sizes.__getitem__)
+            sizes[r] += n
+    return sizes
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_bytes(model, stages, tp, precision, dp, zero) -> StateBytes:
+    r, _ = _widths(precision)
+    shapes = []
+    ends = {(embed, head) for _, embed, head in stages}
+    share_tied = model.tie_embeddings and any(e for e, _ in ends) and any(h for _, h in ends) \
+        and not any(e and h for e, h in ends)
+    for layers, embed, head in stages:
+        for name, shape in stage_parameter_shapes(model, layers, embed, head, tp):
+            if share_tied and name == "lm_head.weight":  # one tensor with the rank's wte (the worker ties them)
+                continue
+            shapes.append(shape)
+    params = sum(_numel(s) for s in shapes)
+    if zero and dp > 1:
+        groups = [[_numel(s) for s in shapes if len(s) >= 2], [_numel(s) for s in shapes if len(s) < 2]]
+        mine = max(zero_partition(groups, dp))
+    else:
+        mine = params
+    return StateBytes(params, params * r, params * r, 2 * mine * r)
+
+
+def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, tp: int = 1, precision: str = "fp32",
+                dp: int = 1, zero: bool = False) -> StateBytes:
+    """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
+    (layers: a count or a range). See the module docstring."""
+    _check_positive("dp", dp)
+    key = tuple((_count(layers), bool(embed), bool(head)) for layers, embed, head in stages)
+    return _state_bytes(model, key, tp, precision, dp, bool(zero))
+
+
+# ---------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------
+def _check(model, tp, sequence_parallel, recompute, device, microbatch_size=1):
+    _check_tp(model, tp, sequence_parallel)
+    _check_positive("microbatch_size", microbatch_size)
+    if recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"recompute={recompute!r} is not valid: use none, selective or full")
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"device={device!r} is not valid: use cuda or cpu")
+
+
+@functools.lru_cache(maxsize=8192)
+def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, head, device) -> int:
+    _check(model, tp, sp, recompute, device, b)
+    r, c = _widths(precision)
+    s, h, a, V, Vp = model.seq_len, model.n_embd, model.n_head, model.vocab_size, model.padded_vocab_size
+    sp = sp and tp > 1
+    S = s // tp if sp else s  # the sequence a tp rank holds in the replicated regions
+    N, Ns, bs, bS = b * s * h, b * S * h, b * s, b * S
+    drop = model.dropout > 0
+    # Where dropout > 0 puts its masks: 1 byte (CUDA's native_dropout) or the tensor's dtype (CPU).
+    mask_c, mask_r = (1, 1) if device == "cuda" else (c, r)
+    math_attention = drop and device == "cpu"  # CPU SDPA has no dropout in its flash kernel
+
+    total = 0
+    n = _count(layers)
+    if n:
+        if recompute == "full":
+            layer = Ns * r  # the block's input, kept by the checkpoint
+        else:
+            layer = (2 * Ns * r  # ln1, ln2 inputs
+                     + 4 * bS * r  # their mean and rstd
+                     + 2 * N * c  # qkv and fc inputs (LayerNorm outputs; all-gathered with SP; bf16 casts)
+                     + 3 * N // tp * c  # q, k, v (the qkv output)
+                     + N // tp * c  # the attention output = the proj input
+                     + 8 * N // tp * c)  # fc output (GeLU input), GeLU output (proj input)
+            if precision == "bf16":
+                layer += 12 * h * h // tp * 2  # each microbatch's bf16 casts of the four weights
+            if math_attention:
+                if recompute != "selective":  # softmax output, its dropout mask, the dropout output
+                    layer += 3 * b * (a // tp) * s * s * c
+            elif recompute != "selective":
+                layer += b * (a // tp) * s * r  # SDPA's logsumexp
+            if drop:
+                layer += 2 * Ns * mask_c  # the attention and MLP residual dropouts' masks
+        total += n * layer
+    if embed:
+        total += bs * INT64 + s * INT64  # tokens (Stage.inputs), wpe's positions
+        if tp > 1:
+            total += bs * INT64 + bs * BOOL  # the vocabulary shard's local ids and outside-mask
+        if drop:
+            total += Ns * mask_r  # the embedding dropout's mask
+    if head:
+        total += Ns * r + 2 * bS * r  # ln_f input, mean, rstd
+        total += N * c  # lm_head input (ln_f output; gathered with SP; the bf16 cast)
+        if precision == "bf16":
+            total += Vp // tp * h * 2  # the bf16 cast of lm_head's weight
+        if tp == 1:
+            total += bs * V * r + bs * INT64 + 3 * r  # log-softmax, targets, total_weight and the losses
+        else:
+            total += bs * (Vp // tp) * r + bs * INT64 + 2 * bs * BOOL + INT64 + 2 * r
+    return total
+
+
+def activation_bytes(model: ModelConfig, layers, *, microbatch_size: int, tp: int = 1,
+                     sequence_parallel: bool = False, recompute: str = "none", precision: str = "fp32",
+                     embed: bool = False, head: bool = False, device: str = "cuda") -> int:
+    """Bytes one stage (layers: a count or a range; embed: it is the first, head: the last) keeps per
+    microbatch in flight, from the end of its forward to its backward (B or I). `device` matters only
+    with dropout > 0 (see the module docstring for every term)."""
+    return _activation_bytes(model, _count(layers), microbatch_size, tp, bool(sequence_parallel), recompute,
+                             precision, bool(embed), bool(head), device)
+
+
+@functools.lru_cache(maxsize=8192)
+def _deferred_bytes(model, layers, b, tp, sp, precision, embed, head) -> int:
+    r, c = _widths(precision)
+    s, h, Vp = model.seq_len, model.n_embd, model.padded_vocab_size
+    sp = sp and tp > 1
+    N, Ns = b * s * h, b * (s // tp if sp else s) * h
+    layer = (4 * N + 12 * N // tp) * c  # each linear's input and output gradient
+    if sp and model.bias:
+        layer += 2 * Ns * c  # the row-parallel biases' gradients (after the reduce-scatter)
+    total = _count(layers) * layer
+    if head:
+        total += N * c + b * s * (Vp // tp) * c  # lm_head's input and the logits' gradient
+    if not embed:
+        total += 2 * Ns * r  # the stage input and its gradient, reachable from the W closures
+    return total
+
+
+def deferred_bytes(model: ModelConfig, layers, *, microbatch_size: int, tp: int = 1,
+                   sequence_parallel: bool = False, precision: str = "fp32", embed: bool = False,
+                   head: bool = False) -> int:
+    """Bytes a stage keeps per microbatch between its I (input-gradient half of the backward) and its
+    W (the deferred weight gradients), whatever the recomputation (see the module docstring)."""
+    _check_tp(model, tp, sequence_parallel)
+    return _deferred_bytes(model, _count(layers), microbatch_size, tp, bool(sequence_parallel), precision,
+                           bool(embed), bool(head))
+
+
+def stage_activation_bytes(model: ModelConfig, layers_per_stage: Sequence, **kwargs) -> tuple[tuple, tuple, tuple]:
+    """(saved, deferred, workspace): activation_bytes, deferred_bytes and workspace_bytes of every
+    stage of a split (counts or ranges; stage 0 holds the embedding, the last the head), for
+    Costs(activation_bytes=saved) and activation_peaks. kwargs: those of activation_bytes, without
+    layers, embed and head."""
+    last = len(layers_per_stage) - 1
+    deferred_kwargs = {k: v for k, v in kwargs.items() if k not in ("recompute", "device")}
+    saved = tuple(activation_bytes(model, n, embed=s == 0, head=s == last, **kwargs)
+                  for s, n in enumerate(layers_per_stage))
+    deferred = tuple(deferred_bytes(model, n, embed=s == 0, head=s == last, **deferred_kwargs)
+                     for s, n in enumerate(layers_per_stage))
+    workspace = tuple(workspace_bytes(model, n, embed=s == 0, head=s == last, **kwargs)
+                      for s, n in enumerate(layers_per_stage))
+    return saved, deferred, workspace
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Transient bytes of one stage's actions beyond what they leave held (see activation_peaks)."""
+
+    forward: int  # on top of the level after the F
+    backward: int  # B or I: on top of the level before it (an I: the larger of before and after)
+    tail: int  # the end of a B or I: on top of the level after it (the embedding's dense gradient)
+    weight: int  # a W, or the weight gradients of a B: on top of the level before it
+
+
+@functools.lru_cache(maxsize=8192)
+def _workspace(model, layers, b, tp, sp, recompute, precision, embed, head, device) -> Workspace:
+    r, c = _widths(precision)
+    s, h, a, Vp = model.seq_len, model.n_embd, model.n_head, model.padded_vocab_size
+    N, L = b * s * h, b * s * (Vp // tp) * r  # a hidden state (gathered), the logits in the loss's dtype
+    n = _count(layers)
+    forward = backward = weight = 0
+    if n:
+        # forward: the block's temporaries; under full recomputation nothing is kept, so fc and GeLU
+        # outputs are transient too. backward: the gradients of about one block; under full
+        # recomputation that block's recomputed activations as well.
+        forward = 8 * N // tp * c + 2 * N * r if recompute == "full" else 2 * N * r
+        backward = 8 * N * r
+        if recompute == "full":
+            backward += _activation_bytes(model, 1, b, tp, sp, "none", precision, False, False, device)
+        if model.dropout > 0 and device == "cpu":  # SDPA's math path: the s^2 gradients
+            backward += 2 * b * (a // tp) * s * s * r
+            if recompute == "selective":  # and the recomputed softmax, mask and dropout output
+                backward += 3 * b * (a // tp) * s * s * c
+        weight = 4 * h * h // tp * (r + (2 if precision == "bf16" else 0))  # the largest block weight's gradient
+    if head:
+        # forward: the logits (and their fp32 copy under bf16) next to the saved softmax; backward:
+        # the logits' gradient and its padded (tp=1) or bf16 (tp>1) copy; the head weight's gradient
+        forward = max(forward, L // r * c + (L if precision == "bf16" else 0))
+        head_weight = Vp // tp * h * (r + (2 if precision == "bf16" else 0))
+        copies = 2.5 if precision == "bf16" and tp > 1 else 2
+        backward = max(backward, int(copies * L), L + head_weight)
+        weight = max(weight, head_weight)
+    tail = Vp // tp * h * r if embed else 0  # the embedding's dense weight gradient
+    return Workspace(forward, backward, tail, weight)
+
+
+def workspace_bytes(model: ModelConfig, layers, *, microbatch_size: int, tp: int = 1,
+                    sequence_parallel: bool = False, recompute: str = "none", precision: str = "fp32",
+                    embed: bool = False, head: bool = False, device: str = "cuda") -> Workspace:
+    """An estimate of the transient memory of one stage's actions (arguments as activation_bytes):
+    the blocks' temporaries and gradients, a full recomputation's block, the logits and their
+    gradient, the weight gradients before they accumulate. Checked as a bound of the replay's
+    per-op peak, not exact."""
+    _check(model, tp, sequence_parallel, recompute, device, microbatch_size)
+    return _workspace(model, _count(layers), microbatch_size, tp, bool(sequence_parallel), recompute, precision,
+                      bool(embed), bool(head), device)
+
+
+def activation_peaks(plan: Plan, saved: Sequence[int], deferred: Sequence[int] | None = None,
+                     workspace: Sequence[Workspace] | None = None) -> list[tuple[int, int]]:
+    """(held, working) peak bytes of each rank over the plan's step.
+
+    held: a stage-microbatch holds saved[stage] from its F to the end of its backward (B), or to the
+    end of its I and then deferred[stage] until the end of its W. A rank's level changes only at its
+    own actions, so its peak depends on its action order alone, not on timing: without I/W it equals
+    simulate(plan, Costs(..., activation_bytes=saved)).peak_activation_bytes_per_rank.
+    working: the same walk plus each action's transient (workspace[stage], see Workspace); equal to
+    held when no workspace is given.
+    """
+    deferred = saved if deferred is None else deferred
+    peaks = []
+    for actions in plan.ranks:
+        level = held = working = 0
+        for a in actions:
+            kind, s = a.kind, a.stage
+            before = level
+            if kind is Kind.F:
+                level += saved[s]
+            elif kind is Kind.B:
+                level -= saved[s]
+            elif kind is Kind.I:
+                level += deferred[s] - saved[s]
+            elif kind is Kind.W:
+                level -= deferred[s]
+            else:
+                continue
+            held = max(held, level)
+            if workspace is None:
+                continue
+            ws = workspace[s]
+            if kind is Kind.F:
+                top = level + ws.forward
+            elif kind is Kind.W:
+                top = before + ws.weight
+            else:
+                top = max(max(before, level) + ws.backward, level + ws.tail)
+                if kind is Kind.B:
+                    top = max(top, before + ws.weight)
+            working = max(working, top)
+        peaks.append((held, max(held, working)))
+    return peaks
+
+
+def peak_activation_bytes(plan: Plan, saved: Sequence[int], deferred: Sequence[int] | None = None) -> list[int]:
+    """Each rank's peak of held activation bytes (activation_peaks' held)."""
+    return [held for held, _ in activation_peaks(plan, saved, deferred)]
+
+
+# ---------------------------------------------------------------------------
+# One rank
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank needs at its peak (see the module docstring for what each holds)."""
+
+    rank: int
+    parameters: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # peak of held activations over the step
+    workspace: int  # the most one action's transients add on top of the held level (an estimate)
+    p2p_buffers: int
+    dp_buffers: int  # flattened gradient copies while the dp all-reduces run
+    overlap_dp: bool = False  # dp_buffers coexist with activations (several stages on the rank)
+
+    @property
+    def total(self) -> int:
+        pipeline = self.activations + self.workspace
+        busy = pipeline + self.dp_buffers if self.overlap_dp else max(pipeline, self.dp_buffers)
+        return self.weights + self.gradients + self.optimizer + self.p2p_buffers + busy
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def _layer_counts(model: ModelConfig, plan: Plan, layers_per_stage) -> list[int]:
+    counts = [_count(x) for x in layers_per_stage]
+    if len(counts) != plan.num_stages:
+        raise ConfigError(f"layers_per_stage has {len(counts)} entries but the plan has {plan.num_stages} stages")
+    if sum(counts) != model.n_layer:
+        raise ConfigError(f"layers_per_stage sums to {sum(counts)} but the model has n_layer={model.n_layer}")
+    return counts
+
+
+def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, microbatch_size: int,
+                tp: int = 1, sequence_parallel: bool = False, recompute: str = "none", precision: str = "fp32",
+                dp: int = 1, zero: bool = False, device: str = "cuda",
+                activations: Sequence[int] | None = None) -> list[MemoryBreakdown]:
+    """The MemoryBreakdown of every pipeline rank of `plan` (every dp and tp replica of a pipeline
+    rank needs the same; with ZeRO-1 the optimizer is the largest dp rank's share).
+
+    layers_per_stage: a count or range per stage (pipegpt.stages.partition_layers gives pipegpt's
+    default split; not imported here, the stages package loads torch). activations: each
+    rank's peak activation bytes if the caller has them (e.g. from a Timeline built with
+    Costs(activation_bytes=saved); with I/W that misses what deferred_bytes adds); by default
+    activation_peaks' held. workspace: activation_peaks' working less held.
+    """
+    counts = _layer_counts(model, plan, layers_per_stage)
+    kw = dict(microbatch_size=microbatch_size, tp=tp, sequence_parallel=sequence_parallel, precision=precision)
+    saved, deferred, workspace = stage_activation_bytes(model, counts, recompute=recompute, device=device, **kw)
+    walked = activation_peaks(plan, saved, deferred, workspace)
+    peaks = [held for held, _ in walked] if activations is None else list(activations)
+    r, _ = _widths(precision)
+    S = model.seq_len // tp if sequence_parallel and tp > 1 else model.seq_len
+    message = microbatch_size * S * model.n_embd * r
+    last, owner = plan.num_stages - 1, plan.stage_to_rank
+    out = []
+    for rank in range(plan.num_ranks):
+        mine = plan.stages_of(rank)
+        state = state_bytes(model, [(counts[s], s == 0, s == last) for s in mine], tp=tp, precision=precision,
+                            dp=dp, zero=zero)
+        remote = sum(1 for s in mine if (s > 0 and owner[s - 1] != rank) or (s < last and owner[s + 1] != rank))
+        out.append(MemoryBreakdown(
+            rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
+            optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],
+            p2p_buffers=2 * message * remote,
+            dp_buffers=state.gradients if dp > 1 else 0, overlap_dp=len(mine) > 1))
+    return out
+
+
+def rank_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, rank: int, *,
+                activations: int | None = None, **kwargs) -> MemoryBreakdown:
+    """The MemoryBreakdown of one pipeline rank (kwargs: those of plan_memory); `activations`: its peak
+    activation bytes if the caller has them."""
+    if activations is not None:
+        peaks = [0] * plan.num_ranks
+        peaks[rank] = activations
+        kwargs["activations"] = peaks
+    return plan_memory(model, plan, layers_per_stage, **kwargs)[rank]

@@ -1,0 +1,60 @@
+"""What one block, the embedding and the head (with the loss) cost on a device: `pipegpt run --balance cost`.
+
+Each piece is built alone as a model slice (the same GPT slices the stages are) and driven through a Stage on one
+microbatch of the run's shape: forward then backward, timed together, `repeats` times after `warmup` untimed
+runs; the median is the cost. Every block has the same shape, so one block's cost stands for all; the head's grows
+with the vocabulary. The random state is left as it was (fork_rng), so a run's dropout does not depend on whether
+it was balanced.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from pipegpt.config import ModelConfig
+from pipegpt.model import GPT
+from pipegpt.stages.stage import Stage
+
+PIECES = ("embed", "block", "head")
+
+
+def measure_layer_costs(model: ModelConfig, microbatch_size: int, device: torch.device, dtype: torch.dtype,
+                        recompute: str = "none", autocast_dtype: torch.dtype | None = None, repeats: int = 5,
+                        warmup: int = 2, seed: int = 0) -> dict[str, float]:
+    """{"embed": s, "block": s, "head": s}: median seconds of one microbatch's forward + backward of each piece."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        B, T, C = microbatch_size, model.seq_len, model.n_embd
+        tokens = torch.randint(0, model.vocab_size, (B, T), device=device)
+        hidden = torch.randn(B, T, C, device=device, dtype=dtype)
+        grad = torch.ones(B, T, C, device=device, dtype=dtype)
+        slices = {"embed": (0, dict(layers=range(0), embed=True, head=False)),
+                  "block": (1, dict(layers=range(1), embed=False, head=False)),
+                  "head": (2, dict(layers=range(0), embed=False, head=True))}
+        out = {}
+        for piece, (index, where) in slices.items():
+            module = GPT(model, recompute=recompute, init_seed=seed, **where).to(device, dtype)
+            stage = Stage(index, 3, module, 1, autocast_dtype)
+            inputs = tokens if piece == "embed" else hidden
+            times = []
+            for k in range(warmup + repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                y = stage.forward(0, inputs, tokens if piece == "head" else None)
+                stage.backward(0, None if piece == "head" else grad)
+                _sync(device)
+                if k >= warmup:
+                    times.append(time.perf_counter() - t0)
+                module.zero_grad(set_to_none=True)
+            stage.pop_losses()
+            out[piece] = statistics.median(times)
+            del module, stage
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
