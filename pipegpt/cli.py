@@ -477,18 +477,27 @@ def _from_schedule_file(ctx, settings: dict) -> None:
                               f"{'ranks' if name == 'stages' else name}: leave --{name} out")
 
 
+def model_options(command):
+    """The model's shape: a preset and the settings that override it (`run` and `plan` share them)."""
+    for option in reversed([
+        click.option("--model", "preset", default="tiny", show_default=True,
+                     help="tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl."),
+        click.option("--n-layer", type=int, default=None), click.option("--n-embd", type=int, default=None),
+        click.option("--n-head", type=int, default=None), click.option("--seq-len", type=int, default=None),
+        click.option("--vocab-size", type=int, default=None),
+        click.option("--pad-vocab", is_flag=True,
+                     help="Pad the vocabulary to a multiple of 64 (padded logits are never predicted)."),
+        click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight instead of the token embedding."),
+    ]):
+        command = option(command)
+    return command
+
+
 @main.command()
 @config_options
 @click.option("--batch-size", type=int, default=None,
               help="Sequences per step in all (sets the microbatch size: batch / (dp x microbatches)).")
-@click.option("--model", "preset", default="tiny", show_default=True, help="tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
-@click.option("--n-layer", type=int, default=None)
-@click.option("--n-embd", type=int, default=None)
-@click.option("--n-head", type=int, default=None)
-@click.option("--seq-len", type=int, default=None)
-@click.option("--vocab-size", type=int, default=None)
-@click.option("--pad-vocab", is_flag=True, help="Pad the vocabulary to a multiple of 64 (padded logits are never predicted).")
-@click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight instead of the token embedding.")
+@model_options
 @click.option("--run-dir", type=click.Path(), default=None, help="Where metrics.jsonl goes (default: runs/<time>).")
 @click.option("--port", type=int, default=None, help="Port for the workers' process group (default: a free one).")
 @click.option("--log-every", default=10, show_default=True, help="Print a line every N steps.")
@@ -723,14 +732,7 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
 # plan: choose the layout before spending GPU time (pure Python: pipegpt.plan imports no torch)
 
 @main.command()
-@click.option("--model", "preset", default="tiny", show_default=True, help="tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
-@click.option("--n-layer", type=int, default=None)
-@click.option("--n-embd", type=int, default=None)
-@click.option("--n-head", type=int, default=None)
-@click.option("--seq-len", type=int, default=None)
-@click.option("--vocab-size", type=int, default=None)
-@click.option("--pad-vocab", is_flag=True, help="Pad the vocabulary to a multiple of 64 (as `pipegpt run --pad-vocab`).")
-@click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight (as `pipegpt run`).")
+@model_options
 @click.option("--batch-size", type=int, default=None, help="Sequences per step, all replicas together.")
 @click.option("--batch-tokens", type=int, default=None, help="Tokens per step (a multiple of seq_len).")
 @click.option("--gpus", type=int, required=True, help="GPUs available (a plan may use fewer).")

@@ -104,12 +104,10 @@ def test_resume_under_another_layout_restores_everything(four_stage_checkpoint, 
     assert loss == pytest.approx(next_loss, rel=1e-5)
 
 
-def test_dp2_zero1_resumes_in_dp1(tmp_path):
-    run = tmp_path / "dp2"
-    pipegpt_run(run, *LAYOUTS["1f1b-dp2"], "--zero", "1", "--steps", "3", "--save-every", "2", "--dtype", "float64")
+def assert_resumes_exactly(run: Path, cfg: TrainConfig) -> None:
+    """The run's step-2 checkpoint loaded into cfg's layout: every parameter and moment as saved, and step 3's
+    loss as the run had it."""
     path = run / "checkpoints" / "step-00000002"
-    # The same global batch in one replica: twice the microbatches.
-    cfg = _config(stages=2, microbatches=4)
     host = ClusterHost(cfg)
     try:
         params, moments, loss = host.resume(cfg, path)
@@ -119,23 +117,20 @@ def test_dp2_zero1_resumes_in_dp1(tmp_path):
     for key, value in {**params, **moments}.items():
         assert torch.equal(value, reader.full(key, key.split("/", 1)[1])), key
     assert loss == pytest.approx(losses(run)[2], rel=1e-5)
+
+
+def test_dp2_zero1_resumes_in_dp1(tmp_path):
+    run = tmp_path / "dp2"
+    pipegpt_run(run, *LAYOUTS["1f1b-dp2"], "--zero", "1", "--steps", "3", "--save-every", "2", "--dtype", "float64")
+    # The same global batch in one replica: twice the microbatches.
+    assert_resumes_exactly(run, _config(stages=2, microbatches=4))
 
 
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process(tmp_path):
     run = tmp_path / "tp2"
     pipegpt_run(run, "--stages", "1", "--tp", "2", "--microbatches", "4", "--steps", "3", "--save-every", "2",
                 "--dtype", "float64")
-    path = run / "checkpoints" / "step-00000002"
-    cfg = _config(stages=1)
-    host = ClusterHost(cfg)
-    try:
-        params, moments, loss = host.resume(cfg, path)
-    finally:
-        host.close()
-    reader = checkpoint.CheckpointReader(path)
-    for key, value in {**params, **moments}.items():
-        assert torch.equal(value, reader.full(key, key.split("/", 1)[1])), key
-    assert loss == pytest.approx(losses(run)[2], rel=1e-5)
+    assert_resumes_exactly(run, _config(stages=1))
 
 
 def test_keep_prunes_old_checkpoints(tmp_path):
