@@ -759,10 +759,16 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
 @click.option("--all-gpus", is_flag=True, help="Only layouts that use every GPU (dp x pp x tp = --gpus).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print.")
 @click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit).")
+@click.option("--try", "try_top", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Run the top K plans here for --try-steps steps each (pipegpt run, device as --try-device) and "
+                   "print measured step time beside predicted.")
+@click.option("--try-steps", type=click.IntRange(min=2), default=5, show_default=True,
+              help="Steps per tried plan; the first (warm-up) is left out of the median.")
+@click.option("--try-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(preset, n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie_embeddings, batch_size, batch_tokens,
          gpus, gpus_per_node, device, gpu_memory, gpu_tflops, intra_node_gbps, inter_node_gbps, precision, efficiency,
-         layer_overhead_us, calibrate_dir, schedules, all_gpus, top, explain, as_json):
+         layer_overhead_us, calibrate_dir, schedules, all_gpus, top, explain, try_top, try_steps, try_device, as_json):
     """Choose dp x pp x tp, schedule, microbatches and recomputation; predict step time and memory.
 
     Every candidate's step is simulated (pipegpt simulate's simulator) with per-stage costs from FLOPs at a
@@ -810,10 +816,50 @@ def plan(preset, n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie
     result = plan_search.search(request)
     if not result.best:
         raise ConfigError(plan_search.no_fit_message(result))
-    if as_json:
+    if as_json and not try_top:
         click.echo(json.dumps(plan_search.as_json(result)))
-    else:
+    elif not try_top:
         click.echo(plan_search.format_text(result))
+    else:
+        _try_plans(result.best[:try_top], precision, try_steps, try_device, as_json,
+                   lambda: plan_search.as_json(result))
+
+
+def _try_plans(best, precision: str, steps: int, device: str, as_json: bool, plans_json) -> None:
+    """Run each plan for a few steps, as `pipegpt run` (its exact command), and set measured beside predicted:
+    the check AMP-style planners make before anyone trusts a prediction."""
+    import statistics
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from pipegpt.schedule.render import text_table
+
+    exe = Path(sys.executable).with_name("pipegpt")
+    rows, tried = [["#", "plan", "predicted", "measured", "measured/predicted"]], []
+    for k, r in enumerate(best, start=1):
+        args = r.layout.run_args(r.model, precision)
+        with tempfile.TemporaryDirectory() as run_dir:
+            proc = subprocess.run([str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else
+                                   ["-m", "pipegpt"]), "run", *args, "--steps", str(steps), "--lr-schedule",
+                                   "constant", "--device", device, "--run-dir", run_dir, "--log-every", "1000000"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+                raise ConfigError(f"plan #{k} failed when tried: {last}")
+            times = [json.loads(line)["step_time_s"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        measured = statistics.median(times[1:])
+        tried.append({"plan": k, "command": "pipegpt run " + " ".join(args), "predicted_step_s": r.step_time,
+                      "measured_step_s": measured, "measured_over_predicted": measured / r.step_time})
+        layout = r.layout
+        rows.append([str(k), f"dp{layout.dp} pp{layout.pp} tp{layout.tp} {layout.schedule} "
+                     f"m{layout.microbatches}x{layout.microbatch_size} rc={layout.recompute}",
+                     f"{r.step_time * 1e3:.1f} ms", f"{measured * 1e3:.1f} ms", f"{measured / r.step_time:.2f}"])
+    if as_json:
+        click.echo(json.dumps({**plans_json(), "tried": tried}))
+        return
+    click.echo(f"tried the top {len(tried)} plans here, {steps} steps each (median after the first):")
+    click.echo(text_table(rows, right={2, 3, 4}, rule=True))
 
 if __name__ == "__main__":
     main()

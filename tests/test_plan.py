@@ -438,3 +438,20 @@ def test_megatron_published_configurations_beside_the_planner():
     from pipegpt.schedule.render import text_table
 
     print("\n" + text_table(rows, rule=True))
+
+
+def test_try_runs_the_top_plans_and_sets_measured_beside_predicted(tmp_path):
+    """--try K: each of the top K plans' exact `pipegpt run` command, a few steps here; measured beside predicted."""
+    run = tmp_path / "calibration"
+    made = subprocess.run([str(Path(sys.executable).with_name("pipegpt")), "run", "--stages", "2", "--microbatches",
+                           "2", "--steps", "3", "--run-dir", str(run)], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    result = CliRunner().invoke(main, ["plan", "--model", "tiny", "--gpus", "2", "--gpu-memory", "8GiB",
+                                       "--gpu-tflops", "1", "--intra-node-gbps", "80", "--batch-size", "8",
+                                       "--precision", "fp32", "--calibrate", str(run), "--try", "1",
+                                       "--try-steps", "3", "--try-device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    tried = json.loads(result.output)["tried"]
+    assert len(tried) == 1 and tried[0]["command"].startswith("pipegpt run ")
+    assert tried[0]["measured_step_s"] > 0 and tried[0]["predicted_step_s"] > 0
+    assert tried[0]["measured_over_predicted"] == pytest.approx(tried[0]["measured_step_s"] / tried[0]["predicted_step_s"])
