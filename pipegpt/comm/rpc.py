@@ -83,6 +83,21 @@ def _die_with_parent() -> None:
         pass
 
 
+MALLOC_ARENAS = 2
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
+    """Cap glibc's malloc arenas. Actor methods run on the RPC agent's pool threads, and glibc gives each
+    thread that allocates its own arena: successive steps on different threads left a worker's peak RSS about
+    40% above the same work on one thread (measured: 522/466 MiB per rank against 379/373 MiB with 2 arenas,
+    the same step time). M_ARENA_MAX (-8) through mallopt also covers torchrun's processes, whose
+    environment pipegpt does not set."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def quiet_torch_warnings() -> None:
     """Silence a deprecation warning gloo process groups trigger inside torch itself."""
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -90,6 +105,7 @@ def quiet_torch_warnings() -> None:
 
 def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int) -> None:
     _die_with_parent()
+    limit_malloc_arenas()
     quiet_torch_warnings()
     torch.set_num_threads(threads)
     rpc.init_rpc(f"worker{rank}", rank=rank + 1, world_size=world_size + 1,  # the driver is RPC rank 0
@@ -311,6 +327,7 @@ class TorchrunCluster(Cluster):
     def __init__(self, timeout_s: float):
         self.world_size, self.timeout_s = int(os.environ["WORLD_SIZE"]), timeout_s
         self.rank = int(os.environ["RANK"])
+        limit_malloc_arenas()
         # torchrun's agent serves the store at MASTER_PORT and makes every rank its client
         # (TORCHELASTIC_USE_AGENT_STORE): RPC, like c10d, must rendezvous through it.
         rpc.init_rpc(f"worker{self.rank}", rank=self.rank, world_size=self.world_size,
