@@ -198,7 +198,7 @@ class Worker:
         try:
             with torch.no_grad():
                 for k in range(batches):
-                    losses += self.eval_runtime.step(*self._batch(self.val_loader, k)).losses
+                    losses += self.eval_runtime.step(*self._batch(self.val_loader, k), record=False).losses
                     for stage in self.stages.values():
                         stage.discard()
         finally:

@@ -10,29 +10,10 @@ Pure Python (no torch): `pipegpt plan` answers in seconds on a laptop.
     search.py    dp x pp x tp, schedule, microbatching, recomputation, ZeRO-1, sequence parallelism and the
                  split, by branch and bound over the simulator (pipegpt.schedule.simulate)
 
-    from pipegpt.plan import Request, make_cluster, AnalyticalCosts, search
+    from pipegpt.plan.cost import AnalyticalCosts
+    from pipegpt.plan.devices import make_cluster
+    from pipegpt.plan.search import Request, search
     cluster = make_cluster(8, 8, "h100")
     result = search(Request(MODEL_PRESETS["gpt2"], 512, cluster, AnalyticalCosts(cluster)))
     result.best[0].layout.command(result.best[0].model, "bf16")   # the `pipegpt run ...` that runs it
-
-The names below are imported on first use, so importing one submodule (pipegpt.plan.balance, say) does not
-load the others.
 """
-from __future__ import annotations
-
-import importlib
-
-_API = {
-    "Request": "search", "Layout": "search", "Result": "search", "SearchResult": "search", "search": "search",
-    "evaluate_layout": "search", "format_text": "search", "as_json": "search",
-    "AnalyticalCosts": "cost", "CalibratedCosts": "cost", "calibrate_costs": "cost",
-    "Cluster": "devices", "DEVICES": "devices", "make_cluster": "devices",
-}
-
-__all__ = sorted(_API)
-
-
-def __getattr__(name: str):
-    if name in _API:
-        return getattr(importlib.import_module(f".{_API[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
