@@ -17,7 +17,7 @@ import torch.distributed as dist
 from pipegpt.comm.data_parallel import GradientAverager
 from pipegpt.comm.mesh import Grid, init_mesh
 from pipegpt.comm.p2p import PointToPoint
-from pipegpt.comm.rpc import reports_failures
+from pipegpt.comm.rpc import on_actor_thread, reports_failures
 from pipegpt.config import TrainConfig
 from pipegpt.data import RankLoader, builtin_tokens, get_tokenizer, open_tokens
 from pipegpt.devices import cuda_device_index, resolve_device
@@ -33,17 +33,23 @@ from pipegpt.tensor_parallel import REPLICATED, shard_tensor, tp_shard_spec
 from pipegpt.tensor_parallel.layers import sequence_parallel_grad_params, shard_for_tp
 
 
-def actor_method(method):
-    """An actor method, called over RPC: it runs on one of the RPC agent's pool threads, where the
-    current CUDA device is per thread, so it enters the worker's device first; and any exception
-    reaches the driver as a Failed (reports_failures)."""
+def actor_method(method=None, *, concurrent: bool = False):
+    """An actor method, called over RPC. It runs on the worker's one actor thread (pipegpt.comm.rpc.
+    ActorThread), after the calls before it, and enters the worker's device first (the current CUDA device is
+    per thread); a concurrent one (where(), asked while step() runs) runs at once on the RPC pool thread that
+    received it. Any exception reaches the driver as a Failed (reports_failures)."""
+    if method is None:
+        return functools.partial(actor_method, concurrent=concurrent)
 
     @functools.wraps(method)
     def on_device(self, *args, **kwargs):
-        device = getattr(self, "device", None)
-        if device is not None and device.type == "cuda":
-            torch.cuda.set_device(device)
-        return method(self, *args, **kwargs)
+        def call():
+            device = getattr(self, "device", None)
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+            return method(self, *args, **kwargs)
+
+        return call() if concurrent else on_actor_thread(call)
 
     wrapped = reports_failures(on_device)
     wrapped.is_actor_method = True
@@ -214,7 +220,7 @@ class Worker:
         what = f"collectives with ranks {', '.join(map(str, peers))}" if peers else "nobody (computing)"
         return None, "finishing the step", peers, what
 
-    @actor_method
+    @actor_method(concurrent=True)
     def where(self) -> dict:
         """Which action this rank is on and which ranks it waits for (now: None between steps); answered
         on an RPC thread while step() runs on another, for the driver's stall watchdog."""

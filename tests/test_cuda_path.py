@@ -196,3 +196,63 @@ def test_an_actor_method_sets_the_current_device_on_its_own_thread(monkeypatch):
     thread.start()
     thread.join()
     assert seen == [torch.device("cuda", 3)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One actor thread per worker: whichever RPC thread receives a call, the method runs on the same thread
+
+def test_actor_methods_run_on_one_thread_whichever_thread_calls_them():
+    class Actor:
+        @actor_method
+        def ident(self):
+            return threading.get_ident()
+
+        @actor_method
+        def nested(self):
+            return self.ident()  # an actor method calling another runs inline, it does not wait for itself
+
+    actor, seen = Actor(), []
+    callers = [threading.Thread(target=lambda: seen.append((actor.ident(), actor.nested()))) for _ in range(4)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=10)
+    assert len(seen) == 4 and len({ident for pair in seen for ident in pair}) == 1
+    assert seen[0][0] not in {t.ident for t in callers}
+
+
+def test_a_concurrent_actor_method_answers_while_the_actor_thread_is_busy():
+    release = threading.Event()
+
+    class Actor:
+        @actor_method
+        def busy(self):
+            return release.wait(timeout=10)
+
+        @actor_method(concurrent=True)
+        def where(self):
+            return "answered"
+
+    actor, done = Actor(), []
+    busy = threading.Thread(target=lambda: done.append(actor.busy()))
+    busy.start()
+    try:
+        assert actor.where() == "answered"  # would wait 10 s behind busy() on the actor thread
+        assert done == []
+    finally:
+        release.set()
+        busy.join(timeout=10)
+    assert done == [True]
+
+
+def test_an_exception_on_the_actor_thread_reaches_the_caller_as_a_failed_naming_its_place():
+    from pipegpt.comm.rpc import Failed
+
+    class Actor:
+        @actor_method
+        def broken(self):
+            raise ValueError("bad shape 3")
+
+    failed = Actor().broken()
+    assert isinstance(failed, Failed)
+    assert "ValueError: bad shape 3 (in broken, test_cuda_path.py:" in failed.cause

@@ -11,9 +11,11 @@ Two ways to get a cluster:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import os
+import queue
 import re
 import signal
 import socket
@@ -83,21 +85,6 @@ def _die_with_parent() -> None:
         pass
 
 
-MALLOC_ARENAS = 2
-
-
-def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
-    """Cap glibc's malloc arenas. Actor methods run on the RPC agent's pool threads, and glibc gives each
-    thread that allocates its own arena: successive steps on different threads left a worker's peak RSS about
-    40% above the same work on one thread (measured: 522/466 MiB per rank against 379/373 MiB with 2 arenas,
-    the same step time). M_ARENA_MAX (-8) through mallopt also covers torchrun's processes, whose
-    environment pipegpt does not set."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def quiet_torch_warnings() -> None:
     """Silence a deprecation warning gloo process groups trigger inside torch itself."""
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -105,7 +92,6 @@ def quiet_torch_warnings() -> None:
 
 def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int) -> None:
     _die_with_parent()
-    limit_malloc_arenas()
     quiet_torch_warnings()
     torch.set_num_threads(threads)
     rpc.init_rpc(f"worker{rank}", rank=rank + 1, world_size=world_size + 1,  # the driver is RPC rank 0
@@ -133,6 +119,52 @@ class Failed:
     """What an actor method returns instead of raising (RPC would print the remote traceback)."""
 
     cause: str
+
+
+class ActorThread:
+    """The one thread on which a worker runs its actor methods, one at a time in arrival order.
+
+    The RPC agent runs each request on whichever of its pool threads is free, a different one from step to
+    step. Per-thread native state (the math libraries' scratch buffers, malloc's caches) then grew with every
+    new thread: a worker's RSS rose 15-25 MiB per step for the first dozens of steps (measured: 405 -> 676 MiB
+    in 14 steps of an 8-layer width-256 stage, where one thread stays at 430-470 MiB). Daemon: a rank stuck in
+    an action must not keep its process alive once the job is being torn down."""
+
+    def __init__(self, name: str = "pipegpt-actor"):
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            future, fn = self._inbox.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
+                    future.set_exception(e)
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the actor thread, waited for here; called from the actor thread itself, fn runs inline
+        (an actor method that calls another would otherwise wait for itself)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((future, fn))
+        return future.result()
+
+
+_actor_thread: ActorThread | None = None
+_actor_thread_lock = threading.Lock()
+
+
+def on_actor_thread(fn: Callable[[], Any]) -> Any:
+    """fn() on this process's ActorThread (started on first use)."""
+    global _actor_thread
+    with _actor_thread_lock:
+        if _actor_thread is None:
+            _actor_thread = ActorThread()
+    return _actor_thread.run(fn)
 
 
 def reports_failures(method):
@@ -327,7 +359,6 @@ class TorchrunCluster(Cluster):
     def __init__(self, timeout_s: float):
         self.world_size, self.timeout_s = int(os.environ["WORLD_SIZE"]), timeout_s
         self.rank = int(os.environ["RANK"])
-        limit_malloc_arenas()
         # torchrun's agent serves the store at MASTER_PORT and makes every rank its client
         # (TORCHELASTIC_USE_AGENT_STORE): RPC, like c10d, must rendezvous through it.
         rpc.init_rpc(f"worker{self.rank}", rank=self.rank, world_size=self.world_size,
