@@ -269,9 +269,9 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics, list[dict]], No
         if profiled and step == profiled[0]:  # py-spy on every worker, from the first traced step to the last
             _warn(problem_line(job.call("profile_start", str((log.run_dir / "profiles").resolve())),
                                "the run goes on without profiles"))
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         results = job.step(step)
-        metrics = step_metrics(step, results, cfg, time.perf_counter() - t0)
+        metrics = step_metrics(step, results, cfg, time.perf_counter() - t0, time.process_time() - cpu0)
         if profiled and step == profiled[-1]:
             stopped = job.cluster.call("profile_stop", timeout_s=cfg.runtime.timeout_s + 60)
             _warn(problem_line([problem for _, problem in stopped], "no profile from it"))

@@ -32,9 +32,13 @@ class StepMetrics:
     hellaswag_acc: float | None = None  # with --hellaswag, on evaluation steps: argmin of the summed ending loss
     hellaswag_acc_norm: float | None = None  # ... of the mean ending loss per token (what nanoGPT reports)
     checkpoint_s: float | None = None  # on checkpoint steps (--save-every): seconds to save, commit included
+    control_s: float | None = None  # step_time_s minus the slowest worker's step(): the RPC round trip and pickling
+    cpu_per_rank: list[float] | None = None  # each worker process's CPU time in its step() / step_time_s (1.0: a core)
+    driver_cpu: float | None = None  # the driver's CPU time during the step / step_time_s
 
 
-def step_metrics(step: int, results: list[dict], cfg: TrainConfig, elapsed: float) -> StepMetrics:
+def step_metrics(step: int, results: list[dict], cfg: TrainConfig, elapsed: float,
+                 driver_cpu_s: float | None = None) -> StepMetrics:
     """One step's figures from the workers' answers (the last stage's ranks report the losses)."""
     losses = [loss for r in results for loss in r["losses"]]
     flops_per_s = flops_per_token(cfg.model) * cfg.tokens_per_step / elapsed
@@ -42,7 +46,16 @@ def step_metrics(step: int, results: list[dict], cfg: TrainConfig, elapsed: floa
     return StepMetrics(step, sum(losses) / len(losses) if losses else math.nan, elapsed,
                        cfg.tokens_per_step / elapsed, results[0]["grad_norm"], [r["peak_memory"] for r in results],
                        lr=results[0].get("lr"), flops_per_s=flops_per_s,
-                       mfu=None if peak is None else flops_per_s / (cfg.world_size * peak * 1e12))
+                       mfu=None if peak is None else flops_per_s / (cfg.world_size * peak * 1e12),
+                       control_s=_control_s(results, elapsed),
+                       cpu_per_rank=[r["cpu_s"] / elapsed for r in results] if all("cpu_s" in r for r in results) else None,
+                       driver_cpu=None if driver_cpu_s is None else driver_cpu_s / elapsed)
+
+
+def _control_s(results: list[dict], elapsed: float) -> float | None:
+    if not all("compute_s" in r for r in results):
+        return None
+    return max(0.0, elapsed - max(r["compute_s"] for r in results))
 
 
 def matmul_parameters(model: ModelConfig) -> int:

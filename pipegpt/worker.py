@@ -56,6 +56,12 @@ def actor_method(method=None, *, concurrent: bool = False):
     return wrapped
 
 
+def _process_cpu_s() -> float:
+    """CPU seconds of this whole process (every thread: compute, gloo, the RPC agent)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Worker:
     def __init__(self, rank: int, cfg: TrainConfig, init_method: str):
         # Nothing here can fail: the work is in start(), whose failure the driver hears about.
@@ -177,7 +183,7 @@ class Worker:
             fail_now(*self.fault)
         if self.fault == (STUCK, step):
             get_stuck(self.stages.values())
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _process_cpu_s()
         for _, p in self.named_params:
             p.grad = None
         inputs, targets = self._batch(self.loader, step)
@@ -192,7 +198,8 @@ class Worker:
             torch.cuda.synchronize(self.device)  # the step is done when its kernels are, not launched
         self.runtime.now = None
         return {"rank": self.rank, "losses": result.losses, "events": result.events,
-                "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0, "peak_memory": self._peak_memory(),
+                "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0, "cpu_s": _process_cpu_s() - cpu0,
+                "peak_memory": self._peak_memory(),
                 "lr": lr, "device_name": self.device_name}
 
     @actor_method

@@ -84,6 +84,10 @@ def test_run_writes_metrics_jsonl(real_run):
         assert r["step"] == i
         assert math.isfinite(r["loss"]) and r["loss"] > 0
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        # where the step's time went: the control plane's share, each process's CPU (1.0 = a core busy all step)
+        assert 0 <= r["control_s"] < r["step_time_s"]
+        assert len(r["cpu_per_rank"]) == STAGES and all(0 < c < os.cpu_count() + 1 for c in r["cpu_per_rank"]), r
+        assert 0 <= r["driver_cpu"] < 1, r
     assert records[-1]["loss"] < records[0]["loss"], [r["loss"] for r in records]
     assert json.loads((run_dir / "config.json").read_text())["parallel"]["stages"] == STAGES
 

@@ -254,6 +254,15 @@ def test_mfu_is_flops_per_second_over_the_peak():
     assert step_metrics(0, _results("Some Future GPU"), cfg, 0.5).mfu is None
 
 
+def test_control_time_and_cpu_shares_come_from_the_workers_answers():
+    cfg = TrainConfig.build(MODEL_PRESETS["tiny"], stages=2, microbatches=4)
+    results = [dict(r, compute_s=c, cpu_s=u) for r, c, u in zip(_results("cpu"), (0.30, 0.45), (0.25, 0.40))]
+    m = step_metrics(0, results, cfg, 0.5, driver_cpu_s=0.01)
+    assert m.control_s == pytest.approx(0.05)  # 0.5 s at the driver, 0.45 s in the slowest worker's step()
+    assert m.cpu_per_rank == pytest.approx([0.5, 0.8]) and m.driver_cpu == pytest.approx(0.02)
+    assert step_metrics(0, _results("cpu"), cfg, 0.5).control_s is None  # answers without timings
+
+
 @pytest.mark.parametrize("name, precision, peak", [
     ("NVIDIA A100-SXM4-80GB", "bf16", 312.0), ("NVIDIA A100-PCIE-40GB", "fp32", 156.0),
     ("NVIDIA H100 80GB HBM3", "bf16", 989.5), ("NVIDIA H100 PCIe", "bf16", 756.5), ("NVIDIA H100 NVL", "fp32", 417.5),
