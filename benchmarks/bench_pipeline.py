@@ -81,6 +81,13 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def process_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def sampler_for(spec: dict):
     from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer
 
@@ -195,9 +202,11 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
 
         profile = cProfile.Profile()
     dist.barrier()
+    cpu_s = []  # this process's CPU time per step, every thread
     for step in range(spec["steps"]):
         if profile is not None and step == spec["warmup"]:
             profile.enable()
+        cpu0 = process_cpu_s()
         t0 = time.perf_counter()
         for _, p in named:
             p.grad = None
@@ -218,6 +227,7 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
             action_times["step_wait"].append(sum(action_times["wait"]))
             action_times["wait"].clear()
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        cpu_s.append(process_cpu_s() - cpu0)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
         step_times.append(float(elapsed))
         loss = torch.tensor([float(sum(float(v) for v in step_losses)) if last in mine else 0.0], dtype=torch.float64)
@@ -226,12 +236,14 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
     if profile is not None:
         profile.disable()
         profile.dump_stats(spec["cprofile"])
-    peaks, actions = [None] * world, [None] * world
+    peaks, actions, cpus = [None] * world, [None] * world, [None] * world
     dist.all_gather_object(peaks, peak_rss_bytes())
     dist.all_gather_object(actions, action_times)
+    dist.all_gather_object(cpus, cpu_s)
     if rank == 0:
+        cpu_per_rank = [[c / t for c, t in zip(rank_cpu, step_times)] for rank_cpu in cpus]  # as pipegpt's metric
         Path(out_path).write_text(json.dumps({"step_times": step_times, "losses": losses, "peak_memory_per_rank": peaks,
-                                              "action_times": actions}))
+                                              "action_times": actions, "cpu_per_rank": list(zip(*cpu_per_rank))}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -255,7 +267,7 @@ def run_single(spec: dict, out_path: str) -> None:
     from pipegpt.model import GPT
     from pipegpt.optim import make_optimizer
 
-    torch.set_num_threads(spec["cores"])
+    torch.set_num_threads(spec.get("single_threads") or spec["cores"])
     cfg = model_cfg(spec)
     model = GPT(cfg, init_seed=spec["seed"])
     named = list(model.named_parameters())  # named_parameters() yields the tied weight once
@@ -284,11 +296,14 @@ def run_single(spec: dict, out_path: str) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Contender 1: pipegpt as a user runs it
 
-def pipegpt_command(spec: dict, run_dir: str) -> list[str]:
+def pipegpt_exe() -> list[str]:
     exe = Path(sys.executable).parent / "pipegpt"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pipegpt"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "pipegpt"]
+
+
+def pipegpt_command(spec: dict, run_dir: str) -> list[str]:
     mdl = spec["model"]
-    cmd += ["run", "--stages", str(spec["stages"]), "--microbatches", str(spec["microbatches"]),
+    cmd = pipegpt_exe() + ["run", "--stages", str(spec["stages"]), "--microbatches", str(spec["microbatches"]),
             "--microbatch-size", str(spec["microbatch_size"]), "--schedule", spec["schedule"],
             "--steps", str(spec["steps"]), "--model", spec["preset"],
             "--n-layer", str(mdl["n_layer"]), "--n-embd", str(mdl["n_embd"]), "--n-head", str(mdl["n_head"]),
@@ -314,10 +329,33 @@ def run_pipegpt(spec: dict, workdir: str, timeout: float) -> dict:
     rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
     result = {"step_times": [r["step_time_s"] for r in rows], "losses": [r["loss"] for r in rows],
               "peak_memory_per_rank": rows[-1]["peak_memory_per_rank"],
-              "tokens_per_s": [r["tokens_per_s"] for r in rows]}
+              "tokens_per_s": [r["tokens_per_s"] for r in rows],
+              "control_s": [r.get("control_s") for r in rows], "cpu_per_rank": [r.get("cpu_per_rank") for r in rows],
+              "driver_cpu": [r.get("driver_cpu") for r in rows]}
     if spec.get("keep_trace"):
         shutil.copy(Path(run_dir, "trace.json"), spec["keep_trace"])
+    if spec.get("analyse"):  # the last step measured beside predicted, and the runtime's gaps between actions
+        result.update(analyse_trace(run_dir, timeout))
     return result
+
+
+def analyse_trace(run_dir: str, timeout: float) -> dict:
+    """fidelity (`pipegpt simulate --trace`: predicted makespan / measured span of the last step) and the
+    per-action overhead: the median gap between one action's end and the next one's start on a rank (the
+    runtime's own work between actions; waits for peers are inside the RECV actions)."""
+    proc = subprocess.run(pipegpt_exe() + ["simulate", "--trace", run_dir, "--json"], capture_output=True, text=True,
+                          timeout=timeout)
+    fidelity = json.loads(proc.stdout)["fidelity"] if proc.returncode == 0 else None
+    trace = json.loads(Path(run_dir, "trace.json").read_text())
+    by_rank: dict = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            by_rank.setdefault(e["pid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    gaps = []
+    for spans in by_rank.values():
+        spans.sort()
+        gaps += [max(0.0, nxt[0] - cur[1]) for cur, nxt in zip(spans, spans[1:])]
+    return {"fidelity": fidelity, "action_gap_us": median(gaps), "actions": sum(map(len, by_rank.values()))}
 
 
 def run_contender(kind: str, spec: dict, timeout: float) -> dict:

@@ -3,6 +3,10 @@
 It decides nothing about order: the lowered plan from pipegpt.schedule does.
 Each run of consecutive SEND/RECV actions is posted as one batch; receives are
 waited for before the next compute, sends only when their buffer is released.
+Where the backend matches messages by tag (gloo), a send is posted as soon as
+its tensor exists, and its SEND action only takes it in: lowering places a SEND
+where its receiver needs it in a unit-cost run, which in a real run can be a
+whole compute action after the output was ready, with the receiver waiting.
 """
 from __future__ import annotations
 
@@ -56,6 +60,9 @@ class PipelineRuntime:
         self.now: tuple[int | None, str, tuple[int, ...], str] | None = None
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
         self.index_of = {a: i for i, a in enumerate(self.actions)}
+        self.eager_sends = p2p.matches_by_tag
+        self.send_of = {(Kind.F if a.kind is Kind.SEND_F else Kind.B, a.stage, a.microbatch): a
+                        for a in self.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)}
 
     def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
         if a.kind.is_compute:
@@ -128,17 +135,28 @@ class PipelineRuntime:
     def _hand_over(self, kind: Kind, s: int, to: int, mb: int, tensor, inbox, outbox) -> None:
         if self.owner[to] == self.rank:  # the next stage lives here too (V-shape turn)
             inbox[(kind, to, mb)] = tensor
+        elif self.eager_sends:  # posted now; its SEND action takes the Message in
+            message = self._send_message(self.send_of[(kind, s, mb)], tensor)
+            self.p2p.post([message], [])
+            outbox[(kind, s, mb)] = message
         else:
             outbox[(kind, s, mb)] = tensor
 
+    def _send_message(self, a: Action, tensor: torch.Tensor) -> Message:
+        forward = a.kind is Kind.SEND_F
+        return Message(tensor, self.owner[a.stage + 1 if forward else a.stage - 1],
+                       self._tag(a.stage, a.microbatch, not forward), f"send {a}")
+
     def _communicate(self, batch, inbox, outbox, in_flight, first: int) -> None:
-        sends, recvs, recv_at = [], [], []
+        sends, posted, recvs, recv_at = [], [], [], []
         for i, a in enumerate(batch, first):
             s, mb = a.stage, a.microbatch
-            if a.kind is Kind.SEND_F:
-                sends.append((Message(outbox.pop((Kind.F, s, mb)), self.owner[s + 1], self._tag(s, mb, False), f"send {a}"), a))
-            elif a.kind is Kind.SEND_B:
-                sends.append((Message(outbox.pop((Kind.B, s, mb)), self.owner[s - 1], self._tag(s, mb, True), f"send {a}"), a))
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                item = outbox.pop((Kind.F if a.kind is Kind.SEND_F else Kind.B, s, mb))
+                if isinstance(item, Message):
+                    posted.append((item, a))
+                else:
+                    sends.append((self._send_message(a, item), a))
             else:
                 backward = a.kind is Kind.RECV_B
                 sender = s + 1 if backward else s - 1
@@ -150,7 +168,7 @@ class PipelineRuntime:
         for message, now in zip(recvs, recv_at):
             self.now = now
             self.p2p.wait(message)
-        in_flight.extend(sends)
+        in_flight.extend(posted + sends)
         self._release_sent(in_flight)
 
     def _release_sent(self, in_flight: list) -> None:

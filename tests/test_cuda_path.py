@@ -5,7 +5,8 @@
   proves that each receive of a batch is waited for before its buffer is read.
 - Device choice under a torchrun-like environment and in a local launch that inherited LOCAL_RANK.
 - The tensor-parallel reduce-scatter falls back to all-reduce only on gloo; an NCCL error propagates.
-- Actor methods, which run on RPC pool threads, make the worker's GPU current on their own thread.
+- Actor methods run on one actor thread per worker and make the worker's GPU current there.
+- Sends: posted as soon as their tensor exists on gloo (matched by tag), in plan order on NCCL.
 """
 from __future__ import annotations
 
@@ -256,3 +257,46 @@ def test_an_exception_on_the_actor_thread_reaches_the_caller_as_a_failed_naming_
     failed = Actor().broken()
     assert isinstance(failed, Failed)
     assert "ValueError: bad shape 3 (in broken, test_cuda_path.py:" in failed.cause
+
+
+# --------------------------------------------------------------------------------------------------------------
+# When sends are posted: as soon as the output exists on gloo (matched by tag), at the plan's SEND on NCCL
+
+def _first_stage_log(monkeypatch, device_type: str) -> list[str]:
+    """Rank 0 of a lowered 2-rank gpipe plan, run against a backend stand-in: the compute actions and the
+    posted sends in the order they happened (receives deliver zeros at once)."""
+    from pipegpt.config import MODEL_PRESETS
+    from pipegpt.model import GPT
+    from pipegpt.runtime import PipelineRuntime
+    from pipegpt.schedule import build_plan, lower
+    from pipegpt.stages import Stage
+
+    log = []
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (
+        log.extend(f"post send tag {op.tag}" for op in ops if op.op is dist.isend), [BatchWork([op]) for op in ops])[1])
+    cfg = MODEL_PRESETS["tiny"]
+    stage = Stage(0, 2, GPT(cfg, layers=range(0, 1), embed=True, head=False, init_seed=0), 4)
+    for name in ("forward", "backward"):
+        original = getattr(stage, name)
+        monkeypatch.setattr(stage, name, lambda mb, *a, _o=original, _n=name, **k: (log.append(f"{_n} {mb}"), _o(mb, *a, **k))[1])
+    plan = lower(build_plan("gpipe", 2, 4))  # rank 0: F0 SEND_F0 F1 F2 SEND_F1 F3 SEND_F2 SEND_F3 ...
+    p2p = PointToPoint(rank=0, timeout_s=5, device_type=device_type)
+    p2p.host_waits = True  # the stand-in's Works complete when waited for, on either path
+    runtime = PipelineRuntime(plan, 0, {0: stage}, p2p, [0, 1], (1, cfg.seq_len, cfg.n_embd), torch.float32, "cpu")
+    runtime.step([torch.zeros(1, cfg.seq_len, dtype=torch.long)] * 4, None, record=False)
+    return log
+
+
+def test_on_gloo_each_forward_output_is_posted_before_the_next_compute(monkeypatch):
+    log = _first_stage_log(monkeypatch, "cpu")
+    for mb in range(4):  # the forward's send right behind it (tag = (mb * 2 stages + stage 0) * 2 + forward)
+        assert log[log.index(f"forward {mb}") + 1] == f"post send tag {mb * 4}", log
+
+
+def test_on_nccl_sends_keep_the_plans_order(monkeypatch):
+    log = _first_stage_log(monkeypatch, "cuda")
+    sends = [line for line in log if line.startswith("post send")]
+    assert sends == [f"post send tag {mb * 4}" for mb in range(4)]
+    # the lowered plan holds forward 1's send until rank 1 needs it, after forward 2
+    assert log.index("forward 2") < log.index("post send tag 4"), log

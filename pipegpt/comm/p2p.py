@@ -52,6 +52,9 @@ class PointToPoint:
         self.rank = rank
         self.timeout = timedelta(seconds=timeout_s)
         self.host_waits = device_type != "cuda"
+        # gloo (CPU) matches point-to-point messages by tag, so a send may be posted before the sends the
+        # plan puts ahead of it; NCCL (CUDA) matches them by order per pair of ranks.
+        self.matches_by_tag = device_type != "cuda"
         self.unsettled: list[Message] = []  # posted since the last settle()
 
     def post(self, sends: list[Message], recvs: list[Message]) -> None:
