@@ -34,6 +34,11 @@ def _ranks(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def _outbox_key(send: Action) -> tuple[Kind, int, int]:
+    """Where a SEND's tensor waits in the outbox: (F|B, sending stage, microbatch)."""
+    return Kind.F if send.kind is Kind.SEND_F else Kind.B, send.stage, send.microbatch
+
+
 def last_gradient_actions(actions) -> dict[int, int]:
     """Per stage, the index of the action after which its weight gradients are complete (last B or W)."""
     return {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
@@ -61,8 +66,7 @@ class PipelineRuntime:
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
         self.index_of = {a: i for i, a in enumerate(self.actions)}
         self.eager_sends = p2p.matches_by_tag
-        self.send_of = {(Kind.F if a.kind is Kind.SEND_F else Kind.B, a.stage, a.microbatch): a
-                        for a in self.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)}
+        self.send_of = {_outbox_key(a): a for a in self.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)}
 
     def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
         if a.kind.is_compute:
@@ -152,7 +156,7 @@ class PipelineRuntime:
         for i, a in enumerate(batch, first):
             s, mb = a.stage, a.microbatch
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                item = outbox.pop((Kind.F if a.kind is Kind.SEND_F else Kind.B, s, mb))
+                item = outbox.pop(_outbox_key(a))
                 if isinstance(item, Message):
                     posted.append((item, a))
                 else:
