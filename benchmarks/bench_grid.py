@@ -31,8 +31,8 @@ def measure(layout: str, steps: int, microbatches: int, global_batch: int) -> di
     import time
 
     from pipegpt.config import TrainConfig, microbatch_size_for
-    from pipegpt.driver import Job
-    from pipegpt.metrics import step_metrics
+    from pipegpt.train.driver import Job
+    from pipegpt.train.metrics import step_metrics
 
     layout_kw = parse_layout(layout)
     mbs = microbatch_size_for(global_batch, layout_kw["dp"], microbatches)

@@ -11,12 +11,12 @@ Contenders (each run is a fresh set of processes; contenders are interleaved acr
   torch.pp    torch.distributed.pipelining with the same model: one pipegpt.model.GPT slice per stage
               (pipegpt.stages.partition_layers split, same init seed, tied embedding synchronised the way
               pipegpt does it), PipelineStage + the matching torch schedule, worker processes started with
-              torch.multiprocessing spawn, gloo, the same AdamW (pipegpt.optim.make_optimizer), the same
+              torch.multiprocessing spawn, gloo, the same AdamW (pipegpt.train.optim.make_optimizer), the same
               global-norm gradient clip and the same threads per process (cores // ranks).
   1-process   GPT(cfg) whole in one process, gradient accumulation over the same microbatches, same
               optimizer and clip, torch.set_num_threads(cores).
 
-All three see exactly the same batches (pipegpt.data.BatchSampler, same seed) and start from exactly the
+All three see exactly the same batches (pipegpt.data.loader.BatchSampler, same seed) and start from exactly the
 same weights, so their losses must agree: the table prints the first and last step's loss as a check.
 
 This file is also its own worker: `bench_pipeline.py _run torch|single SPEC.json OUT.json` runs one contender
@@ -89,7 +89,9 @@ def process_cpu_s() -> float:
 
 
 def sampler_for(spec: dict):
-    from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer
+    from pipegpt.data.loader import BatchSampler
+    from pipegpt.data.tokenizers import get_tokenizer
+    from pipegpt.data.tokens import builtin_tokens
 
     tokens = builtin_tokens(get_tokenizer("bytes"))
     return BatchSampler(tokens, spec["microbatches"] * spec["microbatch_size"], spec["model"]["seq_len"], spec["seed"])
@@ -102,10 +104,10 @@ def optim_cfg(spec: dict):
 
 
 def clip_(named_params, counted_twice: set, grad_clip: float) -> float:
-    """pipegpt's global-norm clip (pipegpt.optim), over every rank of the pipeline."""
+    """pipegpt's global-norm clip (pipegpt.train.optim), over every rank of the pipeline."""
     import torch.distributed as dist
 
-    from pipegpt.optim import clip_grad_norm_
+    from pipegpt.train.optim import clip_grad_norm_
 
     params = [p for _, p in named_params]
     group = dist.group.WORLD if dist.is_initialized() else None
@@ -121,9 +123,9 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
     import torch.nn.functional as F
     from torch.distributed import pipelining
 
-    from pipegpt.model import GPT
+    from pipegpt.model.gpt import GPT
     from pipegpt.stages import partition_layers
-    from pipegpt.optim import make_optimizer
+    from pipegpt.train.optim import make_optimizer
 
     torch.set_num_threads(spec["threads_per_worker"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -264,8 +266,8 @@ def run_torch(spec: dict, out_path: str) -> None:
 def run_single(spec: dict, out_path: str) -> None:
     import torch
 
-    from pipegpt.model import GPT
-    from pipegpt.optim import make_optimizer
+    from pipegpt.model.gpt import GPT
+    from pipegpt.train.optim import make_optimizer
 
     torch.set_num_threads(spec.get("single_threads") or spec["cores"])
     cfg = model_cfg(spec)
@@ -458,7 +460,7 @@ def describe(base: dict, schedules: list[str], contenders: list[str], args) -> s
     lines += [
         f"threads     {base['threads_per_worker']} per pipeline worker ({base['cores']} cores / {base['stages']} ranks); "
         f"one-process baseline {base['cores']}",
-        f"optimizer   AdamW (pipegpt.optim.make_optimizer) lr={base['lr']} wd=0.1 betas=(0.9, 0.95) foreach=False, "
+        f"optimizer   AdamW (pipegpt.train.optim.make_optimizer) lr={base['lr']} wd=0.1 betas=(0.9, 0.95) foreach=False, "
         f"global grad-norm clip {base['grad_clip']}",
         f"timing      {base['steps']} steps per run, first {base['warmup']} skipped; {args.repeats} repeats, "
         f"contenders interleaved per repeat ({', '.join(contenders)}); medians over all timed steps of all repeats",

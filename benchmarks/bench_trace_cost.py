@@ -63,7 +63,7 @@ def main() -> None:
 
     from pipegpt.comm.p2p import PointToPoint
     from pipegpt.config import ModelConfig
-    from pipegpt.model import GPT
+    from pipegpt.model.gpt import GPT
     from pipegpt.runtime import PipelineRuntime
     from pipegpt.schedule import build_plan, lower
     from pipegpt.stages import Stage

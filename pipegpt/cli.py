@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from pipegpt.checkpoint import CheckpointError
+from pipegpt.train.checkpoint import CheckpointError
 from pipegpt.config import ConfigError, TOKENIZERS
 from pipegpt.schedule.actions import ScheduleError
 
@@ -409,7 +409,7 @@ def _exit_now(message: str, code: int):
 
 def _resumed_run_dir(cfg):
     """A resumed run goes on in the run directory its checkpoint is in (RUN/checkpoints/step-N)."""
-    from pipegpt.checkpoint import resolve
+    from pipegpt.train.checkpoint import resolve
 
     if cfg.checkpoint.resume is None:
         return None
@@ -529,9 +529,9 @@ def run(ctx, batch_size, preset, n_layer, n_embd, n_head, seq_len, vocab_size, p
                           f"or llm.c token files, or a flat uint16 file; leave it out for the built-in corpus)")
     warnings.filterwarnings("ignore", category=UserWarning)
     from pipegpt.comm.rpc import WorkerFailure
-    from pipegpt.devices import resolve_device, under_torchrun
-    from pipegpt.driver import Job, run_job
-    from pipegpt.metrics import new_run_dir
+    from pipegpt.train.placement import resolve_device, under_torchrun
+    from pipegpt.train.driver import Job, run_job
+    from pipegpt.train.metrics import new_run_dir
 
     job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
     out = Path(run_dir) if run_dir else _resumed_run_dir(cfg) or new_run_dir()
@@ -579,7 +579,7 @@ def run(ctx, batch_size, preset, n_layer, n_embd, n_head, seq_len, vocab_size, p
 
 
 # --------------------------------------------------------------------------------------------------------------
-# prepare: text files -> token shards (pipegpt.prepare needs numpy and a tokenizer, not torch)
+# prepare: text files -> token shards (pipegpt.data.prepare needs numpy and a tokenizer, not torch)
 
 @main.command()
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
@@ -599,8 +599,8 @@ def prepare(inputs, out, tokenizer, val_fraction, shard_tokens):
     pipegpt prepare docs/*.txt --out data/docs --tokenizer gpt2
     pipegpt run --data data/docs --tokenizer gpt2 ...
     """
-    from pipegpt.prepare import check_prepare, input_bytes
-    from pipegpt.prepare import prepare as run_prepare
+    from pipegpt.data.prepare import check_prepare, input_bytes
+    from pipegpt.data.prepare import prepare as run_prepare
 
     check_prepare(inputs, out, tokenizer, val_fraction, shard_tokens)  # refusals come before the progress bar
     with click.progressbar(length=input_bytes(inputs), label="tokenizing", file=sys.stderr) as bar:
@@ -653,7 +653,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
     if from_hf is not None:
         if out is None or source is not None:
             raise click.UsageError("--from-hf HF_DIR needs --out CHECKPOINT (and no --checkpoint)")
-        from pipegpt.convert import import_hf
+        from pipegpt.tools.convert import import_hf
 
         tokenizer = tokenizer or "gpt2"
         path, model = import_hf(from_hf, out, tokenizer)
@@ -665,7 +665,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
         return
     if source is None or out is not None or tokenizer is not None:
         raise click.UsageError("--to-hf HF_DIR needs --checkpoint CHECKPOINT (and no --out or --tokenizer)")
-    from pipegpt.convert import export_hf
+    from pipegpt.tools.convert import export_hf
 
     found, model = export_hf(source, to_hf)
     click.echo(f"wrote {to_hf}/config.json and model.safetensors from {found}: {model.n_layer}-layer GPT-2, "
@@ -691,8 +691,8 @@ def sample(path, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, de
     pipegpt sample runs/my-run --prompt "def main(" --max-new-tokens 100
     pipegpt sample ckpt/gpt2 --prompt "Hello, I'm a language model," --temperature 0   # greedy
     """
-    from pipegpt.sample import check_settings
-    from pipegpt.sample import sample as run_sample
+    from pipegpt.tools.sample import check_settings
+    from pipegpt.tools.sample import sample as run_sample
 
     check_settings(max_new_tokens, temperature, top_k)  # refused before the checkpoint is read
     result = run_sample(path, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, device)
@@ -719,7 +719,7 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
     \b
     pipegpt hellaswag ckpt/gpt2 --file hellaswag_val.jsonl --limit 1000 --json
     """
-    from pipegpt.hellaswag import evaluate
+    from pipegpt.tools.hellaswag import evaluate
 
     result = evaluate(path, jsonl, limit, tokenizer, device)
     if as_json:

@@ -14,7 +14,7 @@ def _one_process_name(name: str, cfg) -> str:
 
 
 def _serve(conn, cfg) -> None:
-    from pipegpt.driver import Job
+    from pipegpt.train.driver import Job
 
     job = None
     try:

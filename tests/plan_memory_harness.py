@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipegpt.config import ModelConfig
-from pipegpt.model import GPT
+from pipegpt.model.gpt import GPT
 from pipegpt.schedule import Kind, Plan
 from pipegpt.stages import Stage, partition_layers
 
@@ -108,7 +108,7 @@ class Layout:
 
 
 def build_stages(layout: Layout, plan: Plan, rank: int, tp_rank: int = 0, group=None) -> dict[int, Stage]:
-    """The Stages of pipeline rank `rank`, as pipegpt.worker builds them."""
+    """The Stages of pipeline rank `rank`, as pipegpt.train.worker builds them."""
     from pipegpt.tensor_parallel.layers import shard_for_tp
 
     cfg = layout.model
@@ -235,7 +235,7 @@ def free_port() -> int:
 
 
 def rank_modules(model: ModelConfig, stages: list[tuple[range, bool, bool]], dtype=torch.float32) -> list[GPT]:
-    """One rank's slices as pipegpt.worker builds them (both ends of a V-shape share the tied tensor)."""
+    """One rank's slices as pipegpt.train.worker builds them (both ends of a V-shape share the tied tensor)."""
     modules = [GPT(model, layers=layers, embed=embed, head=head, init_seed=3).to(dtype=dtype)
                for layers, embed, head in stages]
     ends = [m for m in modules if m.embed], [m for m in modules if m.head]
@@ -247,7 +247,7 @@ def rank_modules(model: ModelConfig, stages: list[tuple[range, bool, bool]], dty
 def optimizer_state_bytes(modules: list[GPT], zero_group=None) -> dict:
     """Step pipegpt's optimizer (AdamW, or ZeRO-1 over zero_group) once and count its real state."""
     from pipegpt.config import OptimizerConfig
-    from pipegpt.optim import make_optimizer
+    from pipegpt.train.optim import make_optimizer
 
     seen, named = set(), []
     for m in modules:

@@ -87,8 +87,8 @@ def test_plan_loads_no_torch():
     answers without loading torch, and nothing it imports needs torch either."""
     mods = submodules("pipegpt.plan")
     assert {"pipegpt.plan", "pipegpt.plan.memory"} <= set(mods)
-    check(mods, ("pipegpt.model", "pipegpt.stages", "pipegpt.comm", "pipegpt.tensor_parallel.layers",
-                 "pipegpt.tensor_parallel.collectives", "pipegpt.runtime", "pipegpt.worker", "pipegpt.driver"),
+    check(mods, ("pipegpt.model.gpt", "pipegpt.stages", "pipegpt.comm", "pipegpt.tensor_parallel.layers",
+                 "pipegpt.tensor_parallel.collectives", "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"),
           forbid_torch=True)
 
 
@@ -96,18 +96,18 @@ def test_stages_load_no_comm_tensor_parallel_schedule_runtime():
     mods = submodules("pipegpt.stages")
     assert "pipegpt.stages" in mods and "pipegpt.stages.stage" in mods
     check(mods, ("pipegpt.comm", "pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.runtime",
-                 "pipegpt.worker", "pipegpt.driver"))
+                 "pipegpt.train.worker", "pipegpt.train.driver"))
 
 
 def test_model_loads_no_comm_tensor_parallel_schedule_stages_runtime():
-    check(["pipegpt.model"], ("pipegpt.comm", "pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.stages",
-                              "pipegpt.runtime", "pipegpt.worker", "pipegpt.driver"))
+    check(["pipegpt.model.gpt"], ("pipegpt.comm", "pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.stages",
+                              "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"))
 
 
 def test_split_backward_loads_no_model_comm_tensor_parallel_schedule_or_stages():
-    check(["pipegpt.split_backward"], ("pipegpt.model", "pipegpt.comm", "pipegpt.tensor_parallel",
+    check(["pipegpt.model.split_backward"], ("pipegpt.model.gpt", "pipegpt.comm", "pipegpt.tensor_parallel",
                                        "pipegpt.schedule", "pipegpt.stages", "pipegpt.runtime",
-                                       "pipegpt.worker", "pipegpt.driver"))
+                                       "pipegpt.train.worker", "pipegpt.train.driver"))
 
 
 def test_tensor_parallel_loads_no_comm_schedule_stages_runtime():
@@ -115,23 +115,23 @@ def test_tensor_parallel_loads_no_comm_schedule_stages_runtime():
     assert {"pipegpt.tensor_parallel.layout", "pipegpt.tensor_parallel.collectives",
             "pipegpt.tensor_parallel.layers"} <= set(mods)
     check(mods, ("pipegpt.comm", "pipegpt.schedule", "pipegpt.stages", "pipegpt.runtime",
-                 "pipegpt.worker", "pipegpt.driver"))
+                 "pipegpt.train.worker", "pipegpt.train.driver"))
 
 
 def test_tensor_parallel_layout_loads_no_torch_model_or_collectives():
     """The layouts serve torch-free code and checkpoints: importing the package, or its layout,
     loads neither torch nor the layers and collectives."""
     for mods in (["pipegpt.tensor_parallel.layout"], ["pipegpt.tensor_parallel"]):
-        check(mods, ("pipegpt.tensor_parallel.collectives", "pipegpt.tensor_parallel.layers", "pipegpt.model",
-                     "pipegpt.split_backward", "pipegpt.comm", "pipegpt.stages", "pipegpt.schedule",
-                     "pipegpt.runtime", "pipegpt.worker", "pipegpt.driver"), forbid_torch=True)
+        check(mods, ("pipegpt.tensor_parallel.collectives", "pipegpt.tensor_parallel.layers", "pipegpt.model.gpt",
+                     "pipegpt.model.split_backward", "pipegpt.comm", "pipegpt.stages", "pipegpt.schedule",
+                     "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"), forbid_torch=True)
 
 
 def test_comm_loads_no_tensor_parallel_schedule_stages_model_runtime():
     mods = submodules("pipegpt.comm")
     assert {"pipegpt.comm.mesh", "pipegpt.comm.p2p", "pipegpt.comm.rpc"} <= set(mods)
-    check(mods, ("pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.stages", "pipegpt.model",
-                 "pipegpt.split_backward", "pipegpt.runtime", "pipegpt.worker", "pipegpt.driver"))
+    check(mods, ("pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.stages", "pipegpt.model.gpt",
+                 "pipegpt.model.split_backward", "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"))
 
 
 def test_cli_import_loads_no_torch():
@@ -139,19 +139,19 @@ def test_cli_import_loads_no_torch():
     assert "pipegpt.cli" in found["pipegpt"]
     assert not [t for t in found["third_party"] if t.startswith("torch")], found
     # Nor anything that needs torch.
-    assert not [n for n in found["pipegpt"] if _under(n, ("pipegpt.model", "pipegpt.stages", "pipegpt.comm",
-                                                          "pipegpt.runtime", "pipegpt.worker",
-                                                          "pipegpt.driver"))], found
+    assert not [n for n in found["pipegpt"] if _under(n, ("pipegpt.model.gpt", "pipegpt.stages", "pipegpt.comm",
+                                                          "pipegpt.runtime", "pipegpt.train.worker",
+                                                          "pipegpt.train.driver"))], found
 
 
 def test_the_probe_sees_torch():
     """The probe can fail: importing a torch-using module does show torch and the pipegpt modules."""
     found = loaded(*submodules("pipegpt.stages"))  # what the stages test above imports
     assert "torch" in found["third_party"]
-    assert {"pipegpt.model", "pipegpt.stages.stage"} <= set(found["pipegpt"])
+    assert {"pipegpt.model.gpt", "pipegpt.stages.stage"} <= set(found["pipegpt"])
 
 
 def test_config_and_devices_load_no_torch():
     """validate() runs before any worker exists, in a process that need not load torch."""
-    check(["pipegpt.config", "pipegpt.devices"], ("pipegpt.schedule", "pipegpt.model", "pipegpt.comm"),
+    check(["pipegpt.config", "pipegpt.train.placement"], ("pipegpt.schedule", "pipegpt.model.gpt", "pipegpt.comm"),
           forbid_torch=True)

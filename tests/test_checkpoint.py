@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipegpt import checkpoint
+from pipegpt.train import checkpoint
 from pipegpt.config import ModelConfig, TrainConfig
 
 from cluster_host import ClusterHost

@@ -23,10 +23,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from pipegpt import checkpoint  # noqa: E402
+from pipegpt.train import checkpoint  # noqa: E402
 from pipegpt.cli import main  # noqa: E402
-from pipegpt.data import BatchSampler, ByteTokenizer, builtin_tokens  # noqa: E402
-from pipegpt.sample import load_model  # noqa: E402
+from pipegpt.data.loader import BatchSampler  # noqa: E402
+from pipegpt.data.tokenizers import ByteTokenizer
+from pipegpt.data.tokens import builtin_tokens
+from pipegpt.tools.sample import load_model  # noqa: E402
 
 PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

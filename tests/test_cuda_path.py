@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from pipegpt.comm.p2p import CommError, Message, PointToPoint
-from pipegpt.devices import cuda_device_index, local_world_size, resolve_device, under_torchrun
+from pipegpt.train.placement import cuda_device_index, local_world_size, resolve_device, under_torchrun
 from pipegpt.tensor_parallel import collectives as tpc
-from pipegpt.worker import Worker, actor_method
+from pipegpt.train.worker import Worker, actor_method
 
 
 class BatchWork:
@@ -266,7 +266,7 @@ def _first_stage_log(monkeypatch, device_type: str) -> list[str]:
     """Rank 0 of a lowered 2-rank gpipe plan, run against a backend stand-in: the compute actions and the
     posted sends in the order they happened (receives deliver zeros at once)."""
     from pipegpt.config import MODEL_PRESETS
-    from pipegpt.model import GPT
+    from pipegpt.model.gpt import GPT
     from pipegpt.runtime import PipelineRuntime
     from pipegpt.schedule import build_plan, lower
     from pipegpt.stages import Stage

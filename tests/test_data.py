@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipegpt.data import (BatchSampler, ByteTokenizer, DataError, builtin_text, builtin_tokens, get_tokenizer,
-                          load_token_file, write_token_file)
+from pipegpt.data.loader import BatchSampler
+from pipegpt.data.tokenizers import ByteTokenizer, DataError, get_tokenizer
+from pipegpt.data.tokens import builtin_text, builtin_tokens, load_token_file, write_token_file
 
 
 def test_builtin_corpus_is_python_help_topics():
@@ -115,14 +116,14 @@ def test_sampler_on_memmap_and_edge_sizes(tmp_path):
 # The per-rank loader
 
 def _loader(tokens, dp_index, inputs=True, targets=True):
-    from pipegpt.data import RankLoader
+    from pipegpt.data.loader import RankLoader
 
     return RankLoader(tokens, seq_len=8, microbatches=3, microbatch_size=2, dp=2, dp_index=dp_index, seed=5,
                       inputs=inputs, targets=targets)
 
 
 def test_rank_loader_gives_its_replica_the_reference_batch_slice():
-    from pipegpt.data import BatchSampler
+    from pipegpt.data.loader import BatchSampler
 
     tokens = np.arange(1000, dtype=np.uint16) % 251
     reference = BatchSampler(tokens, batch_size=2 * 3 * 2, seq_len=8, seed=5)
@@ -158,7 +159,7 @@ def test_rank_loader_position_is_a_state_that_restores():
 
 def _shards(tmp_path, sizes):
     """A prepared-style directory of llm.c shards holding 0, 1, 2, ... split at `sizes`; and the whole array."""
-    from pipegpt.data import shard_header
+    from pipegpt.data.tokens import shard_header
 
     whole = (np.arange(sum(sizes)) % 60000).astype(np.uint16)
     start = 0
@@ -169,7 +170,7 @@ def _shards(tmp_path, sizes):
 
 
 def test_open_tokens_reads_a_flat_file_like_load_token_file(tmp_path):
-    from pipegpt.data import open_tokens
+    from pipegpt.data.tokens import open_tokens
 
     path = tmp_path / "train.bin"
     write_token_file(path, np.arange(50))
@@ -180,7 +181,7 @@ def test_open_tokens_reads_a_flat_file_like_load_token_file(tmp_path):
 
 
 def test_token_shards_index_like_one_array(tmp_path):
-    from pipegpt.data import TokenShards, open_tokens
+    from pipegpt.data.tokens import TokenShards, open_tokens
 
     whole = _shards(tmp_path, [100, 1, 57, 0, 200])
     tokens = open_tokens(tmp_path)
@@ -201,7 +202,8 @@ def test_token_shards_index_like_one_array(tmp_path):
 
 
 def test_sampler_and_rank_loader_on_shards_equal_one_array(tmp_path):
-    from pipegpt.data import RankLoader, open_tokens
+    from pipegpt.data.loader import RankLoader
+    from pipegpt.data.tokens import open_tokens
 
     whole = _shards(tmp_path, [300, 10, 300])
     tokens = open_tokens(tmp_path)

@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from pipegpt.config import ModelConfig, TrainConfig
-from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer
-from pipegpt.driver import evaluation_plan
-from pipegpt.model import build_reference_model
+from pipegpt.data.loader import BatchSampler
+from pipegpt.data.tokenizers import get_tokenizer
+from pipegpt.data.tokens import builtin_tokens
+from pipegpt.train.driver import evaluation_plan
+from pipegpt.model.gpt import build_reference_model
 from pipegpt.schedule import SCHEDULES, ScheduleError, build_plan, lower, validate
 
 from cluster_host import ClusterHost

@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from pipegpt.config import ModelConfig, TrainConfig  # noqa: E402
-from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer  # noqa: E402
-from pipegpt.model import build_reference_model  # noqa: E402
+from pipegpt.data.loader import BatchSampler  # noqa: E402
+from pipegpt.data.tokenizers import get_tokenizer
+from pipegpt.data.tokens import builtin_tokens
+from pipegpt.model.gpt import build_reference_model  # noqa: E402
 
 from cluster_host import ClusterHost  # noqa: E402
 

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from pipegpt import checkpoint
+from pipegpt.train import checkpoint
 from pipegpt.cli import main
 from pipegpt.config import ModelConfig
-from pipegpt.data import ByteTokenizer
-from pipegpt.hellaswag import Example, ending_losses, evaluate, render
-from pipegpt.model import GPT
+from pipegpt.data.tokenizers import ByteTokenizer
+from pipegpt.tools.hellaswag import Example, ending_losses, evaluate, render
+from pipegpt.model.gpt import GPT
 
 MODEL = ModelConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=32)
 EXAMPLES = [  # bytes tokenizer: one token per character; seq_len 32
@@ -175,7 +175,7 @@ def test_during_a_pipelined_run_it_scores_the_model_the_checkpoint_holds(tmp_pat
     import sys
     from pathlib import Path
 
-    from pipegpt.sample import load_model
+    from pipegpt.tools.sample import load_model
 
     labels = [0, 1, 2, 3, 0, 1]
     data = write_jsonl(tmp_path / "hs.jsonl", labels)

@@ -8,8 +8,8 @@ import torch
 from torch.testing import assert_close
 
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig, model_config
-from pipegpt.model import GPT, build_reference_model, slice_state_dict
-from pipegpt.split_backward import SplitLinear, defer_weight_grads
+from pipegpt.model.gpt import GPT, build_reference_model, slice_state_dict
+from pipegpt.model.split_backward import SplitLinear, defer_weight_grads
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, n_layer=5, n_head=4, n_embd=32)
 SEED = 1234
@@ -225,7 +225,7 @@ def test_deferred_grads_accumulate_with_tied_full_model():
 def test_defer_contexts_nest_and_backward_runs_on_calling_thread():
     import threading
 
-    from pipegpt import split_backward
+    from pipegpt.model import split_backward
 
     lin = SplitLinear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
@@ -341,9 +341,10 @@ def test_presets():
 
 
 def test_model_imports_no_process_code():
-    code = ("import sys, pipegpt.model, pipegpt.data; "
+    code = ("import sys, pipegpt.model.gpt, pipegpt.data.tokenizers, pipegpt.data.tokens, pipegpt.data.loader; "
             "print(sorted(m for m in sys.modules if m.startswith('pipegpt') or m == 'tiktoken'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
-    assert set(eval(out.stdout)) <= {"pipegpt", "pipegpt.config", "pipegpt.model", "pipegpt.split_backward",
-                                     "pipegpt.data"}
+    assert set(eval(out.stdout)) <= {"pipegpt", "pipegpt.config", "pipegpt.model", "pipegpt.model.gpt",
+                                     "pipegpt.model.split_backward", "pipegpt.data", "pipegpt.data.tokenizers",
+                                     "pipegpt.data.tokens", "pipegpt.data.loader"}

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from pipegpt.config import ModelConfig, TrainConfig
-from pipegpt.data import BatchSampler, builtin_tokens, get_tokenizer
-from pipegpt.model import build_reference_model
+from pipegpt.data.loader import BatchSampler
+from pipegpt.data.tokenizers import get_tokenizer
+from pipegpt.data.tokens import builtin_tokens
+from pipegpt.model.gpt import build_reference_model
 from pipegpt.schedule import SCHEDULES, ScheduleError, build_plan
 from pipegpt.schedule.schedule_file import load_schedule_file
-from pipegpt.driver import check
-from pipegpt.optim import lr_at, make_optimizer, set_lr
+from pipegpt.train.driver import check
+from pipegpt.train.optim import lr_at, make_optimizer, set_lr
 
 from cluster_host import ClusterHost
 

@@ -5,7 +5,7 @@
   held-activation peaks read from cached live sets equal the memory model's walk; branch and bound finds
   what evaluating every candidate finds.
 * a plan said to fit is never refused by `pipegpt run`'s own checks: its printed command, parsed by the CLI
-  itself, builds a TrainConfig that pipegpt.driver.check accepts (validate, plan, partition, ...).
+  itself, builds a TrainConfig that pipegpt.train.driver.check accepts (validate, plan, partition, ...).
 * bad input: one line, exit status 2.
 * speed: GPT-3 175B on 1,000 GPUs in well under a minute.
 * slow (-m slow): predicted order of measured layouts (Spearman, costs calibrated from one run), and the
@@ -207,7 +207,7 @@ SEARCHES = [
 @pytest.mark.parametrize("model,batch,where", SEARCHES, ids=["gpt2-h100", "gpt2-medium-a100", "odd-vocab-l4",
                                                              "gpt2-large-untied-l4"])
 def test_plans_that_fit_pass_pipegpt_runs_checks(model, batch, where):
-    from pipegpt.driver import check
+    from pipegpt.train.driver import check
 
     cluster = make_cluster(**where, precision="bf16")
     res = search(Request(model, batch, cluster, AnalyticalCosts(cluster), top=4, explain=True))

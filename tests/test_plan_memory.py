@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from plan_memory_harness import (Layout, free_port, optimizer_state_bytes, rank_modules, replay_rank,
                                  saved_tensor_bytes, tp_worker)
 from pipegpt.config import ConfigError, MODEL_PRESETS, ModelConfig
-from pipegpt.model import GPT
+from pipegpt.model.gpt import GPT
 from pipegpt.plan.memory import (MemoryBreakdown, activation_bytes, deferred_bytes, memory_precision,
                                  parameter_count, peak_activation_bytes, plan_memory, rank_memory,
                                  stage_activation_bytes, stage_parameter_shapes, state_bytes, zero_partition)

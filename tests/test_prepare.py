@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from pipegpt.cli import main
-from pipegpt.data import (SHARD_MAGIC, ByteTokenizer, DataError, TokenShards, get_tokenizer, open_tokens,
-                          write_token_file)
-from pipegpt.prepare import prepare
+from pipegpt.data.tokenizers import ByteTokenizer, DataError, get_tokenizer
+from pipegpt.data.tokens import SHARD_MAGIC, TokenShards, open_tokens, write_token_file
+from pipegpt.data.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
@@ -137,7 +137,7 @@ def test_prepare_gpt2_round_trip_with_end_of_text(texts, tmp_path):
 
 
 def test_prepare_loads_no_torch():
-    code = "import sys, pipegpt.prepare; print(any(m.split('.')[0] == 'torch' for m in sys.modules))"
+    code = "import sys, pipegpt.data.prepare; print(any(m.split('.')[0] == 'torch' for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
 
@@ -186,7 +186,7 @@ def test_prepare_refuses_missing_input_and_gpt2_offline(tmp_path):
 
 
 def test_an_unfinished_prepare_does_not_read_as_whole(texts, tmp_path, monkeypatch):
-    import pipegpt.prepare as prep
+    import pipegpt.data.prepare as prep
 
     calls = []
 
@@ -356,7 +356,7 @@ def test_run_refuses_bad_data_before_any_worker_starts(tmp_path, case):
 
 def test_check_refuses_gpt2_offline_in_one_line():
     from pipegpt.config import ModelConfig, TrainConfig
-    from pipegpt.driver import check
+    from pipegpt.train.driver import check
 
     try:
         get_tokenizer("gpt2")
@@ -371,7 +371,7 @@ def test_check_refuses_gpt2_offline_in_one_line():
 
 def test_documents_start_with_the_end_of_text_token(texts, tmp_path, monkeypatch):
     """What gpt2 does, offline: a tokenizer with an end-of-text token puts it before every document."""
-    import pipegpt.prepare as prep
+    import pipegpt.data.prepare as prep
 
     class WithEot(ByteTokenizer):
         name, vocab_size, eot_token = "bytes+eot", 257, 256

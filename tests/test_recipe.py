@@ -18,9 +18,11 @@ from click.testing import CliRunner
 
 from pipegpt.cli import main
 from pipegpt.config import MODEL_PRESETS, ModelConfig, OptimizerConfig, TrainConfig
-from pipegpt.metrics import device_peak_tflops, flops_per_token, matmul_parameters, step_metrics
-from pipegpt.model import GPT
-from pipegpt.optim import lr_at
+from pipegpt.model.flops import flops_per_token, matmul_parameters
+from pipegpt.plan.devices import device_peak_tflops
+from pipegpt.train.metrics import step_metrics
+from pipegpt.model.gpt import GPT
+from pipegpt.train.optim import lr_at
 from pipegpt.stages import Stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +129,7 @@ def test_bf16_stage_keeps_the_residual_stream_and_gradients_fp32():
 
 def _serve(conn, cfgs: list[TrainConfig], steps: int) -> None:
     """Child process (RPC initialises once per process): train each config for `steps` steps on one job."""
-    from pipegpt.driver import Job
+    from pipegpt.train.driver import Job
 
     job = None
     try:

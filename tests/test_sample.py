@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from pipegpt import checkpoint
+from pipegpt.train import checkpoint
 from pipegpt.cli import main
 from pipegpt.config import ModelConfig
-from pipegpt.data import ByteTokenizer
-from pipegpt.model import GPT
-from pipegpt.sample import generate, load_model, sample
+from pipegpt.data.tokenizers import ByteTokenizer
+from pipegpt.model.gpt import GPT
+from pipegpt.tools.sample import generate, load_model, sample
 
 MODEL = ModelConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=4, n_embd=32)
 PROMPT = "def f(x):"  # 9 tokens: with 24 new ones the context outgrows seq_len=16 and is cropped

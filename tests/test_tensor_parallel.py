@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from pipegpt.config import ConfigError, ModelConfig
-from pipegpt.model import GPT
-from pipegpt.split_backward import SplitLinear, defer_weight_grads
+from pipegpt.model.gpt import GPT
+from pipegpt.model.split_backward import SplitLinear, defer_weight_grads
 from pipegpt.config import validate_tp
 from pipegpt.tensor_parallel import (DIM0, DIM1, QKV_DIM0, REPLICATED, gather_full, gather_state_dicts,
                                      shard_state_dict, shard_tensor, tp_shard_spec)

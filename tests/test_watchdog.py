@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from pipegpt.watchdog import STALL_FACTOR, STALL_FLOOR_S, WARMUP_STEPS, find_culprit, format_table, stall_threshold
+from pipegpt.train.watchdog import STALL_FACTOR, STALL_FLOOR_S, WARMUP_STEPS, find_culprit, format_table, stall_threshold
 from test_failures import PIPEGPT, Job, _env, _workers
 
 TIMEOUT_S = 60  # the communication timeout the run is given: the watchdog must act far sooner

@@ -9,7 +9,7 @@ Analytical model (AnalyticalCosts), per microbatch of `mbs` sequences of T token
 vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficiency e:
 
 * a block's forward: FLOPs_fwd = mbs * (24 T C^2 + 4 T^2 C) / tp (the matmuls and attention's two T x T
-  products: pipegpt.metrics.flops_per_token / 3 per layer and token) -> F = FLOPs_fwd / (P e), B = 2F,
+  products: pipegpt.train.metrics.flops_per_token / 3 per layer and token) -> F = FLOPs_fwd / (P e), B = 2F,
   I = W = F. A pass never takes less than the host needs to launch it (`layer_overhead_s`, default 100 us
   per block forward, twice that backward: eager PyTorch issues a dozen or two kernels per block and pass);
   the GPU runs ahead of the host otherwise, so the larger of the two counts, not their sum.

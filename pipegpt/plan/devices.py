@@ -2,7 +2,7 @@
 
 A preset is one GPU model in the node it usually comes in. Figures and where they come from:
 
-* peak TFLOPS: dense (no 2:4 sparsity), from pipegpt.metrics.PEAK_TFLOPS (NVIDIA's datasheets), the same
+* peak TFLOPS: dense (no 2:4 sparsity), PEAK_TFLOPS below (NVIDIA's datasheets), the same
   table MFU is measured against: bf16 = BF16 tensor cores, fp32 = TF32 tensor cores (what precision=fp32
   runs its matmuls on; plain FP32 on the V100, which has no TF32).
 * memory: the datasheet's capacity (80 GB HBM is 80 GiB of memory chips; the planner compares its
@@ -31,13 +31,44 @@ GiB = 2**30
 GB = 10**9
 
 
+# Peak dense TFLOPS of one GPU (no 2:4 structured sparsity: where a datasheet gives only the sparse figure,
+# it is halved), by a pattern on torch.cuda.get_device_name(). "bf16": BF16 tensor cores with FP32
+# accumulation. "fp32": what precision=fp32 runs its matmuls on, TF32 tensor cores (the worker enables TF32
+# on CUDA, as nanoGPT), except on the V100, which has no TF32 (and no BF16) tensor cores: plain FP32.
+# Sources: NVIDIA's datasheets for H100 (SXM, PCIe, NVL), H200 (SXM, NVL), A100, L4, A10 and V100, and
+# the Ada Lovelace architecture whitepaper (appendix, GeForce RTX 4090). The A10G is AWS's A10 variant,
+# with no datasheet of its own: the A10's figures are used. --peak-tflops overrides this table.
+PEAK_TFLOPS: list[tuple[str, float | None, float]] = [  # (pattern, bf16, fp32); the first match wins
+    (r"H100.*NVL", 835.5, 417.5),
+    (r"H100.*PCIE", 756.5, 378.0),
+    (r"H100", 989.5, 494.5),
+    (r"H200.*NVL", 835.5, 417.5),
+    (r"H200", 989.5, 494.5),
+    (r"A100", 312.0, 156.0),
+    (r"\bL4\b", 121.0, 60.0),
+    (r"\bA10G?\b", 125.0, 62.5),
+    (r"V100S", None, 16.4),
+    (r"V100.*PCIE", None, 14.0),
+    (r"V100", None, 15.7),
+    (r"RTX 4090", 165.2, 82.6),
+]
+
+
+def device_peak_tflops(device_name: str, precision: str) -> float | None:
+    """One device's peak TFLOPS at `precision` ("bf16" or "fp32") from PEAK_TFLOPS; None if not listed."""
+    for pattern, bf16, fp32 in PEAK_TFLOPS:
+        if re.search(pattern, device_name.upper()):
+            return bf16 if precision == "bf16" else fp32
+    return None
+
+
 @dataclass(frozen=True)
 class Device:
     """One GPU model as it is usually deployed (see the module docstring for the sources)."""
 
     name: str
     description: str
-    peak_pattern: str  # a name pipegpt.metrics.device_peak_tflops recognises
+    peak_pattern: str  # a name device_peak_tflops recognises
     memory_bytes: int
     hbm_bytes_per_s: float
     intra_node_bytes_per_s: float  # per GPU and direction
@@ -45,8 +76,6 @@ class Device:
     gpus_per_node: int = 8
 
     def peak_tflops(self, precision: str) -> float | None:
-        from pipegpt.metrics import device_peak_tflops
-
         return device_peak_tflops(self.peak_pattern, precision)
 
 

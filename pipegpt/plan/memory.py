@@ -30,7 +30,7 @@ ln1, ln2 (weight, bias: replicated), attn.qkv [3h/tp, h] + bias [3h/tp], attn.pr
 [h] (replicated: added once after the reduce), mlp.fc [4h/tp, h] + bias [4h/tp], mlp.proj
 [h, 4h/tp] + bias [h]; the head ln_f and lm_head [Vp/tp, h] (no bias). With tied embeddings a slice
 holding both ends shares one tensor, and so does a rank holding both ends of a V-shape
-(pipegpt.worker makes them one tensor); a head stage on another rank than the embedding keeps its own
+(pipegpt.train.worker makes them one tensor); a head stage on another rank than the embedding keeps its own
 copy of wte.
 
 State (exact)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
+from pipegpt.model.flops import flops_per_token
 from pipegpt.schedule import SCHEDULES, ScheduleError, build_plan
 from pipegpt.schedule.actions import Kind
 from pipegpt.schedule.simulate import Costs, simulate
@@ -799,7 +800,6 @@ class _Search:
         memory = [_parts(x) for x in mem]
         peak_rank = max(range(len(memory)), key=lambda r: memory[r]["total"])
         tokens = self.req.batch_size * model.seq_len
-        from pipegpt.metrics import flops_per_token
 
         mfu = flops_per_token(model) * tokens / step / (L.world * c.peak_flops) if c.peak_flops else None
         # Where the busiest rank's time goes.
@@ -965,7 +965,6 @@ def no_fit_message(res: SearchResult) -> str:
 
 
 def describe_model(model: ModelConfig) -> str:
-    from pipegpt.metrics import flops_per_token
 
     params = memory_model.parameter_count(model, model.n_layer, True, True, 1)
     flops = format_count(flops_per_token(model), " ")

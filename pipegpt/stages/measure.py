@@ -14,7 +14,7 @@ import time
 import torch
 
 from pipegpt.config import ModelConfig
-from pipegpt.model import GPT
+from pipegpt.model.gpt import GPT
 from pipegpt.stages.stage import Stage
 
 PIECES = ("embed", "block", "head")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch.autograd import Variable
 
-from pipegpt.model import GPT
-from pipegpt.split_backward import defer_weight_grads
+from pipegpt.model.gpt import GPT
+from pipegpt.model.split_backward import defer_weight_grads
 
 
 class Stage:

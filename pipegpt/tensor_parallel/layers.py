@@ -34,7 +34,7 @@ Dropout: tp ranks must seed torch identically, so dropout in replicated regions 
 sharded regions (attention heads, sequence chunks) then repeat across ranks: correct in
 expectation, but not the one-process masks (nothing with dropout > 0 matches one process).
 
-Sharded linears stay pipegpt.split_backward.SplitLinear, so defer_weight_grads() defers their
+Sharded linears stay pipegpt.model.split_backward.SplitLinear, so defer_weight_grads() defers their
 weight grads (and the row-parallel biases', added after the reduce with add_bias); W closures
 never communicate.
 
@@ -50,8 +50,8 @@ import torch
 import torch.nn as nn
 
 from pipegpt.config import ConfigError
-from pipegpt.model import GPT
-from pipegpt.split_backward import SplitLinear, add_bias, split_linear
+from pipegpt.model.gpt import GPT
+from pipegpt.model.split_backward import SplitLinear, add_bias, split_linear
 from pipegpt.tensor_parallel.collectives import (copy_to_tp, gather_from_sequence, group_size, reduce_from_tp,
                                                  reduce_scatter_to_sequence, vocab_parallel_cross_entropy)
 from pipegpt.config import validate_tp

@@ -17,17 +17,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from pipegpt import checkpoint
+from pipegpt.train import checkpoint
 from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import ConfigError, TrainConfig
-from pipegpt.devices import local_world_size, resolve_device, under_torchrun
-from pipegpt.metrics import RunLog, StepMetrics, step_metrics
-from pipegpt.profile import problem_line
+from pipegpt.train.placement import local_world_size, resolve_device, under_torchrun
+from pipegpt.train.metrics import RunLog, StepMetrics, step_metrics
+from pipegpt.train.profile import problem_line
 from pipegpt.schedule import Plan, ScheduleError, build_plan, lower, validate
 from pipegpt.schedule.schedule_file import load_schedule_file
 from pipegpt.stages import partition_layers
-from pipegpt.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold
-from pipegpt.worker import Worker
+from pipegpt.train.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold
+from pipegpt.train.worker import Worker
 
 
 def make_plan(cfg: TrainConfig) -> Plan:
@@ -56,7 +56,8 @@ def check(cfg: TrainConfig) -> Plan:
     """Everything that can be refused before a worker starts; returns the plan."""
     import torch
 
-    from pipegpt.data import get_tokenizer, open_tokens
+    from pipegpt.data.tokenizers import get_tokenizer
+    from pipegpt.data.tokens import open_tokens
 
     cfg.validate(os.environ)
     if cfg.data.data is not None:  # headers, sizes, token ids below the vocabulary, enough tokens, the tokenizer
@@ -67,7 +68,7 @@ def check(cfg: TrainConfig) -> Plan:
         get_tokenizer(cfg.data.tokenizer)
     start_from(cfg)
     if cfg.eval.hellaswag:
-        from pipegpt.hellaswag import read_examples
+        from pipegpt.tools.hellaswag import read_examples
 
         if not cfg.eval.eval_every:
             raise ConfigError("--hellaswag scores the model at evaluation steps: give --eval-every N too")
@@ -167,7 +168,7 @@ class Job:
 
     def step(self, step: int) -> list[dict]:
         """One step on every rank, watched: one that runs far longer than the steps before it ends the job,
-        naming the rank that holds the others up (pipegpt.watchdog), well before the communication timeout."""
+        naming the rank that holds the others up (pipegpt.train.watchdog), well before the communication timeout."""
         threshold, t0 = stall_threshold(self.step_times), time.perf_counter()
         results = self.cluster.call("step", step, stall_after_s=threshold,
                                     on_stall=lambda waited: self._stalled(step, waited, threshold))
@@ -205,7 +206,7 @@ class Job:
         """The whole model in this process: every rank's parameters by one-process name, tensor-parallel
         shards joined (data-parallel replica 0). For evaluations that need all of it at once (HellaSwag)."""
         from pipegpt.comm.mesh import Grid
-        from pipegpt.model import GPT
+        from pipegpt.model.gpt import GPT
         from pipegpt.tensor_parallel import gather_full
 
         p = self.cfg.parallel
@@ -223,7 +224,7 @@ class Job:
 
     def hellaswag(self, examples) -> tuple[float, float]:
         """(acc, acc_norm) of the current model on HellaSwag examples."""
-        from pipegpt.hellaswag import score
+        from pipegpt.tools.hellaswag import score
 
         correct, correct_norm = score(self.gathered_model(), examples, self.cfg.data.tokenizer,
                                       self.cfg.eval.hellaswag)
@@ -261,7 +262,7 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics, list[dict]], No
     traced = set(cfg.runtime.traced_steps())
     hellaswag = None
     if cfg.eval.hellaswag:
-        from pipegpt.hellaswag import read_examples
+        from pipegpt.tools.hellaswag import read_examples
 
         hellaswag = read_examples(cfg.eval.hellaswag)
     profiled = sorted(s for s in traced if s >= job.first_step) if cfg.runtime.profile else []

@@ -1,10 +1,10 @@
-"""Tokens for training: a built-in offline corpus, tokenizers, token files, batches.
+"""Token data: a built-in offline corpus and token files, memory-mapped.
 
 The built-in corpus is the text of Python's own help topics
 (`pydoc_data.topics.topics`), so a run needs no download.
 
 open_tokens(path, split) reads a split ("train" or "val") of any of these, memory-mapped:
-  - a directory made by `pipegpt prepare` (pipegpt.prepare): llm.c shards `train_000000.bin`, ...,
+  - a directory made by `pipegpt prepare` (pipegpt.data.prepare): llm.c shards `train_000000.bin`, ...,
     `val_000000.bin`, ... and `meta.json` (tokenizer, vocabulary, token counts, max token id);
   - nanoGPT's directory: `train.bin` and `val.bin`, flat uint16 arrays;
   - llm.c's shards: `*_train_*.bin` / `*_val_*.bin` (or `*_train.bin`, `train_*.bin`): a header of 256
@@ -12,10 +12,7 @@ open_tokens(path, split) reads a split ("train" or "val") of any of these, memor
   - one file, flat uint16 (nanoGPT's train.bin) or one llm.c shard: the train split (no val split).
 Several shards of a split read as one array (TokenShards), in file-name order.
 
-BatchSampler draws random windows deterministically from (seed, step), so
-every process computes the same batch for a step without communicating.
-
-This module imports torch only where it makes tensors (windows), so `pipegpt prepare` runs without it.
+No torch here, so `pipegpt prepare` runs without it.
 """
 from __future__ import annotations
 
@@ -24,14 +21,9 @@ import json
 import os
 import re
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from pipegpt.config import ConfigError, TOKENIZERS
-
-if TYPE_CHECKING:
-    import torch
+from pipegpt.data.tokenizers import ByteTokenizer, DataError
 
 SHARD_MAGIC = 20240520       # llm.c's token shard: header of 256 int32 ...
 SHARD_VERSION = 1            # ... version 1: uint16 tokens (llm.c's version 2 holds uint32 tokens)
@@ -39,63 +31,6 @@ SHARD_HEADER_INTS = 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
-
-
-class DataError(ConfigError):
-    """Data or a tokenizer cannot be loaded (one-line, user-facing message).
-
-    A ConfigError (the --data or --tokenizer value is unusable), so the CLI, which catches ConfigError
-    without importing this module, prints it as one `Error:` line with exit status 2.
-    """
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, no download, no unknown tokens."""
-
-    name = "bytes"
-    vocab_size = 256
-    eot_token = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
-class TiktokenTokenizer:
-    """GPT-2 BPE via tiktoken (vocabulary 50257; end of text is token 50256)."""
-
-    def __init__(self, name: str = "gpt2"):
-        try:
-            import tiktoken
-
-            self._enc = tiktoken.get_encoding(name)
-        except Exception as e:  # tiktoken downloads its BPE file on first use
-            first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-            raise DataError(
-                f"cannot load the tiktoken {name!r} tokenizer: {type(e).__name__}: {first}; tiktoken needs the "
-                f"network once to fetch its BPE files: offline, set TIKTOKEN_CACHE_DIR to a directory holding "
-                f"tiktoken's cache from a machine that fetched them (by default <tmp>/data-gym-cache), "
-                f"or use --tokenizer bytes"
-            ) from None
-        self.name = name
-        self.vocab_size = self._enc.n_vocab
-        self.eot_token = self._enc.eot_token
-
-    def encode(self, text: str) -> list[int]:
-        return self._enc.encode_ordinary(text)
-
-    def decode(self, ids) -> str:
-        return self._enc.decode([int(i) for i in ids])
-
-
-def get_tokenizer(name: str):
-    if name == "bytes":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return TiktokenTokenizer("gpt2")
-    raise DataError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -335,76 +270,3 @@ def open_tokens(path, split: str = "train", *, vocab_size: int | None = None, se
         raise DataError(f"{path}: {len(tokens)} {split} tokens are too few for seq_len={seq_len}: "
                         f"need at least {seq_len + 1}")
     return tokens
-
-
-class BatchSampler:
-    """Random (x, y) windows of `tokens`, y = x shifted by one, deterministic from (seed, step)."""
-
-    def __init__(self, tokens, batch_size: int, seq_len: int, seed: int = 0):
-        if batch_size < 1 or seq_len < 1:
-            raise DataError(f"batch_size={batch_size} and seq_len={seq_len} must both be >= 1")
-        if len(tokens) < seq_len + 1:
-            raise DataError(f"{len(tokens)} tokens are too few for seq_len={seq_len}: need at least {seq_len + 1}")
-        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
-        self.step = 0
-
-    def starts(self, step: int) -> np.ndarray:
-        """Where each of the step's batch_size windows starts."""
-        rng = np.random.default_rng([self.seed, step])
-        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return windows(self.tokens, self.starts(step), self.seq_len)
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch(self.step)
-        self.step += 1
-        return out
-
-    __next__ = next
-
-    def __iter__(self):
-        return self
-
-
-def windows(tokens, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y) of the windows at `starts`: y is x shifted by one token."""
-    import torch
-
-    idx = starts[:, None] + np.arange(seq_len + 1)
-    buf = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
-    return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
-
-
-class RankLoader:
-    """What one rank needs of each step: its data-parallel replica's slice of the global batch, as
-    microbatches, and only the part its stages use (inputs on the first stage, targets on the last).
-
-    It draws the same global batch as BatchSampler, which the one-process reference uses, so every
-    layout trains on the same data. Its position is a small state (state_dict) that a checkpoint keeps.
-    """
-
-    def __init__(self, tokens, seq_len: int, microbatches: int, microbatch_size: int, dp: int, dp_index: int,
-                 seed: int, inputs: bool, targets: bool):
-        per_replica = microbatches * microbatch_size
-        self.sampler = BatchSampler(tokens, dp * per_replica, seq_len, seed)
-        self.rows = slice(dp_index * per_replica, (dp_index + 1) * per_replica)
-        self.microbatch_size, self.inputs, self.targets = microbatch_size, inputs, targets
-        self.step = 0
-
-    def batch(self, step: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        """(input microbatches or None, target microbatches or None) of a step."""
-        x, y = windows(self.sampler.tokens, self.sampler.starts(step)[self.rows], self.sampler.seq_len)
-        return (list(x.split(self.microbatch_size)) if self.inputs else None,
-                list(y.split(self.microbatch_size)) if self.targets else None)
-
-    def next(self):
-        out = self.batch(self.step)
-        self.step += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])

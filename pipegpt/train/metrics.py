@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipegpt.config import ModelConfig, TrainConfig
+from pipegpt.config import TrainConfig
+from pipegpt.model.flops import flops_per_token
+from pipegpt.plan.devices import device_peak_tflops
 from pipegpt.schedule.actions import Action, Plan
 from pipegpt.schedule.render import to_chrome_trace
 from pipegpt.schedule.schedule_file import dump_schedule_text
@@ -56,54 +57,6 @@ def _control_s(results: list[dict], elapsed: float) -> float | None:
     if not all("compute_s" in r for r in results):
         return None
     return max(0.0, elapsed - max(r["compute_s"] for r in results))
-
-
-def matmul_parameters(model: ModelConfig) -> int:
-    """N of nanoGPT's FLOPs estimate: every parameter but the position embedding, the LM head (the padded
-    vocabulary's rows) counted once, tied or not (an untied token embedding is a lookup, not a matmul)."""
-    C, L, V = model.n_embd, model.n_layer, model.padded_vocab_size
-    norm = 2 * C if model.bias else C  # a LayerNorm's gain (and bias)
-    biases = 3 * C + C + 4 * C + C if model.bias else 0  # qkv, attention proj, fc, mlp proj
-    block = 2 * norm + 12 * C * C + biases
-    return L * block + norm + V * C
-
-
-def flops_per_token(model: ModelConfig) -> int:
-    """Training FLOPs per token as nanoGPT (PaLM appendix B) counts them: 6N for the forward and backward
-    matmuls of N parameters, plus 12*L*H*Q*T for attention's scores and weighted sum over T positions
-    (H heads of dimension Q). Recomputation is not counted: MFU counts the model's FLOPs, not the hardware's."""
-    return 6 * matmul_parameters(model) + 12 * model.n_layer * model.n_head * model.head_dim * model.seq_len
-
-
-# Peak dense TFLOPS of one GPU (no 2:4 structured sparsity: where a datasheet gives only the sparse figure,
-# it is halved), by a pattern on torch.cuda.get_device_name(). "bf16": BF16 tensor cores with FP32
-# accumulation. "fp32": what precision=fp32 runs its matmuls on, TF32 tensor cores (the worker enables TF32
-# on CUDA, as nanoGPT), except on the V100, which has no TF32 (and no BF16) tensor cores: plain FP32.
-# Sources: NVIDIA's datasheets for H100 (SXM, PCIe, NVL), H200 (SXM, NVL), A100, L4, A10 and V100, and
-# the Ada Lovelace architecture whitepaper (appendix, GeForce RTX 4090). The A10G is AWS's A10 variant,
-# with no datasheet of its own: the A10's figures are used. --peak-tflops overrides this table.
-PEAK_TFLOPS: list[tuple[str, float | None, float]] = [  # (pattern, bf16, fp32); the first match wins
-    (r"H100.*NVL", 835.5, 417.5),
-    (r"H100.*PCIE", 756.5, 378.0),
-    (r"H100", 989.5, 494.5),
-    (r"H200.*NVL", 835.5, 417.5),
-    (r"H200", 989.5, 494.5),
-    (r"A100", 312.0, 156.0),
-    (r"\bL4\b", 121.0, 60.0),
-    (r"\bA10G?\b", 125.0, 62.5),
-    (r"V100S", None, 16.4),
-    (r"V100.*PCIE", None, 14.0),
-    (r"V100", None, 15.7),
-    (r"RTX 4090", 165.2, 82.6),
-]
-
-
-def device_peak_tflops(device_name: str, precision: str) -> float | None:
-    """One device's peak TFLOPS at `precision` ("bf16" or "fp32") from PEAK_TFLOPS; None if not listed."""
-    for pattern, bf16, fp32 in PEAK_TFLOPS:
-        if re.search(pattern, device_name.upper()):
-            return bf16 if precision == "bf16" else fp32
-    return None
 
 
 def peak_tflops(cfg: TrainConfig, device_name: str) -> float | None:

@@ -20,7 +20,7 @@ the tied group so it can sum the group's gradients across stages.
 
 Split backward (zero-bubble I and W): every Linear in the blocks and the head
 is a SplitLinear, so a backward inside `defer_weight_grads()` leaves their
-weight/bias gradients for later. That machinery lives in pipegpt.split_backward;
+weight/bias gradients for later. That machinery lives in pipegpt.model.split_backward;
 this module holds the model only.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pipegpt.config import ConfigError, ModelConfig
-from pipegpt.split_backward import SplitLinear
+from pipegpt.model.split_backward import SplitLinear
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 TIED_NAME = "wte.weight"  # the one-process name of the tied embedding/head weight

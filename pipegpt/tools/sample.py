@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipegpt import checkpoint
+from pipegpt.train import checkpoint
 from pipegpt.config import ConfigError, ModelConfig
-from pipegpt.model import GPT
+from pipegpt.model.gpt import GPT
 
 
 class SampleError(ConfigError):
@@ -100,7 +100,7 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: fl
 def sample(path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int,
            tokenizer: str | None = None, device: str = "cpu") -> Sample:
     """Generate from a checkpoint: its tokenizer (or `tokenizer`), the prompt, then max_new_tokens more."""
-    from pipegpt.data import get_tokenizer
+    from pipegpt.data.tokenizers import get_tokenizer
 
     check_settings(max_new_tokens, temperature, top_k)
     dev = pick_device(device)

@@ -3,7 +3,7 @@
     prepare(["a.txt", "b.txt"], "data/mine", tokenizer="gpt2", val_fraction=0.01)
 
 writes `data/mine/train_000000.bin`, ..., `data/mine/val_000000.bin`, ... and `data/mine/meta.json`.
-pipegpt.data.open_tokens reads them back (`pipegpt run --data data/mine`).
+pipegpt.data.tokens.open_tokens reads them back (`pipegpt run --data data/mine`).
 
 Documents: each input file is one document. With a tokenizer that has an end-of-text token (gpt2: 50256),
 every document starts with it, as in llm.c's shards, so the model sees where documents begin; the bytes
@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from pipegpt.data import (META_FILE, SHARD_HEADER_BYTES, SPLITS, ByteTokenizer, DataError, get_tokenizer,
-                          shard_header)
+from pipegpt.data.tokenizers import ByteTokenizer, DataError, get_tokenizer
+from pipegpt.data.tokens import META_FILE, SHARD_HEADER_BYTES, SPLITS, shard_header
 
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c's shard size: 200 MB of uint16

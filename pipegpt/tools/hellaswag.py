@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from pipegpt.config import ConfigError
-from pipegpt.data import DataError, get_tokenizer
-from pipegpt.model import GPT
-from pipegpt.sample import load_model, pick_device
+from pipegpt.data.tokenizers import DataError, get_tokenizer
+from pipegpt.model.gpt import GPT
+from pipegpt.tools.sample import load_model, pick_device
 
 ENDINGS = 4
 

@@ -19,13 +19,15 @@ from pipegpt.comm.mesh import Grid, init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.comm.rpc import on_actor_thread, reports_failures
 from pipegpt.config import TrainConfig
-from pipegpt.data import RankLoader, builtin_tokens, get_tokenizer, open_tokens
-from pipegpt.devices import cuda_device_index, resolve_device
-from pipegpt import checkpoint
-from pipegpt.faults import IN_SAVE, STUCK, fail_now, get_stuck, planned_fault
-from pipegpt.model import GPT
-from pipegpt.optim import clip_grad_norm_, lr_at, make_optimizer, set_lr
-from pipegpt.profile import Profiler
+from pipegpt.data.loader import RankLoader
+from pipegpt.data.tokenizers import get_tokenizer
+from pipegpt.data.tokens import builtin_tokens, open_tokens
+from pipegpt.train.placement import cuda_device_index, resolve_device
+from pipegpt.train import checkpoint
+from pipegpt.train.faults import IN_SAVE, STUCK, fail_now, get_stuck, planned_fault
+from pipegpt.model.gpt import GPT
+from pipegpt.train.optim import clip_grad_norm_, lr_at, make_optimizer, set_lr
+from pipegpt.train.profile import Profiler
 from pipegpt.runtime import PipelineRuntime, last_gradient_actions
 from pipegpt.schedule import Plan
 from pipegpt.stages import Stage, partition_layers
@@ -368,7 +370,7 @@ class Worker:
 
     @actor_method
     def profile_start(self, directory: str) -> str | None:
-        """Start py-spy on this process (pipegpt.profile); None once it samples, else why not (one line)."""
+        """Start py-spy on this process (pipegpt.train.profile); None once it samples, else why not (one line)."""
         self.profiler = Profiler(directory, self.rank)
         return self.profiler.start()
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pipegpt import checkpoint
+from pipegpt.train import checkpoint
 from pipegpt.config import ConfigError, ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -164,7 +164,7 @@ def read_hf_weights(hf_dir: Path) -> dict:
 
 def _expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every one-process parameter name of the model and its shape (built on the meta device: no memory)."""
-    from pipegpt.model import GPT
+    from pipegpt.model.gpt import GPT
 
     with torch.device("meta"):
         gpt = GPT(model, init_seed=0)

@@ -1,0 +1,87 @@
+"""Batches from token arrays: BatchSampler draws random windows deterministically from (seed, step),
+so every process computes the same batch for a step without communicating; RankLoader takes one rank's
+part of it. torch is imported only where tensors are made.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pipegpt.data.tokenizers import DataError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class BatchSampler:
+    """Random (x, y) windows of `tokens`, y = x shifted by one, deterministic from (seed, step)."""
+
+    def __init__(self, tokens, batch_size: int, seq_len: int, seed: int = 0):
+        if batch_size < 1 or seq_len < 1:
+            raise DataError(f"batch_size={batch_size} and seq_len={seq_len} must both be >= 1")
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"{len(tokens)} tokens are too few for seq_len={seq_len}: need at least {seq_len + 1}")
+        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
+        self.step = 0
+
+    def starts(self, step: int) -> np.ndarray:
+        """Where each of the step's batch_size windows starts."""
+        rng = np.random.default_rng([self.seed, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return windows(self.tokens, self.starts(step), self.seq_len)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    __next__ = next
+
+    def __iter__(self):
+        return self
+
+
+def windows(tokens, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of the windows at `starts`: y is x shifted by one token."""
+    import torch
+
+    idx = starts[:, None] + np.arange(seq_len + 1)
+    buf = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+    return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+
+
+class RankLoader:
+    """What one rank needs of each step: its data-parallel replica's slice of the global batch, as
+    microbatches, and only the part its stages use (inputs on the first stage, targets on the last).
+
+    It draws the same global batch as BatchSampler, which the one-process reference uses, so every
+    layout trains on the same data. Its position is a small state (state_dict) that a checkpoint keeps.
+    """
+
+    def __init__(self, tokens, seq_len: int, microbatches: int, microbatch_size: int, dp: int, dp_index: int,
+                 seed: int, inputs: bool, targets: bool):
+        per_replica = microbatches * microbatch_size
+        self.sampler = BatchSampler(tokens, dp * per_replica, seq_len, seed)
+        self.rows = slice(dp_index * per_replica, (dp_index + 1) * per_replica)
+        self.microbatch_size, self.inputs, self.targets = microbatch_size, inputs, targets
+        self.step = 0
+
+    def batch(self, step: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """(input microbatches or None, target microbatches or None) of a step."""
+        x, y = windows(self.sampler.tokens, self.sampler.starts(step)[self.rows], self.sampler.seq_len)
+        return (list(x.split(self.microbatch_size)) if self.inputs else None,
+                list(y.split(self.microbatch_size)) if self.targets else None)
+
+    def next(self):
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
