@@ -14,9 +14,10 @@ import sys
 
 import click
 
-from pipegpt.train.checkpoint import CheckpointError
 from pipegpt.config import ConfigError, TOKENIZERS
+from pipegpt.options import MODEL_OPTIONS, config_options, model_options
 from pipegpt.schedule.actions import ScheduleError
+from pipegpt.train.checkpoint import CheckpointError
 
 USER_ERRORS = (ScheduleError, ConfigError, CheckpointError)
 
@@ -56,136 +57,7 @@ def main():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# simulate
-
-def _costs_for(spec: str | None, plan):
-    """Costs for this plan from --costs text or a .json path.
-
-    Numbers are for one rank's share of the model (a 1F1B stage): a plan with
-    v stages per rank (interleaved, zbv, dualpipev) runs each stage at 1/v of
-    them, so every schedule does the same total work and makespans compare.
-    Per-stage lists (JSON) are taken as they are, one value per stage of the plan.
-    """
-    from fractions import Fraction
-
-    from pipegpt.schedule.simulate import Costs
-
-    factor = Fraction(plan.num_ranks, plan.num_stages)
-    factor = 1 if factor == 1 else float(factor)
-    spec = spec or ""
-    if spec.lower().endswith(".json") or (spec and os.path.isfile(spec)):
-        from pipegpt.schedule.simulate import load_costs_json
-
-        data = load_costs_json(spec)
-        scaled = {k: (v if isinstance(v, list) or str(k).lower() == "comm" or isinstance(v, bool)
-                      or not isinstance(v, (int, float)) else v * factor)
-                  for k, v in data.items()}
-        return Costs.from_json(scaled, plan.num_stages)
-    costs = Costs.parse(spec, plan.num_stages)
-    return costs if factor == 1 else costs.scaled(factor)
-
-
-def _layer_costs(spec, n_layers, balance, costs_spec):
-    """--layer-costs (with --layers, --balance) read, or None; the options' misfits refused."""
-    if spec is None:
-        if n_layers is not None or balance is not None:
-            raise click.UsageError(f"{'--layers' if n_layers is not None else '--balance'} goes with --layer-costs "
-                                   f"(e.g. --layer-costs embed=0.1,block=1,head=3 --layers 8)")
-        return None
-    if costs_spec is not None:
-        raise click.UsageError("give --costs (the same F, B, W for every stage) or --layer-costs (each stage's "
-                               "from its layers), not both")
-    from pipegpt.plan.balance import parse_layer_costs
-
-    return parse_layer_costs(spec, n_layers)
-
-
-def _costs_from_layers(layer_costs, balance: str, plan):
-    """Per-stage costs of this plan's stages from per-layer costs and the split (even or balanced)."""
-    from pipegpt.schedule.simulate import Costs
-
-    split = layer_costs.split(balance, plan.stage_to_rank)
-    forward = layer_costs.stage_forward(split)
-    return Costs(tuple(forward), tuple(f * layer_costs.backward for f in forward),
-                 tuple(f * layer_costs.weight for f in forward), layer_costs.comm), split
-
-
-def _split_names(schedule: str) -> list[str]:
-    from pipegpt.schedule.registry import SCHEDULES
-
-    if schedule.strip().lower() == "all":
-        return list(SCHEDULES)
-    names = [n.strip() for n in schedule.split(",") if n.strip()]
-    if not names:
-        raise ScheduleError(f"--schedule is empty; known schedules: {', '.join(SCHEDULES)} (or 'all')")
-    for n in names:
-        if n not in SCHEDULES:
-            raise ScheduleError(f"unknown schedule {n!r}; known schedules: {', '.join(SCHEDULES)} (or 'all')")
-    return names
-
-
-def _out_path(out: str, name: str, several: bool) -> str:
-    if not several:
-        return out
-    stem, ext = os.path.splitext(out)
-    return f"{stem}.{name}{ext}"
-
-
-def _record(plan, timeline, costs) -> dict:
-    s = timeline.summary()
-    record = {
-        "schedule": plan.name,
-        "applies": True,
-        "stages": plan.num_ranks,
-        "microbatches": plan.num_microbatches,
-        "model_stages": plan.num_stages,
-        "stage_to_rank": list(plan.stage_to_rank),
-        "virtual_stages": plan.meta.get("virtual_stages", plan.num_stages // plan.num_ranks),
-        "costs": {k: (list(map(float, v)) if isinstance(v, list) else float(v)) for k, v in costs.as_dict().items()},
-    }
-    record.update({k: s[k] for k in ("makespan", "bubble_fraction", "bubble_fraction_per_rank", "busy_per_rank",
-                                     "peak_live_microbatches_per_rank", "peak_activation_bytes_per_rank")})
-    record["plan"] = plan.compute_only().as_strings()
-    return record
-
-
-def _summary_text(record: dict) -> str:
-    from pipegpt.schedule.render import human_bytes
-
-    pct = ", ".join(f"{100 * b:.1f}%" for b in record["bubble_fraction_per_rank"])
-    lines = [
-        f"schedule {record['schedule']}: {record['stages']} ranks, {record['model_stages']} stages, "
-        f"{record['microbatches']} microbatches",
-        f"makespan          {record['makespan']:g}",
-        f"bubble            {100 * record['bubble_fraction']:.1f}%  (per rank: {pct})",
-        "peak live         " + " ".join(map(str, record["peak_live_microbatches_per_rank"]))
-        + "  stage-microbatches per rank",
-    ]
-    if record["peak_activation_bytes_per_rank"] is not None:
-        lines.append("peak activations  " + ", ".join(human_bytes(b) for b in record["peak_activation_bytes_per_rank"]))
-    return "\n".join(lines)
-
-
-def _table(records: list[dict]) -> str:
-    from pipegpt.schedule import render
-    from pipegpt.schedule.render import human_bytes
-
-    has_bytes = any(r.get("peak_activation_bytes_per_rank") for r in records)
-    head = ["schedule", "makespan", "bubble", "peak live max/min"] + (["peak bytes max"] if has_bytes else []) \
-        + ["applies"]
-    rows = []
-    for r in records:
-        if not r["applies"]:
-            rows.append([r["schedule"], "-", "-", "-"] + (["-"] if has_bytes else []) + ["no: " + r["reason"]])
-            continue
-        live = r["peak_live_microbatches_per_rank"]
-        row = [r["schedule"], f"{r['makespan']:g}", f"{100 * r['bubble_fraction']:.1f}%", f"{max(live)}/{min(live)}"]
-        if has_bytes:
-            pb = r["peak_activation_bytes_per_rank"]
-            row.append(human_bytes(max(pb)) if pb else "-")
-        rows.append(row + ["yes"])
-    return render.text_table([head] + rows, right=set(range(1, len(head))), free_last=True)
-
+# simulate: the pure-Python schedule package only (pipegpt.schedule.report does the work)
 
 @main.command()
 @click.option("--schedule", "-s", default=None, metavar="NAME",
@@ -224,8 +96,7 @@ def _table(records: list[dict]) -> str:
 @click.option("--balance", type=click.Choice(["even", "cost"]), default=None,
               help="With --layer-costs: split the layers evenly (as pipegpt run does by default) or by cost (as "
                    "pipegpt run --balance cost does). Default even.")
-def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedule_file, trace_dir, trace_step, out,
-             as_json, no_chart, width, layer_costs_spec, n_layers, balance):
+def simulate(**options):
     """Simulate pipeline schedules: ASCII chart, bubble %, makespan, peak live activations.
 
     \b
@@ -235,263 +106,18 @@ def simulate(schedule, stages, microbatches, costs_spec, virtual_stages, schedul
     pipegpt simulate --trace runs/20250101-120000 --out measured_vs_predicted.html
     pipegpt simulate -p 4 -m 16 --layer-costs embed=0.1,block=1,head=4 --layers 8 --balance cost
     """
-    from pipegpt.schedule import render
-    from pipegpt.schedule.registry import schedule_spec
-    from pipegpt.schedule.simulate import simulate as run_simulation
+    # The planner reads --layer-costs; pipegpt.schedule sits below it, so the reader is handed in.
+    from pipegpt.plan.balance import parse_layer_costs
+    from pipegpt.schedule.report import SimulateOptions, simulate_command
 
-    if out is not None:
-        ext = os.path.splitext(out)[1].lower()
-        if ext not in (".svg", ".html", ".htm", ".json"):
-            raise click.BadParameter(f"{out!r} must end in .svg, .html or .json", param_hint="--out")
-
-    if trace_dir is not None:
-        given = [flag for flag, value in (("--schedule", schedule), ("--schedule-file", schedule_file),
-                                          ("--costs", costs_spec), ("--virtual-stages", virtual_stages),
-                                          ("--layer-costs", layer_costs_spec), ("--layers", n_layers),
-                                          ("--balance", balance))
-                 if value is not None]
-        if given:
-            raise click.UsageError(f"--trace simulates the run's own plan with costs calibrated from its trace; "
-                                   f"leave out {' and '.join(given)}")
-        return _simulate_trace(trace_dir, stages, microbatches, out, as_json, no_chart, width, trace_step)
-    if trace_step is not None:
-        raise click.UsageError("--trace-step N picks a traced step of a run: give it with --trace RUN_DIR")
-    layer_costs = _layer_costs(layer_costs_spec, n_layers, balance, costs_spec)
-
-    if schedule_file is not None:
-        if schedule is not None:
-            raise click.UsageError("give either --schedule or --schedule-file, not both")
-        if virtual_stages is not None:
-            raise click.UsageError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
-        from pipegpt.schedule.schedule_file import load_schedule_file
-
-        plan = load_schedule_file(schedule_file)
-        for flag, given, actual in (("--stages", stages, plan.num_ranks),
-                                    ("--microbatches", microbatches, plan.num_microbatches)):
-            if given is not None and given != actual:
-                raise click.UsageError(f"{flag} {given} does not match {schedule_file}, which has {actual}; "
-                                       f"leave {flag} out")
-        jobs = [(plan.name, lambda plan=plan: plan)]
-    else:
-        if stages is None or microbatches is None:
-            raise click.UsageError("--stages and --microbatches are required (or give --schedule-file)")
-        names = _split_names(schedule or "1f1b")
-        several = len(names) > 1
-
-        def job(name):
-            spec = schedule_spec(name)
-            # Among several schedules, --virtual-stages goes to those it applies to; alone, a misfit is an error.
-            v = virtual_stages if (spec.takes_virtual_stages or not several) else None
-            return lambda: spec.build(stages, microbatches, v)
-
-        jobs = [(name, job(name)) for name in names]
-
-    several = len(jobs) > 1
-    records, timelines = [], []
-    for name, make in jobs:
-        try:
-            plan = make()
-            split = None
-            if layer_costs is None:
-                costs = _costs_for(costs_spec, plan)
-            else:
-                costs, split = _costs_from_layers(layer_costs, balance or "even", plan)
-            timeline = run_simulation(plan, costs)
-        except USER_ERRORS as e:
-            if not several:
-                raise
-            records.append({"schedule": name, "applies": False, "reason": " ".join(str(e).split())})
-            timelines.append(None)
-            continue
-        records.append(_record(plan, timeline, costs))
-        if split is not None:
-            records[-1].update(layers_per_stage=split, balance=balance or "even")
-        timelines.append(timeline)
-
-    if out is not None:
-        for record, timeline in zip(records, timelines):
-            if timeline is not None:
-                path = _out_path(out, record["schedule"], several)
-                render.write(timeline, path)
-                click.echo(f"wrote {path}", err=True)
-
-    if as_json:
-        click.echo(json.dumps(records if several else records[0], indent=None))
-        return
-    if several:
-        if layer_costs is not None:
-            click.echo(f"{stages} ranks, {microbatches} microbatches; {len(layer_costs.blocks)} layers costing "
-                       f"{layer_costs_spec}, split {balance or 'even'} per schedule")
-        else:
-            click.echo(f"{stages} ranks, {microbatches} microbatches; costs {costs_spec or 'F=1,B=2,W=1,comm=0'} "
-                       f"per rank's share of the model (v stages per rank: 1/v each)")
-        click.echo(_table(records))
-        return
-    if not no_chart:
-        click.echo(render.ascii_gantt(timelines[0], width=width), nl=False)
-        click.echo()
-    click.echo(_summary_text(records[0]))
-    if "layers_per_stage" in records[0]:
-        click.echo(f"layers per stage  {','.join(map(str, records[0]['layers_per_stage']))}  "
-                   f"(balance {records[0]['balance']})")
-
-
-def _write_text(path: str, text: str) -> None:
-    try:
-        with open(path, "w") as fh:
-            fh.write(text)
-    except OSError as e:
-        raise ScheduleError(f"cannot write {path}: {e.strerror}") from None
-
-
-def _simulate_trace(run_dir, stages, microbatches, out, as_json, no_chart, width, step=None):
-    """`simulate --trace RUN_DIR`: the run's measured timeline beside its plan simulated with calibrated costs."""
-    from pipegpt.schedule import render
-    from pipegpt.schedule.calibrate import compare, comparison_text
-
-    comparison = compare(run_dir, step)
-    plan = comparison.plan
-    for flag, given, actual in (("--stages", stages, plan.num_ranks),
-                                ("--microbatches", microbatches, plan.num_microbatches)):
-        if given is not None and given != actual:
-            raise click.UsageError(f"{flag} {given} does not match the run in {run_dir}, which has {actual}; "
-                                   f"leave {flag} out")
-    measured, predicted = comparison.measured, comparison.predicted
-    text = comparison_text(comparison)
-    if out is not None:
-        stem, ext = os.path.splitext(out)
-        if ext.lower() in (".html", ".htm"):
-            html = render.to_html_side_by_side([("measured", measured), ("predicted", predicted)], text=text,
-                                               title=f"{plan.name}: measured vs predicted ({run_dir})")
-            _write_text(out, html)
-            click.echo(f"wrote {out}", err=True)
-        else:
-            span = max(measured.makespan, predicted.makespan)
-            for name, timeline in (("measured", measured), ("predicted", predicted)):
-                path = f"{stem}.{name}{ext}"
-                if ext.lower() == ".svg":  # one time scale for both pictures
-                    _write_text(path, render.to_svg(timeline, span=span))
-                else:
-                    render.write(timeline, path)
-                click.echo(f"wrote {path}", err=True)
-    if as_json:
-        click.echo(json.dumps(comparison.summary()))
-        return
-    if not no_chart:
-        span = max(measured.makespan, predicted.makespan)  # one scale: a shorter prediction ends early
-        for name, timeline in (("measured", measured), ("predicted (calibrated costs)", predicted)):
-            click.echo(f"{name}:")
-            click.echo(render.ascii_gantt(timeline, width=width, span=span), nl=False)
-            click.echo()
-    click.echo(text)
+    out = options["out"]
+    if out is not None and os.path.splitext(out)[1].lower() not in (".svg", ".html", ".htm", ".json"):
+        raise click.BadParameter(f"{out!r} must end in .svg, .html or .json", param_hint="--out")
+    simulate_command(SimulateOptions(**options), click.echo, parse_layer_costs)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # run: torch and everything that needs it are imported inside the command, so `simulate` starts without them.
-
-def _int_list(value: str | None) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    try:
-        return tuple(int(v) for v in value.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers such as 3,3,2,2") from None
-
-
-def _exit_now(message: str, code: int):
-    """Exit without interpreter teardown: with workers killed mid-call, the RPC agent's
-    destructor can abort the process, turning a clean error into a crash."""
-    click.echo(message, err=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _resumed_run_dir(cfg):
-    """A resumed run goes on in the run directory its checkpoint is in (RUN/checkpoints/step-N)."""
-    from pipegpt.train.checkpoint import resolve
-
-    if cfg.checkpoint.resume is None:
-        return None
-    found = resolve(cfg.checkpoint.resume)
-    return found.parent.parent if found.parent.name == "checkpoints" else None
-
-
-def _progress_line(m, steps: int) -> str:
-    done = (m.step + 1) * 20 // steps
-    return (f"step {m.step + 1:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}] loss {m.loss:.4f}  "
-            f"{m.step_time_s * 1000:7.1f} ms  {m.tokens_per_s:9,.0f} tok/s")
-
-
-def _int_tuple(value):
-    return None if value is None else _int_list(value)
-
-
-def _option_kind(f) -> dict:
-    """click's type and default for a config field (annotations are strings: `from __future__`)."""
-    meta, kind = f.metadata, {"default": f.default, "show_default": f.default is not None}
-    if f.type == "bool":
-        return {"is_flag": True, "default": f.default}
-    if meta["choices"]:
-        kind["type"] = click.Choice([str(c) for c in meta["choices"]])
-        if all(isinstance(c, int) for c in meta["choices"]):
-            kind["callback"] = lambda ctx, param, value: int(value)
-        kind["default"] = str(f.default)
-    elif f.type.startswith("tuple[int"):
-        kind["callback"] = lambda ctx, param, value: _int_tuple(value)
-    else:
-        kind["type"] = {"int": int, "float": float, "str": str}[f.type.split(" |")[0]]
-    return kind
-
-
-def config_options(command):
-    """One option per config field that has help text: pipegpt.config holds every default once."""
-    import dataclasses
-
-    from pipegpt.config import SECTIONS
-
-    for section in reversed(list(SECTIONS.values())):
-        for f in reversed(dataclasses.fields(section)):
-            if f.metadata.get("help"):
-                names = [f.metadata["flag"] or "--" + f.name.replace("_", "-")] + [n for n in [f.metadata["short"]] if n]
-                command = click.option(*names, f.name, help=f.metadata["help"], **_option_kind(f))(command)
-    return command
-
-
-def _from_schedule_file(ctx, settings: dict) -> None:
-    """A schedule file fixes the ranks and microbatches: take them from it, refusing contradictions."""
-    from click.core import ParameterSource
-
-    from pipegpt.schedule.schedule_file import load_schedule_file
-
-    path = settings["schedule_file"]
-    if ctx.get_parameter_source("schedule") is not ParameterSource.DEFAULT:
-        raise click.UsageError("give either --schedule or --schedule-file, not both")
-    plan = load_schedule_file(path)
-    settings["schedule"] = plan.name
-    for name, actual in (("stages", plan.num_ranks), ("microbatches", plan.num_microbatches)):
-        if ctx.get_parameter_source(name) is ParameterSource.DEFAULT:
-            settings[name] = actual
-        elif settings[name] != actual:
-            raise ConfigError(f"--{name} {settings[name]} does not match {path}, which has {actual} "
-                              f"{'ranks' if name == 'stages' else name}: leave --{name} out")
-
-
-def model_options(command):
-    """The model's shape: a preset and the settings that override it (`run` and `plan` share them)."""
-    for option in reversed([
-        click.option("--model", "preset", default="tiny", show_default=True,
-                     help="tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl."),
-        click.option("--n-layer", type=int, default=None), click.option("--n-embd", type=int, default=None),
-        click.option("--n-head", type=int, default=None), click.option("--seq-len", type=int, default=None),
-        click.option("--vocab-size", type=int, default=None),
-        click.option("--pad-vocab", is_flag=True,
-                     help="Pad the vocabulary to a multiple of 64 (padded logits are never predicted)."),
-        click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight instead of the token embedding."),
-    ]):
-        command = option(command)
-    return command
-
 
 @main.command()
 @config_options
@@ -502,80 +128,12 @@ def model_options(command):
 @click.option("--port", type=int, default=None, help="Port for the workers' process group (default: a free one).")
 @click.option("--log-every", default=10, show_default=True, help="Print a line every N steps.")
 @click.pass_context
-def run(ctx, batch_size, preset, n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie_embeddings, run_dir,
-        port, log_every, **settings):
+def run(ctx, batch_size, run_dir, port, log_every, **options):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them)."""
-    import statistics
-    import warnings
-    from pathlib import Path
+    from pipegpt.options import train_config
+    from pipegpt.train.launch import launch
 
-    # TensorPipe reports each connection a stopping job closes; failures reach us as WorkerFailure.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    from pipegpt.config import TrainConfig, microbatch_size_for, model_config
-
-    if settings["schedule_file"] is not None:
-        _from_schedule_file(ctx, settings)
-    if batch_size is not None:
-        settings["microbatch_size"] = microbatch_size_for(batch_size, settings["dp"], settings["microbatches"])
-    if settings["tokenizer"] == "gpt2" and vocab_size is None:
-        vocab_size = 50257
-    model = model_config(preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq_len=seq_len,
-                         vocab_size=vocab_size, tie_embeddings=False if no_tie_embeddings else None,
-                         pad_vocab_to=64 if pad_vocab else None)
-    cfg = TrainConfig.build(model, **settings)
-    data = cfg.data.data
-    if data is not None and not os.path.exists(data):
-        raise ConfigError(f"--data {data}: no such file or directory (a directory from `pipegpt prepare`, nanoGPT "
-                          f"or llm.c token files, or a flat uint16 file; leave it out for the built-in corpus)")
-    warnings.filterwarnings("ignore", category=UserWarning)
-    from pipegpt.comm.rpc import WorkerFailure
-    from pipegpt.train.placement import resolve_device, under_torchrun
-    from pipegpt.train.driver import Job, run_job
-    from pipegpt.train.metrics import new_run_dir
-
-    job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
-    out = Path(run_dir) if run_dir else _resumed_run_dir(cfg) or new_run_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    p, steps = cfg.parallel, cfg.runtime.steps
-    if not under_torchrun() or os.environ.get("RANK") == "0":
-        click.echo(f"pipegpt: {model.n_layer}-layer GPT ({preset}), {cfg.world_size} workers on "
-                   f"{resolve_device(cfg.runtime.device, cfg.world_size)}, schedule {p.schedule}, "
-                   f"{p.microbatches} microbatches x {p.microbatch_size} sequences x {model.seq_len} tokens; "
-                   f"run dir {out}")
-
-    def on_step(m):
-        if m.step == job.first_step and job.loaded:
-            click.echo(f"started from {job.loaded[0]} at step {job.first_step} (loaded in {job.loaded[1]:.2f} s)")
-        if m.step == 0 or (m.step + 1) % log_every == 0 or m.step + 1 == steps:
-            click.echo(_progress_line(m, steps))
-        if m.val_loss is not None:
-            click.echo(f"step {m.step + 1}: val loss {m.val_loss:.4f}")
-        if m.checkpoint_s is not None:
-            click.echo(f"step {m.step + 1}: checkpoint saved in {m.checkpoint_s:.2f} s")
-
-    try:
-        history = run_job(job, out, on_step)
-    except WorkerFailure as e:
-        if e.report:  # the stall watchdog's table: where each rank was
-            click.echo(e.report, err=True)
-        _exit_now(f"Error: {e}; all workers stopped", 1)
-    except KeyboardInterrupt:
-        _exit_now("Interrupted: all workers stopped", 130)
-    if not history:
-        if history is not None:
-            click.echo(f"nothing to do: the checkpoint was taken after step {job.first_step} of {steps}")
-        return
-    timed = [m.step_time_s for m in history[1:]] or [history[0].step_time_s]  # step 0 includes warm-up
-    click.echo(f"done: loss {history[0].loss:.4f} -> {history[-1].loss:.4f} in {len(history)} steps; "
-               f"median step {statistics.median(timed) * 1000:.1f} ms, "
-               f"{statistics.median(m.tokens_per_s for m in history[1:] or history):,.0f} tok/s; "
-               f"peak memory per rank {', '.join(f'{b / 2**20:.0f} MiB' for b in history[-1].peak_memory_per_rank)}")
-    click.echo(f"metrics: {out / 'metrics.jsonl'}; last step's measured timeline: {out / 'trace.json'} (Perfetto)")
-    if cfg.runtime.trace_steps != "last":
-        click.echo(f"traces of steps {', '.join(map(str, cfg.runtime.traced_steps()))}: {out / 'traces'}/step-N.json "
-                   f"(pipegpt simulate --trace {out} --trace-step N)")
-    if cfg.runtime.profile and any((out / "profiles").glob("rank-*")):
-        click.echo(f"profiles (py-spy): {out / 'profiles'}/rank-N.svg, rank-N.speedscope.json")
+    launch(train_config(ctx, batch_size, options), options["preset"], run_dir, port, log_every, click.echo)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -615,20 +173,6 @@ def prepare(inputs, out, tokenizer, val_fraction, shard_tokens):
 # --------------------------------------------------------------------------------------------------------------
 # convert: GPT-2 in Hugging Face layout <-> a pipegpt checkpoint; sample: text from a checkpoint (torch inside)
 
-def _run_flags(model, tokenizer: str) -> str:
-    """The `pipegpt run` model flags that build exactly this model (as --init-from requires)."""
-    from pipegpt.config import MODEL_PRESETS
-
-    preset = next((name for name, m in MODEL_PRESETS.items() if m == model), None)
-    if preset is not None:
-        flags = f"--model {preset}"
-    else:
-        flags = (f"--n-layer {model.n_layer} --n-embd {model.n_embd} --n-head {model.n_head} "
-                 f"--seq-len {model.seq_len} --vocab-size {model.vocab_size}")
-        flags += "" if model.tie_embeddings else " --no-tie-embeddings"
-    return f"{flags} --tokenizer {tokenizer}"
-
-
 @main.command()
 @click.option("--from-hf", "from_hf", type=click.Path(), default=None,
               help="Import: a Hugging Face GPT-2 directory (config.json and model.safetensors or pytorch_model.bin).")
@@ -653,6 +197,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
     if from_hf is not None:
         if out is None or source is not None:
             raise click.UsageError("--from-hf HF_DIR needs --out CHECKPOINT (and no --checkpoint)")
+        from pipegpt.options import model_flags
         from pipegpt.tools.convert import import_hf
 
         tokenizer = tokenizer or "gpt2"
@@ -660,7 +205,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
         click.echo(f"wrote {path}: {model.n_layer}-layer GPT-2, n_embd {model.n_embd}, {model.n_head} heads, "
                    f"vocabulary {model.vocab_size}, seq_len {model.seq_len}, "
                    f"{'tied' if model.tie_embeddings else 'untied'} embeddings; tokenizer {tokenizer}")
-        click.echo(f"train from it: pipegpt run --init-from {path} {_run_flags(model, tokenizer)}")
+        click.echo(f"train from it: pipegpt run --init-from {path} {model_flags(model, tokenizer)}")
         click.echo(f"sample from it: pipegpt sample {path} --prompt ...")
         return
     if source is None or out is not None or tokenizer is not None:
@@ -766,9 +311,7 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
               help="Steps per tried plan; the first (warm-up) is left out of the median.")
 @click.option("--try-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def plan(preset, n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie_embeddings, batch_size, batch_tokens,
-         gpus, gpus_per_node, device, gpu_memory, gpu_tflops, intra_node_gbps, inter_node_gbps, precision, efficiency,
-         layer_overhead_us, calibrate_dir, schedules, all_gpus, top, explain, try_top, try_steps, try_device, as_json):
+def plan(**options):
     """Choose dp x pp x tp, schedule, microbatches and recomputation; predict step time and memory.
 
     Every candidate's step is simulated (pipegpt simulate's simulator) with per-stage costs from FLOPs at a
@@ -782,84 +325,12 @@ def plan(preset, n_layer, n_embd, n_head, seq_len, vocab_size, pad_vocab, no_tie
     pipegpt plan --model tiny --gpus 2 --gpu-memory 8GiB --gpu-tflops 1 --intra-node-gbps 80 \\
                  --batch-size 16 --calibrate runs/<time>
     """
-    from pipegpt.config import model_config
-    from pipegpt.plan import search as plan_search
-    from pipegpt.plan.cost import AnalyticalCosts, DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, calibrate_costs
-    from pipegpt.plan.devices import make_cluster
+    from pipegpt.options import model_from_options
+    from pipegpt.plan.command import PlanOptions, plan_command
 
-    model = model_config(preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
-                         tie_embeddings=False if no_tie_embeddings else None, pad_vocab_to=64 if pad_vocab else None)
-    if (batch_size is None) == (batch_tokens is None):
-        raise click.UsageError("give the global batch as --batch-size SEQUENCES or --batch-tokens TOKENS (one of them)")
-    if batch_tokens is not None:
-        if batch_tokens < 1 or batch_tokens % model.seq_len:
-            lo = batch_tokens // model.seq_len * model.seq_len
-            hi = lo + model.seq_len
-            raise ConfigError(f"--batch-tokens {batch_tokens} is not a whole number of sequences of seq_len="
-                              f"{model.seq_len}: use {lo or hi}" + (f" or {hi}" if lo else ""))
-        batch_size = batch_tokens // model.seq_len
-    if batch_size < 1:
-        raise ConfigError(f"--batch-size {batch_size} must be at least 1 sequence")
-    cluster = make_cluster(gpus, gpus_per_node, device, gpu_memory, gpu_tflops, intra_node_gbps, inter_node_gbps,
-                           precision)
-    if calibrate_dir is not None:
-        if efficiency is not None or layer_overhead_us is not None:
-            raise click.UsageError("--calibrate takes the compute from the run: leave out --efficiency and "
-                                   "--layer-overhead-us")
-        costs = calibrate_costs(calibrate_dir, cluster)
-    else:
-        costs = AnalyticalCosts(cluster, DEFAULT_EFFICIENCY if efficiency is None else efficiency,
-                                DEFAULT_LAYER_OVERHEAD_S if layer_overhead_us is None else layer_overhead_us * 1e-6)
-    names = tuple(_split_names(schedules))
-    request = plan_search.Request(model, batch_size, cluster, costs, top=top, explain=explain, schedules=names,
-                                  exact_gpus=all_gpus)
-    result = plan_search.search(request)
-    if not result.best:
-        raise ConfigError(plan_search.no_fit_message(result))
-    if as_json and not try_top:
-        click.echo(json.dumps(plan_search.as_json(result)))
-    elif not try_top:
-        click.echo(plan_search.format_text(result))
-    else:
-        _try_plans(result.best[:try_top], precision, try_steps, try_device, as_json,
-                   lambda: plan_search.as_json(result))
+    model = model_from_options(options)
+    click.echo(plan_command(model, PlanOptions(**{k: v for k, v in options.items() if k not in MODEL_OPTIONS})))
 
-
-def _try_plans(best, precision: str, steps: int, device: str, as_json: bool, plans_json) -> None:
-    """Run each plan for a few steps, as `pipegpt run` (its exact command), and set measured beside predicted:
-    the check AMP-style planners make before anyone trusts a prediction."""
-    import statistics
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from pipegpt.schedule.render import text_table
-
-    exe = Path(sys.executable).with_name("pipegpt")
-    rows, tried = [["#", "plan", "predicted", "measured", "measured/predicted"]], []
-    for k, r in enumerate(best, start=1):
-        args = r.layout.run_args(r.model, precision)
-        with tempfile.TemporaryDirectory() as run_dir:
-            proc = subprocess.run([str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else
-                                   ["-m", "pipegpt"]), "run", *args, "--steps", str(steps), "--lr-schedule",
-                                   "constant", "--device", device, "--run-dir", run_dir, "--log-every", "1000000"],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
-                raise ConfigError(f"plan #{k} failed when tried: {last}")
-            times = [json.loads(line)["step_time_s"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-        measured = statistics.median(times[1:])
-        tried.append({"plan": k, "command": "pipegpt run " + " ".join(args), "predicted_step_s": r.step_time,
-                      "measured_step_s": measured, "measured_over_predicted": measured / r.step_time})
-        layout = r.layout
-        rows.append([str(k), f"dp{layout.dp} pp{layout.pp} tp{layout.tp} {layout.schedule} "
-                     f"m{layout.microbatches}x{layout.microbatch_size} rc={layout.recompute}",
-                     f"{r.step_time * 1e3:.1f} ms", f"{measured * 1e3:.1f} ms", f"{measured / r.step_time:.2f}"])
-    if as_json:
-        click.echo(json.dumps({**plans_json(), "tried": tried}))
-        return
-    click.echo(f"tried the top {len(tried)} plans here, {steps} steps each (median after the first):")
-    click.echo(text_table(rows, right={2, 3, 4}, rule=True))
 
 if __name__ == "__main__":
     main()

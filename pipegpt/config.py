@@ -1,7 +1,7 @@
 """Configuration as frozen dataclasses in sections, every default defined once, checked before any process starts.
 
 TrainConfig = model + parallel (dp x pp x tp, schedule, microbatches) + optim + data + runtime + checkpoint + eval. Fields
-with help text are also `pipegpt run` options (pipegpt.cli derives them from here). Nothing here imports
+with help text are also `pipegpt run` options (pipegpt.options derives them from here). Nothing here imports
 torch: `validate()` runs before any worker exists. Every check raises ConfigError with a one-line
 message that names the bad value and says what would be valid, so the driver can print it as it is.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -51,12 +52,9 @@ class ModelConfig:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "pad_vocab_to"):
             _check_positive_int(name, getattr(self, name))
         if self.n_embd % self.n_head:
-            lo = self.n_embd // self.n_head * self.n_head
-            hi = lo + self.n_head
-            such_as = f"{lo} or {hi}" if lo > 0 else f"{hi}"
             raise ConfigError(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
-                f"use a multiple of {self.n_head} such as {such_as}"
+                f"use a multiple of {self.n_head} such as {nearest_multiples(self.n_embd, self.n_head)}"
             )
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
@@ -311,7 +309,7 @@ class TrainConfig:
                               f"--layers-per-stage {','.join(map(str, p.layers_per_stage))}, or use --balance even")
         if p.schedule_file is not None and p.virtual_stages is not None:
             raise ConfigError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
-        if env is not None and _under_torchrun(env) and int(env["WORLD_SIZE"]) != p.world_size:
+        if env is not None and under_torchrun(env) and int(env["WORLD_SIZE"]) != p.world_size:
             raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but dp x pp x tp = "
                               f"{p.dp} x {p.stages} x {p.tp} = {p.world_size}")
         return self
@@ -341,7 +339,8 @@ def _check_choice(name: str, value, choices) -> None:
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
 
 
-def _under_torchrun(env: Mapping[str, str]) -> bool:
+def under_torchrun(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether torchrun started this process (its variables are in env)."""
     return "TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(env)
 
 
@@ -349,11 +348,17 @@ def microbatch_size_for(batch_size: int, dp: int, microbatches: int) -> int:
     """Sequences per microbatch for a global batch, or a ConfigError naming the nearest valid batches."""
     per_step = dp * microbatches
     if batch_size < 1 or batch_size % per_step:
-        lo, hi = batch_size // per_step * per_step, (batch_size // per_step + 1) * per_step
         raise ConfigError(f"batch-size={batch_size} does not split into dp x microbatches = {dp} x {microbatches} "
-                          f"equal microbatches: use a multiple of {per_step} such as {lo or hi}"
-                          + (f" or {hi}" if lo else ""))
+                          f"equal microbatches: use a multiple of {per_step} such as "
+                          f"{nearest_multiples(batch_size, per_step)}")
     return batch_size // per_step
+
+
+def nearest_multiples(n: int, k: int) -> str:
+    """The multiples of k either side of n, for a "use ..." suggestion: '24 or 32' (k alone when no positive
+    multiple lies below n)."""
+    lo = n // k * k
+    return f"{lo} or {lo + k}" if lo > 0 else f"{k}"
 
 
 def _near_divisors(n: int, k: int) -> str:
@@ -393,6 +398,5 @@ def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False) -
                           f"is not divisible by tp={tp}: {fix}")
     T = config.seq_len
     if sequence_parallel and T % tp:
-        lo, hi = T // tp * tp, T // tp * tp + tp
         raise ConfigError(f"sequence parallelism needs seq_len divisible by tp: seq_len={T}, tp={tp}; "
-                          + (f"use seq_len={lo} or {hi}" if lo else f"use seq_len={hi}"))
+                          f"use seq_len={nearest_multiples(T, tp)}")

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from numbers import Real
 
 from pipegpt.config import ConfigError
+from pipegpt.schedule.simulate import Costs
 
 TOLERANCE = 1e-9  # relative: two loads this close are equal
 NODE_LIMIT = 50_000  # branch-and-bound nodes before "search" settles for its best split so far
@@ -421,6 +422,13 @@ class LayerCosts:
     def stage_forward(self, layers) -> list[float]:
         """Each stage's forward cost for a split."""
         return stage_costs(layers, list(self.blocks), self.embed, self.head)
+
+    def plan_costs(self, plan, balance: str) -> tuple[Costs, list[int]]:
+        """The costs of a plan's stages (F their layers' sum, B and W its multiples) and the split they follow."""
+        split = self.split(balance, plan.stage_to_rank)
+        forward = self.stage_forward(split)
+        return Costs(tuple(forward), tuple(f * self.backward for f in forward),
+                     tuple(f * self.weight for f in forward), self.comm), split
 
 
 _LAYER_KEYS = {"embed": "embed", "block": "block", "blocks": "blocks", "head": "head", "b": "backward",

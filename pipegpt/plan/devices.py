@@ -23,9 +23,9 @@ These are typical, not measured on your cluster: override any of them (--gpu-tfl
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from pipegpt.config import ConfigError, PRECISIONS
+from pipegpt.config import ConfigError, PRECISIONS, nearest_multiples
 
 GiB = 2**30
 GB = 10**9
@@ -204,9 +204,8 @@ def make_cluster(gpus: int | None, gpus_per_node: int | None = None, device: str
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
         raise ConfigError(f"--gpus-per-node {per_node!r} must be an integer >= 1")
     if gpus > per_node and gpus % per_node:
-        lo, hi = gpus // per_node * per_node, (gpus // per_node + 1) * per_node
         raise ConfigError(f"--gpus {gpus} is not a multiple of --gpus-per-node {per_node}: whole nodes only, "
-                          f"e.g. --gpus {lo or hi}" + (f" or {hi}" if lo else ""))
+                          f"e.g. --gpus {nearest_multiples(gpus, per_node)}")
     per_node = min(per_node, gpus)
 
     def pick(given, parse, preset_value, flag):
@@ -238,7 +237,3 @@ def make_cluster(gpus: int | None, gpus_per_node: int | None = None, device: str
     hbm_rate = float(hbm) if hbm is not None else (preset.hbm_bytes_per_s if preset else 2.0e12)
     return Cluster(gpus, per_node, memory, peak, intra, inter, hbm_rate, precision,
                    preset.name if preset else "custom GPU")
-
-
-def with_memory(cluster: Cluster, memory_bytes: float) -> Cluster:
-    return replace(cluster, memory_bytes=memory_bytes)

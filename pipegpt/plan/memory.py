@@ -1,6 +1,6 @@
 """How many bytes one rank of a layout needs: weights, gradients, optimizer state, activations,
 communication buffers. Pure arithmetic on shapes (no torch), exact where it can be, and checked
-against pipegpt's real modules and a measured replay (tests/test_plan_memory.py).
+against pipegpt's real modules and a measured replay (tests/unit/test_plan_memory.py).
 
     parameter_count(model, layers, embed, head, tp)     parameters of one stage's slice, per tp rank
     state_bytes(model, stages, tp, precision, dp, zero) weights, gradients, AdamW state of one rank

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from pipegpt.config import nearest_multiples
+
 from .actions import Action, Kind, Plan, ScheduleError, B, F, I, W
 
 
@@ -51,11 +53,9 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int 
     if v < 1:
         raise ScheduleError(f"virtual-stages={v} must be at least 1")
     if m % p:
-        lower, upper = (m // p) * p, (m // p + 1) * p
-        nearest = f"{lower} or {upper}" if lower else f"{upper}"
         raise ScheduleError(
             f"interleaved-1f1b needs microbatches to be a multiple of stages={p}; "
-            f"microbatches={m} is not (nearest valid: {nearest})"
+            f"microbatches={m} is not (nearest valid: {nearest_multiples(m, p)})"
         )
 
     def order(k: int, backward: bool) -> tuple[int, int]:

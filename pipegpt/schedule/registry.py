@@ -67,6 +67,19 @@ def schedule_spec(name: str) -> ScheduleSpec:
     return SCHEDULES[name]
 
 
+def schedule_names(text: str) -> list[str]:
+    """A --schedule value: one name, a comma list, or 'all' (every schedule, in the registry's order)."""
+    if text.strip().lower() == "all":
+        return list(SCHEDULES)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ScheduleError(f"--schedule is empty; known schedules: {', '.join(SCHEDULES)} (or 'all')")
+    for n in names:
+        if n not in SCHEDULES:
+            raise ScheduleError(f"unknown schedule {n!r}; known schedules: {', '.join(SCHEDULES)} (or 'all')")
+    return names
+
+
 def build_plan(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Plan:
     """Look a schedule up by name and generate its compute plan."""
     return schedule_spec(name).build(num_ranks, num_microbatches, virtual_stages)

@@ -41,6 +41,16 @@ def load_schedule_file(path) -> Plan:
     return parse_schedule_text(text, source=name, default_name=default_name)
 
 
+def check_against_file(plan: Plan, source: str, stages: int | None, microbatches: int | None) -> None:
+    """A schedule file fixes the ranks and microbatches: refuse a --stages or --microbatches (None: not
+    given) that differs from the plan's. source names the file (or the run) in the message."""
+    for flag, given, actual, what in (("--stages", stages, plan.num_ranks, "ranks"),
+                                      ("--microbatches", microbatches, plan.num_microbatches, "microbatches")):
+        if given is not None and given != actual:
+            raise ScheduleError(f"{flag} {given} does not match {source}, which has {actual} {what}: "
+                                f"leave {flag} out")
+
+
 def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str = "file") -> Plan:
     """Parse schedule-file text (see the module docstring); source names it in errors."""
     rows: list[list[Action]] = []
@@ -110,8 +120,3 @@ def dump_schedule_text(plan: Plan) -> str:
     """The schedule-file text of a plan, with name and stages headers (so V placements round-trip)."""
     stages = " ".join(map(str, plan.stage_to_rank))
     return f"# name: {plan.name}\n# stages: {stages}\n" + plan.to_text()
-
-
-def save_schedule_file(plan: Plan, path) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(dump_schedule_text(plan))

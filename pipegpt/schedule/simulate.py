@@ -209,6 +209,27 @@ def load_costs_json(path) -> dict:
     return data
 
 
+def costs_for_plan(spec: str | None, plan: Plan) -> Costs:
+    """Costs for this plan from `simulate --costs` text or a .json path.
+
+    Numbers are for one rank's share of the model (a 1F1B stage): a plan with
+    v stages per rank (interleaved, zbv, dualpipev) runs each stage at 1/v of
+    them, so every schedule does the same total work and makespans compare.
+    Per-stage lists (JSON) are taken as they are, one value per stage of the plan.
+    """
+    factor = Fraction(plan.num_ranks, plan.num_stages)
+    factor = 1 if factor == 1 else float(factor)
+    spec = spec or ""
+    if spec.lower().endswith(".json") or (spec and os.path.isfile(spec)):
+        data = load_costs_json(spec)
+        scaled = {k: (v if isinstance(v, list) or str(k).lower() == "comm" or isinstance(v, bool)
+                      or not isinstance(v, (int, float)) else v * factor)
+                  for k, v in data.items()}
+        return Costs.from_json(scaled, plan.num_stages)
+    costs = Costs.parse(spec, plan.num_stages)
+    return costs if factor == 1 else costs.scaled(factor)
+
+
 def _parse_number(key: str, raw: str) -> Real:
     try:
         return int(raw)

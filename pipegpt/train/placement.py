@@ -9,9 +9,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-
-def under_torchrun(env: Mapping[str, str] = os.environ) -> bool:
-    return "TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(env)
+from pipegpt.config import under_torchrun  # config.validate asks it too, and config sits below this module
 
 
 def local_world_size(world_size: int, env: Mapping[str, str] = os.environ) -> int:

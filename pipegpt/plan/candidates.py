@@ -1,0 +1,232 @@
+"""What the planner is asked, what it weighs and what it answers: the request, the layouts and candidates it
+searches, a plan with its predictions, and a layout refused for memory. Pure data: pipegpt.plan.search fills
+them, pipegpt.plan.report prints them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.schedule import SCHEDULES
+from pipegpt.schedule.simulate import Costs
+
+from .cost import AnalyticalCosts
+from .devices import Cluster
+
+MAX_ACTIONS = 60_000  # compute actions per plan: larger plans are not simulated
+
+
+@dataclass(frozen=True)
+class Request:
+    model: ModelConfig
+    batch_size: int  # sequences per step, all replicas together
+    cluster: Cluster
+    costs: AnalyticalCosts
+    top: int = 5
+    explain: bool = False
+    schedules: tuple = tuple(SCHEDULES)
+    exact_gpus: bool = False  # only layouts using every GPU
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the search weighs
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A layout the search expands: dp x pp x tp, with what that tp asks of the model."""
+
+    dp: int
+    pp: int
+    tp: int
+    sequence_parallel: bool  # taken whenever validate_tp allows it (see pipegpt.plan.search)
+    model: ModelConfig  # as it runs on this tp (vocabulary padded to 64 where tp needs it)
+    pad_vocab: bool  # model is the request's with its vocabulary padded
+
+    @property
+    def dims(self) -> tuple:
+        return self.dp, self.pp, self.tp
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One plan to check and simulate, as the search queues it: its microbatches follow (batch / (dp x
+    microbatch_size)), its layer split too (the even one, or the balanced one), and ZeRO-1 is the faster
+    choice that fits."""
+
+    dp: int
+    pp: int
+    tp: int
+    sequence_parallel: bool
+    pad_vocab: bool
+    schedule: str
+    v: int | None  # the schedule's virtual-stages argument (None: the schedule's own)
+    virtual_stages: int  # model stages per rank
+    microbatch_size: int
+    recompute: str
+    balanced: bool
+
+    @property
+    def dims(self) -> tuple:
+        return self.dp, self.pp, self.tp
+
+    @property
+    def family(self) -> Candidate:
+        """The candidate whatever its recomputation: once one of a family fits, a heavier one is only slower."""
+        return replace(self, recompute="")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what a plan is
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything `pipegpt run` needs to run one plan (see command())."""
+
+    dp: int
+    pp: int
+    tp: int
+    schedule: str
+    virtual_stages: int  # model stages per rank (1, or the schedule's)
+    microbatches: int
+    microbatch_size: int
+    recompute: str = "none"
+    zero: int = 0
+    sequence_parallel: bool = False
+    layers_per_stage: tuple = ()
+    balanced: bool = False  # layers_per_stage from balance.py rather than the even split
+    pad_vocab: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def takes_virtual_stages(self) -> bool:
+        return SCHEDULES[self.schedule].takes_virtual_stages
+
+    def short(self) -> str:
+        v = f" v{self.virtual_stages}" if self.takes_virtual_stages else ""
+        return (f"dp{self.dp} pp{self.pp} tp{self.tp}{' sp' if self.sequence_parallel else ''} {self.schedule}{v} "
+                f"m{self.microbatches}x{self.microbatch_size} rc={self.recompute} zero{self.zero}"
+                + (" balanced" if self.balanced else ""))
+
+    def run_args(self, model: ModelConfig, precision: str) -> list[str]:
+        """The `pipegpt run` arguments (as that command spells them) that build this plan."""
+        args = model_args(model, self.pad_vocab)
+        args += ["--stages", str(self.pp), "--dp", str(self.dp), "--tp", str(self.tp), "--schedule", self.schedule]
+        if self.takes_virtual_stages:
+            args += ["--virtual-stages", str(self.virtual_stages)]
+        args += ["--microbatches", str(self.microbatches), "--microbatch-size", str(self.microbatch_size),
+                 "--recompute", self.recompute, "--zero", str(self.zero)]
+        if self.sequence_parallel:
+            args.append("--sequence-parallel")
+        if self.balanced:
+            args += ["--layers-per-stage", ",".join(map(str, self.layers_per_stage))]
+        args += ["--precision", precision]
+        return args
+
+    def command(self, model: ModelConfig, precision: str) -> str:
+        return "pipegpt run " + " ".join(self.run_args(model, precision))
+
+
+def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
+    """The `pipegpt run` model flags that build exactly this model: a preset's name, or its shape; then
+    --no-tie-embeddings and --pad-vocab (padding to 64) as they apply. pad_vocab: the plan pads."""
+    from pipegpt.config import MODEL_PRESETS
+
+    if model.pad_vocab_to not in (1, 64):
+        raise ConfigError(f"pad_vocab_to={model.pad_vocab_to}: `pipegpt run` pads only to 64 (--pad-vocab)")
+    core = replace(model, pad_vocab_to=1, tie_embeddings=True)
+    shape = lambda m: replace(m, n_layer=core.n_layer, n_embd=core.n_embd, n_head=core.n_head,  # noqa: E731
+                              seq_len=core.seq_len, vocab_size=core.vocab_size)
+    preset = next((name for name, m in MODEL_PRESETS.items() if m == core), None)
+    if preset is not None:
+        args = ["--model", preset]
+    else:
+        similar = next((name for name, m in MODEL_PRESETS.items() if shape(m) == core), None)
+        if similar is None:
+            raise ConfigError("the model differs from every preset in more than its shape (dropout, bias): "
+                              "`pipegpt run` cannot build it from flags")
+        args = ([] if similar == "tiny" else ["--model", similar]) + [
+            "--n-layer", str(core.n_layer), "--n-embd", str(core.n_embd), "--n-head", str(core.n_head),
+            "--seq-len", str(core.seq_len), "--vocab-size", str(core.vocab_size)]
+    if not model.tie_embeddings:
+        args.append("--no-tie-embeddings")
+    if pad_vocab or model.pad_vocab_to == 64:
+        args.append("--pad-vocab")
+    return args
+
+
+@dataclass
+class Result:
+    """One plan with its predictions."""
+
+    layout: Layout
+    model: ModelConfig  # as the plan runs it (vocabulary padded where tp needs it)
+    step_time: float
+    makespan: float
+    after: float  # after the last action and the last all-reduce: optimizer, ZeRO-1 broadcast, tied sum
+    bubble: float  # the simulator's idle share of the ranks' time, up to the end of the gradient all-reduce
+    tokens_per_s: float
+    mfu: float | None
+    memory: list  # per pipeline rank: bytes by part (see memory_parts) and "total"
+    peak_rank: int
+    breakdown: dict  # seconds on the busiest rank: compute, tp_comm, idle; exposed dp all-reduce; after
+    costs: Costs | None = None
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.memory[self.peak_rank]["total"]
+
+    def as_dict(self, precision: str) -> dict:
+        L = self.layout
+        return {
+            "dp": L.dp, "pp": L.pp, "tp": L.tp, "gpus": L.world, "schedule": L.schedule,
+            "virtual_stages": L.virtual_stages, "microbatches": L.microbatches, "microbatch_size": L.microbatch_size,
+            "recompute": L.recompute, "zero": L.zero, "sequence_parallel": L.sequence_parallel,
+            "layers_per_stage": list(L.layers_per_stage), "layer_split": "balanced" if L.balanced else "even",
+            "pad_vocab": L.pad_vocab,
+            "step_time_s": self.step_time, "makespan_s": self.makespan, "after_s": self.after,
+            "bubble_fraction": self.bubble, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+            "peak_memory_bytes": self.peak_bytes, "peak_memory_rank": self.peak_rank,
+            "memory_per_rank": self.memory, "breakdown_s": self.breakdown,
+            "command": L.command(self.model, precision), "args": L.run_args(self.model, precision),
+        }
+
+
+def memory_parts(x) -> dict:
+    """A pipegpt.plan.memory.MemoryBreakdown as the parts printed (bytes)."""
+    return {"weights": x.weights, "gradients": x.gradients, "optimizer": x.optimizer, "activations": x.activations,
+            "workspace": getattr(x, "workspace", 0), "communication": x.p2p_buffers + x.dp_buffers,
+            "total": x.total}
+
+
+@dataclass
+class Refusal:
+    """A layout that cannot fit, with what its leanest variant needs."""
+
+    dp: int
+    pp: int
+    tp: int
+    needs: float
+    parts: dict
+    what: str  # the variant measured (recompute, zero, microbatch size)
+
+    def dominant(self) -> str:
+        parts = {k: v for k, v in self.parts.items() if k != "total"}
+        return max(parts, key=parts.get) if parts else "?"
+
+
+@dataclass
+class SearchResult:
+    request: Request
+    best: list[Result]
+    runners: dict  # schedule -> its best Result (with --explain), or a reason string
+    refusals: list[Refusal]
+    stats: dict

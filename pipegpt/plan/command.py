@@ -1,0 +1,83 @@
+"""`pipegpt plan`'s work: the global batch, the cluster and the costs from the command's options, the
+search, and its answer as text or JSON (or, with --try, the top plans run and measured)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pipegpt.config import ConfigError, ModelConfig, nearest_multiples
+from pipegpt.schedule.registry import schedule_names
+
+from .candidates import Request
+from .cost import DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, AnalyticalCosts, calibrate_costs
+from .devices import make_cluster
+from .report import as_json, format_text, no_fit_message
+from .search import search
+from .trial import trials_text, try_plans
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """`pipegpt plan`'s options besides the model's shape, named as the command names them (None: not given)."""
+
+    gpus: int
+    batch_size: int | None = None
+    batch_tokens: int | None = None
+    gpus_per_node: int | None = None
+    device: str | None = None
+    gpu_memory: str | None = None
+    gpu_tflops: float | None = None
+    intra_node_gbps: str | None = None
+    inter_node_gbps: str | None = None
+    precision: str = "bf16"
+    efficiency: float | None = None
+    layer_overhead_us: float | None = None
+    calibrate_dir: str | None = None
+    schedules: str = "all"
+    all_gpus: bool = False
+    top: int = 5
+    explain: bool = False
+    try_top: int | None = None
+    try_steps: int = 5
+    try_device: str = "auto"
+    as_json: bool = False
+
+
+def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
+    """The best plans for this model on the cluster the options describe, as the command prints them."""
+    batch_size = global_batch(model, opts.batch_size, opts.batch_tokens)
+    cluster = make_cluster(opts.gpus, opts.gpus_per_node, opts.device, opts.gpu_memory, opts.gpu_tflops,
+                           opts.intra_node_gbps, opts.inter_node_gbps, opts.precision)
+    if opts.calibrate_dir is not None:
+        if opts.efficiency is not None or opts.layer_overhead_us is not None:
+            raise ConfigError("--calibrate takes the compute from the run: leave out --efficiency and "
+                              "--layer-overhead-us")
+        costs = calibrate_costs(opts.calibrate_dir, cluster)
+    else:
+        costs = AnalyticalCosts(cluster, DEFAULT_EFFICIENCY if opts.efficiency is None else opts.efficiency,
+                                DEFAULT_LAYER_OVERHEAD_S if opts.layer_overhead_us is None
+                                else opts.layer_overhead_us * 1e-6)
+    request = Request(model, batch_size, cluster, costs, top=opts.top, explain=opts.explain,
+                      schedules=tuple(schedule_names(opts.schedules)), exact_gpus=opts.all_gpus)
+    result = search(request)
+    if not result.best:
+        raise ConfigError(no_fit_message(result))
+    if not opts.try_top:
+        return json.dumps(as_json(result)) if opts.as_json else format_text(result)
+    best = result.best[:opts.try_top]
+    tried = try_plans(best, opts.precision, opts.try_steps, opts.try_device)
+    return json.dumps({**as_json(result), "tried": tried}) if opts.as_json else trials_text(best, tried, opts.try_steps)
+
+
+def global_batch(model: ModelConfig, batch_size: int | None, batch_tokens: int | None) -> int:
+    """Sequences per step from --batch-size or --batch-tokens (exactly one of them)."""
+    if (batch_size is None) == (batch_tokens is None):
+        raise ConfigError("give the global batch as --batch-size SEQUENCES or --batch-tokens TOKENS (one of them)")
+    if batch_tokens is not None:
+        if batch_tokens < 1 or batch_tokens % model.seq_len:
+            raise ConfigError(f"--batch-tokens {batch_tokens} is not a whole number of sequences of seq_len="
+                              f"{model.seq_len}: use {nearest_multiples(batch_tokens, model.seq_len)}")
+        batch_size = batch_tokens // model.seq_len
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size {batch_size} must be at least 1 sequence")
+    return batch_size

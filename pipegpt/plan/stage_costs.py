@@ -1,0 +1,164 @@
+"""A candidate's numbers per stage, from the per-layer costs (pipegpt.plan.cost) and the memory model
+(pipegpt.plan.memory): F, B, W and tensor-parallel time, held and deferred activation bytes, parameters,
+one message's time, the gradient all-reduce and what follows the last action; and the layer split.
+
+Everything per stage is linear in the stage's block count plus a fixed part for the embedding and the head,
+so each quantity is computed once per (model, tp, sp, recompute, microbatch size) and composed for any
+split. One StageCosts serves one search: its caches hold for one cluster and one cost model."""
+from __future__ import annotations
+
+from pipegpt.config import ModelConfig
+
+from . import memory as memory_model
+from .balance import balance_layers, even_layers
+from .cost import AnalyticalCosts, Shape
+from .devices import Cluster
+
+PER_SEQUENCE = 1 << 20  # sequences per microbatch: so many that only the per-sequence parts of a cost remain
+
+
+class StageCosts:
+    def __init__(self, cluster: Cluster, cost: AnalyticalCosts):
+        self.cluster, self.cost = cluster, cost
+        self.precision = cluster.precision
+        self._pieces: dict = {}
+        self._splits: dict = {}
+        self._crossings: dict = {}
+        self._linear: dict = {}
+        self._params: dict = {}
+
+    def pieces(self, model: ModelConfig, tp: int, sp: bool, recompute: str, mbs: int):
+        key = (model.padded_vocab_size, tp, sp, recompute, mbs)
+        hit = self._pieces.get(key)
+        if hit is None:
+            hit = self._pieces[key] = self.cost.pieces(model, Shape(tp, sp, recompute, mbs))
+        return hit
+
+    def message_time(self, nbytes, placement, dp, pp, tp) -> float:
+        """The mean time of one message over the placement's links between ranks, in the slowest replica."""
+        key = (placement, dp, pp, tp)
+        hit = self._crossings.get(key)
+        if hit is None:
+            links = [(placement[s], placement[s + 1]) for s in range(len(placement) - 1)
+                     if placement[s] != placement[s + 1]]
+            G = self.cluster.gpus_per_node
+            worst = 0
+            for d in range(min(dp, G)):
+                worst = max(worst, sum(((d * pp + a) * tp) // G != ((d * pp + b) * tp) // G for a, b in links))
+            hit = self._crossings[key] = (len(links), worst)
+        links, worst = hit
+        if not links:
+            return 0.0
+        t_in, t_out = self.cost.message_time(nbytes, True), self.cost.message_time(nbytes, False)
+        return (worst * t_out + (links - worst) * t_in) / links
+
+    def dp_comm(self, stage_params, dp, world):
+        """Each stage's gradient all-reduce over the dp replicas (fp32 gradients, per tp rank)."""
+        inside = world <= self.cluster.gpus_per_node
+        return [self.cost.group_allreduce_time(4 * n, dp, inside) for n in stage_params]
+
+    def after_time(self, model, placement, stage_params, stage_tensors, dp, pp, tp, zero) -> float:
+        """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO-1's broadcast),
+        and the tied embedding's gradient sum between the first and the last stage."""
+        c = self.cluster
+        params = [0.0] * pp
+        tensors = [0] * pp
+        for s, r in enumerate(placement):
+            params[r] += stage_params[s]
+            tensors[r] += stage_tensors[s]
+        inside = dp * pp * tp <= c.gpus_per_node
+        worst = 0.0
+        for r in range(pp):
+            if zero and dp > 1:
+                t = self.cost.optimizer_time(params[r] / dp, max(1, -(-tensors[r] // dp)))
+                t += self.cost.broadcast_shards_time(params[r] * 4, dp, inside)
+            else:
+                t = self.cost.optimizer_time(params[r], tensors[r])
+            worst = max(worst, t)
+        if model.tie_embeddings and placement[0] != placement[-1]:
+            G = c.gpus_per_node
+            same = (placement[0] * tp) // G == (placement[-1] * tp) // G
+            worst += self.cost.group_allreduce_time(model.padded_vocab_size * model.n_embd / tp * 4, 2, same)
+        return worst
+
+    @staticmethod
+    def stage_tensors(model, layers):
+        S, per_layer = len(layers), 12 if model.bias else 6
+        ln = 2 if model.bias else 1
+        return [n * per_layer + (2 if s == 0 else 0) + ((ln + 1) if s == S - 1 else 0) for s, n in enumerate(layers)]
+
+    def linear(self, model, tp, sp, rc, mbs):
+        """Per-stage quantities as (per block, {(embed, head): the stage's fixed part}): parameters, saved and
+        deferred activation bytes, and F, B, W, tp_comm -- all linear in the stage's block count."""
+        key = (model.padded_vocab_size, tp, sp, rc, mbs)
+        hit = self._linear.get(key)
+        if hit is not None:
+            return hit
+        ends = [(False, False), (True, False), (False, True), (True, True)]
+
+        def lin(fn):
+            base = {eh: fn(0, *eh) for eh in ends}
+            return fn(1, False, False) - base[(False, False)], base
+
+        kw = dict(microbatch_size=mbs, tp=tp, sequence_parallel=sp, precision=self.precision)
+        act = lin(lambda n, e, h: memory_model.activation_bytes(model, n, recompute=rc, embed=e, head=h, **kw))
+        dfr = lin(lambda n, e, h: memory_model.deferred_bytes(model, n, embed=e, head=h, **kw))
+        P = self.pieces(model, tp, sp, rc, mbs)
+
+        def piece_parts(piece):
+            sym = min(piece.comm_f, piece.comm_b)
+            return (piece.f + piece.comm_f - sym, piece.b + piece.comm_b - sym, piece.w, sym)
+
+        layer, embed, head = piece_parts(P.layer), piece_parts(P.embed), piece_parts(P.head)
+        vec = (layer, {(e, h): tuple((embed[i] if e else 0.0) + (head[i] if h else 0.0) for i in range(4))
+                       for e, h in ends})
+        hit = self._linear[key] = (act, dfr, vec, P.message_bytes)
+        return hit
+
+    def params_linear(self, model, tp):
+        key = (model.padded_vocab_size, tp)
+        hit = self._params.get(key)
+        if hit is None:
+            base = {(e, h): memory_model.parameter_count(model, 0, e, h, tp)
+                    for e in (False, True) for h in (False, True)}
+            hit = self._params[key] = (memory_model.parameter_count(model, 1, False, False, tp), base)
+        return hit
+
+    @staticmethod
+    def compose(lin, layers):
+        per, base = lin
+        S = len(layers)
+        return [n * per + base[(s == 0, s == S - 1)] for s, n in enumerate(layers)]
+
+    def stage_params(self, model, tp, layers):
+        """Each stage's parameter count (per tp rank)."""
+        return self.compose(self.params_linear(model, tp), layers)
+
+    def vectors(self, model, tp, sp, rc, mbs, layers):
+        """Per stage F, B, W, tp_comm, saved and deferred activation bytes; one message's bytes."""
+        act, dfr, (layer, base), msg = self.linear(model, tp, sp, rc, mbs)
+        S = len(layers)
+        ends = [base[(s == 0, s == S - 1)] for s in range(S)]
+        F = [n * layer[0] + e[0] for n, e in zip(layers, ends)]
+        B = [n * layer[1] + e[1] for n, e in zip(layers, ends)]
+        W = [min(n * layer[2] + e[2], b) for n, e, b in zip(layers, ends, B)]
+        TP = [n * layer[3] + e[3] for n, e in zip(layers, ends)]
+        return F, B, W, TP, self.compose(act, layers), self.compose(dfr, layers), msg
+
+    def split(self, model, tp, sp, rc, placement, balanced):
+        """The even split, or the one balanced by cost (None when that is the even one). Costs per sequence
+        (forward + backward + collectives of a block, the embedding, the head: their FLOP parts, which set
+        the balance at any microbatch size)."""
+        S = len(placement)
+        even = tuple(even_layers(model.n_layer, S))
+        if not balanced or S == 1:
+            return None if balanced else even
+        P = self.pieces(model, tp, sp, rc, PER_SEQUENCE)
+        cost = lambda piece: piece.f + piece.b + piece.comm_f + piece.comm_b  # noqa: E731
+        unit = cost(P.layer)
+        key = (placement, model.n_layer, round(cost(P.embed) / unit, 2), round(cost(P.head) / unit, 2))
+        hit = self._splits.get(key)
+        if hit is None:
+            layers = tuple(balance_layers([1.0] * model.n_layer, key[2], key[3], placement))
+            hit = self._splits[key] = (None if layers == even else layers,)
+        return hit[0]

@@ -1,0 +1,251 @@
+"""`pipegpt simulate`'s work: each schedule simulated into a record, the records as a summary or a comparison
+table, the pictures, and (--trace) a run's measured timeline beside its plan simulated with calibrated costs.
+
+Text goes out through `echo(text, err=False)` (the command passes click.echo), so the pictures' "wrote"
+lines reach stderr as each file is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from pipegpt.config import ConfigError
+
+from . import render
+from .actions import ScheduleError
+from .registry import schedule_names, schedule_spec
+from .render import human_bytes
+from .schedule_file import check_against_file, load_schedule_file
+from .simulate import costs_for_plan, simulate
+
+DEFAULT_COSTS = "F=1,B=2,W=1,comm=0"
+
+
+@dataclass(frozen=True)
+class SimulateOptions:
+    """`pipegpt simulate`'s options, named as the command names them (None: not given)."""
+
+    schedule: str | None = None
+    stages: int | None = None
+    microbatches: int | None = None
+    costs_spec: str | None = None
+    virtual_stages: int | None = None
+    schedule_file: str | None = None
+    trace_dir: str | None = None
+    trace_step: int | None = None
+    out: str | None = None
+    as_json: bool = False
+    no_chart: bool = False
+    width: int | None = None
+    layer_costs_spec: str | None = None
+    n_layers: int | None = None
+    balance: str | None = None
+
+
+def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Callable) -> None:
+    """Simulate the schedules (or the schedule file, or the traced run) and echo what the options ask for.
+
+    read_layer_costs(spec, n_layers) reads --layer-costs (pipegpt.plan.balance.parse_layer_costs: the
+    planner sits above this package, so the command hands it in)."""
+    if opts.trace_dir is not None:
+        given = [flag for flag, value in (("--schedule", opts.schedule), ("--schedule-file", opts.schedule_file),
+                                          ("--costs", opts.costs_spec), ("--virtual-stages", opts.virtual_stages),
+                                          ("--layer-costs", opts.layer_costs_spec), ("--layers", opts.n_layers),
+                                          ("--balance", opts.balance))
+                 if value is not None]
+        if given:
+            raise ScheduleError(f"--trace simulates the run's own plan with costs calibrated from its trace; "
+                                f"leave out {' and '.join(given)}")
+        return simulate_trace(opts, echo)
+    if opts.trace_step is not None:
+        raise ScheduleError("--trace-step N picks a traced step of a run: give it with --trace RUN_DIR")
+    layer_costs = _layer_costs(opts, read_layer_costs)
+    jobs = _jobs(opts)
+    several = len(jobs) > 1
+    records, timelines = [], []
+    for name, make in jobs:
+        try:
+            plan = make()
+            extra = {}
+            if layer_costs is None:
+                costs = costs_for_plan(opts.costs_spec, plan)
+            else:
+                costs, split = layer_costs.plan_costs(plan, opts.balance or "even")
+                extra = {"layers_per_stage": split, "balance": opts.balance or "even"}
+            timeline = simulate(plan, costs)
+        except (ScheduleError, ConfigError) as e:  # ConfigError: the planner's, splitting the layer costs
+            if not several:
+                raise
+            records.append({"schedule": name, "applies": False, "reason": " ".join(str(e).split())})
+            timelines.append(None)
+            continue
+        records.append({**record(plan, timeline, costs), **extra})
+        timelines.append(timeline)
+
+    if opts.out is not None:
+        for rec, timeline in zip(records, timelines):
+            if timeline is not None:
+                path = _out_path(opts.out, rec["schedule"], several)
+                render.write(timeline, path)
+                echo(f"wrote {path}", err=True)
+    if opts.as_json:
+        echo(json.dumps(records if several else records[0], indent=None))
+    elif several:
+        if layer_costs is not None:
+            costs_text = (f"{len(layer_costs.blocks)} layers costing {opts.layer_costs_spec}, split "
+                          f"{opts.balance or 'even'} per schedule")
+        else:
+            costs_text = (f"costs {opts.costs_spec or DEFAULT_COSTS} per rank's share of the model "
+                          f"(v stages per rank: 1/v each)")
+        echo(f"{opts.stages} ranks, {opts.microbatches} microbatches; {costs_text}")
+        echo(table(records))
+    else:
+        if not opts.no_chart:
+            echo(render.ascii_gantt(timelines[0], width=opts.width))
+        echo(summary_text(records[0]))
+
+
+def _layer_costs(opts: SimulateOptions, read_layer_costs: Callable):
+    """--layer-costs (with --layers, --balance) read, or None; the options' misfits refused."""
+    if opts.layer_costs_spec is None:
+        if opts.n_layers is not None or opts.balance is not None:
+            raise ScheduleError(f"{'--layers' if opts.n_layers is not None else '--balance'} goes with "
+                                f"--layer-costs (e.g. --layer-costs embed=0.1,block=1,head=3 --layers 8)")
+        return None
+    if opts.costs_spec is not None:
+        raise ScheduleError("give --costs (the same F, B, W for every stage) or --layer-costs (each stage's "
+                            "from its layers), not both")
+    return read_layer_costs(opts.layer_costs_spec, opts.n_layers)
+
+
+def _jobs(opts: SimulateOptions) -> list[tuple[str, Callable]]:
+    """(name, a function making the plan) per schedule: the file's plan, or each generator's."""
+    if opts.schedule_file is not None:
+        if opts.schedule is not None:
+            raise ScheduleError("give either --schedule or --schedule-file, not both")
+        if opts.virtual_stages is not None:
+            raise ScheduleError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
+        plan = load_schedule_file(opts.schedule_file)
+        check_against_file(plan, opts.schedule_file, opts.stages, opts.microbatches)
+        return [(plan.name, lambda: plan)]
+    if opts.stages is None or opts.microbatches is None:
+        raise ScheduleError("--stages and --microbatches are required (or give --schedule-file)")
+    names = schedule_names(opts.schedule or "1f1b")
+
+    def job(name):
+        spec = schedule_spec(name)
+        # Among several schedules, --virtual-stages goes to those it applies to; alone, a misfit is an error.
+        v = opts.virtual_stages if (spec.takes_virtual_stages or len(names) == 1) else None
+        return lambda: spec.build(opts.stages, opts.microbatches, v)
+
+    return [(name, job(name)) for name in names]
+
+
+def _out_path(out: str, name: str, several: bool) -> str:
+    """Among several schedules each picture gets its own file: out.1f1b.svg."""
+    if not several:
+        return out
+    stem, ext = os.path.splitext(out)
+    return f"{stem}.{name}{ext}"
+
+
+def record(plan, timeline, costs) -> dict:
+    """One simulated schedule as `simulate --json` prints it."""
+    s = timeline.summary()
+    rec = {
+        "schedule": plan.name,
+        "applies": True,
+        "stages": plan.num_ranks,
+        "microbatches": plan.num_microbatches,
+        "model_stages": plan.num_stages,
+        "stage_to_rank": list(plan.stage_to_rank),
+        "virtual_stages": plan.meta.get("virtual_stages", plan.num_stages // plan.num_ranks),
+        "costs": {k: (list(map(float, v)) if isinstance(v, list) else float(v)) for k, v in costs.as_dict().items()},
+    }
+    rec.update({k: s[k] for k in ("makespan", "bubble_fraction", "bubble_fraction_per_rank", "busy_per_rank",
+                                  "peak_live_microbatches_per_rank", "peak_activation_bytes_per_rank")})
+    rec["plan"] = plan.compute_only().as_strings()
+    return rec
+
+
+def summary_text(rec: dict) -> str:
+    """One schedule's makespan, bubble, peak live microbatches (and bytes, and its layer split)."""
+    pct = ", ".join(f"{100 * b:.1f}%" for b in rec["bubble_fraction_per_rank"])
+    lines = [
+        f"schedule {rec['schedule']}: {rec['stages']} ranks, {rec['model_stages']} stages, "
+        f"{rec['microbatches']} microbatches",
+        f"makespan          {rec['makespan']:g}",
+        f"bubble            {100 * rec['bubble_fraction']:.1f}%  (per rank: {pct})",
+        "peak live         " + " ".join(map(str, rec["peak_live_microbatches_per_rank"]))
+        + "  stage-microbatches per rank",
+    ]
+    if rec["peak_activation_bytes_per_rank"] is not None:
+        lines.append("peak activations  " + ", ".join(human_bytes(b) for b in rec["peak_activation_bytes_per_rank"]))
+    if "layers_per_stage" in rec:
+        lines.append(f"layers per stage  {','.join(map(str, rec['layers_per_stage']))}  (balance {rec['balance']})")
+    return "\n".join(lines)
+
+
+def table(records: list[dict]) -> str:
+    """Several schedules side by side; one that does not apply says why."""
+    has_bytes = any(r.get("peak_activation_bytes_per_rank") for r in records)
+    head = ["schedule", "makespan", "bubble", "peak live max/min"] + (["peak bytes max"] if has_bytes else []) \
+        + ["applies"]
+    rows = []
+    for r in records:
+        if not r["applies"]:
+            rows.append([r["schedule"], "-", "-", "-"] + (["-"] if has_bytes else []) + ["no: " + r["reason"]])
+            continue
+        live = r["peak_live_microbatches_per_rank"]
+        row = [r["schedule"], f"{r['makespan']:g}", f"{100 * r['bubble_fraction']:.1f}%", f"{max(live)}/{min(live)}"]
+        if has_bytes:
+            pb = r["peak_activation_bytes_per_rank"]
+            row.append(human_bytes(max(pb)) if pb else "-")
+        rows.append(row + ["yes"])
+    return render.text_table([head] + rows, right=set(range(1, len(head))), free_last=True)
+
+
+def simulate_trace(opts: SimulateOptions, echo: Callable) -> None:
+    """`simulate --trace RUN_DIR`: the run's measured timeline beside its plan simulated with calibrated costs."""
+    from .calibrate import compare, comparison_text  # only --trace reads a run
+
+    run_dir, out = opts.trace_dir, opts.out
+    comparison = compare(run_dir, opts.trace_step)
+    plan = comparison.plan
+    check_against_file(plan, f"the run in {run_dir}", opts.stages, opts.microbatches)
+    measured, predicted = comparison.measured, comparison.predicted
+    span = max(measured.makespan, predicted.makespan)  # one time scale: a shorter prediction ends early
+    text = comparison_text(comparison)
+    if out is not None:
+        stem, ext = os.path.splitext(out)
+        if ext.lower() in (".html", ".htm"):
+            html = render.to_html_side_by_side([("measured", measured), ("predicted", predicted)], text=text,
+                                               title=f"{plan.name}: measured vs predicted ({run_dir})")
+            _write_text(out, html)
+            echo(f"wrote {out}", err=True)
+        else:
+            for name, timeline in (("measured", measured), ("predicted", predicted)):
+                path = f"{stem}.{name}{ext}"
+                if ext.lower() == ".svg":
+                    _write_text(path, render.to_svg(timeline, span=span))
+                else:
+                    render.write(timeline, path)
+                echo(f"wrote {path}", err=True)
+    if opts.as_json:
+        echo(json.dumps(comparison.summary()))
+        return
+    if not opts.no_chart:
+        for name, timeline in (("measured", measured), ("predicted (calibrated costs)", predicted)):
+            echo(f"{name}:")
+            echo(render.ascii_gantt(timeline, width=opts.width, span=span))
+    echo(text)
+
+
+def _write_text(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as fh:
+            fh.write(text)
+    except OSError as e:
+        raise ScheduleError(f"cannot write {path}: {e.strerror}") from None
