@@ -125,10 +125,9 @@ class ActorThread:
     """The one thread on which a worker runs its actor methods, one at a time in arrival order.
 
     The RPC agent runs each request on whichever of its pool threads is free, a different one from step to
-    step. Per-thread native state (the math libraries' scratch buffers, malloc's caches) then grew with every
-    new thread: a worker's RSS rose 15-25 MiB per step for the first dozens of steps (measured: 405 -> 676 MiB
-    in 14 steps of an 8-layer width-256 stage, where one thread stays at 430-470 MiB). Daemon: a rank stuck in
-    an action must not keep its process alive once the job is being torn down."""
+    step, and per-thread native state (the math libraries' scratch buffers, malloc's per-thread arenas) is
+    allocated anew on every thread that computes: one thread keeps a worker's memory from growing with each
+    new one. Daemon: a rank stuck in an action must not keep its process alive once the job is being torn down."""
 
     def __init__(self, name: str = "pipegpt-actor"):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

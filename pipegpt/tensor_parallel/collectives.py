@@ -31,10 +31,6 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or `op`) of x over the group, in a new contiguous tensor (x is not modified)."""
     out = x.clone(memory_format=torch.contiguous_format)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -23,8 +24,9 @@ from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.train.placement import local_world_size, resolve_device, under_torchrun
 from pipegpt.train.metrics import RunLog, StepMetrics, step_metrics
 from pipegpt.train.profile import problem_line
+from pipegpt.train.results import WorkerStep
 from pipegpt.schedule import Plan, ScheduleError, build_plan, lower, validate
-from pipegpt.schedule.schedule_file import load_schedule_file
+from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 from pipegpt.stages import partition_layers
 from pipegpt.train.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold
 from pipegpt.train.worker import Worker
@@ -36,11 +38,7 @@ def make_plan(cfg: TrainConfig) -> Plan:
     try:
         if p.schedule_file is not None:
             plan = load_schedule_file(p.schedule_file)
-            for flag, given, actual in (("--stages", p.stages, plan.num_ranks),
-                                        ("--microbatches", p.microbatches, plan.num_microbatches)):
-                if given != actual:
-                    raise ConfigError(f"{p.schedule_file} has {actual} {flag[2:]} but {flag} is {given}: "
-                                      f"leave {flag} out (the file fixes it) or give {actual}")
+            check_against_file(plan, p.schedule_file, p.stages, p.microbatches)
             return plan if plan.is_lowered else validate(lower(plan))
         return validate(lower(build_plan(p.schedule, p.stages, p.microbatches, p.virtual_stages)))
     except ScheduleError as e:
@@ -68,7 +66,7 @@ def check(cfg: TrainConfig) -> Plan:
         get_tokenizer(cfg.data.tokenizer)
     start_from(cfg)
     if cfg.eval.hellaswag:
-        from pipegpt.tools.hellaswag import read_examples
+        from pipegpt.data.hellaswag import read_examples
 
         if not cfg.eval.eval_every:
             raise ConfigError("--hellaswag scores the model at evaluation steps: give --eval-every N too")
@@ -166,7 +164,7 @@ class Job:
                                        "world_size": cfg.world_size, "config": asdict(cfg), "optimizer": True,
                                        "plan": self.plan.name}, cfg.checkpoint.keep)
 
-    def step(self, step: int) -> list[dict]:
+    def step(self, step: int) -> list[WorkerStep]:
         """One step on every rank, watched: one that runs far longer than the steps before it ends the job,
         naming the rank that holds the others up (pipegpt.train.watchdog), well before the communication timeout."""
         threshold, t0 = stall_threshold(self.step_times), time.perf_counter()
@@ -224,7 +222,7 @@ class Job:
 
     def hellaswag(self, examples) -> tuple[float, float]:
         """(acc, acc_norm) of the current model on HellaSwag examples."""
-        from pipegpt.tools.hellaswag import score
+        from pipegpt.data.hellaswag import score
 
         correct, correct_norm = score(self.gathered_model(), examples, self.cfg.data.tokenizer,
                                       self.cfg.eval.hellaswag)
@@ -254,41 +252,69 @@ class Job:
             self.kill()
 
 
-def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics, list[dict]], None] = lambda m, r: None
-          ) -> list[StepMetrics]:
-    """The training loop on a started job: a step, its metrics, a checkpoint when one is due."""
-    cfg, history = job.cfg, []
-    every, last, eval_every = cfg.checkpoint.save_every, cfg.runtime.steps - 1, cfg.eval.eval_every
+def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
+    """Whether a checkpoint is saved after `step`: every --save-every steps, and after the last."""
+    return _every(cfg.checkpoint.save_every, step, cfg.runtime.steps)
+
+
+def evaluation_due(cfg: TrainConfig, step: int) -> bool:
+    """Whether the model is evaluated after `step`: every --eval-every steps, and after the last."""
+    return _every(cfg.eval.eval_every, step, cfg.runtime.steps)
+
+
+def _every(every: int | None, step: int, steps: int) -> bool:
+    return bool(every) and ((step + 1) % every == 0 or step == steps - 1)
+
+
+def profiled_steps(cfg: TrainConfig, first_step: int) -> range:
+    """The steps --profile samples: from the first traced step this run takes to the last (empty: none)."""
+    traced = sorted(s for s in cfg.runtime.traced_steps() if s >= first_step) if cfg.runtime.profile else []
+    return range(traced[0], traced[-1] + 1) if traced else range(0)
+
+
+@contextmanager
+def profiling(job: Job, profiled: range, step: int, directory: Path):
+    """Around one step: py-spy starts on every worker before the first profiled step and stops after the last.
+    Not stopped when the step raises: the job is then killed, workers and their py-spy children with it."""
+    if profiled and step == profiled[0]:
+        _warn(problem_line(job.call("profile_start", str(directory.resolve())), "the run goes on without profiles"))
+    yield
+    if profiled and step == profiled[-1]:
+        stopped = job.cluster.call("profile_stop", timeout_s=job.cfg.runtime.timeout_s + 60)
+        _warn(problem_line([problem for _, problem in stopped], "no profile from it"))
+
+
+def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda m: None) -> list[StepMetrics]:
+    """The training loop on a started job: a step, its metrics, an evaluation and a checkpoint when due; then the
+    last step's trace (trace.json)."""
+    cfg, history, results = job.cfg, [], None
     traced = set(cfg.runtime.traced_steps())
+    profiled = profiled_steps(cfg, job.first_step)
     hellaswag = None
     if cfg.eval.hellaswag:
-        from pipegpt.tools.hellaswag import read_examples
+        from pipegpt.data.hellaswag import read_examples
 
         hellaswag = read_examples(cfg.eval.hellaswag)
-    profiled = sorted(s for s in traced if s >= job.first_step) if cfg.runtime.profile else []
     for step in range(job.first_step, cfg.runtime.steps):
-        if profiled and step == profiled[0]:  # py-spy on every worker, from the first traced step to the last
-            _warn(problem_line(job.call("profile_start", str((log.run_dir / "profiles").resolve())),
-                               "the run goes on without profiles"))
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        results = job.step(step)
-        metrics = step_metrics(step, results, cfg, time.perf_counter() - t0, time.process_time() - cpu0)
-        if profiled and step == profiled[-1]:
-            stopped = job.cluster.call("profile_stop", timeout_s=cfg.runtime.timeout_s + 60)
-            _warn(problem_line([problem for _, problem in stopped], "no profile from it"))
+        with profiling(job, profiled, step, log.run_dir / "profiles"):
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            results = job.step(step)
+            metrics = step_metrics(step, results, cfg, time.perf_counter() - t0, time.process_time() - cpu0)
         if step in traced:
             log.trace(results, job.plan, step)
-        if eval_every and ((step + 1) % eval_every == 0 or step == last):
+        if evaluation_due(cfg, step):
             metrics.val_loss = job.evaluate()
             if hellaswag:
                 metrics.hellaswag_acc, metrics.hellaswag_acc_norm = job.hellaswag(hellaswag)
-        if every and ((step + 1) % every == 0 or step == last):
+        if checkpoint_due(cfg, step):
             t0 = time.perf_counter()
             job.save(log.run_dir / "checkpoints", step + 1)
             metrics.checkpoint_s = time.perf_counter() - t0
         log.step(metrics)
         history.append(metrics)
-        on_step(metrics, results)
+        on_step(metrics)
+    if results is not None:
+        log.trace(results, job.plan)
     return history
 
 
@@ -303,20 +329,12 @@ def run_job(job: Job, run_dir: Path, on_step: Callable[[StepMetrics], None] = la
 
     Returns the step metrics on the driver, None on the other torchrun ranks.
     """
-    last: list[dict] = []
-
-    def record(metrics: StepMetrics, results: list[dict]) -> None:
-        last[:] = results
-        on_step(metrics)
-
     with job:
         if not job.start():
             return None
         log = RunLog(run_dir, job.cfg, job.plan)
         try:
-            history = train(job, log, record)
-            if last:
-                log.trace(last, job.plan)
+            history = train(job, log, on_step)
         finally:
             log.close()
         job.close()

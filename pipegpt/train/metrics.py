@@ -12,6 +12,7 @@ from pathlib import Path
 from pipegpt.config import TrainConfig
 from pipegpt.model.flops import flops_per_token
 from pipegpt.plan.devices import device_peak_tflops
+from pipegpt.train.results import WorkerStep
 from pipegpt.schedule.actions import Action, Plan
 from pipegpt.schedule.render import to_chrome_trace
 from pipegpt.schedule.schedule_file import dump_schedule_text
@@ -38,25 +39,26 @@ class StepMetrics:
     driver_cpu: float | None = None  # the driver's CPU time during the step / step_time_s
 
 
-def step_metrics(step: int, results: list[dict], cfg: TrainConfig, elapsed: float,
+def step_metrics(step: int, results: list[WorkerStep], cfg: TrainConfig, elapsed: float,
                  driver_cpu_s: float | None = None) -> StepMetrics:
     """One step's figures from the workers' answers (the last stage's ranks report the losses)."""
-    losses = [loss for r in results for loss in r["losses"]]
+    losses = [loss for r in results for loss in r.losses]
     flops_per_s = flops_per_token(cfg.model) * cfg.tokens_per_step / elapsed
-    peak = peak_tflops(cfg, results[0].get("device_name", "cpu"))
+    peak = peak_tflops(cfg, results[0].device_name)
     return StepMetrics(step, sum(losses) / len(losses) if losses else math.nan, elapsed,
-                       cfg.tokens_per_step / elapsed, results[0]["grad_norm"], [r["peak_memory"] for r in results],
-                       lr=results[0].get("lr"), flops_per_s=flops_per_s,
+                       cfg.tokens_per_step / elapsed, results[0].grad_norm, [r.peak_memory for r in results],
+                       lr=results[0].lr, flops_per_s=flops_per_s,
                        mfu=None if peak is None else flops_per_s / (cfg.world_size * peak * 1e12),
                        control_s=_control_s(results, elapsed),
-                       cpu_per_rank=[r["cpu_s"] / elapsed for r in results] if all("cpu_s" in r for r in results) else None,
+                       cpu_per_rank=None if any(r.cpu_s is None for r in results) else
+                       [r.cpu_s / elapsed for r in results],
                        driver_cpu=None if driver_cpu_s is None else driver_cpu_s / elapsed)
 
 
-def _control_s(results: list[dict], elapsed: float) -> float | None:
-    if not all("compute_s" in r for r in results):
+def _control_s(results: list[WorkerStep], elapsed: float) -> float | None:
+    if any(r.compute_s is None for r in results):
         return None
-    return max(0.0, elapsed - max(r["compute_s"] for r in results))
+    return max(0.0, elapsed - max(r.compute_s for r in results))
 
 
 def peak_tflops(cfg: TrainConfig, device_name: str) -> float | None:
@@ -99,7 +101,7 @@ class RunLog:
                     self._tensorboard.add_scalar(f"train/{name}", value, metrics.step)
             self._tensorboard.flush()
 
-    def trace(self, results: list[dict], plan: Plan, step: int | None = None) -> None:
+    def trace(self, results: list[WorkerStep], plan: Plan, step: int | None = None) -> None:
         """The step's measured timeline as trace.json (Perfetto), the format `simulate --out x.json` writes;
         with a step number (--trace-steps), as traces/step-N.json."""
         path = self.run_dir / "trace.json" if step is None else self.run_dir / "traces" / f"step-{step}.json"
@@ -121,10 +123,10 @@ def _tensorboard_writer(run_dir: Path):
     return SummaryWriter(log_dir=str(run_dir))
 
 
-def measured_timeline(results: list[dict], plan: Plan) -> Timeline:
+def measured_timeline(results: list[WorkerStep], plan: Plan) -> Timeline:
     """One step's recorded actions from every rank as the Timeline type the simulator produces."""
-    t0 = min((start for r in results for _, start, _ in r["events"]), default=0.0)
-    events = [Event(r["rank"], Action.parse(name), start - t0, end - t0)
-              for r in results for name, start, end in r["events"]]
+    t0 = min((start for r in results for _, start, _ in r.events), default=0.0)
+    events = [Event(r.rank, Action.parse(name), start - t0, end - t0)
+              for r in results for name, start, end in r.events]
     return Timeline(events, len(results), schedule=plan.name, num_microbatches=plan.num_microbatches,
                     stage_to_rank=plan.stage_to_rank, time_unit="s")

@@ -28,6 +28,7 @@ from pipegpt.train.faults import IN_SAVE, STUCK, fail_now, get_stuck, planned_fa
 from pipegpt.model.gpt import GPT
 from pipegpt.train.optim import clip_grad_norm_, lr_at, make_optimizer, set_lr
 from pipegpt.train.profile import Profiler
+from pipegpt.train.results import WorkerStep
 from pipegpt.runtime import PipelineRuntime, last_gradient_actions
 from pipegpt.schedule import Plan
 from pipegpt.stages import Stage, partition_layers
@@ -88,12 +89,19 @@ class Worker:
                               embedding_pp_indices=(0, p.stages - 1))
         self.p2p = PointToPoint(rank, cfg.runtime.timeout_s, self.device.type)
         self.fault = planned_fault(rank)
-        return self.build.__wrapped__(self, cfg, plan, eval_plan)
+        self._build(cfg, plan, eval_plan)
+        return self._describe()
 
     @actor_method
     def build(self, cfg: TrainConfig, plan: Plan, eval_plan: Plan | None = None) -> dict:
         """(Re)build model stages, optimizer, runtimes and loaders for cfg and the driver's plans (training;
         forward-only for evaluation), on the existing process groups (the grid must not change)."""
+        self._build(cfg, plan, eval_plan)
+        return self._describe()
+
+    def _build(self, cfg: TrainConfig, plan: Plan, eval_plan: Plan | None) -> None:
+        """build()'s work, shared with start() as a plain method: an actor method called from another would hand
+        back its exception as a Failed value (reports_failures) instead of raising it."""
         self.cfg, self.plan = cfg, plan
         p, last = cfg.parallel, plan.num_stages - 1
         # Steps whose per-action timestamps are recorded: --trace-steps and the last (trace.json); others skip it.
@@ -140,7 +148,6 @@ class Worker:
             # Without a validation split (the built-in corpus, one flat file), validation windows come from
             # the training tokens under another seed: a check of the mechanics, not a held-out loss.
             self.val_loader = loader(train, cfg.runtime.seed + 1) if val is None else loader(val, cfg.runtime.seed)
-        return self.describe.__wrapped__(self)
 
     def _tokens(self):
         """(train, val or None) token arrays."""
@@ -179,7 +186,7 @@ class Worker:
                 for local in stage.module.tied_parameter_names()]
 
     @actor_method
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> WorkerStep:
         """One training step: loader -> runtime -> finish gradients -> clip -> optimizer."""
         if self.fault and self.fault[0] not in (IN_SAVE, STUCK) and self.fault[1] == step:
             fail_now(*self.fault)
@@ -199,10 +206,9 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step is done when its kernels are, not launched
         self.runtime.now = None
-        return {"rank": self.rank, "losses": result.losses, "events": result.events,
-                "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0, "cpu_s": _process_cpu_s() - cpu0,
-                "peak_memory": self._peak_memory(),
-                "lr": lr, "device_name": self.device_name}
+        return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,
+                          peak_memory=self._peak_memory(), device_name=self.device_name, events=result.events,
+                          compute_s=time.perf_counter() - t0, cpu_s=_process_cpu_s() - cpu0)
 
     @actor_method
     def evaluate(self, batches: int) -> dict:
@@ -278,6 +284,12 @@ class Worker:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
+    @property
+    def _local_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose state this rank holds: under ZeRO, ZeroRedundancyOptimizer keeps this replica's
+        shard in an inner one."""
+        return getattr(self.optimizer, "optim", self.optimizer)
+
     def _owned(self, p: torch.Tensor) -> bool:
         """Whether this rank stores p: tp-replicated tensors on tp rank 0 only, the tied embedding
         on the rank holding stage 0 only."""
@@ -288,7 +300,7 @@ class Worker:
     @actor_method
     def save(self, directory: str, step: int) -> None:
         """Write what this rank owns of the checkpoint after `step` steps into `directory`."""
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO: this replica's shard of the state
+        optimizer = self._local_optimizer
         shard = [self.mesh.tp_index, self.cfg.parallel.tp]
         tensors = {f"rng/{self.rank}": torch.get_rng_state()}
         if self.mesh.dp_index == 0:
@@ -320,7 +332,7 @@ class Worker:
                 p.copy_(mine("param", p))
         if weights_only:
             return 0
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)
+        optimizer = self._local_optimizer
         for group in optimizer.param_groups:
             for p in group["params"]:
                 optimizer.state[p] = {"step": torch.tensor(float(step)),
@@ -339,14 +351,16 @@ class Worker:
     @actor_method
     def named_optimizer_state(self) -> dict[str, torch.Tensor]:
         """{"exp_avg/<name>": moment, ...} of this rank's parameters, by one-process name (for tests)."""
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)
         return {f"{k}/{self.full_names[id(p)]}": state[k].detach().cpu().clone()
-                for p, state in optimizer.state.items() for k in ("exp_avg", "exp_avg_sq")}
+                for p, state in self._local_optimizer.state.items() for k in ("exp_avg", "exp_avg_sq")}
 
     @actor_method
     def describe(self) -> dict:
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO wraps this rank's shard
-        state_bytes = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+        return self._describe()
+
+    def _describe(self) -> dict:
+        """describe()'s answer, for start() and build() too (a plain method, as _build)."""
+        state_bytes = sum(t.numel() * t.element_size() for state in self._local_optimizer.state.values()
                           for t in state.values() if torch.is_tensor(t))
         return {"rank": self.rank, "stages": sorted(self.stages), "device": str(self.device),
                 "device_name": self.device_name,

@@ -1,0 +1,22 @@
+"""What a worker answers the driver for a training step: one typed record per rank, pickled across RPC
+(torch-free, so the driver side reads it without the worker's imports)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerStep:
+    """One rank's answer to Worker.step."""
+
+    rank: int
+    losses: list[float]  # one per microbatch on ranks holding the last stage; empty on the others
+    grad_norm: float  # the global norm before clipping: the same on every rank
+    lr: float  # the learning rate this step's optimizer update used
+    peak_memory: int  # bytes: CUDA's max allocated on a GPU, the process's max RSS on the CPU
+    device_name: str  # the GPU's name as torch reports it, or "cpu"
+    # (action, start_s, end_s) per action on steps whose timeline is recorded (--trace-steps and the last);
+    # empty on the others
+    events: list[tuple[str, float, float]] = field(default_factory=list)
+    compute_s: float | None = None  # wall seconds inside step(); None: not timed (an answer built by hand)
+    cpu_s: float | None = None  # the worker process's CPU seconds during step(); None: not timed
