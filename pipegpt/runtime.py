@@ -2,7 +2,11 @@
 
 It decides nothing about order: the lowered plan from pipegpt.schedule does.
 Each run of consecutive SEND/RECV actions is posted as one batch; receives are
-waited for before the next compute, sends only when their buffer is released.
+waited for before the next compute, sends at the release points the schedule
+computes (pipegpt.schedule.messages.release_points: where the receiver is known
+to have the message), the rest at the end of the step. Then the send's message
+is dropped, and with it the last reference to its tensor: message memory follows
+the schedule, not the microbatch count.
 Where the backend matches messages by tag (gloo), a send is posted as soon as
 its tensor exists, and its SEND action only takes it in: lowering places a SEND
 where its receiver needs it in a unit-cost run, which in a real run can be a
@@ -17,9 +21,9 @@ import torch
 
 from pipegpt.comm.p2p import Message, PointToPoint
 from pipegpt.schedule.actions import Action, Kind, Plan
-from pipegpt.schedule.messages import comm_batches
+from pipegpt.schedule.messages import comm_batches, release_points
 from pipegpt.stages import Stage
-from pipegpt.timing import clock_for
+from pipegpt.timing import clock_for, device_marker
 
 
 @dataclass
@@ -47,7 +51,7 @@ def last_gradient_actions(actions) -> dict[int, int]:
 class PipelineRuntime:
     def __init__(self, plan: Plan, rank: int, stages: dict[int, Stage], p2p: PointToPoint,
                  pipeline_ranks: list[int], activation_shape: tuple[int, ...], dtype, device,
-                 on_gradients_ready: Callable[[int], None] = lambda stage: None):
+                 on_gradients_ready: Callable[[int], None] = lambda stage: None, message_dtype=None):
         self.plan, self.rank, self.stages, self.p2p = plan, rank, stages, p2p
         self.actions = plan.ranks[pipeline_ranks.index(rank)]
         self.names = [str(a) for a in self.actions]  # trace labels, formatted once, not per step
@@ -58,15 +62,34 @@ class PipelineRuntime:
         # Global rank that owns each stage in this rank's pipeline.
         self.owner = [pipeline_ranks[r] for r in plan.stage_to_rank]
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
+        # Messages may travel narrower than the stages compute (--p2p-dtype bf16 with fp32 residual streams):
+        # cast on sending, and back to `dtype` on receiving, so a stage sees the dtype it computes in.
+        self.message_dtype = dtype if message_dtype is None else message_dtype
         self.clock = clock_for(torch.device(device))
         # Where step() is, for the stall watchdog (read from another thread by Worker.where()):
         # (action index, action, ranks it waits for, what it waits for), one prebuilt tuple per action
         # so that keeping it costs one attribute store; None between steps.
         self.now: tuple[int | None, str, tuple[int, ...], str] | None = None
+        # On CUDA the host runs ahead of the GPU: a mark after each action (an event) tells device_now() which
+        # action the GPU is in; (action index, mark) of this step.
+        self.marker = device_marker(torch.device(device))
+        self.marks: list = []
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
         self.index_of = {a: i for i, a in enumerate(self.actions)}
         self.eager_sends = p2p.matches_by_tag
         self.send_of = {_outbox_key(a): a for a in self.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)}
+        # Per comm batch (by its first index): the sends to wait for and drop once its receives are in.
+        releases = release_points(plan, self.eager_sends)[pipeline_ranks.index(rank)]
+        self.releases = {i: tuple((a, self.at[self.index_of[a]]) for a in sends) for i, sends in releases.items()}
+
+    def device_now(self) -> tuple[int | None, str, tuple[int, ...], str] | None:
+        """Where the device is, as `now` is where the host is: the first action of this step whose mark has
+        not completed (the GPU is still in it), or None when the device has done every action launched (or
+        marks nothing). Called from another thread (Worker.where())."""
+        for i, mark in list(self.marks):
+            if not mark.query():
+                return self.at[i]
+        return None
 
     def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
         if a.kind.is_compute:
@@ -86,12 +109,13 @@ class PipelineRuntime:
         record=False: no per-action timestamps (no clock reads; on CUDA no events and no synchronisation)."""
         inbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to consume
         outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to send
-        in_flight: list[tuple[Message, Action]] = []
+        in_flight: dict[Action, Message] = {}  # SENDs posted, not yet released
         events: list = []
         if record:
             self.clock.start()
         clock = self.clock.mark
         i, actions, at = 0, self.actions, self.at
+        self.marks = marks = []
         while i < len(actions):
             self.now = at[i]
             t0 = clock() if record else None
@@ -101,19 +125,24 @@ class PipelineRuntime:
                 if record:
                     t1 = clock()
                     events.extend((name, t0, t1) for name in self.names[i:end])
+                if self.marker is not None:
+                    marks.append((i, self.marker(actions[i])))
                 i = end
                 continue
             self._compute(actions[i], inputs, targets, inbox, outbox)
             if record:
                 events.append((self.names[i], t0, clock()))
+            if self.marker is not None:
+                marks.append((i, self.marker(actions[i])))
             if i in self.gradients_ready_after:
                 self.on_gradients_ready(self.gradients_ready_after[i])
             i += 1
-        for message, action in in_flight:
+        for action, message in in_flight.items():  # sends no later message of the plan acknowledged
             self.now = at[self.index_of[action]]
             self.p2p.wait(message)
-        if self.p2p.unsettled:  # CUDA: the host waits for the step's communication here
-            peers = tuple(sorted({m.peer for m in self.p2p.unsettled}))
+        in_flight.clear()
+        peers = self.p2p.unsettled_peers()
+        if peers:  # CUDA: the host waits for the step's communication here
             self.now = (None, "end of step", peers, f"this step's communication with {_ranks(peers)}")
         self.p2p.settle()
         self.now = None
@@ -124,12 +153,12 @@ class PipelineRuntime:
     def _compute(self, a: Action, inputs, targets, inbox, outbox) -> None:
         stage, s, mb = self.stages[a.stage], a.stage, a.microbatch
         if a.kind is Kind.F:
-            x = inputs[mb] if stage.is_first else inbox.pop((Kind.F, s, mb))
+            x = inputs[mb] if stage.is_first else inbox.pop((Kind.F, s, mb)).to(self.dtype)
             out = stage.forward(mb, x, targets[mb] if stage.is_last else None)
             if not stage.is_last:
                 self._hand_over(Kind.F, s, s + 1, mb, out, inbox, outbox)
         elif a.kind in (Kind.B, Kind.I):
-            grad = None if stage.is_last else inbox.pop((Kind.B, s, mb))
+            grad = None if stage.is_last else inbox.pop((Kind.B, s, mb)).to(self.dtype)
             grad_input = stage.backward(mb, grad, split=a.kind is Kind.I)
             if not stage.is_first:
                 self._hand_over(Kind.B, s, s - 1, mb, grad_input, inbox, outbox)
@@ -143,12 +172,18 @@ class PipelineRuntime:
             message = self._send_message(self.send_of[(kind, s, mb)], tensor)
             self.p2p.post([message], [])
             outbox[(kind, s, mb)] = message
+            self._sent(kind, s, mb)
         else:
             outbox[(kind, s, mb)] = tensor
 
+    def _sent(self, kind: Kind, s: int, mb: int) -> None:
+        """A tensor went to a send: the message holds its storage until released, the stage need not."""
+        if kind is Kind.F:
+            self.stages[s].release_output(mb)
+
     def _send_message(self, a: Action, tensor: torch.Tensor) -> Message:
         forward = a.kind is Kind.SEND_F
-        return Message(tensor, self.owner[a.stage + 1 if forward else a.stage - 1],
+        return Message(tensor.to(self.message_dtype), self.owner[a.stage + 1 if forward else a.stage - 1],
                        self._tag(a.stage, a.microbatch, not forward), f"send {a}")
 
     def _communicate(self, batch, inbox, outbox, in_flight, first: int) -> None:
@@ -156,15 +191,17 @@ class PipelineRuntime:
         for i, a in enumerate(batch, first):
             s, mb = a.stage, a.microbatch
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                item = outbox.pop(_outbox_key(a))
+                key = _outbox_key(a)
+                item = outbox.pop(key)
                 if isinstance(item, Message):
                     posted.append((item, a))
                 else:
                     sends.append((self._send_message(a, item), a))
+                    self._sent(*key)
             else:
                 backward = a.kind is Kind.RECV_B
                 sender = s + 1 if backward else s - 1
-                buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                buffer = torch.empty(self.activation_shape, dtype=self.message_dtype, device=self.device)
                 recvs.append(Message(buffer, self.owner[sender], self._tag(sender, mb, backward), f"receive {a}"))
                 recv_at.append(self.at[i])
                 inbox[(Kind.B if backward else Kind.F, s, mb)] = buffer
@@ -172,17 +209,7 @@ class PipelineRuntime:
         for message, now in zip(recvs, recv_at):
             self.now = now
             self.p2p.wait(message)
-        in_flight.extend(posted + sends)
-        self._release_sent(in_flight)
-
-    def _release_sent(self, in_flight: list) -> None:
-        """Free forward outputs whose sends have completed; backward keeps only their graph."""
-        still = []
-        for message, action in in_flight:
-            if self.p2p.done(message):
-                self.p2p.wait(message)  # surfaces a failed send
-                if action.kind is Kind.SEND_F:
-                    self.stages[action.stage].release_output(action.microbatch)
-            else:
-                still.append((message, action))
-        in_flight[:] = still
+        in_flight.update((a, m) for m, a in posted + sends)
+        for action, now in self.releases.get(first, ()):  # the receiver has these: waiting does not stall
+            self.now = now
+            self.p2p.wait(in_flight.pop(action))

@@ -1,18 +1,30 @@
 """Batched non-blocking point-to-point between pipeline ranks, device-neutral, always bounded in time.
 
 A batch (one run of comm actions in the plan) is posted at once; receives
-are waited for before the next compute, sends only when their buffer is about
-to be released or at the end of the step, so a send never stalls its rank.
+are waited for before the next compute, sends where the schedule says their
+receiver has them (pipegpt.schedule.messages.release_points) or at the end of
+the step, so a send never stalls its rank.
+
+Two behaviours, chosen apart from the device (`matching`):
+- "tag" (gloo): messages are matched by tag, so a send may be posted as soon as
+  its tensor exists; every wait blocks the host, with the timeout.
+- "order" (NCCL): messages are matched by order per pair of ranks, so sends keep
+  the plan's places. `wait()` only orders the compute stream after the
+  communication (the host runs on), and `settle()` at the end of the step
+  blocks the host with the timeout, so a receive that never comes still ends
+  in a CommError naming it. On CPU (the CUDA control path run there) `wait()`
+  blocks the host instead, standing in for the stream wait.
 
 Backends differ in what a batch returns: gloo gives one Work per operation,
 NCCL (which coalesces a batch into one group call) gives one Work for the
 whole batch. So every message keeps the Works of its batch, and waiting for
 a message waits for all of them: no receive can look complete early.
 
-Waiting differs too. On CPU the host blocks, with the timeout. On CUDA
-`wait()` only orders the compute stream after the communication (the host
-runs on), and `settle()` at the end of the step blocks the host with the
-timeout, so a receive that never comes still ends in a CommError naming it.
+What is kept for settle() is the Works, never the tensors: a message's
+tensor goes when the runtime drops the message. On CUDA the process group
+keeps its own reference until the stream has waited (record_stream or its
+stash), so the allocator cannot reuse the memory early; gloo's Work holds
+its tensor until waited, and a host wait lets go of the Work.
 """
 from __future__ import annotations
 
@@ -20,6 +32,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+MATCHING = ("auto", "tag", "order")
 
 
 class CommError(RuntimeError):
@@ -33,7 +47,8 @@ class Message:
 
     def __init__(self, tensor: torch.Tensor, peer: int, tag: int, label: str):
         self.tensor, self.peer, self.tag, self.label = tensor, peer, tag, label
-        self.works: list = []  # of the message's batch; empty once waited for (or never posted)
+        # Of the message's batch; emptied (in place: settle() may share the list) once the host waited.
+        self.works: list = []
 
 
 def attach_works(messages: list[Message], works: list) -> None:
@@ -47,15 +62,27 @@ def attach_works(messages: list[Message], works: list) -> None:
             message.works = list(works)
 
 
+def resolve_matching(matching: str, device_type: str) -> str:
+    """"tag" or "order" for a device: auto is order on CUDA (NCCL), tag elsewhere (gloo)."""
+    if matching not in MATCHING:
+        raise ValueError(f"p2p matching {matching!r} is not one of {', '.join(MATCHING)}")
+    if matching == "auto":
+        return "order" if device_type == "cuda" else "tag"
+    if matching == "tag" and device_type == "cuda":
+        raise ValueError("p2p matching 'tag' needs gloo: NCCL matches point-to-point messages by order")
+    return matching
+
+
 class PointToPoint:
-    def __init__(self, rank: int, timeout_s: float, device_type: str = "cpu"):
+    def __init__(self, rank: int, timeout_s: float, device_type: str = "cpu", matching: str = "auto"):
         self.rank = rank
         self.timeout = timedelta(seconds=timeout_s)
+        self.matching = resolve_matching(matching, device_type)
+        self.matches_by_tag = self.matching == "tag"
+        # Only a CUDA stream can wait for the host: elsewhere the host itself waits before a buffer is read.
         self.host_waits = device_type != "cuda"
-        # gloo (CPU) matches point-to-point messages by tag, so a send may be posted before the sends the
-        # plan puts ahead of it; NCCL (CUDA) matches them by order per pair of ranks.
-        self.matches_by_tag = device_type != "cuda"
-        self.unsettled: list[Message] = []  # posted since the last settle()
+        # "order": what was posted since the last settle(), as (works, peer, label): Works, not tensors.
+        self.unsettled: list[tuple[list, int, str]] = []
 
     def post(self, sends: list[Message], recvs: list[Message]) -> None:
         ops = [dist.P2POp(dist.isend, m.tensor, m.peer, tag=m.tag) for m in sends]
@@ -63,31 +90,35 @@ class PointToPoint:
         if not ops:
             return
         attach_works(sends + recvs, dist.batch_isend_irecv(ops))
-        if not self.host_waits:
-            self.unsettled += sends + recvs
+        if not self.matches_by_tag:
+            self.unsettled += [(m.works, m.peer, m.label) for m in sends + recvs]
 
     def wait(self, message: Message) -> None:
-        """What follows may use the message's tensor (the stream waits on CUDA, the host on CPU)."""
+        """What follows may use the message's tensor, or drop it (the stream waits on CUDA, the host elsewhere)."""
         if self.host_waits:
-            self._wait_host(message)
+            self._wait_host(message.works, message.peer, message.label)
             return
         for work in message.works:
             work.wait()  # NCCL: the current stream waits for the batch; the host does not
 
     def settle(self) -> None:
         """Block the host until everything posted has completed, within the timeout (end of step)."""
-        for message in self.unsettled:
-            self._wait_host(message)
+        for works, peer, label in self.unsettled:
+            self._wait_host(works, peer, label)
         self.unsettled.clear()
 
-    def _wait_host(self, message: Message) -> None:
+    def unsettled_peers(self) -> tuple[int, ...]:
+        """The ranks settle() would still wait for."""
+        return tuple(sorted({peer for works, peer, _ in self.unsettled if works}))
+
+    def _wait_host(self, works: list, peer: int, label: str) -> None:
         try:
-            for work in message.works:
+            for work in works:
                 work.wait(self.timeout)
         except Exception as e:  # gloo and NCCL raise on timeout or a dead peer
-            raise CommError(f"rank {self.rank}: {message.label} with rank {message.peer} failed "
+            raise CommError(f"rank {self.rank}: {label} with rank {peer} failed "
                             f"after at most {self.timeout.total_seconds():.0f}s: {e}") from None
-        message.works = []
+        works.clear()  # a gloo Work must not be waited twice, and it holds its tensor
 
     @staticmethod
     def done(message: Message) -> bool:

@@ -16,7 +16,7 @@ against pipegpt's real modules and a measured replay (tests/unit/test_plan_memor
 
 A planner calls plan_memory (or rank_memory) per candidate layout: everything that depends only on
 shapes is cached, and the peaks walk each rank's actions once (well under a millisecond per call for
-GPT-2 sizes).
+GPT-2 sizes); the message count lowers each plan once (cached per plan).
 
 Precision ("precision" below): "fp32" (dtype float32), "bf16" (autocast; float32 master weights,
 gradients and AdamW moments) or "fp64" (dtype float64: everything 8 bytes). memory_precision()
@@ -134,12 +134,15 @@ weights + gradients + optimizer + p2p buffers + activations + workspace, plus th
 copies: pipegpt's GradientAverager flattens every bucket of a stage's gradients (BUCKET_BYTES each,
 but ALL buckets stay pending until finish()), so dp > 1 costs a second copy of the rank's gradients;
 on a rank with one stage they are made after its last backward, when no activation is left, so the
-total takes the larger of the two (with several stages on a rank, their sum). p2p buffers: per
-stage with a neighbour on another rank, one gradient received and waiting for its backward and one
-tensor being sent (b*S*h*r each; S = s/tp with sequence parallelism, else s).
+total takes the larger of the two (with several stages on a rank, their sum). p2p buffers: the most
+messages the runtime holds at once (pipegpt.schedule.messages.message_peaks of the lowered plan, b*S*h*c
+each, in the compute precision as --p2p-dtype's default; S = s/tp with sequence parallelism, else s): a tensor to send from its compute until the schedule
+shows its receiver has it (a later message the receiver posted after receiving it), a received gradient
+until its backward. That follows the schedule: under 1F1B a number bounded by the stage count, whatever
+the microbatch count; under GPipe every forward output until the first backward acknowledges one.
 
 Not modelled: the CUDA context and the caching allocator's rounding and fragmentation, the optimizer
-step's temporaries (one parameter's size at a time with foreach=False), torch.compile's buffers, the
+step's temporaries (foreach AdamW's intermediates over a parameter group), torch.compile's buffers, the
 batch of token ids the loader holds for the step (a few KB).
 """
 from __future__ import annotations
@@ -150,6 +153,8 @@ from typing import Sequence
 
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
 from pipegpt.schedule.actions import Kind, Plan
+from pipegpt.schedule.lowering import lower
+from pipegpt.schedule.messages import message_peaks
 
 MEMORY_PRECISIONS = ("fp32", "bf16", "fp64")
 INT64, BOOL = 8, 1
@@ -549,6 +554,12 @@ def _layer_counts(model: ModelConfig, plan: Plan, layers_per_stage) -> list[int]
     return counts
 
 
+@functools.lru_cache(maxsize=1024)
+def held_messages(plan: Plan, device: str = "cuda") -> tuple[int, ...]:
+    """Per rank, the most message buffers the runtime holds at once (sends are posted eagerly off CUDA)."""
+    return tuple(message_peaks(plan if plan.is_lowered else lower(plan), eager_sends=device != "cuda"))
+
+
 def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, microbatch_size: int,
                 tp: int = 1, sequence_parallel: bool = False, recompute: str = "none", precision: str = "fp32",
                 dp: int = 1, zero: bool = False, device: str = "cuda",
@@ -567,20 +578,20 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     saved, deferred, workspace = stage_activation_bytes(model, counts, recompute=recompute, device=device, **kw)
     walked = activation_peaks(plan, saved, deferred, workspace)
     peaks = [held for held, _ in walked] if activations is None else list(activations)
-    r, _ = _widths(precision)
+    _, c = _widths(precision)  # messages travel in the compute precision (--p2p-dtype's default)
     S = model.seq_len // tp if sequence_parallel and tp > 1 else model.seq_len
-    message = microbatch_size * S * model.n_embd * r
-    last, owner = plan.num_stages - 1, plan.stage_to_rank
+    message = microbatch_size * S * model.n_embd * c
+    last = plan.num_stages - 1
+    messages = held_messages(plan, device)
     out = []
     for rank in range(plan.num_ranks):
         mine = plan.stages_of(rank)
         state = state_bytes(model, [(counts[s], s == 0, s == last) for s in mine], tp=tp, precision=precision,
                             dp=dp, zero=zero)
-        remote = sum(1 for s in mine if (s > 0 and owner[s - 1] != rank) or (s < last and owner[s + 1] != rank))
         out.append(MemoryBreakdown(
             rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
             optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],
-            p2p_buffers=2 * message * remote,
+            p2p_buffers=message * messages[rank],
             dp_buffers=state.gradients if dp > 1 else 0, overlap_dp=len(mine) > 1))
     return out
 

@@ -6,7 +6,8 @@ It keeps, per microbatch in flight, only what backward needs: the input
 Mixed precision: with autocast_dtype (torch.bfloat16), the forward runs under torch.autocast (a
 recomputation under checkpoint inherits it) while parameters stay in their own dtype (fp32 master
 weights). The residual stream stays fp32 (embeddings are fp32, and each block adds its bf16 branch
-to the fp32 stream), so outputs and input gradients keep the runtime dtype the receive buffers use.
+to the fp32 stream), so outputs and input gradients keep the parameters' dtype; the runtime casts them to
+the message dtype (--p2p-dtype) when sending and back when receiving.
 Backward runs outside autocast, as torch recommends.
 """
 from __future__ import annotations
@@ -52,7 +53,8 @@ class Stage:
         return out.detach()
 
     def release_output(self, mb: int) -> None:
-        """Free the output's storage once it has been sent: backward needs only its graph.
+        """Drop the stage's hold on the output's storage once a send has it: backward needs only its graph,
+        and the send's message keeps the storage until the runtime releases the send.
 
         Safe because every stage ends in a residual add, whose backward does not read its output.
         """
