@@ -249,8 +249,6 @@ def to_hf_state_dict(state: dict, model: ModelConfig) -> dict:
 def export_hf(path, hf_dir) -> tuple[Path, ModelConfig]:
     """Write a checkpoint's (or a run directory's latest's) parameters as HF_DIR/config.json and
     HF_DIR/model.safetensors; refuses to overwrite either."""
-    from safetensors.torch import save_file
-
     found = checkpoint.resolve(path)
     manifest = checkpoint.read_manifest(found)
     model = ModelConfig(**manifest["model"])
@@ -263,7 +261,7 @@ def export_hf(path, hf_dir) -> tuple[Path, ModelConfig]:
     tensors = to_hf_state_dict(checkpoint.read_weights(found), model)
     hf_dir.mkdir(parents=True, exist_ok=True)
     partial = hf_dir / f"{SAFETENSORS_FILE}.partial"
-    save_file(tensors, str(partial), metadata={"format": "pt"})
+    checkpoint.write_safetensors(partial, tensors, {"format": "pt"})  # follows the umask, as save_file's do not
     os.replace(partial, hf_dir / SAFETENSORS_FILE)
     partial = hf_dir / f"{CONFIG_FILE}.partial"
     partial.write_text(json.dumps(hf_config(model, manifest.get("tokenizer")), indent=2) + "\n")

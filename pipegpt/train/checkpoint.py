@@ -3,7 +3,8 @@
     RUN_DIR/checkpoints/step-00000100/
         manifest.json              step, model shape, config, tokenizer, the files; written last
         rank-00003.safetensors     what rank 3 owns: "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>",
-                                   "rng/<rank>"; its metadata says which tensor-parallel shard each is
+                                   "rng/<rank>" (and "cuda_rng/<rank>" on a GPU: pipegpt.train.rng);
+                                   its metadata says which tensor-parallel shard each is
 
 Every rank writes only what it owns, in parallel (data-parallel replica 0 the parameters, each ZeRO-1
 shard its optimizer moments; a tp-replicated tensor once; the tied embedding once). A checkpoint is
@@ -12,9 +13,15 @@ and the manifest is down, so a crash or SIGKILL mid-save leaves the previous che
 Loading reads, for each name this rank now owns, the shards that cover it, whatever layout wrote
 them: 4 stages resume as 2 stages x tp 2, as dp 2 with ZeRO-1, or in one process. safetensors holds
 tensors only: nothing in a checkpoint can run code.
+
+Each file's SHA-256 is computed over the bytes as they are written (write_safetensors) and kept in the
+manifest; read_manifest checks it before anything is loaded, so a flipped bit is refused in one line
+naming the file. SHA-256 because hashlib always has it, OpenSSL computes it with the CPU's SHA
+instructions where there are some, and `sha256sum rank-00003.safetensors` checks a file by hand.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -42,30 +49,81 @@ def _fsync(path: Path) -> None:
 # Writing
 
 def begin(root: Path, step: int) -> Path:
-    """An empty temporary directory for the checkpoint after `step` steps (a stale one is cleared)."""
-    tmp = Path(root) / f".tmp-{DIR_PREFIX}{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    """An empty temporary directory for the checkpoint after `step` steps. What interrupted saves left
+    (`.tmp-step-*`, of any step: a save killed midway is never finished) is removed first."""
+    root = Path(root)
+    if root.is_dir():
+        for stale in root.glob(f".tmp-{DIR_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{DIR_PREFIX}{step:08d}"
     tmp.mkdir(parents=True)
     return tmp
 
 
-def write_rank_file(directory: Path, rank: int, tensors: dict, shards: dict[str, list[int]]) -> None:
-    """One rank's tensors (key -> tensor) with, per key, its tensor-parallel [tp_rank, tp_size]."""
-    from safetensors.torch import save_file
+# safetensors' dtype names (its format's spec)
+_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+           "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
-    path = Path(directory) / f"rank-{rank:05d}.safetensors"
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> str:
+    """A safetensors file of `tensors` (key -> tensor, any device) at `path`; returns the SHA-256 of the bytes
+    written. Written here rather than by safetensors.torch.save_file: the hash is taken as each tensor goes
+    out (no second read, no copy of the whole file in memory), a GPU tensor is copied to the host one at a
+    time, and the file is created with open(), so it follows the umask (save_file's are 0600 whatever it is).
+    The layout is safetensors' own: an 8-byte little-endian header length, a JSON header padded with spaces
+    to 8 bytes, then the tensors' bytes back to back, the widest dtypes first so that each is aligned."""
+    import torch
+
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key in order:
+        t = tensors[key]
+        size = t.numel() * t.element_size()
+        header[key] = {"dtype": _DTYPES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(head)), head):
+            f.write(chunk)
+            digest.update(chunk)
+        for key in order:
+            data = tensors[key].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
+            f.write(data)
+            digest.update(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def write_rank_file(directory: Path, rank: int, tensors: dict, shards: dict[str, list[int]]) -> tuple[str, str]:
+    """One rank's tensors (key -> tensor) with, per key, its tensor-parallel [tp_rank, tp_size];
+    returns (the file's name, its SHA-256) for the manifest."""
+    path = Path(directory) / rank_file_name(rank)
     partial = path.with_suffix(".partial")
-    save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, str(partial),
-              metadata={"shards": json.dumps(shards)})
-    _fsync(partial)
+    sha256 = write_safetensors(partial, tensors, {"shards": json.dumps(shards)})
     os.replace(partial, path)
+    return path.name, sha256
 
 
-def commit(tmp: Path, manifest: dict, keep: int) -> Path:
-    """Write the manifest, rename the directory into place, then keep only the newest `keep`."""
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def commit(tmp: Path, manifest: dict, keep: int, checksums: dict[str, str] | None = None) -> Path:
+    """Write the manifest, rename the directory into place, then keep only the newest `keep`.
+
+    checksums: file name -> SHA-256 as the writers computed them; a file without one is hashed here.
+    Only checkpoints of finite values are committed (the driver refuses the others before this), so
+    the `keep` newest are the newest finite ones."""
     tmp = Path(tmp)
-    manifest = {"format": FORMAT, "version": VERSION,
-                "files": sorted(p.name for p in tmp.glob("rank-*.safetensors")), **manifest}
+    files = sorted(p.name for p in tmp.glob("rank-*.safetensors"))
+    checksums = dict(checksums or {})
+    sha256 = {name: checksums.get(name) or file_sha256(tmp / name) for name in files}
+    manifest = {"format": FORMAT, "version": VERSION, "files": files, "sha256": sha256, **manifest}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
     _fsync(tmp / MANIFEST)
     final = tmp.with_name(tmp.name.removeprefix(".tmp-"))
@@ -105,18 +163,54 @@ def resolve(path) -> Path:
                           f"(expected {MANIFEST} or checkpoints/{DIR_PREFIX}*/{MANIFEST})")
 
 
-def read_manifest(checkpoint: Path) -> dict:
-    """The manifest, after checking that every file it names is whole."""
+def read_manifest(checkpoint: Path, verify: bool = True) -> dict:
+    """The manifest, after checking that every file it names is whole and, with verify, holds the bytes
+    whose SHA-256 the manifest records (every loader verifies: run --resume/--init-from in the driver before
+    any worker starts, sample, convert, hellaswag; the workers then skip it)."""
     checkpoint = Path(checkpoint)
     try:
         manifest = json.loads((checkpoint / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{checkpoint / MANIFEST}: unreadable manifest ({e})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{checkpoint / MANIFEST}: not a {FORMAT} version {VERSION} manifest")
+    # Checkpoints written before checksums existed have no "sha256": they load on the size check alone.
+    sha256 = manifest.get("sha256") or {}
     for name in manifest["files"]:
         _check_whole(checkpoint / name)
+        if verify and name in sha256:
+            _check_sha256(checkpoint / name, sha256[name])
     return manifest
+
+
+def file_sha256(path: Path) -> str:
+    digest, chunk = hashlib.sha256(), bytearray(1 << 20)  # hashlib.file_digest is Python 3.11+
+    view = memoryview(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+# Files verified in this process, by identity and the checksum they matched: the driver reads a
+# checkpoint's manifest more than once (checked before the workers start, again to load), and hashing
+# a large checkpoint twice would double the wait for nothing.
+_verified: set[tuple] = set()
+
+
+def _check_sha256(path: Path, expected: str) -> None:
+    try:
+        st = path.stat()
+        identity = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, expected)
+        if identity in _verified:
+            return
+        found = file_sha256(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable tensor file ({e.strerror or e})") from None
+    if found != expected:
+        raise CheckpointError(f"{path}: corrupt: its SHA-256 is {found[:12]}..., the manifest recorded "
+                              f"{expected[:12]}... when it was written; use another checkpoint")
+    _verified.add(identity)
 
 
 def _check_whole(path: Path) -> None:
@@ -149,12 +243,12 @@ def check_compatible(manifest: dict, model: dict, where: Path) -> None:
 class CheckpointReader:
     """The full (one-process) tensor of any name, gathered from whichever shards hold it."""
 
-    def __init__(self, checkpoint: Path):
+    def __init__(self, checkpoint: Path, verify: bool = True):
         from safetensors import safe_open
 
         self.checkpoint, self.where = Path(checkpoint), {}
         self._files = {}
-        for name in read_manifest(checkpoint)["files"]:
+        for name in read_manifest(checkpoint, verify)["files"]:
             f = safe_open(str(self.checkpoint / name), framework="pt")
             self._files[name] = f
             for key, (tp_rank, tp_size) in json.loads(f.metadata()["shards"]).items():
@@ -191,8 +285,9 @@ def write_weights(out: Path, state_dict: dict, manifest: dict) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {f"param/{name}": t for name, t in state_dict.items()}
-    write_rank_file(tmp, 0, tensors, {key: [0, 1] for key in tensors})
-    return commit(tmp, {"step": 0, "world_size": 1, "optimizer": False, "plan": None, **manifest}, keep=0)
+    name, sha256 = write_rank_file(tmp, 0, tensors, {key: [0, 1] for key in tensors})
+    return commit(tmp, {"step": 0, "world_size": 1, "optimizer": False, "plan": None, **manifest}, keep=0,
+                  checksums={name: sha256})
 
 
 def read_weights(checkpoint: Path) -> dict:

@@ -5,6 +5,12 @@ kill-in-save (SIGKILL halfway through writing the checkpoint taken after STEP st
 rank stays alive and answering, heartbeats and all, but its first compute action of STEP never returns:
 the stall watchdog must name it, though its pipeline neighbours are the ones seen waiting).
 The failure tests use it to prove that every kind brings the whole job down, naming the rank.
+Two kinds poison a value instead, for the non-finite guard: nan-loss (the rank's first loss of STEP is
+reported as nan; its gradients stay finite) and nan-grad (one of the rank's gradients becomes nan once
+the step's gradients are final, after the data-parallel average).
+gpu-stuck rehearses the CUDA form of stuck on any device: the rank's host launches every action of STEP
+and then waits at the step's end (as it would in settle()), while its "GPU" never finishes the first
+compute action (the runtime's per-action device marks are stood in for: pipegpt.timing.device_marker).
 """
 from __future__ import annotations
 
@@ -14,9 +20,12 @@ import time
 from typing import Mapping
 
 FAULT_ENV = "PIPEGPT_FAULT"
-KINDS = ("raise", "exit", "freeze", "kill-in-save", "stuck")
+KINDS = ("raise", "exit", "freeze", "kill-in-save", "stuck", "nan-loss", "nan-grad", "gpu-stuck")
 IN_SAVE = "kill-in-save"
 STUCK = "stuck"
+NAN_LOSS, NAN_GRAD = "nan-loss", "nan-grad"
+GPU_STUCK = "gpu-stuck"
+NOT_FAILURES = (IN_SAVE, STUCK, NAN_LOSS, NAN_GRAD, GPU_STUCK)  # kinds that do not fail at the start of their step
 
 
 def planned_fault(rank: int, env: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
@@ -51,3 +60,24 @@ def get_stuck(stages) -> None:
 def _forever(*args, **kwargs) -> None:
     while True:
         time.sleep(1.0)
+
+
+class _Mark:
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def get_gpu_stuck(runtime, p2p) -> None:
+    """gpu-stuck: marks that say the device never got past the step's first compute action, and a settle()
+    that never returns (the host waiting for that device), on this rank's runtime and point-to-point only."""
+    seen = {"compute": False}
+
+    def marker(action):
+        seen["compute"] = seen["compute"] or action.kind.is_compute
+        return _Mark(not seen["compute"])
+
+    runtime.marker = marker
+    p2p.settle = _forever

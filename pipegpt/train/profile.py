@@ -7,8 +7,9 @@ run): a flame graph (`rank-N.svg`) and speedscope JSON (`rank-N.speedscope.json`
 the worker's memory without pausing it, so the two samplers do not contend for ptrace and training is not
 stopped for each sample. py-spy writes its file when it exits; SIGINT makes it finish.
 
-py-spy is looked up on PATH. Where it is missing, or may not attach (ptrace refused), start() returns the
-reason in one line and the caller goes on without a profile.
+py-spy is looked up beside the running interpreter first (a virtualenv's bin directory, where `pip install
+py-spy` puts it, is not on PATH when pipegpt is run by its path), then on PATH. Where it is missing, or may
+not attach (ptrace refused), start() returns the reason in one line and the caller goes on without a profile.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +29,12 @@ RATE_HZ = 100  # py-spy's default sampling rate
 def output_paths(directory, rank: int) -> list[Path]:
     """Where rank's profiles go: DIRECTORY/rank-N.svg and DIRECTORY/rank-N.speedscope.json."""
     return [Path(directory) / f"rank-{rank}.{suffix}" for _, suffix in FORMATS]
+
+
+def find_py_spy() -> str | None:
+    """py-spy beside this interpreter (the same environment's), else on PATH; None if neither has it."""
+    beside = shutil.which("py-spy", path=str(Path(sys.executable).parent)) if sys.executable else None
+    return beside or shutil.which("py-spy")
 
 
 def _allow_tracing_by_children() -> None:
@@ -78,9 +86,10 @@ class Profiler:
 
     def start(self, timeout_s: float = 20.0) -> str | None:
         """Start sampling; returns None once py-spy is attached, else one line saying why not."""
-        exe = shutil.which("py-spy")
+        exe = find_py_spy()
         if exe is None:
-            return "py-spy is not on PATH (pip install py-spy, or activate the virtualenv that has it)"
+            return (f"py-spy is neither beside {sys.executable} nor on PATH (pip install py-spy into this "
+                    f"environment)")
         self.directory.mkdir(parents=True, exist_ok=True)
         _allow_tracing_by_children()
         for (fmt, _), path in zip(FORMATS, output_paths(self.directory, self.rank)):

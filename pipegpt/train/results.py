@@ -20,3 +20,19 @@ class WorkerStep:
     events: list[tuple[str, float, float]] = field(default_factory=list)
     compute_s: float | None = None  # wall seconds inside step(); None: not timed (an answer built by hand)
     cpu_s: float | None = None  # the worker process's CPU seconds during step(); None: not timed
+    # False when the optimizer update was dropped: the gradient norm or some rank's loss was not finite
+    # (every rank decides alike, from the values the norm's all-reduce gave them all)
+    applied: bool = True
+    # on such a step, this rank's stages whose gradients (its share of the norm) were not finite
+    nonfinite_stages: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SavedFile:
+    """One rank's answer to Worker.save: the file it wrote and its SHA-256 (for the manifest), or, when some
+    parameter or Adam moment it holds is not finite, nothing written and which one ((stage, "exp_avg/<name>"))."""
+
+    rank: int
+    name: str | None = None
+    sha256: str | None = None
+    nonfinite: tuple[int, str] | None = None

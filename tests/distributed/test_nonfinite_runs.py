@@ -1,0 +1,113 @@
+"""The non-finite guard in real runs: a diverging run stops before the update with one line naming the step, the
+rank and the stage, and leaves its finite checkpoints alone; --on-nonfinite skip drops the update on every rank
+alike and counts it; metrics.jsonl stays strict JSON. Values are poisoned on purpose with PIPEGPT_FAULT
+(nan-loss, nan-grad: pipegpt.train.faults)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from pipegpt.config import ModelConfig, TrainConfig
+from pipegpt.train import checkpoint
+
+from cluster_host import ClusterHost
+from helpers import clean_env, run_pipegpt
+
+FAST = ["--threads-per-worker", "1"]
+
+
+def pipegpt_run(run_dir: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = clean_env(PIPEGPT_FAULT=fault) if fault else clean_env()
+    return run_pipegpt("run", *FAST, "--run-dir", run_dir, *args, env=env, timeout=240)
+
+
+def report(proc) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def stopped_line(proc) -> str:
+    """The run's last word: exit 1, its last stderr line an `Error:` of at most ~200 characters, no traceback."""
+    assert proc.returncode == 1, report(proc)
+    assert "Traceback" not in proc.stdout + proc.stderr, report(proc)
+    line = proc.stderr.splitlines()[-1]
+    assert line.startswith("Error: step ") and len(line.split(", last checkpoint: ")[0]) < 200, line
+    return line
+
+
+def rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl read as strict JSON (a bare NaN or Infinity raises)."""
+    def refuse(text):
+        raise ValueError(f"not strict JSON: {text}")
+
+    return [json.loads(line, parse_constant=refuse) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_diverging_run_stops_before_the_update_and_keeps_its_finite_checkpoints(tmp_path):
+    """The issue's case: lr 1e4 turns the gradients non-finite after a step or two."""
+    run = tmp_path / "run"
+    proc = pipegpt_run(run, "--stages", "2", "--microbatches", "4", "--steps", "8", "--lr", "1e4", "--save-every", "1")
+    line = stopped_line(proc)
+    match = re.fullmatch(r"Error: step (\d+): the (loss|gradient norm) is (nan|inf)( \(first on rank \d, stage \d\))?"
+                         r"|Error: step (\d+): the loss is (nan|inf) on rank 1 \(stage 1\)", line.split(";")[0])
+    assert match, line
+    bad = int(match.group(1) or match.group(5))
+    saved = checkpoint.complete_checkpoints(run / "checkpoints")
+    assert line.endswith(f"; no update applied, last checkpoint: {saved[-1]}"), line
+    # every step before the bad one saved, the newest 3 (--keep) kept; nothing from the bad state, nothing left over
+    assert [p.name for p in saved] == [f"step-{s:08d}" for s in range(max(1, bad - 3), bad)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [p.name for p in saved]
+    for ckpt in saved:
+        checkpoint.read_manifest(ckpt)  # checksums hold
+        for f in ckpt.glob("rank-*.safetensors"):
+            assert all(bool(torch.isfinite(t).all()) for t in load_file(str(f)).values()), f
+    metrics = rows(run)
+    assert [r["step"] for r in metrics] == list(range(bad))
+    assert metrics[-1]["nonfinite"] and "done:" not in proc.stdout
+    assert all(r["nonfinite"] is None for r in metrics[:-1])
+
+
+def test_a_nan_loss_is_named_with_its_rank_and_stage(tmp_path):
+    run = tmp_path / "run"
+    proc = pipegpt_run(run, "--stages", "2", "--microbatches", "2", "--steps", "4", "--save-every", "1",
+                       fault="nan-loss:1:1")
+    assert stopped_line(proc) == (f"Error: step 2: the loss is nan on rank 1 (stage 1); no update applied, "
+                                  f"last checkpoint: {run / 'checkpoints' / 'step-00000001'}")
+    assert [p.name for p in checkpoint.complete_checkpoints(run / "checkpoints")] == ["step-00000001"]
+    assert rows(run)[-1]["loss"] is None
+
+
+def test_non_finite_gradients_are_named_where_they_appeared(tmp_path):
+    proc = pipegpt_run(tmp_path / "run", "--stages", "2", "--microbatches", "2", "--steps", "3",
+                       fault="nan-grad:0:1")
+    assert stopped_line(proc) == ("Error: step 2: the gradient norm is nan (first on rank 0, stage 0); "
+                                  "no update applied, last checkpoint: none")
+
+
+def test_skip_drops_the_update_counts_it_and_goes_on(tmp_path):
+    run = tmp_path / "run"
+    proc = pipegpt_run(run, "--stages", "2", "--microbatches", "2", "--steps", "3", "--on-nonfinite", "skip",
+                       fault="nan-loss:1:1")
+    assert proc.returncode == 0, report(proc)
+    assert "pipegpt: step 2: the loss is nan on rank 1 (stage 1); update skipped (--on-nonfinite skip)" in \
+        proc.stderr.splitlines(), report(proc)
+    metrics = rows(run)
+    assert [r["skipped_steps"] for r in metrics] == [0, 1, 1]
+    assert [r["nonfinite"] for r in metrics] == [None, "the loss is nan on rank 1 (stage 1)", None]
+
+
+def test_every_rank_skips_the_same_update(monkeypatch):
+    """Replica 1 alone sees a nan loss (its gradients are finite): replica 0 must drop the update too, or the
+    replicas part ways. ClusterHost checks that every replica holds the same parameters after the steps."""
+    monkeypatch.setenv("PIPEGPT_FAULT", "nan-loss:1:1")  # dp 2 x 1 stage: rank 1 is replica 1
+    cfg = TrainConfig.build(ModelConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=4, n_embd=32), dp=2, stages=1,
+                            microbatches=2, microbatch_size=2, device="cpu", timeout_s=60)
+    host = ClusterHost(cfg)
+    try:
+        host.run(cfg, 3)  # raises if the replicas' parameters differ
+    finally:
+        host.close()

@@ -1,0 +1,136 @@
+"""Checkpoint files (pipegpt.train.checkpoint), without workers: the safetensors writer and its SHA-256, the
+check on load (a flipped byte refused naming the file; a checkpoint from before checksums still loads), files
+that follow the umask, and what interrupted saves leave behind removed at the next save."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from pipegpt.config import ModelConfig
+from pipegpt.model.gpt import GPT
+from pipegpt.train import checkpoint
+
+MODEL = ModelConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=4, n_embd=32)
+
+
+def weights_checkpoint(path):
+    gpt = GPT(MODEL, init_seed=0)
+    checkpoint.write_weights(path, {n: p.detach() for n, p in gpt.named_parameters()},
+                             {"model": dataclasses.asdict(MODEL), "tokenizer": "bytes"})
+    return path
+
+
+def flip_data_byte(path, key_prefix: str = "param/") -> str:
+    """Flip one byte inside the data of the first tensor whose key starts with key_prefix; returns the key."""
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    key = next(k for k in sorted(header) if k.startswith(key_prefix))
+    start, end = header[key]["data_offsets"]
+    raw[8 + n + (start + end) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    return key
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The writer
+
+def test_the_writer_writes_safetensors_own_bytes_and_hashes_them(tmp_path):
+    tensors = {"b": torch.randn(3, 4), "a": torch.randn(5), "z": torch.tensor(1.0)}
+    metadata = {"shards": json.dumps({"a": [0, 1]})}
+    digest = checkpoint.write_safetensors(tmp_path / "x.safetensors", tensors, metadata)
+    written = (tmp_path / "x.safetensors").read_bytes()
+    assert written == save(tensors, metadata=metadata)  # the library's own serialisation, byte for byte
+    assert digest == hashlib.sha256(written).hexdigest() == checkpoint.file_sha256(tmp_path / "x.safetensors")
+
+
+def test_mixed_dtypes_read_back_exactly(tmp_path):
+    tensors = {"f64": torch.randn(3, dtype=torch.float64), "f32": torch.randn(2, 3), "bf16": torch.randn(5).bfloat16(),
+               "rng": torch.get_rng_state(), "mask": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5)}
+    checkpoint.write_safetensors(tmp_path / "x.safetensors", tensors, {"k": "v"})
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"k": "v"} and set(f.keys()) == set(tensors)
+        for key, t in tensors.items():
+            got = f.get_tensor(key)
+            assert got.dtype == t.dtype and torch.equal(got, t), key
+
+
+def test_the_manifest_holds_each_files_sha256(tmp_path):
+    ckpt = weights_checkpoint(tmp_path / "ckpt")
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    assert manifest["sha256"] == {name: hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+                                  for name in manifest["files"]}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Verified on load
+
+def test_a_flipped_byte_is_refused_naming_the_file(tmp_path):
+    ckpt = weights_checkpoint(tmp_path / "ckpt")
+    victim = ckpt / "rank-00000.safetensors"
+    size = victim.stat().st_size
+    flip_data_byte(victim)
+    assert victim.stat().st_size == size  # the size check alone cannot see it
+    for load in (checkpoint.read_manifest, checkpoint.CheckpointReader, checkpoint.read_weights):
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            load(ckpt)
+        assert str(e.value).startswith(f"{victim}: corrupt: its SHA-256 is ")
+        assert "\n" not in str(e.value) and len(str(e.value)) < 200 + len(str(victim))
+    checkpoint.read_manifest(ckpt, verify=False)  # what the workers do, after the driver verified
+
+
+def test_a_checkpoint_without_checksums_still_loads(tmp_path):
+    ckpt = weights_checkpoint(tmp_path / "ckpt")
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    del manifest["sha256"]  # as written before checksums existed
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    assert set(checkpoint.read_weights(ckpt)) == {n for n, _ in GPT(MODEL, init_seed=0).named_parameters()}
+
+
+def test_a_file_changed_after_a_successful_check_is_checked_again(tmp_path):
+    ckpt = weights_checkpoint(tmp_path / "ckpt")
+    checkpoint.read_manifest(ckpt)
+    victim = ckpt / "rank-00000.safetensors"
+    flip_data_byte(victim)
+    os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 1_000_000))
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
+        checkpoint.read_manifest(ckpt)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The umask, and interrupted saves
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_checkpoint_and_exported_files_follow_the_umask(tmp_path, umask):
+    from pipegpt.tools.convert import export_hf
+
+    old = os.umask(umask)
+    try:
+        ckpt = weights_checkpoint(tmp_path / "ckpt")
+        export_hf(ckpt, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    files = [ckpt / "rank-00000.safetensors", ckpt / checkpoint.MANIFEST, tmp_path / "hf" / "model.safetensors",
+             tmp_path / "hf" / "config.json"]
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: oct(0o666 & ~umask) for f in files}
+
+
+def test_the_next_save_removes_what_interrupted_saves_left(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (4, 6):  # two saves killed midway, each with half a file
+        stale = root / f".tmp-step-{step:08d}"
+        stale.mkdir(parents=True)
+        (stale / "rank-00000.partial").write_bytes(b"\0" * 1000)
+    tmp = checkpoint.begin(root, 8)
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step-00000008"] and not any(tmp.iterdir())
+    checkpoint.write_rank_file(tmp, 0, {"param/x": torch.ones(2)}, {"param/x": [0, 1]})
+    final = checkpoint.commit(tmp, {"step": 8}, keep=0)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000008"] and final == root / "step-00000008"
