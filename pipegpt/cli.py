@@ -124,16 +124,30 @@ def simulate(**options):
 @click.option("--batch-size", type=int, default=None,
               help="Sequences per step in all (sets the microbatch size: batch / (dp x microbatches)).")
 @model_options
-@click.option("--run-dir", type=click.Path(), default=None, help="Where metrics.jsonl goes (default: runs/<time>).")
-@click.option("--port", type=int, default=None, help="Port for the workers' process group (default: a free one).")
-@click.option("--log-every", default=10, show_default=True, help="Print a line every N steps.")
+@click.option("--run-dir", type=click.Path(), default=None,
+              help="The run's directory: metrics.jsonl, checkpoints, traces (default: runs/<time>; with --resume, "
+                   "the checkpoint's run). One run per directory: continue one with --resume.")
+@click.option("--overwrite", is_flag=True,
+              help="Start afresh in a --run-dir that holds a run: its content is moved into <run-dir>/previous-<time>/.")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="Port for the workers' process group (default: a free one).")
+@click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Print a line every N steps.")
 @click.pass_context
-def run(ctx, batch_size, run_dir, port, log_every, **options):
-    """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them)."""
-    from pipegpt.options import train_config
+def run(ctx, batch_size, run_dir, overwrite, port, log_every, **options):
+    """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them).
+
+    --resume takes every setting from the checkpoint's run except those given here (each change is printed).
+    """
+    from pipegpt.config import MODEL_PRESETS
+    from pipegpt.options import given, train_config
     from pipegpt.train.launch import launch
 
-    launch(train_config(ctx, batch_size, options), options["preset"], run_dir, port, log_every, click.echo)
+    cfg = train_config(ctx, batch_size, options, say=click.echo)
+    preset = options["preset"]
+    if cfg.checkpoint.resume is not None and not given(ctx, "preset"):  # the model is the checkpoint's
+        preset = next((name for name, m in MODEL_PRESETS.items() if m == cfg.model), "resumed")
+    launch(cfg, preset, run_dir, port, log_every, click.echo, overwrite=overwrite)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Callable
 
 import click
 from click.core import ParameterSource
@@ -15,7 +16,8 @@ from pipegpt.config import (MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, T
                             model_config)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 
-MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings")
+MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
+                 "dropout")
 
 
 def int_tuple(value: str | None) -> tuple[int, ...] | None:
@@ -50,7 +52,10 @@ def config_options(command):
     for section in reversed(list(SECTIONS.values())):
         for f in reversed(dataclasses.fields(section)):
             if f.metadata.get("help"):
-                names = [f.metadata["flag"] or "--" + f.name.replace("_", "-")] + [n for n in [f.metadata["short"]] if n]
+                flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+                if f.type == "bool":  # --resume restores a run's settings: an on/off one can be turned off
+                    flag += "/--no-" + flag[2:]
+                names = [flag] + [n for n in [f.metadata["short"]] if n]
                 command = click.option(*names, f.name, help=f.metadata["help"], **_option_kind(f))(command)
     return command
 
@@ -66,6 +71,9 @@ def model_options(command):
         click.option("--pad-vocab", is_flag=True,
                      help="Pad the vocabulary to a multiple of 64 (padded logits are never predicted)."),
         click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight instead of the token embedding."),
+        click.option("--dropout", type=float, default=None,
+                     help="Dropout probability of the embedding, attention and residual branches (default: the "
+                          "preset's, 0.0; fine-tuning often uses 0.1)."),
     ]):
         command = option(command)
     return command
@@ -78,7 +86,7 @@ def model_from_options(options: dict, vocab_size: int | None = None) -> ModelCon
     return model_config(o["preset"], n_layer=o["n_layer"], n_embd=o["n_embd"], n_head=o["n_head"],
                         seq_len=o["seq_len"], vocab_size=vocab_size if o["vocab_size"] is None else o["vocab_size"],
                         tie_embeddings=False if o["no_tie_embeddings"] else None,
-                        pad_vocab_to=64 if o["pad_vocab"] else None)
+                        pad_vocab_to=64 if o["pad_vocab"] else None, dropout=o["dropout"])
 
 
 def model_flags(model: ModelConfig, tokenizer: str) -> str:
@@ -93,20 +101,159 @@ def model_flags(model: ModelConfig, tokenizer: str) -> str:
     return f"{flags} --tokenizer {tokenizer}"
 
 
-def train_config(ctx: click.Context, batch_size: int | None, options: dict) -> TrainConfig:
-    """`pipegpt run`'s TrainConfig from its options (the config fields and model_options)."""
+def train_config(ctx: click.Context, batch_size: int | None, options: dict,
+                 say: Callable[[str], None] = lambda line: None) -> TrainConfig:
+    """`pipegpt run`'s TrainConfig from its options (the config fields and model_options).
+
+    With --resume, every setting comes from the checkpoint's run except those given on the command line;
+    say() gets one line per setting that differs from that run's (`--stages 4 -> 2`)."""
     settings = {k: v for k, v in options.items() if k not in MODEL_OPTIONS}
+    saved = saved_run(settings["resume"]) if settings["resume"] is not None else None
+    if saved is not None:
+        _restore(ctx, settings, saved["config"])
     if settings["schedule_file"] is not None:
         _from_schedule_file(ctx, settings)
     if batch_size is not None:
         settings["microbatch_size"] = microbatch_size_for(batch_size, settings["dp"], settings["microbatches"])
-    model = model_from_options(options, vocab_size=50257 if settings["tokenizer"] == "gpt2" else None)
+    if saved is None:
+        model = model_from_options(options, vocab_size=50257 if settings["tokenizer"] == "gpt2" else None)
+    else:
+        model = _resumed_model(ctx, options, saved["model"], settings["tokenizer"])
+        _fit_split(ctx, settings, saved, model)
     cfg = TrainConfig.build(model, **settings)
+    if saved is not None:
+        changes = resume_changes(ctx, cfg, saved)
+        if changes:
+            say(f"pipegpt: resuming {saved['checkpoint']} with its run's settings, except:")
+        for line in changes:
+            say(line)
     data = cfg.data.data
     if data is not None and not os.path.exists(data):
         raise ConfigError(f"--data {data}: no such file or directory (a directory from `pipegpt prepare`, nanoGPT "
                           f"or llm.c token files, or a flat uint16 file; leave it out for the built-in corpus)")
     return cfg
+
+
+# --------------------------------------------------------------------------------------------------------------
+# --resume: the run's own settings, except those given on the command line
+
+NOT_RESUMED = ("resume", "init_from")  # where this attempt starts from is the command line's
+LAYOUT = ("stages", "virtual_stages", "schedule", "schedule_file")  # a split of layers per stage is for one layout
+
+
+def given(ctx: click.Context, name: str) -> bool:
+    """Whether the option called `name` was given (on the command line or in the environment), not defaulted."""
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+def saved_run(resume: str) -> dict | None:
+    """{"config": sections, "model": fields} of the run a --resume checkpoint was saved by, None for a checkpoint
+    that holds no run (weights only: the driver refuses to resume it, in one line)."""
+    from pipegpt.train import checkpoint
+
+    found = checkpoint.resolve(resume)
+    manifest = checkpoint.read_manifest(found, verify=False)  # the driver verifies the files before loading
+    if not isinstance(manifest.get("config"), dict) or not isinstance(manifest.get("model"), dict):
+        return None
+    return {"config": manifest["config"], "model": manifest["model"], "checkpoint": found}
+
+
+def _as_field(value):
+    """A value read back from JSON as the config holds it (its lists were tuples)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _restore(ctx: click.Context, settings: dict, saved: dict) -> None:
+    """Every setting of the saved run (`saved`: its config's sections) that the command line does not give.
+    A checkpoint older than a setting leaves it at its default."""
+    for section, cls in SECTIONS.items():
+        stored = saved.get(section) or {}
+        for f in dataclasses.fields(cls):
+            if f.name in NOT_RESUMED or f.name not in stored or (f.metadata.get("help") and given(ctx, f.name)):
+                continue
+            settings[f.name] = _as_field(stored[f.name])
+    old = saved.get("parallel") or {}
+    if given(ctx, "schedule") and not given(ctx, "schedule_file"):
+        settings["schedule_file"] = None  # the named schedule replaces the saved run's file
+    if (given(ctx, "schedule_file") or settings["schedule"] != old.get("schedule")) and not given(ctx, "virtual_stages"):
+        settings["virtual_stages"] = None  # the saved run's value was for its schedule
+
+
+def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: str) -> ModelConfig:
+    """The saved run's model with the shape options given on the command line applied (a --model preset given
+    names the whole shape). A shape other than the checkpoint's is then refused, naming what differs."""
+    if given(ctx, "preset"):
+        return model_from_options(options, vocab_size=50257 if tokenizer == "gpt2" else None)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    changes = {name: options[name] for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dropout")
+               if given(ctx, name)}
+    if given(ctx, "pad_vocab") and options["pad_vocab"]:
+        changes["pad_vocab_to"] = 64
+    if given(ctx, "no_tie_embeddings") and options["no_tie_embeddings"]:
+        changes["tie_embeddings"] = False
+    return dataclasses.replace(ModelConfig(**{k: v for k, v in saved.items() if k in known}), **changes).validate()
+
+
+def _fit_split(ctx: click.Context, settings: dict, saved: dict, model: ModelConfig) -> None:
+    """A saved split of the layers (--layers-per-stage, or the one --balance cost measured, with its costs) fits
+    the saved run's layout: under another layout or --balance, the split is made again (even, or measured)."""
+    old = saved["config"].get("parallel") or {}
+    if given(ctx, "layers_per_stage"):  # the split given replaces the measured one
+        settings["balanced_costs"] = None
+        if not given(ctx, "balance"):
+            settings["balance"] = "even"
+        return
+    moved = any(settings[name] != _as_field(old.get(name)) for name in (*LAYOUT, "balance")) or \
+        model.n_layer != saved["model"].get("n_layer")
+    if moved:
+        settings.update(layers_per_stage=None, balanced_costs=None)
+
+
+# The model's fields that options set, by the option's name
+MODEL_FLAGS = {"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head", "seq_len": "--seq-len",
+               "vocab_size": "--vocab-size", "pad_vocab_to": "--pad-vocab", "tie_embeddings": "--no-tie-embeddings",
+               "dropout": "--dropout"}
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "default"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def resume_changes(ctx: click.Context, cfg: TrainConfig, saved: dict) -> list[str]:
+    """One line per option whose value differs from the saved run's: `--stages 4 -> 2`, and what follows from
+    those given (`--virtual-stages 2 -> default (follows the options given)`)."""
+    lines = []
+    for key, flag, old, new in _option_values(cfg, saved):
+        if key in NOT_RESUMED or old is _MISSING or _as_field(old) == new:
+            continue
+        if key == "tie_embeddings":  # the flag says the opposite
+            old, new = not old, not new
+        why = "" if given(ctx, key) or key in MODEL_FLAGS else " (follows the options given)"
+        if key == "microbatch_size" and given(ctx, "batch_size"):
+            why = " (from --batch-size)"
+        lines.append(f"{flag} {_shown(old)} -> {_shown(new)}{why}")
+    return lines
+
+
+_MISSING = object()
+
+
+def _option_values(cfg: TrainConfig, saved: dict):
+    """(field, flag, the saved run's value or _MISSING, this run's value) of every option."""
+    for name, flag in MODEL_FLAGS.items():
+        yield name, flag, saved["model"].get(name, _MISSING), getattr(cfg.model, name)
+    for section, cls in SECTIONS.items():
+        stored = saved["config"].get(section) or {}
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("help"):
+                yield (f.name, f.metadata["flag"] or "--" + f.name.replace("_", "-"), stored.get(f.name, _MISSING),
+                       getattr(getattr(cfg, section), f.name))
 
 
 def _from_schedule_file(ctx: click.Context, settings: dict) -> None:

@@ -12,7 +12,6 @@ Two ways to get a cluster:
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
 import os
 import queue
@@ -31,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
+
+from pipegpt.comm.lifeline import run_worker
 
 POLL_S = 0.05
 HEARTBEAT_EVERY_S = 2.0
@@ -77,21 +78,13 @@ def _rpc_options(init_method: str, timeout_s: float):
                                            _transports=["uv"])
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker if the driver dies, so no orphan survives it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def quiet_torch_warnings() -> None:
     """Silence a deprecation warning gloo process groups trigger inside torch itself."""
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
 
 
 def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int) -> None:
-    _die_with_parent()
+    """A LocalCluster worker, once pipegpt.comm.lifeline has bound it to the driver (its process target)."""
     quiet_torch_warnings()
     torch.set_num_threads(threads)
     rpc.init_rpc(f"worker{rank}", rank=rank + 1, world_size=world_size + 1,  # the driver is RPC rank 0
@@ -307,8 +300,11 @@ class LocalCluster(Cluster):
 
         threading.Thread(target=join_rpc, daemon=True).start()  # binds the control plane's port at once
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_local_worker_main, daemon=False, name=f"pipegpt-rank{r}",
-                                  args=(r, world_size, init_method, timeout_s, threads_per_worker))
+        # The target is lifeline's, a torch-free module: the new process is tied to this one before it
+        # spends seconds importing torch, so a driver killed at any moment takes its workers with it.
+        self.procs = [ctx.Process(target=run_worker, daemon=False, name=f"pipegpt-rank{r}",
+                                  args=(os.getpid(), f"{__name__}:_local_worker_main",
+                                        r, world_size, init_method, timeout_s, threads_per_worker))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -352,12 +348,48 @@ class LocalCluster(Cluster):
             self.kill()
 
 
+def interface_reaching(host: str, port: int) -> str | None:
+    """The name of this machine's network interface whose IPv4 address routes to host (Linux), or None."""
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # UDP: nothing is sent; the kernel picks the route and so the address
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for _, name in socket.if_nameindex():
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        except OSError:
+            continue
+        if socket.inet_ntoa(packed[20:24]) == local:
+            return name
+    return None
+
+
+def bind_to_master_interface(env=os.environ) -> str | None:
+    """Under torchrun, the interface RPC (TensorPipe) and gloo listen on: left to themselves they take the
+    hostname's address, 127.0.1.1 on many distributions, which other nodes cannot reach. The one that routes
+    to MASTER_ADDR reaches every node; TP_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME) set by the user win."""
+    if env.get("TP_SOCKET_IFNAME"):
+        return env["TP_SOCKET_IFNAME"]
+    name = interface_reaching(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+    if name is not None:
+        env["TP_SOCKET_IFNAME"] = name
+        env.setdefault("GLOO_SOCKET_IFNAME", name)
+    return name
+
+
 class TorchrunCluster(Cluster):
     """Under torchrun: every process is a worker; rank 0 also runs the driver."""
 
     def __init__(self, timeout_s: float):
         self.world_size, self.timeout_s = int(os.environ["WORLD_SIZE"]), timeout_s
         self.rank = int(os.environ["RANK"])
+        bind_to_master_interface()  # before the agent and the process groups pick an address
         # torchrun's agent serves the store at MASTER_PORT and makes every rank its client
         # (TORCHELASTIC_USE_AGENT_STORE): RPC, like c10d, must rendezvous through it.
         rpc.init_rpc(f"worker{self.rank}", rank=self.rank, world_size=self.world_size,

@@ -32,16 +32,17 @@ class TiktokenTokenizer:
     def __init__(self, name: str = "gpt2"):
         try:
             import tiktoken
-
+        except ImportError:
+            raise DataError(f"the {name} tokenizer needs tiktoken: pip install tiktoken, or use --tokenizer bytes") \
+                from None
+        try:
             self._enc = tiktoken.get_encoding(name)
-        except Exception as e:  # tiktoken downloads its BPE file on first use
-            first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-            raise DataError(
-                f"cannot load the tiktoken {name!r} tokenizer: {type(e).__name__}: {first}; tiktoken needs the "
-                f"network once to fetch its BPE files: offline, set TIKTOKEN_CACHE_DIR to a directory holding "
-                f"tiktoken's cache from a machine that fetched them (by default <tmp>/data-gym-cache), "
-                f"or use --tokenizer bytes"
-            ) from None
+        except Exception as e:  # tiktoken downloads its BPE files on first use
+            # The error's own text (a URL, a retry count, a resolver message) says no more than its type.
+            cause = "no network?" if _is_network_error(e) else "a damaged cache?"
+            raise DataError(f"cannot load the {name} tokenizer: tiktoken could not fetch its BPE files "
+                            f"({type(e).__name__}: {cause}): set TIKTOKEN_CACHE_DIR to a cache copied from a "
+                            f"machine online, or use --tokenizer bytes") from None
         self.name = name
         self.vocab_size = self._enc.n_vocab
         self.eot_token = self._enc.eot_token
@@ -51,6 +52,11 @@ class TiktokenTokenizer:
 
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+
+def _is_network_error(error: BaseException) -> bool:
+    """A failed download (requests' and urllib's errors are OSErrors), as opposed to a bad file."""
+    return isinstance(error, OSError) or any(word in type(error).__name__ for word in ("Connection", "Timeout", "HTTP"))
 
 
 def get_tokenizer(name: str):

@@ -70,7 +70,22 @@ def load_token_file(path) -> np.ndarray:
     size = os.path.getsize(path)
     if size == 0 or size % 2:
         raise DataError(f"token file {path!r} has {size} bytes: expected a non-empty flat uint16 array")
+    _refuse_damaged_shard(path, size)
     return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _refuse_damaged_shard(path: str, size: int) -> None:
+    """An llm.c shard whose magic is wrong would read as flat tokens, its header as token ids (and be refused
+    as ids above the vocabulary): a file whose header holds llm.c's version and exactly the token count its
+    size implies is such a shard, so it is refused as one."""
+    if size < SHARD_HEADER_BYTES:
+        return
+    with open(path, "rb") as f:
+        magic, version, count = (int(v) for v in np.frombuffer(f.read(12), dtype="<i4"))
+    per_token = {1: 2, 2: 4}.get(version)
+    if magic != SHARD_MAGIC and per_token and count > 0 and size - SHARD_HEADER_BYTES == per_token * count:
+        raise DataError(f"{path}: an llm.c token shard header (version {version}, {count} tokens) with magic "
+                        f"{magic}, not {SHARD_MAGIC}: the file is damaged; make it again")
 
 
 # --------------------------------------------------------------------------------------------------------------

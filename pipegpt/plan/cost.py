@@ -22,8 +22,8 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   same time); the vocabulary-parallel embedding one forward, the head one backward; ring all-reduce time
   2 (n-1)/n bytes / B_intra + 2 (n-1) latency. Forward and backward collectives go into the simulator's
   tp_comm (which it charges to F, B and I, never W); any difference between the two into F or B.
-* pipeline messages: mbs T C fp32 values (the residual stream stays fp32 under autocast; 1/tp of them with
-  sequence parallelism) per microbatch, at intra-node bandwidth when the neighbouring stage's rank is in the
+* pipeline messages: mbs T C values in the compute precision (bf16 under bf16: --p2p-dtype's default, though the
+  residual stream stays fp32 inside a stage; 1/tp of them with sequence parallelism) per microbatch, at intra-node bandwidth when the neighbouring stage's rank is in the
   same node, inter-node otherwise. The simulator has one message latency for every link: it gets the mean
   over the links the placement uses (on the critical path every link is crossed about equally often).
 * data-parallel gradient all-reduce of each stage's fp32 gradients (1/tp of the sharded matrices), ring
@@ -54,7 +54,7 @@ from .devices import Cluster
 
 DEFAULT_EFFICIENCY = 0.5  # achieved / peak matmul FLOP/s: Megatron-LM reports 44-52% on A100 (Narayanan et al. 2021)
 DEFAULT_LAYER_OVERHEAD_S = 100e-6  # host time to launch one block's forward (backward: twice)
-OPTIMIZER_BYTES_PER_PARAM = 64  # fp32 AdamW (foreach=False) plus clipping: ~16 reads/writes of 4 bytes
+OPTIMIZER_BYTES_PER_PARAM = 64  # fp32 AdamW plus clipping: ~16 reads/writes of 4 bytes
 FP32 = 4
 
 
@@ -168,7 +168,8 @@ class AnalyticalCosts:
 
     def message_bytes(self, model: ModelConfig, shape: Shape) -> float:
         values = shape.mbs * model.seq_len * model.n_embd
-        return values * FP32 / (shape.tp if shape.sequence_parallel else 1)
+        width = 2 if self.cluster.precision == "bf16" else FP32  # pipegpt's default --p2p-dtype: the precision
+        return values * width / (shape.tp if shape.sequence_parallel else 1)
 
     def group_allreduce_time(self, nbytes: float, n: int, same_node: bool) -> float:
         """An all-reduce of nbytes among n ranks of a data-parallel (or other) group: ring bandwidth term,
@@ -273,13 +274,10 @@ def _run_shape(run_dir: str, plan) -> RunShape:
         from .balance import even_layers
 
         layers = even_layers(model.n_layer, plan.num_stages)
-    step_time = None
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.isfile(metrics):
-        with open(metrics) as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        if rows:
-            step_time = float(rows[-1]["step_time_s"])  # trace.json is the last step's
+    from pipegpt.schedule.calibrate import read_metrics
+
+    rows = read_metrics(run_dir)  # each step's row from the attempt that went on (a resumed run has several)
+    step_time = float(rows[-1]["step_time_s"]) if rows else None  # trace.json is the last step's
     return RunShape(model, int(par.get("tp", 1)), bool(par.get("sequence_parallel", False)),
                     str(par.get("recompute", "none")), int(par.get("microbatch_size", 1)), tuple(layers),
                     tuple(plan.stage_to_rank), step_time, {"precision": cfg.get("runtime", {}).get("precision")})

@@ -3,7 +3,6 @@ plan prints), and set the measured step time beside the predicted one: the check
 before anyone trusts a prediction."""
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from pipegpt.config import ConfigError
+from pipegpt.schedule.calibrate import read_metrics
 from pipegpt.schedule.render import text_table
 
 
@@ -26,8 +26,8 @@ def try_plans(best: list, precision: str, steps: int, device: str) -> list[dict]
             if proc.returncode != 0:
                 last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
                 raise ConfigError(f"plan #{k} failed when tried: {last}")
-            lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        measured = statistics.median([json.loads(line)["step_time_s"] for line in lines][1:])
+            rows = read_metrics(run_dir)
+        measured = statistics.median([row["step_time_s"] for row in rows][1:])
         tried.append({"plan": k, "command": "pipegpt run " + " ".join(args), "predicted_step_s": r.step_time,
                       "measured_step_s": measured, "measured_over_predicted": measured / r.step_time})
     return tried

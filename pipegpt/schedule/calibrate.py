@@ -43,7 +43,7 @@ from .schedule_file import load_schedule_file
 from .simulate import Costs, Event, Timeline, simulate
 from .validate import dependencies
 
-PLAN_FILE, TRACE_FILE, CONFIG_FILE = "plan.txt", "trace.json", "config.json"
+PLAN_FILE, TRACE_FILE, CONFIG_FILE, METRICS_FILE = "plan.txt", "trace.json", "config.json", "metrics.jsonl"
 TRACES_DIR = "traces"  # traces/step-N.json: the steps `pipegpt run --trace-steps` named
 
 
@@ -195,6 +195,32 @@ def _check_matches(events: list[Event], plan: Plan, path: str, global_ranks) -> 
                        f"the plan's {sorted(missing, key=str)[0]} is not in it")
             raise ScheduleError(f"{path} is not a trace of this plan ({plan.name}, {plan.num_ranks} ranks, "
                                 f"{plan.num_microbatches} microbatches): on {where[r]} {problem}")
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """A run directory's metrics.jsonl rows as the run went, one per step in step order ([] without the file).
+
+    Every row names the attempt that wrote it (`attempt`: 1 for the fresh run, +1 per resume). A resume goes
+    on from its checkpoint, so an attempt's first row replaces the rows of the steps from there on that
+    earlier attempts wrote (an interrupted attempt's steps past the checkpoint): each step's last row, and no
+    stale row after it. A line cut short by a crash is skipped."""
+    path = os.path.join(os.fspath(run_dir), METRICS_FILE)
+    if not os.path.isfile(path):
+        return []
+    kept: dict[int, dict] = {}
+    attempt = None
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                step = int(row["step"])
+            except (ValueError, TypeError, KeyError):
+                continue
+            if row.get("attempt", 1) != attempt:
+                attempt = row.get("attempt", 1)
+                kept = {s: r for s, r in kept.items() if s < step}
+            kept[step] = row
+    return [kept[s] for s in sorted(kept)]
 
 
 def traced_steps(run_dir) -> list[int]:

@@ -16,7 +16,7 @@ from pipegpt.train.placement import resolve_device
 
 
 def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None, log_every: int,
-           echo: Callable) -> None:
+           echo: Callable, overwrite: bool = False) -> None:
     """Run the job here (or join it, under torchrun); a worker failure stops every worker and exits 1."""
     import warnings
 
@@ -24,18 +24,35 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     warnings.filterwarnings("ignore", category=UserWarning)
     from pipegpt.comm.rpc import WorkerFailure
-    from pipegpt.train.driver import Job, run_job
+    from pipegpt.train.driver import Job, NonFiniteError, resumed_step, run_job
     from pipegpt.train.metrics import new_run_dir
 
+    driver = not under_torchrun() or os.environ.get("RANK") == "0"  # the one process that writes the run directory
+    out = Path(run_dir) if run_dir else _resumed_run_dir(cfg)
     job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
-    out = Path(run_dir) if run_dir else _resumed_run_dir(cfg) or new_run_dir()
-    out.mkdir(parents=True, exist_ok=True)
     model, p, steps = cfg.model, cfg.parallel, cfg.runtime.steps
-    if not under_torchrun() or os.environ.get("RANK") == "0":
+    done = resumed_step(cfg)
+    if done >= steps:
+        if driver:
+            echo(f"nothing to do: the checkpoint was taken after step {done} of {steps}; nothing written "
+                 f"(give --steps above {done} to train on)")
+        return
+    if driver:
+        check_run_dir(out, cfg, overwrite)  # still before any process starts, and before anything is written
+    if driver and overwrite and out is not None and holds_run(out):
+        echo(f"pipegpt: moved the earlier run in {out} to {move_aside(out)}")
+    if out is None:
+        out = new_run_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.runtime.device, cfg.world_size)
+    if driver:
         echo(f"pipegpt: {model.n_layer}-layer GPT ({preset}), {cfg.world_size} workers on "
-             f"{resolve_device(cfg.runtime.device, cfg.world_size)}, schedule {p.schedule}, "
+             f"{device}, schedule {p.schedule}, "
              f"{p.microbatches} microbatches x {p.microbatch_size} sequences x {model.seq_len} tokens; "
              f"run dir {out}")
+        crowded = crowding(cfg, device)
+        if crowded:
+            echo(crowded, err=True)
 
     def on_step(m):
         if m.step == job.first_step and job.loaded:
@@ -53,6 +70,8 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
         if e.report:  # the stall watchdog's table: where each rank was
             echo(e.report, err=True)
         _exit_now(echo, f"Error: {e}; all workers stopped", 1)
+    except NonFiniteError as e:  # the job was closed cleanly; nothing was applied or saved from that state
+        _exit_now(echo, f"Error: {e}", 1)
     except KeyboardInterrupt:
         _exit_now(echo, "Interrupted: all workers stopped", 130)
     if not history:
@@ -61,6 +80,94 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
         return
     for line in summary_lines(history, cfg, out):
         echo(line)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The run directory: one run per directory, writable, checked before any work starts
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether a directory holds a run's results: metrics or checkpoints."""
+    metrics, checkpoints = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+    return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+
+
+def check_run_dir(run_dir: Path | None, cfg: TrainConfig, overwrite: bool) -> None:
+    """Refuse, in one line, a run directory that this run could not write or would mix with another run's
+    (None: a new runs/<time>). A resume goes on in its checkpoint's run, attempt after attempt."""
+    from pipegpt.config import ConfigError
+
+    resume = cfg.checkpoint.resume
+    if overwrite and resume is not None:
+        raise ConfigError("--overwrite starts a fresh run and --resume continues one: give one of them")
+    if run_dir is None:
+        _check_writable(Path("runs"), "the default run directory runs/<time> (or give --run-dir)")
+        return
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file, not a directory: give a new or empty directory")
+    _check_writable(run_dir, f"--run-dir {run_dir}")
+    if run_dir.is_dir() and holds_run(run_dir) and not overwrite:
+        if resume is None:
+            raise ConfigError(f"--run-dir {run_dir} holds a run (metrics.jsonl or checkpoints/): continue it with "
+                              f"--resume {run_dir}, give a new --run-dir, or --overwrite to move it aside")
+        own = _resumed_run_dir(cfg)
+        if own is None or own.resolve() != run_dir.resolve():
+            raise ConfigError(f"--run-dir {run_dir} holds another run than the checkpoint's: leave out --run-dir "
+                              f"to go on in the checkpoint's run, or give a new directory")
+    checkpoints = run_dir / "checkpoints"
+    if cfg.checkpoint.save_every and checkpoints.exists():
+        _check_writable(checkpoints, f"{checkpoints} (where --save-every {cfg.checkpoint.save_every} saves)",
+                        "make it writable, give another --run-dir, or --save-every 0")
+
+
+def _check_writable(path: Path, what: str, fix: str = "choose a directory you can write to") -> None:
+    """A ConfigError unless a file can be created in `path`, or in its nearest existing parent if it does not
+    exist yet. Tried rather than asked (os.access): root ignores permission bits, not a read-only mount."""
+    import tempfile
+
+    from pipegpt.config import ConfigError
+
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what}: {existing} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".pipegpt-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = "" if existing == path else f" ({existing}, where it would be created)"
+        raise ConfigError(f"{what} is not writable{where}: {e.strerror or e}; {fix}") from None
+
+
+def move_aside(run_dir: Path) -> Path:
+    """--overwrite: everything in run_dir (but earlier previous-* folders) into run_dir/previous-<time>/."""
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = run_dir / f"previous-{stamp}", 1
+    while dest.exists():
+        n += 1
+        dest = run_dir / f"previous-{stamp}-{n}"
+    dest.mkdir()
+    for entry in list(run_dir.iterdir()):
+        if entry != dest and not entry.name.startswith("previous-"):
+            entry.rename(dest / entry.name)
+    return dest
+
+
+def crowding(cfg: TrainConfig, device: str) -> str | None:
+    """A warning when more worker processes than CPU cores start here on CPU: they take turns on the cores."""
+    from pipegpt.train.placement import local_world_size
+
+    if device != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = local_world_size(cfg.world_size)
+    if workers <= cores:
+        return None
+    return (f"pipegpt: warning: {workers} worker processes on {cores} CPU cores: they take turns, so each step "
+            f"is slower than on {workers} cores (dp x pp x tp = {cfg.world_size})")
 
 
 def _resumed_run_dir(cfg: TrainConfig) -> Path | None:

@@ -1,0 +1,113 @@
+"""`pipegpt run --resume` restores the run: every setting from the checkpoint's config except those given on
+the command line, each change printed as one line; a resume with nothing left to do writes nothing; each
+attempt's config is kept and every metrics.jsonl row names its attempt.
+
+One real run (module fixture) saves the checkpoints; the tests copy its directory before resuming into it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from helpers import NoWorkers, assert_one_line_error, invoke, read_only, run_pipegpt
+
+SAVED_ARGS = ["--stages", "2", "--microbatches", "2", "--microbatch-size", "2", "--steps", "4", "--save-every", "2",
+              "--layers-per-stage", "3,1", "--lr", "0.002", "--seed", "7", "--threads-per-worker", "1"]
+
+
+def _ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 4-step run on its own token file, checkpoints after steps 2 and 4."""
+    root = tmp_path_factory.mktemp("resume")
+    data = root / "tokens.bin"
+    (np.arange(20_000) % 251).astype(np.uint16).tofile(data)
+    run = root / "run"
+    _ok(run_pipegpt("run", *SAVED_ARGS, "--data", data, "--run-dir", run, timeout=240))
+    return run, data
+
+
+@pytest.fixture
+def run_copy(saved, tmp_path):
+    run, _ = saved
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def _changes(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("--")]
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_takes_the_runs_settings_and_keeps_each_attempts_config(saved, run_copy):
+    """No --data, --save-every, --lr, ... given: the checkpoint's run's are used, not the defaults; the one
+    setting given (--steps) is the one change printed."""
+    _, data = saved
+    proc = _ok(run_pipegpt("run", "--resume", run_copy, "--steps", "6", timeout=240))
+    assert _changes(proc.stdout) == ["--steps 4 -> 6"], proc.stdout
+    first = json.loads((run_copy / "configs" / "attempt-1.json").read_text())
+    second = json.loads((run_copy / "configs" / "attempt-2.json").read_text())
+    assert json.loads((run_copy / "config.json").read_text()) == second  # the latest: trace.json's layout
+    assert second["data"]["data"] == str(data) and second["checkpoint"]["save_every"] == 2
+    assert second["optim"]["lr"] == 0.002 and second["runtime"]["seed"] == 7
+    assert second["parallel"]["layers_per_stage"] == [3, 1] and second["runtime"]["steps"] == 6
+    assert first["runtime"]["steps"] == 4 and first["checkpoint"]["resume"] is None
+    assert (run_copy / "checkpoints" / "step-00000006").is_dir()  # --save-every came back with the run
+    assert [(r["step"], r["attempt"]) for r in _rows(run_copy)] == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2), (5, 2)]
+
+
+def test_resume_under_another_layout_prints_each_change(saved, run_copy):
+    proc = _ok(run_pipegpt("run", "--resume", run_copy, "--steps", "5", "--stages", "1", timeout=240))
+    assert _changes(proc.stdout) == ["--stages 2 -> 1",
+                                     "--layers-per-stage 3,1 -> default (follows the options given)",
+                                     "--steps 4 -> 5"], proc.stdout
+    cfg = json.loads((run_copy / "config.json").read_text())
+    assert cfg["parallel"]["stages"] == 1 and cfg["data"]["data"] == str(saved[1])
+
+
+def test_a_resume_with_nothing_to_do_starts_nothing_and_writes_nothing(no_workers, run_copy):
+    before = {p: p.stat().st_mtime_ns for p in run_copy.rglob("*")}
+    result = invoke("run", "--resume", run_copy, "--lr", "0.01")
+    assert result.exit_code == 0, result.output
+    assert not NoWorkers.started
+    lines = result.stdout.splitlines()
+    assert _changes(result.stdout) == ["--lr 0.002 -> 0.01"], lines
+    assert lines[-1].startswith("nothing to do: the checkpoint was taken after step 4 of 4"), lines
+    assert {p: p.stat().st_mtime_ns for p in run_copy.rglob("*")} == before
+
+
+def test_a_schedule_given_on_resume_replaces_the_saved_layout_settings(no_workers, run_copy):
+    """What was chosen for the saved schedule (its split of the layers) is not forced on another one."""
+    result = invoke("run", "--resume", run_copy / "checkpoints" / "step-00000004", "--schedule", "zb-h1")
+    assert result.exit_code == 0, result.output
+    assert _changes(result.stdout) == ["--schedule 1f1b -> zb-h1",
+                                       "--layers-per-stage 3,1 -> default (follows the options given)"], result.stdout
+
+
+def test_a_resume_whose_checkpoints_cannot_be_written_is_refused_before_work(no_workers, run_copy):
+    """--save-every comes back with the run: a read-only checkpoints/ is found before a step, not after."""
+    with read_only(run_copy / "checkpoints") as checkpoints:
+        assert_one_line_error(invoke("run", "--resume", run_copy, "--steps", "6"), f"{checkpoints}",
+                              "not writable", "--save-every 0")
+    assert not NoWorkers.started
+
+
+def test_a_resume_into_another_runs_directory_is_refused(no_workers, run_copy, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 0, "attempt": 1, "loss": 5.0}\n')
+    assert_one_line_error(invoke("run", "--resume", run_copy, "--steps", "6", "--run-dir", other),
+                          f"--run-dir {other} holds another run", "leave out --run-dir")
+    assert (other / "metrics.jsonl").read_text().count("\n") == 1 and not NoWorkers.started

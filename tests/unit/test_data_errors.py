@@ -1,0 +1,60 @@
+"""Data and tokenizer errors said for what they are, in one short line: an llm.c shard with a damaged magic
+(not "a token id above the vocabulary"), and tiktoken offline (no truncated urllib error inside)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipegpt.data.tokenizers import DataError, TiktokenTokenizer
+from pipegpt.data.tokens import SHARD_MAGIC, load_token_file, open_tokens, shard_header
+
+
+def _shard(path, magic: int, tokens=None):
+    tokens = (np.arange(5000) % 200).astype("<u2") if tokens is None else tokens
+    header = bytearray(shard_header(len(tokens)))
+    header[:4] = int(magic).to_bytes(4, "little", signed=True)
+    path.write_bytes(bytes(header) + tokens.tobytes())
+    return path
+
+
+@pytest.mark.parametrize("magic", [SHARD_MAGIC + 1, 0])
+def test_an_llmc_shard_with_a_bad_magic_is_named_as_such(tmp_path, magic):
+    path = _shard(tmp_path / "one.bin", magic)
+    with pytest.raises(DataError) as e:
+        open_tokens(path, "train", vocab_size=256)
+    message = str(e.value)
+    assert f"magic {magic}, not {SHARD_MAGIC}" in message and "llm.c" in message and str(path) in message, message
+    assert "vocabulary" not in message and "\n" not in message and len(message) < 200 + len(str(path)), message
+    with pytest.raises(DataError, match="magic"):  # nanoGPT's name for the file: read flat, refused the same
+        load_token_file(_shard(tmp_path / "train.bin", magic))
+
+
+def test_flat_tokens_are_still_read_as_tokens(tmp_path):
+    """A flat uint16 file is not mistaken for a damaged shard (its header words would have to hold llm.c's
+    version and its exact token count)."""
+    path = tmp_path / "flat.bin"
+    tokens = (np.arange(3000) % 256).astype(np.uint16)
+    tokens.tofile(path)
+    assert np.array_equal(np.asarray(open_tokens(path, "train", vocab_size=256)), tokens)
+
+
+def test_the_offline_tokenizer_message_is_short_and_whole(monkeypatch):
+    tiktoken = pytest.importorskip("tiktoken")
+
+    class ConnectionError(OSError):  # requests' own is an OSError too
+        pass
+
+    def offline(name):
+        raise ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net', port=443): Max "
+                              "retries exceeded with url: /gpt-2/encodings/main/vocab.bpe (Caused by "
+                              "NameResolutionError(\"<urllib3.connection.HTTPSConnection object at 0x7f>: Failed "
+                              "to resolve 'openaipublic.blob.core.windows.net'\"))")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(DataError) as e:
+        TiktokenTokenizer("gpt2")
+    message = str(e.value)
+    assert len("Error: " + message) <= 200, (len(message), message)
+    assert "HTTPSConnectionPool" not in message and "urllib" not in message and "\n" not in message, message
+    for fragment in ("gpt2", "ConnectionError", "network", "TIKTOKEN_CACHE_DIR", "--tokenizer bytes"):
+        assert fragment in message, (fragment, message)
