@@ -12,23 +12,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-PIPEGPT = str(BIN / "pipegpt")
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_USE_AGENT_STORE")
+from helpers import assert_one_line_error, clean_env, run_pipegpt
 
-
-def _env(path: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "PIPEGPT_FAULT"}
-    if path is not None:
-        env["PATH"] = path
-    return env
+BIN = Path(sys.executable).parent  # where the console scripts (and py-spy, if installed) are
 
 
 def pipegpt(*args: str, path: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([PIPEGPT, *args], cwd=ROOT, env=_env(path), capture_output=True, text=True,
-                          timeout=timeout)
+    """`pipegpt ARGS` in a clean environment, with PATH set to `path` if given."""
+    return run_pipegpt(*args, env=clean_env() if path is None else clean_env(PATH=path), timeout=timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -84,9 +75,7 @@ def test_simulate_refuses_a_step_that_was_not_traced(traced_run):
 ])
 def test_a_bad_trace_steps_value_is_refused_in_one_line(tmp_path, value, message):
     proc = pipegpt("run", "--steps", "4", "--stages", "2", "--trace-steps", value, "--run-dir", str(tmp_path / "r"))
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: " + message), lines
+    assert assert_one_line_error(proc).startswith("Error: " + message), proc.stderr
     assert not (tmp_path / "r").exists()
 
 
@@ -114,15 +103,72 @@ def test_profile_leaves_a_flame_graph_per_rank(tmp_path):
     assert "profiles (py-spy): " in proc.stdout
 
 
-def test_profile_without_py_spy_says_so_in_one_line_and_runs_on(tmp_path):
-    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+def _path_without_py_spy() -> str:
+    return os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
                            if d and shutil.which("py-spy", path=d) is None)
+
+
+def _twin_environment(tmp_path: Path) -> Path:
+    """This virtual environment under another bin directory, which holds python alone: its interpreter has no
+    py-spy beside it. Returns the twin's python."""
+    twin = tmp_path / "twin"
+    (twin / "bin").mkdir(parents=True)
+    (twin / "bin" / "python").symlink_to(sys.executable)
+    (twin / "pyvenv.cfg").write_text((Path(sys.prefix) / "pyvenv.cfg").read_text())
+    for lib in ("lib", "lib64"):
+        if (Path(sys.prefix) / lib).is_dir():
+            (twin / lib).symlink_to(Path(sys.prefix) / lib)
+    return twin / "bin" / "python"
+
+
+def test_profile_without_py_spy_says_so_in_one_line_and_runs_on(tmp_path):
+    if not (Path(sys.prefix) / "pyvenv.cfg").is_file():
+        pytest.skip("not in a virtual environment: no twin to make")
+    python = _twin_environment(tmp_path)
     run_dir = tmp_path / "run"
-    proc = pipegpt("run", "--profile", "--steps", "2", "--stages", "2", "--microbatches", "2",
-                   "--run-dir", str(run_dir), path=path)
+    proc = subprocess.run([str(python), "-m", "pipegpt", "run", "--profile", "--steps", "2", "--stages", "2",
+                           "--microbatches", "2", "--run-dir", str(run_dir)],
+                          env=clean_env(PATH=_path_without_py_spy()), capture_output=True, text=True, timeout=120)
     _ok(proc)
     said = [ln for ln in proc.stderr.splitlines() if "--profile" in ln]
-    assert said == ["pipegpt: --profile: py-spy is not on PATH (pip install py-spy, or activate the virtualenv "
-                    "that has it); the run goes on without profiles (every rank)"], proc.stderr
+    assert said == [f"pipegpt: --profile: py-spy is neither beside {python} nor on PATH (pip install py-spy into "
+                    f"this environment); the run goes on without profiles (every rank)"], proc.stderr
     assert not any((run_dir / "profiles").glob("rank-*"))
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2 and (run_dir / "trace.json").is_file()
+
+
+def test_profile_finds_py_spy_beside_the_interpreter_when_path_lacks_it(tmp_path):
+    """As the README runs it: .venv/bin/pipegpt, the virtualenv not activated."""
+    if shutil.which("py-spy", path=str(BIN)) is None:
+        pytest.skip("py-spy is not installed in this environment")
+    run_dir = tmp_path / "run"
+    proc = pipegpt("run", "--profile", "--steps", "2", "--stages", "2", "--microbatches", "2",
+                   "--run-dir", str(run_dir), path=_path_without_py_spy())
+    _ok(proc)
+    said = [ln for ln in proc.stderr.splitlines() if "--profile" in ln]
+    assert not any("nor on PATH" in ln or "not on PATH" in ln for ln in said), said
+    if said:  # found, but not allowed to attach here (ptrace)
+        assert all("cannot profile" in ln for ln in said), said
+    else:
+        assert sorted(p.name for p in (run_dir / "profiles").glob("rank-*.svg")) == ["rank-0.svg", "rank-1.svg"]
+
+
+def _fake_py_spy(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    exe = directory / "py-spy"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_py_spy_beside_the_interpreter_comes_before_path(tmp_path, monkeypatch):
+    from pipegpt.train.profile import find_py_spy
+
+    beside, on_path = _fake_py_spy(tmp_path / "env" / "bin"), _fake_py_spy(tmp_path / "elsewhere")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "env" / "bin" / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
+    assert find_py_spy() == str(beside)
+    beside.unlink()
+    assert find_py_spy() == str(on_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert find_py_spy() is None

@@ -1,10 +1,10 @@
 """Schedule files (hand-written plans) and the golden plans of three generators.
 
-The golden files in tests/golden/ are Plan.to_text() of the compute plan and,
+The golden files in tests/unit/golden/ are Plan.to_text() of the compute plan and,
 in *_lowered.txt, of the lowered plan. After an intended change to a generator
 or to lowering, regenerate them and review the diff:
 
-    PIPEGPT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_schedule_file.py -k golden
+    PIPEGPT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_schedule_file.py -k golden
 """
 import os
 from pathlib import Path

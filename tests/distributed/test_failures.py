@@ -15,17 +15,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_USE_AGENT_STORE")
+from helpers import PIPEGPT, ROOT, clean_env
+
 FAULT_STEP = 2
 LIMIT_S = 60.0  # whole command, startup included
 GONE_WITHIN_S = 5.0  # after the driver exits (or is killed), every process it started is gone by then
@@ -173,12 +169,6 @@ class Job:
         return "\n".join(line for _, line in self.err)
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "PIPEGPT_FAULT"}
-    env.update(extra)
-    return env
-
-
 def _workers(job: Job) -> list[int]:
     """Worker processes seen (multiprocessing spawn children; not its resource tracker)."""
     return [pid for pid, cmd in job.cmdlines.items() if "spawn_main" in cmd and "--multiprocessing-fork" in cmd]
@@ -194,7 +184,7 @@ def _workers(job: Job) -> list[int]:
 def test_worker_failure_stops_the_job(kind, cause, tmp_path):
     run_dir = tmp_path / "run"
     job = Job([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "4", "--log-every", "1",
-               "--run-dir", str(run_dir)], env=_env(PIPEGPT_FAULT=f"{kind}:1:{FAULT_STEP}"))
+               "--run-dir", str(run_dir)], env=clean_env(PIPEGPT_FAULT=f"{kind}:1:{FAULT_STEP}"))
     try:
         code = job.wait(LIMIT_S)
         wall = job.exit_time - job.t0
@@ -226,7 +216,7 @@ def test_worker_failure_stops_the_job(kind, cause, tmp_path):
 
 def test_killing_the_driver_takes_the_workers_with_it(tmp_path):
     job = Job([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "100000", "--log-every", "1",
-               "--run-dir", str(tmp_path / "run")], env=_env())
+               "--run-dir", str(tmp_path / "run")], env=clean_env())
     try:
         started = job.wait_for(lambda: job.step_line_time(2) is not None or job.proc.poll() is not None, LIMIT_S)
         assert started and job.proc.poll() is None, f"no training steps\n{job.stdout}\n{job.stderr}"
@@ -246,7 +236,7 @@ def test_killing_the_driver_takes_the_workers_with_it(tmp_path):
 
 def test_the_orphan_check_can_fail():
     """The checker above must see a process that outlives the command that started it."""
-    job = Job(["/bin/sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], env=_env())
+    job = Job(["/bin/sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], env=clean_env())
     try:
         assert job.wait(10) == 0
         orphan = int(job.stdout.split()[0])

@@ -3,20 +3,14 @@ and a schedule file refused before any worker starts."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
+from helpers import assert_one_line_error, clean_env, invoke, run_pipegpt
 from pipegpt.cli import main
 from pipegpt.config import (SECTIONS, ConfigError, ModelConfig, TrainConfig, microbatch_size_for, section_of,
                             validate_tp)
-
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
 
 # Every option of `pipegpt run`. A change here is a change of the CLI that users and scripts see: make it on purpose.
 RUN_OPTIONS = [
@@ -31,6 +25,14 @@ RUN_OPTIONS = [
     "--trace-steps", "--profile",
     # cost-balanced stages (the split from measured embedding/block/head costs)
     "--balance",
+    # what a non-finite loss or gradient norm does: stop before the update, or skip it
+    "--on-nonfinite",
+    # --resume restores a run's settings: its on/off ones can be turned off; a fresh run into a used directory
+    "--no-compile", "--no-profile", "--no-sequence-parallel", "--overwrite",
+    # dropout (per-rank streams, restored on resume): fine-tuning uses 0.1
+    "--dropout",
+    # what pipeline messages travel in (bf16 halves the bytes between stages)
+    "--p2p-dtype",
 ]
 
 
@@ -82,11 +84,36 @@ def test_cross_field_checks(settings, message):
         TrainConfig.build(**settings).validate({})
 
 
+def test_p2p_dtype_defaults_to_the_compute_precision():
+    message = lambda **kw: TrainConfig.build(**kw).validate({}).runtime.message_dtype  # noqa: E731
+    assert message() == "float32" and message(dtype="float64") == "float64"  # the oracle's: messages exact
+    assert message(precision="bf16") == "bfloat16" and message(precision="bf16", p2p_dtype="fp32") == "float32"
+    assert message(p2p_dtype="bf16") == "bfloat16"
+    with pytest.raises(ConfigError, match="p2p_dtype='fp16' is not one of auto, bf16, fp32"):
+        TrainConfig.build(p2p_dtype="fp16").validate({})
+
+
 def test_torchrun_world_size_must_match_the_grid():
     env = {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "a", "MASTER_PORT": "1"}
     with pytest.raises(ConfigError, match=r"torchrun started 8 processes but dp x pp x tp = 1 x 4 x 1 = 4"):
         TrainConfig().validate(env)
     TrainConfig.build(stages=8).validate(env)
+
+
+def test_under_torchrun_tp_must_divide_the_processes_per_node():
+    env = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "a", "MASTER_PORT": "1"}
+    with pytest.raises(ConfigError, match=r"^--tp 8 does not divide the 4 processes per node \(LOCAL_WORLD_SIZE\): "
+                                          r"a tensor-parallel group must stay on one node; use --tp 1, 2, 4$"):
+        TrainConfig.build(ModelConfig(n_head=8), stages=1, tp=8).validate(env)
+    TrainConfig.build(stages=2, tp=4).validate(env)
+    TrainConfig.build(ModelConfig(n_head=8), stages=1, tp=8).validate({})  # not under torchrun: one machine
+
+
+def test_tp_not_dividing_the_node_exits_2_in_one_line(tmp_path):
+    env = {"RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    proc = run_pipegpt("run", "--stages", "3", "--tp", "2", "--steps", "1", "--run-dir", str(tmp_path / "run"),
+                       env=clean_env(**env))
+    assert_one_line_error(proc, "--tp 2 does not divide the 3 processes per node")
 
 
 def test_batch_splits_into_microbatches_or_names_the_nearest():
@@ -106,16 +133,11 @@ def test_tp_divisibility_is_a_config_check():
 
 def _refused(args, tmp_path):
     t0 = time.monotonic()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                                            "TORCHELASTIC_RUN_ID")}
-    proc = subprocess.run([PIPEGPT, "run", *args, "--run-dir", str(tmp_path / "run")], capture_output=True,
-                          text=True, timeout=60, env=env)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
+    proc = run_pipegpt("run", *args, "--run-dir", tmp_path / "run", timeout=60)
+    line = assert_one_line_error(proc)
     assert time.monotonic() - t0 < 15
-    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
-    return lines[0]
+    assert not (tmp_path / "run").exists()
+    return line
 
 
 def test_a_bad_token_in_a_schedule_file_is_refused(tmp_path):
@@ -142,5 +164,5 @@ def test_an_invalid_schedule_file_names_the_line(tmp_path):
 def test_schedule_and_schedule_file_exclude_each_other(tmp_path):
     path = tmp_path / "two.txt"
     path.write_text("0F0 0B0\n1F0 1B0\n")
-    result = CliRunner().invoke(main, ["run", "--schedule", "gpipe", "--schedule-file", str(path)])
+    result = invoke("run", "--schedule", "gpipe", "--schedule-file", path)
     assert result.exit_code == 2 and "either --schedule or --schedule-file" in result.output

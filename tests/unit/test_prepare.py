@@ -11,27 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from pipegpt.cli import main
+from helpers import ROOT, assert_one_line_error, invoke, run_pipegpt
 from pipegpt.data.tokenizers import ByteTokenizer, DataError, get_tokenizer
 from pipegpt.data.tokens import SHARD_MAGIC, TokenShards, open_tokens, write_token_file
 from pipegpt.data.prepare import prepare
-
-ROOT = Path(__file__).resolve().parents[1]
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_USE_AGENT_STORE")
 
 TEXTS = [
     "First document.\nIt has two lines.\n",
     "Zweites Dokument: ünïcödé → ∞ 🐍\n" * 20,
     "def third(x):\n    return x + 1\n" * 40,
 ]
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "PIPEGPT_FAULT"}
 
 
 @pytest.fixture
@@ -45,7 +35,7 @@ def texts(tmp_path) -> list[Path]:
 
 
 def _prepare_cli(*args) -> "click.testing.Result":  # noqa: F821
-    return CliRunner().invoke(main, ["prepare", *map(str, args)])
+    return invoke("prepare", *args)
 
 
 def _shard_bytes(tokens, magic=SHARD_MAGIC, version=1, count=None) -> bytes:
@@ -149,10 +139,7 @@ def test_prepare_refuses_a_directory_holding_tokens(texts, tmp_path):
     out = tmp_path / "data"
     assert _prepare_cli(texts[0], "--out", out).exit_code == 0
     before = sorted(os.listdir(out))
-    result = _prepare_cli(texts[1], "--out", out)
-    assert result.exit_code == 2
-    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith("Error: ")
-    assert str(out) in result.stderr and "already holds prepared tokens" in result.stderr
+    assert_one_line_error(_prepare_cli(texts[1], "--out", out), str(out), "already holds prepared tokens")
     assert sorted(os.listdir(out)) == before
 
 
@@ -178,10 +165,8 @@ def test_prepare_refuses_missing_input_and_gpt2_offline(tmp_path):
         pass
     src = tmp_path / "a.txt"
     src.write_text("hi\n")
-    result = _prepare_cli(src, "--out", tmp_path / "d", "--tokenizer", "gpt2")
-    assert result.exit_code == 2
-    (line,) = result.stderr.splitlines()
-    assert line.startswith("Error: ") and "TIKTOKEN_CACHE_DIR" in line and "--tokenizer bytes" in line
+    assert_one_line_error(_prepare_cli(src, "--out", tmp_path / "d", "--tokenizer", "gpt2"), "TIKTOKEN_CACHE_DIR",
+                          "--tokenizer bytes")
     assert not (tmp_path / "d").exists()
 
 
@@ -329,9 +314,8 @@ def test_run_trains_on_a_prepared_directory(texts, tmp_path):
     out = tmp_path / "data"
     prepare(texts, out, "bytes", val_fraction=0.1, shard_tokens=300)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([PIPEGPT, "run", "--data", str(out), "--stages", "2", "--microbatches", "2", "--steps", "2",
-                           "--run-dir", str(run_dir)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_pipegpt("run", "--data", out, "--stages", "2", "--microbatches", "2", "--steps", "2",
+                       "--run-dir", run_dir, timeout=300)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert json.loads((run_dir / "config.json").read_text())["data"]["data"] == str(out)
@@ -342,15 +326,10 @@ def test_run_refuses_bad_data_before_any_worker_starts(tmp_path, case):
     path, _, fragments = _bad_cases(tmp_path)[case]
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    proc = subprocess.run([PIPEGPT, "run", "--data", str(path), "--stages", "2", "--microbatches", "2",
-                           "--steps", "2", "--run-dir", str(run_dir)], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = run_pipegpt("run", "--data", path, "--stages", "2", "--microbatches", "2", "--steps", "2",
+                       "--run-dir", run_dir, timeout=120)
     report = f"exit {proc.returncode} in {time.monotonic() - t0:.1f}s\n{proc.stdout}\n{proc.stderr}"
-    assert proc.returncode == 2, report
-    (line,) = proc.stderr.splitlines()
-    assert line.startswith("Error: "), report
-    for f in fragments:
-        assert str(f) in line, (f, line)
+    assert_one_line_error(proc, *fragments)
     assert not run_dir.exists() and proc.stdout == "", report
 
 

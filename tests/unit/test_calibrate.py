@@ -5,24 +5,17 @@ calibration must give back the costs they were simulated with, and a fidelity of
 """
 import json
 import math
-import os
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from pipegpt.cli import main
+from helpers import ROOT, assert_one_line_error, clean_env, invoke, run_pipegpt
 from pipegpt.schedule import ScheduleError, build_plan, lower
 from pipegpt.schedule.calibrate import calibrate, compare, comm_samples, load_run, read_trace
 from pipegpt.schedule.render import ascii_gantt, to_chrome_trace
 from pipegpt.schedule.schedule_file import dump_schedule_text
 from pipegpt.schedule.simulate import Costs, simulate
-
-ROOT = Path(__file__).resolve().parents[1]
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
 
 
 def write_run(path: Path, plan, trace: dict, config: dict | None = None) -> Path:
@@ -41,7 +34,7 @@ def synthetic_run(path: Path, name: str, p: int, m: int, costs: Costs):
 
 
 def simulate_cli(*args):
-    return CliRunner().invoke(main, ["simulate", *args])
+    return invoke("simulate", *args)
 
 
 # Dyadic numbers, so microseconds and back are exact in floating point.
@@ -155,21 +148,15 @@ def test_one_scale_for_two_charts():
 # bad input: one line, exit 2
 
 
-def one_line_error(result, fragment):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and fragment in lines[0], result.stderr
-
-
 def test_bad_run_dirs(tmp_path):
-    one_line_error(simulate_cli("--trace", str(tmp_path / "nope")), "no such run directory")
+    assert_one_line_error(simulate_cli("--trace", str(tmp_path / "nope")), "no such run directory")
     (tmp_path / "empty").mkdir()
-    one_line_error(simulate_cli("--trace", str(tmp_path / "empty")), "no plan.txt")
+    assert_one_line_error(simulate_cli("--trace", str(tmp_path / "empty")), "no plan.txt")
     run_dir, plan = synthetic_run(tmp_path / "run", "1f1b", *CASES["1f1b"])
     (run_dir / "trace.json").unlink()
-    one_line_error(simulate_cli("--trace", str(run_dir)), "no trace.json")
+    assert_one_line_error(simulate_cli("--trace", str(run_dir)), "no trace.json")
     (run_dir / "trace.json").write_text("{not json")
-    one_line_error(simulate_cli("--trace", str(run_dir)), "is not valid JSON")
+    assert_one_line_error(simulate_cli("--trace", str(run_dir)), "is not valid JSON")
 
 
 def test_trace_of_another_plan(tmp_path):
@@ -177,12 +164,12 @@ def test_trace_of_another_plan(tmp_path):
     run_dir, _ = synthetic_run(tmp_path / "run", "1f1b", 2, 4, costs)
     other = to_chrome_trace(simulate(lower(build_plan("zb-h1", 2, 4)), costs))
     (run_dir / "trace.json").write_text(json.dumps(other))
-    one_line_error(simulate_cli("--trace", str(run_dir)), "is not a trace of this plan (1f1b, 2 ranks")
+    assert_one_line_error(simulate_cli("--trace", str(run_dir)), "is not a trace of this plan (1f1b, 2 ranks")
     more = to_chrome_trace(simulate(lower(build_plan("1f1b", 2, 6)), costs))
     (run_dir / "trace.json").write_text(json.dumps(more))
-    one_line_error(simulate_cli("--trace", str(run_dir)), "which the plan does not have there")
+    assert_one_line_error(simulate_cli("--trace", str(run_dir)), "which the plan does not have there")
     (run_dir / "config.json").write_text(json.dumps({"parallel": {"stages": 2, "dp": 1, "tp": 2}}))
-    one_line_error(simulate_cli("--trace", str(run_dir)), "has no events for rank 1 (global rank 2)")
+    assert_one_line_error(simulate_cli("--trace", str(run_dir)), "has no events for rank 1 (global rank 2)")
     (run_dir / "config.json").write_text(json.dumps({"parallel": {"stages": 4, "dp": 1, "tp": 1}}))
     with pytest.raises(ScheduleError, match="stages=4 but plan.txt has 2 ranks"):
         load_run(run_dir)
@@ -201,12 +188,12 @@ def test_trace_missing_an_action(tmp_path):
 @pytest.mark.parametrize("extra", [["--schedule", "1f1b"], ["--schedule-file", "x.txt"], ["--costs", "F=1"]])
 def test_trace_refuses_other_sources(tmp_path, extra):
     run_dir, _ = synthetic_run(tmp_path / "run", "1f1b", *CASES["1f1b"])
-    one_line_error(simulate_cli("--trace", str(run_dir), *extra), f"leave out {extra[0]}")
+    assert_one_line_error(simulate_cli("--trace", str(run_dir), *extra), f"leave out {extra[0]}")
 
 
 def test_trace_refuses_other_sizes(tmp_path):
     run_dir, _ = synthetic_run(tmp_path / "run", "1f1b", *CASES["1f1b"])
-    one_line_error(simulate_cli("--trace", str(run_dir), "--stages", "3"), "--stages 3 does not match")
+    assert_one_line_error(simulate_cli("--trace", str(run_dir), "--stages", "3"), "--stages 3 does not match")
     assert simulate_cli("--trace", str(run_dir), "--stages", "2", "-m", "4", "--no-chart").exit_code == 0
 
 
@@ -216,10 +203,8 @@ def test_trace_refuses_other_sizes(tmp_path):
 
 def test_real_run_calibrates(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([PIPEGPT, "run", "--stages", "2", "--microbatches", "4", "--steps", "3",
-                           "--run-dir", str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=180)
+    done = run_pipegpt("run", "--stages", "2", "--microbatches", "4", "--steps", "3", "--run-dir", run_dir,
+                       env=clean_env(PYTHONPATH=str(ROOT)), timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     result = simulate_cli("--trace", str(run_dir), "--json")
     assert result.exit_code == 0, result.output

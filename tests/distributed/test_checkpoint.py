@@ -1,14 +1,12 @@
 """Checkpoints: resume bit for bit, resume under another layout, survive a SIGKILL mid-save, refuse bad ones.
 
 Runs are `pipegpt run` subprocesses, as a user runs them; layout changes are checked inside workers
-(tests/cluster_host.py), where every parameter and Adam moment can be gathered by one-process name.
+(tests/distributed/cluster_host.py), where every parameter and Adam moment can be gathered by one-process name.
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,20 +16,16 @@ from pipegpt.train import checkpoint
 from pipegpt.config import ModelConfig, TrainConfig
 
 from cluster_host import ClusterHost
+from helpers import assert_one_line_error, clean_env, run_pipegpt
 
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
 MODEL_ARGS = ["--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--seq-len", "16"]
 MODEL = ModelConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, n_embd=32)
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID")
 
 
 def pipegpt_run(run_dir: Path, *args: str, fault: str | None = None, expect: int = 0) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "PIPEGPT_FAULT"}
-    if fault:
-        env["PIPEGPT_FAULT"] = fault
-    proc = subprocess.run([PIPEGPT, "run", *MODEL_ARGS, "--microbatch-size", "2", "--threads-per-worker", "1",
-                           "--run-dir", str(run_dir), *args], capture_output=True, text=True, timeout=240, env=env)
+    env = clean_env(PIPEGPT_FAULT=fault) if fault else clean_env()
+    proc = run_pipegpt("run", *MODEL_ARGS, "--microbatch-size", "2", "--threads-per-worker", "1", "--run-dir", run_dir,
+                       *args, env=env, timeout=240)
     assert proc.returncode == expect, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
 
@@ -52,6 +46,21 @@ def test_resume_with_the_same_layout_is_bit_for_bit(tmp_path, layout):
     pipegpt_run(tmp_path / "resumed", *LAYOUTS[layout], "--steps", "4",
                 "--resume", str(tmp_path / "full" / "checkpoints" / "step-00000002"))
     assert losses(tmp_path / "resumed") == losses(tmp_path / "full")[2:]
+
+
+def test_resume_with_dropout_continues_every_ranks_stream_bit_for_bit(tmp_path):
+    # Two replicas x two stages: four streams (pipegpt.train.rng), each restored from the checkpoint.
+    layout = [*LAYOUTS["1f1b-dp2"], "--dropout", "0.1"]
+    pipegpt_run(tmp_path / "full", *layout, "--steps", "4", "--save-every", "2")
+    pipegpt_run(tmp_path / "resumed", *layout, "--steps", "4",
+                "--resume", str(tmp_path / "full" / "checkpoints" / "step-00000002"))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")[2:]
+    pipegpt_run(tmp_path / "plain", *LAYOUTS["1f1b-dp2"], "--steps", "2")
+    assert losses(tmp_path / "plain") != losses(tmp_path / "full")[:2]  # dropout was on
+    full, resumed = (checkpoint.CheckpointReader(tmp_path / run / "checkpoints" / "step-00000004")
+                     for run in ("full", "resumed"))
+    for key in sorted(k for k in full.where if k.startswith("param/")):
+        assert torch.equal(full.full(key, key[6:]), resumed.full(key, key[6:])), key
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
@@ -150,11 +159,9 @@ def test_init_from_starts_at_step_0_from_the_weights(tmp_path):
 # Bad checkpoints: one line, exit 2, before any worker starts, nothing overwritten
 
 def _refused(tmp_path, *args) -> str:
-    proc = pipegpt_run(tmp_path / "new", *LAYOUTS["1f1b"], "--steps", "3", *args, expect=2)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in proc.stderr, proc.stderr
+    line = assert_one_line_error(pipegpt_run(tmp_path / "new", *LAYOUTS["1f1b"], "--steps", "3", *args, expect=2))
     assert not (tmp_path / "new").exists()
-    return lines[0]
+    return line
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +193,55 @@ def test_a_truncated_tensor_file_is_refused(tmp_path, saved):
 
 def test_resume_and_init_from_exclude_each_other(tmp_path, saved):
     assert "not both" in _refused(tmp_path, "--resume", str(saved), "--init-from", str(saved))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Verified checkpoints: a SHA-256 per file, checked by every command that loads one
+
+def _flip_a_moment_byte(path: Path) -> str:
+    """Flip one byte in the middle of the first Adam moment's data; the size stays what the header says."""
+    import struct
+
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    key = next(k for k in sorted(header) if k.startswith("exp_avg/"))
+    start, end = header[key]["data_offsets"]
+    raw[8 + n + (start + end) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    return key
+
+
+def test_a_flipped_byte_is_refused_by_resume_init_from_sample_convert_and_hellaswag(tmp_path, saved):
+    import shutil
+
+    from helpers import invoke
+
+    copy = tmp_path / "copy"
+    shutil.copytree(saved / "checkpoints" / "step-00000002", copy)
+    victim = copy / "rank-00001.safetensors"
+    _flip_a_moment_byte(victim)
+    corrupt = victim.read_bytes()
+    expected = f"Error: {victim}: corrupt: its SHA-256 is "
+    for option in ("--resume", "--init-from"):
+        assert _refused(tmp_path, option, str(copy)).startswith(expected)
+    examples = tmp_path / "hellaswag.jsonl"
+    examples.write_text(json.dumps({"ctx": "The cat sat on the", "endings": ["mat.", "x", "roof", "sky"], "label": 0}))
+    for args in (["sample", copy, "--prompt", "a", "--max-new-tokens", "2", "--device", "cpu"],
+                 ["convert", "--to-hf", tmp_path / "hf", "--checkpoint", copy],
+                 ["hellaswag", copy, "--file", examples, "--device", "cpu"]):
+        assert assert_one_line_error(invoke(*args)).startswith(expected), args
+    assert not (tmp_path / "hf").exists()
+    assert victim.read_bytes() == corrupt  # nothing overwritten
+    assert sorted(p.name for p in copy.iterdir()) == ["manifest.json", "rank-00000.safetensors",
+                                                       "rank-00001.safetensors"]
+
+
+def test_a_runs_checkpoint_files_follow_the_umask(saved):
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)  # this process's, which the run inherited
+    ckpt = saved / "checkpoints" / "step-00000002"
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in ckpt.iterdir()}
+    assert modes == {name: oct(0o666 & ~umask) for name in modes} and len(modes) == 3

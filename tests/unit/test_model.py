@@ -1,12 +1,12 @@
 """The sliceable GPT against itself in one piece: loss and every named gradient."""
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.testing import assert_close
 
+from helpers import ROOT
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig, model_config
 from pipegpt.model.gpt import GPT, build_reference_model, slice_state_dict
 from pipegpt.model.split_backward import SplitLinear, defer_weight_grads
@@ -22,13 +22,7 @@ SPLITS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: intra-op threads only contend (30x slower on a busy 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: intra-op threads only contend
 
 
 def batch(cfg=CFG, b=3, seed=0):
@@ -344,7 +338,7 @@ def test_model_imports_no_process_code():
     code = ("import sys, pipegpt.model.gpt, pipegpt.data.tokenizers, pipegpt.data.tokens, pipegpt.data.loader; "
             "print(sorted(m for m in sys.modules if m.startswith('pipegpt') or m == 'tiktoken'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=ROOT)
     assert set(eval(out.stdout)) <= {"pipegpt", "pipegpt.config", "pipegpt.model", "pipegpt.model.gpt",
                                      "pipegpt.model.split_backward", "pipegpt.data", "pipegpt.data.tokenizers",
                                      "pipegpt.data.tokens", "pipegpt.data.loader"}

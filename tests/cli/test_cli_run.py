@@ -7,28 +7,16 @@ import math
 import os
 import re
 import socket
-import subprocess
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from pipegpt.cli import main
+from helpers import NoWorkers, assert_one_line_error, invoke, run_pipegpt
 from pipegpt.schedule import SCHEDULES, build_plan, lower
 from pipegpt.schedule.actions import Action
 
-ROOT = Path(__file__).resolve().parents[1]
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_USE_AGENT_STORE")
 REFUSE_WITHIN_S = 10.0
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "PIPEGPT_FAULT"}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -41,9 +29,8 @@ STAGES, MICROBATCHES, STEPS = 2, 4, 6
 def real_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cli_run") / "run"
     t0 = time.monotonic()
-    proc = subprocess.run([PIPEGPT, "run", "--stages", str(STAGES), "--microbatches", str(MICROBATCHES),
-                           "--steps", str(STEPS), "--run-dir", str(run_dir)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_pipegpt("run", "--stages", STAGES, "--microbatches", MICROBATCHES, "--steps", STEPS,
+                       "--run-dir", run_dir, timeout=300)
     print(f"\npipegpt run --stages {STAGES} --microbatches {MICROBATCHES} --steps {STEPS}: "
           f"{time.monotonic() - t0:.1f}s")
     return proc, run_dir
@@ -129,34 +116,17 @@ def test_run_writes_the_plan_it_ran(real_run):
 # --------------------------------------------------------------------------------------------------------------
 # (b) bad input: refused before any worker starts
 
-class _NoWorkers:
-    """Stands in for the clusters: a refused configuration must never get this far."""
-
-    started = []
-
-    def __init__(self, *args, **kwargs):
-        _NoWorkers.started.append(args)
-        raise AssertionError("a cluster was started for a configuration that should have been refused")
-
-
 @pytest.fixture
-def cli(monkeypatch, tmp_path):
-    import pipegpt.comm.rpc as rpc_module
+def cli(no_workers, tmp_path):
+    """`pipegpt run ARGS` in-process, where starting a cluster fails the test (the no_workers fixture)."""
 
-    for var in TORCHRUN_VARS + ("PIPEGPT_FAULT",):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")  # `run` sets it; put it back afterwards
-    monkeypatch.setattr(rpc_module, "LocalCluster", _NoWorkers)
-    monkeypatch.setattr(rpc_module, "TorchrunCluster", _NoWorkers)
-    _NoWorkers.started.clear()
-
-    def invoke(*args):
+    def run(*args):
         run_dir = tmp_path / "run"
         t0 = time.monotonic()
-        result = CliRunner().invoke(main, ["run", *args, "--steps", "2", "--run-dir", str(run_dir)])
+        result = invoke("run", *args, "--steps", "2", "--run-dir", run_dir)
         return result, time.monotonic() - t0, run_dir
 
-    return invoke
+    return run
 
 
 def _port_in_use():
@@ -191,15 +161,9 @@ BAD = [
 ]
 
 
-def _check_refusal(code, stdout, stderr, seconds, must_name):
-    report = f"exit {code} in {seconds:.1f}s\nstdout:\n{stdout}\nstderr:\n{stderr}"
-    assert code == 2, report
-    assert seconds < REFUSE_WITHIN_S, report
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), report
-    for fragment in must_name:
-        assert fragment in lines[0], (fragment, lines[0])
-    assert "Traceback" not in stdout + stderr, report
+def _check_refusal(result, seconds, must_name):
+    assert_one_line_error(result, *must_name)
+    assert seconds < REFUSE_WITHIN_S, f"refused after {seconds:.1f}s"
 
 
 @pytest.mark.parametrize("args, must_name", BAD)
@@ -207,9 +171,9 @@ def test_bad_input_is_refused_before_any_worker_starts(cli, args, must_name):
     if "cuda" in args and _cuda_available():
         pytest.skip("a GPU is visible: --device cuda is valid here")
     result, seconds, run_dir = cli(*args)
-    assert not _NoWorkers.started
+    assert not NoWorkers.started
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
-    _check_refusal(result.exit_code, result.stdout, result.stderr, seconds, must_name)
+    _check_refusal(result, seconds, must_name)
     assert not run_dir.exists(), "a refused run created its run directory"
 
 
@@ -217,9 +181,8 @@ def test_port_in_use_is_refused_before_any_worker_starts(cli):
     with _port_in_use() as s:
         port = s.getsockname()[1]
         result, seconds, _ = cli("--stages", "2", "--port", str(port))
-    assert not _NoWorkers.started
-    _check_refusal(result.exit_code, result.stdout, result.stderr, seconds,
-                   [f"port {port}", "in use", "leave --port out"])
+    assert not NoWorkers.started
+    _check_refusal(result, seconds, [f"port {port}", "in use", "leave --port out"])
     # Not checked: the run directory. The port is only checked in run_job, after `run` has printed
     # its banner and created the directory (an empty runs/<time>/ is left behind by default).
 
@@ -233,18 +196,17 @@ def test_refusal_as_a_user_sees_it(args, must_name, tmp_path):
     with _port_in_use() as s:
         args = [str(s.getsockname()[1]) if a == "PORT" else a for a in args]
         t0 = time.monotonic()
-        proc = subprocess.run([PIPEGPT, "run", *args, "--steps", "2", "--run-dir", str(tmp_path / "run")],
-                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+        proc = run_pipegpt("run", *args, "--steps", "2", "--run-dir", tmp_path / "run", timeout=60)
         seconds = time.monotonic() - t0
     print(f"\nrefused {' '.join(args)} in {seconds:.2f}s")
-    _check_refusal(proc.returncode, proc.stdout, proc.stderr, seconds, must_name)
+    _check_refusal(proc, seconds, must_name)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # (c) --help
 
 def test_run_help_lists_the_options():
-    result = CliRunner().invoke(main, ["run", "--help"])
+    result = invoke("run", "--help")
     assert result.exit_code == 0, result.output
     for option in ("--steps", "--microbatch-size", "--seed", "--schedule", "--no-tie-embeddings", "--run-dir",
                    "--recompute", "--layers-per-stage"):

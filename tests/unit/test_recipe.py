@@ -6,29 +6,20 @@ import dataclasses
 import json
 import math
 import multiprocessing as mp
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from pipegpt.cli import main
+from helpers import assert_one_line_error, invoke, run_pipegpt
 from pipegpt.config import MODEL_PRESETS, ModelConfig, OptimizerConfig, TrainConfig
 from pipegpt.model.flops import flops_per_token, matmul_parameters
 from pipegpt.plan.devices import device_peak_tflops
 from pipegpt.train.metrics import step_metrics
+from pipegpt.train.results import WorkerStep
 from pipegpt.model.gpt import GPT
 from pipegpt.train.optim import lr_at
 from pipegpt.stages import Stage
-
-ROOT = Path(__file__).resolve().parents[1]
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_USE_AGENT_STORE", "PIPEGPT_FAULT")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -70,17 +61,12 @@ def test_min_lr_defaults_to_a_tenth_of_lr():
     assert OptimizerConfig(lr=3e-4, min_lr=0.0).final_lr == 0.0
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-
-
 def test_a_real_run_uses_the_schedule_and_reports_flops(tmp_path):
     """The LR each step of a 2-stage run used, read back from metrics.jsonl, is lr_at's; FLOPs and MFU too."""
     run_dir = tmp_path / "run"
     args = ["--stages", "2", "--microbatches", "2", "--microbatch-size", "2", "--steps", "6", "--warmup-steps", "2",
             "--lr-schedule", "cosine", "--lr", "2e-3", "--device", "cpu", "--peak-tflops", "0.5"]
-    proc = subprocess.run([PIPEGPT, "run", *args, "--run-dir", str(run_dir)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_pipegpt("run", *args, "--run-dir", run_dir, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cfg = TrainConfig.build(lr=2e-3, warmup_steps=2, lr_schedule="cosine", steps=6, stages=2, microbatches=2,
@@ -140,7 +126,7 @@ def _serve(conn, cfgs: list[TrainConfig], steps: int) -> None:
             job.build(cfg)
             losses = []
             for step in range(steps):
-                got = [loss for r in job.step(step) for loss in r["losses"]]
+                got = [loss for r in job.step(step) for loss in r.losses]
                 losses.append(sum(got) / len(got))
             dtypes = {str(p.dtype) for named in job.call("named_parameters") for p in named.values()}
             runs.append({"losses": losses, "dtypes": dtypes, "describe": job.call("describe")})
@@ -156,8 +142,9 @@ def _serve(conn, cfgs: list[TrainConfig], steps: int) -> None:
 MODEL = ModelConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=4, n_embd=64)
 STEPS = 20
 # Measured (seed 3, 20 steps of AdamW at lr 1e-3, loss 5.52 -> 4.37): bf16 autocast differs from fp32 by at
-# most 5.7e-5 relative in the step losses, the same for 1f1b and zb-h1, whose bf16 losses are identical.
-# 1e-3 is ~17x that: a mean over 512 tokens averages bf16's rounding (2^-8 per value) down, while a wrong
+# most 5.7e-5 relative in the step losses with fp32 pipeline messages, 1.1e-4 with bf16 ones (the default under
+# bf16), the same for 1f1b and zb-h1, whose bf16 losses are identical.
+# 1e-3 is ~9x that: a mean over 512 tokens averages bf16's rounding (2^-8 per value) down, while a wrong
 # gradient anywhere (a lost or double-counted deferred W, a bf16 master weight) moves these losses by 1e-2.
 BF16_RTOL = 1e-3
 
@@ -166,8 +153,9 @@ BF16_RTOL = 1e-3
 def precision_runs():
     base = TrainConfig.build(MODEL, stages=2, microbatches=4, microbatch_size=4, device="cpu", seed=3, lr=1e-3,
                              steps=STEPS, timeout_s=60)
-    cases = [(s, p) for s in ("1f1b", "zb-h1") for p in ("fp32", "bf16")]
-    cfgs = [base.replace(schedule=s, precision=p) for s, p in cases]
+    cases = [(s, p) for s in ("1f1b", "zb-h1") for p in ("fp32", "bf16")] + [("1f1b", "bf16-fp32-messages")]
+    cfgs = [base.replace(schedule=s, precision=p[:4], p2p_dtype="fp32" if p.endswith("messages") else "auto")
+            for s, p in cases]
     for cfg in cfgs:
         cfg.validate({})
     conn, child = mp.get_context("spawn").Pipe()
@@ -196,6 +184,17 @@ def test_bf16_tracks_fp32(precision_runs, schedule):
     assert max(rel) < BF16_RTOL, (fp32, bf16)
     assert max(rel) > 0, "bf16 gave fp32's losses exactly: autocast did not run"
     assert fp32[-1] < fp32[0] - 0.5  # it trains, so a wrong update would show
+
+
+def test_bf16_messages_track_fp32_messages(precision_runs):
+    """--p2p-dtype: bf16 by default under bf16 (the messages really are narrower: the losses move), fp32 on
+    request; both within the tolerance of fp32 training."""
+    runs, _ = precision_runs
+    fp32, wide = runs[("1f1b", "fp32")]["losses"], runs[("1f1b", "bf16-fp32-messages")]["losses"]
+    narrow = runs[("1f1b", "bf16")]["losses"]
+    assert narrow != wide
+    for losses in (narrow, wide):
+        assert max(abs(b - f) / f for b, f in zip(losses, fp32)) < BF16_RTOL
 
 
 def test_split_backward_under_bf16_equals_full_backward(precision_runs):
@@ -239,9 +238,9 @@ def test_flops_per_token_by_hand():
         assert matmul_parameters(model) == whole.num_parameters() - lookups
 
 
-def _results(device_name: str) -> list[dict]:
-    return [{"losses": [], "grad_norm": 1.0, "peak_memory": 0, "lr": 1e-3, "device_name": device_name},
-            {"losses": [2.0], "grad_norm": 1.0, "peak_memory": 0, "lr": 1e-3, "device_name": device_name}]
+def _results(device_name: str) -> list[WorkerStep]:
+    return [WorkerStep(rank=0, losses=[], grad_norm=1.0, lr=1e-3, peak_memory=0, device_name=device_name),
+            WorkerStep(rank=1, losses=[2.0], grad_norm=1.0, lr=1e-3, peak_memory=0, device_name=device_name)]
 
 
 def test_mfu_is_flops_per_second_over_the_peak():
@@ -258,7 +257,8 @@ def test_mfu_is_flops_per_second_over_the_peak():
 
 def test_control_time_and_cpu_shares_come_from_the_workers_answers():
     cfg = TrainConfig.build(MODEL_PRESETS["tiny"], stages=2, microbatches=4)
-    results = [dict(r, compute_s=c, cpu_s=u) for r, c, u in zip(_results("cpu"), (0.30, 0.45), (0.25, 0.40))]
+    results = [dataclasses.replace(r, compute_s=c, cpu_s=u)
+               for r, c, u in zip(_results("cpu"), (0.30, 0.45), (0.25, 0.40))]
     m = step_metrics(0, results, cfg, 0.5, driver_cpu_s=0.01)
     assert m.control_s == pytest.approx(0.05)  # 0.5 s at the driver, 0.45 s in the slowest worker's step()
     assert m.cpu_per_rank == pytest.approx([0.5, 0.8]) and m.driver_cpu == pytest.approx(0.02)
@@ -279,11 +279,6 @@ def test_peak_table(name, precision, peak):
 # --------------------------------------------------------------------------------------------------------------
 # Bad input: one line, exit 2, before any worker starts
 
-class _NoWorkers:
-    def __init__(self, *args, **kwargs):
-        raise AssertionError("a cluster was started for a configuration that should have been refused")
-
-
 @pytest.mark.parametrize("args, must_name", [
     (["--lr-schedule", "linear"], ["--lr-schedule", "'linear'", "cosine", "constant"]),
     (["--warmup-steps", "-1"], ["warmup_steps=-1", ">= 0"]),
@@ -292,17 +287,7 @@ class _NoWorkers:
     (["--precision", "fp16"], ["--precision", "'fp16'"]),
     (["--peak-tflops", "-3"], ["peak_tflops=-3"]),
 ])
-def test_bad_recipe_input_is_one_line_and_exit_2(monkeypatch, tmp_path, args, must_name):
-    import pipegpt.comm.rpc as rpc_module
-
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")
-    monkeypatch.setattr(rpc_module, "LocalCluster", _NoWorkers)
+def test_bad_recipe_input_is_one_line_and_exit_2(no_workers, tmp_path, args, must_name):
     run_dir = tmp_path / "run"
-    result = CliRunner().invoke(main, ["run", *args, "--stages", "2", "--steps", "2", "--run-dir", str(run_dir)])
-    lines = result.stderr.splitlines()
-    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), result.output
-    for fragment in must_name:
-        assert fragment in lines[0], (fragment, lines[0])
+    assert_one_line_error(invoke("run", *args, "--stages", "2", "--steps", "2", "--run-dir", run_dir), *must_name)
     assert not run_dir.exists()

@@ -65,16 +65,23 @@ CASES = {
     "head-untied-pad-sp": ("untied-pad", "head", True, False, "none"),
     "bare-head-pad-shard": ("tied-pad-shard", "bare-head", False, False, "none"),
 }
+# Under bf16 autocast: the same cases, against the one-process model under autocast too.
+BF16_CASES = ("full-tied", "full-tied-sp-split", "middle-sp")
+_F32 = torch.float32
+BF16_FP32_COLLECTIVES = {
+    "full-tied": [("all_reduce", _F32)] * 4,  # embedding x 2, cross-entropy x 2
+    "full-tied-sp-split": [("reduce_scatter", _F32)] * 2 + [("all_gather", _F32), ("all_reduce", _F32),
+                                                             ("all_reduce", _F32)],  # + the embedding's backward
+    "middle-sp": [],
+}
+# Measured: at most 6.8e-3 (normwise, over every parameter's gradient of these cases), bf16's 2^-8 rounding
+# of partial sums; a gradient that lost or doubled a rank's part is off by ~0.5 or more.
+BF16_GRAD_RTOL = 2e-2
 # name: (rows shape, padded vocab, real vocab_size)
 CE_CASES = {"plain": ((24,), 64, None), "pad": ((24,), 64, 60), "pad-whole-shard": ((4, 6), 64, 30)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def inputs(cfg: ModelConfig):
@@ -87,8 +94,8 @@ def inputs(cfg: ModelConfig):
     return x, y, h, grad
 
 
-def run_case(name: str, tp_rank: int = 0, tp_size: int = 1, group=None) -> dict:
-    """One case on one rank; tp_size=1 is the one-process reference."""
+def run_case(name: str, tp_rank: int = 0, tp_size: int = 1, group=None, bf16: bool = False) -> dict:
+    """One case on one rank; tp_size=1 is the one-process reference. bf16: forward under bf16 autocast."""
     cfg_name, slice_name, sp, split, recompute = CASES[name]
     cfg = CONFIGS[cfg_name]
     layers, embed, head = SLICES[slice_name]
@@ -102,10 +109,12 @@ def run_case(name: str, tp_rank: int = 0, tp_size: int = 1, group=None) -> dict:
         h, grad = h.chunk(tp_size, 1)[tp_rank], grad.chunk(tp_size, 1)[tp_rank]
     inp = x if embed else h.clone().requires_grad_()
     result = {}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     if head:  # without targets: the logits of this rank's real vocabulary columns
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             result["logits"] = model(inp)
-    out = model(inp, y if head else None)
+    with autocast:
+        out = model(inp, y if head else None)
     result["out"] = out.detach().clone()
     if split:
         with defer_weight_grads() as pending:
@@ -154,7 +163,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                             timeout=timedelta(seconds=60))
     group = dist.new_group(list(range(TP)))
     results = {"cases": {name: run_case(name, rank, TP, group) for name in CASES},
-               "ce": {name: run_ce(name, rank, TP, group) for name in CE_CASES}}
+               "ce": {name: run_ce(name, rank, TP, group) for name in CE_CASES},
+               "bf16": {name: _recording_collectives(run_case, name, rank, TP, group, bf16=True) for name in BF16_CASES}}
     x = torch.arange(24.0).view(2, 4, 3).requires_grad_()
     y = scatter_to_sequence(x, group, dim=1)
     (y * (rank + 1)).sum().backward()
@@ -162,6 +172,31 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.barrier(group)
     dist.destroy_process_group()
+
+
+def _recording_collectives(run, *args, **kwargs) -> dict:
+    """run(*args, **kwargs)'s result, with the (collective, dtype) of every tensor-parallel collective it ran."""
+    from pipegpt.tensor_parallel import collectives
+
+    log, names = [], {"_all_reduce": "all_reduce", "_all_gather_single": "all_gather",
+                      "_reduce_scatter_single": "reduce_scatter"}
+    real = {attr: getattr(collectives, attr) for attr in names}
+
+    def recorder(attr):
+        def call(first, *a, **kw):  # the tensor communicated (or written) comes first in each
+            log.append((names[attr], first.dtype))
+            return real[attr](first, *a, **kw)
+        return call
+
+    for attr in names:
+        setattr(collectives, attr, recorder(attr))
+    try:
+        result = run(*args, **kwargs)
+    finally:
+        for attr, fn in real.items():
+            setattr(collectives, attr, fn)
+    result["collectives"] = log
+    return result
 
 
 def _free_port() -> int:
@@ -212,6 +247,28 @@ def test_matches_one_process(tp_results, name):
         assert all(r["tied_local"] for r in ranks)
     expected_sp = sorted(n for n in ref["grads"] if tp_shard_spec(n) == REPLICATED) if sp else []
     assert all(r["sp_params"] == expected_sp for r in ranks)
+
+
+@pytest.mark.parametrize("name", BF16_CASES)
+def test_bf16_collectives(tp_results, name):
+    """Under bf16 autocast a column-parallel layer's collectives (its input's all-gather, or copy_to_tp's backward
+    all-reduce, and the reduce-scatter of its input gradient) move bf16, as Megatron's: fp32 only where the
+    residual stream or the loss is (the embedding's reduction, run by the logits pass and the loss pass, and
+    the cross-entropy's two all-reduces). Gradients stay fp32 and track the one-process model under autocast
+    (their outputs too) within BF16_GRAD_RTOL (normwise): bf16 sums over tp ranks round differently from one process's."""
+    ref = run_case(name, bf16=True)
+    ranks = [r["bf16"][name] for r in tp_results]
+    fp32 = [(kind, dtype) for kind, dtype in ranks[0]["collectives"] if dtype != torch.bfloat16]
+    assert sorted(fp32) == sorted(BF16_FP32_COLLECTIVES[name]), ranks[0]["collectives"]
+    assert len(fp32) < len(ranks[0]["collectives"])
+    sp, head = CASES[name][2], SLICES[CASES[name][1]][2]
+    relative = lambda got, want: ((got - want).norm() / want.norm()).item()  # noqa: E731
+    assert relative(_merge([r["out"] for r in ranks], sp and not head), ref["out"]) < BF16_GRAD_RTOL
+    for n, full in ref["grads"].items():
+        shards = [r["grads"][n] for r in ranks]
+        assert {g.dtype for g in shards} == {torch.float32}, n
+        error = relative(gather_full(n, shards), full)
+        assert error < BF16_GRAD_RTOL, f"{n}: relative difference {error:.2e}"
 
 
 @pytest.mark.parametrize("name", CE_CASES)

@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
 
+from helpers import assert_one_line_error, invoke, run_pipegpt
 from pipegpt.train import checkpoint
-from pipegpt.cli import main
 from pipegpt.config import ModelConfig
 from pipegpt.data.tokenizers import ByteTokenizer
-from pipegpt.tools.hellaswag import Example, ending_losses, evaluate, render
+from pipegpt.data.hellaswag import Example, ending_losses, render
+from pipegpt.tools.hellaswag import evaluate
 from pipegpt.model.gpt import GPT
 
 MODEL = ModelConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=32)
@@ -76,7 +76,7 @@ def ckpt(tmp_path_factory):
 
 
 def cli(*args) -> "click.testing.Result":  # noqa: F821
-    return CliRunner().invoke(main, ["hellaswag", *map(str, args)])
+    return invoke("hellaswag", *args)
 
 
 def test_the_examples_exercise_cropping_and_the_two_scores(ckpt):
@@ -126,14 +126,6 @@ def test_labels_the_model_prefers_score_one(ckpt, tmp_path):
     assert (first.examples, first.acc_norm) == (2, 1.0)
 
 
-def one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
 def test_bad_inputs_are_one_line_errors(ckpt, tmp_path):
     path, _, _ = ckpt
     good = json.dumps({"ctx": "a b", "endings": ["c", "d", "e", "f"], "label": 1})
@@ -142,48 +134,44 @@ def test_bad_inputs_are_one_line_errors(ckpt, tmp_path):
         (tmp_path / name).write_text("".join(line + "\n" for line in lines))
         return tmp_path / name
 
-    one_line_error(cli(path, "--file", tmp_path / "nowhere.jsonl"), "nowhere.jsonl", "no such file")
-    one_line_error(cli(path, "--file", bad("blank.jsonl", "", "  ")), "holds no examples")
-    one_line_error(cli(path, "--file", bad("json.jsonl", good, "{not json")), "json.jsonl:2", "not valid JSON")
-    one_line_error(cli(path, "--file", bad("list.jsonl", "[1, 2]")), "list.jsonl:1", "expected an object")
-    one_line_error(cli(path, "--file", bad("fields.jsonl", '{"ctx": "a"}')), "fields.jsonl:1", "'endings', 'label'")
+    assert_one_line_error(cli(path, "--file", tmp_path / "nowhere.jsonl"), "nowhere.jsonl", "no such file")
+    assert_one_line_error(cli(path, "--file", bad("blank.jsonl", "", "  ")), "holds no examples")
+    assert_one_line_error(cli(path, "--file", bad("json.jsonl", good, "{not json")), "json.jsonl:2", "not valid JSON")
+    assert_one_line_error(cli(path, "--file", bad("list.jsonl", "[1, 2]")), "list.jsonl:1", "expected an object")
+    assert_one_line_error(cli(path, "--file", bad("fields.jsonl", '{"ctx": "a"}')), "fields.jsonl:1",
+                          "'endings', 'label'")
     three = json.dumps({"ctx": "a", "endings": ["b", "c", "d"], "label": 0})
-    one_line_error(cli(path, "--file", bad("three.jsonl", good, three)), "three.jsonl:2", "list of 4 strings")
+    assert_one_line_error(cli(path, "--file", bad("three.jsonl", good, three)), "three.jsonl:2", "list of 4 strings")
     for label in (4, -1, True, "x", 1.0):
         line = json.dumps({"ctx": "a", "endings": ["b", "c", "d", "e"], "label": label})
-        one_line_error(cli(path, "--file", bad("label.jsonl", line)), "label.jsonl:1", "label", "0..3")
+        assert_one_line_error(cli(path, "--file", bad("label.jsonl", line)), "label.jsonl:1", "label", "0..3")
     empty = json.dumps({"ctx": "", "endings": ["b", "c", "d", "e"], "label": 0})
-    one_line_error(cli(path, "--file", bad("ctx.jsonl", empty)), "ctx.jsonl:1", "non-empty string")
+    assert_one_line_error(cli(path, "--file", bad("ctx.jsonl", empty)), "ctx.jsonl:1", "non-empty string")
     (tmp_path / "empty").mkdir()
     data = bad("good.jsonl", good)
-    one_line_error(cli(tmp_path / "empty", "--file", data), "not a checkpoint")
-    one_line_error(cli(tmp_path / "gone", "--file", data), "no such file or directory")
-    one_line_error(cli(path, "--file", data, "--limit", 0), "--limit")
+    assert_one_line_error(cli(tmp_path / "empty", "--file", data), "not a checkpoint")
+    assert_one_line_error(cli(tmp_path / "gone", "--file", data), "no such file or directory")
+    assert_one_line_error(cli(path, "--file", data, "--limit", 0), "--limit")
     narrow = tmp_path / "narrow"
     make_checkpoint(narrow, dataclasses.replace(MODEL, vocab_size=100))
     tilde = json.dumps({"ctx": "a~", "endings": ["b", "c", "d", "e"], "label": 0})
-    one_line_error(cli(narrow, "--file", bad("tilde.jsonl", tilde), "--device", "cpu"), "tilde.jsonl:1",
+    assert_one_line_error(cli(narrow, "--file", bad("tilde.jsonl", tilde), "--device", "cpu"), "tilde.jsonl:1",
                    "token id 126", "vocabulary size 100")
     if not torch.cuda.is_available():
-        one_line_error(cli(path, "--file", data, "--device", "cuda"), "no CUDA GPU")
+        assert_one_line_error(cli(path, "--file", data, "--device", "cuda"), "no CUDA GPU")
 
 
 def test_during_a_pipelined_run_it_scores_the_model_the_checkpoint_holds(tmp_path):
     """`pipegpt run --hellaswag` gathers the 2-stage x tp-2 model into the driver at an evaluation step; its
     accuracies equal the oracle's on the checkpoint saved at that step."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from pipegpt.tools.sample import load_model
 
     labels = [0, 1, 2, 3, 0, 1]
     data = write_jsonl(tmp_path / "hs.jsonl", labels)
     run = tmp_path / "run"
-    proc = subprocess.run([str(Path(sys.executable).with_name("pipegpt")), "run", "--stages", "2", "--tp", "2",
-                           "--microbatches", "2", "--steps", "2", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32",
-                           "--eval-every", "2", "--save-every", "2", "--hellaswag", str(data), "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=240)
+    proc = run_pipegpt("run", "--stages", "2", "--tp", "2", "--microbatches", "2", "--steps", "2", "--n-layer", "2",
+                       "--n-embd", "32", "--seq-len", "32", "--eval-every", "2", "--save-every", "2",
+                       "--hellaswag", data, "--run-dir", run, timeout=240)
     assert proc.returncode == 0, proc.stderr
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     model, _, _ = load_model(run, "cpu")
@@ -195,6 +183,5 @@ def test_during_a_pipelined_run_it_scores_the_model_the_checkpoint_holds(tmp_pat
 def test_a_bad_file_is_refused_before_any_worker_starts(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 7}\n')
-    result = CliRunner().invoke(main, ["run", "--eval-every", "1", "--hellaswag", str(bad), "--run-dir",
-                                       str(tmp_path / "run")])
+    result = invoke("run", "--eval-every", "1", "--hellaswag", bad, "--run-dir", tmp_path / "run")
     assert result.exit_code == 2 and "label" in result.output and not (tmp_path / "run").exists()

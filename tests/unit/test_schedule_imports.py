@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import ROOT
 from pipegpt.schedule import SCHEDULES, ScheduleError, build_plan, schedule_spec
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def module_graph(root: Path, package: str) -> dict[str, set[str]]:

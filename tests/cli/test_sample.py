@@ -7,10 +7,9 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
 
+from helpers import assert_one_line_error, invoke
 from pipegpt.train import checkpoint
-from pipegpt.cli import main
 from pipegpt.config import ModelConfig
 from pipegpt.data.tokenizers import ByteTokenizer
 from pipegpt.model.gpt import GPT
@@ -38,7 +37,7 @@ def ckpt(tmp_path_factory):
 
 
 def cli(*args) -> "click.testing.Result":  # noqa: F821
-    return CliRunner().invoke(main, ["sample", *map(str, args)])
+    return invoke("sample", *args)
 
 
 @torch.no_grad()
@@ -92,25 +91,17 @@ def test_tokens_the_tokenizer_cannot_decode_are_never_drawn(tmp_path):
     assert result.exit_code == 0, result.output
 
 
-def one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
 def test_bad_inputs_are_one_line_errors(ckpt, tmp_path):
     path, _ = ckpt
     (tmp_path / "empty").mkdir()
-    one_line_error(cli(tmp_path / "empty", "--prompt", "a"), "not a checkpoint")
-    one_line_error(cli(tmp_path / "nowhere", "--prompt", "a"), "no such file or directory")
-    one_line_error(cli(path, "--temperature", -0.5), "temperature=-0.5", ">= 0")
-    one_line_error(cli(path, "--top-k", 0), "top-k=0", ">= 1")
-    one_line_error(cli(path, "--max-new-tokens", -1), "max-new-tokens=-1")
-    one_line_error(cli(path, "--prompt", "", "--device", "cpu"), "no tokens")
+    assert_one_line_error(cli(tmp_path / "empty", "--prompt", "a"), "not a checkpoint")
+    assert_one_line_error(cli(tmp_path / "nowhere", "--prompt", "a"), "no such file or directory")
+    assert_one_line_error(cli(path, "--temperature", -0.5), "temperature=-0.5", ">= 0")
+    assert_one_line_error(cli(path, "--top-k", 0), "top-k=0", ">= 1")
+    assert_one_line_error(cli(path, "--max-new-tokens", -1), "max-new-tokens=-1")
+    assert_one_line_error(cli(path, "--prompt", "", "--device", "cpu"), "no tokens")
     narrow = tmp_path / "narrow"
     make_checkpoint(narrow, dataclasses.replace(MODEL, vocab_size=100))
-    one_line_error(cli(narrow, "--prompt", "abc~", "--device", "cpu"), "token id 126", "vocabulary size 100")
+    assert_one_line_error(cli(narrow, "--prompt", "abc~", "--device", "cpu"), "token id 126", "vocabulary size 100")
     if not torch.cuda.is_available():
-        one_line_error(cli(path, "--device", "cuda"), "no CUDA GPU")
+        assert_one_line_error(cli(path, "--device", "cuda"), "no CUDA GPU")

@@ -11,13 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_USE_AGENT_STORE")
+from helpers import ROOT, clean_env
+
 LIMIT_S = 60.0  # a healthy run takes ~10-25 s here (2 cores, shared)
 STEPS = 3
 
@@ -80,7 +78,7 @@ class TorchrunHang(AssertionError):
 
 def test_torchrun_two_ranks(tmp_path):
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "PIPEGPT_FAULT"}
+    env = clean_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "pipegpt", "run", "--stages", "2", "--microbatches", "2", "--steps", str(STEPS),
            "--run-dir", str(run_dir)]

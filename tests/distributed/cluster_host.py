@@ -68,7 +68,7 @@ def _run(job, cfg, steps: int):
     """Loss and grads of step 0, and parameters after `steps` steps, by one-process name."""
     job.build(cfg)
     results = job.step(0)
-    losses = [loss for r in results for loss in r["losses"]]
+    losses = [loss for r in results for loss in r.losses]
     # tensor-parallel ranks of the last stage report the same losses: the mean is unchanged
     grads = _one_process_tensors(job.call("named_grads"), cfg)
     for step in range(1, steps):
@@ -105,7 +105,7 @@ def _resume(job, cfg, path: str):
     params = _gathered([{f"param/{_one_process_name(n, cfg)}": v for n, v in r.items()}
                         for r in job.call("named_parameters")], cfg)
     moments = _gathered(job.call("named_optimizer_state"), cfg)
-    losses = [loss for r in job.step(step) for loss in r["losses"]]
+    losses = [loss for r in job.step(step) for loss in r.losses]
     return params, moments, sum(losses) / len(losses)
 
 
@@ -115,7 +115,12 @@ def _evaluate(job, cfg):
     return job.evaluate()
 
 
-COMMANDS = {"run": _run, "resume": _resume, "evaluate": _evaluate}
+def _build(job, cfg):
+    """Every worker's describe() after building for cfg."""
+    return job.build(cfg)
+
+
+COMMANDS = {"run": _run, "resume": _resume, "evaluate": _evaluate, "build": _build}
 
 
 class ClusterHost:
@@ -150,6 +155,10 @@ class ClusterHost:
 
     def evaluate(self, cfg) -> float:
         self.conn.send(("evaluate", (cfg,)))
+        return self._answer(300)
+
+    def build(self, cfg) -> list[dict]:
+        self.conn.send(("build", (cfg,)))
         return self._answer(300)
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """GPU smoke suite: the CUDA/NCCL path on one GPU. Skipped cleanly where CUDA is missing.
 
-    python -m pytest tests/test_gpu_smoke.py -v
+    python -m pytest tests/distributed/test_gpu_smoke.py -v
 
 One GPU allows world size 1 only (NCCL refuses two ranks on one device), so these check what one
 rank can: the actor runtime on CUDA in float64 against the CPU float64 model (zb-h1; zbv, whose two V stages
@@ -13,11 +13,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +29,9 @@ from pipegpt.data.tokens import builtin_tokens
 from pipegpt.model.gpt import build_reference_model  # noqa: E402
 
 from cluster_host import ClusterHost  # noqa: E402
+from helpers import run_pipegpt  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=4, n_embd=64)
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
 
 
 def _config(schedule: str) -> TrainConfig:
@@ -162,8 +159,7 @@ def test_a_receive_that_never_comes_ends_with_a_clear_error():
 # The CLI on CUDA, as a user runs it
 
 def test_pipegpt_run_on_cuda(tmp_path):
-    proc = subprocess.run([PIPEGPT, "run", "--stages", "1", "--device", "cuda", "--steps", "5",
-                           "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = run_pipegpt("run", "--stages", "1", "--device", "cuda", "--steps", "5", "--run-dir", tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 5 and metrics[-1]["loss"] < metrics[0]["loss"]

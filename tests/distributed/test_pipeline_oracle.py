@@ -2,8 +2,13 @@
 
 Loss and every named parameter's gradient after one step, and every parameter
 after 3 AdamW steps (with gradient clipping), for every schedule, on CPU with
-gloo across real worker processes. Workers start once per pipeline size and are
-rebuilt per case over RPC, which keeps the matrix cheap.
+gloo across real worker processes. Workers start once per grid and point-to-point
+behaviour and are rebuilt per case over RPC, which keeps the matrix cheap.
+
+Every case runs under both point-to-point behaviours (pipegpt.comm.p2p): "tag", gloo's own,
+and "order", the CUDA control path (NCCL's matching by order, sends in the plan's places, a
+settle at the end of the step) run on CPU. The default suite runs "order" on a few
+representative cases; `pytest -m slow` runs the whole suite under it.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from pipegpt.train.driver import check
 from pipegpt.train.optim import lr_at, make_optimizer, set_lr
 
 from cluster_host import ClusterHost
+from helpers import one_thread
 
 MODEL = ModelConfig(vocab_size=256, seq_len=16, n_layer=8, n_head=4, n_embd=32)
 RTOL, ATOL = 1e-5, 1e-7
@@ -44,12 +50,8 @@ def reference(cfg: TrainConfig, steps: int):
     after 3 steps (measured), far above fp32 tolerance. Accumulating like the pipeline makes the
     multi-step comparison a test of the pipeline, not of summation order.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers: the thread count changes reduction order, and AdamW
-    try:                      # amplifies that rounding to ~1e-4 after 3 steps (measured)
-        return _reference(cfg, steps)
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread():  # as the workers: the thread count changes reduction order, and AdamW
+        return _reference(cfg, steps)  # amplifies that rounding to ~1e-4 after 3 steps (measured)
 
 
 def _reference(cfg: TrainConfig, steps: int):
@@ -109,18 +111,33 @@ def assert_matches(cfg: TrainConfig, cluster, steps: int = 3) -> None:
 def workers():
     hosts = {}
 
-    def get(p: int, dp: int = 1, tp: int = 1) -> ClusterHost:
+    def get(cfg: TrainConfig) -> ClusterHost:
+        """Workers for cfg's grid (fixed when they start; build() brings the rest, the p2p behaviour too)."""
+        par = cfg.parallel
+        key = (par.dp, par.stages, par.tp)
         # One grid's workers alive at a time keeps memory flat; tests of a grid run together.
-        if (dp, p, tp) not in hosts:
+        if key not in hosts:
             for host in hosts.values():
                 host.close()
             hosts.clear()
-            hosts[(dp, p, tp)] = ClusterHost(base_config(p, dp=dp, tp=tp))
-        return hosts[(dp, p, tp)]
+            hosts[key] = ClusterHost(base_config(par.stages, dp=par.dp, tp=par.tp))
+        return hosts[key]
 
     yield get
     for host in hosts.values():
         host.close()
+
+
+# Module-scoped, so pytest runs every test under "tag" first, then every one under "order".
+@pytest.fixture(scope="module", params=["tag", pytest.param("order", marks=pytest.mark.slow)])
+def matching(request) -> str:
+    return request.param
+
+
+def test_a_rebuild_takes_the_new_point_to_point_behaviour(workers):
+    host = workers(base_config(2))
+    for matching in ("order", "tag"):
+        assert [d["p2p_matching"] for d in host.build(base_config(2, p2p_matching=matching))] == [matching] * 2
 
 
 def valid_microbatches(schedule: str, p: int) -> list[int]:
@@ -141,40 +158,54 @@ CASES = [(s, 2, m) for s in SCHEDULES for m in valid_microbatches(s, 2)]
 
 
 @pytest.mark.parametrize("schedule,p,m", CASES, ids=[f"{s}-p{p}-m{m}" for s, p, m in CASES])
-def test_schedule_matches_one_process(workers, schedule, p, m):
-    cfg = base_config(p, schedule=schedule, microbatches=m)
+def test_schedule_matches_one_process(workers, matching, schedule, p, m):
+    cfg = base_config(p, schedule=schedule, microbatches=m, p2p_matching=matching)
     check(cfg)
-    assert_matches(cfg, workers(p))
+    assert_matches(cfg, workers(cfg))
+
+
+# The CUDA control path in the default suite: the default schedule, and a V whose rank holds both ends
+# (local hand-over, split backward, messages both ways in one batch).
+@pytest.mark.parametrize("schedule,m", [("1f1b", 3), ("zbv", 4)])
+def test_order_matching_matches_one_process(workers, schedule, m):
+    cfg = base_config(2, schedule=schedule, microbatches=m, p2p_matching="order")
+    check(cfg)
+    assert_matches(cfg, workers(cfg))
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_recompute_matches(workers, schedule, recompute):
-    assert_matches(base_config(2, schedule=schedule, microbatches=3, recompute=recompute), workers(2))
+def test_recompute_matches(workers, matching, schedule, recompute):
+    cfg = base_config(2, schedule=schedule, microbatches=3, recompute=recompute, p2p_matching=matching)
+    assert_matches(cfg, workers(cfg))
 
 
-def test_untied_embeddings_and_uneven_split(workers):
+def test_untied_embeddings_and_uneven_split(workers, matching):
     model = dataclasses.replace(MODEL, tie_embeddings=False)
-    assert_matches(base_config(2, model=model, microbatches=3, layers_per_stage=(5, 3)), workers(2))
+    cfg = base_config(2, model=model, microbatches=3, layers_per_stage=(5, 3), p2p_matching=matching)
+    assert_matches(cfg, workers(cfg))
 
 
-def test_four_stages_interleaved_uneven(workers):
-    cfg = base_config(4, schedule="interleaved-1f1b", microbatches=4, layers_per_stage=(0, 1, 1, 2, 1, 1, 1, 1))
-    assert_matches(cfg, workers(4))
+def test_four_stages_interleaved_uneven(workers, matching):
+    cfg = base_config(4, schedule="interleaved-1f1b", microbatches=4, layers_per_stage=(0, 1, 1, 2, 1, 1, 1, 1),
+                      p2p_matching=matching)
+    assert_matches(cfg, workers(cfg))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_four_stages(workers, schedule):
-    assert_matches(base_config(4, schedule=schedule, microbatches=8), workers(4))
+def test_four_stages(workers, matching, schedule):
+    cfg = base_config(4, schedule=schedule, microbatches=8, p2p_matching=matching)
+    assert_matches(cfg, workers(cfg))
 
 
 @pytest.mark.parametrize("dp,p,schedule,zero,clip", [(2, 2, "1f1b", 0, 1.0), (2, 2, "1f1b", 0, 0.0),
                                                       (2, 2, "zb-h1", 1, 1.0), (2, 2, "zbv", 0, 1.0),
                                                       (2, 1, "1f1b", 0, 1.0)])
-def test_data_parallel_matches(workers, dp, p, schedule, zero, clip):
-    cfg = base_config(p, dp=dp, schedule=schedule, microbatches=2 * p, zero=zero, grad_clip=clip)
+def test_data_parallel_matches(workers, matching, dp, p, schedule, zero, clip):
+    cfg = base_config(p, dp=dp, schedule=schedule, microbatches=2 * p, zero=zero, grad_clip=clip,
+                      p2p_matching=matching)
     check(cfg)
-    assert_matches(cfg, workers(p, dp))
+    assert_matches(cfg, workers(cfg))
 
 
 # Written by hand, unlike any generator: one rank mixes whole backwards (B) with split ones (I, W).
@@ -184,7 +215,7 @@ HAND_WRITTEN = """# name: hand-mixed
 """
 
 
-def test_a_hand_written_schedule_file_trains_like_one_process(workers, tmp_path):
+def test_a_hand_written_schedule_file_trains_like_one_process(workers, matching, tmp_path):
     path = tmp_path / "hand.txt"
     path.write_text(HAND_WRITTEN)
     plan = load_schedule_file(path)
@@ -194,7 +225,8 @@ def test_a_hand_written_schedule_file_trains_like_one_process(workers, tmp_path)
         except ScheduleError:
             continue
         assert generated.ranks != plan.ranks, f"the hand-written plan is {name}'s"
-    assert_matches(base_config(2, schedule_file=str(path), microbatches=3), workers(2))
+    cfg = base_config(2, schedule_file=str(path), microbatches=3, p2p_matching=matching)
+    assert_matches(cfg, workers(cfg))
 
 
 # The full matrix, on demand: pytest -m slow
@@ -205,9 +237,10 @@ FULL = [(s, p, m, rc, tie) for s in SCHEDULES for p in (2, 4) for m in valid_mic
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,p,m,recompute,tie", FULL,
                          ids=[f"{s}-p{p}-m{m}-{rc}-{'tied' if t else 'untied'}" for s, p, m, rc, t in FULL])
-def test_full_matrix(workers, schedule, p, m, recompute, tie):
+def test_full_matrix(workers, matching, schedule, p, m, recompute, tie):
     model = dataclasses.replace(MODEL, tie_embeddings=tie)
-    assert_matches(base_config(p, schedule=schedule, microbatches=m, recompute=recompute, model=model), workers(p))
+    cfg = base_config(p, schedule=schedule, microbatches=m, recompute=recompute, model=model, p2p_matching=matching)
+    assert_matches(cfg, workers(cfg))
 
 
 # The dp x pp x tp grid. Tensor-parallel gradients are gathered to full shape (tensor_parallel.gather_full).
@@ -216,7 +249,7 @@ GRIDS = [(1, 1, 2, "1f1b", False), (1, 2, 2, "1f1b", False), (1, 2, 2, "zb-h1", 
 
 
 @pytest.mark.parametrize("dp,p,tp,schedule,sp", GRIDS, ids=[f"{d}x{p}x{t}-{s}{'-sp' if sp else ''}" for d, p, t, s, sp in GRIDS])
-def test_grid_matches(workers, dp, p, tp, schedule, sp):
+def test_grid_matches(workers, matching, dp, p, tp, schedule, sp):
     """Step 0's loss and gradients in fp32; the 3 AdamW steps in float64.
 
     Tensor parallelism sums each layer's partial products in another order (split K), and AdamW's
@@ -224,7 +257,8 @@ def test_grid_matches(workers, dp, p, tp, schedule, sp):
     steps (measured), the noise floor of any reordering. In float64 rounding vanishes, so the
     multi-step comparison is exact to 1e-9 and a real error (O(1e-3)) cannot hide in it.
     """
-    cfg = base_config(p, dp=dp, tp=tp, schedule=schedule, microbatches=2 * p, sequence_parallel=sp)
+    cfg = base_config(p, dp=dp, tp=tp, schedule=schedule, microbatches=2 * p, sequence_parallel=sp,
+                      p2p_matching=matching)
     check(cfg)
-    assert_matches(cfg, workers(p, dp, tp), steps=1)
-    assert_matches(cfg.replace(dtype="float64"), workers(p, dp, tp), steps=3)
+    assert_matches(cfg, workers(cfg), steps=1)
+    assert_matches(cfg.replace(dtype="float64"), workers(cfg), steps=3)

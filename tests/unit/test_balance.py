@@ -3,26 +3,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from pipegpt.cli import main
+from helpers import ROOT, assert_one_line_error, invoke, run_pipegpt
 from pipegpt.config import ConfigError, ModelConfig, TrainConfig
 from pipegpt.plan.balance import (balance, balance_layers, even_layers, parse_layer_costs, rank_loads,
                                   stage_costs)
 from pipegpt.schedule.registry import SCHEDULES
-
-ROOT = Path(__file__).resolve().parents[1]
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def placement(schedule: str, ranks: int) -> tuple[int, ...]:
@@ -161,7 +153,7 @@ def test_balance_and_simulate_with_layer_costs_load_no_torch():
 # pipegpt simulate --layer-costs ... --balance even|cost
 
 def simulate(*args):
-    return CliRunner().invoke(main, ["simulate", *args])
+    return invoke("simulate", *args)
 
 
 def test_simulate_balance_cost_beats_even_with_a_heavy_head():
@@ -194,10 +186,7 @@ def test_simulate_balance_cost_beats_even_with_a_heavy_head():
     (["--layer-costs", "embed=0,block=1,head=2", "--layers", "3"], "3 layers are fewer than the 4 stages"),
 ])
 def test_simulate_bad_input_is_one_line_exit_2(args, message):
-    result = simulate("-s", "1f1b", "-p", "4", "-m", "8", *args)
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
+    assert_one_line_error(simulate("-s", "1f1b", "-p", "4", "-m", "8", *args), message)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -208,18 +197,13 @@ def test_simulate_bad_input_is_one_line_exit_2(args, message):
     (["--balance", "weights"], "'weights' is not one of 'even', 'cost'"),
 ])
 def test_run_bad_balance_is_one_line_exit_2(args, message):
-    result = CliRunner().invoke(main, ["run", "--n-layer", "8", "--steps", "1", *args])
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
+    assert_one_line_error(invoke("run", "--n-layer", "8", "--steps", "1", *args), message)
 
 
 def test_run_balance_cost_moves_layers_off_a_heavy_head(tmp_path):
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "PIPEGPT_FAULT"}
-    proc = subprocess.run([PIPEGPT, "run", "--balance", "cost", "--stages", "4", "--microbatches", "4", "--steps",
-                           "2", "--vocab-size", "4096", "--n-layer", "8", "--run-dir", str(run_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_pipegpt("run", "--balance", "cost", "--stages", "4", "--microbatches", "4", "--steps", "2",
+                       "--vocab-size", "4096", "--n-layer", "8", "--run-dir", run_dir, timeout=300)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("pipegpt: balanced layers per stage "))
     layers = [int(n) for n in line.split()[5].split(",")]

@@ -21,26 +21,26 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from pipegpt.cli import main
+from helpers import ROOT, assert_one_line_error, invoke, run_pipegpt
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig
 from pipegpt.plan import memory as memory_model
+from pipegpt.plan.bounds import makespan_lower_bound
+from pipegpt.plan.candidates import Layout, Request
 from pipegpt.plan.cost import AnalyticalCosts, Piece
 from pipegpt.plan.devices import DEVICES, GiB, make_cluster, parse_bytes, parse_rate
-from pipegpt.plan.search import (Layout, Request, _Search, evaluate_layout, held_peaks, search, structure)
+from pipegpt.plan.search import Search, evaluate_layout, search
+from pipegpt.plan.structure import held_peaks, structure
 from pipegpt.schedule import SCHEDULES, build_plan
 from pipegpt.schedule.simulate import Costs, simulate
 
-ROOT = Path(__file__).resolve().parents[1]
 GPT3 = ModelConfig(vocab_size=51200, seq_len=2048, n_layer=96, n_head=96, n_embd=12288)
 
 
 def plan_cli(*args):
-    return CliRunner().invoke(main, ["plan", *args])
+    return invoke("plan", *args)
 
 
 class UniformCosts(AnalyticalCosts):
@@ -114,7 +114,7 @@ def test_lower_bound_never_exceeds_the_simulated_makespan():
                         dpc = [rng.uniform(0, 3) for _ in range(S)]
                         comm = rng.uniform(0, 0.5)
                         t = simulate(plan, Costs(tuple(F), tuple(B), tuple(W), comm, None, tuple(TP), tuple(dpc)))
-                        lb = _Search.lower_bound(F, B, W, TP, comm, dpc, plan.stage_to_rank, m, split)
+                        lb = makespan_lower_bound(F, B, W, TP, comm, dpc, plan.stage_to_rank, m, split)
                         assert lb <= float(t.makespan) * (1 + 1e-9), (name, p, m, v, lb, t.makespan)
                         checked += 1
     assert checked > 200
@@ -128,7 +128,7 @@ def test_lower_bound_is_exact_at_uniform_costs(name):
         S, k = plan.num_stages, p / plan.num_stages
         F, B, W = [1.0 * k] * S, [2.0 * k] * S, [1.0 * k] * S
         t = simulate(plan, Costs.uniform(S, F[0], B[0], W[0]))
-        lb = _Search.lower_bound(F, B, W, [0.0] * S, 0.0, [0.0] * S, plan.stage_to_rank, m, False)
+        lb = makespan_lower_bound(F, B, W, [0.0] * S, 0.0, [0.0] * S, plan.stage_to_rank, m, False)
         assert lb == pytest.approx(float(t.makespan))
 
 
@@ -152,11 +152,11 @@ def test_branch_and_bound_finds_what_evaluating_everything_finds():
     cluster = make_cluster(4, 4, gpu_memory="2GiB", gpu_tflops=50, intra_node="50GB/s")
     req = Request(model, 16, cluster, AnalyticalCosts(cluster), top=1)
     best = search(req).best[0]
-    brute = _Search(req)
+    brute = Search(req)
     steps = []
     for layout in brute.layouts():
-        for _, key in brute.expand(layout):
-            ev = brute.evaluate(key)
+        for _, candidate in brute.expand(layout):
+            ev = brute.evaluate(candidate)
             if ev is not None:
                 steps.append(ev.step)
     assert steps and best.step_time == pytest.approx(min(steps), rel=5e-3)
@@ -268,7 +268,7 @@ def test_cli_custom_cluster_and_calibration_errors(tmp_path):
     assert "--n-layer 8 --n-embd 256 --n-head 4 --seq-len 128 --vocab-size 256" in result.stdout
     missing = plan_cli("--model", "tiny", "--gpus", "4", "--gpu-memory", "16GiB", "--gpu-tflops", "50",
                        "--intra-node-gbps", "400", "--batch-size", "32", "--calibrate", str(tmp_path / "nope"))
-    assert missing.exit_code == 2 and missing.stderr.count("\n") == 1 and "--calibrate" in missing.stderr
+    assert_one_line_error(missing, "--calibrate")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -284,10 +284,7 @@ def test_cli_custom_cluster_and_calibration_errors(tmp_path):
     (["--model", "gpt2", "--gpus", "8", "--device", "h100"], "--batch-size"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
-    result = plan_cli(*args)
-    assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
-    assert needle in result.stderr, result.stderr
+    assert_one_line_error(plan_cli(*args), needle)
 
 
 def test_no_fit_names_the_memory_and_its_largest_part():
@@ -443,13 +440,11 @@ def test_megatron_published_configurations_beside_the_planner():
 def test_try_runs_the_top_plans_and_sets_measured_beside_predicted(tmp_path):
     """--try K: each of the top K plans' exact `pipegpt run` command, a few steps here; measured beside predicted."""
     run = tmp_path / "calibration"
-    made = subprocess.run([str(Path(sys.executable).with_name("pipegpt")), "run", "--stages", "2", "--microbatches",
-                           "2", "--steps", "3", "--run-dir", str(run)], capture_output=True, text=True, timeout=120)
+    made = run_pipegpt("run", "--stages", "2", "--microbatches", "2", "--steps", "3", "--run-dir", run, timeout=120)
     assert made.returncode == 0, made.stderr
-    result = CliRunner().invoke(main, ["plan", "--model", "tiny", "--gpus", "2", "--gpu-memory", "8GiB",
-                                       "--gpu-tflops", "1", "--intra-node-gbps", "80", "--batch-size", "8",
-                                       "--precision", "fp32", "--calibrate", str(run), "--try", "1",
-                                       "--try-steps", "3", "--try-device", "cpu", "--json"])
+    result = plan_cli("--model", "tiny", "--gpus", "2", "--gpu-memory", "8GiB", "--gpu-tflops", "1",
+                      "--intra-node-gbps", "80", "--batch-size", "8", "--precision", "fp32", "--calibrate", run,
+                      "--try", "1", "--try-steps", "3", "--try-device", "cpu", "--json")
     assert result.exit_code == 0, result.output
     tried = json.loads(result.output)["tried"]
     assert len(tried) == 1 and tried[0]["command"].startswith("pipegpt run ")

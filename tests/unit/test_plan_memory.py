@@ -3,7 +3,7 @@
 Parameters: exact against GPT slices and tensor-parallel shard shapes. State: exact against the
 real AdamW state after one step (and torch's ZeRO-1 partition, in real dp processes). Activations:
 each rank's predicted peak within 10% of what a replay of its actions with real Stages holds
-(tests/plan_memory_harness.py explains the measurement), for gpipe, 1f1b, interleaved-1f1b, zb-h1
+(tests/unit/plan_memory_harness.py explains the measurement), for gpipe, 1f1b, interleaved-1f1b, zb-h1
 and zbv, recompute none/selective/full, tp 1/2 with and without sequence parallelism, fp32, bf16
 autocast and float64. `pytest -s` prints the table.
 """
@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from helpers import one_thread
 from plan_memory_harness import (Layout, free_port, optimizer_state_bytes, rank_modules, replay_rank,
                                  saved_tensor_bytes, tp_worker)
 from pipegpt.config import ConfigError, MODEL_PRESETS, ModelConfig
@@ -81,9 +82,7 @@ def tp_measured(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def measured(tp_measured):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         rows = {}
         for layout in LAYOUTS:
             plan = layout.plan()
@@ -92,8 +91,6 @@ def measured(tp_measured):
         for layout in TP_LAYOUTS:  # tp rank 0's; rank 1 holds the same shapes
             rows[layout.name] = tp_measured[0][layout.name]
         return rows
-    finally:
-        torch.set_num_threads(n)
 
 
 def test_activation_peaks_match_the_replay(measured, tp_measured):

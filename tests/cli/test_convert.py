@@ -10,29 +10,24 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
+
+from helpers import assert_one_line_error, invoke, run_pipegpt
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 from pipegpt.train import checkpoint  # noqa: E402
-from pipegpt.cli import main  # noqa: E402
 from pipegpt.data.loader import BatchSampler  # noqa: E402
 from pipegpt.data.tokenizers import ByteTokenizer
 from pipegpt.data.tokens import builtin_tokens
 from pipegpt.tools.sample import load_model  # noqa: E402
 
-PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "PIPEGPT_FAULT")
 SHAPE = dict(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=256)
 RUN_MODEL = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--seq-len", "32", "--vocab-size", "256"]
 TOKENS = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(5))
@@ -53,24 +48,11 @@ def hf_logits(model, tokens=TOKENS) -> torch.Tensor:
     return model(tokens).logits
 
 
-def cli(*args) -> "click.testing.Result":  # noqa: F821
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(result, *fragments: str) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
-
-
 def imported(tmp_path: Path, hf, name: str = "ckpt") -> Path:
     hf_dir = tmp_path / f"{name}-hf"
     hf.save_pretrained(hf_dir)
     out = tmp_path / name
-    result = cli("convert", "--from-hf", hf_dir, "--out", out, "--tokenizer", "bytes")
+    result = invoke("convert", "--from-hf", hf_dir, "--out", out, "--tokenizer", "bytes")
     assert result.exit_code == 0, result.output
     assert f"pipegpt run --init-from {out} {' '.join(RUN_MODEL)}" in result.output
     return out
@@ -103,11 +85,9 @@ def test_import_matches_transformers_logits_and_loss(tied):
 def test_a_pipelined_run_trains_from_the_imported_weights_and_exports(tied, tmp_path):
     hf, ckpt = tied
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    proc = subprocess.run([PIPEGPT, "run", "--init-from", str(ckpt), *RUN_MODEL, "--tokenizer", "bytes",
-                           "--stages", "2", "--microbatches", "2", "--microbatch-size", "2", "--steps", "2",
-                           "--seed", "7", "--threads-per-worker", "1", "--save-every", "2", "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=240, env=env)
+    proc = run_pipegpt("run", "--init-from", ckpt, *RUN_MODEL, "--tokenizer", "bytes", "--stages", "2",
+                       "--microbatches", "2", "--microbatch-size", "2", "--steps", "2", "--seed", "7",
+                       "--threads-per-worker", "1", "--save-every", "2", "--run-dir", run, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     # The run's first batch: 2 microbatches x 2 sequences drawn by the run's seed from the built-in corpus.
@@ -119,7 +99,7 @@ def test_a_pipelined_run_trains_from_the_imported_weights_and_exports(tied, tmp_
     assert len(losses) == 2 and losses[1] == losses[1] and losses[1] != losses[0]
 
     # The trained checkpoint (written by 2 stages, with optimizer state) exports from its run directory.
-    result = cli("convert", "--to-hf", tmp_path / "trained-hf", "--checkpoint", run)
+    result = invoke("convert", "--to-hf", tmp_path / "trained-hf", "--checkpoint", run)
     assert result.exit_code == 0, result.output
     trained = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "trained-hf").eval()
     model, _, found = load_model(run)
@@ -135,7 +115,7 @@ def test_export_round_trip_reloads_in_transformers(tmp_path, tied, tie):
     if ckpt is None:
         ckpt = imported(tmp_path, hf)
         assert checkpoint.CheckpointReader(ckpt).has("param/lm_head.weight")
-    result = cli("convert", "--to-hf", tmp_path / "back", "--checkpoint", ckpt)
+    result = invoke("convert", "--to-hf", tmp_path / "back", "--checkpoint", ckpt)
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["tie_word_embeddings"] is tie and config["activation_function"] == "gelu_new"
@@ -157,7 +137,7 @@ def test_bin_in_openai_layout(tmp_path):
         state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     torch.save(state, hf_dir / "pytorch_model.bin")
     hf.config.to_json_file(hf_dir / "config.json")
-    result = cli("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt")
+    result = invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt")
     assert result.exit_code == 0, result.output
     model, manifest, _ = load_model(tmp_path / "ckpt")
     assert manifest["tokenizer"] == "gpt2"  # the default
@@ -185,7 +165,7 @@ def _hf_dir(tmp_path: Path, name: str, **config) -> Path:
 ], ids=["activation", "eps", "n_inner", "model_type", "n_layer", "n_embd"])
 def test_unsupported_configs_are_refused_naming_the_field(tmp_path, change, fragment):
     hf = _hf_dir(tmp_path, "hf", **change)
-    one_line_error(cli("convert", "--from-hf", hf, "--out", tmp_path / "out"), fragment)
+    assert_one_line_error(invoke("convert", "--from-hf", hf, "--out", tmp_path / "out"), fragment)
     assert not (tmp_path / "out").exists()
 
 
@@ -193,20 +173,21 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tied):
     hf, ckpt = tied
     empty = tmp_path / "empty"
     empty.mkdir()
-    one_line_error(cli("convert", "--from-hf", empty, "--out", tmp_path / "x"), "config.json", "not found")
-    one_line_error(cli("convert", "--from-hf", tmp_path / "nowhere", "--out", tmp_path / "x"), "no such directory")
+    assert_one_line_error(invoke("convert", "--from-hf", empty, "--out", tmp_path / "x"), "config.json", "not found")
+    assert_one_line_error(invoke("convert", "--from-hf", tmp_path / "nowhere", "--out", tmp_path / "x"),
+                          "no such directory")
     (empty / "config.json").write_text(json.dumps(hf.config.to_dict()))
-    one_line_error(cli("convert", "--from-hf", empty, "--out", tmp_path / "x"), "holds no model.safetensors")
+    assert_one_line_error(invoke("convert", "--from-hf", empty, "--out", tmp_path / "x"), "holds no model.safetensors")
     (empty / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    one_line_error(cli("convert", "--from-hf", empty, "--out", tmp_path / "x"), "unreadable weights")
+    assert_one_line_error(invoke("convert", "--from-hf", empty, "--out", tmp_path / "x"), "unreadable weights")
     hf_dir = _hf_dir(tmp_path, "good")
-    one_line_error(cli("convert", "--from-hf", hf_dir, "--out", ckpt), "already exists")
-    one_line_error(cli("convert", "--from-hf", hf_dir), "needs --out")
-    one_line_error(cli("convert", "--out", tmp_path / "x"), "--from-hf HF_DIR --out CHECKPOINT")
-    one_line_error(cli("convert", "--to-hf", hf_dir, "--checkpoint", ckpt), "already holds config.json")
-    one_line_error(cli("convert", "--to-hf", tmp_path / "y", "--checkpoint", tmp_path / "none"),
+    assert_one_line_error(invoke("convert", "--from-hf", hf_dir, "--out", ckpt), "already exists")
+    assert_one_line_error(invoke("convert", "--from-hf", hf_dir), "needs --out")
+    assert_one_line_error(invoke("convert", "--out", tmp_path / "x"), "--from-hf HF_DIR --out CHECKPOINT")
+    assert_one_line_error(invoke("convert", "--to-hf", hf_dir, "--checkpoint", ckpt), "already holds config.json")
+    assert_one_line_error(invoke("convert", "--to-hf", tmp_path / "y", "--checkpoint", tmp_path / "none"),
                    "no such file or directory")
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
     # A weights-only checkpoint cannot be resumed (there is no optimizer state or step).
-    one_line_error(cli("run", "--resume", ckpt, *RUN_MODEL, "--stages", "2", "--steps", "1"),
+    assert_one_line_error(invoke("run", "--resume", ckpt, *RUN_MODEL, "--stages", "2", "--steps", "1"),
                    "weights only", "--init-from")

@@ -3,19 +3,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from pipegpt.cli import main
+from helpers import ROOT, assert_one_line_error, invoke
 from pipegpt.schedule import SCHEDULES, build_plan, lower
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return CliRunner().invoke(main, ["simulate", *args])
+    return invoke("simulate", *args)
 
 
 def test_1f1b_4x16_chart_and_summary():
@@ -130,11 +126,8 @@ def test_schedule_file(tmp_path):
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     result = run(*args)
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
+    assert_one_line_error(result, message)
     assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
 
 
 def test_bad_schedule_file_names_line(tmp_path):

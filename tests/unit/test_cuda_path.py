@@ -7,6 +7,8 @@
 - The tensor-parallel reduce-scatter falls back to all-reduce only on gloo; an NCCL error propagates.
 - Actor methods run on one actor thread per worker and make the worker's GPU current there.
 - Sends: posted as soon as their tensor exists on gloo (matched by tag), in plan order on NCCL.
+- The two point-to-point behaviours are chosen apart from the device: "order" (NCCL's) runs on CPU too,
+  and what settle() keeps until the end of the step is the Works, never the tensors.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipegpt.comm.p2p import CommError, Message, PointToPoint
+from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.train.placement import cuda_device_index, local_world_size, resolve_device, under_torchrun
 from pipegpt.tensor_parallel import collectives as tpc
 from pipegpt.train.worker import Worker, actor_method
@@ -109,6 +112,59 @@ def test_on_cuda_a_receive_that_never_comes_ends_the_step_with_the_message_named
     p2p.post([], [recv])
     with pytest.raises(CommError, match=r"rank 3: receive 3RECV_F0 with rank 2 failed after at most 2s"):
         p2p.settle()
+
+
+class TokenWork:
+    """A Work that holds no tensor (as NCCL's once the stream has waited for it): complete when waited for."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return True
+
+    def is_completed(self):
+        return bool(self.waits)
+
+
+def test_settle_keeps_the_works_not_the_tensors(monkeypatch):
+    """Until the end of the step the host must still wait for every send and receive (the timeout), but
+    a message's memory must go when the runtime drops the message, not at settle()."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    works = []
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (works.append(TokenWork()), [works[-1]])[1])
+    p2p = PointToPoint(rank=0, timeout_s=5, device_type="cuda")
+    send = Message(torch.zeros(1024), peer=1, tag=0, label="send 0SEND_F0")
+    storage = StorageWeakRef(send.tensor.untyped_storage())
+    p2p.post([send], [])
+    p2p.wait(send)  # the stream waits (the schedule's release point); the runtime then drops the message
+    del send
+    assert storage.expired(), "settle()'s bookkeeping keeps the sent tensor alive"
+    assert p2p.unsettled_peers() == (1,)
+    p2p.settle()
+    assert works[0].waits == [None, p2p.timeout]  # the host still waited for it, with the timeout
+
+
+@pytest.mark.parametrize("device_type,matching,chosen", [
+    ("cpu", "auto", "tag"), ("cuda", "auto", "order"), ("cpu", "order", "order"), ("cpu", "tag", "tag"),
+    ("cuda", "order", "order")])
+def test_the_matching_is_chosen_apart_from_the_device(device_type, matching, chosen):
+    p2p = PointToPoint(rank=0, timeout_s=5, device_type=device_type, matching=matching)
+    assert (p2p.matching, p2p.matches_by_tag) == (chosen, chosen == "tag")
+    assert p2p.host_waits == (device_type != "cuda")  # on CPU the host stands in for the stream's wait
+
+
+def test_tag_matching_is_refused_on_cuda():
+    with pytest.raises(ValueError, match="NCCL matches point-to-point messages by order"):
+        PointToPoint(rank=0, timeout_s=5, device_type="cuda", matching="tag")
+    with pytest.raises(ConfigError, match="p2p_matching='tag' needs gloo"):
+        TrainConfig.build(device="cuda", p2p_matching="tag").validate()
+    with pytest.raises(ConfigError, match="p2p_matching='tags' is not one of auto, tag, order"):
+        TrainConfig.build(p2p_matching="tags").validate()
+    TrainConfig.build(device="cpu", p2p_matching="order").validate()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -262,7 +318,7 @@ def test_an_exception_on_the_actor_thread_reaches_the_caller_as_a_failed_naming_
 # --------------------------------------------------------------------------------------------------------------
 # When sends are posted: as soon as the output exists on gloo (matched by tag), at the plan's SEND on NCCL
 
-def _first_stage_log(monkeypatch, device_type: str) -> list[str]:
+def _first_stage_log(monkeypatch, device_type: str, matching: str = "auto") -> list[str]:
     """Rank 0 of a lowered 2-rank gpipe plan, run against a backend stand-in: the compute actions and the
     posted sends in the order they happened (receives deliver zeros at once)."""
     from pipegpt.config import MODEL_PRESETS
@@ -281,7 +337,7 @@ def _first_stage_log(monkeypatch, device_type: str) -> list[str]:
         original = getattr(stage, name)
         monkeypatch.setattr(stage, name, lambda mb, *a, _o=original, _n=name, **k: (log.append(f"{_n} {mb}"), _o(mb, *a, **k))[1])
     plan = lower(build_plan("gpipe", 2, 4))  # rank 0: F0 SEND_F0 F1 F2 SEND_F1 F3 SEND_F2 SEND_F3 ...
-    p2p = PointToPoint(rank=0, timeout_s=5, device_type=device_type)
+    p2p = PointToPoint(rank=0, timeout_s=5, device_type=device_type, matching=matching)
     p2p.host_waits = True  # the stand-in's Works complete when waited for, on either path
     runtime = PipelineRuntime(plan, 0, {0: stage}, p2p, [0, 1], (1, cfg.seq_len, cfg.n_embd), torch.float32, "cpu")
     runtime.step([torch.zeros(1, cfg.seq_len, dtype=torch.long)] * 4, None, record=False)
@@ -294,8 +350,9 @@ def test_on_gloo_each_forward_output_is_posted_before_the_next_compute(monkeypat
         assert log[log.index(f"forward {mb}") + 1] == f"post send tag {mb * 4}", log
 
 
-def test_on_nccl_sends_keep_the_plans_order(monkeypatch):
-    log = _first_stage_log(monkeypatch, "cuda")
+@pytest.mark.parametrize("device_type,matching", [("cuda", "auto"), ("cpu", "order")])
+def test_on_nccl_sends_keep_the_plans_order(monkeypatch, device_type, matching):
+    log = _first_stage_log(monkeypatch, device_type, matching)
     sends = [line for line in log if line.startswith("post send")]
     assert sends == [f"post send tag {mb * 4}" for mb in range(4)]
     # the lowered plan holds forward 1's send until rank 1 needs it, after forward 2

@@ -1,0 +1,124 @@
+"""What many test files share: the `pipegpt` executable, a clean environment for it, the one-line
+error check and a one-thread context.
+
+Plain names, imported as `from helpers import ...` (tests/ is on sys.path: pytest puts the folder of
+tests/conftest.py there). Fixtures built on these live in tests/conftest.py. This module imports no
+torch and no pipegpt at import time, so conftest stays cheap.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))  # the console script of this environment
+
+# Set by torchrun (and its elastic agent) in the processes it starts: an inherited one would make
+# `pipegpt run` believe it runs under torchrun.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_USE_AGENT_STORE")
+SCRUBBED = TORCHRUN_VARS + ("PIPEGPT_FAULT",)  # ... and an inherited fault to inject
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without torchrun's variables or PIPEGPT_FAULT, then `extra`: for a child."""
+    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
+    env.update(extra)
+    return env
+
+
+def scrub_environ(monkeypatch) -> None:
+    """clean_env for this process (a command run in-process by `invoke`), undone after the test.
+
+    `pipegpt run` sets TORCH_CPP_LOG_LEVEL; setting it here first puts it back afterwards."""
+    for var in SCRUBBED:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+def run_pipegpt(*args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd=ROOT,
+                **kwargs) -> subprocess.CompletedProcess:
+    """`pipegpt ARGS` in a fresh process (clean_env() unless env is given); output captured as text."""
+    return subprocess.run([PIPEGPT, *map(str, args)], cwd=cwd, env=clean_env() if env is None else env,
+                          capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def invoke(*args):
+    """`pipegpt ARGS` run in this process by click's CliRunner: a click.testing.Result (stdout and stderr apart)."""
+    from click.testing import CliRunner
+
+    from pipegpt.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments: str) -> str:
+    """A refusal as the user sees it: exit status 2, exactly one line on stderr that starts with "Error: "
+    and holds every fragment, and no traceback anywhere. `result` is a click Result or a
+    subprocess.CompletedProcess. Returns the line."""
+    code = result.returncode if isinstance(result, subprocess.CompletedProcess) else result.exit_code
+    report = f"exit {code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert code == 2, report
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), report
+    for fragment in fragments:
+        assert str(fragment) in lines[0], (fragment, lines[0])
+    assert "Traceback" not in result.stdout + result.stderr, report
+    return lines[0]
+
+
+@contextmanager
+def one_thread():
+    """torch on one intra-op thread inside, as the workers run: tiny matmuls only contend for threads
+    (30x slower on a busy 2-core machine), and the thread count changes reduction order."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+class NoWorkers:
+    """Stands in for the clusters (the `no_workers` fixture): a refused configuration must never get this far."""
+
+    started: list = []
+
+    def __init__(self, *args, **kwargs):
+        NoWorkers.started.append(args)
+        raise AssertionError("a cluster was started for a configuration that should have been refused")
+
+
+@contextmanager
+def read_only(path):
+    """The directory `path` made unwritable for this process inside: the immutable attribute as root (who
+    ignores permission bits), mode 0555 otherwise. Skips the test where neither takes."""
+    import pytest
+
+    root = os.geteuid() == 0
+    if root:
+        made = subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    else:
+        os.chmod(path, 0o555)
+        made = True
+    try:
+        probe = Path(path) / ".probe"
+        try:
+            probe.write_text("")
+            probe.unlink()
+            writable = True
+        except OSError:
+            writable = False
+        if not made or writable:
+            pytest.skip(f"cannot make {path} read-only here")
+        yield path
+    finally:
+        if root:
+            subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+        else:
+            os.chmod(path, 0o755)
