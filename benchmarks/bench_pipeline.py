@@ -460,7 +460,7 @@ def describe(base: dict, schedules: list[str], contenders: list[str], args) -> s
     lines += [
         f"threads     {base['threads_per_worker']} per pipeline worker ({base['cores']} cores / {base['stages']} ranks); "
         f"one-process baseline {base['cores']}",
-        f"optimizer   AdamW (pipegpt.train.optim.make_optimizer) lr={base['lr']} wd=0.1 betas=(0.9, 0.95) foreach=False, "
+        f"optimizer   AdamW (pipegpt.train.optim.make_optimizer) lr={base['lr']} wd=0.1 betas=(0.9, 0.95) foreach=True, "
         f"global grad-norm clip {base['grad_clip']}",
         f"timing      {base['steps']} steps per run, first {base['warmup']} skipped; {args.repeats} repeats, "
         f"contenders interleaved per repeat ({', '.join(contenders)}); medians over all timed steps of all repeats",

@@ -95,6 +95,11 @@ TOKENIZERS = ("bytes", "gpt2")
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
 BALANCE = ("even", "cost")
+ON_NONFINITE = ("stop", "skip")
+P2P_MATCHING = ("auto", "tag", "order")
+COMPILE_TIMEOUT_S = 900.0  # the first steps' timeout under --compile (RuntimeConfig.wait_timeout_s)
+COMPILE_STEPS = 2  # steps of a job that may compile: the first, and a recompilation on the second
+P2P_DTYPES = ("auto", "bf16", "fp32")
 
 
 def setting(default, help: str = "", flag: str | None = None, short: str | None = None, choices=None):
@@ -146,6 +151,9 @@ class OptimizerConfig:
                                          "(default: lr/10).")
     lr_schedule: str = setting("cosine", "After warmup: cosine decay from lr to min-lr over the run's steps, "
                                          "or constant lr.", choices=LR_SCHEDULES)
+    on_nonfinite: str = setting("stop", "A non-finite loss or gradient norm: stop the run before the update is "
+                                        "applied (no checkpoint from it), or skip that step's update and go on "
+                                        "(counted in metrics.jsonl as skipped_steps).", choices=ON_NONFINITE)
 
     @property
     def final_lr(self) -> float:
@@ -180,6 +188,29 @@ class RuntimeConfig:
                                        "is always the last step's; other steps record nothing.")
     profile: bool = setting(False, "Run py-spy on every worker over the traced steps (first to last): a flame graph "
                                    "per rank, profiles/rank-N.svg and profiles/rank-N.speedscope.json.")
+    p2p_dtype: str = setting("auto", "Pipeline messages (activations and their gradients between stages): auto is "
+                                     "bf16 under --precision bf16, else --dtype. A stage computes in its own "
+                                     "dtype whatever its messages carry.", choices=P2P_DTYPES)
+    # How point-to-point messages are matched (pipegpt.comm.p2p): "tag" as gloo (host waits, eager sends) or
+    # "order" as NCCL (sends in the plan's places, a settle at the end of the step); auto: order on CUDA, tag
+    # elsewhere. order on CPU runs the CUDA control path there, for tests. Not an option: only order is right
+    # on CUDA, and on CPU tag lets a send go as soon as its tensor exists.
+    p2p_matching: str = "auto"
+
+    @property
+    def wait_timeout_s(self) -> float:
+        """Seconds a wait may take inside the workers and, for the first COMPILE_STEPS steps, a step: with
+        --compile the first steps compile (Inductor: minutes on a large model) while the other ranks wait.
+        NCCL fixes a group's timeout when it is made, so the workers' waits keep it for the run; the stall
+        watchdog still bounds every step after the first."""
+        return max(self.timeout_s, COMPILE_TIMEOUT_S) if self.compile else self.timeout_s
+
+    @property
+    def message_dtype(self) -> str:
+        """The torch dtype name pipeline messages travel in (p2p_dtype resolved)."""
+        if self.p2p_dtype == "bf16" or (self.p2p_dtype == "auto" and self.precision == "bf16"):
+            return "bfloat16"
+        return "float32" if self.p2p_dtype == "fp32" else self.dtype
 
     def traced_steps(self) -> tuple[int, ...]:
         """The steps --trace-steps names, sorted (ConfigError if it names none that this run has)."""
@@ -270,6 +301,11 @@ class TrainConfig:
         _check_choice("tokenizer", self.data.tokenizer, TOKENIZERS)
         if p.zero not in (0, 1):
             raise ConfigError(f"zero={p.zero} is not supported: use 0 (off) or 1 (shard optimizer state)")
+        for name in ("lr", "weight_decay", "grad_clip", "min_lr"):  # inf or nan would train on in nan
+            value = getattr(o, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ConfigError(f"{name}={value!r} must be a finite number ({'> 0' if name == 'lr' else '>= 0'})")
+        _check_choice("on_nonfinite", o.on_nonfinite, ON_NONFINITE)
         for name, value in (("lr", o.lr), ("timeout_s", r.timeout_s)):
             if not value > 0:
                 raise ConfigError(f"{name}={value} must be > 0")
@@ -281,6 +317,11 @@ class TrainConfig:
         if o.min_lr is not None and not 0 <= o.min_lr <= o.lr:
             raise ConfigError(f"min_lr={o.min_lr} must be in [0, lr={o.lr}] (default lr/10)")
         _check_choice("precision", r.precision, PRECISIONS)
+        _check_choice("p2p_matching", r.p2p_matching, P2P_MATCHING)
+        _check_choice("p2p_dtype", r.p2p_dtype, P2P_DTYPES)
+        if r.p2p_matching == "tag" and r.device == "cuda":
+            raise ConfigError("p2p_matching='tag' needs gloo: NCCL matches point-to-point messages by order "
+                              "(use auto or order)")
         if r.precision == "bf16" and r.dtype != "float32":
             raise ConfigError(f"precision=bf16 keeps float32 master weights: use it with dtype=float32, "
                               f"not {r.dtype}")
@@ -312,6 +353,13 @@ class TrainConfig:
         if env is not None and under_torchrun(env) and int(env["WORLD_SIZE"]) != p.world_size:
             raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but dp x pp x tp = "
                               f"{p.dp} x {p.stages} x {p.tp} = {p.world_size}")
+        local = env.get("LOCAL_WORLD_SIZE") if env is not None and under_torchrun(env) else None
+        if local is not None and int(local) % p.tp:
+            # tp ranks are consecutive (pipegpt.comm.mesh): a group crossing nodes would run its collectives
+            # (every layer, forward and backward) over the network.
+            fits = [t for t in range(1, int(local) + 1) if int(local) % t == 0]
+            raise ConfigError(f"--tp {p.tp} does not divide the {local} processes per node (LOCAL_WORLD_SIZE): "
+                              f"a tensor-parallel group must stay on one node; use --tp {', '.join(map(str, fits))}")
         return self
 
 

@@ -51,3 +51,16 @@ class CudaClock:
 
 def clock_for(device: torch.device) -> HostClock | CudaClock:
     return CudaClock(device) if device.type == "cuda" else HostClock()
+
+
+def _cuda_mark(action):
+    event = torch.cuda.Event()  # no timing: only query()
+    event.record()
+    return event
+
+
+def device_marker(device: torch.device):
+    """What the runtime calls after launching each action, for the stall watchdog: on CUDA an event on the
+    compute stream (its query() says whether the GPU got past the action); None where the host's position is
+    the device's (the CPU). A test may stand in any callable(action) -> object with query()."""
+    return _cuda_mark if device.type == "cuda" else None

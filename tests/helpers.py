@@ -122,3 +122,12 @@ def read_only(path):
             subprocess.run(["chattr", "-i", str(path)], capture_output=True)
         else:
             os.chmod(path, 0o755)
+
+
+def proc_cmdline(pid: int) -> str:
+    """A process's command line from /proc ("?" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"

@@ -27,6 +27,16 @@ def buckets(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> lis
     return out + ([current] if current else [])
 
 
+def sum_in_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum each tensor over the group, in place: one all-reduce per bucket of them, not one per tensor (the
+    latency of a collective is paid per call; sequence parallelism's replicated gradients are many small ones)."""
+    for bucket in buckets(tensors, bucket_bytes):
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(reduced)
+
+
 class GradientAverager:
     def __init__(self, params_by_stage: dict[int, list[torch.Tensor]], group, rank: int, timeout_s: float):
         self.group, self.rank, self.timeout = group, rank, timedelta(seconds=timeout_s)

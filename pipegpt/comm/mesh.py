@@ -5,6 +5,7 @@ Rank layout (tp fastest, so tensor-parallel peers sit on one machine):
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -65,6 +66,20 @@ class Mesh:
         return self.groups.get(name)
 
 
+# NCCL's watchdog, on a timeout or an error, by default (3, SkipCleanUp) kills the process: the driver then only
+# hears that a rank died. 2 (CleanUpOnly) aborts the communicators and leaves the error on the Work, so the wait
+# that meets it raises and pipegpt reports the rank with NCCL's message. Blocking waits stay off: on CUDA a wait
+# only orders streams (pipegpt.comm.p2p), and settle() bounds the host's own waits by the timeout.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def nccl_environment(env=os.environ) -> None:
+    """Set NCCL_ENV where the user has not (read when a NCCL process group is created)."""
+    for name, value in NCCL_ENV.items():
+        if name not in env and name.removeprefix("TORCH_") not in env:
+            env[name] = value
+
+
 def init_mesh(grid: Grid, rank: int, device: torch.device, init_method: str, timeout_s: float,
               embedding_pp_indices: tuple[int, ...] = ()) -> Mesh:
     """Join the default process group (NCCL on CUDA, gloo on CPU) and create every subgroup.
@@ -75,6 +90,8 @@ def init_mesh(grid: Grid, rank: int, device: torch.device, init_method: str, tim
     embedding (first and last stage) and must sum its gradient.
     """
     cuda = device.type == "cuda"
+    if cuda:
+        nccl_environment()
     rendezvous: dict = {"init_method": init_method}
     if init_method.startswith("tcp://"):  # the driver holds the store (LocalCluster): join it as a client
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)

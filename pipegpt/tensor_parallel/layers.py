@@ -23,6 +23,10 @@ Shapes (B microbatch, T sequence, C n_embd, tp ranks; rank r's sequence chunk is
     loss                     scalar, the same on every tp rank
     logits (no targets)      [B, T, real columns of this rank's vocabulary range]
 
+Under autocast a column-parallel layer casts its input to the autocast dtype before communicating (the
+matmul would cast it anyway): the collectives at its entry and their backward move bf16, as Megatron's do.
+The embedding's reduction stays in the residual stream's dtype.
+
 With sequence parallelism the LayerNorm/dropout/residual regions hold a sequence chunk: a
 column-parallel layer all-gathers its input along the sequence (instead of copy_to_tp) and a
 row-parallel one reduce-scatters its output (instead of all-reduce); the embedding
@@ -71,8 +75,20 @@ class ColumnParallelLinear(SplitLinear):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
+        x = _to_autocast_dtype(x)
         x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
         return super().forward(x)
+
+
+def _to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in the autocast dtype, if autocast is on: the matmul would cast it anyway (the forward's values do not
+    change), so the all-gather and, in backward, the reduce-scatter or all-reduce of its gradient move half the
+    bytes, as Megatron's do. LayerNorm's fp32 output is what arrives here under autocast. The cast's backward
+    hands fp32 back to the LayerNorm, so gradients keep their parameters' dtype."""
+    if not x.is_floating_point() or not torch.is_autocast_enabled(x.device.type):
+        return x
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class RowParallelLinear(SplitLinear):

@@ -10,7 +10,9 @@ between steps, where the loop says so.
 """
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -20,10 +22,11 @@ from typing import Callable
 
 from pipegpt.train import checkpoint
 from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
-from pipegpt.config import ConfigError, TrainConfig
+from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
 from pipegpt.train.placement import local_world_size, resolve_device, under_torchrun
 from pipegpt.train.metrics import RunLog, StepMetrics, step_metrics
 from pipegpt.train.profile import problem_line
+from pipegpt.train.clocks import measure_offsets, shift_events
 from pipegpt.train.results import WorkerStep
 from pipegpt.schedule import Plan, ScheduleError, build_plan, lower, validate
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
@@ -72,6 +75,7 @@ def check(cfg: TrainConfig) -> Plan:
             raise ConfigError("--hellaswag scores the model at evaluation steps: give --eval-every N too")
         read_examples(cfg.eval.hellaswag)  # a bad file is refused before any worker starts
     plan = make_plan(cfg)
+    _check_layers_fill(cfg, plan)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)
     if resolve_device(cfg.runtime.device, cfg.world_size) == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -80,6 +84,25 @@ def check(cfg: TrainConfig) -> Plan:
             raise ConfigError(f"device=cuda needs one GPU per rank on this machine ({local}), "
                               f"but {have} are visible: use --device cpu or fewer ranks")
     return plan
+
+
+def _check_layers_fill(cfg: TrainConfig, plan: Plan) -> None:
+    """With several model stages per rank (interleaved, V shapes), too few layers is said in the terms given:
+    stages x stages per rank, and the settings that would fit."""
+    from pipegpt.schedule import SCHEDULES
+
+    n, stages, ranks = cfg.model.n_layer, plan.num_stages, plan.num_ranks
+    if stages <= ranks or n >= stages or cfg.parallel.layers_per_stage is not None:
+        return
+    per_rank = stages // ranks
+    spec = SCHEDULES.get(cfg.parallel.schedule) if cfg.parallel.schedule_file is None else None
+    fits = [f"--stages {n // per_rank}"] if n // per_rank >= 1 else []
+    if spec is not None and spec.takes_virtual_stages and n // ranks >= 1:
+        fits.append(f"--virtual-stages {n // ranks}")
+    fits.append(f"at least {stages} layers")
+    raise ConfigError(f"n_layer={n} is fewer than the {stages} model stages to fill ({ranks} ranks x {per_rank} "
+                      f"stages each, {plan.name}): use {', '.join(fits[:-1] + [''])}or {fits[-1]}"
+                      .replace(": use or ", ": use "))
 
 
 def start_from(cfg: TrainConfig) -> Path | None:
@@ -99,6 +122,17 @@ def start_from(cfg: TrainConfig) -> Path | None:
     return found
 
 
+def resumed_step(cfg: TrainConfig) -> int:
+    """The step --resume's checkpoint was taken after, where this attempt starts (0 without --resume), known
+    before any worker starts: a resume with nothing left to do writes nothing."""
+    if cfg.checkpoint.resume is None:
+        return 0
+    try:
+        return int(checkpoint.read_manifest(checkpoint.resolve(cfg.checkpoint.resume), verify=False)["step"])
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
 class Job:
     """A job's workers, from start to close: one actor per rank, steered over RPC."""
 
@@ -114,6 +148,7 @@ class Job:
         self.first_step = 0  # where training starts: 0, or the step a resumed checkpoint was taken after
         self.loaded = None  # (checkpoint, seconds to load it) once started from one
         self.step_times: list[float] = []  # seconds, of this job's steps so far: the stall watchdog's reference
+        self.clock_offsets: list[float] = []  # per rank, seconds that put its trace events on this process's clock
         self.say: Callable[[str], None] = lambda line: print(line, flush=True)  # the driver's notes (--balance cost)
 
     def start(self) -> bool:
@@ -130,6 +165,9 @@ class Job:
             init_method = self.cluster.group_init_method
         self.cluster.spawn(Worker, lambda r: (r, cfg, init_method))
         self.cluster.call("start", self.plan, self.eval_plan)  # every worker built before step 0 starts its clock
+        # Workers on other machines count perf_counter from their own boot: map each onto this one's.
+        self.clock_offsets = measure_offsets(lambda r: self.cluster.call("clock", ranks=[r])[0],
+                                             range(self.cluster.world_size))
         if cfg.parallel.balance == "cost" and cfg.parallel.balanced_costs is None:
             self.balance_by_cost()
         source = start_from(cfg)
@@ -159,27 +197,39 @@ class Job:
         """A checkpoint after `step` steps under root: every rank writes its part, then the atomic commit."""
         cfg = self.cfg
         tmp = checkpoint.begin(root, step)
-        self.cluster.call("save", str(tmp), step)
+        saved = self.cluster.call("save", str(tmp), step)
+        bad = next((s for s in saved if s.nonfinite), None)
+        if bad is not None:  # never a checkpoint of non-finite values: it would push out the finite ones (--keep)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise NonFiniteError(f"step {step}: {bad.nonfinite[1]} is not finite on rank {bad.rank} "
+                                 f"(stage {bad.nonfinite[0]}); no checkpoint written")
         return checkpoint.commit(tmp, {"step": step, "model": asdict(cfg.model), "tokenizer": cfg.data.tokenizer,
                                        "world_size": cfg.world_size, "config": asdict(cfg), "optimizer": True,
-                                       "plan": self.plan.name}, cfg.checkpoint.keep)
+                                       "plan": self.plan.name}, cfg.checkpoint.keep, {s.name: s.sha256 for s in saved})
 
     def step(self, step: int) -> list[WorkerStep]:
         """One step on every rank, watched: one that runs far longer than the steps before it ends the job,
         naming the rank that holds the others up (pipegpt.train.watchdog), well before the communication timeout."""
         threshold, t0 = stall_threshold(self.step_times), time.perf_counter()
-        results = self.cluster.call("step", step, stall_after_s=threshold,
+        compiling = len(self.step_times) < COMPILE_STEPS  # --compile: these may compile (wait_timeout_s)
+        results = self.cluster.call("step", step, timeout_s=self.cfg.runtime.wait_timeout_s if compiling else None,
+                                    stall_after_s=threshold,
                                     on_stall=lambda waited: self._stalled(step, waited, threshold))
         self.step_times.append(time.perf_counter() - t0)
+        for r in results:
+            r.events = shift_events(r.events, self.clock_offsets[r.rank])
         return results
 
     def _stalled(self, step: int, waited_s: float, threshold_s: float) -> None:
         """Ask every rank where it is and raise naming the culprit, with the table as the report."""
         answers = self.cluster.ask("where", timeout_s=WHERE_TIMEOUT_S)
         rows = [answers.get(r, {"rank": r}) for r in range(self.cluster.world_size)]
-        waits = {row["rank"]: (row["now"] and row["now"][2]) if "now" in row else () for row in rows}  # silent: a sink
-        doing = {row["rank"]: row["now"][1] for row in rows if row.get("now")}
-        culprit = find_culprit(waits, doing)
+        # A rank's GPU position, where it reports one (CUDA: its host may be far ahead), is where it really is.
+        at = {row["rank"]: row.get("device") or row["now"] for row in rows if row.get("now")}
+        # a rank that did not answer waits for nobody: a sink
+        waits = {row["rank"]: (row["now"] and at[row["rank"]][2]) if "now" in row else () for row in rows}
+        doing = {r: now[1] for r, now in at.items()}
+        culprit = find_culprit(waits, doing, {row["rank"]: row["now"][1] for row in rows if row.get("device")})
         if culprit is None:
             return  # every rank is between steps: their answers to step() are on their way
         report = "\n".join([f"step {step} stalled: running for {waited_s:.1f}s, past {threshold_s:.1f}s "
@@ -230,7 +280,9 @@ class Job:
 
     def evaluate(self) -> float:
         """Validation loss: the mean over the eval batches' microbatches (the last stage's ranks report them)."""
-        losses = [loss for r in self.cluster.call("evaluate", self.cfg.eval.eval_batches) for loss in r["losses"]]
+        # the first evaluation compiles its forward-only graphs under --compile
+        losses = [loss for r in self.cluster.call("evaluate", self.cfg.eval.eval_batches,
+                                                  timeout_s=self.cfg.runtime.wait_timeout_s) for loss in r["losses"]]
         return sum(losses) / len(losses)
 
     def call(self, method: str, *args) -> list:
@@ -284,10 +336,36 @@ def profiling(job: Job, profiled: range, step: int, directory: Path):
         _warn(problem_line([problem for _, problem in stopped], "no profile from it"))
 
 
+class NonFiniteError(RuntimeError):
+    """A non-finite loss, gradient norm or saved value stopped the run before it was applied or saved (one line)."""
+
+
+def nonfinite_cause(results: list[WorkerStep], last_stage: int) -> str:
+    """Where a step's non-finite values appeared first: the loss (on the last stage's ranks), else the gradients
+    of the latest stage, since the backward runs from the last stage to the first."""
+    for r in results:
+        loss = next((x for x in r.losses if not math.isfinite(x)), None)
+        if loss is not None:
+            return f"the loss is {loss} on rank {r.rank} (stage {last_stage})"
+    norm = results[0].grad_norm
+    first = min(((-s, r.rank) for r in results for s in r.nonfinite_stages), default=None)
+    return f"the gradient norm is {norm}" + (f" (first on rank {first[1]}, stage {-first[0]})" if first else "")
+
+
+def last_checkpoint(job: Job, run_dir: Path) -> str:
+    """The checkpoint a resume of the run would start from: the run's latest, else the one it resumed from."""
+    saved = checkpoint.complete_checkpoints(run_dir / "checkpoints")
+    if saved:
+        return str(saved[-1])
+    return str(job.loaded[0]) if job.loaded and job.cfg.checkpoint.resume else "none"
+
+
 def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda m: None) -> list[StepMetrics]:
     """The training loop on a started job: a step, its metrics, an evaluation and a checkpoint when due; then the
-    last step's trace (trace.json)."""
+    last step's trace (trace.json). A step whose loss or gradient norm is not finite was not applied: it stops
+    the run (NonFiniteError) or, with --on-nonfinite skip, is counted and the run goes on."""
     cfg, history, results = job.cfg, [], None
+    skipped = 0
     traced = set(cfg.runtime.traced_steps())
     profiled = profiled_steps(cfg, job.first_step)
     hellaswag = None
@@ -302,13 +380,26 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
             metrics = step_metrics(step, results, cfg, time.perf_counter() - t0, time.process_time() - cpu0)
         if step in traced:
             log.trace(results, job.plan, step)
+        if not all(r.applied for r in results):
+            metrics.nonfinite = nonfinite_cause(results, job.plan.num_stages - 1)
+            if cfg.optim.on_nonfinite == "stop":
+                log.step(metrics)  # the row says what was not finite
+                raise NonFiniteError(f"step {step + 1}: {metrics.nonfinite}; no update applied, "
+                                     f"last checkpoint: {last_checkpoint(job, log.run_dir)}")
+            skipped += 1
+            _warn(f"pipegpt: step {step + 1}: {metrics.nonfinite}; update skipped (--on-nonfinite skip)")
+        metrics.skipped_steps = skipped
         if evaluation_due(cfg, step):
             metrics.val_loss = job.evaluate()
             if hellaswag:
                 metrics.hellaswag_acc, metrics.hellaswag_acc_norm = job.hellaswag(hellaswag)
         if checkpoint_due(cfg, step):
             t0 = time.perf_counter()
-            job.save(log.run_dir / "checkpoints", step + 1)
+            try:
+                job.save(log.run_dir / "checkpoints", step + 1)
+            except NonFiniteError as e:
+                log.step(metrics)
+                raise NonFiniteError(f"{e}, last checkpoint: {last_checkpoint(job, log.run_dir)}") from None
             metrics.checkpoint_s = time.perf_counter() - t0
         log.step(metrics)
         history.append(metrics)
@@ -333,9 +424,14 @@ def run_job(job: Job, run_dir: Path, on_step: Callable[[StepMetrics], None] = la
         if not job.start():
             return None
         log = RunLog(run_dir, job.cfg, job.plan)
+        stopped = None
         try:
             history = train(job, log, on_step)
+        except NonFiniteError as e:
+            stopped = e  # every rank ended the step without applying it: close the job as usual, then say why
         finally:
             log.close()
         job.close()
+    if stopped is not None:
+        raise stopped
     return history

@@ -1,6 +1,6 @@
-"""What a run leaves behind: its directory, config.json, plan.txt (the lowered plan every rank ran, in the
-schedule-file format), metrics.jsonl (a line per step), trace.json (the last step's measured timeline), traces/step-N.json (those of
---trace-steps)."""
+"""What a run leaves behind: its directory, config.json and configs/attempt-N.json (each attempt's), plan.txt
+(the lowered plan every rank ran, in the schedule-file format), metrics.jsonl (a line per step, naming its attempt),
+trace.json (the last step's measured timeline), traces/step-N.json (those of --trace-steps)."""
 from __future__ import annotations
 
 import json
@@ -37,6 +37,19 @@ class StepMetrics:
     control_s: float | None = None  # step_time_s minus the slowest worker's step(): the RPC round trip and pickling
     cpu_per_rank: list[float] | None = None  # each worker process's CPU time in its step() / step_time_s (1.0: a core)
     driver_cpu: float | None = None  # the driver's CPU time during the step / step_time_s
+    skipped_steps: int = 0  # steps whose update was dropped (non-finite loss or grad norm) since this process began
+    nonfinite: str | None = None  # on such a step: what was not finite and where it appeared first
+
+
+def json_line(row: dict) -> str:
+    """A metrics row as strict JSON: a non-finite number (a nan loss) is null, since Python's NaN and
+    Infinity are not JSON and strict readers refuse them."""
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return [finite(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    return json.dumps({k: finite(v) for k, v in row.items()}, allow_nan=False)
 
 
 def step_metrics(step: int, results: list[WorkerStep], cfg: TrainConfig, elapsed: float,
@@ -80,19 +93,50 @@ def new_run_dir(root: str = "runs") -> Path:
     return candidate
 
 
+CONFIGS_DIR = "configs"  # configs/attempt-N.json: the config of each attempt at a run
+
+
+def attempts(run_dir: Path) -> list[int]:
+    """The attempts a run directory kept the config of (configs/attempt-N.json), sorted."""
+    names = [p.name[len("attempt-"):-len(".json")] for p in (Path(run_dir) / CONFIGS_DIR).glob("attempt-*.json")]
+    return sorted(int(n) for n in names if n.isdigit())
+
+
 class RunLog:
-    """config.json and plan.txt at the start, a metrics.jsonl line per step (flushed, so a crash keeps them);
-    with TensorBoard installed (it is no dependency), the same figures as event files in the run directory."""
+    """An attempt at a run, in its directory: its config and plan at the start, a metrics.jsonl line per step
+    (flushed, so a crash keeps them); with TensorBoard installed (it is no dependency), the same figures as
+    event files in the run directory.
+
+    A run directory holds one run, attempt after attempt: the fresh run is attempt 1, each --resume into it
+    the next (a resume into a new directory is attempt 2). Every metrics.jsonl row names its attempt (readers
+    take the rows of the attempt that went on: pipegpt.schedule.calibrate.read_metrics). Each attempt's config
+    is kept as configs/attempt-N.json; config.json and plan.txt are the latest attempt's, the layout trace.json
+    was measured in."""
 
     def __init__(self, run_dir: Path, cfg: TrainConfig, plan: Plan):
         self.run_dir = Path(run_dir)
-        (self.run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+        configs = self.run_dir / CONFIGS_DIR
+        earlier = attempts(self.run_dir)
+        if cfg.checkpoint.resume is None:
+            self.attempt = 1
+        else:
+            if not earlier and (self.run_dir / "config.json").is_file():  # a run from before configs/ was kept
+                configs.mkdir(exist_ok=True)
+                (configs / "attempt-1.json").write_text((self.run_dir / "config.json").read_text())
+                earlier = [1]
+            self.attempt = max([1, *earlier]) + 1
+        text = json.dumps(asdict(cfg), indent=2, default=str)
+        configs.mkdir(exist_ok=True)
+        (configs / f"attempt-{self.attempt}.json").write_text(text)
+        (self.run_dir / "config.json").write_text(text)
         (self.run_dir / "plan.txt").write_text(dump_schedule_text(plan))
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
         self._tensorboard = _tensorboard_writer(self.run_dir)
 
     def step(self, metrics: StepMetrics) -> None:
-        self._metrics.write(json.dumps(asdict(metrics)) + "\n")
+        row = asdict(metrics)
+        row = {"step": row.pop("step"), "attempt": self.attempt, **row}
+        self._metrics.write(json_line(row) + "\n")
         self._metrics.flush()
         if self._tensorboard is not None:
             for name in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "flops_per_s", "mfu"):

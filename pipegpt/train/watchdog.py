@@ -7,7 +7,10 @@ before the communication timeout would end the job with a less helpful message.
 The culprit is found on the wait-for graph: a rank waiting on a receive (or a collective) points at
 its peer(s); following the edges leads to a rank that waits for nobody though it is inside the step,
 i.e. stuck in compute. If every rank in the step waits for another, the edges form a cycle: a deadlock,
-named as such. Pure Python: the driver and the tests use it without torch.
+named as such. On CUDA a rank's host runs ahead of its GPU (waits only order streams), so where the GPU is
+(the first action whose event has not completed) stands for the rank where the worker knows it: a slow kernel
+or a hung collective on one GPU is then named as such ("GPU busy in 1F0"), not as a cycle of hosts in settle().
+Pure Python: the driver and the tests use it without torch.
 """
 from __future__ import annotations
 
@@ -51,18 +54,19 @@ def _ranks(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def find_culprit(waits: Mapping[int, Sequence[int] | None], doing: Mapping[int, str] | None = None
-                 ) -> Culprit | None:
+def find_culprit(waits: Mapping[int, Sequence[int] | None], doing: Mapping[int, str] | None = None,
+                 gpu: Mapping[int, str] | None = None) -> Culprit | None:
     """The rank that holds the others up, from each rank's wait-for edges.
 
     waits: rank -> the ranks it waits for (empty: nobody, it computes), or None if it is between steps.
     doing: rank -> what it is doing, for the cause ("1F0"). None if no rank is inside a step.
+    gpu: rank -> where its host is, for the ranks whose waits and doing are their GPU's position.
 
     In order: a rank inside the step that waits for nobody (stuck in compute; the one most ranks wait
     for, the lowest on a tie); else a rank between steps that ranks inside it wait for (it finished, or
     never began, while they expect a message from it); else a cycle of ranks waiting for each other.
     """
-    doing = doing or {}
+    doing, gpu = doing or {}, gpu or {}
     in_step = {r: tuple(p for p in w if p in waits and p != r) for r, w in waits.items() if w is not None}
     if not in_step:
         return None
@@ -87,7 +91,8 @@ def find_culprit(waits: Mapping[int, Sequence[int] | None], doing: Mapping[int, 
         r = most_waited_for(stuck)
         held = tuple(sorted(waiters[r]))
         what = f" in {doing[r]}" if doing.get(r) else ""
-        return Culprit(r, f"stuck{what}, waiting for no other rank" +
+        state = f"GPU busy{what} (its host is at {gpu[r]})" if r in gpu else f"stuck{what}"
+        return Culprit(r, f"{state}, waiting for no other rank" +
                        (f"; {_ranks(held)} wait for it" if held else ""), held)
     idle = [r for r in waits if r not in in_step and waiters[r]]
     if idle:
@@ -107,8 +112,9 @@ def find_culprit(waits: Mapping[int, Sequence[int] | None], doing: Mapping[int, 
 def format_table(rows: Sequence[Mapping]) -> list[str]:
     """One line per rank: rank, pipeline position, the action it is on, what it waits for.
 
-    A row: {"rank", "pp_index", "now"}, where now is (action index or None, action, ranks waited for,
-    what it waits for) or None between steps; a row without "now" did not answer.
+    A row: {"rank", "pp_index", "now", "device"}, where now is (action index or None, action, ranks waited
+    for, what it waits for) or None between steps; a row without "now" did not answer; device, if given and
+    not None, is where the rank's GPU is (the same form), shown instead with the host's action beside it.
     """
     lines = [f"{'rank':>6}  {'pp':>3}  {'action':<22}  waits for"]
     for row in sorted(rows, key=lambda row: row["rank"]):
@@ -119,7 +125,9 @@ def format_table(rows: Sequence[Mapping]) -> list[str]:
         elif row["now"] is None:
             action, what = BETWEEN_STEPS, "-"
         else:
-            index, name, _, what = row["now"]
+            index, name, _, what = row.get("device") or row["now"]
             action = name if index is None else f"#{index} {name}"
+            if row.get("device"):
+                action, what = f"GPU {action}", f"{what} (host: {row['now'][1]})"
         lines.append(f"{row['rank']:>6}  {pp:>3}  {action:<22}  {what}")
     return lines

@@ -8,13 +8,14 @@ pass through here: the runtime sends them worker to worker.
 from __future__ import annotations
 
 import functools
+import math
 import resource
 import time
 
 import torch
 import torch.distributed as dist
 
-from pipegpt.comm.data_parallel import GradientAverager
+from pipegpt.comm.data_parallel import GradientAverager, sum_in_buckets
 from pipegpt.comm.mesh import Grid, init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.comm.rpc import on_actor_thread, reports_failures
@@ -23,12 +24,14 @@ from pipegpt.data.loader import RankLoader
 from pipegpt.data.tokenizers import get_tokenizer
 from pipegpt.data.tokens import builtin_tokens, open_tokens
 from pipegpt.train.placement import cuda_device_index, resolve_device
-from pipegpt.train import checkpoint
-from pipegpt.train.faults import IN_SAVE, STUCK, fail_now, get_stuck, planned_fault
+from pipegpt.train import checkpoint, rng
+from pipegpt.train.clocks import clock_reading
+from pipegpt.train.faults import (GPU_STUCK, IN_SAVE, NAN_GRAD, NAN_LOSS, NOT_FAILURES, STUCK, fail_now, get_gpu_stuck,
+                                  get_stuck, planned_fault)
 from pipegpt.model.gpt import GPT
-from pipegpt.train.optim import clip_grad_norm_, lr_at, make_optimizer, set_lr
+from pipegpt.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer, set_lr
 from pipegpt.train.profile import Profiler
-from pipegpt.train.results import WorkerStep
+from pipegpt.train.results import SavedFile, WorkerStep
 from pipegpt.runtime import PipelineRuntime, last_gradient_actions
 from pipegpt.schedule import Plan
 from pipegpt.stages import Stage, partition_layers
@@ -85,9 +88,9 @@ class Worker:
         p = cfg.parallel
         # Every schedule puts the first stage on pipeline rank 0 and the last on rank 0 or pp-1,
         # so this group serves any plan a later build() brings.
-        self.mesh = init_mesh(Grid(p.dp, p.stages, p.tp), rank, self.device, self.init_method, cfg.runtime.timeout_s,
+        self.mesh = init_mesh(Grid(p.dp, p.stages, p.tp), rank, self.device, self.init_method,
+                              cfg.runtime.wait_timeout_s,
                               embedding_pp_indices=(0, p.stages - 1))
-        self.p2p = PointToPoint(rank, cfg.runtime.timeout_s, self.device.type)
         self.fault = planned_fault(rank)
         self._build(cfg, plan, eval_plan)
         return self._describe()
@@ -104,6 +107,8 @@ class Worker:
         back its exception as a Failed value (reports_failures) instead of raising it."""
         self.cfg, self.plan = cfg, plan
         p, last = cfg.parallel, plan.num_stages - 1
+        # Here, not in start(): a build() with another runtime.p2p_matching must get it (nothing is in flight now).
+        self.p2p = PointToPoint(self.rank, cfg.runtime.wait_timeout_s, self.device.type, cfg.runtime.p2p_matching)
         # Steps whose per-action timestamps are recorded: --trace-steps and the last (trace.json); others skip it.
         self.recorded_steps = frozenset(cfg.runtime.traced_steps()) | {cfg.runtime.steps - 1}
         ranges = partition_layers(cfg.model.n_layer, plan.num_stages, p.layers_per_stage)
@@ -130,14 +135,17 @@ class Worker:
         self.optimizer = make_optimizer(self.named_params, cfg.optim, dp_group if p.zero else None)
         self.averager = None
         if dp_group is not None:
-            self.averager = GradientAverager(self._params_by_stage(plan), dp_group, self.rank, cfg.runtime.timeout_s)
+            self.averager = GradientAverager(self._params_by_stage(plan), dp_group, self.rank,
+                                             cfg.runtime.wait_timeout_s)
         seq = cfg.model.seq_len // p.tp if p.sequence_parallel else cfg.model.seq_len
         shape, pipeline = (p.microbatch_size, seq, cfg.model.n_embd), self.mesh.grid.pipeline_ranks(self.rank)
+        message_dtype = getattr(torch, cfg.runtime.message_dtype)
         self.runtime = PipelineRuntime(
             plan, self.rank, self.stages, self.p2p, pipeline, shape, dtype, self.device,
-            on_gradients_ready=self.averager.start if self.averager else lambda stage: None)
+            on_gradients_ready=self.averager.start if self.averager else lambda stage: None,
+            message_dtype=message_dtype)
         self.eval_runtime = eval_plan and PipelineRuntime(eval_plan, self.rank, self.stages, self.p2p, pipeline,
-                                                          shape, dtype, self.device)
+                                                          shape, dtype, self.device, message_dtype=message_dtype)
         self.loader = self.val_loader = None
         if 0 in self.stages or last in self.stages:
             train, val = self._tokens()
@@ -148,6 +156,8 @@ class Worker:
             # Without a validation split (the built-in corpus, one flat file), validation windows come from
             # the training tokens under another seed: a check of the mechanics, not a held-out loss.
             self.val_loader = loader(train, cfg.runtime.seed + 1) if val is None else loader(val, cfg.runtime.seed)
+        # Dropout's streams: one per (pipeline rank, replica), shared by the tp ranks (pipegpt.train.rng).
+        rng.seed_rank(cfg.runtime.seed, self.mesh.pp_index, self.mesh.dp_index, self.device)
 
     def _tokens(self):
         """(train, val or None) token arrays."""
@@ -187,11 +197,14 @@ class Worker:
 
     @actor_method
     def step(self, step: int) -> WorkerStep:
-        """One training step: loader -> runtime -> finish gradients -> clip -> optimizer."""
-        if self.fault and self.fault[0] not in (IN_SAVE, STUCK) and self.fault[1] == step:
+        """One training step: loader -> runtime -> finish gradients -> clip -> optimizer. A non-finite loss or
+        gradient norm drops the update on every rank (the driver then stops the run, or counts the skip)."""
+        if self.fault and self.fault[0] not in NOT_FAILURES and self.fault[1] == step:
             fail_now(*self.fault)
         if self.fault == (STUCK, step):
             get_stuck(self.stages.values())
+        if self.fault == (GPU_STUCK, step):
+            get_gpu_stuck(self.runtime, self.p2p)
         t0, cpu0 = time.perf_counter(), _process_cpu_s()
         for _, p in self.named_params:
             p.grad = None
@@ -199,16 +212,23 @@ class Worker:
         result = self.runtime.step(inputs, targets, record=step in self.recorded_steps)
         self.runtime.now = self._finishing()  # for where(): gradient all-reduces, clipping, optimizer
         self._finish_gradients()
-        grad_norm = self._clip_gradients()
+        if self.fault == (NAN_LOSS, step) and result.losses:
+            result.losses[0] = math.nan
+        if self.fault == (NAN_GRAD, step):
+            next(p for _, p in self.named_params if p.grad is not None).grad.view(-1)[0] = math.nan
+        grad_norm, finite, nonfinite_stages = self._clip_gradients(
+            loss_finite=all(math.isfinite(loss) for loss in result.losses))
         lr = lr_at(step, self.cfg.optim, self.cfg.runtime.steps)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
+        if finite:
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step is done when its kernels are, not launched
         self.runtime.now = None
         return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,
                           peak_memory=self._peak_memory(), device_name=self.device_name, events=result.events,
-                          compute_s=time.perf_counter() - t0, cpu_s=_process_cpu_s() - cpu0)
+                          compute_s=time.perf_counter() - t0, cpu_s=_process_cpu_s() - cpu0, applied=finite,
+                          nonfinite_stages=nonfinite_stages)
 
     @actor_method
     def evaluate(self, batches: int) -> dict:
@@ -236,14 +256,22 @@ class Worker:
         return None, "finishing the step", peers, what
 
     @actor_method(concurrent=True)
+    def clock(self) -> tuple[str, float]:
+        """This process's clock domain and perf_counter: the driver aligns ranks' traces by them."""
+        return clock_reading()
+
+    @actor_method(concurrent=True)
     def where(self) -> dict:
         """Which action this rank is on and which ranks it waits for (now: None between steps); answered
         on an RPC thread while step() runs on another, for the driver's stall watchdog."""
-        now = None
+        now = device = None
         for runtime in (getattr(self, "runtime", None), getattr(self, "eval_runtime", None)):
-            now = now or getattr(runtime, "now", None)
+            if now is None and getattr(runtime, "now", None) is not None:
+                # On CUDA the host may be far ahead (in settle() or a synchronize): where the GPU is says
+                # whom this rank really waits for.
+                now, device = runtime.now, runtime.device_now()
         mesh = getattr(self, "mesh", None)
-        return {"rank": self.rank, "pp_index": mesh.pp_index if mesh else None, "now": now}
+        return {"rank": self.rank, "pp_index": mesh.pp_index if mesh else None, "now": now, "device": device}
 
     def _batch(self, loader: RankLoader | None, step: int):
         if loader is None:
@@ -263,21 +291,43 @@ class Worker:
         sequence-parallel partial gradients, the tied embedding's other copy."""
         if self.averager:
             self.averager.finish()
-        for stage in self.stages.values():  # replicated weights saw only this rank's part of the sequence
-            for p in sequence_parallel_grad_params(stage.module):
-                dist.all_reduce(p.grad, group=self.mesh.group("tp"))
+        # Replicated weights saw only this rank's part of the sequence: summed over tp, in buckets.
+        partial = [p.grad for stage in self.stages.values() for p in sequence_parallel_grad_params(stage.module)]
+        if partial:
+            sum_in_buckets(partial, self.mesh.group("tp"))
         for copy in self._tied_copies():
             dist.all_reduce(copy.grad, group=self.mesh.group("embedding"))
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self, loss_finite: bool) -> tuple[float, bool, list[int]]:
         """Clip by the global norm over one model replica, each value counted once: not the last stage's
-        copy of a tied embedding (rank 0 counts it), nor replicated weights on tp ranks other than 0."""
+        copy of a tied embedding (rank 0 counts it), nor replicated weights on tp ranks other than 0.
+
+        Returns (the norm, whether the update may be applied, this rank's stages whose gradients were not
+        finite). The update may be applied when the norm and every rank's loss are finite: the same answer
+        on every rank, since the losses' flags travel with the norm's all-reduce; replicas agree on the
+        norm (their gradients were averaged) but not on their losses, hence one more all-reduce with dp."""
         skip = {id(p) for p in self._tied_copies()} if 0 not in self.stages else set()
         if self.mesh.tp_index > 0:
             skip |= {id(p) for n, p in self.named_params if tp_shard_spec(n) == REPLICATED}
         params = [p for _, p in self.named_params]
-        return clip_grad_norm_([p for p in params if id(p) not in skip], params, self.cfg.optim.grad_clip,
-                               self.mesh.group("model"), self.device)
+        counted = [p for p in params if id(p) not in skip]
+        norm, bad_loss, mine_finite = global_grad_norm(counted, self.mesh.group("model"), self.device,
+                                                       flagged=not loss_finite)
+        finite = math.isfinite(norm) and not bad_loss
+        if self.cfg.parallel.dp > 1:
+            flag = torch.tensor(0.0 if finite else 1.0, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.group("dp"))
+            finite = flag.item() == 0.0
+        if finite:
+            clip_grads_(params, norm, self.cfg.optim.grad_clip)
+        return norm, finite, [] if mine_finite else self._nonfinite_stages(counted)
+
+    def _nonfinite_stages(self, counted: list[torch.Tensor]) -> list[int]:
+        """This rank's stages with a counted gradient that is not finite."""
+        ids = {id(p) for p in counted}
+        return [s for s in sorted(self.stages) if any(
+            id(p) in ids and p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            for p in self.stages[s].module.parameters())]
 
     def _peak_memory(self) -> int:
         if self.device.type == "cuda":
@@ -298,28 +348,47 @@ class Worker:
         return 0 in self.stages or all(p is not copy for copy in self._tied_copies())
 
     @actor_method
-    def save(self, directory: str, step: int) -> None:
-        """Write what this rank owns of the checkpoint after `step` steps into `directory`."""
+    def save(self, directory: str, step: int) -> SavedFile:
+        """Write what this rank owns of the checkpoint after `step` steps into `directory`; nothing when some
+        value this rank holds is not finite (a checkpoint is never written from such a state)."""
+        bad = self._first_nonfinite()
+        if bad is not None:
+            return SavedFile(self.rank, nonfinite=bad)
         optimizer = self._local_optimizer
         shard = [self.mesh.tp_index, self.cfg.parallel.tp]
-        tensors = {f"rng/{self.rank}": torch.get_rng_state()}
+        tensors = rng.rng_state(self.rank, self.device)
         if self.mesh.dp_index == 0:
             tensors.update({f"param/{self.full_names[id(p)]}": p for _, p in self.named_params if self._owned(p)})
         if self.mesh.dp_index == 0 or self.cfg.parallel.zero:
             for p, state in optimizer.state.items():
                 if self._owned(p):
                     tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})
-        whole = lambda key: key.startswith("rng/") or tp_shard_spec(key.split("/", 1)[1]) == REPLICATED  # noqa: E731
+        whole = lambda key: rng.is_rng_key(key) or tp_shard_spec(key.split("/", 1)[1]) == REPLICATED  # noqa: E731
         shards = {key: [0, 1] if whole(key) else shard for key in tensors}
         if self.fault == (IN_SAVE, step):  # rehearse a kill mid-save: half a file, then SIGKILL
             checkpoint.write_rank_file(directory, self.rank, dict(list(tensors.items())[:len(tensors) // 2]), {})
             fail_now(IN_SAVE, step)
-        checkpoint.write_rank_file(directory, self.rank, tensors, shards)
+        name, sha256 = checkpoint.write_rank_file(directory, self.rank, tensors, shards)
+        return SavedFile(self.rank, name, sha256)
+
+    def _first_nonfinite(self) -> tuple[int, str] | None:
+        """(stage, "param/<name>" or "exp_avg/<name>", ...) of the first parameter or Adam moment of this rank
+        with a value that is not finite, or None (one check per tensor, read back at once)."""
+        state, found = self._local_optimizer.state, []
+        for s in sorted(self.stages):
+            for p in self.stages[s].module.parameters():
+                moments = [(k, state[p][k]) for k in ("exp_avg", "exp_avg_sq") if k in state.get(p, {})]
+                found += [(s, f"{k}/{self.full_names[id(p)]}", t) for k, t in [("param", p), *moments]]
+        if not found:
+            return None
+        finite = torch.stack([torch.isfinite(t).all() for _, _, t in found]).tolist()
+        return next(((s, key) for (s, key, _), ok in zip(found, finite) if not ok), None)
 
     @actor_method
     def load(self, path: str, weights_only: bool = False) -> int:
         """Load a checkpoint written under any layout; returns the step it was taken after."""
-        reader, manifest = checkpoint.CheckpointReader(path), checkpoint.read_manifest(path)
+        # The driver verified every file's checksum before any worker started (driver.start_from).
+        reader, manifest = checkpoint.CheckpointReader(path, verify=False), checkpoint.read_manifest(path, verify=False)
         step = manifest["step"]
         tp_rank, tp = self.mesh.tp_index, self.cfg.parallel.tp
 
@@ -337,8 +406,9 @@ class Worker:
             for p in group["params"]:
                 optimizer.state[p] = {"step": torch.tensor(float(step)),
                                       "exp_avg": mine("exp_avg", p), "exp_avg_sq": mine("exp_avg_sq", p)}
-        if reader.has(f"rng/{self.rank}") and manifest["world_size"] == self.cfg.world_size:
-            torch.set_rng_state(reader.full(f"rng/{self.rank}", ""))
+        if manifest["world_size"] == self.cfg.world_size:
+            keys = [key for key in (f"rng/{self.rank}", f"cuda_rng/{self.rank}") if reader.has(key)]
+            rng.restore_rng({key: reader.full(key, "") for key in keys}, self.rank, self.device)
         if self.loader is not None:
             self.loader.load_state_dict({"step": step})
         return step
@@ -363,7 +433,7 @@ class Worker:
         state_bytes = sum(t.numel() * t.element_size() for state in self._local_optimizer.state.values()
                           for t in state.values() if torch.is_tensor(t))
         return {"rank": self.rank, "stages": sorted(self.stages), "device": str(self.device),
-                "device_name": self.device_name,
+                "device_name": self.device_name, "p2p_matching": self.p2p.matching,
                 "compiled": any(getattr(st.module, "_compiled_call_impl", None) is not None
                                 for st in self.stages.values()),
                 "parameters": sum(p.numel() for _, p in self.named_params),

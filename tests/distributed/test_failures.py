@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from helpers import PIPEGPT, ROOT, clean_env
+from helpers import PIPEGPT, ROOT, clean_env, proc_cmdline
 
 FAULT_STEP = 2
 LIMIT_S = 60.0  # whole command, startup included
@@ -39,14 +39,6 @@ def _stat(pid: int) -> tuple[str, int, int, int] | None:
         return None
     fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
     return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return "?"
 
 
 def _all_pids() -> list[int]:
@@ -100,7 +92,7 @@ class Job:
     def sample(self) -> None:
         for pid, start in _family(self.proc.pid, self.pgid).items():
             self.seen.setdefault(pid, start)
-            cmd = _cmdline(pid)  # read again: a child seen between fork and exec shows its parent's
+            cmd = proc_cmdline(pid)  # read again: a child seen between fork and exec shows its parent's
             if cmd not in ("", "?"):  # "" once it has exited (a zombie)
                 self.cmdlines[pid] = cmd
 
@@ -134,11 +126,11 @@ class Job:
         """Processes of this job still alive `within` seconds from now (or sooner, once none are)."""
         deadline = time.monotonic() + within
         while True:
-            left = {pid: self.cmdlines.get(pid) or _cmdline(pid)
+            left = {pid: self.cmdlines.get(pid) or proc_cmdline(pid)
                     for pid, start in self.seen.items() if _alive(pid, start)}
             for pid in _family(self.proc.pid, self.pgid):  # anything in the group we never sampled
                 if pid != self.proc.pid and _alive(pid):
-                    left.setdefault(pid, _cmdline(pid))
+                    left.setdefault(pid, proc_cmdline(pid))
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.05)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from helpers import PIPEGPT, ROOT, clean_env
+from helpers import PIPEGPT, ROOT, clean_env, proc_cmdline
 
 GONE_WITHIN_S = 5.0
 START_LIMIT_S = 120.0
@@ -61,14 +61,6 @@ def _descendants(pid: int) -> dict[int, int]:
     return found
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return "?"
-
-
 def _alive(pid: int, starttime: int) -> bool:
     """The same process as the one seen (start time), and not a zombie (those hold nothing, and reaping
     them is init's business)."""
@@ -77,7 +69,7 @@ def _alive(pid: int, starttime: int) -> bool:
 
 
 def _is_worker(pid: int) -> bool:
-    return "spawn_main" in _cmdline(pid)
+    return "spawn_main" in proc_cmdline(pid)
 
 
 @pytest.mark.parametrize("after_s", [0.0, 1.5], ids=["at-once", "while-importing"])
@@ -99,7 +91,7 @@ def test_killing_the_driver_while_workers_start_leaves_no_process(tmp_path, afte
         time.sleep(after_s)
         os.kill(driver.pid, signal.SIGSTOP)  # it starts nothing more while its family is read
         family = _descendants(driver.pid)
-        kinds = {pid: _cmdline(pid) for pid in family}
+        kinds = {pid: proc_cmdline(pid) for pid in family}
         os.kill(driver.pid, signal.SIGKILL)
         killed = time.monotonic()
         driver.wait(timeout=10)
