@@ -131,10 +131,13 @@ def simulate(**options):
               help="Start afresh in a --run-dir that holds a run: its content is moved into <run-dir>/previous-<time>/.")
 @click.option("--port", type=click.IntRange(1, 65535), default=None,
               help="Port for the workers' process group (default: a free one).")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Settings from a TOML or JSON file (a run's config.json works; keys: sections or option names); "
+                   "options given here override it. Not with --resume.")
 @click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="Print a line every N steps.")
 @click.pass_context
-def run(ctx, batch_size, run_dir, overwrite, port, log_every, **options):
+def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, **options):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them).
 
     --resume takes every setting from the checkpoint's run except those given here (each change is printed).
@@ -143,7 +146,7 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, **options):
     from pipegpt.options import given, train_config
     from pipegpt.train.launch import launch
 
-    cfg = train_config(ctx, batch_size, options, say=click.echo)
+    cfg = train_config(ctx, batch_size, options, say=click.echo, config_file=config_file)
     preset = options["preset"]
     if cfg.checkpoint.resume is not None and not given(ctx, "preset"):  # the model is the checkpoint's
         preset = next((name for name, m in MODEL_PRESETS.items() if m == cfg.model), "resumed")
@@ -300,6 +303,9 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
               help="GPU preset: h100, h100-pcie, h200, a100-80gb, a100-40gb, l4, a10g, v100 (datasheet peak and "
                    "memory, links of the usual DGX/HGX node); the options below override it.")
 @click.option("--gpu-memory", default=None, metavar="SIZE", help="Memory per GPU: 80GiB, 40GB, 81920MiB.")
+@click.option("--reserve", default=None, metavar="SIZE",
+              help="Memory per GPU no plan may use: the CUDA context, NCCL buffers, fragmentation (default: 2GiB, "
+                   "or a tenth of a smaller GPU; 0 fills the whole memory).")
 @click.option("--gpu-tflops", type=float, default=None, help="Peak dense TFLOPS per GPU at --precision.")
 @click.option("--intra-node-gbps", default=None, metavar="RATE",
               help="Bandwidth per GPU and direction inside a node: Gbit/s, or with a unit (450GB/s).")

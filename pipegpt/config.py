@@ -111,7 +111,8 @@ def setting(default, help: str = "", flag: str | None = None, short: str | None 
 class ParallelConfig:
     """How the model is laid out over ranks (dp x pp x tp) and how a step is cut into microbatches."""
 
-    stages: int = setting(4, "Pipeline ranks (one worker process each).", short="-p")
+    stages: int = setting(4, "Pipeline ranks (one worker process each; under torchrun, default "
+                             "WORLD_SIZE / (dp x tp)).", short="-p")
     dp: int = setting(1, "Data-parallel replicas.")
     tp: int = setting(1, "Tensor-parallel ranks per stage.")
     schedule: str = setting("1f1b", "A schedule from `pipegpt simulate --schedule all`.", short="-s")

@@ -102,17 +102,28 @@ def model_flags(model: ModelConfig, tokenizer: str) -> str:
 
 
 def train_config(ctx: click.Context, batch_size: int | None, options: dict,
-                 say: Callable[[str], None] = lambda line: None) -> TrainConfig:
+                 say: Callable[[str], None] = lambda line: None, config_file: str | None = None) -> TrainConfig:
     """`pipegpt run`'s TrainConfig from its options (the config fields and model_options).
 
     With --resume, every setting comes from the checkpoint's run except those given on the command line;
-    say() gets one line per setting that differs from that run's (`--stages 4 -> 2`)."""
+    say() gets one line per setting that differs from that run's (`--stages 4 -> 2`). With --config, the
+    file's settings replace the defaults the same way (the options given still win)."""
     settings = {k: v for k, v in options.items() if k not in MODEL_OPTIONS}
+    filed = None
+    if config_file is not None:
+        if settings["resume"] is not None:
+            raise click.UsageError("give either --config or --resume, not both (a resume takes its run's settings; "
+                                   "options given override them)")
+        filed = read_config_file(config_file)
+        _restore(ctx, settings, filed["config"])
+        options = _file_model_options(ctx, options, filed["model"], config_file)
     saved = saved_run(settings["resume"]) if settings["resume"] is not None else None
     if saved is not None:
         _restore(ctx, settings, saved["config"])
     if settings["schedule_file"] is not None:
         _from_schedule_file(ctx, settings)
+    elif saved is None and not (config_file is not None and "stages" in filed["config"]["parallel"]):
+        _stages_from_world(ctx, settings)
     if batch_size is not None:
         settings["microbatch_size"] = microbatch_size_for(batch_size, settings["dp"], settings["microbatches"])
     if saved is None:
@@ -132,6 +143,80 @@ def train_config(ctx: click.Context, batch_size: int | None, options: dict,
         raise ConfigError(f"--data {data}: no such file or directory (a directory from `pipegpt prepare`, nanoGPT "
                           f"or llm.c token files, or a flat uint16 file; leave it out for the built-in corpus)")
     return cfg
+
+
+# --------------------------------------------------------------------------------------------------------------
+# --config FILE: TOML or JSON, in a run's config.json sections or flat by setting name
+
+def _stages_from_world(ctx: click.Context, settings: dict, env=os.environ) -> None:
+    """Under torchrun without --stages, every process is a worker: stages = WORLD_SIZE / (dp x tp)."""
+    from pipegpt.config import under_torchrun
+
+    if given(ctx, "stages") or not under_torchrun(env) or not env.get("WORLD_SIZE", "").isdigit():
+        return
+    world, dp, tp = int(env["WORLD_SIZE"]), settings["dp"] or 1, settings["tp"] or 1
+    if world % (dp * tp):
+        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of --dp {dp} x --tp {tp}: give --stages, or a dp "
+                          f"and tp that divide it")
+    settings["stages"] = world // (dp * tp)
+
+
+def read_config_file(path: str) -> dict:
+    """{"config": sections, "model": fields or a preset's name} from a TOML or JSON file. Keys are a section's
+    name (model, parallel, ...: a run's config.json) or a setting's own name (stages = 2); unknown keys are
+    refused in one line naming the valid ones."""
+    import json
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f) if path.lower().endswith(".toml") else json.load(f)
+    except (OSError, ValueError) as e:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
+        raise ConfigError(f"--config {path}: {str(e).splitlines()[0][:120]} (TOML if it ends in .toml, else JSON)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a table of settings, not {type(raw).__name__}")
+    owner = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    model_keys = [f.name for f in dataclasses.fields(ModelConfig)]
+    sections: dict = {section: {} for section in SECTIONS}
+    model: dict = {}
+    for key, value in raw.items():
+        if key == "model" and isinstance(value, str):  # model = "gpt2": a preset
+            model["preset"] = value
+        elif key == "model" or key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"--config {path}: section {key!r} must be a table of settings")
+            valid = model_keys if key == "model" else [f.name for f in dataclasses.fields(SECTIONS[key])]
+            unknown = [k for k in value if k not in valid]
+            if unknown:
+                raise ConfigError(f"--config {path}: unknown key {key}.{unknown[0]} (valid: {', '.join(valid)})")
+            (model if key == "model" else sections[key]).update(value)
+        elif key in owner:
+            sections[owner[key]][key] = value
+        elif key in model_keys or key == "preset":
+            model[key] = value
+        else:
+            raise ConfigError(f"--config {path}: unknown key {key!r} (valid: the sections model, "
+                              f"{', '.join(SECTIONS)}, or a setting's name as in `pipegpt run --help`, e.g. stages)")
+    return {"config": sections, "model": model}
+
+
+def _file_model_options(ctx: click.Context, options: dict, model: dict, path: str) -> dict:
+    """The model options with the file's shape filling those not given on the command line."""
+    if given(ctx, "preset") or not model:  # a --model given names the whole shape
+        return options
+    if model.get("bias", True) is not True:
+        raise ConfigError(f"--config {path}: model.bias = {model['bias']!r}: only true is supported")
+    filled = dict(options)
+    as_options = {k: v for k, v in model.items() if k in ("preset", "n_layer", "n_embd", "n_head", "seq_len",
+                                                        "vocab_size", "dropout")}
+    if "pad_vocab_to" in model:
+        as_options["pad_vocab"] = model["pad_vocab_to"] not in (None, 1)
+    if "tie_embeddings" in model:
+        as_options["no_tie_embeddings"] = not model["tie_embeddings"]
+    for name, value in as_options.items():
+        if not given(ctx, name):
+            filled[name] = value
+    return filled
 
 
 # --------------------------------------------------------------------------------------------------------------

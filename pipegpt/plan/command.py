@@ -26,6 +26,7 @@ class PlanOptions:
     gpus_per_node: int | None = None
     device: str | None = None
     gpu_memory: str | None = None
+    reserve: str | None = None
     gpu_tflops: float | None = None
     intra_node_gbps: str | None = None
     inter_node_gbps: str | None = None
@@ -47,7 +48,7 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
     """The best plans for this model on the cluster the options describe, as the command prints them."""
     batch_size = global_batch(model, opts.batch_size, opts.batch_tokens)
     cluster = make_cluster(opts.gpus, opts.gpus_per_node, opts.device, opts.gpu_memory, opts.gpu_tflops,
-                           opts.intra_node_gbps, opts.inter_node_gbps, opts.precision)
+                           opts.intra_node_gbps, opts.inter_node_gbps, opts.precision, reserve=opts.reserve)
     if opts.calibrate_dir is not None:
         if opts.efficiency is not None or opts.layer_overhead_us is not None:
             raise ConfigError("--calibrate takes the compute from the run: leave out --efficiency and "

@@ -117,6 +117,12 @@ class Cluster:
     name: str = "custom"
     latency_intra_s: float = LATENCY_INTRA_S
     latency_inter_s: float = LATENCY_INTER_S
+    reserve_bytes: float = 0.0  # held back from memory_bytes: see default_reserve
+
+    @property
+    def usable_bytes(self) -> float:
+        """What a plan may fill: the memory less the reserve."""
+        return self.memory_bytes - self.reserve_bytes
 
     @property
     def nodes(self) -> int:
@@ -125,7 +131,8 @@ class Cluster:
     def describe(self) -> str:
         nodes = f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {self.gpus_per_node}" \
             if self.gpus % self.gpus_per_node == 0 else f"{self.gpus_per_node} per node"
-        return (f"{self.gpus} x {self.name} ({nodes}), {format_bytes(self.memory_bytes)} each, "
+        reserve = f" ({format_bytes(self.reserve_bytes)} reserved)" if self.reserve_bytes else ""
+        return (f"{self.gpus} x {self.name} ({nodes}), {format_bytes(self.memory_bytes)} each{reserve}, "
                 f"{self.peak_flops / 1e12:g} TFLOPS {self.precision}, links {format_rate(self.intra_node_bytes_per_s)} "
                 f"in a node, {format_rate(self.inter_node_bytes_per_s)} between nodes (per GPU)")
 
@@ -183,7 +190,7 @@ def format_rate(bytes_per_s: float) -> str:
 
 def make_cluster(gpus: int | None, gpus_per_node: int | None = None, device: str | None = None,
                  gpu_memory=None, gpu_tflops: float | None = None, intra_node=None, inter_node=None,
-                 precision: str = "bf16", hbm=None) -> Cluster:
+                 precision: str = "bf16", hbm=None, reserve=None) -> Cluster:
     """A Cluster from a preset and/or explicit figures; ConfigError (one line) for anything missing or wrong.
 
     gpu_memory, intra_node and inter_node may be strings with units (see parse_bytes, parse_rate) or numbers
@@ -235,5 +242,19 @@ def make_cluster(gpus: int | None, gpus_per_node: int | None = None, device: str
         inter = pick(inter_node, lambda t: parse_rate(t, "--inter-node-gbps"),
                      preset and preset.inter_node_bytes_per_s, "--inter-node-gbps")
     hbm_rate = float(hbm) if hbm is not None else (preset.hbm_bytes_per_s if preset else 2.0e12)
+    held = default_reserve(memory) if reserve is None else (
+        parse_bytes(reserve, "--reserve") if isinstance(reserve, str) else float(reserve))
+    if not 0 <= held < memory:
+        raise ConfigError(f"--reserve {format_bytes(held)} must be at least 0 and below the GPU's memory "
+                          f"({format_bytes(memory)})")
     return Cluster(gpus, per_node, memory, peak, intra, inter, hbm_rate, precision,
-                   preset.name if preset else "custom GPU")
+                   preset.name if preset else "custom GPU", reserve_bytes=held)
+
+
+def default_reserve(memory_bytes: float) -> float:
+    """Memory a plan leaves free by default: 2 GiB, or a tenth of a smaller GPU.
+
+    The planner counts tensors only; a process also holds its CUDA context (several hundred MiB with cuBLAS
+    workspaces), NCCL's buffers per channel and peer, and the caching allocator's fragmentation, none of which the
+    memory model sees. 2 GiB is a round figure of that order (a choice, not a measurement); --reserve sets it."""
+    return min(2 * 2**30, memory_bytes / 10)

@@ -97,7 +97,8 @@ def no_fit_message(res: SearchResult) -> str:
     lean = min(res.refusals, key=lambda r: r.needs)
     parts = {k: v for k, v in lean.parts.items() if k != "total"}
     dominant = lean.dominant()
-    return (f"no plan fits {c.gpus} x {format_bytes(c.memory_bytes)}: the leanest, dp{lean.dp} pp{lean.pp} tp{lean.tp} "
+    return (f"no plan fits {c.gpus} x {format_bytes(c.memory_bytes)}{_less_reserve(c)}: the leanest, "
+            f"dp{lean.dp} pp{lean.pp} tp{lean.tp} "
             f"({lean.what}), needs at least {format_bytes(lean.needs)} per GPU, most of it {dominant} "
             f"({format_bytes(parts[dominant])}, {100 * parts[dominant] / lean.needs:.0f}%): use more or larger GPUs, "
             f"a smaller model or sequence")
@@ -141,7 +142,8 @@ def format_text(res: SearchResult) -> str:
     for i, r in enumerate(res.best, 1):
         L, b = r.layout, r.breakdown
         lines += ["", f"#{i} {L.short()}",
-                  f"  peak memory {format_bytes(r.peak_bytes)} of {format_bytes(c.memory_bytes)} on pipeline rank "
+                  f"  peak memory {format_bytes(r.peak_bytes)} of {format_bytes(c.usable_bytes)} usable on "
+                  f"pipeline rank "
                   f"{r.peak_rank}: {memory_line(r.memory[r.peak_rank])}",
                   f"  busiest rank {b['rank']}: compute {format_seconds(b['compute'])}"
                   + (f" (recomputation {format_seconds(b['recompute'])})" if b["recompute"] else "")
@@ -173,7 +175,7 @@ def format_text(res: SearchResult) -> str:
                 if (x.pp, x.tp) in seen:
                     continue
                 seen.add((x.pp, x.tp))
-                lines.append("    " + refusal_line(x, c.memory_bytes))
+                lines.append("    " + refusal_line(x, c.usable_bytes))
                 if len(seen) == 4:
                     break
     return "\n".join(lines)
@@ -192,3 +194,8 @@ def as_json(res: SearchResult) -> dict:
         "refused": [{"dp": r.dp, "pp": r.pp, "tp": r.tp, "needs_bytes": r.needs, "parts": r.parts, "variant": r.what}
                     for r in res.refusals[:20]],
     }
+
+
+def _less_reserve(c) -> str:
+    return f" ({format_bytes(c.usable_bytes)} after the {format_bytes(c.reserve_bytes)} --reserve)" \
+        if c.reserve_bytes else ""

@@ -168,7 +168,7 @@ class Search:
         """The layout's candidates with their lower bounds: (bound, Candidate)."""
         dp, pp, tp, sp, m_tp = mesh.dp, mesh.pp, mesh.tp, mesh.sequence_parallel, mesh.model
         cs = self.per_stage
-        cap, r_bytes = self.cluster.memory_bytes, 4
+        cap, r_bytes = self.cluster.usable_bytes, 4
         b = self.req.batch_size // dp
         world = dp * pp * tp
         zeros = (0, 1) if dp > 1 else (0,)
@@ -228,7 +228,7 @@ class Search:
         dp, pp, tp, sp = cand.dp, cand.pp, cand.tp, cand.sequence_parallel
         schedule, v, mbs, rc = cand.schedule, cand.v, cand.microbatch_size, cand.recompute
         cs = self.per_stage
-        cap = self.cluster.memory_bytes
+        cap = self.cluster.usable_bytes
         m_tp = replace(self.model, pad_vocab_to=64) if cand.pad_vocab else self.model
         m = self.req.batch_size // dp // mbs
         placement = stage_placement(schedule, pp, v)

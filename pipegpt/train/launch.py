@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -54,11 +55,14 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
         if crowded:
             echo(crowded, err=True)
 
+    clock = Clock(job.first_step, steps)
+
     def on_step(m):
+        clock.tick(m.step)
         if m.step == job.first_step and job.loaded:
             echo(f"started from {job.loaded[0]} at step {job.first_step} (loaded in {job.loaded[1]:.2f} s)")
         if m.step == 0 or (m.step + 1) % log_every == 0 or m.step + 1 == steps:
-            echo(progress_line(m, steps))
+            echo(progress_line(m, steps, clock.elapsed(), clock.eta()))
         if m.val_loss is not None:
             echo(f"step {m.step + 1}: val loss {m.val_loss:.4f}")
         if m.checkpoint_s is not None:
@@ -189,10 +193,52 @@ def _exit_now(echo: Callable, message: str, code: int):
     os._exit(code)
 
 
-def progress_line(m, steps: int) -> str:
+class Clock:
+    """Wall-clock time of the job's steps, evaluations and saves included, and the time left at that pace.
+
+    The rate is taken from the steps after this attempt's first: the first includes the workers' warm-up."""
+
+    def __init__(self, first_step: int, steps: int, now: Callable[[], float] = time.monotonic):
+        self.first_step, self.steps, self.now = first_step, steps, now
+        self.start = now()
+        self.first_done: float | None = None  # when this attempt's first step ended
+        self.step = first_step - 1
+
+    def tick(self, step: int) -> None:
+        self.step = step
+        if step == self.first_step:
+            self.first_done = self.now()
+
+    def elapsed(self) -> float:
+        return self.now() - self.start
+
+    def eta(self) -> float | None:
+        """Seconds left, or None until a step after the first has ended (no rate yet)."""
+        after_first = self.step - self.first_step
+        if self.first_done is None or after_first < 1:
+            return None
+        return (self.now() - self.first_done) / after_first * (self.steps - 1 - self.step)
+
+
+def duration(seconds: float) -> str:
+    """12s, 3m05s, 2h07m: short enough for a progress line."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_line(m, steps: int, elapsed_s: float | None = None, eta_s: float | None = None) -> str:
     done = (m.step + 1) * 20 // steps
-    return (f"step {m.step + 1:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}] loss {m.loss:.4f}  "
+    line = (f"step {m.step + 1:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}] loss {m.loss:.4f}  "
             f"{m.step_time_s * 1000:7.1f} ms  {m.tokens_per_s:9,.0f} tok/s")
+    if elapsed_s is not None:
+        line += f"  elapsed {duration(elapsed_s)}"
+        if m.step + 1 < steps:
+            line += f"  eta {duration(eta_s) if eta_s is not None else '?'}"
+    return line
 
 
 def summary_lines(history: list, cfg: TrainConfig, out: Path) -> list[str]:

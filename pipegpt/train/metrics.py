@@ -139,10 +139,8 @@ class RunLog:
         self._metrics.write(json_line(row) + "\n")
         self._metrics.flush()
         if self._tensorboard is not None:
-            for name in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "flops_per_s", "mfu"):
-                value = getattr(metrics, name)
-                if value is not None and math.isfinite(value):
-                    self._tensorboard.add_scalar(f"train/{name}", value, metrics.step)
+            for tag, value in tensorboard_scalars(metrics):
+                self._tensorboard.add_scalar(tag, value, metrics.step)
             self._tensorboard.flush()
 
     def trace(self, results: list[WorkerStep], plan: Plan, step: int | None = None) -> None:
@@ -156,6 +154,23 @@ class RunLog:
         self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+EVAL_METRICS = ("val_loss", "hellaswag_acc", "hellaswag_acc_norm")
+
+
+def tensorboard_scalars(metrics: StepMetrics) -> list[tuple[str, float]]:
+    """Every number of a metrics row as (tag, value): evaluations under eval/, the rest under train/, a value per
+    rank as train/NAME/rankR. Absent (None) and non-finite values are left out, as TensorBoard cannot plot them."""
+    out = []
+    for name, value in asdict(metrics).items():
+        if name == "step" or isinstance(value, bool):
+            continue
+        group = "eval" if name in EVAL_METRICS else "train"
+        values = [(f"{group}/{name}/rank{r}", v) for r, v in enumerate(value)] if isinstance(value, list) \
+            else [(f"{group}/{name}", value)]
+        out += [(tag, float(v)) for tag, v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return out
 
 
 def _tensorboard_writer(run_dir: Path):

@@ -46,8 +46,10 @@ def test_run_exits_0_and_prints_steps_and_summary(real_run):
     steps = [ln for ln in lines if ln.startswith("step ")]
     # Default --log-every 10: the first step and the last one.
     assert [ln.split()[1] for ln in steps] == ["1/6", "6/6"], proc.stdout
-    pattern = re.compile(r"^step +\d+/6 \[[#.]{20}\] loss (\d+\.\d{4}) +[\d.]+ ms +[\d,]+ tok/s$")
+    pattern = re.compile(r"^step +\d+/6 \[[#.]{20}\] loss (\d+\.\d{4}) +[\d.]+ ms +[\d,]+ tok/s  elapsed \d+s"
+                         r"(  eta (\?|\d+s))?$")
     assert all(pattern.match(ln) for ln in steps), steps
+    assert "eta" in steps[0] and "eta" not in steps[-1], steps  # nothing left after the last step
     summary = next((ln for ln in lines if ln.startswith("done: ")), None)
     assert summary is not None, proc.stdout
     assert re.match(r"^done: loss \d+\.\d{4} -> \d+\.\d{4} in 6 steps; median step [\d.]+ ms, [\d,]+ tok/s; "

@@ -40,7 +40,9 @@ LAYOUTS = {"1f1b": ["--stages", "2", "--microbatches", "2"],
            "zb-h1-dp2-zero1": ["--stages", "2", "--microbatches", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-h1"]}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# zb-h1 alone and 1f1b-dp2 are covered in the default run by zb-h1-dp2-zero1 and the dropout test's layout.
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name in ("zb-h1", "1f1b-dp2")
+                                    else name for name in LAYOUTS])
 def test_resume_with_the_same_layout_is_bit_for_bit(tmp_path, layout):
     pipegpt_run(tmp_path / "full", *LAYOUTS[layout], "--steps", "4", "--save-every", "2")
     pipegpt_run(tmp_path / "resumed", *LAYOUTS[layout], "--steps", "4",

@@ -33,6 +33,8 @@ RUN_OPTIONS = [
     "--dropout",
     # what pipeline messages travel in (bf16 halves the bytes between stages)
     "--p2p-dtype",
+    # settings from a TOML or JSON file (a run's config.json), the options given overriding it
+    "--config",
 ]
 
 
