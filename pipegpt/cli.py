@@ -70,7 +70,7 @@ def main():
                    "per rank's share of the model: schedules with v stages per rank run each at 1/v. "
                    "Default F=1,B=2,W=1,comm=0.")
 @click.option("--virtual-stages", "-v", type=click.IntRange(min=1), default=None,
-              help="Stages per rank for interleaved-1f1b (default 2).")
+              help="Stages per rank for interleaved-1f1b (default 2) and auto (default 1).")
 @click.option("--schedule-file", type=click.Path(dir_okay=False), default=None,
               help="Simulate a plan from a file (one line of actions per rank) instead of a generator.")
 @click.option("--trace", "trace_dir", type=click.Path(), default=None, metavar="RUN_DIR",
@@ -96,6 +96,9 @@ def main():
 @click.option("--balance", type=click.Choice(["even", "cost"]), default=None,
               help="With --layer-costs: split the layers evenly (as pipegpt run does by default) or by cost (as "
                    "pipegpt run --balance cost does). Default even.")
+@click.option("--max-live", type=int, default=None, metavar="N",
+              help="For auto and auto-v: the most stage-microbatches' activations a rank may hold at once (the "
+                   "peak live column). Default 1F1B's memory: stages x stages per rank.")
 def simulate(**options):
     """Simulate pipeline schedules: ASCII chart, bubble %, makespan, peak live activations.
 
@@ -105,6 +108,7 @@ def simulate(**options):
     pipegpt simulate --schedule-file my_plan.txt --out plan.html
     pipegpt simulate --trace runs/20250101-120000 --out measured_vs_predicted.html
     pipegpt simulate -p 4 -m 16 --layer-costs embed=0.1,block=1,head=4 --layers 8 --balance cost
+    pipegpt simulate --schedule auto -p 4 -m 16 --costs F=1,B=2,W=1,comm=0.2 --max-live 4
     """
     # The planner reads --layer-costs; pipegpt.schedule sits below it, so the reader is handed in.
     from pipegpt.plan.balance import parse_layer_costs
@@ -320,7 +324,8 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
 @click.option("--calibrate", "calibrate_dir", type=click.Path(), default=None, metavar="RUN_DIR",
               help="Scale compute to a run's measured F/B/W (its trace.json) instead of --efficiency.")
 @click.option("--schedule", "-s", "schedules", default="all", show_default=True,
-              help="Schedules to consider: a comma list or 'all'.")
+              help="Schedules to consider: a comma list or 'all' (every generated one; name auto or auto-v to add "
+                   "them, written for unit costs here and for the measured ones by pipegpt run).")
 @click.option("--all-gpus", is_flag=True, help="Only layouts that use every GPU (dp x pp x tp = --gpus).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print.")
 @click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit).")

@@ -126,6 +126,11 @@ class ParallelConfig:
     # With balance=cost, what the run measured (seconds of forward + backward: embedding, one block, head and
     # loss) and so where its layers_per_stage came from; set by the driver, never an option.
     balanced_costs: tuple[float, float, float] | None = None
+    max_live: int | None = setting(None, "With --schedule auto or auto-v: the most stage-microbatches' activations "
+                                         "a rank may hold at once (default 1F1B's memory: stages x stages per rank).")
+    # With schedule auto/auto-v, the measured seconds (embedding, one block, head and loss; forward + backward)
+    # the order was written for; set by the driver, never an option.
+    schedule_costs: tuple[float, float, float] | None = None
     microbatches: int = setting(8, "Microbatches per step.", short="-m")
     microbatch_size: int = setting(4, "Sequences per microbatch.")
     recompute: str = setting("none", "Activation recomputation: every block, or only the attention core.",

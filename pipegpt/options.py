@@ -291,7 +291,7 @@ def _fit_split(ctx: click.Context, settings: dict, saved: dict, model: ModelConf
     moved = any(settings[name] != _as_field(old.get(name)) for name in (*LAYOUT, "balance")) or \
         model.n_layer != saved["model"].get("n_layer")
     if moved:
-        settings.update(layers_per_stage=None, balanced_costs=None)
+        settings.update(layers_per_stage=None, balanced_costs=None, schedule_costs=None)
 
 
 # The model's fields that options set, by the option's name

@@ -23,7 +23,8 @@ class Request:
     costs: AnalyticalCosts
     top: int = 5
     explain: bool = False
-    schedules: tuple = tuple(SCHEDULES)
+    # auto and auto-v when named: all would synthesize a plan per (p, m), too slow at thousands of microbatches
+    schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized)
     exact_gpus: bool = False  # only layouts using every GPU
 
 

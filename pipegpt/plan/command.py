@@ -59,7 +59,7 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
                                 DEFAULT_LAYER_OVERHEAD_S if opts.layer_overhead_us is None
                                 else opts.layer_overhead_us * 1e-6)
     request = Request(model, batch_size, cluster, costs, top=opts.top, explain=opts.explain,
-                      schedules=tuple(schedule_names(opts.schedules)), exact_gpus=opts.all_gpus)
+                      schedules=tuple(schedule_names(opts.schedules, synthesized=False)), exact_gpus=opts.all_gpus)
     result = search(request)
     if not result.best:
         raise ConfigError(no_fit_message(result))

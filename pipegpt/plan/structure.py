@@ -20,7 +20,10 @@ class Structure:
 
 @lru_cache(maxsize=256)
 def structure(schedule: str, p: int, m: int, v: int | None) -> Structure:
-    plan = build_plan(schedule, p, m, v)
+    spec = SCHEDULES[schedule]
+    # auto / auto-v: written for unit costs here (the planner's memory model reads the plan before the costs);
+    # `pipegpt run --schedule auto` writes it again for the costs it measures, so the estimate is cautious.
+    plan = spec.synthesize(p, m, v, search_evaluations=0).plan if spec.synthesized else build_plan(schedule, p, m, v)
     return Structure(plan, any(a.kind is Kind.W for r in plan.ranks for a in r))
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipegpt.config import nearest_multiples
 
 from .actions import Action, Kind, Plan, ScheduleError, B, F, I, W
 
@@ -45,31 +44,36 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Plan:
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2) -> Plan:
     """Megatron's interleaved 1F1B: rank r owns stages r, r+p, r+2p, ...
 
-    Microbatches go round in groups of p per model chunk, which is why m must
-    be a multiple of p.
+    Microbatches go round in rounds: each model chunk takes a round's microbatches before the next
+    chunk does. There are m // p rounds (at least one) of equal size, so m must be a multiple of its
+    round count (as torch.distributed.pipelining's): any m below 2p, or a multiple of p, or e.g. 10 at p = 4.
     """
     _check_positive(num_ranks, num_microbatches)
     p, m, v = num_ranks, num_microbatches, virtual_stages
     if v < 1:
         raise ScheduleError(f"virtual-stages={v} must be at least 1")
-    if m % p:
+    rounds = max(1, m // p)
+    if m % rounds:
+        valid = [x for x in range(max(1, m - p), m + p + 1) if x % max(1, x // p) == 0]
+        nearest = sorted(valid, key=lambda x: (abs(x - m), x))[:2]
         raise ScheduleError(
-            f"interleaved-1f1b needs microbatches to be a multiple of stages={p}; "
-            f"microbatches={m} is not (nearest valid: {nearest_multiples(m, p)})"
+            f"interleaved-1f1b runs microbatches in m // stages = {rounds} equal rounds, which microbatches={m} "
+            f"does not divide (nearest valid: {' or '.join(map(str, sorted(nearest)))})"
         )
+    group = m // rounds  # microbatches per round, at least p
 
     def order(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k // p) % v
+        chunk = (k // group) % v
         if backward:
             chunk = v - 1 - chunk
-        return chunk, (k // (p * v)) * p + k % p
+        return chunk, (k // (group * v)) * group + k % group
 
     total = m * v
     ranks = []
     for r in range(p):
         fwd = [F(c * p + r, mb) for c, mb in (order(k, False) for k in range(total))]
         bwd = [B(c * p + r, mb) for c, mb in (order(k, True) for k in range(total))]
-        warmup = min((p - 1 - r) * 2 + (v - 1) * p, total)
+        warmup = min((p - 1 - r) * 2 + (v - 1) * group, total)
         acts = fwd[:warmup]
         for i in range(total - warmup):
             acts += [fwd[warmup + i], bwd[i]]

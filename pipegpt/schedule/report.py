@@ -14,7 +14,7 @@ from typing import Callable
 from pipegpt.config import ConfigError
 
 from . import render
-from .actions import ScheduleError
+from .actions import Plan, ScheduleError
 from .registry import schedule_names, schedule_spec
 from .render import human_bytes
 from .schedule_file import check_against_file, load_schedule_file
@@ -42,6 +42,7 @@ class SimulateOptions:
     layer_costs_spec: str | None = None
     n_layers: int | None = None
     balance: str | None = None
+    max_live: int | None = None
 
 
 def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Callable) -> None:
@@ -64,17 +65,21 @@ def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Ca
     layer_costs = _layer_costs(opts, read_layer_costs)
     jobs = _jobs(opts)
     several = len(jobs) > 1
+
+    def costs_of(plan):
+        if layer_costs is None:
+            return costs_for_plan(opts.costs_spec, plan), {}
+        costs, split = layer_costs.plan_costs(plan, opts.balance or "even")
+        return costs, {"layers_per_stage": split, "balance": opts.balance or "even"}
+
     records, timelines = [], []
     for name, make in jobs:
         try:
-            plan = make()
-            extra = {}
-            if layer_costs is None:
-                costs = costs_for_plan(opts.costs_spec, plan)
-            else:
-                costs, split = layer_costs.plan_costs(plan, opts.balance or "even")
-                extra = {"layers_per_stage": split, "balance": opts.balance or "even"}
+            plan, costs, extra = make(costs_of)
             timeline = simulate(plan, costs)
+            peak = max(timeline.peak_live_microbatches_per_rank)
+            if opts.max_live is not None and peak > opts.max_live:
+                raise ScheduleError(f"peak live {peak} is above --max-live {opts.max_live}")
         except (ScheduleError, ConfigError) as e:  # ConfigError: the planner's, splitting the layer costs
             if not several:
                 raise
@@ -127,20 +132,45 @@ def _jobs(opts: SimulateOptions) -> list[tuple[str, Callable]]:
             raise ScheduleError("give either --schedule or --schedule-file, not both")
         if opts.virtual_stages is not None:
             raise ScheduleError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
+        if opts.max_live is not None:
+            raise ScheduleError("--max-live is the memory limit auto and auto-v schedule to; a schedule file's "
+                                "order is fixed: leave it out")
         plan = load_schedule_file(opts.schedule_file)
         check_against_file(plan, opts.schedule_file, opts.stages, opts.microbatches)
-        return [(plan.name, lambda: plan)]
+        return [(plan.name, lambda costs_of: (plan, *costs_of(plan)))]
     if opts.stages is None or opts.microbatches is None:
         raise ScheduleError("--stages and --microbatches are required (or give --schedule-file)")
     names = schedule_names(opts.schedule or "1f1b")
+    if opts.max_live is not None and not any(schedule_spec(n).synthesized for n in names):
+        raise ScheduleError(f"--max-live is the memory limit auto and auto-v schedule to; {', '.join(names)} "
+                            f"{'is' if len(names) == 1 else 'are'} fixed: add auto or auto-v to --schedule")
 
     def job(name):
         spec = schedule_spec(name)
         # Among several schedules, --virtual-stages goes to those it applies to; alone, a misfit is an error.
         v = opts.virtual_stages if (spec.takes_virtual_stages or len(names) == 1) else None
-        return lambda: spec.build(opts.stages, opts.microbatches, v)
+        if not spec.synthesized:
+            def make(costs_of):
+                plan = spec.build(opts.stages, opts.microbatches, v)
+                return (plan, *costs_of(plan))
+            return make
+
+        def synthesized(costs_of):  # the costs first (from the placement), then the plan written for them
+            placement = spec.stage_to_rank(opts.stages, v)
+            costs, extra = costs_of(Plan(name, opts.microbatches, placement, ((),) * opts.stages))
+            synthesis = spec.synthesize(opts.stages, opts.microbatches, v, costs, opts.max_live)
+            return synthesis.plan, costs, {**extra, **synthesis_record(synthesis)}
+        return synthesized
 
     return [(name, job(name)) for name in names]
+
+
+def synthesis_record(synthesis) -> dict:
+    """What `simulate --json` adds for a synthesized schedule: its bound, the gap and the fixed one it beat."""
+    plain = lambda x: None if x is None else float(x)  # noqa: E731
+    return {"lower_bound": plain(synthesis.lower_bound), "gap": synthesis.gap, "max_live": synthesis.max_live,
+            "best_fixed": synthesis.best_fixed, "best_fixed_makespan": plain(synthesis.best_fixed_makespan),
+            "chosen_from": synthesis.plan.meta.get("from")}
 
 
 def _out_path(out: str, name: str, several: bool) -> str:
@@ -183,6 +213,11 @@ def summary_text(rec: dict) -> str:
     ]
     if rec["peak_activation_bytes_per_rank"] is not None:
         lines.append("peak activations  " + ", ".join(human_bytes(b) for b in rec["peak_activation_bytes_per_rank"]))
+    if "lower_bound" in rec:
+        fixed = (f"; best fixed schedule that fits: {rec['best_fixed']} {rec['best_fixed_makespan']:g}"
+                 if rec["best_fixed"] else "; no fixed schedule of this placement fits")
+        lines.append(f"lower bound       {rec['lower_bound']:g}  (gap {100 * rec['gap']:.1f}%; max live "
+                     f"{rec['max_live']}{fixed})")
     if "layers_per_stage" in rec:
         lines.append(f"layers per stage  {','.join(map(str, rec['layers_per_stage']))}  (balance {rec['balance']})")
     return "\n".join(lines)
@@ -203,7 +238,8 @@ def table(records: list[dict]) -> str:
         if has_bytes:
             pb = r["peak_activation_bytes_per_rank"]
             row.append(human_bytes(max(pb)) if pb else "-")
-        rows.append(row + ["yes"])
+        rows.append(row + ["yes" if "lower_bound" not in r
+                           else f"yes (lower bound {r['lower_bound']:g}, gap {100 * r['gap']:.1f}%)"])
     return render.text_table([head] + rows, right=set(range(1, len(head))), free_last=True)
 
 

@@ -399,6 +399,12 @@ def simulate(plan: Plan, costs: Costs) -> Timeline:
     Integer or Fraction costs give exact times (and an exact Fraction bubble).
     """
     validate(plan)  # an unrunnable plan fails here, naming the rank and step
+    return simulate_unchecked(plan, costs)
+
+
+def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
+    """simulate() without validating first, for a caller that trusts the plan's counts (the synthesizer's
+    local search: a reordering that deadlocks still raises ScheduleError, naming where it stuck)."""
     if costs.num_stages != plan.num_stages:
         raise ScheduleError(f"costs are for {costs.num_stages} stages but plan {plan.name!r} has "
                             f"{plan.num_stages}; give one cost per stage")

@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +28,8 @@ from pipegpt.train.metrics import RunLog, StepMetrics, step_metrics
 from pipegpt.train.profile import problem_line
 from pipegpt.train.clocks import measure_offsets, shift_events
 from pipegpt.train.results import WorkerStep
-from pipegpt.schedule import Plan, ScheduleError, build_plan, lower, validate
+from pipegpt.schedule import Plan, ScheduleError, lower, schedule_spec, validate
+from pipegpt.schedule.simulate import Costs
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 from pipegpt.stages import partition_layers
 from pipegpt.train.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold
@@ -43,9 +44,52 @@ def make_plan(cfg: TrainConfig) -> Plan:
             plan = load_schedule_file(p.schedule_file)
             check_against_file(plan, p.schedule_file, p.stages, p.microbatches)
             return plan if plan.is_lowered else validate(lower(plan))
-        return validate(lower(build_plan(p.schedule, p.stages, p.microbatches, p.virtual_stages)))
+        spec = schedule_spec(p.schedule)
+        if not spec.synthesized:
+            if p.max_live is not None:
+                raise ConfigError(f"--max-live is the memory limit auto and auto-v schedule to; {p.schedule} is a "
+                                  f"fixed schedule: use --schedule auto or auto-v, or leave --max-live out")
+            return validate(lower(spec.build(p.stages, p.microbatches, p.virtual_stages)))
+        return validate(lower(synthesized_plan(cfg, spec)))
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
+
+
+def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
+    """auto / auto-v: the order written for the stages' costs (measured on the workers once they start; until
+    then estimated from the model's shape), their split and --max-live. The plan's meta holds the prediction."""
+    from pipegpt.plan.balance import stage_costs
+
+    p, m = cfg.parallel, cfg.model
+    placement = spec.stage_to_rank(p.stages, p.virtual_stages)
+    embed, block, head = p.schedule_costs or estimated_layer_costs(m)
+    layers = [len(r) for r in partition_layers(m.n_layer, len(placement), p.layers_per_stage)]
+    total = stage_costs(layers, [block] * m.n_layer, embed, head)  # forward + backward per stage
+    # B = 2F and W = F, as the fixed schedules and the planner assume
+    costs = Costs(tuple(t / 3 for t in total), tuple(2 * t / 3 for t in total), tuple(t / 3 for t in total))
+    synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live)
+    meta = {**synthesis.plan.meta, "predicted_s": float(synthesis.makespan),
+            "lower_bound_s": float(synthesis.lower_bound), "best_fixed": synthesis.best_fixed,
+            "best_fixed_s": None if synthesis.best_fixed_makespan is None else float(synthesis.best_fixed_makespan),
+            "measured": p.schedule_costs is not None}
+    return replace(synthesis.plan, meta=meta)
+
+
+def estimated_layer_costs(m) -> tuple[float, float, float]:
+    """Relative costs before anything is measured: a block's matmuls (12 d^2 per token, plus attention's
+    2 d x seq), the head's d x vocab, the embedding a lookup (nearly free)."""
+    block = 12 * m.n_embd ** 2 + 2 * m.n_embd * m.seq_len
+    return 0.01 * block, float(block), float(m.n_embd * m.vocab_size)
+
+
+def synthesis_line(plan: Plan) -> str:
+    """What the driver says about a synthesized plan: predicted step beside the best fixed schedule's."""
+    meta = plan.meta
+    fixed = (f"best fixed schedule {meta['best_fixed']} {meta['best_fixed_s'] * 1e3:.1f} ms"
+             if meta.get("best_fixed") else "no fixed schedule of this placement fits")
+    return (f"pipegpt: schedule {plan.name} (max live {meta['max_live']}): predicted compute {meta['predicted_s'] * 1e3:.1f} ms "
+            f"per step, {fixed}; lower bound {meta['lower_bound_s'] * 1e3:.1f} ms "
+            f"(gap {100 * (meta['predicted_s'] / meta['lower_bound_s'] - 1):.1f}%)")
 
 
 def evaluation_plan(plan: Plan) -> Plan:
@@ -168,8 +212,7 @@ class Job:
         # Workers on other machines count perf_counter from their own boot: map each onto this one's.
         self.clock_offsets = measure_offsets(lambda r: self.cluster.call("clock", ranks=[r])[0],
                                              range(self.cluster.world_size))
-        if cfg.parallel.balance == "cost" and cfg.parallel.balanced_costs is None:
-            self.balance_by_cost()
+        self.measure_and_fit()
         source = start_from(cfg)
         if source is not None:
             t0 = time.perf_counter()
@@ -177,21 +220,36 @@ class Job:
             self.first_step, self.loaded = steps[0], (source, time.perf_counter() - t0)
         return True
 
-    def balance_by_cost(self) -> list[int]:
-        """--balance cost, on started workers before step 0: rank 0 measures the embedding, one block and the head
-        with its loss on its device (forward + backward of a microbatch of the run's shape), balance_layers picks
-        the split that makes the busiest rank's work the least for the plan's placement, and every worker is
-        rebuilt for it (Job.build: the same grid and plan, the same initial weights, which come from per-name
-        seeds). The job's config then holds the split and the costs it came from (config.json records both)."""
+    def measure_and_fit(self) -> None:
+        """--balance cost and --schedule auto/auto-v, on started workers before step 0: rank 0 measures the
+        embedding, one block and the head with its loss on its device (forward + backward of a microbatch of the
+        run's shape). --balance cost then picks the split that makes the busiest rank's work the least for the
+        plan's placement (balance_layers); auto writes the order for those stages' costs (the split first, then
+        the order). Every worker is rebuilt for it (Job.build: the same grid, the same initial weights, which
+        come from per-name seeds). The job's config then holds the split, the order's costs and what they came
+        from (config.json records them)."""
         from pipegpt.plan.balance import balance_layers
 
+        p = self.cfg.parallel
+        balance = p.balance == "cost" and p.balanced_costs is None
+        order = p.schedule_file is None and schedule_spec(p.schedule).synthesized and p.schedule_costs is None
+        if not (balance or order):
+            return
         costs = self.cluster.call("measure_layer_costs", ranks=[0])[0]
-        embed, block, head = costs["embed"], costs["block"], costs["head"]
-        layers = balance_layers([block] * self.cfg.model.n_layer, embed, head, self.plan.stage_to_rank)
-        self.build(self.cfg.replace(layers_per_stage=tuple(layers), balanced_costs=(embed, block, head)))
-        self.say(f"pipegpt: balanced layers per stage {','.join(map(str, layers))} (costs: embed {embed * 1e3:.2f} ms, "
-                 f"block {block * 1e3:.2f} ms, head {head * 1e3:.2f} ms)")
-        return layers
+        measured = (costs["embed"], costs["block"], costs["head"])
+        changes = {"schedule_costs": measured} if order else {}
+        if balance:
+            embed, block, head = measured
+            layers = balance_layers([block] * self.cfg.model.n_layer, embed, head, self.plan.stage_to_rank)
+            changes.update(layers_per_stage=tuple(layers), balanced_costs=measured)
+        self.build(self.cfg.replace(**changes))
+        embed, block, head = measured
+        said = f"(costs: embed {embed * 1e3:.2f} ms, block {block * 1e3:.2f} ms, head {head * 1e3:.2f} ms)"
+        if balance:
+            self.say(f"pipegpt: balanced layers per stage {','.join(map(str, self.cfg.parallel.layers_per_stage))} "
+                     f"{said}")
+        if order:
+            self.say(synthesis_line(self.plan) + ("" if balance else f" {said}"))
 
     def save(self, root: Path, step: int) -> Path:
         """A checkpoint after `step` steps under root: every rank writes its part, then the atomic commit."""

@@ -153,11 +153,14 @@ def valid_microbatches(schedule: str, p: int) -> list[int]:
     return ms[:3]
 
 
-# The default matrix (CI): every schedule at every accepted microbatch count on 2 ranks.
-CASES = [(s, 2, m) for s in SCHEDULES for m in valid_microbatches(s, 2)]
+# The default matrix (CI): every fixed schedule at every accepted microbatch count on 2 ranks; the synthesized
+# ones (auto, auto-v: written for the estimated costs) at an odd count, and on 4 ranks, with tp and dp below.
+CASES = [(s, 2, m) for s in SCHEDULES if not SCHEDULES[s].synthesized for m in valid_microbatches(s, 2)] + \
+    [("auto", 2, 3), ("auto-v", 2, 3), ("auto-v", 4, 5), pytest.param("auto", 4, 6, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("schedule,p,m", CASES, ids=[f"{s}-p{p}-m{m}" for s, p, m in CASES])
+@pytest.mark.parametrize("schedule,p,m", CASES, ids=[f"{s}-p{p}-m{m}" for s, p, m in
+                                                     (c.values if hasattr(c, "values") else c for c in CASES)])
 def test_schedule_matches_one_process(workers, matching, schedule, p, m):
     cfg = base_config(p, schedule=schedule, microbatches=m, p2p_matching=matching)
     check(cfg)
@@ -246,10 +249,12 @@ def test_full_matrix(workers, matching, schedule, p, m, recompute, tie):
 
 # The dp x pp x tp grid. Tensor-parallel gradients are gathered to full shape (tensor_parallel.gather_full).
 GRIDS = [(1, 1, 2, "1f1b", False), (1, 2, 2, "1f1b", False), (1, 2, 2, "zb-h1", True), (2, 2, 1, "interleaved-1f1b", False),
-         (2, 1, 2, "1f1b", True)]
+         (2, 1, 2, "1f1b", True), pytest.param(1, 2, 2, "auto-v", False, marks=pytest.mark.slow),
+         pytest.param(2, 2, 1, "auto", False, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("dp,p,tp,schedule,sp", GRIDS, ids=[f"{d}x{p}x{t}-{s}{'-sp' if sp else ''}" for d, p, t, s, sp in GRIDS])
+@pytest.mark.parametrize("dp,p,tp,schedule,sp", GRIDS, ids=[f"{d}x{p}x{t}-{s}{'-sp' if sp else ''}" for d, p, t, s, sp in
+                                                             (g.values if hasattr(g, "values") else g for g in GRIDS)])
 def test_grid_matches(workers, matching, dp, p, tp, schedule, sp):
     """Step 0's loss and gradients in fp32; the 3 AdamW steps in float64.
 

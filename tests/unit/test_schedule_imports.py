@@ -133,7 +133,7 @@ def test_module_graph_catches_a_lazy_import_cycle(tmp_path):
 
 
 def test_registry_order_is_the_documented_one():
-    assert list(SCHEDULES) == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
+    assert list(SCHEDULES) == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "auto", "auto-v"]
     assert all(spec.name == name for name, spec in SCHEDULES.items())
 
 
@@ -181,8 +181,8 @@ def test_v_placements_put_both_ends_on_one_rank():
 def test_registry_keeps_the_error_messages():
     with pytest.raises(ScheduleError) as e:
         build_plan("1f1b", 4, 8, 3)
-    assert str(e.value) == ("virtual-stages=3 only applies to interleaved-1f1b (zbv and dualpipev always use 2); "
-                            "leave it out for 1f1b")
+    assert str(e.value) == ("virtual-stages=3 only applies to interleaved-1f1b and auto (zbv, dualpipev and auto-v "
+                            "always use 2); leave it out for 1f1b")
     with pytest.raises(ScheduleError) as e:
         build_plan("nope", 4, 8)
     assert str(e.value) == f"unknown schedule 'nope'; known schedules: {', '.join(SCHEDULES)}"
