@@ -62,11 +62,12 @@ def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
 
     p, m = cfg.parallel, cfg.model
     placement = spec.stage_to_rank(p.stages, p.virtual_stages)
-    embed, block, head = p.schedule_costs or estimated_layer_costs(m)
+    embed_f, embed_b, block_f, block_b, head_f, head_b = p.schedule_costs or estimated_layer_costs(m)
     layers = [len(r) for r in partition_layers(m.n_layer, len(placement), p.layers_per_stage)]
-    total = stage_costs(layers, [block] * m.n_layer, embed, head)  # forward + backward per stage
-    # B = 2F and W = F, as the fixed schedules and the planner assume
-    costs = Costs(tuple(t / 3 for t in total), tuple(2 * t / 3 for t in total), tuple(t / 3 for t in total))
+    forward = stage_costs(layers, [block_f] * m.n_layer, embed_f, head_f)
+    backward = stage_costs(layers, [block_b] * m.n_layer, embed_b, head_b)
+    # W, the weight gradients, is about half of a linear layer's backward (the other half: the input gradient)
+    costs = Costs(tuple(forward), tuple(backward), tuple(b / 2 for b in backward))
     synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live)
     meta = {**synthesis.plan.meta, "predicted_s": float(synthesis.makespan),
             "lower_bound_s": float(synthesis.lower_bound), "best_fixed": synthesis.best_fixed,
@@ -75,11 +76,11 @@ def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
     return replace(synthesis.plan, meta=meta)
 
 
-def estimated_layer_costs(m) -> tuple[float, float, float]:
-    """Relative costs before anything is measured: a block's matmuls (12 d^2 per token, plus attention's
-    2 d x seq), the head's d x vocab, the embedding a lookup (nearly free)."""
-    block = 12 * m.n_embd ** 2 + 2 * m.n_embd * m.seq_len
-    return 0.01 * block, float(block), float(m.n_embd * m.vocab_size)
+def estimated_layer_costs(m) -> tuple[float, ...]:
+    """Relative forward and backward costs before anything is measured: a block's matmuls (12 d^2 per token,
+    plus attention's 2 d x seq), the head's d x vocab, the embedding a lookup (nearly free); B = 2F."""
+    block, head = 12 * m.n_embd ** 2 + 2 * m.n_embd * m.seq_len, m.n_embd * m.vocab_size
+    return 0.01 * block, 0.02 * block, block, 2 * block, head, 2 * head
 
 
 def synthesis_line(plan: Plan) -> str:
@@ -237,7 +238,9 @@ class Job:
             return
         costs = self.cluster.call("measure_layer_costs", ranks=[0])[0]
         measured = (costs["embed"], costs["block"], costs["head"])
-        changes = {"schedule_costs": measured} if order else {}
+        split = tuple(x for piece in ("embed", "block", "head")
+                      for x in (costs[f"{piece}_forward"], costs[piece] - costs[f"{piece}_forward"]))
+        changes = {"schedule_costs": split} if order else {}
         if balance:
             embed, block, head = measured
             layers = balance_layers([block] * self.cfg.model.n_layer, embed, head, self.plan.stage_to_rank)

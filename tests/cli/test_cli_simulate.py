@@ -117,6 +117,9 @@ def test_schedule_file(tmp_path):
     (["-s", "1f1b", "-p", "4"], "--stages and --microbatches are required"),
     (["-s", "interleaved-1f1b", "-p", "4", "-m", "9"], "which microbatches=9 does not divide (nearest valid: 8 or 10)"),
     (["-s", "dualpipev", "-p", "4", "-m", "6"], "dualpipev needs microbatches >= 2 x stages = 8"),
+    (["-s", "auto-v", "-p", "4", "-m", "8", "--max-live", "1"], "max-live=1 is below what any schedule of this "
+                                                                "placement runs in"),
+    (["-s", "1f1b,zbv", "-p", "4", "-m", "8", "--max-live", "4"], "1f1b, zbv are fixed: add auto or auto-v"),
     (["-s", "1f1b", "-p", "4", "-m", "8", "-v", "3"], "virtual-stages=3 only applies to interleaved-1f1b"),
     (["-s", "1f1b", "-p", "4", "-m", "8", "--costs", "F=1,Q=2"], "unknown key 'q'"),
     (["-s", "1f1b", "-p", "4", "-m", "8", "--costs", "B=1,W=2"], "W=2 > B=1"),
@@ -156,3 +159,21 @@ def test_python_dash_m_pipegpt_without_torch():
                           env={**os.environ, "COLUMNS": "100"})
     assert done.returncode == 0, done.stderr
     assert "zbv" in done.stdout
+
+
+def test_auto_prints_its_lower_bound_and_the_fixed_schedule_it_beat():
+    result = run("-s", "auto", "-p", "4", "-m", "8", "--layer-costs", "embed=0.1,block=1,head=4", "--layers", "8",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    rec = json.loads(result.stdout)
+    assert rec["schedule"] == "auto" and rec["lower_bound"] <= rec["makespan"] <= rec["best_fixed_makespan"]
+    assert rec["best_fixed"] == "zb-h1" and rec["max_live"] == 4 and max(rec["peak_live_microbatches_per_rank"]) <= 4
+    text = run("-s", "auto-v", "-p", "4", "-m", "8", "--max-live", "6", "--no-chart").stdout
+    assert "lower bound" in text and "max live 6" in text
+
+
+def test_a_schedule_file_with_max_live_is_refused(tmp_path):
+    path = tmp_path / "plan.txt"
+    path.write_text("0F0 0B0\n")
+    result = run("--schedule-file", str(path), "--max-live", "2")
+    assert result.exit_code == 2 and "a schedule file's order is fixed" in result.output

@@ -200,10 +200,10 @@ def test_run_bad_balance_is_one_line_exit_2(args, message):
     assert_one_line_error(invoke("run", "--n-layer", "8", "--steps", "1", *args), message)
 
 
-def test_run_balance_cost_moves_layers_off_a_heavy_head(tmp_path):
+def test_run_balance_cost_moves_layers_off_a_heavy_head_then_auto_orders_for_the_costs(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_pipegpt("run", "--balance", "cost", "--stages", "4", "--microbatches", "4", "--steps", "2",
-                       "--vocab-size", "4096", "--n-layer", "8", "--run-dir", run_dir, timeout=300)
+    proc = run_pipegpt("run", "--balance", "cost", "--schedule", "auto", "--stages", "4", "--microbatches", "4",
+                       "--steps", "2", "--vocab-size", "4096", "--n-layer", "8", "--run-dir", run_dir, timeout=300)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("pipegpt: balanced layers per stage "))
     layers = [int(n) for n in line.split()[5].split(",")]
@@ -213,5 +213,11 @@ def test_run_balance_cost_moves_layers_off_a_heavy_head(tmp_path):
     assert config["layers_per_stage"] == layers and config["balance"] == "cost"
     embed, block, head = config["balanced_costs"]
     assert head > block > 0 and embed >= 0
+    # the split first, then the order written for those stages' measured forward and backward costs
+    said = next(ln for ln in proc.stdout.splitlines() if ln.startswith("pipegpt: schedule auto (max live 4)"))
+    assert "best fixed schedule " in said and "lower bound " in said, said
+    embed_f, embed_b, block_f, block_b, head_f, head_b = config["schedule_costs"]
+    assert head_f > block_f > 0 and block_b > 0 and head_f + head_b == pytest.approx(head, rel=0.5)
+    assert (run_dir / "plan.txt").read_text().startswith("# name: auto")
     metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1] and all(m["loss"] > 0 for m in metrics)
