@@ -147,14 +147,17 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, **opt
     --resume takes every setting from the checkpoint's run except those given here (each change is printed).
     """
     from pipegpt.config import MODEL_PRESETS
-    from pipegpt.options import given, train_config
+    from pipegpt.options import given, resume_auto, train_config
     from pipegpt.train.launch import launch
 
+    continuing = False
+    if options["resume"] == "auto":
+        options["resume"], continuing = resume_auto(run_dir)
     cfg = train_config(ctx, batch_size, options, say=click.echo, config_file=config_file)
     preset = options["preset"]
     if cfg.checkpoint.resume is not None and not given(ctx, "preset"):  # the model is the checkpoint's
         preset = next((name for name, m in MODEL_PRESETS.items() if m == cfg.model), "resumed")
-    launch(cfg, preset, run_dir, port, log_every, click.echo, overwrite=overwrite)
+    launch(cfg, preset, run_dir, port, log_every, click.echo, overwrite=overwrite, continuing=continuing)
 
 
 # --------------------------------------------------------------------------------------------------------------

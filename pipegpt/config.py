@@ -227,8 +227,11 @@ class RuntimeConfig:
 class CheckpointConfig:
     save_every: int = setting(0, "Save a checkpoint every N steps and after the last (0: never).")
     keep: int = setting(3, "Keep the newest N checkpoints (0: all).")
-    resume: str | None = setting(None, "Resume from a checkpoint, or a run directory's latest; any layout.")
+    resume: str | None = setting(None, "Resume from a checkpoint, or a run directory's latest; any layout. auto: "
+                                       "the --run-dir's latest checkpoint if it has one, else start fresh there.")
     init_from: str | None = setting(None, "Start from a checkpoint's weights with a fresh optimizer, at step 0.")
+    max_restarts: int = setting(0, "When a worker fails, dies or stalls, restart every worker in the same layout "
+                                   "from the run's latest checkpoint (or its start), up to N times.")
 
 
 @dataclass(frozen=True)
@@ -347,6 +350,11 @@ class TrainConfig:
                 raise ConfigError(f"{name}={value!r} must be an integer >= {0 if name == 'eval_every' else 1}")
         if isinstance(c.save_every, bool) or not isinstance(c.save_every, int) or c.save_every < 0 or c.keep < 0:
             raise ConfigError(f"save_every={c.save_every} and keep={c.keep} must be integers >= 0")
+        if isinstance(c.max_restarts, bool) or not isinstance(c.max_restarts, int) or c.max_restarts < 0:
+            raise ConfigError(f"max_restarts={c.max_restarts!r} must be an integer >= 0")
+        if c.max_restarts and env is not None and under_torchrun(env):
+            raise ConfigError("under torchrun the restarts are torchrun's: give torchrun --max-restarts N and "
+                              "pipegpt run --resume auto, and leave out --max-restarts")
         if c.resume is not None and c.init_from is not None:
             raise ConfigError("give --resume (weights, optimizer, step, data position) or --init-from (weights "
                               "only, step 0), not both")

@@ -231,6 +231,20 @@ def given(ctx: click.Context, name: str) -> bool:
     return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
 
 
+def resume_auto(run_dir: str | None) -> tuple[str | None, bool]:
+    """--resume auto (an elastic job's restarts under torchrun): the run directory's latest checkpoint, else a
+    fresh start there; and whether the directory already holds an attempt of the run (it then goes on)."""
+    from pipegpt.train import checkpoint
+
+    if run_dir is None:
+        raise click.UsageError("--resume auto resumes the run in --run-dir: give --run-dir DIR (the same on every "
+                               "restart)")
+    if checkpoint.complete_checkpoints(os.path.join(run_dir, "checkpoints")):
+        return run_dir, True
+    held = os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) or os.path.isdir(os.path.join(run_dir, "configs"))
+    return None, held
+
+
 def saved_run(resume: str) -> dict | None:
     """{"config": sections, "model": fields} of the run a --resume checkpoint was saved by, None for a checkpoint
     that holds no run (weights only: the driver refuses to resume it, in one line)."""

@@ -195,6 +195,8 @@ class Job:
         self.step_times: list[float] = []  # seconds, of this job's steps so far: the stall watchdog's reference
         self.clock_offsets: list[float] = []  # per rank, seconds that put its trace events on this process's clock
         self.say: Callable[[str], None] = lambda line: print(line, flush=True)  # the driver's notes (--balance cost)
+        self.current_step: int | None = None  # the step running or last run (0-based): a failure names it
+        self.failed_at: float | None = None  # time.time() of the failure this attempt restarts after (--max-restarts)
 
     def start(self) -> bool:
         """Start the workers and build them for the plan. Under torchrun every process calls this; the
@@ -272,6 +274,7 @@ class Job:
         """One step on every rank, watched: one that runs far longer than the steps before it ends the job,
         naming the rank that holds the others up (pipegpt.train.watchdog), well before the communication timeout."""
         threshold, t0 = stall_threshold(self.step_times), time.perf_counter()
+        self.current_step = step
         compiling = len(self.step_times) < COMPILE_STEPS  # --compile: these may compile (wait_timeout_s)
         results = self.cluster.call("step", step, timeout_s=self.cfg.runtime.wait_timeout_s if compiling else None,
                                     stall_after_s=threshold,
@@ -450,6 +453,8 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
             skipped += 1
             _warn(f"pipegpt: step {step + 1}: {metrics.nonfinite}; update skipped (--on-nonfinite skip)")
         metrics.skipped_steps = skipped
+        if job.failed_at is not None and step == job.first_step:
+            metrics.recovery_s = time.time() - job.failed_at
         if evaluation_due(cfg, step):
             metrics.val_loss = job.evaluate()
             if hellaswag:

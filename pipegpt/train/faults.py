@@ -29,8 +29,9 @@ NOT_FAILURES = (IN_SAVE, STUCK, NAN_LOSS, NAN_GRAD, GPU_STUCK)  # kinds that do 
 
 
 def planned_fault(rank: int, env: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
-    """(kind, step) if this rank is to fail, else None."""
-    spec = env.get(FAULT_ENV)
+    """(kind, step) if this rank is to fail, else None. A comma list plans one fault per attempt of a run that
+    restarts (--max-restarts): each restart drops the first (later_faults)."""
+    spec = env.get(FAULT_ENV, "").split(",")[0]
     if not spec:
         return None
     kind, fault_rank, step = spec.split(":")
@@ -81,3 +82,9 @@ def get_gpu_stuck(runtime, p2p) -> None:
 
     runtime.marker = marker
     p2p.settle = _forever
+
+
+def later_faults(env: Mapping[str, str] = os.environ) -> str | None:
+    """PIPEGPT_FAULT for the next attempt after a restart: the list less its first fault (None: no more)."""
+    rest = env.get(FAULT_ENV, "").split(",")[1:]
+    return ",".join(rest) or None

@@ -16,9 +16,14 @@ from pipegpt.config import TrainConfig, under_torchrun
 from pipegpt.train.placement import resolve_device
 
 
+RESTART_ENV = "PIPEGPT_RESTART"  # "K FAILED_AT": this process is restart K of the run, after a failure at that time
+
+
 def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None, log_every: int,
-           echo: Callable, overwrite: bool = False) -> None:
-    """Run the job here (or join it, under torchrun); a worker failure stops every worker and exits 1."""
+           echo: Callable, overwrite: bool = False, continuing: bool = False) -> None:
+    """Run the job here (or join it, under torchrun); a worker failure stops every worker and exits 1, or, with
+    --max-restarts, starts the run again from its latest checkpoint. continuing: the run directory holds an
+    earlier attempt of this run with no checkpoint (--resume auto, a restart): this attempt goes on there."""
     import warnings
 
     # TensorPipe reports each connection a stopping job closes; failures reach us as WorkerFailure.
@@ -31,6 +36,8 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     driver = not under_torchrun() or os.environ.get("RANK") == "0"  # the one process that writes the run directory
     out = Path(run_dir) if run_dir else _resumed_run_dir(cfg)
     job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
+    restarts, job.failed_at = restart_state()
+    continuing = continuing or restarts > 0
     model, p, steps = cfg.model, cfg.parallel, cfg.runtime.steps
     done = resumed_step(cfg)
     if done >= steps:
@@ -39,7 +46,7 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
                  f"(give --steps above {done} to train on)")
         return
     if driver:
-        check_run_dir(out, cfg, overwrite)  # still before any process starts, and before anything is written
+        check_run_dir(out, cfg, overwrite, continuing)  # still before any process starts, and before anything is written
     if driver and overwrite and out is not None and holds_run(out):
         echo(f"pipegpt: moved the earlier run in {out} to {move_aside(out)}")
     if out is None:
@@ -61,6 +68,8 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
         clock.tick(m.step)
         if m.step == job.first_step and job.loaded:
             echo(f"started from {job.loaded[0]} at step {job.first_step} (loaded in {job.loaded[1]:.2f} s)")
+        if m.recovery_s is not None:
+            echo(f"pipegpt: recovered: step {m.step + 1} done {m.recovery_s:.1f} s after the failure")
         if m.step == 0 or (m.step + 1) % log_every == 0 or m.step + 1 == steps:
             echo(progress_line(m, steps, clock.elapsed(), clock.eta()))
         if m.val_loss is not None:
@@ -73,7 +82,11 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     except WorkerFailure as e:
         if e.report:  # the stall watchdog's table: where each rank was
             echo(e.report, err=True)
-        _exit_now(echo, f"Error: {e}; all workers stopped", 1)
+        if driver and restarts < cfg.checkpoint.max_restarts:
+            restart(echo, e, job, out, restarts + 1)
+        _exit_now(echo, f"Error: {e}; all workers stopped" + (
+            f" (after {restarts} restart{'s' if restarts > 1 else ''}, --max-restarts {cfg.checkpoint.max_restarts})"
+            if restarts else ""), 1)
     except NonFiniteError as e:  # the job was closed cleanly; nothing was applied or saved from that state
         _exit_now(echo, f"Error: {e}", 1)
     except KeyboardInterrupt:
@@ -87,6 +100,66 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Restarts (--max-restarts): the driver starts itself again, a fresh process, resuming the run's latest checkpoint
+
+def restart_state(env=os.environ) -> tuple[int, float | None]:
+    """(restarts so far, when the failure this attempt restarts after happened), from RESTART_ENV."""
+    value = env.get(RESTART_ENV)
+    if not value:
+        return 0, None
+    count, failed_at = value.split()
+    return int(count), float(failed_at)
+
+
+def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
+    """Say which rank failed, why, at which step and where the run goes on from; then replace this process with
+    `pipegpt run` again, resuming the run's latest checkpoint (or starting it again, without one). The workers are
+    already gone (the job was killed on the way out); a fresh process leaves no RPC state behind. A rehearsed
+    fault (PIPEGPT_FAULT) fires on the first attempt only (a comma list: one per attempt)."""
+    from pipegpt.train import checkpoint
+    from pipegpt.train.faults import FAULT_ENV, later_faults
+
+    failed_at = time.time()
+    saved = checkpoint.complete_checkpoints(run_dir / "checkpoints")
+    step = job.current_step
+    at = f" at step {step + 1}" if step is not None else " while starting"
+    if saved:
+        done = int(checkpoint.read_manifest(saved[-1], verify=False)["step"])
+        lost = f", {step - done} step{'s' if step - done != 1 else ''} to do again" if step is not None else ""
+        source = f"from {saved[-1]} (after step {done}{lost})"
+    else:
+        source = "from the start (no checkpoint yet)"
+    limit = job.cfg.checkpoint.max_restarts
+    echo(f"pipegpt: rank {failure.rank} {failure.verb}{at} ({failure.cause}); restart {count} of {limit}, "
+         f"same layout, {source}", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    if later_faults():
+        env[FAULT_ENV] = later_faults()
+    env[RESTART_ENV] = f"{count} {failed_at!r}"
+    args = restart_args(sys.argv[1:], str(run_dir) if saved else None)
+    os.execve(sys.executable, [sys.executable, "-m", "pipegpt", *args], env)
+
+
+def restart_args(argv: list[str], resume: str | None) -> list[str]:
+    """The command line again, resuming `resume` (None: as given, the run starting over): --resume, --init-from
+    and --config give way to the checkpoint, which holds the run's settings; --overwrite would move the run aside."""
+    drop = ("--overwrite",) + (("--resume", "--init-from", "--config") if resume else ())
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in drop:
+            skip = "=" not in arg and name != "--overwrite"
+            continue
+        out.append(arg)
+    return out + (["--resume", resume] if resume else [])
+
+
+# --------------------------------------------------------------------------------------------------------------
 # The run directory: one run per directory, writable, checked before any work starts
 
 def holds_run(run_dir: Path) -> bool:
@@ -95,9 +168,10 @@ def holds_run(run_dir: Path) -> bool:
     return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
 
 
-def check_run_dir(run_dir: Path | None, cfg: TrainConfig, overwrite: bool) -> None:
+def check_run_dir(run_dir: Path | None, cfg: TrainConfig, overwrite: bool, continuing: bool = False) -> None:
     """Refuse, in one line, a run directory that this run could not write or would mix with another run's
-    (None: a new runs/<time>). A resume goes on in its checkpoint's run, attempt after attempt."""
+    (None: a new runs/<time>). A resume goes on in its checkpoint's run, attempt after attempt; so does a run
+    that is `continuing` one whose earlier attempt left no checkpoint."""
     from pipegpt.config import ConfigError
 
     resume = cfg.checkpoint.resume
@@ -109,7 +183,7 @@ def check_run_dir(run_dir: Path | None, cfg: TrainConfig, overwrite: bool) -> No
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir} is a file, not a directory: give a new or empty directory")
     _check_writable(run_dir, f"--run-dir {run_dir}")
-    if run_dir.is_dir() and holds_run(run_dir) and not overwrite:
+    if run_dir.is_dir() and holds_run(run_dir) and not overwrite and not (continuing and resume is None):
         if resume is None:
             raise ConfigError(f"--run-dir {run_dir} holds a run (metrics.jsonl or checkpoints/): continue it with "
                               f"--resume {run_dir}, give a new --run-dir, or --overwrite to move it aside")

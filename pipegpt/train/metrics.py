@@ -39,6 +39,8 @@ class StepMetrics:
     driver_cpu: float | None = None  # the driver's CPU time during the step / step_time_s
     skipped_steps: int = 0  # steps whose update was dropped (non-finite loss or grad norm) since this process began
     nonfinite: str | None = None  # on such a step: what was not finite and where it appeared first
+    recovery_s: float | None = None  # on an attempt's first step after a restart (--max-restarts): seconds from the
+    #                                  failure to this step's end
 
 
 def json_line(row: dict) -> str:

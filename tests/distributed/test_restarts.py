@@ -1,0 +1,93 @@
+"""--max-restarts: a worker that dies, raises or stalls no longer ends the run; the driver starts the workers
+again in the same layout from the run's latest checkpoint, and the losses go on as if nothing had happened."""
+import json
+
+import pytest
+
+from helpers import assert_one_line_error, clean_env, invoke, run_pipegpt
+
+RUN = ("run", "--stages", "2", "--microbatches", "4", "--steps", "8", "--save-every", "2")
+
+
+def last_rows(run_dir) -> dict:
+    """Each step's last row (a step redone after a restart appears twice)."""
+    rows = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row
+    return rows
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("restarts") / "reference"
+    proc = run_pipegpt(*RUN, "--run-dir", run_dir, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return last_rows(run_dir)
+
+
+def test_a_dead_worker_is_restarted_and_the_losses_go_on_bit_for_bit(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_pipegpt(*RUN, "--max-restarts", "1", "--run-dir", run_dir, timeout=300,
+                       env=clean_env(PIPEGPT_FAULT="exit:1:5"))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 1 failed at step")]
+    assert len(said) == 1 and "restart 1 of 1, same layout, from " in said[0] and "step-00000004" in said[0], said
+    rows = last_rows(run_dir)
+    assert sorted(rows) == sorted(uninterrupted)
+    assert [rows[s]["loss"] for s in sorted(rows)] == [uninterrupted[s]["loss"] for s in sorted(rows)]
+    after = [r for r in rows.values() if r["attempt"] == 2]
+    assert after and after[0]["recovery_s"] > 0 and all(r["recovery_s"] is None for r in after[1:])
+    assert "pipegpt: recovered: step" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_second_failure_past_the_limit_ends_the_run_and_keeps_the_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_pipegpt(*RUN, "--max-restarts", "1", "--run-dir", run_dir, timeout=300,
+                       env=clean_env(PIPEGPT_FAULT="exit:1:5,raise:0:6"))
+    assert proc.returncode == 1, proc.stderr
+    assert "restart 1 of 1" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: rank 0 failed") and "after 1 restart" in last, last
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saved[-1] == "step-00000006", saved
+
+
+@pytest.mark.slow
+def test_no_checkpoint_yet_starts_the_run_again(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_pipegpt("run", "--stages", "2", "--microbatches", "4", "--steps", "8", "--max-restarts", "2",
+                       "--run-dir", run_dir, timeout=300, env=clean_env(PIPEGPT_FAULT="raise:0:2"))
+    assert proc.returncode == 0, proc.stderr
+    assert "from the start (no checkpoint yet)" in proc.stderr
+    rows = last_rows(run_dir)
+    assert [rows[s]["loss"] for s in sorted(rows)] == [uninterrupted[s]["loss"] for s in sorted(rows)]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-restarts", "-1"], "max_restarts=-1 must be an integer >= 0"),
+    (["--resume", "auto"], "--resume auto resumes the run in --run-dir"),
+])
+def test_bad_restart_options_are_one_line(args, message):
+    assert_one_line_error(invoke("run", "--steps", "1", *args), message)
+
+
+def test_resume_auto_starts_fresh_then_resumes(tmp_path):
+    from pipegpt.options import resume_auto
+
+    run_dir = tmp_path / "run"
+    assert resume_auto(str(run_dir)) == (None, False)
+    (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    assert resume_auto(str(run_dir)) == (None, True)  # no complete checkpoint: the run starts again there
+    (run_dir / "checkpoints" / "step-00000002" / "manifest.json").write_text("{}")
+    assert resume_auto(str(run_dir)) == (str(run_dir), True)
+
+
+def test_restart_args_resume_the_run_and_drop_what_would_contradict_it():
+    from pipegpt.train.launch import restart_args
+
+    argv = ["run", "--stages", "2", "--config", "c.toml", "--overwrite", "--init-from=x", "--resume", "old"]
+    assert restart_args(argv, "runs/a") == ["run", "--stages", "2", "--resume", "runs/a"]
+    assert restart_args(["run", "--overwrite", "--init-from", "x"], None) == ["run", "--init-from", "x"]
