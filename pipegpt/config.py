@@ -232,6 +232,8 @@ class CheckpointConfig:
     init_from: str | None = setting(None, "Start from a checkpoint's weights with a fresh optimizer, at step 0.")
     max_restarts: int = setting(0, "When a worker fails, dies or stalls, restart every worker in the same layout "
                                    "from the run's latest checkpoint (or its start), up to N times.")
+    min_ranks: int | None = setting(None, "With --max-restarts: when a rank's device is gone, go on with the ranks "
+                                          "that remain if they are at least K, in a layout chosen for them.")
 
 
 @dataclass(frozen=True)
@@ -352,6 +354,13 @@ class TrainConfig:
             raise ConfigError(f"save_every={c.save_every} and keep={c.keep} must be integers >= 0")
         if isinstance(c.max_restarts, bool) or not isinstance(c.max_restarts, int) or c.max_restarts < 0:
             raise ConfigError(f"max_restarts={c.max_restarts!r} must be an integer >= 0")
+        if c.min_ranks is not None:
+            if not c.max_restarts:
+                raise ConfigError(f"--min-ranks {c.min_ranks} says how few ranks a restart may go on with: give "
+                                  f"--max-restarts N too")
+            if not 1 <= c.min_ranks <= p.world_size:
+                raise ConfigError(f"min_ranks={c.min_ranks} must be between 1 and this job's {p.world_size} ranks "
+                                  f"(dp x pp x tp)")
         if c.max_restarts and env is not None and under_torchrun(env):
             raise ConfigError("under torchrun the restarts are torchrun's: give torchrun --max-restarts N and "
                               "pipegpt run --resume auto, and leave out --max-restarts")

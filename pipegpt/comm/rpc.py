@@ -44,8 +44,9 @@ class WorkerFailure(RuntimeError):
 
     verb = "failed"
 
-    def __init__(self, rank: int, cause: str, report: str = ""):
+    def __init__(self, rank: int, cause: str, report: str = "", exit_code: int | None = None):
         self.rank, self.cause, self.report = rank, cause, report  # report: lines to show before the error
+        self.exit_code = exit_code  # the process's, where it exited
         super().__init__(f"rank {rank} {self.verb}: {cause}")
 
 
@@ -327,7 +328,7 @@ class LocalCluster(Cluster):
                 cause = (f"killed by signal {signal.Signals(-code).name}" if code < 0
                          else f"process exited with code {code}")
                 self.kill()
-                raise WorkerFailure(rank, cause)
+                raise WorkerFailure(rank, cause, exit_code=code)
 
     def kill(self) -> None:
         """Bring every worker down now (they may be blocked in communication)."""

@@ -8,6 +8,7 @@ The failure tests use it to prove that every kind brings the whole job down, nam
 Two kinds poison a value instead, for the non-finite guard: nan-loss (the rank's first loss of STEP is
 reported as nan; its gradients stay finite) and nan-grad (one of the rank's gradients becomes nan once
 the step's gradients are final, after the data-parallel average).
+lose is exit, but the rank's device counts as gone for good: a restart goes on without it (--min-ranks).
 gpu-stuck rehearses the CUDA form of stuck on any device: the rank's host launches every action of STEP
 and then waits at the step's end (as it would in settle()), while its "GPU" never finishes the first
 compute action (the runtime's per-action device marks are stood in for: pipegpt.timing.device_marker).
@@ -20,7 +21,11 @@ import time
 from typing import Mapping
 
 FAULT_ENV = "PIPEGPT_FAULT"
-KINDS = ("raise", "exit", "freeze", "kill-in-save", "stuck", "nan-loss", "nan-grad", "gpu-stuck")
+KINDS = ("raise", "exit", "freeze", "kill-in-save", "stuck", "nan-loss", "nan-grad", "gpu-stuck", "lose")
+LOSE = "lose"
+# A rehearsed `lose` exits with this code: the rank's device is gone for good (a dead GPU or host), so a restart
+# (--max-restarts) must go on without it (--min-ranks) rather than in the same layout.
+LOST_DEVICE_EXIT = 75
 IN_SAVE = "kill-in-save"
 STUCK = "stuck"
 NAN_LOSS, NAN_GRAD = "nan-loss", "nan-grad"
@@ -47,6 +52,8 @@ def fail_now(kind: str, step: int) -> None:
         raise RuntimeError(f"fault injected by {FAULT_ENV} at step {step}")
     if kind == "exit":
         os._exit(13)
+    if kind == LOSE:
+        os._exit(LOST_DEVICE_EXIT)
     while True:  # freeze: stay stopped even if something sends SIGCONT
         os.kill(os.getpid(), signal.SIGSTOP)
 

@@ -117,7 +117,8 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     already gone (the job was killed on the way out); a fresh process leaves no RPC state behind. A rehearsed
     fault (PIPEGPT_FAULT) fires on the first attempt only (a comma list: one per attempt)."""
     from pipegpt.train import checkpoint
-    from pipegpt.train.faults import FAULT_ENV, later_faults
+    from pipegpt.train.elastic import layout_text
+    from pipegpt.train.faults import FAULT_ENV, LOST_DEVICE_EXIT, later_faults
 
     failed_at = time.time()
     saved = checkpoint.complete_checkpoints(run_dir / "checkpoints")
@@ -129,23 +130,57 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
         source = f"from {saved[-1]} (after step {done}{lost})"
     else:
         source = "from the start (no checkpoint yet)"
-    limit = job.cfg.checkpoint.max_restarts
+    cfg = job.cfg
+    limit, layout, flags = cfg.checkpoint.max_restarts, "same layout", {}
+    if failure.exit_code == LOST_DEVICE_EXIT:  # that rank's device is gone: go on without it, or stop
+        shrunk = _shrink(echo, failure, cfg, saved)
+        layout, flags = f"{layout_text(cfg)} -> {layout_text(shrunk.cfg)}, predicted step x{shrunk.ratio:.2f}", \
+            shrunk.flags
     echo(f"pipegpt: rank {failure.rank} {failure.verb}{at} ({failure.cause}); restart {count} of {limit}, "
-         f"same layout, {source}", err=True)
+         f"{layout}, {source}", err=True)
     sys.stdout.flush()
     sys.stderr.flush()
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     if later_faults():
         env[FAULT_ENV] = later_faults()
     env[RESTART_ENV] = f"{count} {failed_at!r}"
-    args = restart_args(sys.argv[1:], str(run_dir) if saved else None)
+    args = restart_args(sys.argv[1:], str(run_dir) if saved else None, flags)
     os.execve(sys.executable, [sys.executable, "-m", "pipegpt", *args], env)
 
 
-def restart_args(argv: list[str], resume: str | None) -> list[str]:
+def _shrink(echo: Callable, failure, cfg: TrainConfig, saved: list):
+    """The layout for the ranks that remain when one rank's device is gone; the run ends (exit 1) where
+    --min-ranks does not allow it, no layout builds, or there is no checkpoint to reshard."""
+    from pipegpt.train.elastic import shrunk_layout
+
+    remaining = cfg.world_size - 1
+    why = None
+    if cfg.checkpoint.min_ranks is None:
+        why = "give --min-ranks K to go on with fewer ranks"
+    elif remaining < cfg.checkpoint.min_ranks:
+        why = f"{remaining} ranks remain, fewer than --min-ranks {cfg.checkpoint.min_ranks}"
+    shrunk = None if why else shrunk_layout(cfg, remaining)
+    if why is None and shrunk is None:
+        why = f"no layout of this model and batch builds on {remaining} ranks"
+    if why:
+        _exit_now(echo, f"Error: rank {failure.rank}'s device is gone ({failure.cause}): {why}; all workers "
+                        f"stopped", 1)
+    return shrunk
+
+
+# The layout options a shrunk restart sets (and their short forms): the old values go.
+LAYOUT_FLAGS = {"--stages": "-p", "--dp": None, "--tp": None, "--microbatches": "-m", "--schedule": "-s",
+                "--virtual-stages": "-v", "--layers-per-stage": None, "--batch-size": None, "--max-live": None,
+                "--balance": None}
+
+
+def restart_args(argv: list[str], resume: str | None, layout: dict | None = None) -> list[str]:
     """The command line again, resuming `resume` (None: as given, the run starting over): --resume, --init-from
-    and --config give way to the checkpoint, which holds the run's settings; --overwrite would move the run aside."""
-    drop = ("--overwrite",) + (("--resume", "--init-from", "--config") if resume else ())
+    and --config give way to the checkpoint, which holds the run's settings; --overwrite would move the run aside.
+    `layout` (flag -> value) replaces the layout options given, when the run goes on with fewer ranks."""
+    drop = {"--overwrite"} | ({"--resume", "--init-from", "--config"} if resume else set())
+    if layout:
+        drop |= {f for long, short in LAYOUT_FLAGS.items() for f in (long, short) if f}
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -156,6 +191,8 @@ def restart_args(argv: list[str], resume: str | None) -> list[str]:
             skip = "=" not in arg and name != "--overwrite"
             continue
         out.append(arg)
+    for flag, value in (layout or {}).items():
+        out += [flag, str(value)]
     return out + (["--resume", resume] if resume else [])
 
 

@@ -68,6 +68,8 @@ def test_no_checkpoint_yet_starts_the_run_again(uninterrupted, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--max-restarts", "-1"], "max_restarts=-1 must be an integer >= 0"),
     (["--resume", "auto"], "--resume auto resumes the run in --run-dir"),
+    (["--min-ranks", "1"], "--min-ranks 1 says how few ranks a restart may go on with: give --max-restarts N"),
+    (["--max-restarts", "1", "--min-ranks", "9"], "min_ranks=9 must be between 1 and this job's 4 ranks"),
 ])
 def test_bad_restart_options_are_one_line(args, message):
     assert_one_line_error(invoke("run", "--steps", "1", *args), message)
@@ -91,3 +93,33 @@ def test_restart_args_resume_the_run_and_drop_what_would_contradict_it():
     argv = ["run", "--stages", "2", "--config", "c.toml", "--overwrite", "--init-from=x", "--resume", "old"]
     assert restart_args(argv, "runs/a") == ["run", "--stages", "2", "--resume", "runs/a"]
     assert restart_args(["run", "--overwrite", "--init-from", "x"], None) == ["run", "--init-from", "x"]
+
+
+def test_a_lost_device_shrinks_the_layout_and_goes_on_like_a_manual_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_pipegpt("run", "--stages", "3", "--microbatches", "4", "--steps", "8", "--save-every", "2",
+                       "--max-restarts", "1", "--min-ranks", "2", "--run-dir", run_dir, timeout=300,
+                       env=clean_env(PIPEGPT_FAULT="lose:2:5"))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    said = next(ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 2 failed"))
+    assert "dp 1 x pp 3 x tp 1, 1f1b, 4 microbatches -> dp 1 x pp 2 x tp 1, 1f1b, 4 microbatches" in said, said
+    rows = last_rows(run_dir)
+    resumed = [s for s, r in rows.items() if r["attempt"] == 2]
+    # the same checkpoint resumed by hand in the layout the restart chose
+    manual = tmp_path / "manual"
+    by_hand = run_pipegpt("run", "--resume", run_dir / "checkpoints" / "step-00000004", "--stages", "2",
+                          "--run-dir", manual, "--save-every", "0", timeout=300)
+    assert by_hand.returncode == 0, by_hand.stderr
+    expected = last_rows(manual)
+    assert sorted(expected) == sorted(resumed)
+    for s in resumed:
+        assert rows[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-5), s
+
+
+@pytest.mark.slow
+def test_a_lost_device_without_min_ranks_ends_the_run_in_one_line(tmp_path):
+    proc = run_pipegpt("run", "--stages", "2", "--microbatches", "2", "--steps", "3", "--max-restarts", "1",
+                       "--run-dir", tmp_path / "run", timeout=300, env=clean_env(PIPEGPT_FAULT="lose:1:1"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == ("Error: rank 1's device is gone (process exited with code 75): "
+                                                    "give --min-ranks K to go on with fewer ranks; all workers stopped")

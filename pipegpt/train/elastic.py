@@ -1,0 +1,76 @@
+"""Going on with fewer ranks: the layout a restart takes when a rank's device is gone (--min-ranks).
+
+The global batch stays: tensor parallelism is kept (its groups live inside a node), data-parallel replicas
+are kept while a pipeline of at least one stage fits, else halved with twice the microbatches each, and the
+pipeline takes the ranks left. Among the layouts that build, the one the simulator predicts fastest wins,
+with per-stage costs from the run's measured layer costs (--balance cost, --schedule auto) or, without
+them, estimated from the model's shape; the prediction is given relative to the old layout's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipegpt.config import ConfigError, TrainConfig
+
+
+@dataclass(frozen=True)
+class Shrunk:
+    cfg: TrainConfig
+    flags: dict  # the run options that change, as the command line gives them
+    ratio: float  # predicted step time over the old layout's
+
+
+def layout_text(cfg: TrainConfig) -> str:
+    p = cfg.parallel
+    return f"dp {p.dp} x pp {p.stages} x tp {p.tp}, {p.schedule}, {p.microbatches} microbatches"
+
+
+def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
+    """The fastest layout of the same model and global batch on `ranks` ranks (None: none builds)."""
+    p = cfg.parallel
+    if p.schedule_file is not None:
+        return None  # a schedule file fixes the stages
+    old = _predicted(cfg)
+    best = None
+    for dp in sorted((d for d in range(1, p.dp + 1) if p.dp % d == 0), reverse=True):
+        stages = min(ranks // (dp * p.tp), cfg.model.n_layer)
+        if stages < 1:
+            continue
+        microbatches = p.microbatches * p.dp // dp
+        for schedule in dict.fromkeys((p.schedule, "1f1b")):
+            changes = dict(stages=stages, dp=dp, microbatches=microbatches, schedule=schedule,
+                           virtual_stages=p.virtual_stages if schedule == p.schedule else None,
+                           layers_per_stage=None, balanced_costs=None, schedule_costs=p.schedule_costs,
+                           balance=p.balance if stages == p.stages else "even", max_live=None)
+            try:
+                candidate = cfg.replace(**changes)
+                time = _predicted(candidate)
+            except ConfigError:
+                continue
+            if best is None or time < best[0]:
+                flags = {"--stages": stages, "--dp": dp, "--microbatches": microbatches, "--schedule": schedule}
+                if changes["virtual_stages"]:
+                    flags["--virtual-stages"] = changes["virtual_stages"]
+                best = (time, candidate, flags)
+            break
+    if best is None:
+        return None
+    return Shrunk(best[1], best[2], best[0] / old)
+
+
+def _predicted(cfg: TrainConfig) -> float:
+    """One replica's simulated step at the run's measured (or estimated) per-layer costs: a relative time."""
+    from pipegpt.plan.balance import stage_costs
+    from pipegpt.schedule.simulate import Costs, simulate
+    from pipegpt.stages import partition_layers
+    from pipegpt.train.driver import estimated_layer_costs, make_plan
+
+    plan = make_plan(cfg)
+    m = cfg.model
+    layers = [len(r) for r in partition_layers(m.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)]
+    embed_f, embed_b, block_f, block_b, head_f, head_b = cfg.parallel.schedule_costs or estimated_layer_costs(m)
+    forward = stage_costs(layers, [block_f] * m.n_layer, embed_f, head_f)
+    backward = stage_costs(layers, [block_b] * m.n_layer, embed_b, head_b)
+    tp = cfg.parallel.tp
+    costs = Costs(tuple(f / tp for f in forward), tuple(b / tp for b in backward), tuple(b / 2 / tp for b in backward))
+    return float(simulate(plan.compute_only(), costs).makespan)
