@@ -123,3 +123,15 @@ def test_a_lost_device_without_min_ranks_ends_the_run_in_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == ("Error: rank 1's device is gone (process exited with code 75): "
                                                     "give --min-ranks K to go on with fewer ranks; all workers stopped")
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_restarted(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_pipegpt(*RUN, "--max-restarts", "1", "--run-dir", run_dir, timeout=300,
+                       env=clean_env(PIPEGPT_FAULT="stuck:1:5"))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert any(ln.startswith("pipegpt: rank 1 stalled at step") and "restart 1 of 1" in ln
+               for ln in proc.stderr.splitlines()), proc.stderr
+    rows = last_rows(run_dir)
+    assert [rows[s]["loss"] for s in sorted(rows)] == [uninterrupted[s]["loss"] for s in sorted(rows)]
