@@ -128,8 +128,9 @@ class ParallelConfig:
     balanced_costs: tuple[float, float, float] | None = None
     max_live: int | None = setting(None, "With --schedule auto or auto-v: the most stage-microbatches' activations "
                                          "a rank may hold at once (default 1F1B's memory: stages x stages per rank).")
-    # With schedule auto/auto-v, the measured seconds the order was written for: forward and backward of the
-    # embedding, of one block and of the head with its loss (six numbers); set by the driver, never an option.
+    # With schedule auto/auto-v, the measured seconds the order was written for: forward, backward and the
+    # backward's weight-gradient part of the embedding, of one block and of the head with its loss (nine
+    # numbers); set by the driver, never an option.
     schedule_costs: tuple[float, ...] | None = None
     microbatches: int = setting(8, "Microbatches per step.", short="-m")
     microbatch_size: int = setting(4, "Sequences per microbatch.")

@@ -24,7 +24,8 @@ def measure_layer_costs(model: ModelConfig, microbatch_size: int, device: torch.
                         recompute: str = "none", autocast_dtype: torch.dtype | None = None, repeats: int = 5,
                         warmup: int = 2, seed: int = 0) -> dict[str, float]:
     """{"embed": s, "block": s, "head": s}: median seconds of one microbatch's forward + backward of each piece;
-    "embed_forward", "block_forward", "head_forward": the forward's share alone (the schedule synthesizer's F)."""
+    "<piece>_forward" and "<piece>_weight": the forward's share and the weight gradients' (the schedule
+    synthesizer's F and W; the backward is timed as its two halves, the input gradient then the weights')."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
@@ -40,22 +41,27 @@ def measure_layer_costs(model: ModelConfig, microbatch_size: int, device: torch.
             module = GPT(model, recompute=recompute, init_seed=seed, **where).to(device, dtype)
             stage = Stage(index, 3, module, 1, autocast_dtype)
             inputs = tokens if piece == "embed" else hidden
-            times, forward_times = [], []
+            times, forward_times, weight_times = [], [], []
             for k in range(warmup + repeats):
                 _sync(device)
                 t0 = time.perf_counter()
                 y = stage.forward(0, inputs, tokens if piece == "head" else None)
                 _sync(device)
                 t1 = time.perf_counter()
-                stage.backward(0, None if piece == "head" else grad)
+                stage.backward(0, None if piece == "head" else grad, split=True)
+                _sync(device)
+                t2 = time.perf_counter()
+                stage.backward_weight(0)
                 _sync(device)
                 if k >= warmup:
                     times.append(time.perf_counter() - t0)
                     forward_times.append(t1 - t0)
+                    weight_times.append(time.perf_counter() - t2)
                 module.zero_grad(set_to_none=True)
             stage.pop_losses()
             out[piece] = statistics.median(times)
             out[f"{piece}_forward"] = min(statistics.median(forward_times), out[piece])
+            out[f"{piece}_weight"] = min(statistics.median(weight_times), out[piece] - out[f"{piece}_forward"])
             del module, stage
     return out
 

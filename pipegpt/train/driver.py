@@ -58,16 +58,10 @@ def make_plan(cfg: TrainConfig) -> Plan:
 def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
     """auto / auto-v: the order written for the stages' costs (measured on the workers once they start; until
     then estimated from the model's shape), their split and --max-live. The plan's meta holds the prediction."""
-    from pipegpt.plan.balance import stage_costs
-
     p, m = cfg.parallel, cfg.model
     placement = spec.stage_to_rank(p.stages, p.virtual_stages)
-    embed_f, embed_b, block_f, block_b, head_f, head_b = p.schedule_costs or estimated_layer_costs(m)
     layers = [len(r) for r in partition_layers(m.n_layer, len(placement), p.layers_per_stage)]
-    forward = stage_costs(layers, [block_f] * m.n_layer, embed_f, head_f)
-    backward = stage_costs(layers, [block_b] * m.n_layer, embed_b, head_b)
-    # W, the weight gradients, is about half of a linear layer's backward (the other half: the input gradient)
-    costs = Costs(tuple(forward), tuple(backward), tuple(b / 2 for b in backward))
+    costs = stage_costs_for(layers, p.schedule_costs or estimated_layer_costs(m))
     synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live)
     meta = {**synthesis.plan.meta, "predicted_s": float(synthesis.makespan),
             "lower_bound_s": float(synthesis.lower_bound), "best_fixed": synthesis.best_fixed,
@@ -76,11 +70,22 @@ def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
     return replace(synthesis.plan, meta=meta)
 
 
+def stage_costs_for(layers: list[int], layer_costs: tuple[float, ...], tp: int = 1) -> Costs:
+    """Per-stage F, B and W for a split of the layers, from the pieces' (embedding, block, head) forward,
+    backward and weight-gradient costs (schedule_costs' nine numbers)."""
+    from pipegpt.plan.balance import stage_costs
+
+    n = sum(layers)
+    per = [stage_costs(layers, [layer_costs[3 + k]] * n, layer_costs[k], layer_costs[6 + k]) for k in range(3)]
+    return Costs(*(tuple(x / tp for x in column) for column in per))
+
+
 def estimated_layer_costs(m) -> tuple[float, ...]:
-    """Relative forward and backward costs before anything is measured: a block's matmuls (12 d^2 per token,
-    plus attention's 2 d x seq), the head's d x vocab, the embedding a lookup (nearly free); B = 2F."""
+    """Relative forward, backward and weight-gradient costs before anything is measured: a block's matmuls
+    (12 d^2 per token, plus attention's 2 d x seq), the head's d x vocab, the embedding a lookup (nearly
+    free); B = 2F, W = F."""
     block, head = 12 * m.n_embd ** 2 + 2 * m.n_embd * m.seq_len, m.n_embd * m.vocab_size
-    return 0.01 * block, 0.02 * block, block, 2 * block, head, 2 * head
+    return 0.01 * block, 0.02 * block, 0.01 * block, block, 2 * block, block, head, 2 * head, head
 
 
 def synthesis_line(plan: Plan) -> str:
@@ -241,7 +246,8 @@ class Job:
         costs = self.cluster.call("measure_layer_costs", ranks=[0])[0]
         measured = (costs["embed"], costs["block"], costs["head"])
         split = tuple(x for piece in ("embed", "block", "head")
-                      for x in (costs[f"{piece}_forward"], costs[piece] - costs[f"{piece}_forward"]))
+                      for x in (costs[f"{piece}_forward"], costs[piece] - costs[f"{piece}_forward"],
+                                costs[f"{piece}_weight"]))
         changes = {"schedule_costs": split} if order else {}
         if balance:
             embed, block, head = measured

@@ -60,17 +60,12 @@ def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
 
 def _predicted(cfg: TrainConfig) -> float:
     """One replica's simulated step at the run's measured (or estimated) per-layer costs: a relative time."""
-    from pipegpt.plan.balance import stage_costs
-    from pipegpt.schedule.simulate import Costs, simulate
+    from pipegpt.schedule.simulate import simulate
     from pipegpt.stages import partition_layers
-    from pipegpt.train.driver import estimated_layer_costs, make_plan
+    from pipegpt.train.driver import estimated_layer_costs, make_plan, stage_costs_for
 
     plan = make_plan(cfg)
     m = cfg.model
     layers = [len(r) for r in partition_layers(m.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)]
-    embed_f, embed_b, block_f, block_b, head_f, head_b = cfg.parallel.schedule_costs or estimated_layer_costs(m)
-    forward = stage_costs(layers, [block_f] * m.n_layer, embed_f, head_f)
-    backward = stage_costs(layers, [block_b] * m.n_layer, embed_b, head_b)
-    tp = cfg.parallel.tp
-    costs = Costs(tuple(f / tp for f in forward), tuple(b / tp for b in backward), tuple(b / 2 / tp for b in backward))
+    costs = stage_costs_for(layers, cfg.parallel.schedule_costs or estimated_layer_costs(m), cfg.parallel.tp)
     return float(simulate(plan.compute_only(), costs).makespan)

@@ -216,8 +216,9 @@ def test_run_balance_cost_moves_layers_off_a_heavy_head_then_auto_orders_for_the
     # the split first, then the order written for those stages' measured forward and backward costs
     said = next(ln for ln in proc.stdout.splitlines() if ln.startswith("pipegpt: schedule auto (max live 4)"))
     assert "best fixed schedule " in said and "lower bound " in said, said
-    embed_f, embed_b, block_f, block_b, head_f, head_b = config["schedule_costs"]
-    assert head_f > block_f > 0 and block_b > 0 and head_f + head_b == pytest.approx(head, rel=0.5)
+    embed_f, embed_b, embed_w, block_f, block_b, block_w, head_f, head_b, head_w = config["schedule_costs"]
+    assert head_f > block_f > 0 and block_b > block_w > 0 and head_b > head_w > 0
+    assert head_f + head_b == pytest.approx(head, rel=0.5)
     assert (run_dir / "plan.txt").read_text().startswith("# name: auto")
     metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1] and all(m["loss"] > 0 for m in metrics)
