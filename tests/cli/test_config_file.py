@@ -11,7 +11,7 @@ def launched(monkeypatch):
     """The TrainConfig `pipegpt run` would launch (no job starts)."""
     seen = {}
 
-    def fake_launch(cfg, preset, run_dir, port, log_every, echo, overwrite=False):
+    def fake_launch(cfg, preset, run_dir, port, log_every, echo, overwrite=False, continuing=False):
         seen["cfg"] = cfg
 
     monkeypatch.setattr("pipegpt.train.launch.launch", fake_launch)
