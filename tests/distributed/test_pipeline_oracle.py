@@ -156,7 +156,8 @@ def valid_microbatches(schedule: str, p: int) -> list[int]:
 # The default matrix (CI): every fixed schedule at every accepted microbatch count on 2 ranks; the synthesized
 # ones (auto, auto-v: written for the estimated costs) at an odd count, and on 4 ranks, with tp and dp below.
 CASES = [(s, 2, m) for s in SCHEDULES if not SCHEDULES[s].synthesized for m in valid_microbatches(s, 2)] + \
-    [("auto", 2, 3), ("auto-v", 2, 3), ("auto-v", 4, 5), pytest.param("auto", 4, 6, marks=pytest.mark.slow)]
+    [("auto", 2, 3), ("auto-v", 2, 3), pytest.param("auto-v", 4, 5, marks=pytest.mark.slow),
+     pytest.param("auto", 4, 6, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("schedule,p,m", CASES, ids=[f"{s}-p{p}-m{m}" for s, p, m in
@@ -204,7 +205,7 @@ def test_four_stages(workers, matching, schedule):
 
 @pytest.mark.parametrize("dp,p,schedule,zero,clip", [(2, 2, "1f1b", 0, 1.0), pytest.param(2, 2, "1f1b", 0, 0.0, marks=pytest.mark.slow),
                                                       (2, 2, "zb-h1", 1, 1.0), (2, 2, "zbv", 0, 1.0),
-                                                      (2, 1, "1f1b", 0, 1.0)])
+                                                      pytest.param(2, 1, "1f1b", 0, 1.0, marks=pytest.mark.slow)])
 def test_data_parallel_matches(workers, matching, dp, p, schedule, zero, clip):
     cfg = base_config(p, dp=dp, schedule=schedule, microbatches=2 * p, zero=zero, grad_clip=clip,
                       p2p_matching=matching)
@@ -248,8 +249,9 @@ def test_full_matrix(workers, matching, schedule, p, m, recompute, tie):
 
 
 # The dp x pp x tp grid. Tensor-parallel gradients are gathered to full shape (tensor_parallel.gather_full).
-GRIDS = [(1, 1, 2, "1f1b", False), (1, 2, 2, "1f1b", False), (1, 2, 2, "zb-h1", True), (2, 2, 1, "interleaved-1f1b", False),
-         (2, 1, 2, "1f1b", True), pytest.param(1, 2, 2, "auto-v", False, marks=pytest.mark.slow),
+# Slow: tp alone (pp x tp covers it) and dp x interleaved (dp is in test_data_parallel_matches).
+GRIDS = [pytest.param(1, 1, 2, "1f1b", False, marks=pytest.mark.slow), (1, 2, 2, "1f1b", False), (1, 2, 2, "zb-h1", True),
+         pytest.param(2, 2, 1, "interleaved-1f1b", False, marks=pytest.mark.slow), (2, 1, 2, "1f1b", True), pytest.param(1, 2, 2, "auto-v", False, marks=pytest.mark.slow),
          pytest.param(2, 2, 1, "auto", False, marks=pytest.mark.slow)]
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from helpers import assert_one_line_error, clean_env, invoke, run_pipegpt
 
-RUN = ("run", "--stages", "2", "--microbatches", "4", "--steps", "8", "--save-every", "2")
+RUN = ("run", "--stages", "2", "--microbatches", "4", "--steps", "6", "--save-every", "2")
 
 
 def last_rows(run_dir) -> dict:
@@ -45,19 +45,19 @@ def test_a_dead_worker_is_restarted_and_the_losses_go_on_bit_for_bit(uninterrupt
 def test_a_second_failure_past_the_limit_ends_the_run_and_keeps_the_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_pipegpt(*RUN, "--max-restarts", "1", "--run-dir", run_dir, timeout=300,
-                       env=clean_env(PIPEGPT_FAULT="exit:1:5,raise:0:6"))
+                       env=clean_env(PIPEGPT_FAULT="exit:1:3,raise:0:5"))
     assert proc.returncode == 1, proc.stderr
     assert "restart 1 of 1" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: rank 0 failed") and "after 1 restart" in last, last
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert saved[-1] == "step-00000006", saved
+    assert saved[-1] == "step-00000004", saved  # the last before the second failure
 
 
 @pytest.mark.slow
 def test_no_checkpoint_yet_starts_the_run_again(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_pipegpt("run", "--stages", "2", "--microbatches", "4", "--steps", "8", "--max-restarts", "2",
+    proc = run_pipegpt("run", "--stages", "2", "--microbatches", "4", "--steps", "6", "--max-restarts", "2",
                        "--run-dir", run_dir, timeout=300, env=clean_env(PIPEGPT_FAULT="raise:0:2"))
     assert proc.returncode == 0, proc.stderr
     assert "from the start (no checkpoint yet)" in proc.stderr
@@ -95,6 +95,7 @@ def test_restart_args_resume_the_run_and_drop_what_would_contradict_it():
     assert restart_args(["run", "--overwrite", "--init-from", "x"], None) == ["run", "--init-from", "x"]
 
 
+@pytest.mark.slow
 def test_a_lost_device_shrinks_the_layout_and_goes_on_like_a_manual_resume(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_pipegpt("run", "--stages", "3", "--microbatches", "4", "--steps", "8", "--save-every", "2",
@@ -135,3 +136,19 @@ def test_a_stalled_rank_is_restarted(uninterrupted, tmp_path):
                for ln in proc.stderr.splitlines()), proc.stderr
     rows = last_rows(run_dir)
     assert [rows[s]["loss"] for s in sorted(rows)] == [uninterrupted[s]["loss"] for s in sorted(rows)]
+
+
+def test_the_shrunk_layout_keeps_the_global_batch_and_uses_the_ranks_left():
+    from pipegpt.config import ModelConfig, TrainConfig
+    from pipegpt.train.elastic import shrunk_layout
+
+    model = ModelConfig(vocab_size=256, seq_len=16, n_layer=8, n_head=4, n_embd=32)
+    cfg = TrainConfig.build(model, stages=4, dp=2, microbatches=4, device="cpu")
+    seven = shrunk_layout(cfg, 7)  # dp 2 keeps a pipeline of 3
+    assert (seven.cfg.parallel.dp, seven.cfg.parallel.stages, seven.cfg.parallel.microbatches) == (2, 3, 4)
+    assert seven.flags == {"--stages": 3, "--dp": 2, "--microbatches": 4, "--schedule": "1f1b"}
+    assert seven.ratio > 1  # the same work on fewer ranks
+    one = shrunk_layout(cfg, 1)  # one rank: one replica, twice the microbatches, the global batch kept
+    assert (one.cfg.parallel.dp, one.cfg.parallel.stages, one.cfg.parallel.microbatches) == (1, 1, 8)
+    v = shrunk_layout(TrainConfig.build(model, stages=4, schedule="zbv", microbatches=8, device="cpu"), 3)
+    assert v.cfg.parallel.schedule == "zbv" and v.cfg.parallel.stages == 3
