@@ -170,7 +170,8 @@ def _workers(job: Job) -> list[int]:
 
 @pytest.mark.parametrize("kind, cause", [
     ("raise", "RuntimeError: fault injected by PIPEGPT_FAULT at step 2"),
-    ("exit", "process exited with code 13"),
+    # a dead process is also named in the default run by test_restarts (rank 1 ... process exited with code 13)
+    pytest.param("exit", "process exited with code 13", marks=pytest.mark.slow),
     ("freeze", "stopped answering"),
 ])
 def test_worker_failure_stops_the_job(kind, cause, tmp_path):

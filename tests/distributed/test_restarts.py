@@ -33,6 +33,7 @@ def test_a_dead_worker_is_restarted_and_the_losses_go_on_bit_for_bit(uninterrupt
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 1 failed at step")]
     assert len(said) == 1 and "restart 1 of 1, same layout, from " in said[0] and "step-00000004" in said[0], said
+    assert "(process exited with code 13)" in said[0], said
     rows = last_rows(run_dir)
     assert sorted(rows) == sorted(uninterrupted)
     assert [rows[s]["loss"] for s in sorted(rows)] == [uninterrupted[s]["loss"] for s in sorted(rows)]
