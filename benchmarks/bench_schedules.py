@@ -122,6 +122,7 @@ def main(argv=None) -> int:
                  "predicted ms", "calibrated / span ms"]]
     everything = {}
     t_start = time.perf_counter()
+    cpu_before = bp._cpu_accounting()
     for vocab in (int(v) for v in args.vocab.split(",")):
         for stages in (int(p) for p in args.stages.split(",")):
             base = base_spec(args, stages, vocab)
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
     print(text_table(out_rows, right={2, 3, 4, 5, 6, 7}, rule=True))
     print(f"(wall {time.perf_counter() - t_start:.0f} s; vs torch best = torch's fastest schedule's step time / this "
           f"row's: > 1 is faster than torch)")
+    print(bp._other_load(cpu_before, bp._cpu_accounting(), os.cpu_count() or 1))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(everything, indent=1))
     return 0
