@@ -76,7 +76,7 @@ def main():
 @click.option("--trace", "trace_dir", type=click.Path(), default=None, metavar="RUN_DIR",
               help="Measured beside predicted: calibrate costs from a run directory's trace.json, simulate "
                    "its plan.txt with them, show both and the fidelity (predicted / measured).")
-@click.option("--trace-step", type=click.IntRange(min=0), default=None, metavar="N",
+@click.option("--trace-step", type=click.IntRange(min=1), default=None, metavar="N",
               help="With --trace: read the run's traces/step-N.json (a step `pipegpt run --trace-steps` named) "
                    "instead of trace.json (the last step).")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
@@ -118,6 +118,38 @@ def simulate(**options):
     if out is not None and os.path.splitext(out)[1].lower() not in (".svg", ".html", ".htm", ".json"):
         raise click.BadParameter(f"{out!r} must end in .svg, .html or .json", param_hint="--out")
     simulate_command(SimulateOptions(**options), click.echo, parse_layer_costs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# plot: runs' metrics.jsonl as one SVG (pipegpt.train.plot: no torch)
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(), metavar="RUN_DIR...")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
+              help="The SVG to write (default: plot.svg in the run directory; with several runs, ./plot.svg).")
+@click.option("--title", default=None, help="The picture's title (default: the run's name, or 'N runs').")
+def plot(run_dirs, out, title):
+    """Loss, val loss, learning rate and tokens/s against the step, as SVG; several runs overlay, a color each.
+
+    \b
+    pipegpt plot runs/20250101-120000                       # writes runs/20250101-120000/plot.svg
+    pipegpt plot runs/a runs/b --out a_vs_b.svg
+    """
+    from pathlib import Path
+
+    from pipegpt.train.plot import PLOT_FILE, PlotError, plot_runs
+
+    dirs = [Path(d) for d in run_dirs]
+    out = Path(out) if out is not None else (dirs[0] / PLOT_FILE if len(dirs) == 1 else Path(PLOT_FILE))
+    try:
+        text = plot_runs(dirs, title)
+    except PlotError as e:  # a ValueError, not one of USER_ERRORS: made one `Error:` line here
+        raise click.ClickException(str(e)) from None
+    try:
+        out.write_text(text)
+    except OSError as e:
+        raise click.ClickException(f"cannot write {out}: {e.strerror}") from None
+    click.echo(f"wrote {out}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -338,6 +370,8 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
 @click.option("--try-steps", type=click.IntRange(min=2), default=5, show_default=True,
               help="Steps per tried plan; the first (warm-up) is left out of the median.")
 @click.option("--try-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--try-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Where the tried runs keep their directories, DIR/plan-K (default: a new runs/plan-try-<time>).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(**options):
     """Choose dp x pp x tp, schedule, microbatches and recomputation; predict step time and memory.

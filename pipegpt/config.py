@@ -191,7 +191,7 @@ class RuntimeConfig:
     peak_tflops: float | None = setting(None, "Peak TFLOPS of one device for MFU (default: looked up by GPU name "
                                               "and precision; none on CPU).")
     trace_steps: str = setting("last", "Steps whose measured timeline goes to traces/step-N.json: last, all, or "
-                                       "step numbers such as 3,7,10 (from 0, as metrics.jsonl counts). trace.json "
+                                       "step numbers such as 3,7,10 (from 1, as every step number). trace.json "
                                        "is always the last step's; other steps record nothing.")
     profile: bool = setting(False, "Run py-spy on every worker over the traced steps (first to last): a flame graph "
                                    "per rank, profiles/rank-N.svg and profiles/rank-N.speedscope.json.")
@@ -220,7 +220,8 @@ class RuntimeConfig:
         return "float32" if self.p2p_dtype == "fp32" else self.dtype
 
     def traced_steps(self) -> tuple[int, ...]:
-        """The steps --trace-steps names, sorted (ConfigError if it names none that this run has)."""
+        """The steps --trace-steps names, sorted, as the loop's indices (from 0; ConfigError if it names none
+        that this run has)."""
         return trace_step_list(self.trace_steps, self.steps)
 
 
@@ -388,22 +389,23 @@ class TrainConfig:
 
 
 def trace_step_list(text, steps: int) -> tuple[int, ...]:
-    """'last', 'all' or comma-separated step numbers (0-based; 'last' may be one of them) -> sorted steps."""
+    """'last', 'all' or comma-separated step numbers (from 1, as the console, metrics.jsonl and checkpoint names
+    count; 'last' may be one of them) -> the loop's indices of those steps (from 0), sorted."""
     words = [w.strip().lower() for w in str(text).split(",")] if isinstance(text, str) else []
     try:
         if words == ["all"]:
             return tuple(range(steps))
-        chosen = {steps - 1 if w == "last" else int(w) for w in words}
+        chosen = {steps if w == "last" else int(w) for w in words}
     except ValueError:
         chosen = set()
     if not chosen:
         raise ConfigError(f"trace_steps={text!r} must be last, all, or comma-separated step numbers such as "
-                          f"{'0,' if steps > 1 else ''}{steps - 1} (counted from 0)")
-    outside = sorted(s for s in chosen if not 0 <= s < steps)
+                          f"{'1,' if steps > 1 else ''}{steps} (counted from 1)")
+    outside = sorted(s for s in chosen if not 1 <= s <= steps)
     if outside:
-        raise ConfigError(f"trace_steps={text!r}: step {outside[0]} is not in this run, whose steps are 0 to "
-                          f"{steps - 1} (steps={steps}, counted from 0)")
-    return tuple(sorted(chosen))
+        raise ConfigError(f"trace_steps={text!r}: step {outside[0]} is not in this run, whose steps are 1 to "
+                          f"{steps} (steps={steps})")
+    return tuple(sorted(s - 1 for s in chosen))
 
 
 def _check_choice(name: str, value, choices) -> None:

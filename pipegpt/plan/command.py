@@ -13,7 +13,7 @@ from .cost import DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, AnalyticalCosts,
 from .devices import make_cluster
 from .report import as_json, format_text, no_fit_message
 from .search import search
-from .trial import trials_text, try_plans
+from .trial import trials_dir, trials_text, try_plans
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class PlanOptions:
     try_top: int | None = None
     try_steps: int = 5
     try_device: str = "auto"
+    try_dir: str | None = None
     as_json: bool = False
 
 
@@ -66,8 +67,10 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
     if not opts.try_top:
         return json.dumps(as_json(result)) if opts.as_json else format_text(result)
     best = result.best[:opts.try_top]
-    tried = try_plans(best, opts.precision, opts.try_steps, opts.try_device)
-    return json.dumps({**as_json(result), "tried": tried}) if opts.as_json else trials_text(best, tried, opts.try_steps)
+    tried = try_plans(best, opts.precision, opts.try_steps, opts.try_device, trials_dir(opts.try_dir))
+    if opts.as_json:
+        return json.dumps({**as_json(result), "tried": tried})
+    return format_text(result) + "\n\n" + trials_text(best, tried, opts.try_steps)
 
 
 def global_batch(model: ModelConfig, batch_size: int | None, batch_tokens: int | None) -> int:

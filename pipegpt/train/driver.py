@@ -200,7 +200,7 @@ class Job:
         self.step_times: list[float] = []  # seconds, of this job's steps so far: the stall watchdog's reference
         self.clock_offsets: list[float] = []  # per rank, seconds that put its trace events on this process's clock
         self.say: Callable[[str], None] = lambda line: print(line, flush=True)  # the driver's notes (--balance cost)
-        self.current_step: int | None = None  # the step running or last run (0-based): a failure names it
+        self.current_step: int | None = None  # the loop's index (from 0) of the step running or last run
         self.failed_at: float | None = None  # time.time() of the failure this attempt restarts after (--max-restarts)
 
     def start(self) -> bool:
@@ -302,13 +302,13 @@ class Job:
         culprit = find_culprit(waits, doing, {row["rank"]: row["now"][1] for row in rows if row.get("device")})
         if culprit is None:
             return  # every rank is between steps: their answers to step() are on their way
-        report = "\n".join([f"step {step} stalled: running for {waited_s:.1f}s, past {threshold_s:.1f}s "
+        report = "\n".join([f"step {step + 1} stalled: running for {waited_s:.1f}s, past {threshold_s:.1f}s "
                             f"(max({STALL_FACTOR:g} x the recent median step, {STALL_FLOOR_S:g}s)); "
                             f"where each rank is:", *format_table(rows)])
         if culprit.rank not in answers:
             raise WorkerFailure(culprit.rank, f"stopped answering (no answer to where() within "
-                                              f"{WHERE_TIMEOUT_S:.0f}s once step {step} stalled)", report)
-        raise WorkerStalled(culprit.rank, f"{culprit.cause} (step {step}, {waited_s:.0f}s)", report)
+                                              f"{WHERE_TIMEOUT_S:.0f}s once step {step + 1} stalled)", report)
+        raise WorkerStalled(culprit.rank, f"{culprit.cause} (step {step + 1}, {waited_s:.0f}s)", report)
 
     def build(self, cfg: TrainConfig) -> list[dict]:
         """Rebuild every worker for another config on the same grid (dp x pp x tp)."""
@@ -447,9 +447,9 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
         with profiling(job, profiled, step, log.run_dir / "profiles"):
             t0, cpu0 = time.perf_counter(), time.process_time()
             results = job.step(step)
-            metrics = step_metrics(step, results, cfg, time.perf_counter() - t0, time.process_time() - cpu0)
+            metrics = step_metrics(step + 1, results, cfg, time.perf_counter() - t0, time.process_time() - cpu0)
         if step in traced:
-            log.trace(results, job.plan, step)
+            log.trace(results, job.plan, step + 1)
         if not all(r.applied for r in results):
             metrics.nonfinite = nonfinite_cause(results, job.plan.num_stages - 1)
             if cfg.optim.on_nonfinite == "stop":

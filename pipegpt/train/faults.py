@@ -1,4 +1,5 @@
-"""Rehearsed failures: PIPEGPT_FAULT=KIND:RANK:STEP makes RANK fail at the start of STEP.
+"""Rehearsed failures: PIPEGPT_FAULT=KIND:RANK:STEP makes RANK fail at the start of STEP (counted from 1, as
+the console and metrics.jsonl count: 1 is the first step).
 
 KIND is raise (an exception), exit (the process dies), freeze (the process stops: SIGSTOP), or
 kill-in-save (SIGKILL halfway through writing the checkpoint taken after STEP steps), or stuck (the

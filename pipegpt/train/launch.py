@@ -65,17 +65,17 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     clock = Clock(job.first_step, steps)
 
     def on_step(m):
-        clock.tick(m.step)
-        if m.step == job.first_step and job.loaded:
-            echo(f"started from {job.loaded[0]} at step {job.first_step} (loaded in {job.loaded[1]:.2f} s)")
+        clock.tick(m.step - 1)
+        if m.step == job.first_step + 1 and job.loaded:
+            echo(f"started from {job.loaded[0]} (after step {job.first_step}; loaded in {job.loaded[1]:.2f} s)")
         if m.recovery_s is not None:
-            echo(f"pipegpt: recovered: step {m.step + 1} done {m.recovery_s:.1f} s after the failure")
-        if m.step == 0 or (m.step + 1) % log_every == 0 or m.step + 1 == steps:
+            echo(f"pipegpt: recovered: step {m.step} done {m.recovery_s:.1f} s after the failure")
+        if m.step == 1 or m.step % log_every == 0 or m.step == steps:
             echo(progress_line(m, steps, clock.elapsed(), clock.eta()))
         if m.val_loss is not None:
-            echo(f"step {m.step + 1}: val loss {m.val_loss:.4f}")
+            echo(f"step {m.step}: val loss {m.val_loss:.4f}")
         if m.checkpoint_s is not None:
-            echo(f"step {m.step + 1}: checkpoint saved in {m.checkpoint_s:.2f} s")
+            echo(f"step {m.step}: checkpoint saved in {m.checkpoint_s:.2f} s")
 
     try:
         history = run_job(job, out, on_step)
@@ -342,26 +342,27 @@ def duration(seconds: float) -> str:
 
 
 def progress_line(m, steps: int, elapsed_s: float | None = None, eta_s: float | None = None) -> str:
-    done = (m.step + 1) * 20 // steps
-    line = (f"step {m.step + 1:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}] loss {m.loss:.4f}  "
+    done = m.step * 20 // steps
+    line = (f"step {m.step:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}] loss {m.loss:.4f}  "
             f"{m.step_time_s * 1000:7.1f} ms  {m.tokens_per_s:9,.0f} tok/s")
     if elapsed_s is not None:
         line += f"  elapsed {duration(elapsed_s)}"
-        if m.step + 1 < steps:
+        if m.step < steps:
             line += f"  eta {duration(eta_s) if eta_s is not None else '?'}"
     return line
 
 
 def summary_lines(history: list, cfg: TrainConfig, out: Path) -> list[str]:
     """The loss, speed and memory of a finished run, and where its metrics, traces and profiles are."""
-    timed = [m.step_time_s for m in history[1:]] or [history[0].step_time_s]  # step 0 includes warm-up
+    timed = [m.step_time_s for m in history[1:]] or [history[0].step_time_s]  # the first step includes warm-up
     lines = [f"done: loss {history[0].loss:.4f} -> {history[-1].loss:.4f} in {len(history)} steps; "
              f"median step {statistics.median(timed) * 1000:.1f} ms, "
              f"{statistics.median(m.tokens_per_s for m in history[1:] or history):,.0f} tok/s; "
              f"peak memory per rank {', '.join(f'{b / 2**20:.0f} MiB' for b in history[-1].peak_memory_per_rank)}",
-             f"metrics: {out / 'metrics.jsonl'}; last step's measured timeline: {out / 'trace.json'} (Perfetto)"]
+             f"metrics: {out / 'metrics.jsonl'}, plotted in {out / 'plot.svg'}; last step's measured timeline: "
+             f"{out / 'trace.json'} (Perfetto)"]
     if cfg.runtime.trace_steps != "last":
-        lines.append(f"traces of steps {', '.join(map(str, cfg.runtime.traced_steps()))}: {out / 'traces'}/step-N.json "
+        lines.append(f"traces of steps {', '.join(str(s + 1) for s in cfg.runtime.traced_steps())}: {out / 'traces'}/step-N.json "
                      f"(pipegpt simulate --trace {out} --trace-step N)")
     if cfg.runtime.profile and any((out / "profiles").glob("rank-*")):
         lines.append(f"profiles (py-spy): {out / 'profiles'}/rank-N.svg, rank-N.speedscope.json")

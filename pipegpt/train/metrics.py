@@ -1,10 +1,12 @@
 """What a run leaves behind: its directory, config.json and configs/attempt-N.json (each attempt's), plan.txt
 (the lowered plan every rank ran, in the schedule-file format), metrics.jsonl (a line per step, naming its attempt),
-trace.json (the last step's measured timeline), traces/step-N.json (those of --trace-steps)."""
+trace.json (the last step's measured timeline), traces/step-N.json (those of --trace-steps), plot.svg (loss, val
+loss, learning rate and tokens/s against the step, redrawn as each attempt closes)."""
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 from pipegpt.config import TrainConfig
 from pipegpt.model.flops import flops_per_token
 from pipegpt.plan.devices import device_peak_tflops
+from pipegpt.train.plot import write_plot
 from pipegpt.train.results import WorkerStep
 from pipegpt.schedule.actions import Action, Plan
 from pipegpt.schedule.render import to_chrome_trace
@@ -21,7 +24,7 @@ from pipegpt.schedule.simulate import Event, Timeline
 
 @dataclass
 class StepMetrics:
-    step: int
+    step: int  # the step's number, from 1 (as the console, checkpoint names and --trace-steps count)
     loss: float
     step_time_s: float
     tokens_per_s: float
@@ -147,7 +150,7 @@ class RunLog:
 
     def trace(self, results: list[WorkerStep], plan: Plan, step: int | None = None) -> None:
         """The step's measured timeline as trace.json (Perfetto), the format `simulate --out x.json` writes;
-        with a step number (--trace-steps), as traces/step-N.json."""
+        with a step's number (--trace-steps, from 1), as traces/step-N.json."""
         path = self.run_dir / "trace.json" if step is None else self.run_dir / "traces" / f"step-{step}.json"
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(to_chrome_trace(measured_timeline(results, plan))))
@@ -156,6 +159,10 @@ class RunLog:
         self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        try:
+            write_plot(self.run_dir)  # plot.svg: the loss curve without TensorBoard
+        except OSError as e:  # a picture is not worth failing a run that trained
+            print(f"pipegpt: plot.svg not written: {e}", file=sys.stderr)
 
 
 EVAL_METRICS = ("val_loss", "hellaswag_acc", "hellaswag_acc_norm")

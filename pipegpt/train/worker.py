@@ -199,11 +199,12 @@ class Worker:
     def step(self, step: int) -> WorkerStep:
         """One training step: loader -> runtime -> finish gradients -> clip -> optimizer. A non-finite loss or
         gradient norm drops the update on every rank (the driver then stops the run, or counts the skip)."""
-        if self.fault and self.fault[0] not in NOT_FAILURES and self.fault[1] == step:
+        number = step + 1  # a fault names its step from 1, as the console and metrics.jsonl do
+        if self.fault and self.fault[0] not in NOT_FAILURES and self.fault[1] == number:
             fail_now(*self.fault)
-        if self.fault == (STUCK, step):
+        if self.fault == (STUCK, number):
             get_stuck(self.stages.values())
-        if self.fault == (GPU_STUCK, step):
+        if self.fault == (GPU_STUCK, number):
             get_gpu_stuck(self.runtime, self.p2p)
         t0, cpu0 = time.perf_counter(), _process_cpu_s()
         for _, p in self.named_params:
@@ -212,9 +213,9 @@ class Worker:
         result = self.runtime.step(inputs, targets, record=step in self.recorded_steps)
         self.runtime.now = self._finishing()  # for where(): gradient all-reduces, clipping, optimizer
         self._finish_gradients()
-        if self.fault == (NAN_LOSS, step) and result.losses:
+        if self.fault == (NAN_LOSS, number) and result.losses:
             result.losses[0] = math.nan
-        if self.fault == (NAN_GRAD, step):
+        if self.fault == (NAN_GRAD, number):
             next(p for _, p in self.named_params if p.grad is not None).grad.view(-1)[0] = math.nan
         grad_norm, finite, nonfinite_stages = self._clip_gradients(
             loss_finite=all(math.isfinite(loss) for loss in result.losses))

@@ -70,7 +70,7 @@ def test_run_writes_metrics_jsonl(real_run):
     records = [json.loads(ln) for ln in lines]
     for i, r in enumerate(records):
         assert {"step", "loss", "step_time_s", "tokens_per_s"} <= r.keys(), r
-        assert r["step"] == i
+        assert r["step"] == i + 1  # counted from 1, as the console counts
         assert math.isfinite(r["loss"]) and r["loss"] > 0
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
         # where the step's time went: the control plane's share, each process's CPU (1.0 = a core busy all step)

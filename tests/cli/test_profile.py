@@ -34,7 +34,7 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def traced_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("traced") / "run"
-    proc = pipegpt("run", "--stages", "2", "--microbatches", "2", "--steps", "4", "--trace-steps", "1,3",
+    proc = pipegpt("run", "--stages", "2", "--microbatches", "2", "--steps", "4", "--trace-steps", "2,4",
                    "--run-dir", str(run_dir))
     return proc, run_dir
 
@@ -42,36 +42,36 @@ def traced_run(tmp_path_factory):
 def test_trace_steps_writes_each_chosen_step_and_trace_json(traced_run):
     proc, run_dir = traced_run
     _ok(proc)
-    assert sorted(p.name for p in (run_dir / "traces").iterdir()) == ["step-1.json", "step-3.json"]
-    traces = {n: json.loads((run_dir / "traces" / f"step-{n}.json").read_text()) for n in (1, 3)}
-    assert json.loads((run_dir / "trace.json").read_text()) == traces[3]  # the last step is trace.json too
+    assert sorted(p.name for p in (run_dir / "traces").iterdir()) == ["step-2.json", "step-4.json"]
+    traces = {n: json.loads((run_dir / "traces" / f"step-{n}.json").read_text()) for n in (2, 4)}
+    assert json.loads((run_dir / "trace.json").read_text()) == traces[4]  # the last step is trace.json too
     for trace in traces.values():  # the format trace.json has: every rank's actions
         assert {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {0, 1}
-    assert traces[1] != traces[3]
+    assert traces[2] != traces[4]
 
 
 def test_simulate_reads_a_traced_step(traced_run):
     proc, run_dir = traced_run
     _ok(proc)
-    sim = pipegpt("simulate", "--trace", str(run_dir), "--trace-step", "1", "--json")
+    sim = pipegpt("simulate", "--trace", str(run_dir), "--trace-step", "2", "--json")
     assert sim.returncode == 0, sim.stderr
     summary = json.loads(sim.stdout)
     assert summary["ranks"] == 2 and summary["fidelity"] > 0
     last = json.loads(pipegpt("simulate", "--trace", str(run_dir), "--json").stdout)
-    assert summary["measured"]["step_span"] != last["measured"]["step_span"]  # step 1's trace, not trace.json
+    assert summary["measured"]["step_span"] != last["measured"]["step_span"]  # step 2's trace, not trace.json
 
 
 def test_simulate_refuses_a_step_that_was_not_traced(traced_run):
     proc, run_dir = traced_run
     _ok(proc)
-    sim = pipegpt("simulate", "--trace", str(run_dir), "--trace-step", "2")
+    sim = pipegpt("simulate", "--trace", str(run_dir), "--trace-step", "3")
     assert sim.returncode == 2 and sim.stdout == ""
-    assert sim.stderr.splitlines() == [f"Error: {run_dir} has no trace of step 2; traced steps: 1, 3"]
+    assert sim.stderr.splitlines() == [f"Error: {run_dir} has no trace of step 3; traced steps: 2, 4"]
 
 
 @pytest.mark.parametrize("value, message", [
     ("1,x", "trace_steps='1,x' must be last, all, or comma-separated step numbers"),
-    ("4", "trace_steps='4': step 4 is not in this run, whose steps are 0 to 3"),
+    ("5", "trace_steps='5': step 5 is not in this run, whose steps are 1 to 4"),
 ])
 def test_a_bad_trace_steps_value_is_refused_in_one_line(tmp_path, value, message):
     proc = pipegpt("run", "--steps", "4", "--stages", "2", "--trace-steps", value, "--run-dir", str(tmp_path / "r"))

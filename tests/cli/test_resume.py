@@ -65,7 +65,7 @@ def test_resume_takes_the_runs_settings_and_keeps_each_attempts_config(saved, ru
     assert second["parallel"]["layers_per_stage"] == [3, 1] and second["runtime"]["steps"] == 6
     assert first["runtime"]["steps"] == 4 and first["checkpoint"]["resume"] is None
     assert (run_copy / "checkpoints" / "step-00000006").is_dir()  # --save-every came back with the run
-    assert [(r["step"], r["attempt"]) for r in _rows(run_copy)] == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2), (5, 2)]
+    assert [(r["step"], r["attempt"]) for r in _rows(run_copy)] == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (6, 2)]
 
 
 def test_resume_under_another_layout_prints_each_change(saved, run_copy):

@@ -22,7 +22,7 @@ import pytest
 
 from helpers import PIPEGPT, ROOT, clean_env, proc_cmdline
 
-FAULT_STEP = 2
+FAULT_STEP = 3  # counted from 1: steps 1 and 2 run, the third fails at its start
 LIMIT_S = 60.0  # whole command, startup included
 GONE_WITHIN_S = 5.0  # after the driver exits (or is killed), every process it started is gone by then
 
@@ -97,7 +97,7 @@ class Job:
                 self.cmdlines[pid] = cmd
 
     def step_line_time(self, n: int) -> float | None:
-        """When `step n/N ...` (printed as step index n-1 completes) came out, None if not yet."""
+        """When `step n/N ...` (printed as step n completes) came out, None if not yet."""
         return next((t for t, line in list(self.out)
                      if line.split()[:1] == ["step"] and line.split()[1].startswith(f"{n}/")), None)
 
@@ -169,7 +169,7 @@ def _workers(job: Job) -> list[int]:
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind, cause", [
-    ("raise", "RuntimeError: fault injected by PIPEGPT_FAULT at step 2"),
+    ("raise", "RuntimeError: fault injected by PIPEGPT_FAULT at step 3"),
     # a dead process is also named in the default run by test_restarts (rank 1 ... process exited with code 13)
     pytest.param("exit", "process exited with code 13", marks=pytest.mark.slow),
     ("freeze", "stopped answering"),
@@ -181,8 +181,8 @@ def test_worker_failure_stops_the_job(kind, cause, tmp_path):
     try:
         code = job.wait(LIMIT_S)
         wall = job.exit_time - job.t0
-        # `step 2/4` is printed once step index 1 is done: the faulty step (index 2) starts then.
-        fault_started = job.step_line_time(FAULT_STEP)
+        # `step 2/4` is printed once step 2 is done: the faulty step 3 starts then.
+        fault_started = job.step_line_time(FAULT_STEP - 1)
         detection = job.exit_time - fault_started if fault_started else float("nan")
         print(f"\n{kind}: detected and stopped {detection:.2f}s after the faulty step began; "
               f"{wall:.1f}s wall in all; processes seen: {len(job.seen)}")
@@ -190,7 +190,7 @@ def test_worker_failure_stops_the_job(kind, cause, tmp_path):
         report = f"exit status {code}\nstdout:\n{job.stdout}\nstderr:\n{job.stderr}"
         assert code == 1, report
         assert wall < LIMIT_S
-        assert fault_started is not None, report  # steps 0 and 1 ran before the fault
+        assert fault_started is not None, report  # steps 1 and 2 ran before the fault
         lines = [line for line in job.stderr.splitlines() if line.strip()]
         assert lines, report
         last = lines[-1]
@@ -201,8 +201,8 @@ def test_worker_failure_stops_the_job(kind, cause, tmp_path):
         # The orphan check has something to check: both worker processes were seen while the job ran.
         assert len(_workers(job)) >= 2, job.cmdlines
         assert not left, f"left behind after exit: {left}"
-        # Steps 0 and 1 completed and were logged; the faulty one was not.
-        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == FAULT_STEP
+        # Steps 1 and 2 completed and were logged; the faulty one was not.
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == FAULT_STEP - 1
     finally:
         job.kill_all()
 

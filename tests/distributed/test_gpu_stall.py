@@ -1,8 +1,8 @@
 """The stall watchdog on the CUDA control path (p2p_matching "order"), run on CPU.
 
 On CUDA a host runs ahead of its GPU: waits only order streams, so a slow kernel leaves every host in the step's
-settle(), and the hosts alone look like a deadlock cycle. `PIPEGPT_FAULT=gpu-stuck:1:3` rehearses that on CPU:
-rank 1's host runs step 3 to its end and then never returns from settle(), while its device marks (CUDA events on a GPU,
+settle(), and the hosts alone look like a deadlock cycle. `PIPEGPT_FAULT=gpu-stuck:1:4` rehearses that on CPU:
+rank 1's host runs step 4 to its end and then never returns from settle(), while its device marks (CUDA events on a GPU,
 pipegpt.timing.device_marker) say its "GPU" never finished its first compute action. The watchdog must name
 rank 1 and say its GPU is busy in 1F0.
 """
@@ -19,7 +19,7 @@ STUCK_STEP = 3
 
 
 def test_a_gpu_stuck_in_compute_is_named_not_a_cycle_of_hosts(monkeypatch):
-    monkeypatch.setenv("PIPEGPT_FAULT", f"gpu-stuck:1:{STUCK_STEP}")  # the workers inherit it
+    monkeypatch.setenv("PIPEGPT_FAULT", f"gpu-stuck:1:{STUCK_STEP + 1}")  # the workers inherit it; counted from 1
     cfg = TrainConfig.build(MODEL, stages=3, microbatches=3, microbatch_size=2, device="cpu", steps=8,
                             timeout_s=60, threads_per_worker=1, p2p_matching="order")
     job = Job(cfg)

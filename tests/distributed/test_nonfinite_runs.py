@@ -66,7 +66,7 @@ def test_a_diverging_run_stops_before_the_update_and_keeps_its_finite_checkpoint
         for f in ckpt.glob("rank-*.safetensors"):
             assert all(bool(torch.isfinite(t).all()) for t in load_file(str(f)).values()), f
     metrics = rows(run)
-    assert [r["step"] for r in metrics] == list(range(bad))
+    assert [r["step"] for r in metrics] == list(range(1, bad + 1))
     assert metrics[-1]["nonfinite"] and "done:" not in proc.stdout
     assert all(r["nonfinite"] is None for r in metrics[:-1])
 
@@ -74,7 +74,7 @@ def test_a_diverging_run_stops_before_the_update_and_keeps_its_finite_checkpoint
 def test_a_nan_loss_is_named_with_its_rank_and_stage(tmp_path):
     run = tmp_path / "run"
     proc = pipegpt_run(run, "--stages", "2", "--microbatches", "2", "--steps", "4", "--save-every", "1",
-                       fault="nan-loss:1:1")
+                       fault="nan-loss:1:2")
     assert stopped_line(proc) == (f"Error: step 2: the loss is nan on rank 1 (stage 1); no update applied, "
                                   f"last checkpoint: {run / 'checkpoints' / 'step-00000001'}")
     assert [p.name for p in checkpoint.complete_checkpoints(run / "checkpoints")] == ["step-00000001"]
@@ -83,7 +83,7 @@ def test_a_nan_loss_is_named_with_its_rank_and_stage(tmp_path):
 
 def test_non_finite_gradients_are_named_where_they_appeared(tmp_path):
     proc = pipegpt_run(tmp_path / "run", "--stages", "2", "--microbatches", "2", "--steps", "3",
-                       fault="nan-grad:0:1")
+                       fault="nan-grad:0:2")
     assert stopped_line(proc) == ("Error: step 2: the gradient norm is nan (first on rank 0, stage 0); "
                                   "no update applied, last checkpoint: none")
 
@@ -91,7 +91,7 @@ def test_non_finite_gradients_are_named_where_they_appeared(tmp_path):
 def test_skip_drops_the_update_counts_it_and_goes_on(tmp_path):
     run = tmp_path / "run"
     proc = pipegpt_run(run, "--stages", "2", "--microbatches", "2", "--steps", "3", "--on-nonfinite", "skip",
-                       fault="nan-loss:1:1")
+                       fault="nan-loss:1:2")
     assert proc.returncode == 0, report(proc)
     assert "pipegpt: step 2: the loss is nan on rank 1 (stage 1); update skipped (--on-nonfinite skip)" in \
         proc.stderr.splitlines(), report(proc)
@@ -103,7 +103,7 @@ def test_skip_drops_the_update_counts_it_and_goes_on(tmp_path):
 def test_every_rank_skips_the_same_update(monkeypatch):
     """Replica 1 alone sees a nan loss (its gradients are finite): replica 0 must drop the update too, or the
     replicas part ways. ClusterHost checks that every replica holds the same parameters after the steps."""
-    monkeypatch.setenv("PIPEGPT_FAULT", "nan-loss:1:1")  # dp 2 x 1 stage: rank 1 is replica 1
+    monkeypatch.setenv("PIPEGPT_FAULT", "nan-loss:1:2")  # dp 2 x 1 stage: rank 1 is replica 1
     cfg = TrainConfig.build(ModelConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=4, n_embd=32), dp=2, stages=1,
                             microbatches=2, microbatch_size=2, device="cpu", timeout_s=60)
     host = ClusterHost(cfg)

@@ -29,7 +29,7 @@ def uninterrupted(tmp_path_factory):
 def test_a_dead_worker_is_restarted_and_the_losses_go_on_bit_for_bit(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_pipegpt(*RUN, "--max-restarts", "1", "--run-dir", run_dir, timeout=300,
-                       env=clean_env(PIPEGPT_FAULT="exit:1:5"))
+                       env=clean_env(PIPEGPT_FAULT="exit:1:6"))
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 1 failed at step")]
     assert len(said) == 1 and "restart 1 of 1, same layout, from " in said[0] and "step-00000004" in said[0], said
@@ -46,7 +46,7 @@ def test_a_dead_worker_is_restarted_and_the_losses_go_on_bit_for_bit(uninterrupt
 def test_a_second_failure_past_the_limit_ends_the_run_and_keeps_the_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_pipegpt(*RUN, "--max-restarts", "1", "--run-dir", run_dir, timeout=300,
-                       env=clean_env(PIPEGPT_FAULT="exit:1:3,raise:0:5"))
+                       env=clean_env(PIPEGPT_FAULT="exit:1:4,raise:0:6"))
     assert proc.returncode == 1, proc.stderr
     assert "restart 1 of 1" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -59,7 +59,7 @@ def test_a_second_failure_past_the_limit_ends_the_run_and_keeps_the_checkpoints(
 def test_no_checkpoint_yet_starts_the_run_again(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_pipegpt("run", "--stages", "2", "--microbatches", "4", "--steps", "6", "--max-restarts", "2",
-                       "--run-dir", run_dir, timeout=300, env=clean_env(PIPEGPT_FAULT="raise:0:2"))
+                       "--run-dir", run_dir, timeout=300, env=clean_env(PIPEGPT_FAULT="raise:0:3"))
     assert proc.returncode == 0, proc.stderr
     assert "from the start (no checkpoint yet)" in proc.stderr
     rows = last_rows(run_dir)
@@ -101,7 +101,7 @@ def test_a_lost_device_shrinks_the_layout_and_goes_on_like_a_manual_resume(tmp_p
     run_dir = tmp_path / "run"
     proc = run_pipegpt("run", "--stages", "3", "--microbatches", "4", "--steps", "8", "--save-every", "2",
                        "--max-restarts", "1", "--min-ranks", "2", "--run-dir", run_dir, timeout=300,
-                       env=clean_env(PIPEGPT_FAULT="lose:2:5"))
+                       env=clean_env(PIPEGPT_FAULT="lose:2:6"))
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     said = next(ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 2 failed"))
     assert "dp 1 x pp 3 x tp 1, 1f1b, 4 microbatches -> dp 1 x pp 2 x tp 1, 1f1b, 4 microbatches" in said, said
@@ -121,7 +121,7 @@ def test_a_lost_device_shrinks_the_layout_and_goes_on_like_a_manual_resume(tmp_p
 @pytest.mark.slow
 def test_a_lost_device_without_min_ranks_ends_the_run_in_one_line(tmp_path):
     proc = run_pipegpt("run", "--stages", "2", "--microbatches", "2", "--steps", "3", "--max-restarts", "1",
-                       "--run-dir", tmp_path / "run", timeout=300, env=clean_env(PIPEGPT_FAULT="lose:1:1"))
+                       "--run-dir", tmp_path / "run", timeout=300, env=clean_env(PIPEGPT_FAULT="lose:1:2"))
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == ("Error: rank 1's device is gone (process exited with code 75): "
                                                     "give --min-ranks K to go on with fewer ranks; all workers stopped")
@@ -131,7 +131,7 @@ def test_a_lost_device_without_min_ranks_ends_the_run_in_one_line(tmp_path):
 def test_a_stalled_rank_is_restarted(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_pipegpt(*RUN, "--max-restarts", "1", "--run-dir", run_dir, timeout=300,
-                       env=clean_env(PIPEGPT_FAULT="stuck:1:5"))
+                       env=clean_env(PIPEGPT_FAULT="stuck:1:6"))
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert any(ln.startswith("pipegpt: rank 1 stalled at step") and "restart 1 of 1" in ln
                for ln in proc.stderr.splitlines()), proc.stderr

@@ -1,7 +1,7 @@
 """The stall watchdog in a real run, as a user runs it (its pure logic is tests/unit/test_watchdog.py).
 
-`PIPEGPT_FAULT=stuck:1:3` keeps rank 1 alive and answering (heartbeats, where()) but stuck inside its
-first compute action of step 3, so ranks 0 and 2 are the ones seen waiting: the job must still end
+`PIPEGPT_FAULT=stuck:1:4` keeps rank 1 alive and answering (heartbeats, where()) but stuck inside its
+first compute action of step 4, so ranks 0 and 2 are the ones seen waiting: the job must still end
 long before the communication timeout, print where every rank is, and name rank 1.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from helpers import PIPEGPT, clean_env
 from test_failures import Job, _workers
 
 TIMEOUT_S = 60  # the communication timeout the run is given: the watchdog must act far sooner
-STUCK_STEP = 3
+STUCK_STEP = 4  # counted from 1
 
 
 def test_a_stuck_rank_is_named_long_before_the_timeout(tmp_path):
@@ -21,7 +21,7 @@ def test_a_stuck_rank_is_named_long_before_the_timeout(tmp_path):
               env=clean_env(PIPEGPT_FAULT=f"stuck:1:{STUCK_STEP}"))
     try:
         code = job.wait(TIMEOUT_S)
-        stuck_from = job.step_line_time(STUCK_STEP)  # `step 3/8` comes out as step index 3 begins
+        stuck_from = job.step_line_time(STUCK_STEP - 1)  # `step 3/8` comes out as step 4 begins
         ended = job.exit_time - stuck_from if stuck_from else float("nan")
         print(f"\nstuck rank named and the job ended {ended:.2f}s after the stuck step began "
               f"({job.exit_time - job.t0:.1f}s wall in all)")

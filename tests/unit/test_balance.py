@@ -221,4 +221,4 @@ def test_run_balance_cost_moves_layers_off_a_heavy_head_then_auto_orders_for_the
     assert head_f + head_b == pytest.approx(head, rel=0.5)
     assert (run_dir / "plan.txt").read_text().startswith("# name: auto")
     metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [0, 1] and all(m["loss"] > 0 for m in metrics)
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["loss"] > 0 for m in metrics)

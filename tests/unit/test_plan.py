@@ -444,9 +444,33 @@ def test_try_runs_the_top_plans_and_sets_measured_beside_predicted(tmp_path):
     assert made.returncode == 0, made.stderr
     result = plan_cli("--model", "tiny", "--gpus", "2", "--gpu-memory", "8GiB", "--gpu-tflops", "1",
                       "--intra-node-gbps", "80", "--batch-size", "8", "--precision", "fp32", "--calibrate", run,
-                      "--try", "1", "--try-steps", "3", "--try-device", "cpu", "--json")
+                      "--try", "1", "--try-steps", "3", "--try-device", "cpu", "--try-dir", tmp_path / "tried", "--json")
     assert result.exit_code == 0, result.output
-    tried = json.loads(result.output)["tried"]
-    assert len(tried) == 1 and tried[0]["command"].startswith("pipegpt run ")
+    answer = json.loads(result.output)
+    tried = answer["tried"]
+    assert answer["plans"] and len(tried) == 1 and tried[0]["command"].startswith("pipegpt run ")
+    assert tried[0]["run_dir"] == str(tmp_path / "tried" / "plan-1")  # kept: its metrics, trace and plan
+    assert len((tmp_path / "tried" / "plan-1" / "metrics.jsonl").read_text().splitlines()) == 3
     assert tried[0]["measured_step_s"] > 0 and tried[0]["predicted_step_s"] > 0
     assert tried[0]["measured_over_predicted"] == pytest.approx(tried[0]["measured_step_s"] / tried[0]["predicted_step_s"])
+
+
+def test_try_keeps_the_ranked_table_and_refuses_a_used_directory(tmp_path, monkeypatch):
+    import pipegpt.plan.command as command
+    from pipegpt.plan.trial import trials_dir
+
+    fake = lambda best, precision, steps, device, root: [  # noqa: E731
+        {"plan": 1, "command": "pipegpt run ...", "run_dir": str(root / "plan-1"), "predicted_step_s": 1.0,
+         "measured_step_s": 1.5, "measured_over_predicted": 1.5}]
+    monkeypatch.setattr(command, "try_plans", fake)
+    result = plan_cli("--model", "tiny", "--gpus", "2", "--gpu-memory", "8GiB", "--gpu-tflops", "1",
+                      "--intra-node-gbps", "80", "--batch-size", "8", "--try", "1", "--try-dir", tmp_path / "t")
+    assert result.exit_code == 0, result.output
+    ranked, tried = result.output.split("tried the top 1 plans here")
+    assert "pipegpt run " in ranked and "#1" in ranked  # the plan's own answer first, as without --try
+    assert tried.splitlines()[1].endswith("measured/predicted  run directory")
+    assert tried.splitlines()[3].endswith(str(tmp_path / "t" / "plan-1"))
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("")
+    with pytest.raises(ConfigError, match="--try-dir .*used exists and is not an empty directory"):
+        trials_dir(str(tmp_path / "used"))

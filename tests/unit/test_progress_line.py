@@ -4,7 +4,7 @@ from types import SimpleNamespace
 from pipegpt.train.launch import Clock, duration, progress_line
 
 
-def _m(step):
+def _m(step):  # step: its number, from 1
     return SimpleNamespace(step=step, loss=2.5, step_time_s=0.1, tokens_per_s=1000.0)
 
 
@@ -32,8 +32,8 @@ def test_eta_of_a_resumed_attempt_counts_its_own_steps():
 
 
 def test_the_line_shows_elapsed_and_eta():
-    line = progress_line(_m(1), 10, elapsed_s=65, eta_s=3725)
+    line = progress_line(_m(2), 10, elapsed_s=65, eta_s=3725)
     assert line.endswith("elapsed 1m05s  eta 1h02m")
-    assert "eta ?" in progress_line(_m(0), 10, elapsed_s=3, eta_s=None)
-    assert "eta" not in progress_line(_m(9), 10, elapsed_s=3, eta_s=0)  # the last step: nothing left
+    assert "eta ?" in progress_line(_m(1), 10, elapsed_s=3, eta_s=None)
+    assert "eta" not in progress_line(_m(10), 10, elapsed_s=3, eta_s=0)  # the last step: nothing left
     assert duration(59.4) == "59s"
