@@ -172,8 +172,12 @@ def plot(run_dirs, out, title):
                    "options given here override it. Not with --resume.")
 @click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="Print a line every N steps.")
+@click.option("--layout", type=click.Choice(["given", "auto"]), default="given", show_default=True,
+              help="auto: the planner chooses stages, dp, tp, schedule, microbatches and recomputation for the ranks "
+                   "this run has (torchrun's world size, the GPUs here, or a rank per core), keeping the global "
+                   "batch; with --resume auto under torchrun --nnodes MIN:MAX, an elastic job.")
 @click.pass_context
-def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, **options):
+def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layout, **options):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them).
 
     --resume takes every setting from the checkpoint's run except those given here (each change is printed).
@@ -185,7 +189,7 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, **opt
     continuing = False
     if options["resume"] == "auto":
         options["resume"], continuing = resume_auto(run_dir)
-    cfg = train_config(ctx, batch_size, options, say=click.echo, config_file=config_file)
+    cfg = train_config(ctx, batch_size, options, say=click.echo, config_file=config_file, layout=layout)
     preset = options["preset"]
     if cfg.checkpoint.resume is not None and not given(ctx, "preset"):  # the model is the checkpoint's
         preset = next((name for name, m in MODEL_PRESETS.items() if m == cfg.model), "resumed")

@@ -102,13 +102,20 @@ def model_flags(model: ModelConfig, tokenizer: str) -> str:
 
 
 def train_config(ctx: click.Context, batch_size: int | None, options: dict,
-                 say: Callable[[str], None] = lambda line: None, config_file: str | None = None) -> TrainConfig:
+                 say: Callable[[str], None] = lambda line: None, config_file: str | None = None,
+                 layout: str = "given") -> TrainConfig:
     """`pipegpt run`'s TrainConfig from its options (the config fields and model_options).
 
     With --resume, every setting comes from the checkpoint's run except those given on the command line;
     say() gets one line per setting that differs from that run's (`--stages 4 -> 2`). With --config, the
-    file's settings replace the defaults the same way (the options given still win)."""
+    file's settings replace the defaults the same way (the options given still win). With layout "auto" the
+    planner chooses the layout for the ranks this run has (auto_layout)."""
     settings = {k: v for k, v in options.items() if k not in MODEL_OPTIONS}
+    if layout == "auto":
+        clash = [f"--{name.replace('_', '-')}" for name in AUTO_LAYOUT_FIELDS if given(ctx, name)]
+        if clash:
+            raise click.UsageError(f"--layout auto chooses the layout: leave out {', '.join(clash)} (or give the "
+                                   f"layout and leave out --layout auto)")
     filed = None
     if config_file is not None:
         if settings["resume"] is not None:
@@ -124,13 +131,16 @@ def train_config(ctx: click.Context, batch_size: int | None, options: dict,
         _from_schedule_file(ctx, settings)
     elif saved is None and not (config_file is not None and "stages" in filed["config"]["parallel"]):
         _stages_from_world(ctx, settings)
-    if batch_size is not None:
+    global_batch = batch_size or settings["dp"] * settings["microbatches"] * settings["microbatch_size"]
+    if batch_size is not None and layout != "auto":
         settings["microbatch_size"] = microbatch_size_for(batch_size, settings["dp"], settings["microbatches"])
     if saved is None:
         model = model_from_options(options, vocab_size=50257 if settings["tokenizer"] == "gpt2" else None)
     else:
         model = _resumed_model(ctx, options, saved["model"], settings["tokenizer"])
         _fit_split(ctx, settings, saved, model)
+    if layout == "auto":
+        settings.update(auto_layout(model, global_batch, settings, say))
     cfg = TrainConfig.build(model, **settings)
     if saved is not None:
         changes = resume_changes(ctx, cfg, saved)
@@ -143,6 +153,33 @@ def train_config(ctx: click.Context, batch_size: int | None, options: dict,
         raise ConfigError(f"--data {data}: no such file or directory (a directory from `pipegpt prepare`, nanoGPT "
                           f"or llm.c token files, or a flat uint16 file; leave it out for the built-in corpus)")
     return cfg
+
+
+# the settings --layout auto chooses: giving one of them as well is refused
+AUTO_LAYOUT_FIELDS = ("stages", "dp", "tp", "schedule", "virtual_stages", "microbatches", "microbatch_size",
+                      "recompute", "zero", "sequence_parallel", "layers_per_stage", "schedule_file")
+
+
+def auto_layout(model: ModelConfig, global_batch: int, settings: dict, say: Callable[[str], None],
+                env=os.environ) -> dict:
+    """--layout auto: the planner's layout (pipegpt.plan.auto) for this run's ranks: torchrun's WORLD_SIZE, else
+    the GPUs here, else a rank per core (at most 8). The global batch stays; its split may change."""
+    from pipegpt.config import under_torchrun
+    from pipegpt.plan.auto import choose_layout
+
+    import torch
+
+    cuda = settings["device"] != "cpu" and torch.cuda.is_available()
+    if under_torchrun(env):
+        ranks, per_node = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+    else:
+        ranks = torch.cuda.device_count() if cuda else min(os.cpu_count() or 1, 8)
+        per_node = ranks
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    memory = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    chosen = choose_layout(model, global_batch, ranks, per_node, settings["precision"], name, memory)
+    say(f"pipegpt: --layout auto on {ranks} rank{'s' if ranks != 1 else ''}: {chosen.text()}")
+    return {**chosen.settings(), "schedule_file": None, "balance": "even"}
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -171,7 +171,7 @@ def _shrink(echo: Callable, failure, cfg: TrainConfig, saved: list):
 # The layout options a shrunk restart sets (and their short forms): the old values go.
 LAYOUT_FLAGS = {"--stages": "-p", "--dp": None, "--tp": None, "--microbatches": "-m", "--schedule": "-s",
                 "--virtual-stages": "-v", "--layers-per-stage": None, "--batch-size": None, "--max-live": None,
-                "--balance": None}
+                "--balance": None, "--layout": None}
 
 
 def restart_args(argv: list[str], resume: str | None, layout: dict | None = None) -> list[str]:
