@@ -236,6 +236,10 @@ class CheckpointConfig:
                                    "from the run's latest checkpoint (or its start), up to N times.")
     min_ranks: int | None = setting(None, "With --max-restarts: when a rank's device is gone, go on with the ranks "
                                           "that remain if they are at least K, in a layout chosen for them.")
+    snapshot_every: int = setting(0, "With --max-restarts: every N steps each rank copies its state (weights, Adam "
+                                     "moments, RNG) and writes it to the host's shared memory in the background; a "
+                                     "restart takes the newest complete snapshot newer than the last checkpoint "
+                                     "(0: never).")
 
 
 @dataclass(frozen=True)
@@ -363,6 +367,11 @@ class TrainConfig:
             if not 1 <= c.min_ranks <= p.world_size:
                 raise ConfigError(f"min_ranks={c.min_ranks} must be between 1 and this job's {p.world_size} ranks "
                                   f"(dp x pp x tp)")
+        if isinstance(c.snapshot_every, bool) or not isinstance(c.snapshot_every, int) or c.snapshot_every < 0:
+            raise ConfigError(f"snapshot_every={c.snapshot_every!r} must be an integer >= 0")
+        if c.snapshot_every and not c.max_restarts:
+            raise ConfigError(f"--snapshot-every {c.snapshot_every} keeps snapshots for restarts: give --max-restarts N "
+                              f"too")
         if c.max_restarts and env is not None and under_torchrun(env):
             raise ConfigError("under torchrun the restarts are torchrun's: give torchrun --max-restarts N and "
                               "pipegpt run --resume auto, and leave out --max-restarts")

@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
-from pipegpt.train import checkpoint
+from pipegpt.train import checkpoint, snapshot
 from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
 from pipegpt.train.placement import local_world_size, resolve_device, under_torchrun
@@ -272,9 +272,19 @@ class Job:
             shutil.rmtree(tmp, ignore_errors=True)
             raise NonFiniteError(f"step {step}: {bad.nonfinite[1]} is not finite on rank {bad.rank} "
                                  f"(stage {bad.nonfinite[0]}); no checkpoint written")
-        return checkpoint.commit(tmp, {"step": step, "model": asdict(cfg.model), "tokenizer": cfg.data.tokenizer,
-                                       "world_size": cfg.world_size, "config": asdict(cfg), "optimizer": True,
-                                       "plan": self.plan.name}, cfg.checkpoint.keep, {s.name: s.sha256 for s in saved})
+        return checkpoint.commit(tmp, self._manifest(step), cfg.checkpoint.keep, {s.name: s.sha256 for s in saved})
+
+    def _manifest(self, step: int) -> dict:
+        cfg = self.cfg
+        return {"step": step, "model": asdict(cfg.model), "tokenizer": cfg.data.tokenizer, "world_size": cfg.world_size,
+                "config": asdict(cfg), "optimizer": True, "plan": self.plan.name}
+
+    def snapshot(self, run_dir: Path, step: int) -> None:
+        """--snapshot-every: every rank copies its state after `step` steps and writes it in the background into
+        the run's snapshot directory in shared memory (pipegpt.train.snapshot); returns once every copy is made."""
+        manifest = {**self._manifest(step), "run_dir": str(Path(run_dir).resolve())}  # where a restart goes on
+        directory = snapshot.begin(snapshot.snapshot_root(run_dir), step, manifest)
+        self.cluster.call("snapshot", str(directory))
 
     def step(self, step: int) -> list[WorkerStep]:
         """One step on every rank, watched: one that runs far longer than the steps before it ends the job,
@@ -379,6 +389,12 @@ def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
     return _every(cfg.checkpoint.save_every, step, cfg.runtime.steps)
 
 
+def snapshot_due(cfg: TrainConfig, step: int) -> bool:
+    """Whether the state after `step` is snapshotted: every --snapshot-every steps, but not the last step's."""
+    every = cfg.checkpoint.snapshot_every
+    return bool(every) and (step + 1) % every == 0 and step < cfg.runtime.steps - 1
+
+
 def evaluation_due(cfg: TrainConfig, step: int) -> bool:
     """Whether the model is evaluated after `step`: every --eval-every steps, and after the last."""
     return _every(cfg.eval.eval_every, step, cfg.runtime.steps)
@@ -473,6 +489,10 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
                 log.step(metrics)
                 raise NonFiniteError(f"{e}, last checkpoint: {last_checkpoint(job, log.run_dir)}") from None
             metrics.checkpoint_s = time.perf_counter() - t0
+        elif snapshot_due(cfg, step):
+            t0 = time.perf_counter()
+            job.snapshot(log.run_dir, step + 1)
+            metrics.snapshot_s = time.perf_counter() - t0
         log.step(metrics)
         history.append(metrics)
         on_step(metrics)

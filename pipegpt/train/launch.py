@@ -84,13 +84,17 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
             echo(e.report, err=True)
         if driver and restarts < cfg.checkpoint.max_restarts:
             restart(echo, e, job, out, restarts + 1)
+        _drop_snapshots(cfg, out)
         _exit_now(echo, f"Error: {e}; all workers stopped" + (
             f" (after {restarts} restart{'s' if restarts > 1 else ''}, --max-restarts {cfg.checkpoint.max_restarts})"
             if restarts else ""), 1)
     except NonFiniteError as e:  # the job was closed cleanly; nothing was applied or saved from that state
+        _drop_snapshots(cfg, out)
         _exit_now(echo, f"Error: {e}", 1)
     except KeyboardInterrupt:
+        _drop_snapshots(cfg, out)
         _exit_now(echo, "Interrupted: all workers stopped", 130)
+    _drop_snapshots(cfg, out)
     if not history:
         if history is not None:
             echo(f"nothing to do: the checkpoint was taken after step {job.first_step} of {steps}")
@@ -116,23 +120,28 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     `pipegpt run` again, resuming the run's latest checkpoint (or starting it again, without one). The workers are
     already gone (the job was killed on the way out); a fresh process leaves no RPC state behind. A rehearsed
     fault (PIPEGPT_FAULT) fires on the first attempt only (a comma list: one per attempt)."""
-    from pipegpt.train import checkpoint
+    from pipegpt.train import checkpoint, snapshot
     from pipegpt.train.elastic import layout_text
-    from pipegpt.train.faults import FAULT_ENV, LOST_DEVICE_EXIT, later_faults
+    from pipegpt.train.faults import FAULT_ENV, later_faults
 
     failed_at = time.time()
     saved = checkpoint.complete_checkpoints(run_dir / "checkpoints")
     step = job.current_step
     at = f" at step {step + 1}" if step is not None else " while starting"
+    on_disk = int(checkpoint.read_manifest(saved[-1], verify=False)["step"]) if saved else 0
+    memory = snapshot.newest_complete(snapshot.snapshot_root(run_dir), on_disk) if not _lost(failure) else None
+    if memory is not None:
+        saved = [memory]  # newer than any checkpoint on disk: resumed from shared memory
     if saved:
         done = int(checkpoint.read_manifest(saved[-1], verify=False)["step"])
         lost = f", {step - done} step{'s' if step - done != 1 else ''} to do again" if step is not None else ""
-        source = f"from {saved[-1]} (after step {done}{lost})"
+        kind = "the snapshot in memory " if memory is not None else ""
+        source = f"from {kind}{saved[-1]} (after step {done}{lost})"
     else:
         source = "from the start (no checkpoint yet)"
     cfg = job.cfg
     limit, layout, flags = cfg.checkpoint.max_restarts, "same layout", {}
-    if failure.exit_code == LOST_DEVICE_EXIT:  # that rank's device is gone: go on without it, or stop
+    if _lost(failure):  # that rank's device is gone: go on without it, or stop
         shrunk = _shrink(echo, failure, cfg, saved)
         layout, flags = f"{layout_text(cfg)} -> {layout_text(shrunk.cfg)}, predicted step x{shrunk.ratio:.2f}", \
             shrunk.flags
@@ -144,7 +153,8 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     if later_faults():
         env[FAULT_ENV] = later_faults()
     env[RESTART_ENV] = f"{count} {failed_at!r}"
-    args = restart_args(sys.argv[1:], str(run_dir) if saved else None, flags)
+    resume = None if not saved else str(saved[-1]) if memory is not None else str(run_dir)
+    args = restart_args(sys.argv[1:], resume, flags, run_dir=str(run_dir))
     os.execve(sys.executable, [sys.executable, "-m", "pipegpt", *args], env)
 
 
@@ -174,11 +184,13 @@ LAYOUT_FLAGS = {"--stages": "-p", "--dp": None, "--tp": None, "--microbatches": 
                 "--balance": None, "--layout": None}
 
 
-def restart_args(argv: list[str], resume: str | None, layout: dict | None = None) -> list[str]:
-    """The command line again, resuming `resume` (None: as given, the run starting over): --resume, --init-from
-    and --config give way to the checkpoint, which holds the run's settings; --overwrite would move the run aside.
-    `layout` (flag -> value) replaces the layout options given, when the run goes on with fewer ranks."""
-    drop = {"--overwrite"} | ({"--resume", "--init-from", "--config"} if resume else set())
+def restart_args(argv: list[str], resume: str | None, layout: dict | None = None, run_dir: str | None = None
+                 ) -> list[str]:
+    """The command line again, resuming `resume` (None: as given, the run starting over) in `run_dir`: --resume,
+    --init-from and --config give way to the checkpoint, which holds the run's settings; --overwrite would move
+    the run aside. `layout` (flag -> value) replaces the layout options given, when the run goes on with fewer
+    ranks."""
+    drop = {"--overwrite"} | ({"--resume", "--init-from", "--config", "--run-dir"} if resume else set())
     if layout:
         drop |= {f for long, short in LAYOUT_FLAGS.items() for f in (long, short) if f}
     out, skip = [], False
@@ -193,7 +205,22 @@ def restart_args(argv: list[str], resume: str | None, layout: dict | None = None
         out.append(arg)
     for flag, value in (layout or {}).items():
         out += [flag, str(value)]
-    return out + (["--resume", resume] if resume else [])
+    return out + (["--resume", resume] + (["--run-dir", run_dir] if run_dir else []) if resume else [])
+
+
+def _drop_snapshots(cfg: TrainConfig, run_dir: Path) -> None:
+    """The run is over (done, or failed past --max-restarts): its snapshots in shared memory go (RAM)."""
+    if cfg.checkpoint.snapshot_every:
+        from pipegpt.train import snapshot
+
+        snapshot.remove(snapshot.snapshot_root(run_dir))
+
+
+def _lost(failure) -> bool:
+    """Whether the failed rank's device is gone for good (a rehearsed `lose`): a shrink, not a restart."""
+    from pipegpt.train.faults import LOST_DEVICE_EXIT
+
+    return failure.exit_code == LOST_DEVICE_EXIT
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -287,12 +314,15 @@ def crowding(cfg: TrainConfig, device: str) -> str | None:
 
 def _resumed_run_dir(cfg: TrainConfig) -> Path | None:
     """A resumed run goes on in the run directory its checkpoint is in (RUN/checkpoints/step-N)."""
-    from pipegpt.train.checkpoint import resolve
+    from pipegpt.train.checkpoint import read_manifest, resolve
 
     if cfg.checkpoint.resume is None:
         return None
     found = resolve(cfg.checkpoint.resume)
-    return found.parent.parent if found.parent.name == "checkpoints" else None
+    if found.parent.name == "checkpoints":
+        return found.parent.parent
+    run_dir = read_manifest(found, verify=False).get("run_dir")  # a snapshot in shared memory names its run
+    return Path(run_dir) if run_dir else None
 
 
 def _exit_now(echo: Callable, message: str, code: int):

@@ -37,6 +37,8 @@ class StepMetrics:
     hellaswag_acc: float | None = None  # with --hellaswag, on evaluation steps: argmin of the summed ending loss
     hellaswag_acc_norm: float | None = None  # ... of the mean ending loss per token (what nanoGPT reports)
     checkpoint_s: float | None = None  # on checkpoint steps (--save-every): seconds to save, commit included
+    snapshot_s: float | None = None  # on snapshot steps (--snapshot-every): seconds until every rank had copied its
+    #                                  state (the writing goes on in the background)
     control_s: float | None = None  # step_time_s minus the slowest worker's step(): the RPC round trip and pickling
     cpu_per_rank: list[float] | None = None  # each worker process's CPU time in its step() / step_time_s (1.0: a core)
     driver_cpu: float | None = None  # the driver's CPU time during the step / step_time_s

@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import math
 import resource
+import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ from pipegpt.data.loader import RankLoader
 from pipegpt.data.tokenizers import get_tokenizer
 from pipegpt.data.tokens import builtin_tokens, open_tokens
 from pipegpt.train.placement import cuda_device_index, resolve_device
-from pipegpt.train import checkpoint, rng
+from pipegpt.train import checkpoint, rng, snapshot
 from pipegpt.train.clocks import clock_reading
 from pipegpt.train.faults import (GPU_STUCK, IN_SAVE, NAN_GRAD, NAN_LOSS, NOT_FAILURES, STUCK, fail_now, get_gpu_stuck,
                                   get_stuck, planned_fault)
@@ -92,6 +94,7 @@ class Worker:
                               cfg.runtime.wait_timeout_s,
                               embedding_pp_indices=(0, p.stages - 1))
         self.fault = planned_fault(rank)
+        self._snapshot_writer: threading.Thread | None = None  # --snapshot-every's, writing the last copy
         self._build(cfg, plan, eval_plan)
         return self._describe()
 
@@ -355,6 +358,15 @@ class Worker:
         bad = self._first_nonfinite()
         if bad is not None:
             return SavedFile(self.rank, nonfinite=bad)
+        tensors, shards = self._checkpoint_tensors()
+        if self.fault == (IN_SAVE, step):  # rehearse a kill mid-save: half a file, then SIGKILL
+            checkpoint.write_rank_file(directory, self.rank, dict(list(tensors.items())[:len(tensors) // 2]), {})
+            fail_now(IN_SAVE, step)
+        name, sha256 = checkpoint.write_rank_file(directory, self.rank, tensors, shards)
+        return SavedFile(self.rank, name, sha256)
+
+    def _checkpoint_tensors(self) -> tuple[dict, dict]:
+        """What this rank owns of a checkpoint (RNG streams, parameters, Adam moments) and each tensor's tp shard."""
         optimizer = self._local_optimizer
         shard = [self.mesh.tp_index, self.cfg.parallel.tp]
         tensors = rng.rng_state(self.rank, self.device)
@@ -365,12 +377,26 @@ class Worker:
                 if self._owned(p):
                     tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})
         whole = lambda key: rng.is_rng_key(key) or tp_shard_spec(key.split("/", 1)[1]) == REPLICATED  # noqa: E731
-        shards = {key: [0, 1] if whole(key) else shard for key in tensors}
-        if self.fault == (IN_SAVE, step):  # rehearse a kill mid-save: half a file, then SIGKILL
-            checkpoint.write_rank_file(directory, self.rank, dict(list(tensors.items())[:len(tensors) // 2]), {})
-            fail_now(IN_SAVE, step)
-        name, sha256 = checkpoint.write_rank_file(directory, self.rank, tensors, shards)
-        return SavedFile(self.rank, name, sha256)
+        return tensors, {key: [0, 1] if whole(key) else shard for key in tensors}
+
+    @actor_method
+    def snapshot(self, directory: str) -> float:
+        """--snapshot-every: copy this rank's checkpoint state now (the next step changes it) and write the copy
+        into `directory` in the background, its checksum last (pipegpt.train.snapshot). Returns the seconds the
+        copy held the rank up. One snapshot is written at a time: the previous one is waited for first."""
+        t0 = time.perf_counter()
+        if self._snapshot_writer is not None:
+            self._snapshot_writer.join()
+        tensors, shards = self._checkpoint_tensors()
+        copies = {key: t.detach().to("cpu", copy=True) for key, t in tensors.items()}
+
+        def write():
+            name, sha256 = checkpoint.write_rank_file(directory, self.rank, copies, shards)
+            snapshot.write_checksum(Path(directory), name, sha256)
+
+        self._snapshot_writer = threading.Thread(target=write, name="pipegpt-snapshot", daemon=True)
+        self._snapshot_writer.start()
+        return time.perf_counter() - t0
 
     def _first_nonfinite(self) -> tuple[int, str] | None:
         """(stage, "param/<name>" or "exp_avg/<name>", ...) of the first parameter or Adam moment of this rank

@@ -42,6 +42,27 @@ def test_a_dead_worker_is_restarted_and_the_losses_go_on_bit_for_bit(uninterrupt
     assert "pipegpt: recovered: step" in proc.stdout
 
 
+def test_a_restart_resumes_the_newest_snapshot_in_memory_not_the_older_checkpoint(uninterrupted, tmp_path):
+    from pipegpt.train.snapshot import snapshot_root
+
+    run_dir = tmp_path / "run"
+    proc = run_pipegpt("run", "--stages", "2", "--microbatches", "4", "--steps", "6", "--save-every", "3",
+                       "--snapshot-every", "1", "--max-restarts", "1", "--run-dir", run_dir, timeout=300,
+                       env=clean_env(PIPEGPT_FAULT="exit:1:6"))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    said = next(ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 1 failed at step 6"))
+    # the disk holds step 3's checkpoint; step 4's snapshot was whole a step before the failure (step 5's was
+    # being written as it struck, and is taken if it was whole)
+    assert "from the snapshot in memory " in said and ("step-00000004 (after step 4" in said or
+                                                       "step-00000005 (after step 5" in said), said
+    rows = last_rows(run_dir)
+    assert sorted(rows) == sorted(uninterrupted)
+    assert [rows[s]["loss"] for s in sorted(rows)] == [uninterrupted[s]["loss"] for s in sorted(rows)]
+    assert min(s for s, r in rows.items() if r["attempt"] == 2) >= 5
+    assert all(rows[s]["snapshot_s"] > 0 for s in (1, 2, 4)) and rows[3]["snapshot_s"] is None  # a checkpoint
+    assert not snapshot_root(run_dir).exists()  # the run is over: its snapshots leave the memory
+
+
 @pytest.mark.slow
 def test_a_second_failure_past_the_limit_ends_the_run_and_keeps_the_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
@@ -71,6 +92,8 @@ def test_no_checkpoint_yet_starts_the_run_again(uninterrupted, tmp_path):
     (["--resume", "auto"], "--resume auto resumes the run in --run-dir"),
     (["--min-ranks", "1"], "--min-ranks 1 says how few ranks a restart may go on with: give --max-restarts N"),
     (["--max-restarts", "1", "--min-ranks", "9"], "min_ranks=9 must be between 1 and this job's 4 ranks"),
+    (["--snapshot-every", "2"], "--snapshot-every 2 keeps snapshots for restarts: give --max-restarts N too"),
+    (["--snapshot-every", "-1", "--max-restarts", "1"], "snapshot_every=-1 must be an integer >= 0"),
 ])
 def test_bad_restart_options_are_one_line(args, message):
     assert_one_line_error(invoke("run", "--steps", "1", *args), message)
