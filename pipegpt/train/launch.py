@@ -123,13 +123,21 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     from pipegpt.train import checkpoint, snapshot
     from pipegpt.train.elastic import layout_text
     from pipegpt.train.faults import FAULT_ENV, later_faults
+    from pipegpt.train.health import restart_devices
 
     failed_at = time.time()
     saved = checkpoint.complete_checkpoints(run_dir / "checkpoints")
     step = job.current_step
     at = f" at step {step + 1}" if step is not None else " while starting"
+    cfg = job.cfg
+    device = resolve_device(cfg.runtime.device, cfg.world_size)
+    ranks, device_env, checked = restart_devices(device, cfg.world_size, failure.rank if _lost(failure) else None)
+    if checked:
+        echo(f"pipegpt: {checked}", err=True)
     on_disk = int(checkpoint.read_manifest(saved[-1], verify=False)["step"]) if saved else 0
-    memory = snapshot.newest_complete(snapshot.snapshot_root(run_dir), on_disk) if not _lost(failure) else None
+    # a snapshot outlives processes, not machines: where a device is gone, its host may be too
+    same_devices = ranks == cfg.world_size
+    memory = snapshot.newest_complete(snapshot.snapshot_root(run_dir), on_disk) if same_devices else None
     if memory is not None:
         saved = [memory]  # newer than any checkpoint on disk: resumed from shared memory
     if saved:
@@ -139,10 +147,9 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
         source = f"from {kind}{saved[-1]} (after step {done}{lost})"
     else:
         source = "from the start (no checkpoint yet)"
-    cfg = job.cfg
     limit, layout, flags = cfg.checkpoint.max_restarts, "same layout", {}
-    if _lost(failure):  # that rank's device is gone: go on without it, or stop
-        shrunk = _shrink(echo, failure, cfg, saved)
+    if not same_devices:  # a device is gone: go on without it, or stop
+        shrunk = _shrink(echo, failure, cfg, ranks)
         layout, flags = f"{layout_text(cfg)} -> {layout_text(shrunk.cfg)}, predicted step x{shrunk.ratio:.2f}", \
             shrunk.flags
     echo(f"pipegpt: rank {failure.rank} {failure.verb}{at} ({failure.cause}); restart {count} of {limit}, "
@@ -153,17 +160,17 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     if later_faults():
         env[FAULT_ENV] = later_faults()
     env[RESTART_ENV] = f"{count} {failed_at!r}"
+    env.update(device_env)  # on GPUs: only those that passed the device check
     resume = None if not saved else str(saved[-1]) if memory is not None else str(run_dir)
     args = restart_args(sys.argv[1:], resume, flags, run_dir=str(run_dir))
     os.execve(sys.executable, [sys.executable, "-m", "pipegpt", *args], env)
 
 
-def _shrink(echo: Callable, failure, cfg: TrainConfig, saved: list):
-    """The layout for the ranks that remain when one rank's device is gone; the run ends (exit 1) where
-    --min-ranks does not allow it, no layout builds, or there is no checkpoint to reshard."""
+def _shrink(echo: Callable, failure, cfg: TrainConfig, remaining: int):
+    """The layout for the ranks that remain when devices are gone; the run ends (exit 1) where --min-ranks does
+    not allow it or no layout builds."""
     from pipegpt.train.elastic import shrunk_layout
 
-    remaining = cfg.world_size - 1
     why = None
     if cfg.checkpoint.min_ranks is None:
         why = "give --min-ranks K to go on with fewer ranks"
@@ -173,8 +180,9 @@ def _shrink(echo: Callable, failure, cfg: TrainConfig, saved: list):
     if why is None and shrunk is None:
         why = f"no layout of this model and batch builds on {remaining} ranks"
     if why:
-        _exit_now(echo, f"Error: rank {failure.rank}'s device is gone ({failure.cause}): {why}; all workers "
-                        f"stopped", 1)
+        gone = (f"rank {failure.rank}'s device is gone" if _lost(failure) and remaining == cfg.world_size - 1
+                else f"{cfg.world_size - remaining} of {cfg.world_size} devices are gone")
+        _exit_now(echo, f"Error: {gone} ({failure.cause}): {why}; all workers stopped", 1)
     return shrunk
 
 
