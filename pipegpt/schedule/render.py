@@ -16,8 +16,17 @@ from .actions import Kind, ScheduleError
 from .simulate import Event, Timeline
 
 COLORS = {Kind.F: "#4e79a7", Kind.B: "#59a14f", Kind.I: "#f28e2b", Kind.W: "#b07aa1"}
+KIND_NAMES = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input grad", Kind.W: "weight grad"}
 # Microseconds per time unit, for the Chrome trace.
 _US_PER = {"unit": 1000.0, "s": 1e6, "ms": 1000.0, "us": 1.0}
+# SVG sizes. The plot is about _PX_PER_ACTION wide per action of the busiest rank: counting actions rather
+# than time units keeps it unit-free (simulated units, measured seconds), and a plan measured and the same
+# plan predicted (equal counts) come out on one scale. Clamped so a tiny plan stays legible and a huge one
+# stays a picture; labels that do not fit their block are left out.
+_PX_PER_ACTION, _MIN_PLOT_W, _MAX_PLOT_W = 48, 320, 12000
+_FONT = 11
+_CHAR_EM = 0.62  # a sans-serif character's width in font sizes, on the wide side (digits 0.56, 'W' 0.94)
+_DARKEST = 0.45  # how far toward black a rank's last stage is shaded (its first is the kind's color)
 
 
 def _fmt(x) -> str:
@@ -66,25 +75,48 @@ def _chunks(timeline: Timeline) -> dict[int, int]:
     return out
 
 
-def _labeler(timeline: Timeline):
-    """How a block is labelled: F3 on single-stage ranks; F3/f3 for a rank's first/second stage; 5F3 beyond."""
-    chunks = _chunks(timeline)
-    most = max(chunks.values(), default=0) + 1
+class _Look:
+    """How blocks are labelled and what the legend says, shared by the ASCII and SVG charts.
 
-    def label(event: Event) -> str:
+    Labels: F3 on single-stage ranks; F3/f3 for a rank's first/second stage; 5F3 (stage first) beyond.
+    The legend names only the kinds the timeline has, and the later-stage look only where ranks have one.
+    """
+
+    def __init__(self, timeline: Timeline):
+        self.chunks = _chunks(timeline)
+        self.most = max(self.chunks.values(), default=0) + 1
+        present = {e.action.kind for e in timeline.events}
+        self.kinds = [k for k in COLORS if k in present]
+
+    def chunk(self, event: Event) -> int:
+        return self.chunks.get(event.action.stage, 0)
+
+    def labels(self, event: Event) -> tuple[str, str]:
+        """The full label and its short form (the kind letter), for a block too narrow for the full one."""
         a = event.action
-        if most > 2:
-            return str(a)
+        if self.most > 2:
+            return str(a), a.kind.value
         text = f"{a.kind.value}{a.microbatch}"
-        return text.lower() if chunks.get(a.stage, 0) == 1 else text
+        return (text.lower(), text[0].lower()) if self.chunk(event) == 1 else (text, text[0])
 
-    if most == 1:
-        legend = ""
-    elif most == 2:
-        legend = "F B I W: a rank's first stage, f b i w: its second"
-    else:
-        legend = "labels are <stage><kind><microbatch>"
-    return label, legend
+    def kinds_text(self) -> str:
+        return ", ".join(f"{k.value} {KIND_NAMES[k]}" for k in self.kinds)
+
+    def stages_text(self) -> str:
+        """What sets a rank's later stages apart in the labels, or '' where every rank has one stage."""
+        if self.most == 2:
+            return f"{' '.join(k.value.lower() for k in self.kinds)}: a rank's second stage"
+        return "labels are <stage><kind><microbatch>" if self.most > 2 else ""
+
+    def color(self, event: Event) -> str:
+        """The kind's color, darker for each later stage of the rank: opaque, so it never shows the idle hatching."""
+        shade = _DARKEST * self.chunk(event) / (self.most - 1) if self.most > 1 else 0.0
+        return _darker(COLORS[event.action.kind], shade)
+
+
+def _darker(color: str, amount: float) -> str:
+    """A #rrggbb color mixed with black: amount 0 keeps it, 1 is black."""
+    return "#" + "".join(f"{round(int(color[i:i + 2], 16) * (1 - amount)):02x}" for i in (1, 3, 5))
 
 
 def _rank_summaries(timeline: Timeline) -> list[str]:
@@ -101,19 +133,44 @@ def _rank_summaries(timeline: Timeline) -> list[str]:
     return out
 
 
+def _columns(events: list[Event], col, bar: int) -> list[tuple[int, int, Event]]:
+    """(first column, end column, event) of one rank's compute blocks, left to right, none overlapping.
+
+    A block shorter than a column gets the column it starts in if no longer block covers it; else it is
+    not drawn (too short to see at this width).
+    """
+    blocks, short = [], []
+    for e in events:
+        if e.action.kind.is_compute and e.end > e.start:
+            c0, c1 = col(e.start), col(e.end)
+            (blocks if c1 > c0 else short).append((c0, c1, e))
+    taken = {c for c0, c1, _ in blocks for c in range(c0, c1)}
+    for c0, _, e in short:
+        if c0 < bar and c0 not in taken:
+            taken.add(c0)
+            blocks.append((c0, c0 + 1, e))
+    out, end = [], 0
+    for c0, c1, e in sorted(blocks, key=lambda b: b[0]):
+        c0 = max(c0, end)  # a measured trace's events may overlap by a hair: the earlier block keeps the column
+        if c1 > c0:
+            out.append((c0, c1, e))
+            end = c1
+    return out
+
+
 def ascii_gantt(timeline: Timeline, width: int | None = None, span=None) -> str:
     """One row per rank, time left to right, scaled to `width` columns.
 
-    Blocks start with their label (F3, B3, I3, W3) where it fits (else just
-    the kind letter) and are filled with spaces; '.' is idle. Below the chart,
-    a line per rank gives its busy share, idle time and peak of live
-    microbatches (and bytes when known). `span`, when longer than the
-    timeline's makespan, is the time the full width stands for (to draw two
-    timelines on one scale).
+    Blocks are blank, starting with their label (F3, B3, I3, W3; lower case on a rank's second stage)
+    where it fits, else with just the kind letter, else with nothing: a label never touches the next
+    block's, so every word in a row is one whole label. '.' is idle. Below the chart, a legend of the
+    kinds drawn and a line per rank with its busy share, idle time and peak of live microbatches (and
+    bytes when known). `span`, when longer than the timeline's makespan, is the time the full width
+    stands for (to draw two timelines on one scale).
     """
     if width is None:
         width = min(200, max(60, shutil.get_terminal_size((100, 24)).columns))
-    label, legend = _labeler(timeline)
+    look = _Look(timeline)
     names = [f"r{r}" for r in range(timeline.num_ranks)]
     name_w = max(map(len, names), default=2)
     bar = max(10, width - (name_w + 3))
@@ -133,23 +190,21 @@ def ascii_gantt(timeline: Timeline, width: int | None = None, span=None) -> str:
               f"bubble {100 * float(timeline.bubble_fraction):.1f}%")
     lines.append(title)
     drawn = bar if span == own else col(t0 + own)  # the columns up to the timeline's own end; blank beyond
+    unlabelled = False
     for r in range(timeline.num_ranks):
         cells = ["."] * drawn + [" "] * (bar - drawn)
-        for e in timeline.events_of(r):
-            if not e.action.kind.is_compute:
-                continue
-            c0, c1 = col(e.start), col(e.end)
-            if c1 <= c0:
-                if e.end <= e.start or c0 >= bar or cells[c0] != ".":
-                    continue  # too short to see at this width
-                c1 = c0 + 1
-            text = label(e)
-            if len(text) > c1 - c0:  # never show a cut-off number: fall back to the kind letter
-                text = text.rstrip("0123456789")[-1]
-            cells[c0:c1] = list(text.ljust(c1 - c0))
+        blocks = _columns(timeline.events_of(r), col, bar)
+        for i, (c0, c1, e) in enumerate(blocks):
+            # Where the next block starts right at this one's end, keep a blank before it.
+            room = c1 - c0 - (i + 1 < len(blocks) and blocks[i + 1][0] == c1)
+            text = next((t for t in look.labels(e) if len(t) <= room), "")
+            unlabelled = unlabelled or not text
+            cells[c0:c1] = text.ljust(c1 - c0)
         lines.append(f"{names[r]:<{name_w}} |{''.join(cells)}|")
     lines.append(" " * (name_w + 1) + "0" + _fmt(span).rjust(bar + 1))
-    lines.append((legend + "; " if legend else "") + "'.' idle")
+    # Say what a blank stretch is where there is one: a dense chart can be mostly blank.
+    blank = "blank: too short to label at this width" if unlabelled else ""
+    lines.append("; ".join(filter(None, [look.kinds_text(), look.stages_text(), "'.' idle", blank])))
     for name, text in zip(names, _rank_summaries(timeline)):
         lines.append(f"{name:<{name_w}}  {text}")
     return "\n".join(lines) + "\n"
@@ -166,18 +221,36 @@ def _nice_step(span: float, target: int = 8) -> float:
     return 10 * power
 
 
+def _text_w(text: str, size: float = _FONT) -> float:
+    """Roughly how wide text is drawn, in px (SVG cannot measure it for us)."""
+    return _CHAR_EM * size * len(text)
+
+
+def _plot_width(timeline: Timeline) -> float:
+    """The plot's px: _PX_PER_ACTION per compute action of the busiest rank, clamped."""
+    counts = [0] * timeline.num_ranks
+    for e in timeline.compute_events():
+        counts[e.rank] += 1
+    return min(_MAX_PLOT_W, max(_MIN_PLOT_W, _PX_PER_ACTION * max(counts, default=0)))
+
+
 def to_svg(timeline: Timeline, span=None) -> str:
     """A self-contained SVG: a row per rank, a colored block per F/B/I/W, hatched idle, a time axis.
 
-    `span`, when longer than the makespan, is the time the plot's width stands for (one scale for two).
+    As wide as the schedule is long (about 48 px per action of the busiest rank, within 320..12000 px);
+    a rank's later stages are darker shades of the kind's color. `span`, when longer than the makespan,
+    is the time the plot's width stands for (one scale for two).
     """
-    label, legend = _labeler(timeline)
-    chunks = _chunks(timeline)
-    plot_w, row_h, gap, left, top = 960, 26, 8, 56, 48
-    suffixes = _rank_summaries(timeline)
-    right = 14 + 6 * max(map(len, suffixes), default=0)
+    return _svg(timeline, span, _plot_width(timeline))
+
+
+def _svg(timeline: Timeline, span, plot_w: float) -> str:
+    look = _Look(timeline)
+    row_h, gap, top = 26, 8, 48
+    names = [f"rank {r}" for r in range(timeline.num_ranks)]
+    suffixes = [s.strip() for s in _rank_summaries(timeline)]
+    left = math.ceil(16 + max(map(_text_w, names), default=0))
     height = top + timeline.num_ranks * (row_h + gap) + 56
-    width = left + plot_w + right
     t0, own = timeline.start_time, float(timeline.makespan)
     span = own if span is None or span <= own else float(span)
     scale = plot_w / span if span else 0.0
@@ -189,47 +262,58 @@ def to_svg(timeline: Timeline, span=None) -> str:
     title = (f"{timeline.schedule or 'timeline'}: {timeline.num_ranks} ranks, {timeline.num_microbatches} "
              f"microbatches; makespan {_fmt(own)}{'' if timeline.time_unit == 'unit' else ' ' + timeline.time_unit}"
              f", bubble {100 * float(timeline.bubble_fraction):.1f}%")
+    # The legend, left to right: a swatch per kind drawn, idle, and the later stages' darker look if any.
+    legend, lx = [], left
+    for kind in look.kinds:
+        text = f"{kind.value} {KIND_NAMES[kind]}"
+        legend.append(f'<rect x="{lx:.1f}" y="30" width="10" height="10" fill="{COLORS[kind]}"/>'
+                      f'<text x="{lx + 14:.1f}" y="39">{text}</text>')
+        lx += 14 + _text_w(text) + 14
+    legend.append(f'<rect x="{lx:.1f}" y="30" width="10" height="10" fill="url(#idle)" stroke="#999"/>'
+                  f'<text x="{lx + 14:.1f}" y="39">idle</text>')
+    lx += 14 + _text_w("idle") + 14
+    if look.most > 1:
+        for kind in look.kinds:
+            legend.append(f'<rect x="{lx:.1f}" y="30" width="10" height="10" '
+                          f'fill="{_darker(COLORS[kind], _DARKEST)}"/>')
+            lx += 11
+        text = ("darker, " if look.most == 2 else "darker: a rank's later stages; ") + look.stages_text()
+        legend.append(f'<text x="{lx + 3:.1f}" y="39">{escape(text)}</text>')
+        lx += 3 + _text_w(text)
+    width = math.ceil(max(left + plot_w + 8 + max(map(_text_w, suffixes), default=0) + 12,
+                          left + _text_w(title, 14) + 12, lx + 12))
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="{_FONT}">',
         "<defs><pattern id=\"idle\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
         "patternTransform=\"rotate(45)\"><rect width=\"6\" height=\"6\" fill=\"#f3f3f3\"/>"
         "<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#c8c8c8\" stroke-width=\"2\"/></pattern></defs>",
         f'<rect width="{width}" height="{height}" fill="white"/>',
         f'<text x="{left}" y="22" font-size="14" font-weight="bold">{escape(title)}</text>',
+        '<g id="legend">', *legend, "</g>",
     ]
-    # legend
-    lx = left
-    for kind, color in COLORS.items():
-        out.append(f'<rect x="{lx}" y="30" width="10" height="10" fill="{color}"/>'
-                   f'<text x="{lx + 14}" y="39">{kind.value}</text>')
-        lx += 36
-    out.append(f'<rect x="{lx}" y="30" width="10" height="10" fill="url(#idle)" stroke="#999"/>'
-               f'<text x="{lx + 14}" y="39">idle</text>')
-    if legend:
-        out.append(f'<text x="{lx + 50}" y="39" fill="#555">{escape(legend)} (lighter)</text>')
     for r in range(timeline.num_ranks):
         y = top + r * (row_h + gap)
-        out.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end">rank {r}</text>')
+        out.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end">{names[r]}</text>')
         out.append(f'<rect x="{left}" y="{y}" width="{idle_w}" height="{row_h}" fill="url(#idle)"/>')
         for e in timeline.events_of(r):
-            kind = e.action.kind
-            if not kind.is_compute:
+            if not e.action.kind.is_compute:
                 continue
             x0, w = x(e.start), float(e.end - e.start) * scale
-            opacity = "" if chunks.get(e.action.stage, 0) % 2 == 0 else ' fill-opacity="0.55"'
             tip = f"rank {r}: {e.action} {_fmt(e.start - t0)}..{_fmt(e.end - t0)}"
-            out.append(f'<rect x="{x0:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{COLORS[kind]}"'
-                       f'{opacity} stroke="white" stroke-width="0.5"><title>{escape(tip)}</title></rect>')
-            text = label(e)
-            if w >= 6.5 * len(text) + 2:
+            out.append(f'<rect x="{x0:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{look.color(e)}" '
+                       f'stroke="white" stroke-width="0.5"><title>{escape(tip)}</title></rect>')
+            # Centered in its block with 2 px to spare each side, or left out: blocks do not overlap, so
+            # neither do their labels.
+            text = next((t for t in look.labels(e) if _text_w(t) + 4 <= w), "")
+            if text:
                 out.append(f'<text x="{x0 + w / 2:.2f}" y="{y + row_h / 2 + 4}" text-anchor="middle" '
                            f'fill="white">{escape(text)}</text>')
-        out.append(f'<text x="{left + plot_w + 8}" y="{y + row_h / 2 + 4}">{escape(suffixes[r].strip())}</text>')
-    # time axis
+        out.append(f'<text x="{left + plot_w + 8}" y="{y + row_h / 2 + 4}">{escape(suffixes[r])}</text>')
+    # time axis: about one tick per 90 px, so the numbers keep apart
     axis_y = top + timeline.num_ranks * (row_h + gap) + 4
     out.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + plot_w}" y2="{axis_y}" stroke="#333"/>')
-    step = _nice_step(span)
+    step = _nice_step(span, max(2, int(plot_w // 90)))
     k = 0
     while span and k * step <= span * (1 + 1e-9):
         tx = left + k * step * scale
@@ -274,7 +358,8 @@ def to_html_side_by_side(titled: list[tuple[str, Timeline]], text: str = "", tit
     """Several timelines (e.g. measured and predicted) in one page, on one time scale, under a <pre> text."""
     span = max((float(t.makespan) for _, t in titled), default=0.0)
     title = escape(title or " vs ".join(name for name, _ in titled))
-    parts = [f"<h3>{escape(name)}</h3>\n{to_svg(t, span=span)}" for name, t in titled]
+    plot_w = max((_plot_width(t) for _, t in titled), default=_MIN_PLOT_W)  # one width, so one scale
+    parts = [f"<h3>{escape(name)}</h3>\n{_svg(t, span, plot_w)}" for name, t in titled]
     return (
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
         f"<title>{title}</title>\n<style>body{{font-family:sans-serif;margin:1.5em}}</style></head><body>\n"
