@@ -25,9 +25,18 @@ def _check_positive_int(name: str, value) -> None:
         raise ConfigError(f"{name}={value} must be a positive integer (>= 1)")
 
 
+ARCHS = ("gpt2", "llama")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a GPT-2 style model. Defaults are the byte-level `tiny` preset."""
+    """Shape of a GPT: GPT-2 (learned positions, LayerNorm, GELU MLP, biases) or Llama (rotary positions,
+    RMSNorm, SwiGLU MLP, grouped-query attention, no biases). Defaults are the byte-level `tiny` preset.
+
+    arch-dependent fields: n_kv_head None means n_head (no grouping); ffn_hidden None means 4 x n_embd for
+    GPT-2 and Llama's rule (two thirds of 4 x n_embd, rounded up to a multiple of 256) for Llama. rope_theta,
+    norm_eps and qkv_bias (Qwen2's) matter to Llama only; GPT-2's LayerNorm eps is norm_eps too (1e-5).
+    """
 
     vocab_size: int = 256
     seq_len: int = 64
@@ -38,6 +47,12 @@ class ModelConfig:
     tie_embeddings: bool = True
     pad_vocab_to: int = 1  # round the embedding/head rows up to a multiple of this (e.g. 64)
     bias: bool = True
+    arch: str = "gpt2"
+    n_kv_head: int | None = None
+    ffn_hidden: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
 
     @property
     def padded_vocab_size(self) -> int:
@@ -48,29 +63,81 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is not set."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden width (ffn_hidden, or the architecture's rule)."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.arch == "llama":
+            return -(-(8 * self.n_embd // 3) // 256) * 256
+        return 4 * self.n_embd
+
+    @property
+    def is_llama(self) -> bool:
+        return self.arch == "llama"
+
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "pad_vocab_to"):
             _check_positive_int(name, getattr(self, name))
+        if self.arch not in ARCHS:
+            raise ConfigError(f"arch={self.arch!r} is not valid: use one of {', '.join(ARCHS)}")
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                 f"use a multiple of {self.n_head} such as {nearest_multiples(self.n_embd, self.n_head)}"
             )
+        for name in ("n_kv_head", "ffn_hidden"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if self.n_head % self.kv_heads:
+            divisors = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
+            raise ConfigError(f"n_kv_head={self.kv_heads} does not divide n_head={self.n_head}: "
+                              f"use one of {', '.join(map(str, divisors))}")
+        if self.kv_heads != self.n_head and self.arch != "llama":
+            raise ConfigError(f"n_kv_head={self.kv_heads} (grouped-query attention) needs arch llama, "
+                              f"not {self.arch}; GPT-2 has n_kv_head = n_head = {self.n_head}")
+        if self.is_llama and self.head_dim % 2:
+            raise ConfigError(f"head size n_embd/n_head = {self.head_dim} is odd: rotary embeddings need "
+                              f"an even head size")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout!r} must be a number in [0, 1), e.g. 0.0 or 0.1")
-        for name in ("tie_embeddings", "bias"):
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name}={value!r} must be a positive finite number, e.g. "
+                                  f"{'500000' if name == 'rope_theta' else '1e-5'}")
+        for name in ("tie_embeddings", "bias", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         return self
 
 
+# Llama-shaped models: untied unless stated (SmolLM ties), no biases.
+_LLAMA = dict(arch="llama", bias=False, tie_embeddings=False)
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=128),
     "gpt2": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, n_embd=1600),
+    "tiny-llama": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=128,
+                              ffn_hidden=352, **_LLAMA),
+    "smollm-135m": ModelConfig(vocab_size=49152, seq_len=2048, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+                               ffn_hidden=1536, rope_theta=10000.0, **{**_LLAMA, "tie_embeddings": True}),
+    "tinyllama-1.1b": ModelConfig(vocab_size=32000, seq_len=2048, n_layer=22, n_head=32, n_kv_head=4,
+                                  n_embd=2048, ffn_hidden=5632, rope_theta=10000.0, **_LLAMA),
+    "llama3-8b": ModelConfig(vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+                             ffn_hidden=14336, rope_theta=500000.0, **_LLAMA),
+    "llama3-70b": ModelConfig(vocab_size=128256, seq_len=8192, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192,
+                              ffn_hidden=28672, rope_theta=500000.0, **_LLAMA),
+    "llama3-405b": ModelConfig(vocab_size=128256, seq_len=8192, n_layer=126, n_head=128, n_kv_head=8,
+                               n_embd=16384, ffn_hidden=53248, rope_theta=500000.0, **_LLAMA),
 }
 
 

@@ -323,9 +323,17 @@ def test_presets():
     assert model_config("tiny") == ModelConfig()
     assert model_config("tiny", n_layer=None, seq_len=32).seq_len == 32
     assert model_config("gpt2", pad_vocab_to=64).padded_vocab_size == 50304
-    shapes = {k: (c.n_layer, c.n_head, c.n_embd) for k, c in MODEL_PRESETS.items()}
+    shapes = {k: (c.n_layer, c.n_head, c.n_embd) for k, c in MODEL_PRESETS.items() if c.arch == "gpt2"}
     assert shapes == {"tiny": (4, 4, 128), "gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024),
                       "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
+    # Llama presets as their Hugging Face configs give them: layers, heads, kv heads, width, ffn, vocabulary
+    llamas = {k: (c.n_layer, c.n_head, c.kv_heads, c.n_embd, c.ffn_width, c.vocab_size)
+              for k, c in MODEL_PRESETS.items() if c.arch == "llama"}
+    assert llamas == {"tiny-llama": (4, 4, 2, 128, 352, 256), "smollm-135m": (30, 9, 3, 576, 1536, 49152),
+                      "tinyllama-1.1b": (22, 32, 4, 2048, 5632, 32000),
+                      "llama3-8b": (32, 32, 8, 4096, 14336, 128256), "llama3-70b": (80, 64, 8, 8192, 28672, 128256),
+                      "llama3-405b": (126, 128, 8, 16384, 53248, 128256)}
+    assert not MODEL_PRESETS["llama3-8b"].tie_embeddings and MODEL_PRESETS["smollm-135m"].tie_embeddings
     for c in MODEL_PRESETS.values():
         c.validate()
     # parameter count from shapes: embeddings + 12 C^2 + 13 C per block (with biases) + final LN
