@@ -1,9 +1,16 @@
-"""A nanoGPT-style GPT-2 whose blocks can be sliced into pipeline stages.
+"""A nanoGPT-style GPT whose blocks can be sliced into pipeline stages: GPT-2 or Llama.
 
 The module knows nothing of processes. `GPT(config)` is the whole model;
 `GPT(config, layers=range(2, 4), embed=False, head=True)` is one stage of it.
 Every parameter keeps its one-process name whichever slice holds it
 (`wte.weight`, `blocks.3.attn.qkv.weight`, `ln_f.weight`, `lm_head.weight`).
+
+One block structure whose parts follow `config.arch`:
+    gpt2   wte + wpe; LayerNorm ln1/ln2/ln_f; attn.qkv (q, k, v stacked) and attn.proj; mlp.fc, GELU, mlp.proj
+    llama  wte only (rotary positions, Hugging Face's rotate-half form, so its weights load unchanged);
+           RMSNorm ln1/ln2/ln_f; attn.q, attn.k, attn.v (k and v with n_kv_head heads: grouped-query
+           attention), attn.proj; SwiGLU mlp.proj(silu(mlp.gate(x)) * mlp.up(x)); no biases but
+           optional q/k/v ones (qkv_bias)
 
 Initial values: each parameter is drawn from its own generator seeded by
 (init_seed, its one-process name), so a slice built with the same init_seed
@@ -43,54 +50,130 @@ TIED_NAME = "wte.weight"  # the one-process name of the tied embedding/head weig
 # ---------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------
-def _causal_sdpa(q, k, v, dropout_p: float):
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+def _causal_sdpa(q, k, v, dropout_p: float, offset: int = 0):
+    """Causal attention of q's positions offset.. over k's 0..: offset > 0 when earlier keys are cached."""
+    if k.size(1) != q.size(1):  # grouped-query attention: each kv head serves n_head/n_kv_head q heads
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+    if offset == 0:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    T, S = q.size(2), k.size(2)
+    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_table(head_dim: int, length: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, head_dim] of the rotary angles, fp32, as Hugging Face's Llama computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(length, device=device).float(), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, theta: float, offset: int = 0) -> torch.Tensor:
+    """x [B, heads, T, head_dim] rotated by positions offset..offset+T (the rotate-half form)."""
+    T, hd = x.size(2), x.size(3)
+    cos, sin = (t[offset:offset + T].to(x.dtype) for t in _rope_table(hd, offset + T, float(theta), x.device))
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, per block, for sampling one token at a time."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.length = 0  # positions cached (the next token's position); GPT.forward advances it
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.keys:
+            k, v = torch.cat((self.keys[layer], k), dim=2), torch.cat((self.values[layer], v), dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, selective: bool):
+    def __init__(self, config: ModelConfig, selective: bool, layer: int = 0):
         super().__init__()
-        self.n_head, self.dropout, self.selective = config.n_head, config.dropout, selective
-        self.qkv = SplitLinear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.proj = SplitLinear(config.n_embd, config.n_embd, bias=config.bias)
+        # n_head and n_kv_head are per instance: a tensor-parallel shard holds n_head/tp of them.
+        self.n_head, self.n_kv_head, self.layer = config.n_head, config.kv_heads, layer
+        self.dropout, self.selective = config.dropout, selective
+        self.rope_theta = config.rope_theta if config.is_llama else None
+        C, hd = config.n_embd, config.head_dim
+        if config.is_llama:
+            self.q = SplitLinear(C, self.n_head * hd, bias=config.qkv_bias)
+            self.k = SplitLinear(C, self.n_kv_head * hd, bias=config.qkv_bias)
+            self.v = SplitLinear(C, self.n_kv_head * hd, bias=config.qkv_bias)
+        else:
+            self.qkv = SplitLinear(C, 3 * C, bias=config.bias)
+        self.proj = SplitLinear(self.n_head * hd, C, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x):
-        # Widths come from qkv's output, not x: a tensor-parallel shard holds n_head/tp heads
-        # (self.n_head is per instance) and may see a longer (sequence-gathered) input.
-        qkv = self.qkv(x)
-        B, T, W = qkv.shape
-        q, k, v = (t.view(B, T, self.n_head, W // (3 * self.n_head)).transpose(1, 2)
-                   for t in qkv.split(W // 3, dim=2))
+    def _heads(self, x):
+        """q [B, n_head, T, hd], k and v [B, n_kv_head, T, hd]. Widths come from the projections' outputs,
+        not x: a tensor-parallel shard may see a longer (sequence-gathered) input."""
+        if self.rope_theta is None:
+            q, k, v = self.qkv(x).chunk(3, dim=2)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        B, T, W = q.shape
+        hd = W // self.n_head
+        return (q.view(B, T, self.n_head, hd).transpose(1, 2), k.view(B, T, self.n_kv_head, hd).transpose(1, 2),
+                v.view(B, T, self.n_kv_head, hd).transpose(1, 2))
+
+    def forward(self, x, cache: KVCache | None = None):
+        q, k, v = self._heads(x)
+        offset = cache.length if cache is not None else 0
+        if self.rope_theta is not None:
+            q, k = apply_rope(q, self.rope_theta, offset), apply_rope(k, self.rope_theta, offset)
+        if cache is not None:
+            k, v = cache.extend(self.layer, k, v)
         p = self.dropout if self.training else 0.0
         if self.selective and torch.is_grad_enabled():
-            y = checkpoint(_causal_sdpa, q, k, v, p, use_reentrant=False)
+            y = checkpoint(_causal_sdpa, q, k, v, p, offset, use_reentrant=False)
         else:
-            y = _causal_sdpa(q, k, v, p)
-        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, W // 3)))
+            y = _causal_sdpa(q, k, v, p, offset)
+        B, H, T, hd = y.shape
+        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, H * hd)))
 
 
 class MLP(nn.Module):
+    """GPT-2's fc, GELU, proj; or Llama's SwiGLU: proj(silu(gate(x)) * up(x))."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.fc = SplitLinear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.proj = SplitLinear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        C, hidden = config.n_embd, config.ffn_width
+        self.swiglu = config.is_llama
+        if self.swiglu:
+            self.gate = SplitLinear(C, hidden, bias=config.bias)
+            self.up = SplitLinear(C, hidden, bias=config.bias)
+        else:
+            self.fc = SplitLinear(C, hidden, bias=config.bias)
+        self.proj = SplitLinear(hidden, C, bias=config.bias)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        hidden = F.silu(self.gate(x)) * self.up(x) if self.swiglu else F.gelu(self.fc(x), approximate="tanh")
+        return self.drop(self.proj(hidden))
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.is_llama:
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, selective: bool = False):
+    def __init__(self, config: ModelConfig, selective: bool = False, layer: int = 0):
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config, selective)
-        self.ln2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln1 = make_norm(config)
+        self.attn = CausalSelfAttention(config, selective, layer)
+        self.ln2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, cache: KVCache | None = None):
+        x = x + self.attn(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 
 
@@ -112,7 +195,7 @@ def slice_state_dict(full_state_dict: dict, layers: range, embed: bool, head: bo
     prefixes = tuple(f"blocks.{i}." for i in layers)
     out = {k: v for k, v in full_state_dict.items() if k.startswith(prefixes)}
     if embed:
-        out.update({k: full_state_dict[k] for k in ("wte.weight", "wpe.weight")})
+        out.update({k: full_state_dict[k] for k in ("wte.weight", "wpe.weight") if k in full_state_dict})
     if head:
         out.update({k: v for k, v in full_state_dict.items() if k.startswith("ln_f.")})
         out["lm_head.weight"] = full_state_dict[TIED_NAME if tie else "lm_head.weight"]
@@ -138,11 +221,12 @@ class GPT(nn.Module):
         V, C = config.padded_vocab_size, config.n_embd
         if embed:
             self.wte = nn.Embedding(V, C)
-            self.wpe = nn.Embedding(config.seq_len, C)
+            if not config.is_llama:  # rotary positions have no parameters
+                self.wpe = nn.Embedding(config.seq_len, C)
             self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(config, recompute == "selective") for i in layers})
+        self.blocks = nn.ModuleDict({str(i): Block(config, recompute == "selective", i) for i in layers})
         if head:
-            self.ln_f = nn.LayerNorm(C, bias=config.bias)
+            self.ln_f = make_norm(config)
             self.lm_head = SplitLinear(C, V, bias=False)
             if embed and config.tie_embeddings:
                 self.lm_head.weight = self.wte.weight
@@ -183,18 +267,26 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Tokens (or the previous stage's activations) -> activations, logits, or the mean loss with targets.
+        With a KVCache (sampling, no grad), x holds the positions after those cached."""
+        T = x.size(1)
         if self.embed:
-            T = x.size(1)
-            if T > self.config.seq_len:
-                raise ValueError(f"sequence length {T} exceeds seq_len={self.config.seq_len}")
-            pos = torch.arange(T, device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+            start = cache.length if cache is not None else 0
+            if start + T > self.config.seq_len:
+                raise ValueError(f"sequence length {start + T} exceeds seq_len={self.config.seq_len}")
+            x = self.wte(x)
+            if not self.config.is_llama:
+                x = x + self.wpe(torch.arange(start, start + T, device=x.device))
+            x = self.drop(x)
         for block in self.blocks.values():
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, cache)
+        if cache is not None:
+            cache.length += T
         if not self.head:
             return x
         return self.head_output(self.lm_head(self.ln_f(x)), targets)

@@ -209,6 +209,7 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
         block.attn.qkv = column(block.attn.qkv, f"{p}.attn.qkv")
         block.attn.proj = row(block.attn.proj, f"{p}.attn.proj")
         block.attn.n_head //= tp_size
+        block.attn.n_kv_head //= tp_size
         block.mlp.fc = column(block.mlp.fc, f"{p}.mlp.fc")
         block.mlp.proj = row(block.mlp.proj, f"{p}.mlp.proj")
 

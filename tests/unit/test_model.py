@@ -8,10 +8,14 @@ from torch.testing import assert_close
 
 from helpers import ROOT
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig, model_config
-from pipegpt.model.gpt import GPT, build_reference_model, slice_state_dict
+from pipegpt.model.gpt import GPT, KVCache, build_reference_model, slice_state_dict
 from pipegpt.model.split_backward import SplitLinear, defer_weight_grads
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, n_layer=5, n_head=4, n_embd=32)
+# Llama-shaped: grouped-query attention (2 kv heads for 4), SwiGLU, RMSNorm, rotary, untied, q/k/v biases
+LLAMA = ModelConfig(vocab_size=64, seq_len=16, n_layer=5, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
+                    arch="llama", bias=False, tie_embeddings=False, qkv_bias=True, rope_theta=500.0)
+ARCHS = {"gpt2": CFG, "llama": LLAMA}
 SEED = 1234
 
 # (layers, embed, head) per slice; uneven, and with slices holding no blocks at all
@@ -83,10 +87,11 @@ def merged_slice_grads(slices, tie):
     return merged
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("split", list(SPLITS))
-def test_slices_match_full_model(split, tie):
-    cfg = ModelConfig(**{**CFG.__dict__, "tie_embeddings": tie})
+def test_slices_match_full_model(split, tie, arch):
+    cfg = ModelConfig(**{**ARCHS[arch].__dict__, "tie_embeddings": tie})
     full, ref_loss, ref_grads = full_loss_and_grads(cfg)
     slices = make_slices(full, SPLITS[split])
     x, y = batch(cfg)
@@ -149,9 +154,10 @@ def test_slice_state_dict_maps_tied_head():
     assert torch.equal(sd["lm_head.weight"], full.wte.weight)
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_recompute_matches_none(recompute):
-    cfg = ModelConfig(**{**CFG.__dict__, "dropout": 0.1})  # dropout masks must replay too
+def test_recompute_matches_none(recompute, arch):
+    cfg = ModelConfig(**{**ARCHS[arch].__dict__, "dropout": 0.1})  # dropout masks must replay too
     _, ref_loss, ref_grads = full_loss_and_grads(cfg)
     _, loss, got = full_loss_and_grads(cfg, recompute=recompute)
     assert_close(loss, ref_loss)
@@ -160,16 +166,19 @@ def test_recompute_matches_none(recompute):
 
 
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
-def test_deferred_weight_grads(recompute):
-    """I then W: input grads are right before the closures run; W completes the grads."""
-    full, _, _ = full_loss_and_grads()
-    x, y = batch()
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_deferred_weight_grads(recompute, arch):
+    """I then W: input grads are right before the closures run; W completes the grads (every linear
+    layer deferred: SwiGLU's three and Llama's q, k, v too)."""
+    cfg = ARCHS[arch]
+    full, _, _ = full_loss_and_grads(cfg)
+    x, y = batch(cfg)
     split = SPLITS["2-way"]
     ref = make_slices(full, split)
     _, io = chain_forward(ref, x, y)
     chain_backward(io)
     ref_input_grad = io[1][0].grad.clone()
-    ref_grads = merged_slice_grads(ref, tie=True)
+    ref_grads = merged_slice_grads(ref, tie=cfg.tie_embeddings)
 
     slices = make_slices(full, split, recompute=recompute)
     _, io = chain_forward(slices, x, y)
@@ -192,7 +201,7 @@ def test_deferred_weight_grads(recompute):
     for pending in pending_per_slice:
         for fn in pending:
             fn()
-    got = merged_slice_grads(slices, tie=True)
+    got = merged_slice_grads(slices, tie=cfg.tie_embeddings)
     for n in ref_grads:
         assert_close(got[n], ref_grads[n], msg=n)
 
@@ -350,3 +359,47 @@ def test_model_imports_no_process_code():
     assert set(eval(out.stdout)) <= {"pipegpt", "pipegpt.config", "pipegpt.model", "pipegpt.model.gpt",
                                      "pipegpt.model.split_backward", "pipegpt.data", "pipegpt.data.tokenizers",
                                      "pipegpt.data.tokens", "pipegpt.data.loader"}
+
+
+def test_llama_parameters_and_kv_cache():
+    """Llama's parameters by their one-process names and shapes; sampling with the KV cache (a prompt, then
+    one token at a time, or in chunks) gives the logits of the whole sequence at once, for both architectures."""
+    model = GPT(LLAMA, init_seed=3).eval()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    hd, kv = LLAMA.head_dim, LLAMA.kv_heads
+    assert shapes["blocks.0.attn.q.weight"] == (32, 32) and shapes["blocks.0.attn.k.weight"] == (kv * hd, 32)
+    assert shapes["blocks.0.attn.v.bias"] == (kv * hd,) and shapes["blocks.0.mlp.gate.weight"] == (48, 32)
+    assert shapes["blocks.0.mlp.up.weight"] == (48, 32) and shapes["blocks.0.mlp.proj.weight"] == (32, 48)
+    assert shapes["blocks.0.ln1.weight"] == (32,) and "blocks.0.ln1.bias" not in shapes
+    assert "wpe.weight" not in shapes and shapes["lm_head.weight"] == (64, 32)
+    assert "blocks.0.attn.proj.bias" not in shapes  # qkv_bias is q, k and v's only
+    x, _ = batch(LLAMA, b=2)
+    for cfg in (LLAMA, CFG):
+        model = GPT(cfg, init_seed=3).eval()
+        with torch.no_grad():
+            whole = model(x)
+            cache = KVCache()
+            steps = [model(x[:, :9], cache=cache)]
+            steps += [model(x[:, t:t + 1], cache=cache) for t in range(9, 12)]
+            steps.append(model(x[:, 12:], cache=cache))
+        assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+        assert cache.length == cfg.seq_len
+
+
+def test_grouped_query_attention_is_full_attention_with_shared_kv_heads():
+    """Grouped-query attention (2 kv heads for 4 q heads) equals full attention whose k and v projections
+    repeat each kv head for the q heads of its group (q heads 0, 1 use kv head 0; 2, 3 kv head 1)."""
+    grouped = GPT(LLAMA, init_seed=5).eval()
+    full_cfg = ModelConfig(**{**LLAMA.__dict__, "n_kv_head": 4})
+    full = GPT(full_cfg, init_seed=5).eval()
+    sd = grouped.state_dict()
+    for i in range(LLAMA.n_layer):
+        for part in ("k", "v"):
+            for kind in ("weight", "bias"):
+                t = sd[f"blocks.{i}.attn.{part}.{kind}"]
+                sd[f"blocks.{i}.attn.{part}.{kind}"] = t.view(2, LLAMA.head_dim, *t.shape[1:]) \
+                    .repeat_interleave(2, dim=0).reshape(4 * LLAMA.head_dim, *t.shape[1:])
+    full.load_state_dict(sd)
+    x, _ = batch(LLAMA, b=2)
+    with torch.no_grad():
+        assert_close(full(x), grouped(x))
