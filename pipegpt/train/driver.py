@@ -202,6 +202,7 @@ class Job:
         self.say: Callable[[str], None] = lambda line: print(line, flush=True)  # the driver's notes (--balance cost)
         self.current_step: int | None = None  # the loop's index (from 0) of the step running or last run
         self.failed_at: float | None = None  # time.time() of the failure this attempt restarts after (--max-restarts)
+        self.steps_lost: int | None = None  # the steps completed before that failure that this attempt does again
 
     def start(self) -> bool:
         """Start the workers and build them for the plan. Under torchrun every process calls this; the
@@ -477,6 +478,7 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
         metrics.skipped_steps = skipped
         if job.failed_at is not None and step == job.first_step:
             metrics.recovery_s = time.time() - job.failed_at
+            metrics.steps_lost = job.steps_lost
         if evaluation_due(cfg, step):
             metrics.val_loss = job.evaluate()
             if hellaswag:

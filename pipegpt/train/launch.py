@@ -16,7 +16,8 @@ from pipegpt.config import TrainConfig, under_torchrun
 from pipegpt.train.placement import resolve_device
 
 
-RESTART_ENV = "PIPEGPT_RESTART"  # "K FAILED_AT": this process is restart K of the run, after a failure at that time
+RESTART_ENV = "PIPEGPT_RESTART"  # "K FAILED_AT LOST": restart K of the run, after a failure at that time that
+#                                   lost LOST completed steps (done again from the checkpoint resumed)
 
 
 def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None, log_every: int,
@@ -36,7 +37,7 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     driver = not under_torchrun() or os.environ.get("RANK") == "0"  # the one process that writes the run directory
     out = Path(run_dir) if run_dir else _resumed_run_dir(cfg)
     job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
-    restarts, job.failed_at = restart_state()
+    restarts, job.failed_at, job.steps_lost = restart_state()
     continuing = continuing or restarts > 0
     model, p, steps = cfg.model, cfg.parallel, cfg.runtime.steps
     done = resumed_step(cfg)
@@ -69,7 +70,9 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
         if m.step == job.first_step + 1 and job.loaded:
             echo(f"started from {job.loaded[0]} (after step {job.first_step}; loaded in {job.loaded[1]:.2f} s)")
         if m.recovery_s is not None:
-            echo(f"pipegpt: recovered: step {m.step} done {m.recovery_s:.1f} s after the failure")
+            lost = f"; {m.steps_lost} completed step{'s' if m.steps_lost != 1 else ''} done again" \
+                if m.steps_lost is not None else ""
+            echo(f"pipegpt: recovered: step {m.step} done {m.recovery_s:.1f} s after the failure{lost}")
         if m.step == 1 or m.step % log_every == 0 or m.step == steps:
             echo(progress_line(m, steps, clock.elapsed(), clock.eta()))
         if m.val_loss is not None:
@@ -106,13 +109,14 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
 # --------------------------------------------------------------------------------------------------------------
 # Restarts (--max-restarts): the driver starts itself again, a fresh process, resuming the run's latest checkpoint
 
-def restart_state(env=os.environ) -> tuple[int, float | None]:
-    """(restarts so far, when the failure this attempt restarts after happened), from RESTART_ENV."""
+def restart_state(env=os.environ) -> tuple[int, float | None, int | None]:
+    """(restarts so far, when the failure this attempt restarts after happened, the completed steps it lost),
+    from RESTART_ENV."""
     value = env.get(RESTART_ENV)
     if not value:
-        return 0, None
-    count, failed_at = value.split()
-    return int(count), float(failed_at)
+        return 0, None, None
+    count, failed_at, *lost = value.split()
+    return int(count), float(failed_at), int(lost[0]) if lost else None
 
 
 def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
@@ -143,10 +147,12 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     if saved:
         done = int(checkpoint.read_manifest(saved[-1], verify=False)["step"])
         lost = f", {step - done} step{'s' if step - done != 1 else ''} to do again" if step is not None else ""
+        steps_lost = step - done if step is not None else 0
         kind = "the snapshot in memory " if memory is not None else ""
         source = f"from {kind}{saved[-1]} (after step {done}{lost})"
     else:
         source = "from the start (no checkpoint yet)"
+        steps_lost = step or 0
     limit, layout, flags = cfg.checkpoint.max_restarts, "same layout", {}
     if not same_devices:  # a device is gone: go on without it, or stop
         shrunk = _shrink(echo, failure, cfg, ranks)
@@ -159,7 +165,7 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     if later_faults():
         env[FAULT_ENV] = later_faults()
-    env[RESTART_ENV] = f"{count} {failed_at!r}"
+    env[RESTART_ENV] = f"{count} {failed_at!r} {steps_lost}"
     env.update(device_env)  # on GPUs: only those that passed the device check
     resume = None if not saved else str(saved[-1]) if memory is not None else str(run_dir)
     args = restart_args(sys.argv[1:], resume, flags, run_dir=str(run_dir))

@@ -46,6 +46,8 @@ class StepMetrics:
     nonfinite: str | None = None  # on such a step: what was not finite and where it appeared first
     recovery_s: float | None = None  # on an attempt's first step after a restart (--max-restarts): seconds from the
     #                                  failure to this step's end
+    steps_lost: int | None = None  # on that step too: the steps completed before the failure that were done again
+    #                                (the failed step's index minus the resumed checkpoint's or snapshot's step)
 
 
 def json_line(row: dict) -> str:

@@ -39,7 +39,9 @@ def test_a_dead_worker_is_restarted_and_the_losses_go_on_bit_for_bit(uninterrupt
     assert [rows[s]["loss"] for s in sorted(rows)] == [uninterrupted[s]["loss"] for s in sorted(rows)]
     after = [r for r in rows.values() if r["attempt"] == 2]
     assert after and after[0]["recovery_s"] > 0 and all(r["recovery_s"] is None for r in after[1:])
-    assert "pipegpt: recovered: step" in proc.stdout
+    # step 6 failed, step 4's checkpoint resumed: step 5, completed before the failure, is done again
+    assert after[0]["steps_lost"] == 1 and all(r["steps_lost"] is None for r in after[1:])
+    assert "pipegpt: recovered: step 5 done" in proc.stdout and "; 1 completed step done again" in proc.stdout
 
 
 def test_a_restart_resumes_the_newest_snapshot_in_memory_not_the_older_checkpoint(uninterrupted, tmp_path):
@@ -58,7 +60,8 @@ def test_a_restart_resumes_the_newest_snapshot_in_memory_not_the_older_checkpoin
     rows = last_rows(run_dir)
     assert sorted(rows) == sorted(uninterrupted)
     assert [rows[s]["loss"] for s in sorted(rows)] == [uninterrupted[s]["loss"] for s in sorted(rows)]
-    assert min(s for s, r in rows.items() if r["attempt"] == 2) >= 5
+    first_again = min(s for s, r in rows.items() if r["attempt"] == 2)
+    assert first_again >= 5 and rows[first_again]["steps_lost"] == 6 - first_again  # 1 or 0, never 2 (step 3's)
     assert all(rows[s]["snapshot_s"] > 0 for s in (1, 2, 4)) and rows[3]["snapshot_s"] is None  # a checkpoint
     assert not snapshot_root(run_dir).exists()  # the run is over: its snapshots leave the memory
 
@@ -109,6 +112,14 @@ def test_resume_auto_starts_fresh_then_resumes(tmp_path):
     assert resume_auto(str(run_dir)) == (None, True)  # no complete checkpoint: the run starts again there
     (run_dir / "checkpoints" / "step-00000002" / "manifest.json").write_text("{}")
     assert resume_auto(str(run_dir)) == (str(run_dir), True)
+
+
+def test_restart_state_reads_the_count_the_failure_time_and_the_steps_lost():
+    from pipegpt.train.launch import RESTART_ENV, restart_state
+
+    assert restart_state({}) == (0, None, None)
+    assert restart_state({RESTART_ENV: "2 1764000000.5 3"}) == (2, 1764000000.5, 3)
+    assert restart_state({RESTART_ENV: "1 1764000000.5"}) == (1, 1764000000.5, None)  # a parent before steps_lost
 
 
 def test_restart_args_resume_the_run_and_drop_what_would_contradict_it():
