@@ -70,7 +70,9 @@ def test_import_matches_transformers_logits_and_loss(tied):
     manifest = checkpoint.read_manifest(ckpt)
     assert manifest["step"] == 0 and manifest["optimizer"] is False and manifest["tokenizer"] == "bytes"
     assert manifest["model"] == {"vocab_size": 256, "seq_len": 32, "n_layer": 2, "n_head": 4, "n_embd": 32,
-                                 "dropout": 0.0, "tie_embeddings": True, "pad_vocab_to": 1, "bias": True}
+                                 "dropout": 0.0, "tie_embeddings": True, "pad_vocab_to": 1, "bias": True,
+                                 "arch": "gpt2", "n_kv_head": None, "ffn_hidden": None, "rope_theta": 10000.0,
+                                 "norm_eps": 1e-5, "qkv_bias": False}
     model, _, _ = load_model(ckpt)
     with torch.no_grad():
         ours, theirs = model(TOKENS), hf_logits(hf)
