@@ -520,7 +520,9 @@ def _near_divisors(n: int, k: int) -> str:
 
 def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
     """Raise ConfigError (one line, naming the values and the nearest valid ones) unless
-    `config` can be split over `tp` tensor-parallel ranks."""
+    `config` can be split over `tp` tensor-parallel ranks: whole heads per rank, and key/value heads either
+    n_kv_head/tp per rank or, with tp a multiple of n_kv_head, one replicated over tp/n_kv_head ranks
+    (pipegpt.tensor_parallel.layout); the MLP width and the padded vocabulary divisible by tp."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp!r} must be an integer >= 1")
     if tp == 1:
@@ -534,9 +536,17 @@ def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False) -
         raise ConfigError(f"n_head={config.n_head} is not divisible by tp={tp} (each tp rank holds "
                           f"n_head/tp heads): use {_near_divisors(config.n_head, tp)}"
                           + (f", or n_head={alt} (with n_embd={C})" if alt else ""))
-    if 4 * C % tp:  # implied by the n_head check while n_embd % n_head == 0; kept as a guard
-        raise ConfigError(f"the MLP width 4*n_embd={4 * C} is not divisible by tp={tp}: "
-                          f"use {_near_divisors(4 * C, tp)}")
+    kv, width = config.kv_heads, config.ffn_width
+    valid = lambda: ", ".join(str(t) for t in range(1, config.n_head + 1)  # noqa: E731
+                              if config.n_head % t == 0 and (kv % t == 0 or t % kv == 0) and width % t == 0)
+    if kv % tp and tp % kv:
+        raise ConfigError(f"n_kv_head={kv} does not split over tp={tp}: each tp rank holds n_kv_head/tp key/value "
+                          f"heads, or one shared by tp/n_kv_head ranks (tp a multiple of n_kv_head); "
+                          f"use tp={valid()}")
+    if width % tp:  # GPT-2's 4*n_embd: implied by the n_head check; a Llama ffn_hidden may not divide
+        what = f"ffn_hidden={width}" if config.ffn_hidden is not None else f"the MLP width {width}"
+        raise ConfigError(f"{what} is not divisible by tp={tp} (each tp rank holds ffn_hidden/tp of the MLP's "
+                          f"columns): use tp={valid()}")
     V, pad = config.padded_vocab_size, config.pad_vocab_to
     if V % tp:
         if 64 % tp == 0 and pad != 64:

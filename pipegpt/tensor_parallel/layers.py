@@ -6,11 +6,18 @@ tensor-parallel ones holding this rank's shard, under the same one-process param
     attn.qkv   column-parallel: rows of this rank's n_head/tp heads from each of q, k and v
     attn.proj  row-parallel (input columns of those heads), bias added once after the reduce
     mlp.fc     column-parallel;  mlp.proj row-parallel
+    Llama:     attn.q, mlp.gate, mlp.up column-parallel; attn.k, attn.v column-parallel by kv head: the
+               kv heads of this rank's q heads, n_kv_head/tp of them, or, when tp is a multiple of
+               n_kv_head, the one head (r // (tp/n_kv_head)) shared with the other ranks of its group,
+               whose gradients replicated_kv_params / sum_replicated_kv_grads sum over the group;
+               q/k/v biases follow their weights; attn.proj, mlp.proj row-parallel; no wpe (rotary
+               positions: with sequence parallelism attention sees the gathered sequence, so positions
+               are 0..T-1 as in one process)
     wte        vocabulary-parallel: a contiguous range of the (padded) vocabulary per rank;
                tokens outside it embed to 0, then the ranks' embeddings are summed
     lm_head    column-parallel over the vocabulary (tied to the local wte shard when the slice
                holds both); the loss is vocab_parallel_cross_entropy, logits are never gathered
-    LayerNorms, wpe, row-parallel biases: replicated (identical on every tp rank)
+    LayerNorms (RMSNorms), wpe, row-parallel biases: replicated (identical on every tp rank)
 
 Shapes (B microbatch, T sequence, C n_embd, tp ranks; rank r's sequence chunk is positions
 [r*T/tp, (r+1)*T/tp)):
@@ -51,7 +58,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipegpt.config import ConfigError
 from pipegpt.model.gpt import GPT
@@ -59,7 +68,7 @@ from pipegpt.model.split_backward import SplitLinear, add_bias, split_linear
 from pipegpt.tensor_parallel.collectives import (copy_to_tp, gather_from_sequence, group_size, reduce_from_tp,
                                                  reduce_scatter_to_sequence, vocab_parallel_cross_entropy)
 from pipegpt.config import validate_tp
-from pipegpt.tensor_parallel.layout import REPLICATED, shard_tensor, tp_shard_spec
+from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, shard_tensor, tp_shard_spec
 
 
 # ---------------------------------------------------------------------------
@@ -165,7 +174,7 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
     `group`: the tp process group (None only when tp_size == 1). Returns `module`.
 
     Don't call init_weights or load_from_full on the result: load shards with
-    load_state_dict(shard_state_dict(full_sd, tp_rank, tp_size)).
+    load_state_dict(shard_state_dict(full_sd, tp_rank, tp_size, config.kv_heads)).
     """
     validate_tp(module.config, tp_size, sequence_parallel)
     if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
@@ -180,8 +189,11 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
     if tp_size == 1:
         return module
 
+    config = module.config
+    kv = config.kv_heads
+
     def take(name: str, old: nn.Parameter) -> nn.Parameter:
-        shard = shard_tensor(name, old.detach(), tp_rank, tp_size)
+        shard = shard_tensor(name, old.detach(), tp_rank, tp_size, kv)
         return nn.Parameter(shard.clone(memory_format=torch.contiguous_format), requires_grad=old.requires_grad)
 
     def meta(*shape) -> torch.Tensor:
@@ -194,9 +206,9 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
         new.train(old.training)
         return new
 
-    def column(old: SplitLinear, prefix: str) -> ColumnParallelLinear:
-        new = ColumnParallelLinear(old.in_features, old.out_features // tp_size, old.bias is not None,
-                                   group, sp, device="meta")
+    def column(old: SplitLinear, prefix: str, out_local: int | None = None) -> ColumnParallelLinear:
+        out_local = old.out_features // tp_size if out_local is None else out_local
+        new = ColumnParallelLinear(old.in_features, out_local, old.bias is not None, group, sp, device="meta")
         return swap(new, old, prefix)
 
     def row(old: SplitLinear, prefix: str) -> RowParallelLinear:
@@ -204,22 +216,30 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
                                 group, sp, device="meta")
         return swap(new, old, prefix)
 
+    kv_local = max(1, kv // tp_size)  # kv heads of this rank: kv/tp, or one shared (tp a multiple of kv)
     for i, block in module.blocks.items():
-        p = f"blocks.{i}"
-        block.attn.qkv = column(block.attn.qkv, f"{p}.attn.qkv")
-        block.attn.proj = row(block.attn.proj, f"{p}.attn.proj")
-        block.attn.n_head //= tp_size
-        block.attn.n_kv_head //= tp_size
-        block.mlp.fc = column(block.mlp.fc, f"{p}.mlp.fc")
-        block.mlp.proj = row(block.mlp.proj, f"{p}.mlp.proj")
+        p, attn, mlp = f"blocks.{i}", block.attn, block.mlp
+        if config.is_llama:
+            attn.q = column(attn.q, f"{p}.attn.q")
+            attn.k = column(attn.k, f"{p}.attn.k", kv_local * config.head_dim)
+            attn.v = column(attn.v, f"{p}.attn.v", kv_local * config.head_dim)
+            mlp.gate = column(mlp.gate, f"{p}.mlp.gate")
+            mlp.up = column(mlp.up, f"{p}.mlp.up")
+        else:
+            attn.qkv = column(attn.qkv, f"{p}.attn.qkv")
+            mlp.fc = column(mlp.fc, f"{p}.mlp.fc")
+        attn.proj = row(attn.proj, f"{p}.attn.proj")
+        attn.n_head //= tp_size
+        attn.n_kv_head = kv_local
+        mlp.proj = row(mlp.proj, f"{p}.mlp.proj")
 
-    V_local = module.config.padded_vocab_size // tp_size
+    V_local = config.padded_vocab_size // tp_size
     vocab_start = tp_rank * V_local
     if module.embed:
         old = module.wte
         module.wte = swap(VocabParallelEmbedding(meta(V_local, old.embedding_dim), vocab_start, group, sp),
                           old, "wte")
-        if sp:
+        if sp and hasattr(module, "wpe"):  # GPT-2's learned positions (Llama's rotary ones have no parameters)
             old = module.wpe
             module.wpe = swap(SequenceChunkEmbedding(meta(*old.weight.shape), tp_rank, tp_size), old, "wpe")
     if module.head:
@@ -240,3 +260,31 @@ def sequence_parallel_grad_params(module: GPT) -> list[torch.Tensor]:
     if layout is None or not layout.sequence_parallel:
         return []
     return [p for name, p in module.named_parameters() if tp_shard_spec(name) == REPLICATED]
+
+
+def replicated_kv_params(module: GPT) -> list[torch.Tensor]:
+    """Llama's attn.k and attn.v parameters when tp > n_kv_head (tp a multiple of it): each kv
+    head is then held by tp/n_kv_head ranks, each of which computes its gradient from its own q heads only.
+    sum_replicated_kv_grads sums them over the ranks sharing the head. Empty otherwise."""
+    layout = getattr(module, "tensor_parallel", None)
+    if layout is None or kv_replicas(module.config.kv_heads, layout.tp_size) == 1:
+        return []
+    return [p for name, p in module.named_parameters() if tp_shard_spec(name) == KV_DIM0]
+
+
+def sum_replicated_kv_grads(params: list[torch.Tensor], group, kv_heads: int, tp_rank: int, tp_size: int) -> None:
+    """Sum, in place, the gradients of replicated kv heads (replicated_kv_params) over the tp ranks sharing
+    each head, with one all-reduce over the whole tp group and no other process group: every rank writes its
+    gradients into the row of its kv head of a [kv_heads, n] zero buffer (n: its gradients' total size), the
+    all-reduce sums each row over the ranks of that head, and each rank takes its row back. kv_heads < tp, so
+    the buffer is smaller than tp copies of the gradients."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    buffer = flat.new_zeros(kv_heads, flat.numel())
+    head = tp_rank // kv_replicas(kv_heads, tp_size)
+    buffer[head] = flat
+    torch.distributed.all_reduce(buffer, group=group)
+    for grad, summed in zip(grads, _unflatten_dense_tensors(buffer[head], grads)):
+        grad.copy_(summed)

@@ -248,7 +248,12 @@ class CheckpointReader:
 
         self.checkpoint, self.where = Path(checkpoint), {}
         self._files = {}
-        for name in read_manifest(checkpoint, verify)["files"]:
+        manifest = read_manifest(checkpoint, verify)
+        # Llama's k and v shards are split by kv head (pipegpt.tensor_parallel.layout): their count comes from the
+        # model that wrote them (n_kv_head None or absent: one per query head).
+        model = manifest.get("model") or {}
+        self.kv_heads = model.get("n_kv_head") or model.get("n_head")
+        for name in manifest["files"]:
             f = safe_open(str(self.checkpoint / name), framework="pt")
             self._files[name] = f
             for key, (tp_rank, tp_size) in json.loads(f.metadata()["shards"]).items():
@@ -268,7 +273,7 @@ class CheckpointReader:
         if sorted(parts) != list(range(tp_size)):
             raise CheckpointError(f"{self.checkpoint}: {key} has shards {sorted(parts)} of {tp_size}")
         shards = [self._files[parts[r][0]].get_tensor(key) for r in range(tp_size)]
-        return shards[0] if tp_size == 1 else gather_full(name, shards)
+        return shards[0] if tp_size == 1 else gather_full(name, shards, self.kv_heads)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -345,7 +345,8 @@ class Job:
             if d == 0:
                 for name, value in named.items():
                     shards.setdefault(name, {})[t] = value
-        full = {n: gather_full(n, [parts[t] for t in range(p.tp)]) if p.tp > 1 else parts[0]
+        kv = self.cfg.model.kv_heads  # Llama's k and v shards are split by kv head
+        full = {n: gather_full(n, [parts[t] for t in range(p.tp)], kv) if p.tp > 1 else parts[0]
                 for n, parts in shards.items()}
         model = GPT(self.cfg.model, init_seed=0)
         model.load_from_full(full)

@@ -37,8 +37,9 @@ from pipegpt.train.results import SavedFile, WorkerStep
 from pipegpt.runtime import PipelineRuntime, last_gradient_actions
 from pipegpt.schedule import Plan
 from pipegpt.stages import Stage, partition_layers
-from pipegpt.tensor_parallel import REPLICATED, shard_tensor, tp_shard_spec
-from pipegpt.tensor_parallel.layers import sequence_parallel_grad_params, shard_for_tp
+from pipegpt.tensor_parallel import REPLICATED, kv_replicas, shard_tensor, tp_shard_spec
+from pipegpt.tensor_parallel.layers import (replicated_kv_params, sequence_parallel_grad_params, shard_for_tp,
+                                            sum_replicated_kv_grads)
 
 
 def actor_method(method=None, *, concurrent: bool = False):
@@ -292,19 +293,26 @@ class Worker:
 
     def _finish_gradients(self) -> None:
         """Sum what other ranks contributed: data-parallel replicas (started during the step), the
-        sequence-parallel partial gradients, the tied embedding's other copy."""
+        sequence-parallel partial gradients, a key/value head's other copies (tp > n_kv_head), the tied
+        embedding's other copy."""
         if self.averager:
             self.averager.finish()
         # Replicated weights saw only this rank's part of the sequence: summed over tp, in buckets.
         partial = [p.grad for stage in self.stages.values() for p in sequence_parallel_grad_params(stage.module)]
         if partial:
             sum_in_buckets(partial, self.mesh.group("tp"))
+        # A kv head shared by tp/n_kv_head ranks got from each only its q heads' part: summed over them.
+        shared = [p for stage in self.stages.values() for p in replicated_kv_params(stage.module)]
+        if shared:
+            sum_replicated_kv_grads(shared, self.mesh.group("tp"), self.cfg.model.kv_heads, self.mesh.tp_index,
+                                    self.cfg.parallel.tp)
         for copy in self._tied_copies():
             dist.all_reduce(copy.grad, group=self.mesh.group("embedding"))
 
     def _clip_gradients(self, loss_finite: bool) -> tuple[float, bool, list[int]]:
         """Clip by the global norm over one model replica, each value counted once: not the last stage's
-        copy of a tied embedding (rank 0 counts it), nor replicated weights on tp ranks other than 0.
+        copy of a tied embedding (rank 0 counts it), nor replicated weights on tp ranks other than 0, nor a
+        shared key/value head's copies but the first of its group.
 
         Returns (the norm, whether the update may be applied, this rank's stages whose gradients were not
         finite). The update may be applied when the norm and every rank's loss are finite: the same answer
@@ -313,6 +321,8 @@ class Worker:
         skip = {id(p) for p in self._tied_copies()} if 0 not in self.stages else set()
         if self.mesh.tp_index > 0:
             skip |= {id(p) for n, p in self.named_params if tp_shard_spec(n) == REPLICATED}
+        if self.mesh.tp_index % kv_replicas(self.cfg.model.kv_heads, self.cfg.parallel.tp):
+            skip |= {id(p) for stage in self.stages.values() for p in replicated_kv_params(stage.module)}
         params = [p for _, p in self.named_params]
         counted = [p for p in params if id(p) not in skip]
         norm, bad_loss, mine_finite = global_grad_norm(counted, self.mesh.group("model"), self.device,
@@ -421,7 +431,8 @@ class Worker:
 
         def mine(key: str, p: torch.Tensor) -> torch.Tensor:
             name = self.full_names[id(p)]
-            return shard_tensor(name, reader.full(f"{key}/{name}", name), tp_rank, tp).to(p.device, p.dtype)
+            full = reader.full(f"{key}/{name}", name)
+            return shard_tensor(name, full, tp_rank, tp, self.cfg.model.kv_heads).to(p.device, p.dtype)
 
         with torch.no_grad():
             for _, p in self.named_params:

@@ -60,7 +60,8 @@ def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
                 replicas[(*key, t)] = value
     for (name, p, t), value in replicas.items():
         assert torch.equal(value, shards[(name, p)][t]), f"data-parallel replicas differ in {name}"
-    return [(name, gather_full(name, [parts[t] for t in range(layout.tp)]) if layout.tp > 1 else parts[0])
+    kv = cfg.model.kv_heads  # Llama's k and v: split by kv head
+    return [(name, gather_full(name, [parts[t] for t in range(layout.tp)], kv) if layout.tp > 1 else parts[0])
             for (name, _), parts in shards.items()]
 
 
@@ -93,7 +94,8 @@ def _gathered(per_rank: list[dict], cfg) -> dict[str, object]:
     out = {}
     for key, parts in shards.items():
         kind, name = key.split("/", 1)
-        out[key] = gather_full(name, [parts[t] for t in range(layout.tp)]) if layout.tp > 1 else parts[0]
+        out[key] = (gather_full(name, [parts[t] for t in range(layout.tp)], cfg.model.kv_heads) if layout.tp > 1
+                    else parts[0])
     return out
 
 
@@ -109,6 +111,19 @@ def _resume(job, cfg, path: str):
     return params, moments, sum(losses) / len(losses)
 
 
+def _save(job, cfg, root: str, steps: int):
+    """Train cfg's freshly built model `steps` steps, save a checkpoint after them under root, then take one more
+    step: (the checkpoint's path, that step's loss)."""
+    from pathlib import Path
+
+    job.build(cfg)
+    for step in range(steps):
+        job.step(step)
+    path = job.save(Path(root), steps)
+    losses = [loss for r in job.step(steps) for loss in r.losses]
+    return str(path), sum(losses) / len(losses)
+
+
 def _evaluate(job, cfg):
     """The validation loss of cfg's freshly built model."""
     job.build(cfg)
@@ -120,7 +135,7 @@ def _build(job, cfg):
     return job.build(cfg)
 
 
-COMMANDS = {"run": _run, "resume": _resume, "evaluate": _evaluate, "build": _build}
+COMMANDS = {"run": _run, "resume": _resume, "save": _save, "evaluate": _evaluate, "build": _build}
 
 
 class ClusterHost:
@@ -151,6 +166,11 @@ class ClusterHost:
     def resume(self, cfg, path):
         """Load the checkpoint at path into this grid: (params, optimizer moments, next step's loss)."""
         self.conn.send(("resume", (cfg, str(path))))
+        return self._answer(300)
+
+    def save(self, cfg, root, steps: int):
+        """Train `steps` steps, save under root, step once more: (the checkpoint's path, that step's loss)."""
+        self.conn.send(("save", (cfg, str(root), steps)))
         return self._answer(300)
 
     def evaluate(self, cfg) -> float:

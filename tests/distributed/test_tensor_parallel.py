@@ -19,10 +19,11 @@ from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.model.gpt import GPT
 from pipegpt.model.split_backward import SplitLinear, defer_weight_grads
 from pipegpt.config import validate_tp
-from pipegpt.tensor_parallel import (DIM0, DIM1, QKV_DIM0, REPLICATED, gather_full, gather_state_dicts,
-                                     shard_state_dict, shard_tensor, tp_shard_spec)
+from pipegpt.tensor_parallel import (DIM0, DIM1, KV_DIM0, QKV_DIM0, REPLICATED, gather_full, gather_state_dicts,
+                                     kv_replicas, shard_state_dict, shard_tensor, tp_shard_spec)
 from pipegpt.tensor_parallel.collectives import scatter_to_sequence, vocab_parallel_cross_entropy
-from pipegpt.tensor_parallel.layers import sequence_parallel_grad_params, shard_for_tp
+from pipegpt.tensor_parallel.layers import (replicated_kv_params, sequence_parallel_grad_params, shard_for_tp,
+                                            sum_replicated_kv_grads)
 
 TP = 2
 SEED = 4321
@@ -36,6 +37,12 @@ CONFIGS = {
     # 30 -> 64: rank 1's vocabulary shard is all padding
     "tied-pad-shard": ModelConfig(vocab_size=30, seq_len=8, n_layer=2, n_head=4, n_embd=32, pad_vocab_to=64),
     "no-bias": ModelConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, n_embd=32, bias=False),
+    # Llama: grouped-query attention (2 kv heads: one per tp rank), q/k/v biases, untied
+    "llama-gqa": ModelConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
+                             arch="llama", bias=False, qkv_bias=True, tie_embeddings=False),
+    # multi-query (1 kv head: replicated on both tp ranks, its gradient summed over them), tied
+    "llama-mqa": ModelConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, n_kv_head=1, n_embd=32, ffn_hidden=48,
+                             arch="llama", bias=False),
 }
 SLICES = {  # (layers, embed, head)
     "full": (range(0, 2), True, True),
@@ -64,15 +71,22 @@ CASES = {
     "head-tied-sp-split": ("tied", "head", True, True, "none"),
     "head-untied-pad-sp": ("untied-pad", "head", True, False, "none"),
     "bare-head-pad-shard": ("tied-pad-shard", "bare-head", False, False, "none"),
+    "llama-full-sp-split": ("llama-gqa", "full", True, True, "none"),
+    "llama-mqa-full": ("llama-mqa", "full", False, False, "none"),
+    "llama-mqa-full-sp-split": ("llama-mqa", "full", True, True, "none"),
+    "llama-mqa-middle-sp-split-selective": ("llama-mqa", "middle", True, True, "selective"),
+    "llama-head-sp": ("llama-gqa", "head", True, False, "none"),
 }
 # Under bf16 autocast: the same cases, against the one-process model under autocast too.
-BF16_CASES = ("full-tied", "full-tied-sp-split", "middle-sp")
+BF16_CASES = ("full-tied", "full-tied-sp-split", "middle-sp", "llama-full-sp-split")
 _F32 = torch.float32
 BF16_FP32_COLLECTIVES = {
     "full-tied": [("all_reduce", _F32)] * 4,  # embedding x 2, cross-entropy x 2
     "full-tied-sp-split": [("reduce_scatter", _F32)] * 2 + [("all_gather", _F32), ("all_reduce", _F32),
                                                              ("all_reduce", _F32)],  # + the embedding's backward
     "middle-sp": [],
+    "llama-full-sp-split": [("reduce_scatter", _F32)] * 2 + [("all_gather", _F32), ("all_reduce", _F32),
+                                                              ("all_reduce", _F32)],  # as GPT-2's: no wpe to add
 }
 # Measured: at most 6.8e-3 (normwise, over every parameter's gradient of these cases), bf16's 2^-8 rounding
 # of partial sums; a gradient that lost or doubled a rank's part is off by ~0.5 or more.
@@ -130,6 +144,7 @@ def run_case(name: str, tp_rank: int = 0, tp_size: int = 1, group=None, bf16: bo
     if tp_size > 1:
         for p in sequence_parallel_grad_params(model):
             dist.all_reduce(p.grad, group=group)
+        sum_replicated_kv_grads(replicated_kv_params(model), group, cfg.kv_heads, tp_rank, tp_size)
     result["in_grad"] = None if embed else inp.grad.clone()
     result["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
     result["shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -232,13 +247,15 @@ def test_matches_one_process(tp_results, name):
     if ref["in_grad"] is not None:
         assert_close(_merge([r["in_grad"] for r in ranks], sp), ref["in_grad"], rtol=RTOL, atol=ATOL)
     assert all(list(r["grads"]) == list(ref["grads"]) for r in ranks), "parameter names differ"
+    kv = CONFIGS[CASES[name][0]].kv_heads
     for n, full in ref["grads"].items():
         shards = [r["grads"][n] for r in ranks]
-        if tp_shard_spec(n) == REPLICATED:
+        shared_kv = tp_shard_spec(n) == KV_DIM0 and kv_replicas(kv, TP) > 1  # one kv head on both ranks
+        if tp_shard_spec(n) == REPLICATED or shared_kv:
             assert torch.equal(shards[0], shards[1]), f"{n}: replicated gradient differs across tp ranks"
         else:
             assert shards[0].numel() * TP == full.numel(), n
-        assert_close(gather_full(n, shards), full, rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
+        assert_close(gather_full(n, shards, kv), full, rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
     assert all(r["all_split_linear"] for r in ranks)
     if split:
         assert all(r["deferred"] for r in ranks), "weight grads were not deferred"
@@ -267,7 +284,7 @@ def test_bf16_collectives(tp_results, name):
     for n, full in ref["grads"].items():
         shards = [r["grads"][n] for r in ranks]
         assert {g.dtype for g in shards} == {torch.float32}, n
-        error = relative(gather_full(n, shards), full)
+        error = relative(gather_full(n, shards, CONFIGS[CASES[name][0]].kv_heads), full)
         assert error < BF16_GRAD_RTOL, f"{n}: relative difference {error:.2e}"
 
 
