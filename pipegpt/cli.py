@@ -366,6 +366,12 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
               help="Schedules to consider: a comma list or 'all' (every generated one; name auto or auto-v to add "
                    "them, written for unit costs here and for the measured ones by pipegpt run).")
 @click.option("--all-gpus", is_flag=True, help="Only layouts that use every GPU (dp x pp x tp = --gpus).")
+@click.option("--dp", "only_dp", type=click.IntRange(min=1), default=None,
+              help="Only layouts with this many data-parallel replicas (as pipegpt run --dp).")
+@click.option("--stages", "-p", "only_pp", type=click.IntRange(min=1), default=None,
+              help="Only layouts with this many pipeline ranks (as pipegpt run --stages).")
+@click.option("--tp", "only_tp", type=click.IntRange(min=1), default=None,
+              help="Only layouts with this many tensor-parallel ranks (as pipegpt run --tp).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print.")
 @click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit).")
 @click.option("--try", "try_top", type=click.IntRange(min=1), default=None, metavar="K",

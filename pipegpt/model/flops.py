@@ -1,21 +1,53 @@
-"""Training FLOPs per token of a model shape (torch-free: the planner and the run's MFU both count them)."""
+"""Training FLOPs per token of a model shape (torch-free: the planner and the run's MFU both count them).
+
+Both architectures (pipegpt.model.gpt), C = n_embd, F = ffn_width, Q = head_dim, K = kv_heads x Q:
+
+    gpt2   block: ln1, ln2 (LayerNorm gain and bias: 2C each, C without bias), attn.qkv 3C x C, attn.proj C x C,
+           mlp.fc F x C, mlp.proj C x F (+ biases 3C, C, F, C); embedding wte + wpe (lookups); ln_f, lm_head
+    llama  block: ln1, ln2 (RMSNorm gain: C each), attn.q C x C, attn.k and attn.v K x C each (grouped-query
+           attention: K < C when n_kv_head < n_head), attn.proj C x C, SwiGLU's mlp.gate and mlp.up F x C and
+           mlp.proj C x F (+ q/k/v biases C + 2K with qkv_bias, the other biases with bias); embedding wte only
+           (rotary positions have no parameters); ln_f (RMSNorm), lm_head
+"""
 from __future__ import annotations
 
 from pipegpt.config import ModelConfig
+
+
+def block_matmul_weights(model: ModelConfig) -> int:
+    """Elements of one block's weight matrices (the FLOPs of its matmuls are 2 x this per token forward)."""
+    C, F = model.n_embd, model.ffn_width
+    if model.is_llama:
+        K = model.kv_heads * model.head_dim
+        return 2 * C * C + 2 * K * C + 3 * F * C
+    return 4 * C * C + 2 * F * C
+
+
+def block_parameters(model: ModelConfig) -> int:
+    """Parameters of one block: its weight matrices, norms and biases."""
+    C, F = model.n_embd, model.ffn_width
+    if model.is_llama:
+        K = model.kv_heads * model.head_dim
+        biases = (C + 2 * K if model.qkv_bias else 0) + (C + 2 * F + C if model.bias else 0)
+        return 2 * C + block_matmul_weights(model) + biases
+    norm = 2 * C if model.bias else C  # a LayerNorm's gain (and bias)
+    biases = 3 * C + C + F + C if model.bias else 0  # qkv, attention proj, fc, mlp proj
+    return 2 * norm + block_matmul_weights(model) + biases
 
 
 def matmul_parameters(model: ModelConfig) -> int:
     """N of nanoGPT's FLOPs estimate: every parameter but the position embedding, the LM head (the padded
     vocabulary's rows) counted once, tied or not (an untied token embedding is a lookup, not a matmul)."""
     C, L, V = model.n_embd, model.n_layer, model.padded_vocab_size
-    norm = 2 * C if model.bias else C  # a LayerNorm's gain (and bias)
-    biases = 3 * C + C + 4 * C + C if model.bias else 0  # qkv, attention proj, fc, mlp proj
-    block = 2 * norm + 12 * C * C + biases
-    return L * block + norm + V * C
+    norm = C if model.is_llama or not model.bias else 2 * C  # ln_f: RMSNorm's gain, LayerNorm's gain (and bias)
+    return L * block_parameters(model) + norm + V * C
 
 
 def flops_per_token(model: ModelConfig) -> int:
     """Training FLOPs per token as nanoGPT (PaLM appendix B) counts them: 6N for the forward and backward
     matmuls of N parameters, plus 12*L*H*Q*T for attention's scores and weighted sum over T positions
-    (H heads of dimension Q). Recomputation is not counted: MFU counts the model's FLOPs, not the hardware's."""
+    (H heads of dimension Q: every query head, grouped-query attention or not). Recomputation is not
+    counted: MFU counts the model's FLOPs, not the hardware's. Llama's smaller K/V projections, its three
+    SwiGLU matrices and its missing position embedding enter through N; norms, rotary and SiLU are
+    elementwise (their parameters are in N, as nanoGPT counts LayerNorm's)."""
     return 6 * matmul_parameters(model) + 12 * model.n_layer * model.n_head * model.head_dim * model.seq_len

@@ -26,6 +26,7 @@ class Request:
     # auto and auto-v when named: all would synthesize a plan per (p, m), too slow at thousands of microbatches
     schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized)
     exact_gpus: bool = False  # only layouts using every GPU
+    only: tuple = (None, None, None)  # (dp, pp, tp): only layouts with these (None: any)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -142,21 +143,25 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
 
     if model.pad_vocab_to not in (1, 64):
         raise ConfigError(f"pad_vocab_to={model.pad_vocab_to}: `pipegpt run` pads only to 64 (--pad-vocab)")
-    core = replace(model, pad_vocab_to=1, tie_embeddings=True)
+    norm = lambda m: replace(m, pad_vocab_to=1, tie_embeddings=True)  # noqa: E731
+    core = norm(model)
     shape = lambda m: replace(m, n_layer=core.n_layer, n_embd=core.n_embd, n_head=core.n_head,  # noqa: E731
                               seq_len=core.seq_len, vocab_size=core.vocab_size)
-    preset = next((name for name, m in MODEL_PRESETS.items() if m == core), None)
+    preset = next((name for name, m in MODEL_PRESETS.items() if norm(m) == core), None)
     if preset is not None:
         args = ["--model", preset]
     else:
-        similar = next((name for name, m in MODEL_PRESETS.items() if shape(m) == core), None)
-        if similar is None:
+        preset = next((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core), None)
+        if preset is None:
             raise ConfigError("the model differs from every preset in more than its shape (dropout, bias): "
                               "`pipegpt run` cannot build it from flags")
-        args = ([] if similar == "tiny" else ["--model", similar]) + [
+        args = ([] if preset == "tiny" else ["--model", preset]) + [
             "--n-layer", str(core.n_layer), "--n-embd", str(core.n_embd), "--n-head", str(core.n_head),
             "--seq-len", str(core.seq_len), "--vocab-size", str(core.vocab_size)]
-    if not model.tie_embeddings:
+    if model.tie_embeddings and not MODEL_PRESETS[preset].tie_embeddings:
+        raise ConfigError(f"tied embeddings on {preset}, whose embeddings are untied: `pipegpt run` has no flag "
+                          f"that ties them")
+    if not model.tie_embeddings and MODEL_PRESETS[preset].tie_embeddings:
         args.append("--no-tie-embeddings")
     if pad_vocab or model.pad_vocab_to == 64:
         args.append("--pad-vocab")

@@ -36,6 +36,9 @@ class PlanOptions:
     calibrate_dir: str | None = None
     schedules: str = "all"
     all_gpus: bool = False
+    only_dp: int | None = None
+    only_pp: int | None = None
+    only_tp: int | None = None
     top: int = 5
     explain: bool = False
     try_top: int | None = None
@@ -60,7 +63,8 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
                                 DEFAULT_LAYER_OVERHEAD_S if opts.layer_overhead_us is None
                                 else opts.layer_overhead_us * 1e-6)
     request = Request(model, batch_size, cluster, costs, top=opts.top, explain=opts.explain,
-                      schedules=tuple(schedule_names(opts.schedules, synthesized=False)), exact_gpus=opts.all_gpus)
+                      schedules=tuple(schedule_names(opts.schedules, synthesized=False)), exact_gpus=opts.all_gpus,
+                      only=(opts.only_dp, opts.only_pp, opts.only_tp))
     result = search(request)
     if not result.best:
         raise ConfigError(no_fit_message(result))

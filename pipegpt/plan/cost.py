@@ -8,8 +8,9 @@ gradient sum) is added to it: it follows every pipeline action, so a sum is exac
 Analytical model (AnalyticalCosts), per microbatch of `mbs` sequences of T tokens, model width C, padded
 vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficiency e:
 
-* a block's forward: FLOPs_fwd = mbs * (24 T C^2 + 4 T^2 C) / tp (the matmuls and attention's two T x T
-  products: pipegpt.train.metrics.flops_per_token / 3 per layer and token) -> F = FLOPs_fwd / (P e), B = 2F,
+* a block's forward: FLOPs_fwd = mbs * (2 T W + 4 T^2 C) / tp (the matmuls of its W weight elements and
+  attention's two T x T products: pipegpt.model.flops.flops_per_token / 3 per layer and token; W = 12 C^2 for
+  GPT-2, 2 C^2 + 2 K C + 3 F C for Llama: K the k/v width, F SwiGLU's) -> F = FLOPs_fwd / (P e), B = 2F,
   I = W = F. A pass never takes less than the host needs to launch it (`layer_overhead_s`, default 100 us
   per block forward, twice that backward: eager PyTorch issues a dozen or two kernels per block and pass);
   the GPU runs ahead of the host otherwise, so the larger of the two counts, not their sum.
@@ -33,7 +34,12 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   (OPTIMIZER_BYTES_PER_PARAM: torch's per-tensor AdamW reads and writes each value about sixteen times,
   clipping included), or the host's per-tensor overhead if larger; with ZeRO-1, torch's
   ZeroRedundancyOptimizer broadcasts the updated shards ((dp-1)/dp of the rank's parameters received);
-  the tied embedding's gradient summed between the first and the last stage.
+  the tied embedding's gradient summed between the first and the last stage; with tp > n_kv_head (Llama), the
+  replicated key/value heads' gradients summed over the tp group (an all-reduce of kv_heads x one head's k
+  and v gradients of the busiest rank's blocks).
+* Llama's blocks cost what their FLOPs say (above) and move what GPT-2's move (two all-reduces of mbs T C
+  activations per pass: attn.proj's and mlp.proj's outputs); RMSNorm, rotary and SiLU are elementwise, counted
+  as GPT-2's LayerNorm and GELU are: not at all.
 
 Calibrated model (CalibratedCosts, `pipegpt plan --calibrate RUN_DIR`): the same shapes, with the compute
 of F, B and W each scaled by (measured / analytical) over the stages of a run's trace
@@ -49,6 +55,7 @@ import os
 from dataclasses import dataclass, field
 
 from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.model.flops import block_matmul_weights
 
 from .devices import Cluster
 
@@ -101,9 +108,11 @@ class Shape:
 
 
 def layer_flops_fwd(model: ModelConfig) -> float:
-    """Forward FLOPs of one block for one sequence (matmuls and attention's T x T products)."""
+    """Forward FLOPs of one block for one sequence (matmuls and attention's T x T products): GPT-2's
+    24 T C^2 + 4 T^2 C; Llama's 2 T (2 C^2 + 2 K C + 3 F C) + 4 T^2 C (K = kv_heads x head_dim: grouped-query
+    attention's smaller k and v projections; F = ffn_width: SwiGLU's gate, up and proj)."""
     T, C = model.seq_len, model.n_embd
-    return 24 * T * C * C + 4 * T * T * C
+    return 2 * T * block_matmul_weights(model) + 4 * T * T * C
 
 
 def head_flops_fwd(model: ModelConfig) -> float:

@@ -116,6 +116,43 @@ closures' tensors reference graph nodes that reach the input's AccumulateGrad). 
 depend on recomputation: the I pass recomputes, and W keeps what it recomputed. With full
 recomputation this is far more than the forward keeps.
 
+Llama (arch llama)
+------------------
+Parameters: wte [Vp/tp, h] (no wpe: rotary positions have no parameters); per block ln1, ln2 (RMSNorm:
+a gain [h], replicated), attn.q [n_head*hd/tp, h], attn.k and attn.v [kv*hd, h] where kv, the key/value
+heads a tp rank holds, is kv_heads/tp, or 1 when tp > kv_heads (each head replicated on tp/kv_heads
+ranks; tp must divide kv_heads or be a multiple of it: check_tp_shapes), with [rows] biases under
+qkv_bias; attn.proj [h, n_head*hd/tp]; mlp.gate and mlp.up [F/tp, h], mlp.proj [h, F/tp] (F: ffn_width;
+biases as GPT-2's when bias); ln_f [h] and lm_head [Vp/tp, h] (its own unless tie_embeddings).
+
+Activations per layer, what pipegpt's Llama block stores (F/t: the rank's SwiGLU width; checked against the
+saved-tensor hooks and the replay at tp 1 and 2, tests/unit/test_plan_llama.py):
+
+    term                              bytes
+    RMSNorm inputs (ln1, ln2)         2*Ns*r
+    RMSNorm statistics                rstd 2*(b*s or b*s/t)*r on CUDA (its fused kernel); the CPU's
+                                      composite one also keeps x * rstd, 2*Ns*r
+    q/k/v and gate/up inputs          2*N*c: the two RMSNorm outputs, shared by the linears that read them;
+                                      5*N*c when each linear makes its own (the bf16 cast under autocast,
+                                      the all-gather with sequence parallelism)
+    q (rotated), k (rotated), v       3*N/t*c: grouped-query attention repeats k and v to the rank's query
+                                      heads before SDPA, which keeps the repeated ones, so GQA saves no
+                                      activation memory here; with selective recomputation the checkpoint
+                                      keeps its inputs instead: q N/t*c and k, v 2*b*s*kv*hd*c (kv wide)
+    attention output, logsumexp       N/t*c, b*a/t*s*r (as GPT-2's; selective drops the logsumexp)
+    SwiGLU                            4*b*s*F/t*c: gate output (SiLU's input), up output, SiLU output,
+                                      their product (mlp.proj's input)
+    rotary tables                     4*s*hd*c when the compute dtype is not fp32 (cos and sin cast for q
+                                      and for k); in fp32 the cached tables are shared, a per-rank constant
+                                      of 2*s*hd*4 bytes not counted
+    bf16 weight casts                 the rank's seven block matrices x 2 bytes (bf16 only)
+
+The first stage keeps its tokens only (no positions); the last stage's ln_f keeps its input and rstd (and
+the CPU's x * rstd). Between I and W: the linears' inputs (2*N, or 5*N as above, + N/t + b*s*F/t) and
+output gradients (q N/t, k and v 2*b*s*kv*hd, attn.proj N, gate and up 2*b*s*F/t, mlp.proj N), times c.
+Workspace: as GPT-2's with the MLP's intermediates 4*b*s*F/t*c under full recomputation, a backward's
+3*b*s*F*r and the widest weight F*h/t.
+
 Workspace (an estimate)
 -----------------------
 What an action allocates and frees again, on top of what the rank holds: a block's temporaries in a
@@ -186,6 +223,24 @@ def _count(layers) -> int:
 
 def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
     validate_tp(model, tp, sequence_parallel)
+    check_tp_shapes(model, tp)
+
+
+def check_tp_shapes(model: ModelConfig, tp: int) -> None:
+    """What the shapes below assume of tp beyond whole heads and a divisible vocabulary: the MLP width
+    divisible by tp and the key/value heads split (tp divides kv_heads) or replicated (tp a multiple of
+    kv_heads). validate_tp says the same; this guard keeps the planner from listing shapes no rank holds."""
+    kv, width = model.kv_heads, model.ffn_width
+    if kv % tp and tp % kv:
+        raise ConfigError(f"n_kv_head={kv} does not split over tp={tp}: tp must divide n_kv_head or be a "
+                          f"multiple of it")
+    if width % tp:
+        raise ConfigError(f"the MLP width {width} is not divisible by tp={tp}")
+
+
+def kv_local_heads(model: ModelConfig, tp: int) -> int:
+    """Key/value heads one tp rank holds: kv_heads/tp, or one (shared by tp/kv_heads ranks) when tp > kv_heads."""
+    return max(1, model.kv_heads // tp)
 
 
 def _check_positive(name: str, value) -> None:
@@ -202,7 +257,7 @@ def stage_parameter_shapes(model: ModelConfig, layers: int, embed: bool, head: b
     """(name, shape) of every parameter one tp rank of the slice holds, in GPT.named_parameters order
     (block names without their index). A tied lm_head in a slice that holds the embedding is wte."""
     _check_tp(model, tp)
-    h, Vp, bias = model.n_embd, model.padded_vocab_size, model.bias
+    h, Vp, bias, F = model.n_embd, model.padded_vocab_size, model.bias, model.ffn_width
     out: list[tuple[str, tuple[int, ...]]] = []
 
     def ln(prefix):
@@ -215,6 +270,8 @@ def stage_parameter_shapes(model: ModelConfig, layers: int, embed: bool, head: b
         if has_bias:
             out.append((f"{prefix}.bias", (bias_len,)))
 
+    if model.is_llama:
+        return _llama_shapes(model, _count(layers), embed, head, tp)
     if embed:
         out += [("wte.weight", (Vp // tp, h)), ("wpe.weight", (model.seq_len, h))]
     for _ in range(_count(layers)):
@@ -222,13 +279,44 @@ def stage_parameter_shapes(model: ModelConfig, layers: int, embed: bool, head: b
         linear("attn.qkv", 3 * h // tp, h, bias, 3 * h // tp)
         linear("attn.proj", h, h // tp, bias, h)
         ln("ln2")
-        linear("mlp.fc", 4 * h // tp, h, bias, 4 * h // tp)
-        linear("mlp.proj", h, 4 * h // tp, bias, h)
+        linear("mlp.fc", F // tp, h, bias, F // tp)
+        linear("mlp.proj", h, F // tp, bias, h)
     if head:
         ln("ln_f")
         if not (embed and model.tie_embeddings):
             out.append(("lm_head.weight", (Vp // tp, h)))
     return tuple(out)
+
+
+def _llama_shapes(model: ModelConfig, layers: int, embed: bool, head: bool, tp: int):
+    """stage_parameter_shapes for arch llama."""
+    h, Vp, bias, F = model.n_embd, model.padded_vocab_size, model.bias, model.ffn_width
+    q = model.n_head * model.head_dim // tp  # this rank's q heads
+    kv = kv_local_heads(model, tp) * model.head_dim  # its key/value heads (one replicated when tp > kv_heads)
+    rows: list[tuple[str, tuple[int, ...]]] = []
+
+    def add(prefix, r, c, has_bias, bias_len):
+        rows.append((f"{prefix}.weight", (r, c)))
+        if has_bias:
+            rows.append((f"{prefix}.bias", (bias_len,)))
+
+    if embed:
+        rows.append(("wte.weight", (Vp // tp, h)))  # rotary positions: no wpe
+    for _ in range(layers):
+        rows.append(("ln1.weight", (h,)))  # RMSNorm: a gain, no bias
+        add("attn.q", q, h, model.qkv_bias, q)
+        add("attn.k", kv, h, model.qkv_bias, kv)
+        add("attn.v", kv, h, model.qkv_bias, kv)
+        add("attn.proj", h, q, bias, h)
+        rows.append(("ln2.weight", (h,)))
+        add("mlp.gate", F // tp, h, bias, F // tp)
+        add("mlp.up", F // tp, h, bias, F // tp)
+        add("mlp.proj", h, F // tp, bias, h)
+    if head:
+        rows.append(("ln_f.weight", (h,)))
+        if not (embed and model.tie_embeddings):
+            rows.append(("lm_head.weight", (Vp // tp, h)))
+    return tuple(rows)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -319,6 +407,9 @@ def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, hea
     # Where dropout > 0 puts its masks: 1 byte (CUDA's native_dropout) or the tensor's dtype (CPU).
     mask_c, mask_r = (1, 1) if device == "cuda" else (c, r)
     math_attention = drop and device == "cpu"  # CPU SDPA has no dropout in its flash kernel
+    llama, F = model.is_llama, model.ffn_width
+    # a norm's statistics: LayerNorm's mean and rstd; RMSNorm's rstd (and on CPU, composite, x * rstd)
+    norm_stats = (bS * r + (Ns * r if device == "cpu" else 0)) if llama else 2 * bS * r
 
     total = 0
     n = _count(layers)
@@ -326,14 +417,30 @@ def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, hea
         if recompute == "full":
             layer = Ns * r  # the block's input, kept by the checkpoint
         else:
-            layer = (2 * Ns * r  # ln1, ln2 inputs
-                     + 4 * bS * r  # their mean and rstd
-                     + 2 * N * c  # qkv and fc inputs (LayerNorm outputs; all-gathered with SP; bf16 casts)
-                     + 3 * N // tp * c  # q, k, v (the qkv output)
-                     + N // tp * c  # the attention output = the proj input
-                     + 8 * N // tp * c)  # fc output (GeLU input), GeLU output (proj input)
-            if precision == "bf16":
-                layer += 12 * h * h // tp * 2  # each microbatch's bf16 casts of the four weights
+            if llama:
+                # SDPA keeps k and v repeated to the q heads (grouped-query attention repeats them before the
+                # kernel); selective recomputation's checkpoint keeps its inputs, k and v as the kv heads give them
+                kv = kv_local_heads(model, tp) * model.head_dim
+                attention_inputs = N // tp + (2 * b * s * kv if recompute == "selective" else 2 * N // tp)
+                layer = (2 * Ns * r  # ln1, ln2 inputs
+                         + 2 * norm_stats  # their rstd (and the CPU's x * rstd)
+                         + _llama_linear_inputs(precision, sp) * N * c  # q/k/v and gate/up inputs
+                         + attention_inputs * c  # q and k after rotation, v
+                         + N // tp * c  # the attention output = the proj input
+                         + 4 * b * s * (F // tp) * c)  # gate output (SiLU input), up output, SiLU output, product
+                if c != 4:
+                    layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call
+                if precision == "bf16":
+                    layer += _block_weights(model, tp) * 2  # each microbatch's bf16 casts of the seven weights
+            else:
+                layer = (2 * Ns * r  # ln1, ln2 inputs
+                         + 4 * bS * r  # their mean and rstd
+                         + 2 * N * c  # qkv and fc inputs (LayerNorm outputs; all-gathered with SP; bf16 casts)
+                         + 3 * N // tp * c  # q, k, v (the qkv output)
+                         + N // tp * c  # the attention output = the proj input
+                         + 2 * b * s * F // tp * c)  # fc output (GeLU input), GeLU output (proj input)
+                if precision == "bf16":
+                    layer += (4 * h * h + 2 * F * h) // tp * 2  # each microbatch's bf16 casts of the four weights
             if math_attention:
                 if recompute != "selective":  # softmax output, its dropout mask, the dropout output
                     layer += 3 * b * (a // tp) * s * s * c
@@ -343,13 +450,13 @@ def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, hea
                 layer += 2 * Ns * mask_c  # the attention and MLP residual dropouts' masks
         total += n * layer
     if embed:
-        total += bs * INT64 + s * INT64  # tokens (Stage.inputs), wpe's positions
+        total += bs * INT64 + (0 if llama else s * INT64)  # tokens (Stage.inputs), wpe's positions
         if tp > 1:
             total += bs * INT64 + bs * BOOL  # the vocabulary shard's local ids and outside-mask
         if drop:
             total += Ns * mask_r  # the embedding dropout's mask
     if head:
-        total += Ns * r + 2 * bS * r  # ln_f input, mean, rstd
+        total += Ns * r + norm_stats  # ln_f input, its statistics
         total += N * c  # lm_head input (ln_f output; gathered with SP; the bf16 cast)
         if precision == "bf16":
             total += Vp // tp * h * 2  # the bf16 cast of lm_head's weight
@@ -358,6 +465,20 @@ def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, hea
         else:
             total += bs * (Vp // tp) * r + bs * INT64 + 2 * bs * BOOL + INT64 + 2 * r
     return total
+
+
+def _llama_linear_inputs(precision: str, sp: bool) -> int:
+    """The inputs Llama's five column-parallel linears (q, k, v on ln1's output; gate, up on ln2's) keep: the
+    two RMSNorm outputs, shared; or, where each linear makes its own (autocast's bf16 cast, sequence
+    parallelism's all-gather), five."""
+    return 5 if precision == "bf16" or sp else 2
+
+
+def _block_weights(model: ModelConfig, tp: int) -> int:
+    """Elements of one block's weight matrices on one tp rank (Llama: k and v per local kv head)."""
+    h, F = model.n_embd, model.ffn_width
+    kv = kv_local_heads(model, tp) * model.head_dim
+    return 2 * h * (model.n_head * model.head_dim // tp) + 2 * kv * h + 3 * h * (F // tp)
 
 
 def activation_bytes(model: ModelConfig, layers, *, microbatch_size: int, tp: int = 1,
@@ -376,7 +497,13 @@ def _deferred_bytes(model, layers, b, tp, sp, precision, embed, head) -> int:
     s, h, Vp = model.seq_len, model.n_embd, model.padded_vocab_size
     sp = sp and tp > 1
     N, Ns = b * s * h, b * (s // tp if sp else s) * h
-    layer = (4 * N + 12 * N // tp) * c  # each linear's input and output gradient
+    if model.is_llama:  # inputs: q/k/v's and gate/up's (shared or each its own), the two projs'; then the
+        # output gradients of q, k, v (kv heads wide), attn.proj, gate, up and mlp.proj
+        F, kv = model.ffn_width, kv_local_heads(model, tp) * model.head_dim
+        layer = ((_llama_linear_inputs(precision, sp) + 2) * N + 2 * N // tp + 2 * b * s * kv
+                 + 3 * b * s * (F // tp)) * c
+    else:
+        layer = (4 * N + (4 * N + 2 * b * s * model.ffn_width) // tp) * c  # each linear's input and output gradient
     if sp and model.bias:
         layer += 2 * Ns * c  # the row-parallel biases' gradients (after the reduce-scatter)
     total = _count(layers) * layer
@@ -434,15 +561,18 @@ def _workspace(model, layers, b, tp, sp, recompute, precision, embed, head, devi
         # forward: the block's temporaries; under full recomputation nothing is kept, so fc and GeLU
         # outputs are transient too. backward: the gradients of about one block; under full
         # recomputation that block's recomputed activations as well.
-        forward = 8 * N // tp * c + 2 * N * r if recompute == "full" else 2 * N * r
-        backward = 8 * N * r
+        F = model.ffn_width
+        mlp = 4 * b * s * (F // tp) * c if model.is_llama else 2 * b * s * F // tp * c  # the MLP's intermediates
+        forward = mlp + 2 * N * r if recompute == "full" else 2 * N * r
+        backward = 3 * b * s * F * r if model.is_llama else 2 * b * s * F * r
         if recompute == "full":
             backward += _activation_bytes(model, 1, b, tp, sp, "none", precision, False, False, device)
         if model.dropout > 0 and device == "cpu":  # SDPA's math path: the s^2 gradients
             backward += 2 * b * (a // tp) * s * s * r
             if recompute == "selective":  # and the recomputed softmax, mask and dropout output
                 backward += 3 * b * (a // tp) * s * s * c
-        weight = 4 * h * h // tp * (r + (2 if precision == "bf16" else 0))  # the largest block weight's gradient
+        widest = F * h // tp
+        weight = widest * (r + (2 if precision == "bf16" else 0))  # the largest block weight's gradient
     if head:
         # forward: the logits (and their fp32 copy under bf16) next to the saved softmax; backward:
         # the logits' gradient and its padded (tp=1) or bf16 (tp>1) copy; the head weight's gradient

@@ -107,7 +107,11 @@ def no_fit_message(res: SearchResult) -> str:
 def describe_model(model: ModelConfig) -> str:
     params = memory_model.parameter_count(model, model.n_layer, True, True, 1)
     flops = format_count(flops_per_token(model), " ")
-    return (f"{format_count(params)} parameters: {model.n_layer} layers, width {model.n_embd}, {model.n_head} heads, "
+    heads = f"{model.n_head} heads"
+    if model.is_llama:  # the shape GPT-2's line implies (kv heads = heads, MLP 4 x width) stated where it differs
+        heads = (f"llama, {model.n_head} heads ({model.kv_heads} key/value), SwiGLU {model.ffn_width}"
+                 + (", untied head" if not model.tie_embeddings else ""))
+    return (f"{format_count(params)} parameters: {model.n_layer} layers, width {model.n_embd}, {heads}, "
             f"seq {model.seq_len}, vocabulary {model.vocab_size}; {flops}FLOP per token")
 
 

@@ -2,9 +2,11 @@
 
 What is searched, for a model, a global batch and a cluster:
 
-* dp x pp x tp over at most the cluster's GPUs: tp divides the GPUs of a node (a tensor-parallel group never
-  leaves its node) and passes pipegpt.config.validate_tp (padding the vocabulary to 64 where that is what
-  tp needs, as `pipegpt run --pad-vocab` does); dp divides the batch.
+* dp x pp x tp over at most the cluster's GPUs (only those given with --dp, --stages, --tp): tp divides the
+  GPUs of a node (a tensor-parallel group never leaves its node) and passes pipegpt.config.validate_tp
+  (padding the vocabulary to 64 where that is what tp needs, as `pipegpt run --pad-vocab` does; for Llama
+  also: tp divides n_kv_head or is a multiple of it, and divides the MLP width, else the layout is not a
+  candidate); dp divides the batch.
 * every schedule of the registry (pipegpt.schedule.SCHEDULES): interleaved-1f1b with v in {2, 4}, zbv and
   dualpipev with their 2 stages per rank; model stages <= n_layer. With pp = 1 only 1f1b (gradient
   accumulation: the other schedules are the same work in another order, or need two ranks).
@@ -115,26 +117,27 @@ class Search:
         for tp in (t for t in range(1, c.gpus_per_node + 1) if c.gpus_per_node % t == 0):
             m_tp, pad = model, False
             try:
-                validate_tp(model, tp)
+                _check_tp(model, tp)
             except ConfigError:
                 if model.pad_vocab_to != 1 or 64 % tp:
                     continue
                 m_tp, pad = replace(model, pad_vocab_to=64), True
                 try:
-                    validate_tp(m_tp, tp)
+                    _check_tp(m_tp, tp)
                 except ConfigError:
                     continue
             sp = False
             if tp > 1:
                 try:
-                    validate_tp(m_tp, tp, True)
+                    _check_tp(m_tp, tp, True)
                     sp = True
                 except ConfigError:
                     pass
             for pp in range(1, min(model.n_layer, c.gpus // tp) + 1):
                 for dp in _divisors(req.batch_size):
                     world = dp * pp * tp
-                    if world <= c.gpus and (not req.exact_gpus or world == c.gpus):
+                    if world <= c.gpus and (not req.exact_gpus or world == c.gpus) \
+                            and all(want is None or want == got for want, got in zip(req.only, (dp, pp, tp))):
                         out.append(Mesh(dp, pp, tp, sp, m_tp, pad))
         return out
 
@@ -195,7 +198,7 @@ class Search:
                         continue
                     dpc = cs.dp_comm(params, dp, world)
                     tensors = cs.stage_tensors(m_tp, layers)
-                    after = min(cs.after_time(m_tp, placement, params, tensors, dp, pp, tp, z) for z in zeros)
+                    after = min(cs.after_time(m_tp, placement, params, tensors, dp, pp, tp, z, layers) for z in zeros)
                     for mbs in _divisors(b):
                         m = b // mbs
                         if 3 * m * S > MAX_ACTIONS:
@@ -272,7 +275,8 @@ class Search:
         dpc = cs.dp_comm(params, dp, dp * pp * tp)
         makespan, bubble = self.simulate(schedule, pp, m, v, F, B, W, TP, comm, dpc)
         tensors = cs.stage_tensors(m_tp, layers)
-        step, zero = min((makespan + cs.after_time(m_tp, placement, params, tensors, dp, pp, tp, z), z) for z in fits)
+        step, zero = min((makespan + cs.after_time(m_tp, placement, params, tensors, dp, pp, tp, z, layers), z)
+                         for z in fits)
         layout = Layout(dp, pp, tp, schedule, cand.virtual_stages, m, mbs, rc, zero, sp, tuple(layers), cand.balanced,
                         cand.pad_vocab)
         return _Eval(step, layout, makespan, bubble, step - makespan, max(x.total for x in mem[zero]), m_tp)
@@ -378,7 +382,7 @@ class Search:
         timeline = simulate(st.plan, costs)
         makespan = float(timeline.makespan)
         tensors = cs.stage_tensors(model, layers)
-        after = cs.after_time(model, placement, params, tensors, L.dp, L.pp, L.tp, L.zero)
+        after = cs.after_time(model, placement, params, tensors, L.dp, L.pp, L.tp, L.zero, layers)
         step = makespan + after
         mem = memory_model.plan_memory(model, st.plan, layers, microbatch_size=L.microbatch_size, tp=L.tp,
                                        sequence_parallel=L.sequence_parallel, recompute=L.recompute,
@@ -432,6 +436,13 @@ def evaluate_layout(req: Request, layout: Layout) -> Result:
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
     return s.finish(_Eval(0.0, layout, 0.0, 0.0, 0.0, 0.0, model))
+
+
+def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """ConfigError unless the model splits over tp: pipegpt.config.validate_tp, and the key/value heads and the
+    MLP width the memory model's shapes assume (kv heads split or replicated; Llama's ffn_hidden divisible)."""
+    validate_tp(model, tp, sequence_parallel)
+    memory_model.check_tp_shapes(model, tp)
 
 
 def _round(x: float) -> float:

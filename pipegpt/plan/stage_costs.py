@@ -57,9 +57,11 @@ class StageCosts:
         inside = world <= self.cluster.gpus_per_node
         return [self.cost.group_allreduce_time(4 * n, dp, inside) for n in stage_params]
 
-    def after_time(self, model, placement, stage_params, stage_tensors, dp, pp, tp, zero) -> float:
+    def after_time(self, model, placement, stage_params, stage_tensors, dp, pp, tp, zero, layers=()) -> float:
         """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO-1's broadcast),
-        and the tied embedding's gradient sum between the first and the last stage."""
+        the tied embedding's gradient sum between the first and the last stage, and with tp > kv_heads
+        (Llama; layers: blocks per stage) the replicated key/value heads' gradient sum over the tp group
+        (pipegpt.tensor_parallel.layers.sum_replicated_kv_grads: one all-reduce of a [kv_heads, n] buffer)."""
         c = self.cluster
         params = [0.0] * pp
         tensors = [0] * pp
@@ -79,11 +81,22 @@ class StageCosts:
             G = c.gpus_per_node
             same = (placement[0] * tp) // G == (placement[-1] * tp) // G
             worst += self.cost.group_allreduce_time(model.padded_vocab_size * model.n_embd / tp * 4, 2, same)
+        if layers and tp > model.kv_heads:  # Llama's replicated kv heads: their gradients summed over the tp group
+            blocks = [0] * pp
+            for s, r in enumerate(placement):
+                blocks[r] += layers[s]
+            kv_grads = 2 * model.head_dim * (model.n_embd + (1 if model.qkv_bias else 0))  # one head's k and v
+            worst += self.cost.group_allreduce_time(model.kv_heads * max(blocks) * kv_grads * 4, tp, True)
         return worst
 
     @staticmethod
     def stage_tensors(model, layers):
-        S, per_layer = len(layers), 12 if model.bias else 6
+        """Each stage's parameter tensors (the optimizer's per-tensor work)."""
+        S = len(layers)
+        if model.is_llama:  # norms: a gain; q, k, v (+ biases), attn.proj, gate, up, mlp.proj (+ biases); wte
+            per_layer = 9 + (3 if model.qkv_bias else 0) + (4 if model.bias else 0)
+            return [n * per_layer + (1 if s == 0 else 0) + (2 if s == S - 1 else 0) for s, n in enumerate(layers)]
+        per_layer = 12 if model.bias else 6
         ln = 2 if model.bias else 1
         return [n * per_layer + (2 if s == 0 else 0) + ((ln + 1) if s == S - 1 else 0) for s, n in enumerate(layers)]
 
