@@ -161,6 +161,7 @@ def test_bad_inputs_are_one_line_errors(ckpt, tmp_path):
         assert_one_line_error(cli(path, "--file", data, "--device", "cuda"), "no CUDA GPU")
 
 
+@pytest.mark.slow  # 11 s; scoring a checkpoint stays in the default set
 def test_during_a_pipelined_run_it_scores_the_model_the_checkpoint_holds(tmp_path):
     """`pipegpt run --hellaswag` gathers the 2-stage x tp-2 model into the driver at an evaluation step; its
     accuracies equal the oracle's on the checkpoint saved at that step."""

@@ -50,6 +50,7 @@ def test_resume_with_the_same_layout_is_bit_for_bit(tmp_path, layout):
     assert losses(tmp_path / "resumed") == losses(tmp_path / "full")[2:]
 
 
+@pytest.mark.slow  # 27 s; per-rank dropout streams are checked fast in tests/unit (train/rng)
 def test_resume_with_dropout_continues_every_ranks_stream_bit_for_bit(tmp_path):
     # Two replicas x two stages: four streams (pipegpt.train.rng), each restored from the checkpoint.
     layout = [*LAYOUTS["1f1b-dp2"], "--dropout", "0.1"]
@@ -138,6 +139,7 @@ def test_dp2_zero1_resumes_in_dp1(tmp_path):
     assert_resumes_exactly(run, _config(stages=2, microbatches=4))
 
 
+@pytest.mark.slow  # 11 s; tp -> one process is in the default set as test_resume_under_another_layout_restores_everything[2-stages-tp2]
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process(tmp_path):
     run = tmp_path / "tp2"
     pipegpt_run(run, "--stages", "1", "--tp", "2", "--microbatches", "4", "--steps", "3", "--save-every", "2",

@@ -18,6 +18,7 @@ MODEL = ModelConfig(vocab_size=256, seq_len=16, n_layer=3, n_head=2, n_embd=16)
 STUCK_STEP = 3
 
 
+@pytest.mark.slow  # 14 s; the watchdog's naming of a stuck rank stays in the default set (test_watchdog_stall)
 def test_a_gpu_stuck_in_compute_is_named_not_a_cycle_of_hosts(monkeypatch):
     monkeypatch.setenv("PIPEGPT_FAULT", f"gpu-stuck:1:{STUCK_STEP + 1}")  # the workers inherit it; counted from 1
     cfg = TrainConfig.build(MODEL, stages=3, microbatches=3, microbatch_size=2, device="cpu", steps=8,

@@ -270,6 +270,7 @@ def test_activation_peaks_match_the_replay():
     assert not bad
 
 
+@pytest.mark.slow  # 9 s; the tp=1 replay stays in the default set
 def test_tensor_parallel_activation_peaks_match_the_replay(tmp_path):
     """tp 2 in two processes (gloo): sequence parallelism (each column-parallel linear gathers its own input)
     and a kv head replicated on both ranks."""
@@ -300,6 +301,7 @@ def test_grouped_query_attention_saves_activations_only_under_selective_recomput
 # ---------------------------------------------------------------------------------------------------------
 # the search
 
+@pytest.mark.slow  # 14 s, a whole search; a fixed-layout Llama plan stays in the default set (test_cli_fixed_layout_and_the_model_line)
 def test_llama3_70b_on_64_h100_has_a_ranked_plan_that_fits():
     from pipegpt.train.driver import check
     from test_plan import _run_config
