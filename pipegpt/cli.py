@@ -190,9 +190,11 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
     if options["resume"] == "auto":
         options["resume"], continuing = resume_auto(run_dir)
     cfg = train_config(ctx, batch_size, options, say=click.echo, config_file=config_file, layout=layout)
-    preset = options["preset"]
-    if cfg.checkpoint.resume is not None and not given(ctx, "preset"):  # the model is the checkpoint's
-        preset = next((name for name, m in MODEL_PRESETS.items() if m == cfg.model), "resumed")
+    preset = "tiny-llama" if options["arch"] == "llama" and not given(ctx, "preset") else options["preset"]
+    started = cfg.checkpoint.resume or cfg.checkpoint.init_from
+    if started is not None and not given(ctx, "preset"):  # the model is the checkpoint's
+        preset = next((name for name, m in MODEL_PRESETS.items() if m == cfg.model),
+                      "resumed" if cfg.checkpoint.resume is not None else "from checkpoint")
     launch(cfg, preset, run_dir, port, log_every, click.echo, overwrite=overwrite, continuing=continuing)
 
 

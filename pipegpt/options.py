@@ -12,12 +12,14 @@ from typing import Callable
 import click
 from click.core import ParameterSource
 
-from pipegpt.config import (MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, microbatch_size_for,
+from pipegpt.config import (ARCHS, MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, microbatch_size_for,
                             model_config)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 
 MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
-                 "dropout")
+                 "tie_embeddings", "dropout", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "qkv_bias")
+# the Llama-only settings: given with arch gpt2 they are refused (GPT-2 has no rotary, grouping or qkv-only bias)
+LLAMA_ONLY = {"n_kv_head": "--n-kv-head", "rope_theta": "--rope-theta", "qkv_bias": "--qkv-bias"}
 
 
 def int_tuple(value: str | None) -> tuple[int, ...] | None:
@@ -64,13 +66,25 @@ def model_options(command):
     """The model's shape: a preset and the settings that override it (their names: MODEL_OPTIONS)."""
     for option in reversed([
         click.option("--model", "preset", default="tiny", show_default=True,
-                     help="tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl."),
+                     help=f"{', '.join(MODEL_PRESETS)} (--arch llama alone: tiny-llama)."),
+        click.option("--arch", type=click.Choice(list(ARCHS)), default=None,
+                     help="gpt2 or llama (rotary, RMSNorm, SwiGLU, grouped-query attention); default: the preset's."),
         click.option("--n-layer", type=int, default=None), click.option("--n-embd", type=int, default=None),
         click.option("--n-head", type=int, default=None), click.option("--seq-len", type=int, default=None),
         click.option("--vocab-size", type=int, default=None),
         click.option("--pad-vocab", is_flag=True,
                      help="Pad the vocabulary to a multiple of 64 (padded logits are never predicted)."),
         click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight instead of the token embedding."),
+        click.option("--tie-embeddings", is_flag=True, default=None,
+                     help="The LM head is the token embedding (default: the preset's; Llama presets mostly untie)."),
+        click.option("--n-kv-head", type=int, default=None,
+                     help="Llama: key/value heads (grouped-query attention; must divide --n-head; default n_head)."),
+        click.option("--ffn-hidden", type=int, default=None,
+                     help="The MLP's hidden width (default: 4 x n_embd for GPT-2; Llama: 8/3 x n_embd rounded up to a "
+                          "multiple of 256)."),
+        click.option("--rope-theta", type=float, default=None, help="Llama: rotary base (default 10000)."),
+        click.option("--norm-eps", type=float, default=None, help="LayerNorm/RMSNorm epsilon (default 1e-5)."),
+        click.option("--qkv-bias/--no-qkv-bias", default=None, help="Llama: biases on q, k, v only (Qwen2)."),
         click.option("--dropout", type=float, default=None,
                      help="Dropout probability of the embedding, attention and residual branches (default: the "
                           "preset's, 0.0; fine-tuning often uses 0.1)."),
@@ -82,11 +96,39 @@ def model_options(command):
 def model_from_options(options: dict, vocab_size: int | None = None) -> ModelConfig:
     """The model model_options describe: the preset with the shape given overriding it (vocab_size: the
     default when --vocab-size is not given)."""
-    o = {name: options[name] for name in MODEL_OPTIONS}
-    return model_config(o["preset"], n_layer=o["n_layer"], n_embd=o["n_embd"], n_head=o["n_head"],
+    o = {name: options.get(name) for name in MODEL_OPTIONS}
+    preset = o["preset"] or "tiny"
+    if o["arch"] == "llama" and preset == "tiny":  # --arch llama alone: the small Llama, as GPT-2 starts from tiny
+        preset = "tiny-llama"
+    arch = MODEL_PRESETS[preset].arch if preset in MODEL_PRESETS else None
+    if o["arch"] is not None and arch is not None and o["arch"] != arch:
+        raise ConfigError(f"--arch {o['arch']} does not match --model {preset} (a {arch} preset): leave out --arch "
+                          f"or name a {o['arch']} preset")
+    check_arch_flags(o, o["arch"] or arch)
+    return model_config(preset, n_layer=o["n_layer"], n_embd=o["n_embd"], n_head=o["n_head"],
                         seq_len=o["seq_len"], vocab_size=vocab_size if o["vocab_size"] is None else o["vocab_size"],
-                        tie_embeddings=False if o["no_tie_embeddings"] else None,
-                        pad_vocab_to=64 if o["pad_vocab"] else None, dropout=o["dropout"])
+                        tie_embeddings=_tie(o), pad_vocab_to=64 if o["pad_vocab"] else None, dropout=o["dropout"],
+                        n_kv_head=o["n_kv_head"], ffn_hidden=o["ffn_hidden"], rope_theta=o["rope_theta"],
+                        norm_eps=o["norm_eps"], qkv_bias=o["qkv_bias"])
+
+
+def _tie(o: dict) -> bool | None:
+    """tie_embeddings from --tie-embeddings / --no-tie-embeddings (None: neither given)."""
+    if o.get("no_tie_embeddings") and o.get("tie_embeddings"):
+        raise ConfigError("give either --tie-embeddings or --no-tie-embeddings, not both")
+    return False if o.get("no_tie_embeddings") else (True if o.get("tie_embeddings") else None)
+
+
+def check_arch_flags(o: dict, arch: str | None) -> None:
+    """Refuse a Llama-only setting given for a GPT-2; its default value (what GPT-2 has: a run's config.json
+    holds them all) passes."""
+    if arch == "llama":
+        return
+    defaults = ModelConfig()
+    for name, flag in LLAMA_ONLY.items():
+        if o.get(name) is not None and o[name] != getattr(defaults, name):
+            raise ConfigError(f"{flag} {_shown(o[name])} applies to --arch llama only (this model is "
+                              f"{arch or 'gpt2'}): leave it out or give --arch llama")
 
 
 def model_flags(model: ModelConfig, tokenizer: str) -> str:
@@ -97,7 +139,15 @@ def model_flags(model: ModelConfig, tokenizer: str) -> str:
     else:
         flags = (f"--n-layer {model.n_layer} --n-embd {model.n_embd} --n-head {model.n_head} "
                  f"--seq-len {model.seq_len} --vocab-size {model.vocab_size}")
-        flags += "" if model.tie_embeddings else " --no-tie-embeddings"
+        if model.is_llama:
+            flags = f"--arch llama {flags} --n-kv-head {model.kv_heads} --ffn-hidden {model.ffn_width} " \
+                    f"--rope-theta {model.rope_theta} --norm-eps {model.norm_eps}"
+            flags += " --qkv-bias" if model.qkv_bias else ""
+            flags += " --tie-embeddings" if model.tie_embeddings else " --no-tie-embeddings"
+        else:
+            flags += "" if model.ffn_hidden is None else f" --ffn-hidden {model.ffn_hidden}"
+            flags += "" if model.norm_eps == 1e-5 else f" --norm-eps {model.norm_eps}"
+            flags += "" if model.tie_embeddings else " --no-tie-embeddings"
     return f"{flags} --tokenizer {tokenizer}"
 
 
@@ -134,10 +184,13 @@ def train_config(ctx: click.Context, batch_size: int | None, options: dict,
     global_batch = batch_size or settings["dp"] * settings["microbatches"] * settings["microbatch_size"]
     if batch_size is not None and layout != "auto":
         settings["microbatch_size"] = microbatch_size_for(batch_size, settings["dp"], settings["microbatches"])
-    if saved is None:
+    start = initial_model(settings["init_from"]) if saved is None and settings["init_from"] is not None else None
+    if start is not None:  # --init-from: the checkpoint's shape, as --resume
+        model = _resumed_model(ctx, options, start["model"], settings["tokenizer"], start["checkpoint"])
+    elif saved is None:
         model = model_from_options(options, vocab_size=50257 if settings["tokenizer"] == "gpt2" else None)
     else:
-        model = _resumed_model(ctx, options, saved["model"], settings["tokenizer"])
+        model = _resumed_model(ctx, options, saved["model"], settings["tokenizer"], saved["checkpoint"])
         _fit_split(ctx, settings, saved, model)
     if layout == "auto":
         settings.update(auto_layout(model, global_batch, settings, say))
@@ -241,15 +294,20 @@ def _file_model_options(ctx: click.Context, options: dict, model: dict, path: st
     """The model options with the file's shape filling those not given on the command line."""
     if given(ctx, "preset") or not model:  # a --model given names the whole shape
         return options
-    if model.get("bias", True) is not True:
-        raise ConfigError(f"--config {path}: model.bias = {model['bias']!r}: only true is supported")
+    arch = model.get("arch") or (MODEL_PRESETS[model["preset"]].arch if model.get("preset") in MODEL_PRESETS
+                                 else "gpt2")
+    if model.get("bias", arch != "llama") is not (arch != "llama"):  # GPT-2 has biases, Llama none
+        raise ConfigError(f"--config {path}: model.bias = {model['bias']!r}: only {str(arch != 'llama').lower()} "
+                          f"is supported for arch {arch}")
     filled = dict(options)
     as_options = {k: v for k, v in model.items() if k in ("preset", "n_layer", "n_embd", "n_head", "seq_len",
-                                                        "vocab_size", "dropout")}
+                                                        "vocab_size", "dropout", "arch", "n_kv_head", "ffn_hidden",
+                                                        "rope_theta", "norm_eps", "qkv_bias")}
     if "pad_vocab_to" in model:
         as_options["pad_vocab"] = model["pad_vocab_to"] not in (None, 1)
-    if "tie_embeddings" in model:
+    if "tie_embeddings" in model and not (given(ctx, "tie_embeddings") or given(ctx, "no_tie_embeddings")):
         as_options["no_tie_embeddings"] = not model["tie_embeddings"]
+        as_options["tie_embeddings"] = bool(model["tie_embeddings"])
     for name, value in as_options.items():
         if not given(ctx, name):
             filled[name] = value
@@ -294,6 +352,19 @@ def saved_run(resume: str) -> dict | None:
     return {"config": manifest["config"], "model": manifest["model"], "checkpoint": found}
 
 
+def initial_model(init_from: str) -> dict | None:
+    """{"model": fields, "checkpoint": path} of an --init-from checkpoint; None where it cannot be read or holds no
+    model (the driver then refuses it in one line, as it verifies the files)."""
+    from pipegpt.train import checkpoint
+
+    try:
+        found = checkpoint.resolve(init_from)
+        manifest = checkpoint.read_manifest(found, verify=False)
+    except (checkpoint.CheckpointError, OSError, ValueError):
+        return None
+    return {"model": manifest["model"], "checkpoint": found} if isinstance(manifest.get("model"), dict) else None
+
+
 def _as_field(value):
     """A value read back from JSON as the config holds it (its lists were tuples)."""
     return tuple(value) if isinstance(value, list) else value
@@ -315,19 +386,45 @@ def _restore(ctx: click.Context, settings: dict, saved: dict) -> None:
         settings["virtual_stages"] = None  # the saved run's value was for its schedule
 
 
-def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: str) -> ModelConfig:
-    """The saved run's model with the shape options given on the command line applied (a --model preset given
-    names the whole shape). A shape other than the checkpoint's is then refused, naming what differs."""
+# model options that set the field of the same name
+_SAME_NAME = ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dropout", "arch", "n_kv_head", "ffn_hidden",
+              "rope_theta", "norm_eps", "qkv_bias")
+
+
+def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: str,
+                   where="the checkpoint") -> ModelConfig:
+    """The checkpoint's model (a --resume's or --init-from's) with the shape options given on the command line
+    applied (a --model preset given names the whole shape). A given option that disagrees with the checkpoint is
+    refused in one line naming it, before any worker starts; dropout may differ."""
+    known = [f.name for f in dataclasses.fields(ModelConfig)]  # in order: the line names the same field each time
+    theirs = ModelConfig(**{k: _as_field(v) for k, v in saved.items() if k in known})
     if given(ctx, "preset"):
-        return model_from_options(options, vocab_size=50257 if tokenizer == "gpt2" else None)
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    changes = {name: options[name] for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dropout")
-               if given(ctx, name)}
-    if given(ctx, "pad_vocab") and options["pad_vocab"]:
-        changes["pad_vocab_to"] = 64
-    if given(ctx, "no_tie_embeddings") and options["no_tie_embeddings"]:
-        changes["tie_embeddings"] = False
-    return dataclasses.replace(ModelConfig(**{k: v for k, v in saved.items() if k in known}), **changes).validate()
+        model = model_from_options(options, vocab_size=50257 if tokenizer == "gpt2" else None)
+        flags = {name: f"--model {options['preset']}" for name in known}
+    else:
+        changes = {name: options[name] for name in _SAME_NAME if given(ctx, name) and options[name] is not None}
+        flags = {name: f"--{name.replace('_', '-')} {_shown(value)}" for name, value in changes.items()}
+        if changes.get("qkv_bias") is False:
+            flags["qkv_bias"] = "--no-qkv-bias"
+        if given(ctx, "pad_vocab") and options["pad_vocab"]:
+            changes["pad_vocab_to"], flags["pad_vocab_to"] = 64, "--pad-vocab"
+        tie = _tie({name: options.get(name) if given(ctx, name) else None
+                    for name in ("tie_embeddings", "no_tie_embeddings")})
+        if tie is not None:
+            changes["tie_embeddings"] = tie
+            flags["tie_embeddings"] = "--tie-embeddings" if tie else "--no-tie-embeddings"
+        check_arch_flags(changes, changes.get("arch", theirs.arch))
+        if changes.get("ffn_hidden") == theirs.ffn_width:  # the width the checkpoint's rule gives, stated
+            changes["ffn_hidden"] = theirs.ffn_hidden
+        model = dataclasses.replace(theirs, **changes)  # validated below: the disagreement is the news
+    diff = [name for name in known if name != "dropout" and getattr(model, name) != getattr(theirs, name)]
+    if diff:
+        name = diff[0]
+        raise ConfigError(f"{where}: checkpoint of another model: "
+                          f"{', '.join(f'{k}={getattr(theirs, k)!r} (this run: {getattr(model, k)!r})' for k in diff)}"
+                          f"; {flags.get(name, 'the options given')} disagrees with its {name} "
+                          f"{_shown(getattr(theirs, name))}: leave it out to take the checkpoint's")
+    return model.validate()
 
 
 def _fit_split(ctx: click.Context, settings: dict, saved: dict, model: ModelConfig) -> None:
@@ -348,7 +445,8 @@ def _fit_split(ctx: click.Context, settings: dict, saved: dict, model: ModelConf
 # The model's fields that options set, by the option's name
 MODEL_FLAGS = {"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head", "seq_len": "--seq-len",
                "vocab_size": "--vocab-size", "pad_vocab_to": "--pad-vocab", "tie_embeddings": "--no-tie-embeddings",
-               "dropout": "--dropout"}
+               "dropout": "--dropout", "arch": "--arch", "n_kv_head": "--n-kv-head", "ffn_hidden": "--ffn-hidden",
+               "rope_theta": "--rope-theta", "norm_eps": "--norm-eps", "qkv_bias": "--qkv-bias"}
 
 
 def _shown(value) -> str:

@@ -145,8 +145,11 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
         raise ConfigError(f"pad_vocab_to={model.pad_vocab_to}: `pipegpt run` pads only to 64 (--pad-vocab)")
     norm = lambda m: replace(m, pad_vocab_to=1, tie_embeddings=True)  # noqa: E731
     core = norm(model)
+    arch_fields = {"n_kv_head": "--n-kv-head", "ffn_hidden": "--ffn-hidden", "rope_theta": "--rope-theta",
+                   "norm_eps": "--norm-eps", "qkv_bias": "--qkv-bias"}  # what a flag sets beyond the shape
     shape = lambda m: replace(m, n_layer=core.n_layer, n_embd=core.n_embd, n_head=core.n_head,  # noqa: E731
-                              seq_len=core.seq_len, vocab_size=core.vocab_size)
+                              seq_len=core.seq_len, vocab_size=core.vocab_size,
+                              **{name: getattr(core, name) for name in arch_fields})
     preset = next((name for name, m in MODEL_PRESETS.items() if norm(m) == core), None)
     if preset is not None:
         args = ["--model", preset]
@@ -158,9 +161,16 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
         args = ([] if preset == "tiny" else ["--model", preset]) + [
             "--n-layer", str(core.n_layer), "--n-embd", str(core.n_embd), "--n-head", str(core.n_head),
             "--seq-len", str(core.seq_len), "--vocab-size", str(core.vocab_size)]
+        for name, flag in arch_fields.items():
+            value = getattr(core, name)
+            if value == getattr(MODEL_PRESETS[preset], name):
+                continue
+            if name == "qkv_bias":
+                args.append(flag if value else "--no-qkv-bias")
+            else:  # a None stated as the width or head count it means
+                args += [flag, str({"ffn_hidden": core.ffn_width, "n_kv_head": core.kv_heads}.get(name, value))]
     if model.tie_embeddings and not MODEL_PRESETS[preset].tie_embeddings:
-        raise ConfigError(f"tied embeddings on {preset}, whose embeddings are untied: `pipegpt run` has no flag "
-                          f"that ties them")
+        args.append("--tie-embeddings")
     if not model.tie_embeddings and MODEL_PRESETS[preset].tie_embeddings:
         args.append("--no-tie-embeddings")
     if pad_vocab or model.pad_vocab_to == 64:

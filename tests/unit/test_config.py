@@ -35,6 +35,9 @@ RUN_OPTIONS = [
     "--p2p-dtype",
     # settings from a TOML or JSON file (a run's config.json), the options given overriding it
     "--config",
+    # Llama-shaped models (issue 19): the architecture and its settings
+    "--arch", "--n-kv-head", "--ffn-hidden", "--rope-theta", "--norm-eps", "--qkv-bias", "--no-qkv-bias",
+    "--tie-embeddings",
 ]
 
 
