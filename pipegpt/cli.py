@@ -237,16 +237,17 @@ def prepare(inputs, out, tokenizer, val_fraction, shard_tokens):
 
 @main.command()
 @click.option("--from-hf", "from_hf", type=click.Path(), default=None,
-              help="Import: a Hugging Face GPT-2 directory (config.json and model.safetensors or pytorch_model.bin).")
+              help="Import: a Hugging Face GPT-2, Llama, Mistral or Qwen2 directory (config.json and model.safetensors "
+                   "or pytorch_model.bin, either sharded with its index).")
 @click.option("--out", type=click.Path(), default=None, help="Import: the checkpoint directory to create.")
 @click.option("--tokenizer", type=click.Choice(list(TOKENIZERS)), default=None,
-              help="Import: the tokenizer the checkpoint remembers (default: gpt2).")
+              help="Import: the tokenizer the checkpoint remembers (default: gpt2 for GPT-2, bytes for the others).")
 @click.option("--to-hf", "to_hf", type=click.Path(), default=None,
               help="Export: the directory for config.json and model.safetensors.")
 @click.option("--checkpoint", "source", type=click.Path(), default=None,
               help="Export: a checkpoint, or a run directory (its latest checkpoint).")
 def convert(from_hf, out, tokenizer, to_hf, source):
-    """GPT-2 weights in Hugging Face layout into a pipegpt checkpoint, or back.
+    """GPT-2 or Llama/Mistral/Qwen2 weights in Hugging Face layout into a pipegpt checkpoint, or back.
 
     \b
     pipegpt convert --from-hf gpt2/ --out ckpt/gpt2          # weights only, step 0
@@ -261,10 +262,13 @@ def convert(from_hf, out, tokenizer, to_hf, source):
             raise click.UsageError("--from-hf HF_DIR needs --out CHECKPOINT (and no --checkpoint)")
         from pipegpt.options import model_flags
         from pipegpt.tools.convert import import_hf
+        from pipegpt.train.checkpoint import read_manifest
 
-        tokenizer = tokenizer or "gpt2"
         path, model = import_hf(from_hf, out, tokenizer)
-        click.echo(f"wrote {path}: {model.n_layer}-layer GPT-2, n_embd {model.n_embd}, {model.n_head} heads, "
+        tokenizer = read_manifest(path)["tokenizer"]
+        click.echo(f"wrote {path}: {model.n_layer}-layer {'Llama' if model.is_llama else 'GPT-2'}, "
+                   f"n_embd {model.n_embd}, {model.n_head} heads"
+                   + (f" ({model.kv_heads} key/value)" if model.is_llama else "") + ", "
                    f"vocabulary {model.vocab_size}, seq_len {model.seq_len}, "
                    f"{'tied' if model.tie_embeddings else 'untied'} embeddings; tokenizer {tokenizer}")
         click.echo(f"train from it: pipegpt run --init-from {path} {model_flags(model, tokenizer)}")
@@ -275,7 +279,8 @@ def convert(from_hf, out, tokenizer, to_hf, source):
     from pipegpt.tools.convert import export_hf
 
     found, model = export_hf(source, to_hf)
-    click.echo(f"wrote {to_hf}/config.json and model.safetensors from {found}: {model.n_layer}-layer GPT-2, "
+    click.echo(f"wrote {to_hf}/config.json and model.safetensors from {found}: {model.n_layer}-layer "
+               f"{'Llama' if model.is_llama else 'GPT-2'}, "
                f"n_embd {model.n_embd}, vocabulary {model.vocab_size}")
 
 

@@ -1,4 +1,7 @@
-"""GPT-2 in Hugging Face layout in and out of pipegpt checkpoints (`pipegpt convert`).
+"""GPT-2 and Llama-family models in Hugging Face layout in and out of pipegpt checkpoints (`pipegpt convert`).
+
+GPT-2 below; Llama, Mistral and Qwen2 (model_type llama, mistral, qwen2) in pipegpt.tools.convert_llama,
+which shares the file handling here.
 
     HF_DIR/config.json                     GPT-2's shape: n_embd, n_layer, n_head, n_positions, vocab_size, ...
     HF_DIR/model.safetensors               transformer.h.0.attn.c_attn.weight, ... (or pytorch_model.bin,
@@ -37,6 +40,9 @@ import torch
 from pipegpt.train import checkpoint
 from pipegpt.config import ConfigError, ModelConfig
 
+from . import convert_llama
+from .convert_llama import ConvertError
+
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 BIN_FILE = "pytorch_model.bin"
@@ -62,8 +68,6 @@ _TOP = [("wte.weight", "wte.weight"), ("wpe.weight", "wpe.weight"), ("ln_f.weigh
 _NOT_WEIGHTS = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")  # causal-mask buffers of older files
 
 
-class ConvertError(ConfigError):
-    """A Hugging Face directory or a conversion target is unusable (one line; the CLI prints it, exit 2)."""
 
 
 def name_map(n_layer: int, tied: bool) -> list[tuple[str, str, bool]]:
@@ -101,7 +105,8 @@ def model_config_from_hf(config: dict, where: Path | str = CONFIG_FILE) -> Model
     c = {**HF_DEFAULTS, **config}
     model_type = config.get("model_type")
     if model_type not in (None, "gpt2"):
-        raise ConvertError(f"{where}: model_type={model_type!r}: only GPT-2 (model_type 'gpt2') can be converted")
+        raise ConvertError(f"{where}: model_type={model_type!r} is not supported: use gpt2, "
+                           f"{', '.join(convert_llama.ARCHITECTURES)}")
     if c["activation_function"] not in ACTIVATIONS:
         raise ConvertError(f"{where}: activation_function={c['activation_function']!r} is not supported: pipegpt "
                            f"computes GELU with the tanh approximation ({' or '.join(map(repr, ACTIVATIONS))})")
@@ -197,14 +202,23 @@ def from_hf_state_dict(weights: dict, model: ModelConfig, where: Path | str = ""
     return out
 
 
-def import_hf(hf_dir, out, tokenizer: str = "gpt2") -> tuple[Path, ModelConfig]:
-    """Convert a Hugging Face GPT-2 directory into a weights-only checkpoint at `out` (atomically)."""
+def import_hf(hf_dir, out, tokenizer: str | None = None) -> tuple[Path, ModelConfig]:
+    """Convert a Hugging Face GPT-2 or Llama-family directory into a weights-only checkpoint at `out`
+    (atomically). The tokenizer it remembers: `tokenizer`, else gpt2 for GPT-2 and bytes for the others."""
     hf_dir, out = Path(hf_dir), Path(out)
     hf_config = read_hf_config(hf_dir)
-    model = model_config_from_hf(hf_config, hf_dir / CONFIG_FILE)
+    llama = convert_llama.is_llama_family(hf_config)
+    if llama:
+        model = convert_llama.model_config_from_hf(hf_config, hf_dir / CONFIG_FILE)
+    else:
+        model = model_config_from_hf(hf_config, hf_dir / CONFIG_FILE)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ConvertError(f"--out {out}: already exists: choose a new path for the checkpoint")
-    state = from_hf_state_dict(read_hf_weights(hf_dir), model, hf_dir)
+    if llama:
+        state = convert_llama.from_hf_state_dict(read_hf_weights(hf_dir), model, _expected_shapes(model), hf_dir)
+    else:
+        state = from_hf_state_dict(read_hf_weights(hf_dir), model, hf_dir)
+    tokenizer = tokenizer or ("bytes" if llama else "gpt2")
     source = {"from_hf": str(hf_dir), "hf_config": hf_config}
     path = checkpoint.write_weights(out, state, {"model": dataclasses.asdict(model), "tokenizer": tokenizer,
                                                  "config": source})
@@ -258,12 +272,16 @@ def export_hf(path, hf_dir) -> tuple[Path, ModelConfig]:
     for name in (CONFIG_FILE, SAFETENSORS_FILE):
         if (hf_dir / name).exists():
             raise ConvertError(f"--to-hf {hf_dir}: already holds {name}: choose a new directory")
-    tensors = to_hf_state_dict(checkpoint.read_weights(found), model)
+    weights = checkpoint.read_weights(found)
+    if model.is_llama:
+        tensors, config = convert_llama.to_hf_state_dict(weights, model), convert_llama.hf_config(model)
+    else:
+        tensors, config = to_hf_state_dict(weights, model), hf_config(model, manifest.get("tokenizer"))
     hf_dir.mkdir(parents=True, exist_ok=True)
     partial = hf_dir / f"{SAFETENSORS_FILE}.partial"
     checkpoint.write_safetensors(partial, tensors, {"format": "pt"})  # follows the umask, as save_file's do not
     os.replace(partial, hf_dir / SAFETENSORS_FILE)
     partial = hf_dir / f"{CONFIG_FILE}.partial"
-    partial.write_text(json.dumps(hf_config(model, manifest.get("tokenizer")), indent=2) + "\n")
+    partial.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(partial, hf_dir / CONFIG_FILE)  # last: a directory with config.json is whole
     return found, model

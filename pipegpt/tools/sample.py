@@ -2,7 +2,9 @@
 
 The checkpoint may come from any layout (or from `pipegpt convert --from-hf`): its parameters are read
 by one-process name (checkpoint.read_weights) into the whole GPT, which runs in eval mode. Each new token
-is drawn from the last position's logits over a context cropped to the model's seq_len: divided by the
+is drawn from the last position's logits over a context cropped to the model's seq_len (keys and values of
+the positions seen are kept in a KVCache, so each new token costs one position's forward, until the context
+is full; from then on the cropped window is computed whole, as nanoGPT does): divided by the
 temperature, cut to the top k, softmax, one draw from a generator seeded with `seed` (temperature 0:
 the argmax). Tokens the tokenizer cannot decode (rows beyond its vocabulary) are never drawn.
 """
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 from pipegpt.train import checkpoint
 from pipegpt.config import ConfigError, ModelConfig
-from pipegpt.model.gpt import GPT
+from pipegpt.model.gpt import GPT, KVCache
 
 
 class SampleError(ConfigError):
@@ -76,13 +78,20 @@ def load_model(path, device="cpu") -> tuple[GPT, dict, Path]:
 
 @torch.no_grad()
 def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             generator: torch.Generator | None = None, vocab_limit: int | None = None) -> list[int]:
+             generator: torch.Generator | None = None, vocab_limit: int | None = None,
+             use_cache: bool = True) -> list[int]:
     """The max_new_tokens tokens that follow `prompt` (nanoGPT's loop; temperature 0: greedy)."""
     check_settings(max_new_tokens, temperature, top_k)
     device = next(model.parameters()).device
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
+    T = model.config.seq_len
+    cache, fed = (KVCache(), 0) if use_cache else (None, 0)
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.config.seq_len:])[:, -1, :].float()
+        if cache is not None and idx.size(1) <= T:
+            logits = model(idx[:, fed:], cache=cache)[:, -1, :].float()  # only the positions not yet cached
+            fed = idx.size(1)
+        else:  # the context no longer fits: positions shift, so the window is computed whole
+            logits = model(idx[:, -T:])[:, -1, :].float()
         if vocab_limit is not None and vocab_limit < logits.size(-1):
             logits[:, vocab_limit:] = -math.inf
         if temperature == 0:

@@ -161,7 +161,7 @@ def _hf_dir(tmp_path: Path, name: str, **config) -> Path:
     ({"activation_function": "relu"}, "activation_function='relu'"),
     ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon=1e-06"),
     ({"n_inner": 64}, "n_inner=64"),
-    ({"model_type": "llama"}, "model_type='llama'"),
+    ({"model_type": "bert"}, "model_type='bert'"),
     ({"n_layer": 3}, "holds no 'h.2.ln_1.weight'"),
     ({"n_embd": 48}, "'wte.weight' has shape [256, 32], config.json implies [256, 48]"),
 ], ids=["activation", "eps", "n_inner", "model_type", "n_layer", "n_embd"])

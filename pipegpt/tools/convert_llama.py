@@ -1,0 +1,167 @@
+"""Llama-family models in Hugging Face layout in and out of pipegpt checkpoints (`pipegpt convert`).
+
+LlamaForCausalLM, MistralForCausalLM (without a sliding window) and Qwen2ForCausalLM (q/k/v biases) have
+one block structure, which is pipegpt's arch "llama". Hugging Face keeps q and k in the rotate-half layout
+pipegpt's rotary code uses, so every tensor maps by name alone (no transposes, no permutations):
+
+    model.embed_tokens.weight                     wte.weight
+    model.layers.{i}.input_layernorm.weight       blocks.{i}.ln1.weight
+    model.layers.{i}.self_attn.{q,k,v}_proj.*     blocks.{i}.attn.{q,k,v}.*
+    model.layers.{i}.self_attn.o_proj.*           blocks.{i}.attn.proj.*
+    model.layers.{i}.post_attention_layernorm.*   blocks.{i}.ln2.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.*    blocks.{i}.mlp.{gate,up,proj}.*
+    model.norm.weight                             ln_f.weight
+    lm_head.weight                                lm_head.weight              (untied models only)
+
+Only what pipegpt computes exactly is accepted: SiLU, no rope scaling, no sliding window, no experts,
+head_dim = hidden_size / num_attention_heads, q/k/v biases alone (Qwen2) or every bias (Llama's
+attention_bias with mlp_bias); anything else is one line naming the config field.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from pipegpt.config import ConfigError, ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class ConvertError(ConfigError):
+    """A Hugging Face directory or a conversion target is unusable (one line; the CLI prints it, exit 2).
+    Defined here, where both converters reach it (pipegpt.tools.convert imports this module)."""
+
+
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size")
+
+_BLOCK = [("input_layernorm.weight", "ln1.weight"), ("post_attention_layernorm.weight", "ln2.weight"),
+          ("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"), ("self_attn.v_proj", "attn.v"),
+          ("self_attn.o_proj", "attn.proj"), ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.up"),
+          ("mlp.down_proj", "mlp.proj")]
+_NOT_WEIGHTS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # buffers of older files
+
+
+def is_llama_family(config: dict) -> bool:
+    return config.get("model_type") in ARCHITECTURES
+
+
+def model_config_from_hf(config: dict, where) -> ModelConfig:
+    """pipegpt's ModelConfig (arch llama) of a Llama, Mistral or Qwen2 config.json, or a ConfigError naming
+    the field pipegpt's model cannot compute exactly."""
+    kind = config["model_type"]
+
+    def refuse(field, why):
+        raise ConvertError(f"{where}: {field}={config.get(field)!r} is not supported: {why}")
+
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if not isinstance(config.get(field), int):
+            refuse(field, "a whole number is needed")
+    if config.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "pipegpt's SwiGLU uses silu")
+    if config.get("rope_scaling") is not None:
+        refuse("rope_scaling", "pipegpt computes plain rotary positions (rope_scaling null)")
+    if kind == "mistral" and config.get("sliding_window") is not None:
+        refuse("sliding_window", "pipegpt's attention is full causal attention (sliding_window null)")
+    if kind == "qwen2" and config.get("use_sliding_window"):
+        refuse("use_sliding_window", "pipegpt's attention is full causal attention")
+    for field in _EXPERT_FIELDS:
+        if config.get(field):
+            refuse(field, "mixture-of-experts layers are not in pipegpt's model")
+    C, H = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim") not in (None, C // H) or C % H:
+        refuse("head_dim", f"pipegpt's heads are hidden_size / num_attention_heads = {C / H:g} wide")
+    if kind == "qwen2":
+        qkv_bias, bias = True, False
+    else:
+        attention_bias, mlp_bias = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
+        if attention_bias != mlp_bias:
+            refuse("mlp_bias", f"pipegpt's bias covers o_proj and the MLP together (attention_bias={attention_bias})")
+        qkv_bias = bias = attention_bias
+    try:
+        return ModelConfig(arch="llama", vocab_size=config["vocab_size"], seq_len=config.get("max_position_embeddings", 2048),
+                           n_layer=config["num_hidden_layers"], n_head=H, n_embd=C,
+                           n_kv_head=config.get("num_key_value_heads") or H, ffn_hidden=config["intermediate_size"],
+                           rope_theta=float(config.get("rope_theta", 10000.0)),
+                           norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qkv_bias, bias=bias,
+                           dropout=0.0, tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                           pad_vocab_to=1).validate()
+    except ConfigError as e:
+        raise ConvertError(f"{where}: {e}") from None
+
+
+def name_map(model: ModelConfig) -> list[tuple[str, str]]:
+    """(Hugging Face name, pipegpt one-process name) of every parameter of the model."""
+    names = [("model.embed_tokens.weight", "wte.weight"), ("model.norm.weight", "ln_f.weight")]
+    for i in range(model.n_layer):
+        for hf, ours in _BLOCK:
+            if hf.endswith(".weight"):
+                names.append((f"model.layers.{i}.{hf}", f"blocks.{i}.{ours}"))
+                continue
+            names.append((f"model.layers.{i}.{hf}.weight", f"blocks.{i}.{ours}.weight"))
+            has_bias = model.qkv_bias if ours in ("attn.q", "attn.k", "attn.v") else model.bias
+            if has_bias:
+                names.append((f"model.layers.{i}.{hf}.bias", f"blocks.{i}.{ours}.bias"))
+    if not model.tie_embeddings:
+        names.append(("lm_head.weight", "lm_head.weight"))
+    return names
+
+
+def from_hf_state_dict(weights: dict, model: ModelConfig, shapes: dict, where) -> dict:
+    """pipegpt's one-process state dict (float32); a ConvertError names the first missing, unexpected or
+    misshapen tensor."""
+    mapping = name_map(model)
+    expected = {hf for hf, _ in mapping}
+    if model.tie_embeddings and "lm_head.weight" in weights:
+        if not torch.equal(weights["lm_head.weight"], weights.get("model.embed_tokens.weight")):
+            raise ConvertError(f"{where}: tie_word_embeddings=True, but lm_head.weight differs from "
+                               f"model.embed_tokens.weight: set tie_word_embeddings false in config.json")
+        expected.add("lm_head.weight")
+    unexpected = sorted(k for k in weights if k not in expected and not _NOT_WEIGHTS.match(k))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConvertError(f"{where}: unexpected tensor {unexpected[0]!r}{more}: not a model of this config.json")
+    out = {}
+    for hf, ours in mapping:
+        if hf not in weights:
+            raise ConvertError(f"{where}: holds no {hf!r} (config.json says num_hidden_layers={model.n_layer}, "
+                               f"tie_word_embeddings={model.tie_embeddings})")
+        t = weights[hf]
+        if not torch.is_tensor(t) or not t.is_floating_point():
+            raise ConvertError(f"{where}: {hf!r} is not a floating-point tensor")
+        if tuple(t.shape) != shapes[ours]:
+            raise ConvertError(f"{where}: {hf!r} has shape {list(t.shape)}, config.json implies {list(shapes[ours])}")
+        out[ours] = t.to(torch.float32).contiguous()
+    return out
+
+
+def hf_config(model: ModelConfig) -> dict:
+    """config.json for the model: Qwen2 when only q/k/v have biases, else Llama."""
+    if model.bias and not model.qkv_bias:
+        raise ConvertError("a Llama with o_proj and MLP biases but none on q/k/v has no Hugging Face architecture")
+    kind = "qwen2" if model.qkv_bias and not model.bias else "llama"
+    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": model.vocab_size,
+              "hidden_size": model.n_embd, "intermediate_size": model.ffn_width,
+              "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
+              "num_key_value_heads": model.kv_heads, "hidden_act": "silu",
+              "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
+              "rope_theta": model.rope_theta, "rope_scaling": None, "tie_word_embeddings": model.tie_embeddings,
+              "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
+    if kind == "llama":
+        config.update(attention_bias=model.bias, mlp_bias=model.bias, head_dim=model.head_dim)
+    else:
+        config.update(use_sliding_window=False, sliding_window=None)
+    return config
+
+
+def to_hf_state_dict(state: dict, model: ModelConfig) -> dict:
+    """Hugging Face names of a one-process state dict (padded vocabulary rows dropped)."""
+    out = {}
+    for hf, ours in name_map(model):
+        if ours not in state:
+            raise ConvertError(f"the checkpoint holds no param/{ours}")
+        t = state[ours]
+        if ours in ("wte.weight", "lm_head.weight"):
+            t = t[:model.vocab_size]
+        out[hf] = t.to(torch.float32).contiguous()
+    return out

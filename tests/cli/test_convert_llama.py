@@ -1,0 +1,136 @@
+"""`pipegpt convert` of Llama-family models: a small random LlamaForCausalLM with grouped-query attention (and
+Mistral, Qwen2 with its q/k/v biases) saved by transformers is imported, compared on logits, sampled
+greedily beside transformers' generate, exported back and reloaded; configs pipegpt cannot compute exactly
+are refused in one line naming the field."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import assert_one_line_error, invoke
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+from pipegpt.tools.sample import generate, load_model, sample  # noqa: E402
+from pipegpt.train import checkpoint  # noqa: E402
+
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=48, rms_norm_eps=1e-5, rope_theta=10000.0,
+             tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+
+
+def hf_model(kind: str = "llama", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    extra = {"sliding_window": None} if kind in ("mistral", "qwen2") else {}
+    model = model_class(config_class(**{**SHAPE, **extra, **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # norms and biases away from their initial 1 and 0
+    return model.eval()
+
+
+def imported(tmp_path, hf, **save):
+    hf_dir, out = tmp_path / "hf", tmp_path / "ckpt"
+    hf.save_pretrained(hf_dir, **save)
+    result = invoke("convert", "--from-hf", hf_dir, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "Llama" in result.output and "tokenizer bytes" in result.output
+    return out
+
+
+@torch.no_grad()
+def max_logit_diff(ckpt, hf) -> float:
+    model, _, _ = load_model(ckpt)
+    return (model(TOKENS) - hf(TOKENS).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_import_matches_transformers_logits(kind, tmp_path):
+    hf = hf_model(kind)
+    ckpt = imported(tmp_path, hf)
+    model = checkpoint.read_manifest(ckpt)["model"]
+    assert (model["arch"], model["n_kv_head"], model["ffn_hidden"], model["qkv_bias"]) == \
+        ("llama", 2, 176, kind == "qwen2")
+    assert max_logit_diff(ckpt, hf) < 1e-4
+
+
+def test_sharded_safetensors_with_their_index(tmp_path):
+    hf = hf_model(seed=1)
+    ckpt = imported(tmp_path, hf, max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert max_logit_diff(ckpt, hf) < 1e-4
+
+
+def test_export_is_loaded_by_transformers_unchanged(tmp_path):
+    for kind in ("llama", "qwen2"):
+        hf = hf_model(kind, seed=2)
+        ckpt = imported(tmp_path / kind, hf)
+        result = invoke("convert", "--to-hf", tmp_path / kind / "out", "--checkpoint", ckpt)
+        assert result.exit_code == 0, result.output
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / kind / "out").eval()
+        assert type(back) is type(hf)
+        with torch.no_grad():
+            assert (back(TOKENS).logits - hf(TOKENS).logits).abs().max().item() < 1e-5
+
+
+def test_sample_equals_transformers_greedy_generation(tmp_path):
+    hf = hf_model(seed=4)
+    ckpt = imported(tmp_path, hf)
+    prompt = "pipeline "
+    ids = torch.tensor([list(prompt.encode())])
+    with torch.no_grad():
+        theirs = hf.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
+    ours = sample(ckpt, prompt, max_new_tokens=20, temperature=0, top_k=None, seed=0)
+    assert len(theirs) == 20 and ours.new_tokens == theirs
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_kv_cache_gives_the_tokens_of_the_whole_context(arch, tmp_path):
+    """Greedy with the cache equals greedy recomputing the context, past seq_len too (the window crops)."""
+    from pipegpt.config import MODEL_PRESETS
+    from pipegpt.model.gpt import GPT
+
+    model = GPT(MODEL_PRESETS["tiny-llama" if arch == "llama" else "tiny"], init_seed=1).eval()
+    prompt = TOKENS[0, :10].tolist()
+    steps = model.config.seq_len + 5  # beyond the context: the cached path hands over to the cropped window
+    cached = generate(model, prompt, steps, temperature=0)
+    whole = generate(model, prompt, steps, temperature=0, use_cache=False)
+    assert cached == whole
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "llama"),
+    ("hidden_act", "gelu", "llama"),
+    ("sliding_window", 16, "mistral"),
+    ("use_sliding_window", True, "qwen2"),
+    ("num_local_experts", 8, "llama"),
+    ("head_dim", 32, "llama"),
+    ("mlp_bias", True, "llama"),
+])
+def test_what_pipegpt_does_not_compute_is_one_line_naming_the_field(field, value, kind, tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_model(kind, seed=5).save_pretrained(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config[field] = value
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt"), f"{field}=")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_tied_config_with_a_separate_head_is_refused(tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_model(seed=6).save_pretrained(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt"),
+                          "tie_word_embeddings=True", "lm_head.weight differs")
