@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from pipegpt.config import ConfigError, TOKENIZERS
+from pipegpt.config import ConfigError
 from pipegpt.options import MODEL_OPTIONS, config_options, model_options
 from pipegpt.schedule.actions import ScheduleError
 from pipegpt.train.checkpoint import CheckpointError
@@ -205,7 +205,7 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False),
               help="Directory for the shards and meta.json (created; must not hold prepared tokens already).")
-@click.option("--tokenizer", type=click.Choice(["bytes", "gpt2"]), default="bytes", show_default=True,
+@click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default="bytes", show_default=True,
               help="bytes (vocabulary 256, offline) or gpt2 (tiktoken BPE; documents start with token 50256).")
 @click.option("--val-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.01, show_default=True,
               help="The tail of the input that becomes the val split (cut at a line start).")
@@ -217,6 +217,7 @@ def prepare(inputs, out, tokenizer, val_fraction, shard_tokens):
     \b
     pipegpt prepare book.txt --out data/book                     # bytes tokenizer, 1% val
     pipegpt prepare docs/*.txt --out data/docs --tokenizer gpt2
+    pipegpt prepare docs/*.txt --out data/llama --tokenizer path/to/tokenizer.json   # a Hugging Face tokenizer
     pipegpt run --data data/docs --tokenizer gpt2 ...
     """
     from pipegpt.data.prepare import check_prepare, input_bytes
@@ -240,8 +241,9 @@ def prepare(inputs, out, tokenizer, val_fraction, shard_tokens):
               help="Import: a Hugging Face GPT-2, Llama, Mistral or Qwen2 directory (config.json and model.safetensors "
                    "or pytorch_model.bin, either sharded with its index).")
 @click.option("--out", type=click.Path(), default=None, help="Import: the checkpoint directory to create.")
-@click.option("--tokenizer", type=click.Choice(list(TOKENIZERS)), default=None,
-              help="Import: the tokenizer the checkpoint remembers (default: gpt2 for GPT-2, bytes for the others).")
+@click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
+              help="Import: the tokenizer the checkpoint remembers (default: the directory's tokenizer.json for Llama-family "
+                   "models, else bytes; gpt2 for GPT-2).")
 @click.option("--to-hf", "to_hf", type=click.Path(), default=None,
               help="Export: the directory for config.json and model.safetensors.")
 @click.option("--checkpoint", "source", type=click.Path(), default=None,
@@ -292,7 +294,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
               help="Softmax temperature; 0: always the most likely token (greedy).")
 @click.option("--top-k", type=int, default=200, show_default=True, help="Draw only from the k most likely tokens.")
 @click.option("--seed", type=int, default=1337, show_default=True, help="Seed of the draws.")
-@click.option("--tokenizer", type=click.Choice(list(TOKENIZERS)), default=None,
+@click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
               help="Override the tokenizer the checkpoint remembers.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA when a GPU is visible.")
@@ -316,7 +318,7 @@ def sample(path, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, de
 @click.option("--file", "jsonl", required=True, type=click.Path(), metavar="FILE",
               help="HellaSwag jsonl (nanoGPT's hellaswag_val.jsonl): ctx, endings (4), label per line.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Score only the first N examples.")
-@click.option("--tokenizer", type=click.Choice(list(TOKENIZERS)), default=None,
+@click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
               help="Override the tokenizer the checkpoint remembers.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA when a GPU is visible.")

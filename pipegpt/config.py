@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -239,7 +240,8 @@ class OptimizerConfig:
 class DataConfig:
     data: str | None = setting(None, "Tokens: a `pipegpt prepare` directory, nanoGPT's train.bin/val.bin, "
                                                "llm.c shards or one flat uint16 file (default: built-in corpus).")
-    tokenizer: str = setting("bytes", "bytes (vocabulary 256, offline) or gpt2 (tiktoken BPE).", choices=TOKENIZERS)
+    tokenizer: str = setting("bytes", "bytes (vocabulary 256, offline), gpt2 (tiktoken BPE) or the path of a Hugging "
+                                      "Face tokenizer.json (the tokenizers library, offline).")
 
 
 @dataclass(frozen=True)
@@ -382,7 +384,7 @@ class TrainConfig:
         _check_choice("recompute", p.recompute, RECOMPUTE)
         _check_choice("device", r.device, DEVICES)
         _check_choice("dtype", r.dtype, DTYPES)
-        _check_choice("tokenizer", self.data.tokenizer, TOKENIZERS)
+        check_tokenizer_name(self.data.tokenizer)
         if p.zero not in (0, 1):
             raise ConfigError(f"zero={p.zero} is not supported: use 0 (off) or 1 (shard optimizer state)")
         for name in ("lr", "weight_decay", "grad_clip", "min_lr"):  # inf or nan would train on in nan
@@ -482,6 +484,23 @@ def trace_step_list(text, steps: int) -> tuple[int, ...]:
         raise ConfigError(f"trace_steps={text!r}: step {outside[0]} is not in this run, whose steps are 1 to "
                           f"{steps} (steps={steps})")
     return tuple(sorted(s - 1 for s in chosen))
+
+
+def is_tokenizer_file(name) -> bool:
+    """A tokenizer named by the path of a Hugging Face tokenizer.json rather than by a built-in name."""
+    return isinstance(name, str) and name not in TOKENIZERS and name.endswith(".json")
+
+
+def canonical_tokenizer(name):
+    """The name checkpoints and data remember: a built-in name as it is, a tokenizer.json by its absolute path
+    (so a run started elsewhere, or its resume, finds the same file)."""
+    return str(Path(name).expanduser().resolve()) if is_tokenizer_file(name) else name
+
+
+def check_tokenizer_name(name) -> None:
+    if name not in TOKENIZERS and not is_tokenizer_file(name):
+        raise ConfigError(f"tokenizer={name!r} is not one of {', '.join(TOKENIZERS)} nor the path of a Hugging Face "
+                          f"tokenizer.json")
 
 
 def _check_choice(name: str, value, choices) -> None:

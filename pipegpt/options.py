@@ -12,8 +12,8 @@ from typing import Callable
 import click
 from click.core import ParameterSource
 
-from pipegpt.config import (ARCHS, MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, microbatch_size_for,
-                            model_config)
+from pipegpt.config import (ARCHS, MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, canonical_tokenizer,
+                            microbatch_size_for, model_config)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 
 MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
@@ -185,6 +185,9 @@ def train_config(ctx: click.Context, batch_size: int | None, options: dict,
     if batch_size is not None and layout != "auto":
         settings["microbatch_size"] = microbatch_size_for(batch_size, settings["dp"], settings["microbatches"])
     start = initial_model(settings["init_from"]) if saved is None and settings["init_from"] is not None else None
+    if start is not None and start.get("tokenizer") and not given(ctx, "tokenizer"):
+        settings["tokenizer"] = start["tokenizer"]  # the checkpoint's (a converted model's tokenizer.json)
+    settings["tokenizer"] = canonical_tokenizer(settings["tokenizer"])
     if start is not None:  # --init-from: the checkpoint's shape, as --resume
         model = _resumed_model(ctx, options, start["model"], settings["tokenizer"], start["checkpoint"])
     elif saved is None:
@@ -362,7 +365,9 @@ def initial_model(init_from: str) -> dict | None:
         manifest = checkpoint.read_manifest(found, verify=False)
     except (checkpoint.CheckpointError, OSError, ValueError):
         return None
-    return {"model": manifest["model"], "checkpoint": found} if isinstance(manifest.get("model"), dict) else None
+    if not isinstance(manifest.get("model"), dict):
+        return None
+    return {"model": manifest["model"], "checkpoint": found, "tokenizer": manifest.get("tokenizer")}
 
 
 def _as_field(value):

@@ -1,7 +1,10 @@
-"""Tokenizers: UTF-8 bytes (no download) and GPT-2 BPE via tiktoken; DataError for unusable data."""
+"""Tokenizers: UTF-8 bytes (no download), GPT-2 BPE via tiktoken, and any Hugging Face tokenizer.json via the
+tokenizers library (offline: the file is the whole tokenizer); DataError for unusable data."""
 from __future__ import annotations
 
-from pipegpt.config import ConfigError, TOKENIZERS
+from pathlib import Path
+
+from pipegpt.config import ConfigError, TOKENIZERS, is_tokenizer_file
 
 
 class DataError(ConfigError):
@@ -54,6 +57,38 @@ class TiktokenTokenizer:
         return self._enc.decode([int(i) for i in ids])
 
 
+class HuggingFaceTokenizer:
+    """A tokenizer.json (Llama, Mistral, Qwen2, SmolLM ...): named by its absolute path, which is what
+    checkpoints and prepared data remember. Text is encoded without special tokens (no BOS), as documents are
+    joined by prepare; the end-of-text token is the file's </s>, <|endoftext|> or <|end_of_text|> if it has one."""
+
+    END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>")
+
+    def __init__(self, path: str):
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise DataError(f"tokenizer {path}: no such file (give bytes, gpt2 or the path of a Hugging Face "
+                            f"tokenizer.json)")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError("a tokenizer.json needs the tokenizers library: pip install tokenizers") from None
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - any unreadable file is one line
+            raise DataError(f"tokenizer {path}: not a Hugging Face tokenizer.json ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:100]})") from None
+        self.name = str(file.resolve())
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eot_token = next((i for i in map(self._tok.token_to_id, self.END_OF_TEXT) if i is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
 def _is_network_error(error: BaseException) -> bool:
     """A failed download (requests' and urllib's errors are OSErrors), as opposed to a bad file."""
     return isinstance(error, OSError) or any(word in type(error).__name__ for word in ("Connection", "Timeout", "HTTP"))
@@ -64,4 +99,7 @@ def get_tokenizer(name: str):
         return ByteTokenizer()
     if name == "gpt2":
         return TiktokenTokenizer("gpt2")
-    raise DataError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)}")
+    if is_tokenizer_file(name):
+        return HuggingFaceTokenizer(name)
+    raise DataError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)} or the path of a Hugging Face "
+                    f"tokenizer.json")

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from pipegpt.train import checkpoint
-from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.config import ConfigError, ModelConfig, canonical_tokenizer
 
 from . import convert_llama
 from .convert_llama import ConvertError
@@ -204,7 +204,7 @@ def from_hf_state_dict(weights: dict, model: ModelConfig, where: Path | str = ""
 
 def import_hf(hf_dir, out, tokenizer: str | None = None) -> tuple[Path, ModelConfig]:
     """Convert a Hugging Face GPT-2 or Llama-family directory into a weights-only checkpoint at `out`
-    (atomically). The tokenizer it remembers: `tokenizer`, else gpt2 for GPT-2 and bytes for the others."""
+    (atomically). The tokenizer it remembers: _tokenizer_for."""
     hf_dir, out = Path(hf_dir), Path(out)
     hf_config = read_hf_config(hf_dir)
     llama = convert_llama.is_llama_family(hf_config)
@@ -218,11 +218,25 @@ def import_hf(hf_dir, out, tokenizer: str | None = None) -> tuple[Path, ModelCon
         state = convert_llama.from_hf_state_dict(read_hf_weights(hf_dir), model, _expected_shapes(model), hf_dir)
     else:
         state = from_hf_state_dict(read_hf_weights(hf_dir), model, hf_dir)
-    tokenizer = tokenizer or ("bytes" if llama else "gpt2")
+    tokenizer = _tokenizer_for(hf_dir, tokenizer, llama)
     source = {"from_hf": str(hf_dir), "hf_config": hf_config}
     path = checkpoint.write_weights(out, state, {"model": dataclasses.asdict(model), "tokenizer": tokenizer,
                                                  "config": source})
     return path, model
+
+
+def _tokenizer_for(hf_dir: Path, tokenizer: str | None, llama: bool) -> str:
+    """The tokenizer the checkpoint remembers (loaded once here, so a bad one is refused before anything is
+    written): the one given; else a Llama-family directory's own tokenizer.json (by absolute path), bytes
+    without one; gpt2 (tiktoken's, the same BPE) for GPT-2."""
+    from pipegpt.data.tokenizers import get_tokenizer
+
+    if tokenizer is None:
+        own = hf_dir / "tokenizer.json"
+        tokenizer = str(own) if llama and own.is_file() else ("bytes" if llama else "gpt2")
+    if tokenizer != "gpt2":  # tiktoken may need the network; a GPT-2 import never did
+        tokenizer = get_tokenizer(canonical_tokenizer(tokenizer)).name
+    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------------------------
