@@ -36,6 +36,8 @@ PIPEGPT_ROWS = [(s, "even") for s in FIXED + ["auto", "auto-v"]] + [("1f1b", "co
                                                                     ("auto", "cost"), ("auto-v", "cost")]
 TORCH_ROWS = [s for s in FIXED if bp.TORCH_SCHEDULES.get(s)]
 PREDICTED = re.compile(r"predicted compute ([0-9.]+) ms")
+SPLIT = re.compile(r"balanced layers per stage ([0-9,]+)")
+KEPT_ORDER = re.compile(r"schedule auto(?:-v)? = ([\w-]+)'s order")
 
 
 def base_spec(args, stages: int, vocab: int) -> dict:
@@ -59,13 +61,15 @@ def run_pipegpt_row(spec: dict, balance: str, timeout: float) -> dict:
         if proc.returncode != 0:
             raise RuntimeError(f"pipegpt run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
         rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
-        found = PREDICTED.search(proc.stdout)
+        found, split, kept = (rx.search(proc.stdout) for rx in (PREDICTED, SPLIT, KEPT_ORDER))
         sim = subprocess.run(bp.pipegpt_exe() + ["simulate", "--trace", run_dir, "--json"], capture_output=True,
                              text=True, timeout=timeout)
         trace = json.loads(sim.stdout) if sim.returncode == 0 else {}
         return {"step_times": [r["step_time_s"] for r in rows], "losses": [r["loss"] for r in rows],
                 "wall_s": time.perf_counter() - t0,
                 "predicted_ms": float(found.group(1)) if found else None,
+                "split": split.group(1) if split else "even",
+                "order": (kept.group(1) if kept else "written") if "--schedule auto" in " ".join(cmd) else "",
                 "calibrated_ms": 1e3 * trace["predicted"]["makespan"] if "predicted" in trace else None,
                 "span_ms": 1e3 * trace["measured"]["step_span"] if "measured" in trace else None}
     finally:
@@ -80,6 +84,13 @@ def refusal(spec: dict, schedule: str) -> str | None:
     return bp.check_schedule(spec, schedule)
 
 
+def plans(rs: list[dict]) -> str:
+    """Each repeat's layer split, and for auto rows the order it ran: 'written' by the synthesizer, or the name
+    of the fixed schedule it kept because no written order was predicted faster."""
+    return " ".join(sorted({f"{r['split']}" + (f" {r['order']}" if r.get("order") else "") for r in rs
+                            if "split" in r}))
+
+
 def table(stages: int, vocab: int, results: dict, warmup: int, tokens: int) -> list[list[str]]:
     medians = {label: statistics.median(t for r in rs for t in r["step_times"][warmup:])
                for label, rs in results.items() if rs}
@@ -89,7 +100,7 @@ def table(stages: int, vocab: int, results: dict, warmup: int, tokens: int) -> l
     rows = []
     for label, rs in results.items():
         if label not in medians:
-            rows.append([f"p{stages} V{vocab}", label, "failed", "-", "-", "-", "-", "-"])
+            rows.append([f"p{stages} V{vocab}", label, "failed", "-", "-", "-", "-", "-", "-"])
             continue
         t = medians[label]
 
@@ -99,9 +110,9 @@ def table(stages: int, vocab: int, results: dict, warmup: int, tokens: int) -> l
         rows.append([f"p{stages} V{vocab}", label, f"{tokens / t:,.0f}", f"{1e3 * t:.0f}",
                      f"x{torch_best[0] / t:.2f}" if torch_best[0] else "-",
                      f"x{fixed_best[0] / t:.2f}" if fixed_best[0] else "-", mid("predicted_ms"),
-                     f"{mid('calibrated_ms')} / {mid('span_ms')}"])
+                     f"{mid('calibrated_ms')} / {mid('span_ms')}", plans(rs)])
     rows.append([f"p{stages} V{vocab}", f"(torch's fastest: {torch_best[1]}; pipegpt's fastest fixed: "
-                                        f"{fixed_best[1]})", "", "", "", "", "", ""])
+                                        f"{fixed_best[1]})", "", "", "", "", "", "", ""])
     return rows
 
 
@@ -119,7 +130,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.rows.split(",")] if args.rows else None
     out_rows = [["config", "row", "tokens/s", "step ms", "vs torch best", "vs pipegpt fixed best",
-                 "predicted ms", "calibrated / span ms"]]
+                 "predicted ms", "calibrated / span ms", "split / auto's order"]]
     everything = {}
     t_start = time.perf_counter()
     cpu_before = bp._cpu_accounting()

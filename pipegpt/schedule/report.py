@@ -218,6 +218,8 @@ def summary_text(rec: dict) -> str:
                  if rec["best_fixed"] else "; no fixed schedule of this placement fits")
         lines.append(f"lower bound       {rec['lower_bound']:g}  (gap {100 * rec['gap']:.1f}%; max live "
                      f"{rec['max_live']}{fixed})")
+        if rec.get("chosen_from") not in (None, "synthesized"):
+            lines.append(f"order             {rec['chosen_from']}'s (no synthesized order was faster)")
     if "layers_per_stage" in rec:
         lines.append(f"layers per stage  {','.join(map(str, rec['layers_per_stage']))}  (balance {rec['balance']})")
     return "\n".join(lines)

@@ -93,7 +93,11 @@ def synthesis_line(plan: Plan) -> str:
     meta = plan.meta
     fixed = (f"best fixed schedule {meta['best_fixed']} {meta['best_fixed_s'] * 1e3:.1f} ms"
              if meta.get("best_fixed") else "no fixed schedule of this placement fits")
-    return (f"pipegpt: schedule {plan.name} (max live {meta['max_live']}): predicted compute {meta['predicted_s'] * 1e3:.1f} ms "
+    chosen = meta.get("from")
+    # No synthesized order beat a fixed schedule: say which one runs, so a user need not wonder what auto did.
+    order = f" = {chosen}'s order" if chosen and chosen != "synthesized" else ""
+    return (f"pipegpt: schedule {plan.name}{order} (max live {meta['max_live']}): predicted compute "
+            f"{meta['predicted_s'] * 1e3:.1f} ms "
             f"per step, {fixed}; lower bound {meta['lower_bound_s'] * 1e3:.1f} ms "
             f"(gap {100 * (meta['predicted_s'] / meta['lower_bound_s'] - 1):.1f}%)")
 

@@ -172,6 +172,15 @@ def test_auto_prints_its_lower_bound_and_the_fixed_schedule_it_beat():
     assert "lower bound" in text and "max live 6" in text
 
 
+def test_auto_names_the_fixed_order_it_kept_when_none_it_wrote_was_faster():
+    wrote = run("-s", "auto-v", "-p", "4", "-m", "8", "--no-chart").stdout  # 25.5 against zbv's 26
+    assert "best fixed schedule that fits: zbv 26" in wrote and "order " not in wrote
+    kept = run("-s", "auto", "-p", "4", "-m", "8", "--no-chart", "--json").stdout  # zb-h1 meets the bound
+    assert json.loads(kept)["chosen_from"] == "zb-h1"
+    assert "order             zb-h1's (no synthesized order was faster)" in run(
+        "-s", "auto", "-p", "4", "-m", "8", "--no-chart").stdout
+
+
 def test_a_schedule_file_with_max_live_is_refused(tmp_path):
     path = tmp_path / "plan.txt"
     path.write_text("0F0 0B0\n")
