@@ -479,7 +479,7 @@ class Worker:
                 "optimizer_state_bytes": state_bytes}
 
     @actor_method
-    def measure_layer_costs(self, repeats: int = 5) -> dict[str, float]:
+    def measure_layer_costs(self) -> dict[str, float]:
         """Median seconds of forward + backward of the embedding, one block, and the head with the loss, each on
         one microbatch of the run's shape on this rank's device (for --balance cost; pipegpt.stages.measure)."""
         from pipegpt.stages.measure import measure_layer_costs
@@ -487,7 +487,7 @@ class Worker:
         cfg = self.cfg
         return measure_layer_costs(cfg.model, cfg.parallel.microbatch_size, self.device,
                                    getattr(torch, cfg.runtime.dtype), cfg.parallel.recompute,
-                                   torch.bfloat16 if cfg.runtime.precision == "bf16" else None, repeats,
+                                   torch.bfloat16 if cfg.runtime.precision == "bf16" else None,
                                    seed=cfg.runtime.seed)
 
     @actor_method
