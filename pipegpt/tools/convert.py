@@ -182,24 +182,8 @@ def from_hf_state_dict(weights: dict, model: ModelConfig, where: Path | str = ""
     shapes = _expected_shapes(model)
     mapping = name_map(model.n_layer, model.tie_embeddings)
     expected = {hf for hf, _, _ in mapping} | ({"lm_head.weight"} if model.tie_embeddings else set())
-    unexpected = sorted(k for k in weights if k not in expected and not _NOT_WEIGHTS.match(k))
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConvertError(f"{where}: unexpected tensor {unexpected[0]!r}{more}: not a GPT-2 of this config.json")
-    out = {}
-    for hf, ours, transpose in mapping:
-        if hf not in weights:
-            raise ConvertError(f"{where}: holds no {hf!r} (config.json says n_layer={model.n_layer}, "
-                               f"tie_word_embeddings={model.tie_embeddings})")
-        t = weights[hf]
-        if not torch.is_tensor(t) or not t.is_floating_point():
-            raise ConvertError(f"{where}: {hf!r} is not a floating-point tensor")
-        t = t.t() if transpose else t
-        if tuple(t.shape) != shapes[ours]:
-            raise ConvertError(f"{where}: {hf!r} has shape {list(weights[hf].shape)}, config.json implies "
-                               f"{list(shapes[ours][::-1] if transpose else shapes[ours])}")
-        out[ours] = t.to(torch.float32).contiguous()
-    return out
+    return convert_llama.checked_weights(weights, mapping, shapes, expected, _NOT_WEIGHTS, where, "a GPT-2",
+                                         f"n_layer={model.n_layer}, tie_word_embeddings={model.tie_embeddings}")
 
 
 def import_hf(hf_dir, out, tokenizer: str | None = None) -> tuple[Path, ModelConfig]:

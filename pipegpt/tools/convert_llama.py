@@ -117,20 +117,30 @@ def from_hf_state_dict(weights: dict, model: ModelConfig, shapes: dict, where) -
             raise ConvertError(f"{where}: tie_word_embeddings=True, but lm_head.weight differs from "
                                f"model.embed_tokens.weight: set tie_word_embeddings false in config.json")
         expected.add("lm_head.weight")
-    unexpected = sorted(k for k in weights if k not in expected and not _NOT_WEIGHTS.match(k))
+    return checked_weights(weights, [(hf, ours, False) for hf, ours in mapping], shapes, expected, _NOT_WEIGHTS,
+                           where, "a model", f"num_hidden_layers={model.n_layer}, "
+                                             f"tie_word_embeddings={model.tie_embeddings}")
+
+
+def checked_weights(weights: dict, mapping, shapes: dict, expected: set, buffers: re.Pattern, where, kind: str,
+                    config_says: str) -> dict:
+    """Our float32 state dict of a Hugging Face one by `mapping` ((hf name, ours, transposed) triples); a
+    ConvertError names the first unexpected tensor (other than `buffers`), missing, non-float or misshapen one."""
+    unexpected = sorted(k for k in weights if k not in expected and not buffers.match(k))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConvertError(f"{where}: unexpected tensor {unexpected[0]!r}{more}: not a model of this config.json")
+        raise ConvertError(f"{where}: unexpected tensor {unexpected[0]!r}{more}: not {kind} of this config.json")
     out = {}
-    for hf, ours in mapping:
+    for hf, ours, transpose in mapping:
         if hf not in weights:
-            raise ConvertError(f"{where}: holds no {hf!r} (config.json says num_hidden_layers={model.n_layer}, "
-                               f"tie_word_embeddings={model.tie_embeddings})")
+            raise ConvertError(f"{where}: holds no {hf!r} (config.json says {config_says})")
         t = weights[hf]
         if not torch.is_tensor(t) or not t.is_floating_point():
             raise ConvertError(f"{where}: {hf!r} is not a floating-point tensor")
+        t = t.t() if transpose else t
         if tuple(t.shape) != shapes[ours]:
-            raise ConvertError(f"{where}: {hf!r} has shape {list(t.shape)}, config.json implies {list(shapes[ours])}")
+            raise ConvertError(f"{where}: {hf!r} has shape {list(weights[hf].shape)}, config.json implies "
+                               f"{list(shapes[ours][::-1] if transpose else shapes[ours])}")
         out[ours] = t.to(torch.float32).contiguous()
     return out
 
