@@ -127,6 +127,10 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
     from pipegpt.stages import partition_layers
     from pipegpt.train.optim import make_optimizer
 
+    if spec.get("bind_cores"):  # as pipegpt's --bind-cores: rank r on the next threads_per_worker cores
+        from pipegpt.train.placement import worker_cores
+
+        os.sched_setaffinity(0, worker_cores(rank, world, spec["threads_per_worker"]))
     torch.set_num_threads(spec["threads_per_worker"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg = model_cfg(spec)
@@ -316,6 +320,8 @@ def pipegpt_command(spec: dict, run_dir: str) -> list[str]:
             "--log-every", str(10 ** 6), "--threads-per-worker", str(spec["threads_per_worker"])]
     if not mdl["tie_embeddings"]:
         cmd += ["--no-tie-embeddings"]
+    if spec.get("bind_cores"):
+        cmd += ["--bind-cores"]
     v = virtual_stages_for(spec["schedule"], spec["virtual_stages"])
     if v:
         cmd += ["--virtual-stages", str(v)]
@@ -395,7 +401,7 @@ def build_specs(args) -> tuple[dict, list[str]]:
         "stages": args.stages, "microbatches": args.microbatches, "microbatch_size": args.microbatch_size,
         "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "grad_clip": args.grad_clip, "seed": args.seed,
         "cores": cores, "threads_per_worker": args.threads_per_worker or max(1, cores // args.stages),
-        "virtual_stages": args.virtual_stages,
+        "virtual_stages": args.virtual_stages, "bind_cores": args.bind_cores,
     }
     schedules = [s.strip() for s in (args.schedules or args.schedule).split(",") if s.strip()]
     return base, schedules
@@ -533,6 +539,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--cores", type=int, default=None, help="cores to size threads by [os.cpu_count()]")
     ap.add_argument("--threads-per-worker", type=int, default=None, help="[cores // stages, at least 1]")
+    ap.add_argument("--bind-cores", action="store_true",
+                    help="pin each rank of both sides to its own cores (pipegpt run --bind-cores)")
     ap.add_argument("--contenders", default="pipegpt,torch,single",
                     help="subset of pipegpt,torch,single [all three]")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take [600]")

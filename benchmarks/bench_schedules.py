@@ -48,7 +48,9 @@ def base_spec(args, stages: int, vocab: int) -> dict:
     return {"preset": "tiny", "model": {k: getattr(model, k) for k in model.__dataclass_fields__},
             "stages": stages, "microbatches": args.microbatches, "microbatch_size": 1, "steps": args.steps,
             "warmup": args.warmup, "lr": 1e-3, "grad_clip": 1.0, "seed": 1337, "cores": cores,
-            "threads_per_worker": max(1, cores // stages), "virtual_stages": None}
+            "threads_per_worker": max(1, cores // stages), "virtual_stages": None,
+            # pinned where every rank gets a core of its own, both sides alike: runs spread less (README)
+            "bind_cores": args.bind_cores and stages <= cores}
 
 
 def run_pipegpt_row(spec: dict, balance: str, timeout: float) -> dict:
@@ -127,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=None, help="only rows whose label contains one of these (comma list)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
+                    help="leave ranks unpinned (default: each rank on a core of its own where there are enough)")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.rows.split(",")] if args.rows else None
     out_rows = [["config", "row", "tokens/s", "step ms", "vs torch best", "vs pipegpt fixed best",

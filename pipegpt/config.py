@@ -253,6 +253,10 @@ class RuntimeConfig:
                          choices=DTYPES)
     timeout_s: float = setting(60.0, "Seconds any wait may take before the job is brought down.", flag="--timeout")
     threads_per_worker: int | None = setting(None, "Intra-op threads per worker (default: cores / ranks).")
+    bind_cores: bool = setting(False, "Pin each worker on this machine to cores of its own (local rank r with t "
+                                      "threads: the t cores from r x t among those this process may use), as "
+                                      "DeepSpeed's --bind_cores_to_rank: no rank migrates or shares a core. "
+                                      "Needs ranks x threads cores; leave it off when two jobs share a machine.")
     precision: str = setting("fp32", "bf16: autocast each stage's forward to bfloat16, weights and optimizer state "
                                      "stay fp32. fp32 on CUDA means TF32 matmuls (as nanoGPT).", choices=PRECISIONS)
     compile: bool = setting(False, "torch.compile each stage's module (split-backward schedules then compute the "

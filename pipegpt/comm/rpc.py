@@ -84,8 +84,11 @@ def quiet_torch_warnings() -> None:
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
 
 
-def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int) -> None:
+def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int,
+                       cores: tuple[int, ...] | None = None) -> None:
     """A LocalCluster worker, once pipegpt.comm.lifeline has bound it to the driver (its process target)."""
+    if cores:  # first, so every thread this process starts (torch's, gloo's, RPC's) inherits the mask
+        os.sched_setaffinity(0, cores)
     quiet_torch_warnings()
     torch.set_num_threads(threads)
     rpc.init_rpc(f"worker{rank}", rank=rank + 1, world_size=world_size + 1,  # the driver is RPC rank 0
@@ -277,7 +280,8 @@ class LocalCluster(Cluster):
     another job, and two rendezvous on one port garble each other.
     """
 
-    def __init__(self, world_size: int, timeout_s: float, threads_per_worker: int, group_port: int | None = None):
+    def __init__(self, world_size: int, timeout_s: float, threads_per_worker: int, group_port: int | None = None,
+                 cores: list[tuple[int, ...]] | None = None):
         self.world_size, self.timeout_s = world_size, timeout_s
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # keep RPC on loopback: one machine
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -305,7 +309,8 @@ class LocalCluster(Cluster):
         # spends seconds importing torch, so a driver killed at any moment takes its workers with it.
         self.procs = [ctx.Process(target=run_worker, daemon=False, name=f"pipegpt-rank{r}",
                                   args=(os.getpid(), f"{__name__}:_local_worker_main",
-                                        r, world_size, init_method, timeout_s, threads_per_worker))
+                                        r, world_size, init_method, timeout_s, threads_per_worker,
+                                        cores[r] if cores else None))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()

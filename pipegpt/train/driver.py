@@ -23,7 +23,8 @@ from typing import Callable
 from pipegpt.train import checkpoint, snapshot
 from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
-from pipegpt.train.placement import local_world_size, resolve_device, under_torchrun
+from pipegpt.train.placement import (bind_this_process, local_world_size, resolve_device, torchrun_cores,
+                                     under_torchrun, worker_cores)
 from pipegpt.train.metrics import RunLog, StepMetrics, step_metrics
 from pipegpt.train.profile import problem_line
 from pipegpt.train.clocks import measure_offsets, shift_events
@@ -198,6 +199,11 @@ class Job:
         self.port = port
         self.threads = threads_per_worker or cfg.runtime.threads_per_worker \
             or max(1, (os.cpu_count() or 1) // cfg.world_size)
+        # --bind-cores: each local worker's cores, checked here so too few cores is one line before any start
+        self.cores = None
+        if cfg.runtime.bind_cores:
+            self.cores = [torchrun_cores(cfg.runtime.threads_per_worker)] if under_torchrun() else \
+                [worker_cores(r, cfg.world_size, self.threads) for r in range(cfg.world_size)]
         self.cluster = None
         self.first_step = 0  # where training starts: 0, or the step a resumed checkpoint was taken after
         self.loaded = None  # (checkpoint, seconds to load it) once started from one
@@ -213,15 +219,21 @@ class Job:
         ones other than the driver serve until the driver shuts the job down, then return False."""
         cfg = self.cfg
         if under_torchrun():
+            if self.cores:  # before the RPC agent and gloo start their threads
+                bind_this_process(self.cores[0])
             self.cluster, init_method = TorchrunCluster(cfg.runtime.timeout_s), "env://"
             if not self.cluster.is_driver:
                 self.cluster.close()  # serve the driver's requests until it shuts everyone down
                 return False
         else:
-            self.cluster = LocalCluster(cfg.world_size, cfg.runtime.timeout_s, self.threads, group_port=self.port)
+            self.cluster = LocalCluster(cfg.world_size, cfg.runtime.timeout_s, self.threads, group_port=self.port,
+                                        cores=self.cores)
             init_method = self.cluster.group_init_method
         self.cluster.spawn(Worker, lambda r: (r, cfg, init_method))
-        self.cluster.call("start", self.plan, self.eval_plan)  # every worker built before step 0 starts its clock
+        described = self.cluster.call("start", self.plan, self.eval_plan)  # all built before step 0's clock starts
+        if cfg.runtime.bind_cores:  # what each worker's process reports, not what was asked of it
+            self.say("pipegpt: cores per rank (--bind-cores): "
+                     + "; ".join(f"{d['rank']}: {','.join(map(str, d['cores'] or ['?']))}" for d in described))
         # Workers on other machines count perf_counter from their own boot: map each onto this one's.
         self.clock_offsets = measure_offsets(lambda r: self.cluster.call("clock", ranks=[r])[0],
                                              range(self.cluster.world_size))

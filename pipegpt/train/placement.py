@@ -1,4 +1,4 @@
-"""Which device a job runs on and which GPU each worker owns.
+"""Which device a job runs on, which GPU each worker owns and, with --bind-cores, which CPU cores.
 
 Pure functions of the environment (passed in, so tests can fake a torchrun
 launch without one): a local launch starts one worker per rank on this
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from pipegpt.config import under_torchrun  # config.validate asks it too, and config sits below this module
+from pipegpt.config import ConfigError, under_torchrun  # config.validate asks it too, and config sits below this module
 
 
 def local_world_size(world_size: int, env: Mapping[str, str] = os.environ) -> int:
@@ -38,3 +38,38 @@ def resolve_device(requested: str, world_size: int, cuda_count: int | None = Non
 
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return "cuda" if 0 < local_world_size(world_size, env) <= cuda_count else "cpu"
+
+
+def worker_cores(local_rank: int, local_ranks: int, threads: int, available: list[int] | None = None
+                 ) -> tuple[int, ...]:
+    """--bind-cores: the cores a worker is pinned to, `threads` of them from local_rank x threads among the
+    cores this process may use (sorted). ConfigError, naming what would fit, when the ranks need more."""
+    if available is None:
+        if not hasattr(os, "sched_setaffinity"):
+            raise ConfigError("--bind-cores needs os.sched_setaffinity (Linux); leave --bind-cores out here")
+        available = sorted(os.sched_getaffinity(0))
+    if local_ranks * threads > len(available):
+        fix = (f"lower --threads-per-worker to {len(available) // local_ranks}" if len(available) >= local_ranks
+               else f"run at most {len(available)} ranks here")
+        raise ConfigError(f"--bind-cores needs {local_ranks} ranks x {threads} thread{'s' * (threads > 1)} = "
+                          f"{local_ranks * threads} "
+                          f"cores on this machine, and this process may use {len(available)}: {fix}, or leave "
+                          f"--bind-cores out")
+    return tuple(available[local_rank * threads:(local_rank + 1) * threads])
+
+
+def torchrun_cores(threads_per_worker: int | None, env: Mapping[str, str] = os.environ) -> tuple[int, ...]:
+    """--bind-cores under torchrun: this process's cores, by LOCAL_RANK of LOCAL_WORLD_SIZE; threads default to
+    the cores this process may use over the ranks on this machine."""
+    local_ranks = int(env.get("LOCAL_WORLD_SIZE", 1))
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    threads = threads_per_worker or max(1, len(available or ()) // local_ranks)
+    return worker_cores(int(env.get("LOCAL_RANK", 0)), local_ranks, threads, available)
+
+
+def bind_this_process(cores: tuple[int, ...]) -> None:
+    """Pin this process (threads started from now on inherit it) to `cores`, one intra-op thread per core."""
+    import torch
+
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))

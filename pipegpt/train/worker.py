@@ -8,6 +8,7 @@ pass through here: the runtime sends them worker to worker.
 from __future__ import annotations
 
 import functools
+import os
 import math
 import resource
 import threading
@@ -472,6 +473,7 @@ class Worker:
                           for t in state.values() if torch.is_tensor(t))
         return {"rank": self.rank, "stages": sorted(self.stages), "device": str(self.device),
                 "device_name": self.device_name, "p2p_matching": self.p2p.matching,
+                "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "compiled": any(getattr(st.module, "_compiled_call_impl", None) is not None
                                 for st in self.stages.values()),
                 "parameters": sum(p.numel() for _, p in self.named_params),

@@ -38,6 +38,8 @@ RUN_OPTIONS = [
     # Llama-shaped models (issue 19): the architecture and its settings
     "--arch", "--n-kv-head", "--ffn-hidden", "--rope-theta", "--norm-eps", "--qkv-bias", "--no-qkv-bias",
     "--tie-embeddings",
+    # each local worker pinned to cores of its own (DeepSpeed's --bind_cores_to_rank)
+    "--bind-cores", "--no-bind-cores",
 ]
 
 
