@@ -2,14 +2,14 @@
 
 Each piece is built alone as a model slice (the same GPT slices the stages are) and driven through a Stage on one
 microbatch of the run's shape: forward then backward, timed together, `repeats` times after `warmup` untimed
-runs; the median is the cost. One head's samples spread +-15% on a shared CPU: with 5 of them a near-tie split
-(the heavy head's 6,2 against 7,1) flipped from run to run; with 15 it holds. Every block has the same shape, so one block's cost stands for all; the head's grows
-with the vocabulary. The random state is left as it was (fork_rng), so a run's dropout does not depend on whether
-it was balanced.
+runs; the least sample is the cost. Interference on a shared machine only adds time, and one head's samples
+spread +-15%, so their median moved from process to process across the near-tie between two splits (the heavy
+head's 6,2 against 7,1) and the split flipped; the least is steady, and near what the piece costs in a run.
+Every block has the same shape, so one block's cost stands for all; the head's grows with the vocabulary. The
+random state is left as it was (fork_rng), so a run's dropout does not depend on whether it was balanced.
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -24,7 +24,7 @@ PIECES = ("embed", "block", "head")
 def measure_layer_costs(model: ModelConfig, microbatch_size: int, device: torch.device, dtype: torch.dtype,
                         recompute: str = "none", autocast_dtype: torch.dtype | None = None, repeats: int = 15,
                         warmup: int = 3, seed: int = 0) -> dict[str, float]:
-    """{"embed": s, "block": s, "head": s}: median seconds of one microbatch's forward + backward of each piece;
+    """{"embed": s, "block": s, "head": s}: least seconds of one microbatch's forward + backward of each piece;
     "<piece>_forward" and "<piece>_weight": the forward's share and the weight gradients' (the schedule
     synthesizer's F and W; the backward is timed as its two halves, the input gradient then the weights')."""
     devices = [device] if device.type == "cuda" else []
@@ -60,9 +60,9 @@ def measure_layer_costs(model: ModelConfig, microbatch_size: int, device: torch.
                     weight_times.append(time.perf_counter() - t2)
                 module.zero_grad(set_to_none=True)
             stage.pop_losses()
-            out[piece] = statistics.median(times)
-            out[f"{piece}_forward"] = min(statistics.median(forward_times), out[piece])
-            out[f"{piece}_weight"] = min(statistics.median(weight_times), out[piece] - out[f"{piece}_forward"])
+            out[piece] = min(times)
+            out[f"{piece}_forward"] = min(min(forward_times), out[piece])
+            out[f"{piece}_weight"] = min(min(weight_times), out[piece] - out[f"{piece}_forward"])
             del module, stage
     return out
 

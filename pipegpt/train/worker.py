@@ -482,7 +482,7 @@ class Worker:
 
     @actor_method
     def measure_layer_costs(self) -> dict[str, float]:
-        """Median seconds of forward + backward of the embedding, one block, and the head with the loss, each on
+        """Least seconds (of 15) of forward + backward of the embedding, one block, and the head with the loss, each on
         one microbatch of the run's shape on this rank's device (for --balance cost; pipegpt.stages.measure)."""
         from pipegpt.stages.measure import measure_layer_costs
 
