@@ -17,6 +17,7 @@ simulated with costs calibrated from its own trace (`pipegpt simulate --trace`),
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -72,10 +73,27 @@ def run_pipegpt_row(spec: dict, balance: str, timeout: float) -> dict:
                 "predicted_ms": float(found.group(1)) if found else None,
                 "split": split.group(1) if split else "even",
                 "order": (kept.group(1) if kept else "written") if "--schedule auto" in " ".join(cmd) else "",
+                "plan": plan_digest(Path(run_dir, "plan.txt")),
                 "calibrated_ms": 1e3 * trace["predicted"]["makespan"] if "predicted" in trace else None,
                 "span_ms": 1e3 * trace["measured"]["step_span"] if "measured" in trace else None}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def plan_digest(path: Path) -> str:
+    """What every rank ran, whatever the schedule was called: the plan file's actions (its # lines name it)."""
+    actions = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return hashlib.sha1("\n".join(actions).encode()).hexdigest()[:10]
+
+
+def same_plan_as(label: str, results: dict) -> str:
+    """For an auto row: the fixed row every one of whose runs ran the very plan each of this row's runs ran."""
+    mine = {r.get("plan") for r in results[label]}
+    for other, rs in results.items():
+        if other.startswith("pipegpt") and "auto" not in other and rs and None not in mine \
+                and {r.get("plan") for r in rs} == mine:
+            return f"; the plan {other.removeprefix('pipegpt ')} ran"
+    return ""
 
 
 def run_torch_row(spec: dict, timeout: float) -> dict:
@@ -94,7 +112,9 @@ def plans(rs: list[dict]) -> str:
 
 
 def table(stages: int, vocab: int, results: dict, warmup: int, tokens: int) -> list[list[str]]:
-    medians = {label: statistics.median(t for r in rs for t in r["step_times"][warmup:])
+    # The median of the runs' medians: now and then a whole run is 15-20% slow, even pinned, and with runs of
+    # one plan side by side that one run should not decide the row.
+    medians = {label: statistics.median(statistics.median(r["step_times"][warmup:]) for r in rs)
                for label, rs in results.items() if rs}
     torch_best = min(((t, label) for label, t in medians.items() if label.startswith("torch")), default=(None, "-"))
     fixed_best = min(((t, label) for label, t in medians.items()
@@ -112,7 +132,8 @@ def table(stages: int, vocab: int, results: dict, warmup: int, tokens: int) -> l
         rows.append([f"p{stages} V{vocab}", label, f"{tokens / t:,.0f}", f"{1e3 * t:.0f}",
                      f"x{torch_best[0] / t:.2f}" if torch_best[0] else "-",
                      f"x{fixed_best[0] / t:.2f}" if fixed_best[0] else "-", mid("predicted_ms"),
-                     f"{mid('calibrated_ms')} / {mid('span_ms')}", plans(rs)])
+                     f"{mid('calibrated_ms')} / {mid('span_ms')}",
+                     plans(rs) + (same_plan_as(label, results) if "auto" in label else "")])
     rows.append([f"p{stages} V{vocab}", f"(torch's fastest: {torch_best[1]}; pipegpt's fastest fixed: "
                                         f"{fixed_best[1]})", "", "", "", "", "", "", ""])
     return rows
@@ -123,8 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="2", help="comma list [2]")
     ap.add_argument("--vocab", default="16384", help="comma list [16384]")
     ap.add_argument("--microbatches", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3, help="leading steps left out: the first three run slower")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--rows", default=None, help="only rows whose label contains one of these (comma list)")
     ap.add_argument("--timeout", type=float, default=900)
@@ -173,7 +194,8 @@ def main(argv=None) -> int:
 
     print(f"8 layers, width 256, seq 256, microbatch 1, {args.microbatches} microbatches; {os.cpu_count()} cores, "
           f"threads per rank = cores // stages; {args.steps} steps per run, first {args.warmup} left out, "
-          f"{args.repeats} repeats interleaved; medians")
+          f"{args.repeats} repeats interleaved; median of the runs' medians; ranks pinned to a core each (both sides) where there are "
+          f"as many cores as ranks" + ("" if args.bind_cores else " -- not in this run (--no-bind-cores)"))
     print(text_table(out_rows, right={2, 3, 4, 5, 6, 7}, rule=True))
     print(f"(wall {time.perf_counter() - t_start:.0f} s; vs torch best = torch's fastest schedule's step time / this "
           f"row's: > 1 is faster than torch)")
