@@ -87,11 +87,13 @@ def plan_digest(path: Path) -> str:
 
 
 def same_plan_as(label: str, results: dict) -> str:
-    """For an auto row: the fixed row every one of whose runs ran the very plan each of this row's runs ran."""
-    mine = {r.get("plan") for r in results[label]}
+    """For an auto row: the fixed row every one of whose runs ran the very plan, on the same split, that each
+    of this row's runs ran."""
+    ran = lambda rs: {(r.get("plan"), r.get("split")) for r in rs}  # noqa: E731
+    mine = ran(results[label])
     for other, rs in results.items():
-        if other.startswith("pipegpt") and "auto" not in other and rs and None not in mine \
-                and {r.get("plan") for r in rs} == mine:
+        if other.startswith("pipegpt") and "auto" not in other and rs and (None, None) not in mine \
+                and ran(rs) == mine:
             return f"; the plan {other.removeprefix('pipegpt ')} ran"
     return ""
 

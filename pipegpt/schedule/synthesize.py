@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from numbers import Real
 
 from .actions import Action, Kind, Plan, ScheduleError
@@ -287,8 +287,10 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         raise ScheduleError(f"no schedule found within max-live={max_live}; raise --max-live")
     bound = lower_bound(stage_to_rank, m, costs, max_live)
     if best_time > bound and search_evaluations > 0:
+        start = best_plan
         best_plan, best_time = _improve(best_plan, best_time, costs, max_live, bound, search_evaluations)
-    from dataclasses import replace
+        if best_plan is not start:  # actions moved: an order of its own, not the fixed one it started from
+            best_plan = replace(best_plan, name="synthesized")
     plan = replace(best_plan, name=name, meta={**dict(meta), "from": best_plan.name})
     return Synthesis(plan, best_time, bound, max_live, best_fixed, best_fixed_time, tried)
 

@@ -70,6 +70,27 @@ def test_heavy_last_stage_beats_every_fixed_schedule_that_is_not_near_the_bound(
                 assert syn.makespan < best - 1e-9, (p, m, syn.makespan, best, syn.lower_bound)
 
 
+def test_a_named_order_is_that_schedule_action_for_action():
+    """What run and simulate say ("auto = zb-h1's order", chosen_from) is the fixed plan itself: once the local
+    search moves an action, the order is the synthesizer's own. The first costs (4 stages of 2, 3, 2 and 1
+    blocks, a head worth one block) are ones where the search starts from zb-h1's plan and improves on it."""
+    forward = (2.1, 3.0, 2.0, 2.0)
+    cases = [(4, 16, Costs(forward, tuple(2.1 * f for f in forward), tuple(0.84 * f for f in forward)))]
+    cases += [(p, m, per_stage_costs("auto", p, head_blocks=h)) for p in (2, 4) for m in (p, 4 * p) for h in (0, 4)]
+    named = written = 0
+    for p, m, costs in cases:
+        syn = SCHEDULES["auto"].synthesize(p, m, None, costs)
+        chosen = syn.plan.meta["from"]
+        if chosen == "synthesized":
+            written += 1
+            assert all(syn.plan.ranks != plan.ranks for plan in fixed_plans(syn.plan.stage_to_rank, p, m)), (p, m)
+        else:
+            named += 1
+            assert syn.plan.ranks == build_plan(chosen, p, m).ranks, (p, m, chosen)
+    assert named and written  # both kinds of answer were checked
+    assert SCHEDULES["auto"].synthesize(4, 16, None, cases[0][2]).plan.meta["from"] == "synthesized"
+
+
 def test_message_latency_never_worse_than_fixed():
     for name, p in itertools.product(("auto", "auto-v"), (2, 5)):
         for m in microbatch_counts(p):
