@@ -2,13 +2,14 @@
 torch.distributed.pipelining's: tokens/s, the ratio to torch's fastest, predicted step time beside measured.
 
     .venv/bin/python benchmarks/bench_schedules.py                                  # the heavy-head model, 2 stages
-    .venv/bin/python benchmarks/bench_schedules.py --vocab 4096,16384 --stages 2,4   # the whole table (~1 h on 2 cores)
+    .venv/bin/python benchmarks/bench_schedules.py --vocab 4096,16384 --stages 2,4   # the whole table (~1.5 h on 2 cores)
 
 The model is issue 17's: 8 layers, width 256, 8 heads, seq 256, microbatch 1, 16 microbatches, a core per rank
 (threads = cores // stages). Every row is a fresh set of processes; rows are interleaved across repeats
 (A B C .., A B C ..), so drift of the machine hits them alike. pipegpt rows run `pipegpt run` as a user does
 (bench_pipeline.pipegpt_command), with `--balance cost` where the row says so; torch rows are bench_pipeline's
-torch.distributed.pipelining contender (even split, the same model, batches, optimizer and clip).
+torch.distributed.pipelining contender (even split, the same model, batches, optimizer and clip). Where there
+are as many cores as ranks, both sides pin each rank to a core of its own (--no-bind-cores: not).
 
 predicted: for auto rows, the step compute the driver predicted before step 0 from the costs it measured
 (`pipegpt: schedule auto ...: predicted compute X ms`); for every pipegpt row, also the last step's plan
