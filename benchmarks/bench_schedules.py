@@ -197,8 +197,8 @@ def main(argv=None) -> int:
 
     print(f"8 layers, width 256, seq 256, microbatch 1, {args.microbatches} microbatches; {os.cpu_count()} cores, "
           f"threads per rank = cores // stages; {args.steps} steps per run, first {args.warmup} left out, "
-          f"{args.repeats} repeats interleaved; median of the runs' medians; ranks pinned to a core each (both sides) where there are "
-          f"as many cores as ranks" + ("" if args.bind_cores else " -- not in this run (--no-bind-cores)"))
+          f"{args.repeats} repeats interleaved; median of the runs' medians; ranks pinned to a core each (both "
+          f"sides) where there are as many cores as ranks" + ("" if args.bind_cores else " -- not in this run (--no-bind-cores)"))
     print(text_table(out_rows, right={2, 3, 4, 5, 6, 7}, rule=True))
     print(f"(wall {time.perf_counter() - t_start:.0f} s; vs torch best = torch's fastest schedule's step time / this "
           f"row's: > 1 is faster than torch)")

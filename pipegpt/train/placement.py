@@ -52,9 +52,8 @@ def worker_cores(local_rank: int, local_ranks: int, threads: int, available: lis
         fix = (f"lower --threads-per-worker to {len(available) // local_ranks}" if len(available) >= local_ranks
                else f"run at most {len(available)} ranks here")
         raise ConfigError(f"--bind-cores needs {local_ranks} ranks x {threads} thread{'s' * (threads > 1)} = "
-                          f"{local_ranks * threads} "
-                          f"cores on this machine, and this process may use {len(available)}: {fix}, or leave "
-                          f"--bind-cores out")
+                          f"{local_ranks * threads} cores on this machine, and this process may use "
+                          f"{len(available)}: {fix}, or leave --bind-cores out")
     return tuple(available[local_rank * threads:(local_rank + 1) * threads])
 
 

@@ -8,8 +8,8 @@ pass through here: the runtime sends them worker to worker.
 from __future__ import annotations
 
 import functools
-import os
 import math
+import os
 import resource
 import threading
 import time
