@@ -93,7 +93,7 @@ def same_plan_as(label: str, results: dict) -> str:
     ran = lambda rs: {(r.get("plan"), r.get("split")) for r in rs}  # noqa: E731
     mine = ran(results[label])
     for other, rs in results.items():
-        if other.startswith("pipegpt") and "auto" not in other and rs and (None, None) not in mine \
+        if other.startswith("pipegpt") and "auto" not in other and rs and all(plan for plan, _ in mine) \
                 and ran(rs) == mine:
             return f"; the plan {other.removeprefix('pipegpt ')} ran"
     return ""
