@@ -17,7 +17,7 @@ import click
 from pipegpt.config import ConfigError
 from pipegpt.options import MODEL_OPTIONS, config_options, model_options
 from pipegpt.schedule.actions import ScheduleError
-from pipegpt.train.checkpoint import CheckpointError
+from pipegpt.state.checkpoint import CheckpointError
 
 USER_ERRORS = (ScheduleError, ConfigError, CheckpointError)
 
@@ -121,7 +121,7 @@ def simulate(**options):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# plot: runs' metrics.jsonl as one SVG (pipegpt.train.plot: no torch)
+# plot: runs' metrics.jsonl as one SVG (pipegpt.observe.plot: no torch)
 
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(), metavar="RUN_DIR...")
@@ -137,7 +137,7 @@ def plot(run_dirs, out, title):
     """
     from pathlib import Path
 
-    from pipegpt.train.plot import PLOT_FILE, PlotError, plot_runs
+    from pipegpt.observe.plot import PLOT_FILE, PlotError, plot_runs
 
     dirs = [Path(d) for d in run_dirs]
     out = Path(out) if out is not None else (dirs[0] / PLOT_FILE if len(dirs) == 1 else Path(PLOT_FILE))
@@ -264,7 +264,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
             raise click.UsageError("--from-hf HF_DIR needs --out CHECKPOINT (and no --checkpoint)")
         from pipegpt.options import model_flags
         from pipegpt.tools.convert import import_hf
-        from pipegpt.train.checkpoint import read_manifest
+        from pipegpt.state.checkpoint import read_manifest
 
         path, model = import_hf(from_hf, out, tokenizer)
         tokenizer = read_manifest(path)["tokenizer"]

@@ -15,6 +15,7 @@ from click.core import ParameterSource
 from pipegpt.config import (ARCHS, MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, canonical_tokenizer,
                             microbatch_size_for, model_config)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
+from pipegpt import run_files
 
 MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
                  "tie_embeddings", "dropout", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "qkv_bias")
@@ -332,21 +333,21 @@ def given(ctx: click.Context, name: str) -> bool:
 def resume_auto(run_dir: str | None) -> tuple[str | None, bool]:
     """--resume auto (an elastic job's restarts under torchrun): the run directory's latest checkpoint, else a
     fresh start there; and whether the directory already holds an attempt of the run (it then goes on)."""
-    from pipegpt.train import checkpoint
+    from pipegpt.state import checkpoint
 
     if run_dir is None:
         raise click.UsageError("--resume auto resumes the run in --run-dir: give --run-dir DIR (the same on every "
                                "restart)")
-    if checkpoint.complete_checkpoints(os.path.join(run_dir, "checkpoints")):
+    if checkpoint.complete_checkpoints(os.path.join(run_dir, run_files.CHECKPOINTS)):
         return run_dir, True
-    held = os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) or os.path.isdir(os.path.join(run_dir, "configs"))
+    held = os.path.isfile(os.path.join(run_dir, run_files.METRICS)) or os.path.isdir(os.path.join(run_dir, run_files.CONFIGS))
     return None, held
 
 
 def saved_run(resume: str) -> dict | None:
     """{"config": sections, "model": fields} of the run a --resume checkpoint was saved by, None for a checkpoint
     that holds no run (weights only: the driver refuses to resume it, in one line)."""
-    from pipegpt.train import checkpoint
+    from pipegpt.state import checkpoint
 
     found = checkpoint.resolve(resume)
     manifest = checkpoint.read_manifest(found, verify=False)  # the driver verifies the files before loading
@@ -358,7 +359,7 @@ def saved_run(resume: str) -> dict | None:
 def initial_model(init_from: str) -> dict | None:
     """{"model": fields, "checkpoint": path} of an --init-from checkpoint; None where it cannot be read or holds no
     model (the driver then refuses it in one line, as it verifies the files)."""
-    from pipegpt.train import checkpoint
+    from pipegpt.state import checkpoint
 
     try:
         found = checkpoint.resolve(init_from)

@@ -81,6 +81,17 @@ class PipelineRuntime:
         # Per comm batch (by its first index): the sends to wait for and drop once its receives are in.
         releases = release_points(plan, self.eager_sends)[pipeline_ranks.index(rank)]
         self.releases = {i: tuple((a, self.at[self.index_of[a]]) for a in sends) for i, sends in releases.items()}
+        # Hook points (intercept): rehearsed faults reach into a step only here.
+        self.before_compute: Callable[[Action], None] | None = None
+        self.before_settle: Callable[[], None] | None = None
+
+    def intercept(self, before_compute: Callable[[Action], None] | None = None, marker=None,
+                  before_settle: Callable[[], None] | None = None) -> None:
+        """Call before_compute before each compute action and before_settle before the step's settle, and mark
+        actions with `marker` instead of the device's events (pipegpt.resilience.faults rehearses stalls so)."""
+        self.before_compute = before_compute or self.before_compute
+        self.before_settle = before_settle or self.before_settle
+        self.marker = marker or self.marker
 
     def device_now(self) -> tuple[int | None, str, tuple[int, ...], str] | None:
         """Where the device is, as `now` is where the host is: the first action of this step whose mark has
@@ -129,6 +140,8 @@ class PipelineRuntime:
                     marks.append((i, self.marker(actions[i])))
                 i = end
                 continue
+            if self.before_compute is not None:
+                self.before_compute(actions[i])
             self._compute(actions[i], inputs, targets, inbox, outbox)
             if record:
                 events.append((self.names[i], t0, clock()))
@@ -144,6 +157,8 @@ class PipelineRuntime:
         peers = self.p2p.unsettled_peers()
         if peers:  # CUDA: the host waits for the step's communication here
             self.now = (None, "end of step", peers, f"this step's communication with {_ranks(peers)}")
+        if self.before_settle is not None:
+            self.before_settle()
         self.p2p.settle()
         self.now = None
         losses = [loss for stage in self.stages.values() for loss in stage.pop_losses()]

@@ -20,7 +20,7 @@ PIPEGPT = str(Path(sys.executable).with_name("pipegpt"))  # the console script o
 # `pipegpt run` believe it runs under torchrun.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_USE_AGENT_STORE")
-SCRUBBED = TORCHRUN_VARS + ("PIPEGPT_FAULT", "PIPEGPT_RESTART")  # ... and an inherited fault or restart
+SCRUBBED = TORCHRUN_VARS + ("PIPEGPT_FAULT",)  # ... and an inherited fault
 
 
 def clean_env(**extra: str) -> dict[str, str]:

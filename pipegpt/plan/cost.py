@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.model.flops import block_matmul_weights
+from pipegpt import run_files
 
 from .devices import Cluster
 
@@ -269,7 +270,7 @@ class RunShape:
 
 
 def _run_shape(run_dir: str, plan) -> RunShape:
-    path = os.path.join(run_dir, "config.json")
+    path = os.path.join(run_dir, run_files.CONFIG)
     try:
         with open(path) as fh:
             cfg = json.load(fh)

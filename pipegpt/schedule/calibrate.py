@@ -36,15 +36,15 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from pipegpt.run_files import CONFIG as CONFIG_FILE, METRICS as METRICS_FILE, PLAN as PLAN_FILE
+from pipegpt.run_files import TRACE as TRACE_FILE, TRACES as TRACES_DIR
+
 from .actions import Action, Kind, Plan, ScheduleError
 from .messages import peer
 from .render import _US_PER
 from .schedule_file import load_schedule_file
 from .simulate import Costs, Event, Timeline, simulate
 from .validate import dependencies
-
-PLAN_FILE, TRACE_FILE, CONFIG_FILE, METRICS_FILE = "plan.txt", "trace.json", "config.json", "metrics.jsonl"
-TRACES_DIR = "traces"  # traces/step-N.json: the steps `pipegpt run --trace-steps` named
 
 
 @dataclass

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from pipegpt.train import checkpoint
+from pipegpt.state import checkpoint
 from pipegpt.config import ConfigError, ModelConfig, canonical_tokenizer
 
 from . import convert_llama

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipegpt.train import checkpoint
+from pipegpt.state import checkpoint
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.model.gpt import GPT, KVCache
 

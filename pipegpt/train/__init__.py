@@ -1,3 +1,3 @@
-"""A training job: the driver (check, the plan, the loop), the worker (the RPC actor), and what the loop
-uses: optimizer, checkpoints, metrics, the stall watchdog, rehearsed faults, profiling, device placement.
+"""A training job: the driver (check, the plan, the loop), the worker (the training role on a rank's engine),
+the optimizer, gradient synchronisation, the run directory, restarts and `pipegpt run`'s launch.
 Nothing is re-exported here: import the submodules."""

@@ -16,96 +16,25 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from pipegpt.train import checkpoint, snapshot
+from pipegpt.state import checkpoint, snapshot
 from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
-from pipegpt.train.placement import (bind_this_process, local_world_size, resolve_device, torchrun_cores,
+from pipegpt.engine.placement import (bind_this_process, local_world_size, resolve_device, torchrun_cores,
                                      under_torchrun, worker_cores)
-from pipegpt.train.metrics import RunLog, StepMetrics, step_metrics
-from pipegpt.train.profile import problem_line
-from pipegpt.train.clocks import measure_offsets, shift_events
-from pipegpt.train.results import WorkerStep
-from pipegpt.schedule import Plan, ScheduleError, lower, schedule_spec, validate
-from pipegpt.schedule.simulate import Costs
-from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
-from pipegpt.stages import partition_layers
-from pipegpt.train.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold
+from pipegpt.observe.metrics import RunLog, StepMetrics, step_metrics
+from pipegpt.observe.profile import problem_line
+from pipegpt.observe.clocks import measure_offsets, shift_events
+from pipegpt.engine.results import WorkerStep
+from pipegpt.model.partition import partition_layers
+from pipegpt.plan.run_plan import check_layers_fill, evaluation_plan, make_plan, synthesis_line
+from pipegpt.schedule import Plan, schedule_spec
+from pipegpt.resilience.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold
 from pipegpt.train.worker import Worker
-
-
-def make_plan(cfg: TrainConfig) -> Plan:
-    """The lowered, validated plan every worker executes: from the schedule registry or a schedule file."""
-    p = cfg.parallel
-    try:
-        if p.schedule_file is not None:
-            plan = load_schedule_file(p.schedule_file)
-            check_against_file(plan, p.schedule_file, p.stages, p.microbatches)
-            return plan if plan.is_lowered else validate(lower(plan))
-        spec = schedule_spec(p.schedule)
-        if not spec.synthesized:
-            if p.max_live is not None:
-                raise ConfigError(f"--max-live is the memory limit auto and auto-v schedule to; {p.schedule} is a "
-                                  f"fixed schedule: use --schedule auto or auto-v, or leave --max-live out")
-            return validate(lower(spec.build(p.stages, p.microbatches, p.virtual_stages)))
-        return validate(lower(synthesized_plan(cfg, spec)))
-    except ScheduleError as e:
-        raise ConfigError(str(e)) from None
-
-
-def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
-    """auto / auto-v: the order written for the stages' costs (measured on the workers once they start; until
-    then estimated from the model's shape), their split and --max-live. The plan's meta holds the prediction."""
-    p, m = cfg.parallel, cfg.model
-    placement = spec.stage_to_rank(p.stages, p.virtual_stages)
-    layers = [len(r) for r in partition_layers(m.n_layer, len(placement), p.layers_per_stage)]
-    costs = stage_costs_for(layers, p.schedule_costs or estimated_layer_costs(m))
-    synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live)
-    meta = {**synthesis.plan.meta, "predicted_s": float(synthesis.makespan),
-            "lower_bound_s": float(synthesis.lower_bound), "best_fixed": synthesis.best_fixed,
-            "best_fixed_s": None if synthesis.best_fixed_makespan is None else float(synthesis.best_fixed_makespan),
-            "measured": p.schedule_costs is not None}
-    return replace(synthesis.plan, meta=meta)
-
-
-def stage_costs_for(layers: list[int], layer_costs: tuple[float, ...], tp: int = 1) -> Costs:
-    """Per-stage F, B and W for a split of the layers, from the pieces' (embedding, block, head) forward,
-    backward and weight-gradient costs (schedule_costs' nine numbers)."""
-    from pipegpt.plan.balance import stage_costs
-
-    n = sum(layers)
-    per = [stage_costs(layers, [layer_costs[3 + k]] * n, layer_costs[k], layer_costs[6 + k]) for k in range(3)]
-    return Costs(*(tuple(x / tp for x in column) for column in per))
-
-
-def estimated_layer_costs(m) -> tuple[float, ...]:
-    """Relative forward, backward and weight-gradient costs before anything is measured: a block's matmuls
-    (12 d^2 per token, plus attention's 2 d x seq), the head's d x vocab, the embedding a lookup (nearly
-    free); B = 2F, W = F."""
-    block, head = 12 * m.n_embd ** 2 + 2 * m.n_embd * m.seq_len, m.n_embd * m.vocab_size
-    return 0.01 * block, 0.02 * block, 0.01 * block, block, 2 * block, block, head, 2 * head, head
-
-
-def synthesis_line(plan: Plan) -> str:
-    """What the driver says about a synthesized plan: predicted step beside the best fixed schedule's."""
-    meta = plan.meta
-    fixed = (f"best fixed schedule {meta['best_fixed']} {meta['best_fixed_s'] * 1e3:.1f} ms"
-             if meta.get("best_fixed") else "no fixed schedule of this placement fits")
-    chosen = meta.get("from")
-    # No synthesized order beat a fixed schedule: say which one runs, so a user need not wonder what auto did.
-    order = f" = {chosen}'s order" if chosen and chosen != "synthesized" else ""
-    return (f"pipegpt: schedule {plan.name}{order} (max live {meta['max_live']}): predicted compute "
-            f"{meta['predicted_s'] * 1e3:.1f} ms "
-            f"per step, {fixed}; lower bound {meta['lower_bound_s'] * 1e3:.1f} ms "
-            f"(gap {100 * (meta['predicted_s'] / meta['lower_bound_s'] - 1):.1f}%)")
-
-
-def evaluation_plan(plan: Plan) -> Plan:
-    """The training plan's forwards alone, lowered: validation runs through the same runtime."""
-    return validate(lower(plan.compute_only().forward_only()))
+from pipegpt import run_files
 
 
 def check(cfg: TrainConfig) -> Plan:
@@ -130,7 +59,7 @@ def check(cfg: TrainConfig) -> Plan:
             raise ConfigError("--hellaswag scores the model at evaluation steps: give --eval-every N too")
         read_examples(cfg.eval.hellaswag)  # a bad file is refused before any worker starts
     plan = make_plan(cfg)
-    _check_layers_fill(cfg, plan)
+    check_layers_fill(cfg, plan)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)
     if resolve_device(cfg.runtime.device, cfg.world_size) == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -139,25 +68,6 @@ def check(cfg: TrainConfig) -> Plan:
             raise ConfigError(f"device=cuda needs one GPU per rank on this machine ({local}), "
                               f"but {have} are visible: use --device cpu or fewer ranks")
     return plan
-
-
-def _check_layers_fill(cfg: TrainConfig, plan: Plan) -> None:
-    """With several model stages per rank (interleaved, V shapes), too few layers is said in the terms given:
-    stages x stages per rank, and the settings that would fit."""
-    from pipegpt.schedule import SCHEDULES
-
-    n, stages, ranks = cfg.model.n_layer, plan.num_stages, plan.num_ranks
-    if stages <= ranks or n >= stages or cfg.parallel.layers_per_stage is not None:
-        return
-    per_rank = stages // ranks
-    spec = SCHEDULES.get(cfg.parallel.schedule) if cfg.parallel.schedule_file is None else None
-    fits = [f"--stages {n // per_rank}"] if n // per_rank >= 1 else []
-    if spec is not None and spec.takes_virtual_stages and n // ranks >= 1:
-        fits.append(f"--virtual-stages {n // ranks}")
-    fits.append(f"at least {stages} layers")
-    raise ConfigError(f"n_layer={n} is fewer than the {stages} model stages to fill ({ranks} ranks x {per_rank} "
-                      f"stages each, {plan.name}): use {', '.join(fits[:-1] + [''])}or {fits[-1]}"
-                      .replace(": use or ", ": use "))
 
 
 def start_from(cfg: TrainConfig) -> Path | None:
@@ -298,14 +208,14 @@ class Job:
 
     def snapshot(self, run_dir: Path, step: int) -> None:
         """--snapshot-every: every rank copies its state after `step` steps and writes it in the background into
-        the run's snapshot directory in shared memory (pipegpt.train.snapshot); returns once every copy is made."""
+        the run's snapshot directory in shared memory (pipegpt.state.snapshot); returns once every copy is made."""
         manifest = {**self._manifest(step), "run_dir": str(Path(run_dir).resolve())}  # where a restart goes on
         directory = snapshot.begin(snapshot.snapshot_root(run_dir), step, manifest)
         self.cluster.call("snapshot", str(directory))
 
     def step(self, step: int) -> list[WorkerStep]:
         """One step on every rank, watched: one that runs far longer than the steps before it ends the job,
-        naming the rank that holds the others up (pipegpt.train.watchdog), well before the communication timeout."""
+        naming the rank that holds the others up (pipegpt.resilience.watchdog), well before the communication timeout."""
         threshold, t0 = stall_threshold(self.step_times), time.perf_counter()
         self.current_step = step
         compiling = len(self.step_times) < COMPILE_STEPS  # --compile: these may compile (wait_timeout_s)
@@ -458,7 +368,7 @@ def nonfinite_cause(results: list[WorkerStep], last_stage: int) -> str:
 
 def last_checkpoint(job: Job, run_dir: Path) -> str:
     """The checkpoint a resume of the run would start from: the run's latest, else the one it resumed from."""
-    saved = checkpoint.complete_checkpoints(run_dir / "checkpoints")
+    saved = checkpoint.complete_checkpoints(run_dir / run_files.CHECKPOINTS)
     if saved:
         return str(saved[-1])
     return str(job.loaded[0]) if job.loaded and job.cfg.checkpoint.resume else "none"
@@ -478,7 +388,7 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
 
         hellaswag = read_examples(cfg.eval.hellaswag)
     for step in range(job.first_step, cfg.runtime.steps):
-        with profiling(job, profiled, step, log.run_dir / "profiles"):
+        with profiling(job, profiled, step, log.run_dir / run_files.PROFILES):
             t0, cpu0 = time.perf_counter(), time.process_time()
             results = job.step(step)
             metrics = step_metrics(step + 1, results, cfg, time.perf_counter() - t0, time.process_time() - cpu0)
@@ -503,7 +413,7 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
         if checkpoint_due(cfg, step):
             t0 = time.perf_counter()
             try:
-                job.save(log.run_dir / "checkpoints", step + 1)
+                job.save(log.run_dir / run_files.CHECKPOINTS, step + 1)
             except NonFiniteError as e:
                 log.step(metrics)
                 raise NonFiniteError(f"{e}, last checkpoint: {last_checkpoint(job, log.run_dir)}") from None

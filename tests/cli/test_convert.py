@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from pipegpt.train import checkpoint  # noqa: E402
+from pipegpt.state import checkpoint  # noqa: E402
 from pipegpt.data.loader import BatchSampler  # noqa: E402
 from pipegpt.data.tokenizers import ByteTokenizer
 from pipegpt.data.tokens import builtin_tokens

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 from pipegpt.tools.sample import generate, load_model, sample  # noqa: E402
-from pipegpt.train import checkpoint  # noqa: E402
+from pipegpt.state import checkpoint  # noqa: E402
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=48, rms_norm_eps=1e-5, rope_theta=10000.0,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_one_line_error, invoke, run_pipegpt
-from pipegpt.train import checkpoint
+from pipegpt.state import checkpoint
 from pipegpt.config import ModelConfig
 from pipegpt.data.tokenizers import ByteTokenizer
 from pipegpt.data.hellaswag import Example, ending_losses, render

@@ -162,7 +162,7 @@ def _fake_py_spy(directory: Path) -> Path:
 
 
 def test_py_spy_beside_the_interpreter_comes_before_path(tmp_path, monkeypatch):
-    from pipegpt.train.profile import find_py_spy
+    from pipegpt.observe.profile import find_py_spy
 
     beside, on_path = _fake_py_spy(tmp_path / "env" / "bin"), _fake_py_spy(tmp_path / "elsewhere")
     monkeypatch.setattr(sys, "executable", str(tmp_path / "env" / "bin" / "python"))

@@ -67,7 +67,7 @@ def test_an_empty_directory_takes_a_fresh_run(no_training, tmp_path):
 
 def test_a_resume_into_another_runs_directory_is_refused(no_workers, tmp_path):
     from pipegpt.config import ConfigError, TrainConfig
-    from pipegpt.train.launch import check_run_dir
+    from pipegpt.train.run_dir import check_run_dir
 
     run, other = _used(tmp_path / "run"), _used(tmp_path / "other")
     cfg = TrainConfig.build(resume=str(run / "checkpoints" / "step-00000002"))
@@ -115,7 +115,7 @@ def test_an_unwritable_run_dir_is_refused_before_work(no_workers, tmp_path):
 def test_an_unwritable_checkpoint_dir_is_refused_before_work(no_workers, tmp_path):
     """A resume into its own run, whose checkpoints/ cannot take the checkpoints --save-every asks for."""
     from pipegpt.config import ConfigError, TrainConfig
-    from pipegpt.train.launch import check_run_dir
+    from pipegpt.train.run_dir import check_run_dir
 
     run = _used(tmp_path / "run")
     cfg = TrainConfig.build(resume=str(run / "checkpoints" / "step-00000002"), save_every=1)

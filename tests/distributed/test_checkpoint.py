@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipegpt.train import checkpoint
+from pipegpt.state import checkpoint
 from pipegpt.config import ModelConfig, TrainConfig
 
 from cluster_host import ClusterHost
@@ -52,7 +52,7 @@ def test_resume_with_the_same_layout_is_bit_for_bit(tmp_path, layout):
 
 @pytest.mark.slow  # 27 s; per-rank dropout streams are checked fast in tests/unit (train/rng)
 def test_resume_with_dropout_continues_every_ranks_stream_bit_for_bit(tmp_path):
-    # Two replicas x two stages: four streams (pipegpt.train.rng), each restored from the checkpoint.
+    # Two replicas x two stages: four streams (pipegpt.state.rng), each restored from the checkpoint.
     layout = [*LAYOUTS["1f1b-dp2"], "--dropout", "0.1"]
     pipegpt_run(tmp_path / "full", *layout, "--steps", "4", "--save-every", "2")
     pipegpt_run(tmp_path / "resumed", *layout, "--steps", "4",

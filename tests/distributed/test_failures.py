@@ -1,6 +1,6 @@
 """`pipegpt run` when something goes wrong, run as a user runs it (a subprocess of the console script).
 
-A worker that raises, exits or freezes (PIPEGPT_FAULT=KIND:RANK:STEP, see pipegpt.train.faults)
+A worker that raises, exits or freezes (PIPEGPT_FAULT=KIND:RANK:STEP, see pipegpt.resilience.faults)
 must bring the whole job down within seconds: exit status 1, a last stderr line
 `Error: rank 1 failed: <cause>`, no traceback, and no process left behind. Killing the driver
 itself must take the workers with it (they ask Linux for PR_SET_PDEATHSIG).

@@ -18,7 +18,7 @@ import torch
 
 from pipegpt.config import ModelConfig, TrainConfig
 from pipegpt.schedule import SCHEDULES
-from pipegpt.train import checkpoint
+from pipegpt.state import checkpoint
 from pipegpt.train.driver import check
 
 from test_pipeline_oracle import assert_matches, base_config, valid_microbatches, workers  # noqa: F401 (fixture)

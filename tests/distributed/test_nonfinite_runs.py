@@ -1,7 +1,7 @@
 """The non-finite guard in real runs: a diverging run stops before the update with one line naming the step, the
 rank and the stage, and leaves its finite checkpoints alone; --on-nonfinite skip drops the update on every rank
 alike and counts it; metrics.jsonl stays strict JSON. Values are poisoned on purpose with PIPEGPT_FAULT
-(nan-loss, nan-grad: pipegpt.train.faults)."""
+(nan-loss, nan-grad: pipegpt.resilience.faults)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipegpt.config import ModelConfig, TrainConfig
-from pipegpt.train import checkpoint
+from pipegpt.state import checkpoint
 
 from cluster_host import ClusterHost
 from helpers import clean_env, run_pipegpt

@@ -45,7 +45,7 @@ def test_a_dead_worker_is_restarted_and_the_losses_go_on_bit_for_bit(uninterrupt
 
 
 def test_a_restart_resumes_the_newest_snapshot_in_memory_not_the_older_checkpoint(uninterrupted, tmp_path):
-    from pipegpt.train.snapshot import snapshot_root
+    from pipegpt.state.snapshot import snapshot_root
 
     run_dir = tmp_path / "run"
     proc = run_pipegpt("run", "--stages", "2", "--microbatches", "4", "--steps", "6", "--save-every", "3",
@@ -114,20 +114,31 @@ def test_resume_auto_starts_fresh_then_resumes(tmp_path):
     assert resume_auto(str(run_dir)) == (str(run_dir), True)
 
 
-def test_restart_state_reads_the_count_the_failure_time_and_the_steps_lost():
-    from pipegpt.train.launch import RESTART_ENV, restart_state
+def test_restart_state_reads_the_count_the_failure_time_and_the_steps_lost(tmp_path):
+    import json
 
-    assert restart_state({}) == (0, None, None)
-    assert restart_state({RESTART_ENV: "2 1764000000.5 3"}) == (2, 1764000000.5, 3)
-    assert restart_state({RESTART_ENV: "1 1764000000.5"}) == (1, 1764000000.5, None)  # a parent before steps_lost
+    from pipegpt.train.restart import restart_state, write_restart_state
+
+    assert restart_state(tmp_path) == (0, None, None) == restart_state(None)
+    write_restart_state(tmp_path, 2, 1764000000.5, 3)
+    assert restart_state(tmp_path) == (2, 1764000000.5, 3)
+    write_restart_state(tmp_path, 1, 1764000000.5, None)
+    assert restart_state(tmp_path) == (1, 1764000000.5, None)
+    # another process's file (a run that shares the directory, an old restart) is not this attempt's
+    state = json.loads((tmp_path / "restart.json").read_text())
+    (tmp_path / "restart.json").write_text(json.dumps({**state, "process": [state["process"][0] + 1, 0]}))
+    assert restart_state(tmp_path) == (0, None, None)
 
 
 def test_restart_args_resume_the_run_and_drop_what_would_contradict_it():
-    from pipegpt.train.launch import restart_args
+    from pipegpt.train.restart import restart_args
 
     argv = ["run", "--stages", "2", "--config", "c.toml", "--overwrite", "--init-from=x", "--resume", "old"]
     assert restart_args(argv, "runs/a") == ["run", "--stages", "2", "--resume", "runs/a"]
     assert restart_args(["run", "--overwrite", "--init-from", "x"], None) == ["run", "--init-from", "x"]
+    # the same run directory on every attempt, where restart.json is
+    assert restart_args(["run", "--run-dir", "a"], None, run_dir="a") == ["run", "--run-dir", "a"]
+    assert restart_args(["run"], None, run_dir="runs/b") == ["run", "--run-dir", "runs/b"]
 
 
 @pytest.mark.slow
@@ -175,7 +186,7 @@ def test_a_stalled_rank_is_restarted(uninterrupted, tmp_path):
 
 def test_the_shrunk_layout_keeps_the_global_batch_and_uses_the_ranks_left():
     from pipegpt.config import ModelConfig, TrainConfig
-    from pipegpt.train.elastic import shrunk_layout
+    from pipegpt.resilience.elastic import shrunk_layout
 
     model = ModelConfig(vocab_size=256, seq_len=16, n_layer=8, n_head=4, n_embd=32)
     cfg = TrainConfig.build(model, stages=4, dp=2, microbatches=4, device="cpu")

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import assert_one_line_error, invoke, run_pipegpt
 from pipegpt.config import ConfigError
-from pipegpt.train.placement import torchrun_cores, worker_cores
+from pipegpt.engine.placement import torchrun_cores, worker_cores
 
 AVAILABLE = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 needs_two_cores = pytest.mark.skipif(len(AVAILABLE) < 2, reason="needs two cores this process may use")

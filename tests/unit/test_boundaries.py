@@ -152,5 +152,5 @@ def test_the_probe_sees_torch():
 
 def test_config_and_devices_load_no_torch():
     """validate() runs before any worker exists, in a process that need not load torch."""
-    check(["pipegpt.config", "pipegpt.train.placement"], ("pipegpt.schedule", "pipegpt.model.gpt", "pipegpt.comm"),
+    check(["pipegpt.config", "pipegpt.engine.placement"], ("pipegpt.schedule", "pipegpt.model.gpt", "pipegpt.comm"),
           forbid_torch=True)

@@ -1,4 +1,4 @@
-"""Checkpoint files (pipegpt.train.checkpoint), without workers: the safetensors writer and its SHA-256, the
+"""Checkpoint files (pipegpt.state.checkpoint), without workers: the safetensors writer and its SHA-256, the
 check on load (a flipped byte refused naming the file; a checkpoint from before checksums still loads), files
 that follow the umask, and what interrupted saves leave behind removed at the next save."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from safetensors.torch import save
 
 from pipegpt.config import ModelConfig
 from pipegpt.model.gpt import GPT
-from pipegpt.train import checkpoint
+from pipegpt.state import checkpoint
 
 MODEL = ModelConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=4, n_embd=32)
 

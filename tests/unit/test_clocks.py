@@ -1,9 +1,9 @@
-"""Trace events of ranks on different machines land on one time line (pipegpt.train.clocks)."""
+"""Trace events of ranks on different machines land on one time line (pipegpt.observe.clocks)."""
 from __future__ import annotations
 
 import itertools
 
-from pipegpt.train.clocks import clock_domain, estimate_offset, measure_offsets, shift_events
+from pipegpt.observe.clocks import clock_domain, estimate_offset, measure_offsets, shift_events
 
 
 class SimulatedNode:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from pipegpt.comm.p2p import CommError, Message, PointToPoint
 from pipegpt.config import ConfigError, TrainConfig
-from pipegpt.train.placement import cuda_device_index, local_world_size, resolve_device, under_torchrun
+from pipegpt.engine.placement import cuda_device_index, local_world_size, resolve_device, under_torchrun
 from pipegpt.tensor_parallel import collectives as tpc
 from pipegpt.train.worker import Worker, actor_method
 

@@ -1,6 +1,6 @@
-"""The device check before a restart (pipegpt.train.health): which GPUs a restart may use. Its control logic runs
+"""The device check before a restart (pipegpt.resilience.health): which GPUs a restart may use. Its control logic runs
 here with a stand-in check; the probe itself runs on the CPU (gloo in place of NCCL)."""
-from pipegpt.train.health import probe, restart_devices, visible_gpus
+from pipegpt.resilience.health import probe, restart_devices, visible_gpus
 
 
 def test_cpu_restarts_keep_every_rank_but_a_lost_one():

@@ -11,10 +11,10 @@ import torch
 
 from helpers import assert_one_line_error, invoke
 from pipegpt.config import ConfigError, ModelConfig, TrainConfig
-from pipegpt.train import checkpoint
-from pipegpt.train.metrics import StepMetrics, json_line
+from pipegpt.state import checkpoint
+from pipegpt.observe.metrics import StepMetrics, json_line
 from pipegpt.train.optim import clip_grad_norm_, global_grad_norm
-from pipegpt.train.results import SavedFile, WorkerStep
+from pipegpt.engine.results import SavedFile, WorkerStep
 
 
 def _refuse_nan(text):
@@ -62,13 +62,14 @@ def test_the_norm_carries_the_loss_flag_and_says_whether_this_ranks_share_was_fi
 def test_a_worker_finds_its_first_non_finite_parameter_or_moment():
     from types import SimpleNamespace
 
-    from pipegpt.train.worker import Worker
+    from pipegpt.train.worker import first_nonfinite
 
     stages = {s: SimpleNamespace(module=torch.nn.Linear(3, 2)) for s in (2, 3)}
-    worker = Worker.__new__(Worker)  # only what save() looks at: stages, optimizer, one-process names
+    worker = SimpleNamespace()  # only what save() looks at: stages, optimizer, one-process names
     worker.stages = stages
     worker.full_names = {id(p): f"blocks.{s}.{n}" for s, st in stages.items() for n, p in st.module.named_parameters()}
     worker.optimizer = torch.optim.AdamW([p for st in stages.values() for p in st.module.parameters()])
+    worker._first_nonfinite = lambda: first_nonfinite(worker.stages, worker.full_names, worker.optimizer.state)
     assert worker._first_nonfinite() is None  # no moments yet
     for p in worker.optimizer.param_groups[0]["params"]:
         p.grad = torch.ones_like(p)

@@ -1,4 +1,4 @@
-"""pipegpt.train.plot and `pipegpt plot`: metrics.jsonl rows as an SVG of loss, val loss, lr and tokens/s."""
+"""pipegpt.observe.plot and `pipegpt plot`: metrics.jsonl rows as an SVG of loss, val loss, lr and tokens/s."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from helpers import ROOT, assert_one_line_error, invoke
-from pipegpt.train.plot import PlotError, _axis, _tick, load_run, plot_runs, write_plot
+from pipegpt.observe.plot import PlotError, _axis, _tick, load_run, plot_runs, write_plot
 from test_schedule_imports import imported_top_levels, module_graph
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -187,8 +187,8 @@ def test_cli_a_directory_without_metrics_is_one_error_line(tmp_path):
 
 
 def test_plot_imports_no_torch():
-    """Plotting is for after a run, and for the end of one: pipegpt.train.plot and all it imports are torch-free."""
-    graph, seen, todo = module_graph(ROOT, "pipegpt"), set(), ["pipegpt.train.plot"]
+    """Plotting is for after a run, and for the end of one: pipegpt.observe.plot and all it imports are torch-free."""
+    graph, seen, todo = module_graph(ROOT, "pipegpt"), set(), ["pipegpt.observe.plot"]
     while todo:
         name = todo.pop()
         if name not in seen:
@@ -196,5 +196,5 @@ def test_plot_imports_no_torch():
             todo += graph.get(name, ())
     files = {path: names for path, names in imported_top_levels(ROOT, "pipegpt").items()
              if path[:-3].replace("/", ".").removesuffix(".__init__") in seen}
-    assert "pipegpt/train/plot.py" in files
+    assert "pipegpt/observe/plot.py" in files
     assert not [path for path, names in files.items() if "torch" in names]

@@ -1,4 +1,4 @@
-"""Per-rank random streams (pipegpt.train.rng): seeded per (pipeline rank, replica), the same on tp ranks, and
+"""Per-rank random streams (pipegpt.state.rng): seeded per (pipeline rank, replica), the same on tp ranks, and
 kept in a checkpoint: the CPU state, and on a GPU the device generator's (a stand-in plays torch.cuda here)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from pipegpt.train import rng
+from pipegpt.state import rng
 
 
 def test_streams_differ_across_pipeline_ranks_and_replicas():

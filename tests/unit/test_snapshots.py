@@ -1,8 +1,8 @@
-"""--snapshot-every's files (pipegpt.train.snapshot): a snapshot is taken only when every rank's file is whole,
+"""--snapshot-every's files (pipegpt.state.snapshot): a snapshot is taken only when every rank's file is whole,
 only when newer than the checkpoint on disk, and then loads as a checkpoint naming its run."""
 import torch
 
-from pipegpt.train import checkpoint, snapshot
+from pipegpt.state import checkpoint, snapshot
 
 
 def _snapshot(root, step, ranks_done, world=2):

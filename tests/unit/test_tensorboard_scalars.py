@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from pipegpt.train.metrics import StepMetrics, tensorboard_scalars
+from pipegpt.observe.metrics import StepMetrics, tensorboard_scalars
 
 
 def _row(**extra):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipegpt.train.watchdog import STALL_FACTOR, STALL_FLOOR_S, WARMUP_STEPS, find_culprit, format_table, stall_threshold
+from pipegpt.resilience.watchdog import STALL_FACTOR, STALL_FLOOR_S, WARMUP_STEPS, find_culprit, format_table, stall_threshold
 
 
 # --------------------------------------------------------------------------------------------------------------

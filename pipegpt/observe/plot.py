@@ -13,8 +13,9 @@ from pathlib import Path
 
 from pipegpt.schedule.calibrate import METRICS_FILE, read_metrics
 from pipegpt.schedule.render import _nice_step
+from pipegpt import run_files
 
-PLOT_FILE = "plot.svg"
+PLOT_FILE = run_files.PLOT
 SERIES = ("loss", "val_loss", "lr", "tokens_per_s")
 # (panel id, heading, [(series, how it is drawn)]). Val loss is on the loss panel, to set it beside the train
 # loss, and on a panel of its own: there the early train losses do not squeeze it flat.

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipegpt.train import checkpoint
+from pipegpt.state import checkpoint
 
 PENDING = "pending.json"  # the manifest without its files, written by the driver when the snapshot begins
 SHA_SUFFIX = ".sha256"  # rank-N.safetensors.sha256: written after the file, so its presence means the file is whole

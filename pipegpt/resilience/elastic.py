@@ -61,8 +61,8 @@ def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
 def _predicted(cfg: TrainConfig) -> float:
     """One replica's simulated step at the run's measured (or estimated) per-layer costs: a relative time."""
     from pipegpt.schedule.simulate import simulate
-    from pipegpt.stages import partition_layers
-    from pipegpt.train.driver import estimated_layer_costs, make_plan, stage_costs_for
+    from pipegpt.model.partition import partition_layers
+    from pipegpt.plan.run_plan import estimated_layer_costs, make_plan, stage_costs_for
 
     plan = make_plan(cfg)
     m = cfg.model

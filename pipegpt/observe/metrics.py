@@ -14,12 +14,13 @@ from pathlib import Path
 from pipegpt.config import TrainConfig
 from pipegpt.model.flops import flops_per_token
 from pipegpt.plan.devices import device_peak_tflops
-from pipegpt.train.plot import write_plot
-from pipegpt.train.results import WorkerStep
+from pipegpt.observe.plot import write_plot
+from pipegpt.engine.results import WorkerStep
 from pipegpt.schedule.actions import Action, Plan
 from pipegpt.schedule.render import to_chrome_trace
 from pipegpt.schedule.schedule_file import dump_schedule_text
 from pipegpt.schedule.simulate import Event, Timeline
+from pipegpt import run_files
 
 
 @dataclass
@@ -102,7 +103,7 @@ def new_run_dir(root: str = "runs") -> Path:
     return candidate
 
 
-CONFIGS_DIR = "configs"  # configs/attempt-N.json: the config of each attempt at a run
+CONFIGS_DIR = run_files.CONFIGS
 
 
 def attempts(run_dir: Path) -> list[int]:
@@ -129,17 +130,17 @@ class RunLog:
         if cfg.checkpoint.resume is None:
             self.attempt = 1
         else:
-            if not earlier and (self.run_dir / "config.json").is_file():  # a run from before configs/ was kept
+            if not earlier and (self.run_dir / run_files.CONFIG).is_file():  # a run from before configs/ was kept
                 configs.mkdir(exist_ok=True)
-                (configs / "attempt-1.json").write_text((self.run_dir / "config.json").read_text())
+                (self.run_dir / run_files.attempt_config(1)).write_text((self.run_dir / run_files.CONFIG).read_text())
                 earlier = [1]
             self.attempt = max([1, *earlier]) + 1
         text = json.dumps(asdict(cfg), indent=2, default=str)
         configs.mkdir(exist_ok=True)
-        (configs / f"attempt-{self.attempt}.json").write_text(text)
-        (self.run_dir / "config.json").write_text(text)
-        (self.run_dir / "plan.txt").write_text(dump_schedule_text(plan))
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a")
+        (self.run_dir / run_files.attempt_config(self.attempt)).write_text(text)
+        (self.run_dir / run_files.CONFIG).write_text(text)
+        (self.run_dir / run_files.PLAN).write_text(dump_schedule_text(plan))
+        self._metrics = open(self.run_dir / run_files.METRICS, "a")
         self._tensorboard = _tensorboard_writer(self.run_dir)
 
     def step(self, metrics: StepMetrics) -> None:
@@ -155,7 +156,7 @@ class RunLog:
     def trace(self, results: list[WorkerStep], plan: Plan, step: int | None = None) -> None:
         """The step's measured timeline as trace.json (Perfetto), the format `simulate --out x.json` writes;
         with a step's number (--trace-steps, from 1), as traces/step-N.json."""
-        path = self.run_dir / "trace.json" if step is None else self.run_dir / "traces" / f"step-{step}.json"
+        path = self.run_dir / (run_files.TRACE if step is None else run_files.step_trace(step))
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(to_chrome_trace(measured_timeline(results, plan))))
 

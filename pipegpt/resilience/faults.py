@@ -16,10 +16,11 @@ compute action (the runtime's per-action device marks are stood in for: pipegpt.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 FAULT_ENV = "PIPEGPT_FAULT"
 KINDS = ("raise", "exit", "freeze", "kill-in-save", "stuck", "nan-loss", "nan-grad", "gpu-stuck", "lose")
@@ -59,13 +60,6 @@ def fail_now(kind: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def get_stuck(stages) -> None:
-    """Make the rank's next compute action (at a step's start, always a forward) sleep forever, in
-    Python, so its RPC threads keep answering. Only a faulty rank's stages are touched."""
-    for stage in stages:
-        stage.forward = _forever
-
-
 def _forever(*args, **kwargs) -> None:
     while True:
         time.sleep(1.0)
@@ -79,17 +73,58 @@ class _Mark:
         return self.done
 
 
-def get_gpu_stuck(runtime, p2p) -> None:
-    """gpu-stuck: marks that say the device never got past the step's first compute action, and a settle()
-    that never returns (the host waiting for that device), on this rank's runtime and point-to-point only."""
+def _gpu_stuck_marker():
+    """gpu-stuck's marks: the device never got past the step's first compute action."""
     seen = {"compute": False}
 
     def marker(action):
         seen["compute"] = seen["compute"] or action.kind.is_compute
         return _Mark(not seen["compute"])
 
-    runtime.marker = marker
-    p2p.settle = _forever
+    return marker
+
+
+class FaultHook:
+    """A rank's rehearsed fault, called at the points of a step where one can strike. It reaches into the runtime
+    only through the runtime's own hook points (PipelineRuntime.intercept); with no fault planned every call is
+    a comparison."""
+
+    def __init__(self, fault: tuple[str, int] | None):
+        self.fault = fault
+
+    @classmethod
+    def planned(cls, rank: int, env: Mapping[str, str] = os.environ) -> "FaultHook":
+        return cls(planned_fault(rank, env))
+
+    def on_build(self, engine) -> None:
+        """A rebuilt engine has fresh runtimes: nothing is intercepted until the fault's step."""
+
+    def at_step_start(self, number: int, engine) -> None:
+        """Step `number` (from 1) begins: fail now, or make the runtime stick (stuck: its first compute action
+        never returns, in Python, so the RPC threads keep answering; gpu-stuck: the host launches everything
+        and waits at the step's end while the device marks say it never left the first compute action)."""
+        if self.fault is None or self.fault[1] != number:
+            return
+        kind = self.fault[0]
+        if kind not in NOT_FAILURES:
+            fail_now(kind, number)
+        if kind == STUCK:
+            engine.runtime.intercept(before_compute=_forever)
+        if kind == GPU_STUCK:
+            engine.runtime.intercept(marker=_gpu_stuck_marker(), before_settle=_forever)
+
+    def after_gradients(self, number: int, losses: list[float], named_params) -> None:
+        """The step's gradients are final (after every sync): poison the loss or a gradient."""
+        if self.fault == (NAN_LOSS, number) and losses:
+            losses[0] = math.nan
+        if self.fault == (NAN_GRAD, number):
+            next(p for _, p in named_params if p.grad is not None).grad.view(-1)[0] = math.nan
+
+    def in_save(self, step: int, write_half: Callable[[], object]) -> None:
+        """kill-in-save: half a file written, then SIGKILL."""
+        if self.fault == (IN_SAVE, step):
+            write_half()
+            fail_now(IN_SAVE, step)
 
 
 def later_faults(env: Mapping[str, str] = os.environ) -> str | None:

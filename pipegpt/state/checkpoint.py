@@ -3,7 +3,7 @@
     RUN_DIR/checkpoints/step-00000100/
         manifest.json              step, model shape, config, tokenizer, the files; written last
         rank-00003.safetensors     what rank 3 owns: "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>",
-                                   "rng/<rank>" (and "cuda_rng/<rank>" on a GPU: pipegpt.train.rng);
+                                   "rng/<rank>" (and "cuda_rng/<rank>" on a GPU: pipegpt.state.rng);
                                    its metadata says which tensor-parallel shard each is
 
 Every rank writes only what it owns, in parallel (data-parallel replica 0 the parameters, each ZeRO-1
@@ -20,6 +20,8 @@ naming the file. SHA-256 because hashlib always has it, OpenSSL computes it with
 instructions where there are some, and `sha256sum rank-00003.safetensors` checks a file by hand.
 """
 from __future__ import annotations
+
+from pipegpt import run_files
 
 import hashlib
 import json
@@ -153,7 +155,7 @@ def resolve(path) -> Path:
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
-    for root in (path / "checkpoints", path):
+    for root in (path / run_files.CHECKPOINTS, path):
         found = complete_checkpoints(root)
         if found:
             return found[-1]

@@ -1,0 +1,33 @@
+"""What makes a role's method part of the RPC surface: it runs on the rank's one actor thread, inside the rank's
+device, and any exception reaches the driver as a Failed (pipegpt.comm.rpc). Every role (training, inference)
+marks its methods with it."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pipegpt.comm.rpc import on_actor_thread, reports_failures
+
+
+def actor_method(method=None, *, concurrent: bool = False):
+    """An actor method, called over RPC. It runs on the worker's one actor thread (pipegpt.comm.rpc.
+    ActorThread), after the calls before it, and enters the worker's device first (the current CUDA device is
+    per thread); a concurrent one (where(), asked while step() runs) runs at once on the RPC pool thread that
+    received it. Any exception reaches the driver as a Failed (reports_failures)."""
+    if method is None:
+        return functools.partial(actor_method, concurrent=concurrent)
+
+    @functools.wraps(method)
+    def on_device(self, *args, **kwargs):
+        def call():
+            device = getattr(self, "device", None)
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+            return method(self, *args, **kwargs)
+
+        return call() if concurrent else on_actor_thread(call)
+
+    wrapped = reports_failures(on_device)
+    wrapped.is_actor_method = True
+    return wrapped

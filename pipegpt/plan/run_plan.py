@@ -1,0 +1,101 @@
+"""The plan a run executes, from its config: the schedule registry's, a schedule file's, or the synthesizer's
+(auto, auto-v) for the stages' costs, measured or estimated from the model's shape; and its forward-only
+evaluation plan. Torch-free: the driver builds it once, and a restart's elastic layout asks it which layouts
+build and how fast they are predicted to run.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipegpt.config import ConfigError, TrainConfig
+from pipegpt.model.partition import partition_layers
+from pipegpt.plan.balance import stage_costs
+from pipegpt.schedule import SCHEDULES, Plan, ScheduleError, lower, schedule_spec, validate
+from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
+from pipegpt.schedule.simulate import Costs
+
+
+def make_plan(cfg: TrainConfig) -> Plan:
+    """The lowered, validated plan every worker executes: from the schedule registry or a schedule file."""
+    p = cfg.parallel
+    try:
+        if p.schedule_file is not None:
+            plan = load_schedule_file(p.schedule_file)
+            check_against_file(plan, p.schedule_file, p.stages, p.microbatches)
+            return plan if plan.is_lowered else validate(lower(plan))
+        spec = schedule_spec(p.schedule)
+        if not spec.synthesized:
+            if p.max_live is not None:
+                raise ConfigError(f"--max-live is the memory limit auto and auto-v schedule to; {p.schedule} is a "
+                                  f"fixed schedule: use --schedule auto or auto-v, or leave --max-live out")
+            return validate(lower(spec.build(p.stages, p.microbatches, p.virtual_stages)))
+        return validate(lower(synthesized_plan(cfg, spec)))
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
+
+
+def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
+    """auto / auto-v: the order written for the stages' costs (measured on the workers once they start; until
+    then estimated from the model's shape), their split and --max-live. The plan's meta holds the prediction."""
+    p, m = cfg.parallel, cfg.model
+    placement = spec.stage_to_rank(p.stages, p.virtual_stages)
+    layers = [len(r) for r in partition_layers(m.n_layer, len(placement), p.layers_per_stage)]
+    costs = stage_costs_for(layers, p.schedule_costs or estimated_layer_costs(m))
+    synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live)
+    meta = {**synthesis.plan.meta, "predicted_s": float(synthesis.makespan),
+            "lower_bound_s": float(synthesis.lower_bound), "best_fixed": synthesis.best_fixed,
+            "best_fixed_s": None if synthesis.best_fixed_makespan is None else float(synthesis.best_fixed_makespan),
+            "measured": p.schedule_costs is not None}
+    return replace(synthesis.plan, meta=meta)
+
+
+def stage_costs_for(layers: list[int], layer_costs: tuple[float, ...], tp: int = 1) -> Costs:
+    """Per-stage F, B and W for a split of the layers, from the pieces' (embedding, block, head) forward,
+    backward and weight-gradient costs (schedule_costs' nine numbers)."""
+    n = sum(layers)
+    per = [stage_costs(layers, [layer_costs[3 + k]] * n, layer_costs[k], layer_costs[6 + k]) for k in range(3)]
+    return Costs(*(tuple(x / tp for x in column) for column in per))
+
+
+def estimated_layer_costs(m) -> tuple[float, ...]:
+    """Relative forward, backward and weight-gradient costs before anything is measured: a block's matmuls
+    (12 d^2 per token, plus attention's 2 d x seq), the head's d x vocab, the embedding a lookup (nearly
+    free); B = 2F, W = F."""
+    block, head = 12 * m.n_embd ** 2 + 2 * m.n_embd * m.seq_len, m.n_embd * m.vocab_size
+    return 0.01 * block, 0.02 * block, 0.01 * block, block, 2 * block, block, head, 2 * head, head
+
+
+def synthesis_line(plan: Plan) -> str:
+    """What the driver says about a synthesized plan: predicted step beside the best fixed schedule's."""
+    meta = plan.meta
+    fixed = (f"best fixed schedule {meta['best_fixed']} {meta['best_fixed_s'] * 1e3:.1f} ms"
+             if meta.get("best_fixed") else "no fixed schedule of this placement fits")
+    chosen = meta.get("from")
+    # No synthesized order beat a fixed schedule: say which one runs, so a user need not wonder what auto did.
+    order = f" = {chosen}'s order" if chosen and chosen != "synthesized" else ""
+    return (f"pipegpt: schedule {plan.name}{order} (max live {meta['max_live']}): predicted compute "
+            f"{meta['predicted_s'] * 1e3:.1f} ms "
+            f"per step, {fixed}; lower bound {meta['lower_bound_s'] * 1e3:.1f} ms "
+            f"(gap {100 * (meta['predicted_s'] / meta['lower_bound_s'] - 1):.1f}%)")
+
+
+def evaluation_plan(plan: Plan) -> Plan:
+    """The training plan's forwards alone, lowered: validation runs through the same runtime."""
+    return validate(lower(plan.compute_only().forward_only()))
+
+
+def check_layers_fill(cfg: TrainConfig, plan: Plan) -> None:
+    """With several model stages per rank (interleaved, V shapes), too few layers is said in the terms given:
+    stages x stages per rank, and the settings that would fit."""
+    n, stages, ranks = cfg.model.n_layer, plan.num_stages, plan.num_ranks
+    if stages <= ranks or n >= stages or cfg.parallel.layers_per_stage is not None:
+        return
+    per_rank = stages // ranks
+    spec = SCHEDULES.get(cfg.parallel.schedule) if cfg.parallel.schedule_file is None else None
+    fits = [f"--stages {n // per_rank}"] if n // per_rank >= 1 else []
+    if spec is not None and spec.takes_virtual_stages and n // ranks >= 1:
+        fits.append(f"--virtual-stages {n // ranks}")
+    fits.append(f"at least {stages} layers")
+    raise ConfigError(f"n_layer={n} is fewer than the {stages} model stages to fill ({ranks} ranks x {per_rank} "
+                      f"stages each, {plan.name}): use {', '.join(fits[:-1] + [''])}or {fits[-1]}"
+                      .replace(": use or ", ": use "))

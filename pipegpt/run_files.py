@@ -1,0 +1,33 @@
+"""The run directory's layout, named once: every module that reads or writes a run's files takes the names
+from here (torch-free, so the simulator's --trace and the planner read runs without loading torch).
+
+    RUN/
+      config.json, plan.txt        the latest attempt's settings and plan
+      configs/attempt-N.json       each attempt's settings
+      metrics.jsonl                one row per step, naming its attempt
+      trace.json, traces/step-N.json, profiles/rank-N.svg, plot.svg
+      checkpoints/step-NNNNNNNN/   layout-free checkpoints (pipegpt.state.checkpoint)
+      restart.json                 what a restart carries into the next attempt (pipegpt.train.restart)
+"""
+from __future__ import annotations
+
+import os
+
+CONFIG, PLAN, METRICS, TRACE, PLOT = "config.json", "plan.txt", "metrics.jsonl", "trace.json", "plot.svg"
+CONFIGS, TRACES, PROFILES, CHECKPOINTS = "configs", "traces", "profiles", "checkpoints"
+RESTART = "restart.json"
+
+
+def attempt_config(n: int) -> str:
+    return os.path.join(CONFIGS, f"attempt-{n}.json")
+
+
+def step_trace(step: int) -> str:
+    return os.path.join(TRACES, f"step-{step}.json")
+
+
+def holds_run(run_dir) -> bool:
+    """Whether a directory holds a run's results: metrics or checkpoints."""
+    metrics, checkpoints = os.path.join(run_dir, METRICS), os.path.join(run_dir, CHECKPOINTS)
+    return (os.path.isfile(metrics) and os.path.getsize(metrics) > 0) or \
+        (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints)))

@@ -1,0 +1,133 @@
+"""Gradient synchronisation, one object per parallelism: what it reduces once a step's actions are done, which
+of this rank's parameters it keeps out of the gradient norm (another rank counts the same values), and which
+it keeps out of this rank's part of a checkpoint (another rank stores them).
+
+The training role asks each sync in turn (make_syncs gives the order, which is the order of the sums, so the
+numerics are those of one fixed sequence); a new parallelism adds one class here, not a clause in the worker.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from pipegpt.comm.data_parallel import GradientAverager, sum_in_buckets
+from pipegpt.config import TrainConfig
+from pipegpt.engine.engine import Engine
+from pipegpt.tensor_parallel import REPLICATED, kv_replicas, tp_shard_spec
+from pipegpt.tensor_parallel.layers import replicated_kv_params, sequence_parallel_grad_params, sum_replicated_kv_grads
+
+
+class GradSync:
+    """A parallelism's part of finishing a step's gradients. The defaults: nothing to reduce, every value counted
+    and owned here."""
+
+    def start(self, stage: int) -> None:
+        """The stage's gradients on this rank are complete (its last backward action ran)."""
+
+    def reduce(self) -> None:
+        """Complete what this parallelism sums or averages, in place, before clipping."""
+
+    def not_counted(self) -> set[int]:
+        """ids of parameters whose values another rank counts in the global norm."""
+        return set()
+
+    def not_owned(self) -> set[int]:
+        """ids of parameters whose values another rank stores in a checkpoint."""
+        return set()
+
+
+class DataParallelSync(GradSync):
+    """Replicas average their gradients, each stage's buckets started as soon as the stage's last backward ran, so
+    they overlap with the rest of the step. Replica 0 stores the parameters (optimizer state: see the role)."""
+
+    def __init__(self, engine: Engine, timeout_s: float):
+        self.averager = GradientAverager(engine.params_by_stage(), engine.mesh.group("dp"), engine.rank, timeout_s)
+
+    def start(self, stage: int) -> None:
+        self.averager.start(stage)
+
+    def reduce(self) -> None:
+        self.averager.finish()
+
+
+class TensorParallelSync(GradSync):
+    """Replicated weights saw only this rank's part of the sequence under sequence parallelism: summed over tp.
+    A kv head shared by tp/n_kv_head ranks got from each only its q heads' part: summed over them. Replicated
+    values are counted and stored by tp rank 0, a shared kv head by the first rank of its group."""
+
+    def __init__(self, engine: Engine, cfg: TrainConfig):
+        self.engine, self.group = engine, engine.mesh.group("tp")
+        self.kv_heads, self.tp, self.tp_index = cfg.model.kv_heads, cfg.parallel.tp, engine.mesh.tp_index
+        modules = [stage.module for stage in engine.stages.values()]
+        self.partial = [p for m in modules for p in sequence_parallel_grad_params(m)]
+        self.shared_kv = [p for m in modules for p in replicated_kv_params(m)]
+
+    def reduce(self) -> None:
+        if self.partial:
+            sum_in_buckets([p.grad for p in self.partial], self.group)
+        if self.shared_kv:
+            sum_replicated_kv_grads(self.shared_kv, self.group, self.kv_heads, self.tp_index, self.tp)
+
+    def _replicated(self) -> set[int]:
+        if self.tp_index == 0:
+            return set()
+        return {id(p) for _, p in self.engine.named_params
+                if tp_shard_spec(self.engine.full_names[id(p)]) == REPLICATED}
+
+    def not_counted(self) -> set[int]:
+        skip = {id(p) for n, p in self.engine.named_params if tp_shard_spec(n) == REPLICATED} \
+            if self.tp_index > 0 else set()
+        if self.tp_index % kv_replicas(self.kv_heads, self.tp):
+            skip |= {id(p) for p in self.shared_kv}
+        return skip
+
+    def not_owned(self) -> set[int]:
+        return self._replicated()
+
+
+class TiedEmbeddingSync(GradSync):
+    """The tied embedding's two copies (first and last stage) on different ranks sum their gradients; the rank
+    holding stage 0 counts and stores the value."""
+
+    def __init__(self, engine: Engine):
+        self.copies, self.group = engine.tied_copies(), engine.mesh.group("embedding")
+        self.first = 0 in engine.stages
+
+    def reduce(self) -> None:
+        for copy in self.copies:
+            dist.all_reduce(copy.grad, group=self.group)
+
+    def not_counted(self) -> set[int]:
+        return set() if self.first else {id(p) for p in self.copies}
+
+    def not_owned(self) -> set[int]:
+        return self.not_counted()
+
+
+def make_syncs(engine: Engine, cfg: TrainConfig) -> list[GradSync]:
+    """The syncs a built engine needs, in the order their sums run: data-parallel averages first (started during
+    the step), then tensor parallelism's partial sums, then the tied embedding's copies."""
+    syncs: list[GradSync] = []
+    if engine.mesh.group("dp") is not None:
+        syncs.append(DataParallelSync(engine, cfg.runtime.wait_timeout_s))
+    if cfg.parallel.tp > 1:
+        syncs.append(TensorParallelSync(engine, cfg))
+    if engine.tied_copies():
+        syncs.append(TiedEmbeddingSync(engine))
+    return syncs
+
+
+def not_counted(syncs: list[GradSync]) -> set[int]:
+    return set().union(*(s.not_counted() for s in syncs))
+
+
+def not_owned(syncs: list[GradSync]) -> set[int]:
+    return set().union(*(s.not_owned() for s in syncs))
+
+
+def grads_started(syncs: list[GradSync]):
+    """The runtime's callback when a stage's gradients are complete: every sync that overlaps hears of it."""
+    def started(stage: int) -> None:
+        for sync in syncs:
+            sync.start(stage)
+    return started
+
