@@ -32,7 +32,7 @@ def measure(layout: str, steps: int, microbatches: int, global_batch: int) -> di
 
     from pipegpt.config import TrainConfig, microbatch_size_for
     from pipegpt.train.driver import Job
-    from pipegpt.train.metrics import step_metrics
+    from pipegpt.observe.metrics import step_metrics
 
     layout_kw = parse_layout(layout)
     mbs = microbatch_size_for(global_batch, layout_kw["dp"], microbatches)

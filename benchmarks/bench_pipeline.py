@@ -128,7 +128,7 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
     from pipegpt.train.optim import make_optimizer
 
     if spec.get("bind_cores"):  # as pipegpt's --bind-cores: rank r on the next threads_per_worker cores
-        from pipegpt.train.placement import worker_cores
+        from pipegpt.engine.placement import worker_cores
 
         os.sched_setaffinity(0, worker_cores(rank, world, spec["threads_per_worker"]))
     torch.set_num_threads(spec["threads_per_worker"])
@@ -411,7 +411,7 @@ def check_schedule(base: dict, schedule: str) -> str | None:
     """Why pipegpt would refuse this schedule here (None: it runs)."""
     from pipegpt.config import ConfigError
     from pipegpt.schedule import ScheduleError, build_plan
-    from pipegpt.stages.partition import partition_layers
+    from pipegpt.model.partition import partition_layers
 
     try:
         plan = build_plan(schedule, base["stages"], base["microbatches"],
@@ -441,7 +441,7 @@ def summarize(results: list[dict], spec: dict) -> dict:
 
 
 def describe(base: dict, schedules: list[str], contenders: list[str], args) -> str:
-    from pipegpt.stages.partition import partition_layers
+    from pipegpt.model.partition import partition_layers
 
     m = base["model"]
     n_params = _param_count(m)
