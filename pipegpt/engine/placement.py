@@ -72,3 +72,18 @@ def bind_this_process(cores: tuple[int, ...]) -> None:
 
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
+
+
+def name_process(title: str) -> None:
+    """What ps and top show for this process ("pipegpt: rank 1 stage 1"), instead of multiprocessing's
+    `python -c from multiprocessing.spawn ...` shared by every worker."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # the name top shows, at least (15 bytes)
+        try:
+            with open("/proc/self/comm", "w") as f:
+                f.write(title[:15])
+        except OSError:
+            pass

@@ -47,6 +47,26 @@ def planned_fault(rank: int, env: Mapping[str, str] = os.environ) -> tuple[str, 
     return (kind, int(step)) if int(fault_rank) == rank else None
 
 
+def check_faults(world_size: int, steps: int, env: Mapping[str, str] = os.environ) -> None:
+    """Every fault of PIPEGPT_FAULT is KIND:RANK:STEP with a known kind, a rank of this job and a step it runs;
+    else one ValueError line naming the bad entry and what would be valid (checked before any worker starts)."""
+    value = env.get(FAULT_ENV, "")
+    if not value:
+        return
+    for spec in value.split(","):
+        parts = spec.split(":")
+        if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts[1:]):
+            raise ValueError(f"{FAULT_ENV}={value!r}: {spec!r} is not KIND:RANK:STEP (e.g. raise:1:3; a comma list "
+                             f"plans one fault per attempt)")
+        kind, rank, step = parts[0], int(parts[1]), int(parts[2])
+        if kind not in KINDS:
+            raise ValueError(f"{FAULT_ENV}={value!r}: kind {kind!r} is not one of {', '.join(KINDS)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{FAULT_ENV}={value!r}: rank {rank} is not one of this job's ranks 0..{world_size - 1}")
+        if not 1 <= step <= steps:
+            raise ValueError(f"{FAULT_ENV}={value!r}: step {step} is not one this run takes (1..{steps})")
+
+
 def fail_now(kind: str, step: int) -> None:
     if kind == IN_SAVE:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -32,6 +32,7 @@ from pipegpt.engine.results import WorkerStep
 from pipegpt.model.partition import partition_layers
 from pipegpt.plan.run_plan import check_layers_fill, evaluation_plan, make_plan, synthesis_line
 from pipegpt.schedule import Plan, schedule_spec
+from pipegpt.resilience.faults import check_faults
 from pipegpt.resilience.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold
 from pipegpt.train.worker import Worker
 from pipegpt import run_files
@@ -45,6 +46,10 @@ def check(cfg: TrainConfig) -> Plan:
     from pipegpt.data.tokens import open_tokens
 
     cfg.validate(os.environ)
+    try:
+        check_faults(cfg.world_size, cfg.runtime.steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.data.data is not None:  # headers, sizes, token ids below the vocabulary, enough tokens, the tokenizer
         m = cfg.model
         open_tokens(cfg.data.data, "train", vocab_size=m.vocab_size, seq_len=m.seq_len, tokenizer=cfg.data.tokenizer)

@@ -23,6 +23,7 @@ from pipegpt.data.tokenizers import get_tokenizer
 from pipegpt.data.tokens import builtin_tokens, open_tokens
 from pipegpt.engine.actor import actor_method
 from pipegpt.engine.engine import Engine
+from pipegpt.engine.placement import name_process
 from pipegpt.engine.results import SavedFile, WorkerStep
 from pipegpt.observe.clocks import clock_reading
 from pipegpt.observe.profile import Profiler
@@ -92,6 +93,8 @@ class Worker:
             # the training tokens under another seed: a check of the mechanics, not a held-out loss.
             self.val_loader = loader(train, cfg.runtime.seed + 1) if val is None else loader(val, cfg.runtime.seed)
         self.fault.on_build(engine)
+        name_process(f"pipegpt: rank {self.rank} stage{'s' * (len(self.stages) > 1)} "
+                     f"{','.join(map(str, sorted(self.stages)))}")
 
     def _tokens(self):
         """(train, val or None) token arrays."""

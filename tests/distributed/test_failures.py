@@ -162,8 +162,10 @@ class Job:
 
 
 def _workers(job: Job) -> list[int]:
-    """Worker processes seen (multiprocessing spawn children; not its resource tracker)."""
-    return [pid for pid, cmd in job.cmdlines.items() if "spawn_main" in cmd and "--multiprocessing-fork" in cmd]
+    """Worker processes seen (multiprocessing spawn children, titled by rank once built; not its resource
+    tracker)."""
+    return [pid for pid, cmd in job.cmdlines.items()
+            if ("spawn_main" in cmd and "--multiprocessing-fork" in cmd) or cmd.startswith("pipegpt: rank ")]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -223,6 +225,19 @@ def test_killing_the_driver_takes_the_workers_with_it(tmp_path):
         gone = time.monotonic() - killed
         print(f"\ndriver SIGKILLed: its {len(job.seen)} processes gone {gone:.2f}s later")
         assert not left, f"alive {GONE_WITHIN_S:.0f}s after the driver was killed: {left}"
+    finally:
+        job.kill_all()
+
+
+def test_ps_names_each_worker_by_its_rank_and_stage(tmp_path):
+    job = Job([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "100000", "--log-every", "1",
+               "--run-dir", str(tmp_path / "run")], env=clean_env())
+    try:
+        started = job.wait_for(lambda: job.step_line_time(2) is not None or job.proc.poll() is not None, LIMIT_S)
+        assert started and job.proc.poll() is None, f"no training steps\n{job.stdout}\n{job.stderr}"
+        job.sample()
+        titles = sorted(cmd for cmd in job.cmdlines.values() if cmd.startswith("pipegpt: rank"))
+        assert titles == ["pipegpt: rank 0 stage 0", "pipegpt: rank 1 stage 1"], job.cmdlines
     finally:
         job.kill_all()
 
