@@ -368,6 +368,8 @@ def nonfinite_cause(results: list[WorkerStep], last_stage: int) -> str:
             return f"the loss is {loss} on rank {r.rank} (stage {last_stage})"
     norm = results[0].grad_norm
     first = min(((-s, r.rank) for r in results for s in r.nonfinite_stages), default=None)
+    if math.isfinite(norm):  # finite, but its squares would overflow the optimizer's second moment
+        return f"the gradient norm is {norm:.4g}, too large for the optimizer's squared-gradient moment"
     return f"the gradient norm is {norm}" + (f" (first on rank {first[1]}, stage {-first[0]})" if first else "")
 
 

@@ -95,6 +95,12 @@ def global_grad_norm(counted: list[torch.Tensor], group=None, device=None, flagg
     return math.sqrt(total), flags > 0, math.isfinite(total) or math.isfinite(float(local))
 
 
+def moments_overflow_at(dtype: torch.dtype) -> float:
+    """The gradient norm from which some gradient's square may overflow `dtype`: Adam's second moment would then be
+    infinite after the update, though every gradient was finite (max |g| <= the norm, so below it none can)."""
+    return math.sqrt(torch.finfo(dtype).max)
+
+
 def clip_grads_(params: list[torch.Tensor], norm: float, max_norm: float) -> None:
     """Scale every grad of params so that the global norm `norm` becomes at most max_norm (0: off)."""
     if max_norm > 0 and norm > max_norm:

@@ -32,7 +32,8 @@ from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint, rng, snapshot
 from pipegpt.tensor_parallel import REPLICATED, shard_tensor, tp_shard_spec
 from pipegpt.train.grad_sync import grads_started, make_syncs, not_counted, not_owned
-from pipegpt.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer, set_lr
+from pipegpt.train.optim import (clip_grads_, global_grad_norm, lr_at, make_optimizer, moments_overflow_at,
+                                  set_lr)
 
 __all__ = ["Worker", "actor_method", "first_nonfinite"]
 
@@ -81,6 +82,7 @@ class Worker:
         syncs += make_syncs(engine, cfg)
         self.syncs = syncs
         self.stages, self.named_params, self.full_names = engine.stages, engine.named_params, engine.full_names
+        self.moments_limit = moments_overflow_at(engine.dtype)
         self.optimizer = make_optimizer(self.named_params, cfg.optim, engine.mesh.group("dp") if p.zero else None)
         self.loader = self.val_loader = None
         if 0 in self.stages or last in self.stages:
@@ -177,7 +179,8 @@ class Worker:
         counted = [p for p in params if id(p) not in skip]
         norm, bad_loss, mine_finite = global_grad_norm(counted, mesh.group("model"), self.device,
                                                        flagged=not loss_finite)
-        finite = math.isfinite(norm) and not bad_loss
+        # A norm whose squares overflow the moments' dtype poisons Adam's state: not applied either.
+        finite = norm < self.moments_limit and not bad_loss
         if self.cfg.parallel.dp > 1:
             flag = torch.tensor(0.0 if finite else 1.0, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.group("dp"))

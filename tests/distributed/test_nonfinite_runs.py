@@ -111,3 +111,21 @@ def test_every_rank_skips_the_same_update(monkeypatch):
         host.run(cfg, 3)  # raises if the replicas' parameters differ
     finally:
         host.close()
+
+
+def test_skip_never_applies_an_update_whose_squares_overflow_the_moments(tmp_path):
+    """--lr 1e4 without clipping: step 2's gradients are finite but their norm (~1e24) squares past float32, so
+    applying it would leave Adam's second moment infinite (a checkpoint then refused it: the run stopped though
+    --on-nonfinite skip was given). Such an update is skipped like a non-finite one; the moments stay finite."""
+    run_dir = tmp_path / "run"
+    proc = pipegpt_run(run_dir, "--stages", "2", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len",
+                       "32", "--vocab-size", "256", "--lr", "1e4", "--grad-clip", "0", "--on-nonfinite", "skip",
+                       "--steps", "4", "--save-every", "4")
+    assert proc.returncode == 0, report(proc)
+    assert "too large for the optimizer's squared-gradient moment; update skipped" in proc.stderr, report(proc)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["skipped_steps"] >= 1
+    saved = checkpoint.resolve(run_dir)
+    for path in sorted(saved.glob("rank-*.safetensors")):
+        for key, value in load_file(path).items():
+            assert torch.isfinite(value).all(), key
