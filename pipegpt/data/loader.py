@@ -62,8 +62,9 @@ class RankLoader:
     """
 
     def __init__(self, tokens, seq_len: int, microbatches: int, microbatch_size: int, dp: int, dp_index: int,
-                 seed: int, inputs: bool, targets: bool):
+                 seed: int, inputs: bool, targets: bool, vocab_size: int | None = None):
         per_replica = microbatches * microbatch_size
+        self.vocab_size = vocab_size  # ids at or past it are refused here, not met as an IndexError in a layer
         self.sampler = BatchSampler(tokens, dp * per_replica, seq_len, seed)
         self.rows = slice(dp_index * per_replica, (dp_index + 1) * per_replica)
         self.microbatch_size, self.inputs, self.targets = microbatch_size, inputs, targets
@@ -72,6 +73,11 @@ class RankLoader:
     def batch(self, step: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
         """(input microbatches or None, target microbatches or None) of a step."""
         x, y = windows(self.sampler.tokens, self.sampler.starts(step)[self.rows], self.sampler.seq_len)
+        if self.vocab_size is not None and max(int(x.max()), int(y.max())) >= self.vocab_size:
+            from pipegpt.data.tokenizers import DataError
+
+            raise DataError(f"step {step + 1}'s batch holds token id {max(int(x.max()), int(y.max()))}, not below "
+                            f"the model's vocabulary size {self.vocab_size}: the data changed after it was checked")
         return (list(x.split(self.microbatch_size)) if self.inputs else None,
                 list(y.split(self.microbatch_size)) if self.targets else None)
 

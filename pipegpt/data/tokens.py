@@ -271,7 +271,9 @@ def open_tokens(path, split: str = "train", *, vocab_size: int | None = None, se
         raise DataError(f"{source}: prepared with tokenizer {meta['tokenizer']!r}, but the tokenizer is "
                         f"{tokenizer!r}: use --tokenizer {meta['tokenizer']}")
     if vocab_size is not None:
-        if meta is not None and meta["splits"].get(split, {}).get("max_token_id") is not None:
+        recorded = meta is not None and meta["splits"].get(split, {}).get("max_token_id") is not None
+        # meta.json's max id holds for shards no newer than it; a shard written since is scanned itself.
+        if recorded and not any(os.path.getmtime(f) > os.path.getmtime(source) for f in files):
             checks = [(source, int(meta["splits"][split]["max_token_id"]))]
         else:
             checks = [(f, _max_id(p)) for f, p in zip(files, parts) if len(p)]

@@ -43,7 +43,7 @@ def check(cfg: TrainConfig) -> Plan:
     import torch
 
     from pipegpt.data.tokenizers import get_tokenizer
-    from pipegpt.data.tokens import open_tokens
+    from pipegpt.data.tokens import builtin_tokens, open_tokens
 
     cfg.validate(os.environ)
     try:
@@ -55,7 +55,10 @@ def check(cfg: TrainConfig) -> Plan:
         open_tokens(cfg.data.data, "train", vocab_size=m.vocab_size, seq_len=m.seq_len, tokenizer=cfg.data.tokenizer)
         open_tokens(cfg.data.data, "val", vocab_size=m.vocab_size, tokenizer=cfg.data.tokenizer)
     else:  # the built-in corpus is tokenized by each worker: gpt2 offline fails here, in one line
-        get_tokenizer(cfg.data.tokenizer)
+        top = int(builtin_tokens(get_tokenizer(cfg.data.tokenizer)).max())
+        if top >= cfg.model.vocab_size:
+            raise ConfigError(f"the built-in corpus holds token id {top} (tokenizer {cfg.data.tokenizer}), not below "
+                              f"vocab_size={cfg.model.vocab_size}: give --vocab-size {top + 1} or more")
     start_from(cfg)
     if cfg.eval.hellaswag:
         from pipegpt.data.hellaswag import read_examples

@@ -89,7 +89,7 @@ class Worker:
             train, val = self._tokens()
             loader = lambda tokens, seed: RankLoader(  # noqa: E731
                 tokens, cfg.model.seq_len, plan.num_microbatches, p.microbatch_size, p.dp, engine.mesh.dp_index,
-                seed, inputs=0 in self.stages, targets=last in self.stages)
+                seed, inputs=0 in self.stages, targets=last in self.stages, vocab_size=cfg.model.vocab_size)
             self.loader = loader(train, cfg.runtime.seed)
             # Without a validation split (the built-in corpus, one flat file), validation windows come from
             # the training tokens under another seed: a check of the mechanics, not a held-out loss.

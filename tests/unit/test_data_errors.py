@@ -58,3 +58,39 @@ def test_the_offline_tokenizer_message_is_short_and_whole(monkeypatch):
     assert "HTTPSConnectionPool" not in message and "urllib" not in message and "\n" not in message, message
     for fragment in ("gpt2", "ConnectionError", "network", "TIKTOKEN_CACHE_DIR", "--tokenizer bytes"):
         assert fragment in message, (fragment, message)
+
+
+def test_token_ids_past_the_vocabulary_are_refused_before_any_worker_starts(tmp_path):
+    """The built-in corpus by its max id; a prepared shard rewritten after meta.json by a scan of its own (meta's
+    max id no longer holds for it); and, the last line, the loader's own check of each batch."""
+    import dataclasses
+    import os
+
+    import numpy as np
+
+    from pipegpt.config import ConfigError, TrainConfig
+    from pipegpt.data.loader import RankLoader
+    from pipegpt.data.prepare import prepare
+    from pipegpt.data.tokenizers import DataError
+    from pipegpt.data.tokens import SHARD_HEADER_BYTES, open_tokens
+    from pipegpt.train.driver import check
+
+    with pytest.raises(ConfigError, match=r"built-in corpus holds token id 226 .* give --vocab-size 227 or more"):
+        check(dataclasses.replace(TrainConfig(), model=dataclasses.replace(TrainConfig().model, vocab_size=100)))
+
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n" * 400)
+    prepare([text], tmp_path / "data", val_fraction=0.1)
+    open_tokens(tmp_path / "data", "train", vocab_size=128)  # meta.json's max id: 'w' = 119
+    shard = next((tmp_path / "data").glob("train_*.bin"))
+    tokens = np.memmap(shard, dtype="<u2", mode="r+", offset=SHARD_HEADER_BYTES)
+    tokens[5] = 300
+    tokens.flush()
+    meta = tmp_path / "data" / "meta.json"
+    os.utime(shard, (os.path.getmtime(meta) + 5,) * 2)
+    with pytest.raises(DataError, match=r"train_000000.bin: token id 300 .* not below the model.s vocabulary size 256"):
+        open_tokens(tmp_path / "data", "train", vocab_size=256)
+
+    loader = RankLoader(np.full(100, 300, dtype=np.uint16), 8, 1, 2, 1, 0, 0, True, True, vocab_size=256)
+    with pytest.raises(DataError, match="step 1's batch holds token id 300, not below the model's vocabulary"):
+        loader.batch(0)
