@@ -385,6 +385,9 @@ class TrainConfig:
         for name in ("stages", "dp", "tp", "microbatches", "microbatch_size"):
             _check_positive_int(name, getattr(p, name))
         _check_positive_int("steps", r.steps)
+        for name, value in (("virtual_stages", p.virtual_stages), ("threads_per_worker", r.threads_per_worker)):
+            if value is not None:  # None: the default (the schedule's, cores / ranks)
+                _check_positive_int(name, value)
         _check_choice("recompute", p.recompute, RECOMPUTE)
         _check_choice("device", r.device, DEVICES)
         _check_choice("dtype", r.dtype, DTYPES)

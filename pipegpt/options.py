@@ -173,7 +173,10 @@ def train_config(ctx: click.Context, batch_size: int | None, options: dict,
             raise click.UsageError("give either --config or --resume, not both (a resume takes its run's settings; "
                                    "options given override them)")
         filed = read_config_file(config_file)
-        _restore(ctx, settings, filed["config"])
+        if filed["config"]["checkpoint"].get("resume") is not None:
+            raise ConfigError(f"--config {config_file}: resume is not read from a file (a resume takes its run's "
+                              f"settings): give --resume {filed['config']['checkpoint']['resume']} on the command line")
+        _restore(ctx, settings, filed["config"], from_file=True)
         options = _file_model_options(ctx, options, filed["model"], config_file)
     saved = saved_run(settings["resume"]) if settings["resume"] is not None else None
     if saved is not None:
@@ -283,14 +286,26 @@ def read_config_file(path: str) -> dict:
             unknown = [k for k in value if k not in valid]
             if unknown:
                 raise ConfigError(f"--config {path}: unknown key {key}.{unknown[0]} (valid: {', '.join(valid)})")
-            (model if key == "model" else sections[key]).update(value)
+            target = model if key == "model" else sections[key]
+            twice = next((k for k in value if k in target), None)
+            if twice is not None:
+                raise ConfigError(f"--config {path}: {twice} is given twice ({twice} = {target[twice]!r} and "
+                                  f"[{key}] {twice} = {value[twice]!r}): keep one")
+            target.update(value)
         elif key in owner:
+            if key in sections[owner[key]]:
+                raise ConfigError(f"--config {path}: {key} is given twice ([{owner[key]}] {key} = "
+                                  f"{sections[owner[key]][key]!r} and {key} = {value!r}): keep one")
             sections[owner[key]][key] = value
         elif key in model_keys or key == "preset":
             model[key] = value
         else:
-            raise ConfigError(f"--config {path}: unknown key {key!r} (valid: the sections model, "
-                              f"{', '.join(SECTIONS)}, or a setting's name as in `pipegpt run --help`, e.g. stages)")
+            import difflib
+
+            names = sorted(set(owner) | set(model_keys))
+            near = difflib.get_close_matches(key, names, n=1)
+            raise ConfigError(f"--config {path}: unknown key {key!r}{f' (did you mean {near[0]}?)' if near else ''}; "
+                              f"valid: the sections model, {', '.join(SECTIONS)}, or a setting: {', '.join(names)}")
     return {"config": sections, "model": model}
 
 
@@ -376,13 +391,15 @@ def _as_field(value):
     return tuple(value) if isinstance(value, list) else value
 
 
-def _restore(ctx: click.Context, settings: dict, saved: dict) -> None:
+def _restore(ctx: click.Context, settings: dict, saved: dict, from_file: bool = False) -> None:
     """Every setting of the saved run (`saved`: its config's sections) that the command line does not give.
-    A checkpoint older than a setting leaves it at its default."""
+    A checkpoint older than a setting leaves it at its default. A --config file (from_file) may say where the
+    run starts (init_from); a saved run's own start is not this attempt's."""
+    skipped = () if from_file else NOT_RESUMED
     for section, cls in SECTIONS.items():
         stored = saved.get(section) or {}
         for f in dataclasses.fields(cls):
-            if f.name in NOT_RESUMED or f.name not in stored or (f.metadata.get("help") and given(ctx, f.name)):
+            if f.name in skipped or f.name not in stored or (f.metadata.get("help") and given(ctx, f.name)):
                 continue
             settings[f.name] = _as_field(stored[f.name])
     old = saved.get("parallel") or {}

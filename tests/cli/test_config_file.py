@@ -71,3 +71,52 @@ def test_stages_default_from_the_world_size_under_torchrun(monkeypatch, launched
     assert invoke("run", "--stages", 8, "--microbatches", 8).exit_code == 0  # a --stages given wins
     assert launched["cfg"].parallel.stages == 8
     assert_one_line_error(invoke("run", "--dp", 3), "WORLD_SIZE 8", "--stages")
+
+
+def test_where_a_file_starts_is_read_not_dropped(tmp_path, launched):
+    """init_from in a file starts from it (it was dropped without a word: a fresh start); resume in a file is one
+    line asking for --resume on the command line (a resume takes its run's settings, not the file's)."""
+    import dataclasses
+
+    from pipegpt.config import ModelConfig
+    from pipegpt.model.gpt import GPT
+    from pipegpt.state import checkpoint
+
+    model = ModelConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=32)
+    ckpt = checkpoint.write_weights(tmp_path / "ckpt", GPT(model, init_seed=0).state_dict(),
+                                    {"model": dataclasses.asdict(model), "tokenizer": "bytes"})
+    path = tmp_path / "start.toml"
+    path.write_text(f'resume = "{tmp_path / "runs" / "a"}"\n')
+    assert_one_line_error(invoke("run", "--config", path), "resume is not read from a file",
+                          f"--resume {tmp_path / 'runs' / 'a'}")
+    path.write_text(f'stages = 2\n[checkpoint]\ninit_from = "{ckpt}"\n')
+    result = invoke("run", "--config", path)
+    assert result.exit_code == 0, result.output
+    assert launched["cfg"].checkpoint.init_from == str(ckpt)
+    assert launched["cfg"].model == model  # the checkpoint's shape, as --init-from on the command line
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("stages = 2\n[parallel]\nstages = 1\n", ["stages is given twice", "stages = 2", "[parallel] stages = 1"]),
+    ("stagez = 2\n", ["did you mean stages?", "microbatches", "n_layer"]),
+])
+def test_settings_a_file_gives_twice_or_wrong_are_one_line(tmp_path, text, fragments, launched):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    assert_one_line_error(invoke("run", "--config", path), *fragments)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("threads_per_worker = 0\n", "threads_per_worker=0 must be a positive integer"),
+    ("threads_per_worker = -1\n", "threads_per_worker=-1 must be a positive integer"),
+    ('schedule = "interleaved-1f1b"\nvirtual_stages = 0\n', "virtual_stages=0 must be a positive integer"),
+])
+def test_zero_or_negative_counts_are_refused_before_any_worker_starts(tmp_path, text, message, launched):
+    """They were accepted (virtual stages 0 ran v = 2 and recorded 0) or failed inside every worker."""
+    from pipegpt.config import ConfigError
+
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert invoke("run", "--config", path).exit_code == 0
+    with pytest.raises(ConfigError, match=message):
+        launched["cfg"].validate()
