@@ -6,6 +6,7 @@ when it runs a job. Text goes out through `echo(text, err=False)` (the command p
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Callable
 
@@ -77,6 +78,8 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
         if m.checkpoint_s is not None:
             echo(f"step {m.step}: checkpoint saved in {m.checkpoint_s:.2f} s")
 
+    if driver:  # a scheduler's SIGTERM ends the job as Ctrl-C does: every worker stopped, one line
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         history = run_job(job, out, on_step)
     except WorkerFailure as e:
@@ -94,6 +97,9 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     except KeyboardInterrupt:
         drop_snapshots(cfg, out)
         exit_now(echo, "Interrupted: all workers stopped", 130)
+    except Terminated:
+        drop_snapshots(cfg, out)
+        exit_now(echo, "Terminated (SIGTERM): all workers stopped", 143)
     drop_snapshots(cfg, out)
     if not history:
         if history is not None:
@@ -101,3 +107,11 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
         return
     for line in summary_lines(history, cfg, out):
         echo(line)
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the driver (a BaseException, as KeyboardInterrupt: no `except Exception` swallows it)."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
