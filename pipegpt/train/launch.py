@@ -61,7 +61,7 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
         if crowded:
             echo(crowded, err=True)
 
-    clock = Clock(job.first_step, steps)
+    clock = Clock(done, steps)  # from where this attempt starts (job.first_step is known only once it started)
 
     def on_step(m):
         clock.tick(m.step - 1)

@@ -9,6 +9,7 @@ from typing import Callable
 
 from pipegpt import run_files
 from pipegpt.config import TrainConfig
+from pipegpt.schedule.calibrate import read_metrics
 
 
 def crowding(cfg: TrainConfig, device: str) -> str | None:
@@ -77,7 +78,12 @@ def progress_line(m, steps: int, elapsed_s: float | None = None, eta_s: float | 
 def summary_lines(history: list, cfg: TrainConfig, out: Path) -> list[str]:
     """The loss, speed and memory of a finished run, and where its metrics, traces and profiles are."""
     timed = [m.step_time_s for m in history[1:]] or [history[0].step_time_s]  # the first step includes warm-up
-    lines = [f"done: loss {history[0].loss:.4f} -> {history[-1].loss:.4f} in {len(history)} steps; "
+    first, steps = history[0].loss, f"{len(history)} steps"
+    rows = read_metrics(out)  # the whole run, across its attempts (resumes, restarts)
+    if rows and rows[0]["step"] < history[0].step and rows[0].get("loss") is not None:
+        first = rows[0]["loss"]
+        steps = f"{len(rows)} steps ({len(history)} in this attempt, from step {history[0].step})"
+    lines = [f"done: loss {first:.4f} -> {history[-1].loss:.4f} in {steps}; "
              f"median step {statistics.median(timed) * 1000:.1f} ms, "
              f"{statistics.median(m.tokens_per_s for m in history[1:] or history):,.0f} tok/s; "
              f"peak memory per rank {', '.join(f'{b / 2**20:.0f} MiB' for b in history[-1].peak_memory_per_rank)}",

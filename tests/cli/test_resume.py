@@ -111,3 +111,16 @@ def test_a_resume_into_another_runs_directory_is_refused(no_workers, run_copy, t
     assert_one_line_error(invoke("run", "--resume", run_copy, "--steps", "6", "--run-dir", other),
                           f"--run-dir {other} holds another run", "leave out --run-dir")
     assert (other / "metrics.jsonl").read_text().count("\n") == 1 and not NoWorkers.started
+
+
+def test_a_resumed_attempt_has_an_eta_and_its_summary_covers_the_whole_run(saved, run_copy):
+    """The progress line said `eta ?` on every line after a resume (its clock started from step 0, not from the
+    checkpoint), and the summary covered the last attempt only."""
+    proc = _ok(run_pipegpt("run", "--resume", run_copy, "--steps", "9", "--log-every", "2", timeout=240))
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "/9 [" in line]
+    assert [line.split()[1] for line in progress] == ["6/9", "8/9", "9/9"], proc.stdout
+    assert all("eta ?" not in line for line in progress[1:]) and "eta " in progress[1], proc.stdout
+    rows = _rows(run_copy)
+    summary = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
+    assert summary.startswith(f"done: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} in 9 steps "
+                              f"(5 in this attempt, from step 5); "), summary
