@@ -57,7 +57,8 @@ def choose_layout(model: ModelConfig, batch_size: int, ranks: int, ranks_per_nod
     a checkpoint must load into it)."""
     precision = {"fp32": "fp32", "bf16": "bf16"}.get(precision, "fp32")
     if device_name in (None, "cpu"):
-        cluster = make_cluster(ranks, ranks_per_node, precision=precision, reserve=0, **CPU_RANK)
+        cluster = make_cluster(ranks, ranks_per_node, precision=precision, reserve=0, name="CPU rank (nominal)",
+                               **CPU_RANK)
     else:
         preset = next((name for pattern, name in GPU_PRESETS if re.search(pattern, device_name.upper())), None)
         if preset is None:

@@ -134,7 +134,11 @@ class Cluster:
         reserve = f" ({format_bytes(self.reserve_bytes)} reserved)" if self.reserve_bytes else ""
         return (f"{self.gpus} x {self.name} ({nodes}), {format_bytes(self.memory_bytes)} each{reserve}, "
                 f"{self.peak_flops / 1e12:g} TFLOPS {self.precision}, links {format_rate(self.intra_node_bytes_per_s)} "
-                f"in a node, {format_rate(self.inter_node_bytes_per_s)} between nodes (per GPU)")
+                f"in a node, {format_rate(self.inter_node_bytes_per_s)} between nodes (per {self.unit})")
+
+    @property
+    def unit(self) -> str:
+        return "rank" if self.name.startswith("CPU") else "GPU"
 
 
 _BYTE_UNITS = {"": GiB, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -190,7 +194,7 @@ def format_rate(bytes_per_s: float) -> str:
 
 def make_cluster(gpus: int | None, gpus_per_node: int | None = None, device: str | None = None,
                  gpu_memory=None, gpu_tflops: float | None = None, intra_node=None, inter_node=None,
-                 precision: str = "bf16", hbm=None, reserve=None) -> Cluster:
+                 precision: str = "bf16", hbm=None, reserve=None, name: str | None = None) -> Cluster:
     """A Cluster from a preset and/or explicit figures; ConfigError (one line) for anything missing or wrong.
 
     gpu_memory, intra_node and inter_node may be strings with units (see parse_bytes, parse_rate) or numbers
@@ -248,7 +252,7 @@ def make_cluster(gpus: int | None, gpus_per_node: int | None = None, device: str
         raise ConfigError(f"--reserve {format_bytes(held)} must be at least 0 and below the GPU's memory "
                           f"({format_bytes(memory)})")
     return Cluster(gpus, per_node, memory, peak, intra, inter, hbm_rate, precision,
-                   preset.name if preset else "custom GPU", reserve_bytes=held)
+                   name or (preset.name if preset else "custom GPU"), reserve_bytes=held)
 
 
 def default_reserve(memory_bytes: float) -> float:

@@ -474,3 +474,11 @@ def test_try_keeps_the_ranked_table_and_refuses_a_used_directory(tmp_path, monke
     (tmp_path / "used" / "x").write_text("")
     with pytest.raises(ConfigError, match="--try-dir .*used exists and is not an empty directory"):
         trials_dir(str(tmp_path / "used"))
+
+
+def test_layout_auto_on_cpu_names_cpu_ranks_not_a_custom_gpu():
+    from pipegpt.config import MODEL_PRESETS
+    from pipegpt.plan.auto import choose_layout
+
+    chosen = choose_layout(MODEL_PRESETS["tiny"], 16, 2, 2, "fp32", device_name="cpu")
+    assert chosen.cluster.startswith("2 x CPU rank (nominal)") and "GPU" not in chosen.cluster, chosen.cluster
