@@ -106,6 +106,25 @@ def resumed_step(cfg: TrainConfig) -> int:
         raise ConfigError(str(e)) from None
 
 
+def learning_rate_jump(cfg: TrainConfig) -> str | None:
+    """A line when a resume's --steps moves the learning-rate schedule under it (the cosine decays over --steps):
+    the rate at the resumed step under the run's old length and under the new, when they differ by over 1%."""
+    from pipegpt.train.optim import lr_at
+
+    if cfg.checkpoint.resume is None:
+        return None
+    manifest = checkpoint.read_manifest(checkpoint.resolve(cfg.checkpoint.resume), verify=False)
+    old_steps = (manifest.get("config") or {}).get("runtime", {}).get("steps")
+    step = int(manifest["step"])
+    if not old_steps or old_steps == cfg.runtime.steps:
+        return None
+    before, after = lr_at(step, cfg.optim, old_steps), lr_at(step, cfg.optim, cfg.runtime.steps)
+    if abs(after - before) <= 0.01 * max(abs(before), 1e-12):
+        return None
+    return (f"pipegpt: --steps {old_steps} -> {cfg.runtime.steps} moves the {cfg.optim.lr_schedule} learning-rate "
+            f"schedule: step {step + 1} runs at lr {after:.3g}, not the {before:.3g} the run was heading for")
+
+
 class Job:
     """A job's workers, from start to close: one actor per rank, steered over RPC."""
 

@@ -29,7 +29,7 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     warnings.filterwarnings("ignore", category=UserWarning)
     from pipegpt.comm.rpc import WorkerFailure
-    from pipegpt.train.driver import Job, NonFiniteError, resumed_step, run_job
+    from pipegpt.train.driver import Job, NonFiniteError, learning_rate_jump, resumed_step, run_job
     from pipegpt.observe.metrics import new_run_dir
 
     driver = not under_torchrun() or os.environ.get("RANK") == "0"  # the one process that writes the run directory
@@ -57,6 +57,9 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
              f"{device}, schedule {p.schedule}, "
              f"{p.microbatches} microbatches x {p.microbatch_size} sequences x {model.seq_len} tokens; "
              f"run dir {out}")
+        jump = learning_rate_jump(cfg)
+        if jump:
+            echo(jump)
         crowded = crowding(cfg, device)
         if crowded:
             echo(crowded, err=True)

@@ -120,6 +120,13 @@ def test_a_resumed_attempt_has_an_eta_and_its_summary_covers_the_whole_run(saved
     progress = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "/9 [" in line]
     assert [line.split()[1] for line in progress] == ["6/9", "8/9", "9/9"], proc.stdout
     assert all("eta ?" not in line for line in progress[1:]) and "eta " in progress[1], proc.stdout
+    # the cosine decays over --steps: a longer run moves the rate under the resumed step, and says so
+    from pipegpt.config import OptimizerConfig
+    from pipegpt.train.optim import lr_at
+
+    optim = OptimizerConfig(lr=0.002)
+    assert (f"--steps 4 -> 9 moves the cosine learning-rate schedule: step 5 runs at lr {lr_at(4, optim, 9):.3g}, "
+            f"not the {lr_at(4, optim, 4):.3g} the run was heading for") in proc.stdout, proc.stdout
     rows = _rows(run_copy)
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
     assert summary.startswith(f"done: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} in 9 steps "
