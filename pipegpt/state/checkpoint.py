@@ -30,7 +30,10 @@ import shutil
 import struct
 from pathlib import Path
 
-FORMAT, VERSION = "pipegpt-checkpoint", 1
+# Version 2 records a SHA-256 for every file and requires one; version 1 manifests came before checksums (or
+# carried them optionally) and still load, verified where they have them.
+FORMAT, VERSION = "pipegpt-checkpoint", 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 DIR_PREFIX = "step-"
 
@@ -174,10 +177,20 @@ def read_manifest(checkpoint: Path, verify: bool = True) -> dict:
         manifest = json.loads((checkpoint / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{checkpoint / MANIFEST}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(f"{checkpoint / MANIFEST}: not a {FORMAT} version {VERSION} manifest")
-    # Checkpoints written before checksums existed have no "sha256": they load on the size check alone.
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or \
+            manifest.get("version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{checkpoint / MANIFEST}: not a {FORMAT} manifest of version "
+                              f"{' or '.join(map(str, READABLE_VERSIONS))}")
+    # Checkpoints written before checksums existed (version 1) may have no "sha256": they load on the size check.
     sha256 = manifest.get("sha256") or {}
+    unsigned = [name for name in manifest["files"] if name not in sha256] if manifest["version"] >= 2 else []
+    if unsigned:
+        raise CheckpointError(f"{checkpoint / MANIFEST}: records no SHA-256 for {unsigned[0]} (every version "
+                              f"{manifest['version']} manifest does): a hand-edited or damaged manifest; use another "
+                              f"checkpoint")
+    if not isinstance(manifest.get("step"), int) or manifest["step"] < 0:
+        raise CheckpointError(f"{checkpoint / MANIFEST}: step {manifest.get('step')!r} is not a step count (an "
+                              f"integer >= 0): a hand-edited or damaged manifest")
     for name in manifest["files"]:
         _check_whole(checkpoint / name)
         if verify and name in sha256:
@@ -229,6 +242,33 @@ def _check_whole(path: Path) -> None:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if size != 8 + header_len + end:
         raise CheckpointError(f"{path}: truncated tensor file ({size} bytes, its header says {8 + header_len + end})")
+
+
+def check_tensors(checkpoint: Path, model) -> None:
+    """Every parameter and moment the model (a ModelConfig: the manifest's, or the run's) has is in the checkpoint,
+    each shard of the shape that model gives it: a hand-edited manifest (n_embd changed) or a reshaped tensor is
+    one line here, not a shape error in a worker. Only the files' headers are read."""
+    import torch
+
+    from pipegpt.model.gpt import GPT
+    from pipegpt.tensor_parallel import shard_tensor
+
+    reader = CheckpointReader(checkpoint, verify=False)
+    with torch.device("meta"):
+        params = dict(GPT(model, init_seed=0).named_parameters())
+    optimizer = read_manifest(checkpoint, verify=False).get("optimizer", True)
+    for name, p in params.items():
+        for kind in ("param", "exp_avg", "exp_avg_sq") if optimizer else ("param",):
+            key = f"{kind}/{name}"
+            if not reader.has(key):
+                raise CheckpointError(f"{checkpoint}: holds no {key}, which its manifest's model has: a hand-edited "
+                                      f"manifest or another model's files")
+            for tp_rank, (file, tp_size) in sorted(reader.where[key].items()):
+                want = list(shard_tensor(name, p, tp_rank, tp_size, model.kv_heads).shape)
+                have = reader._files[file].get_slice(key).get_shape()
+                if list(have) != want:
+                    raise CheckpointError(f"{checkpoint}: {key} is {list(have)} in {file}, but its manifest's model "
+                                          f"needs {want}: a hand-edited manifest or a reshaped tensor")
 
 
 def check_compatible(manifest: dict, model: dict, where: Path) -> None:

@@ -87,6 +87,7 @@ def start_from(cfg: TrainConfig) -> Path | None:
         found = checkpoint.resolve(path)
         manifest = checkpoint.read_manifest(found)
         checkpoint.check_compatible(manifest, asdict(cfg.model), found)
+        checkpoint.check_tensors(found, cfg.model)
         if cfg.checkpoint.resume and not manifest.get("optimizer", True):
             raise checkpoint.CheckpointError(f"{found}: holds weights only (no optimizer state, no step): "
                                              f"start from it with --init-from")

@@ -90,9 +90,66 @@ def test_a_flipped_byte_is_refused_naming_the_file(tmp_path):
 def test_a_checkpoint_without_checksums_still_loads(tmp_path):
     ckpt = weights_checkpoint(tmp_path / "ckpt")
     manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
-    del manifest["sha256"]  # as written before checksums existed
+    del manifest["sha256"]  # as written before checksums existed (version 1)
+    manifest["version"] = 1
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     assert set(checkpoint.read_weights(ckpt)) == {n for n, _ in GPT(MODEL, init_seed=0).named_parameters()}
+
+
+def test_a_manifest_of_this_version_without_checksums_is_refused(tmp_path):
+    """A weight overwritten and its manifest's sha256 deleted loaded and trained: only a version 1 manifest (written
+    before checksums) may lack them."""
+    ckpt = weights_checkpoint(tmp_path / "ckpt")
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    assert manifest["version"] == 2
+    del manifest["sha256"]
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match="records no SHA-256 for rank-00000.safetensors .* "
+                                                         "hand-edited or damaged manifest"):
+        checkpoint.read_manifest(ckpt)
+
+
+def optimizer_checkpoint(path, step: int = 2):
+    """A checkpoint as a run writes it, of one rank: parameters and both Adam moments."""
+    named = {n: p.detach() for n, p in GPT(MODEL, init_seed=0).named_parameters()}
+    tmp = checkpoint.begin(path, step)
+    tensors = {f"{kind}/{n}": t.clone() for n, t in named.items() for kind in ("param", "exp_avg", "exp_avg_sq")}
+    name, sha = checkpoint.write_rank_file(tmp, 0, tensors, {key: [0, 1] for key in tensors})
+    return checkpoint.commit(tmp, {"step": step, "model": dataclasses.asdict(MODEL), "world_size": 1,
+                                   "optimizer": True}, keep=0, checksums={name: sha})
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["model"].update(n_embd=48), r"param/wte.weight is \[256, 32\] in rank-00000.safetensors, but its "
+                                             r"manifest's model needs \[256, 48\]"),
+    (lambda m: m.update(step=-1), "step -1 is not a step count"),
+    (lambda m: m.update(step="2"), "step '2' is not a step count"),
+])
+def test_a_hand_edited_manifest_is_one_line(tmp_path, edit, message):
+    ckpt = optimizer_checkpoint(tmp_path / "run")
+    checkpoint.check_tensors(ckpt, MODEL)  # as written: every shape as its model says
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    edit(manifest)
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        checkpoint.check_tensors(ckpt, ModelConfig(**manifest["model"]))
+
+
+def test_a_reshaped_moment_with_its_checksum_fixed_is_one_line(tmp_path):
+    ckpt = optimizer_checkpoint(tmp_path / "run")
+    path = ckpt / "rank-00000.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    tensors["exp_avg/lm_head.weight" if "exp_avg/lm_head.weight" in tensors else "exp_avg/wte.weight"] = \
+        torch.zeros(32, 256)
+    path.write_bytes(save(tensors, metadata))
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    manifest["sha256"]["rank-00000.safetensors"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    checkpoint.read_manifest(ckpt)  # whole and verified
+    with pytest.raises(checkpoint.CheckpointError, match=r"exp_avg/.*weight is \[32, 256\] .* needs \[256, 32\]"):
+        checkpoint.check_tensors(ckpt, MODEL)
 
 
 def test_a_file_changed_after_a_successful_check_is_checked_again(tmp_path):
