@@ -444,7 +444,7 @@ def run_job(job: Job, run_dir: Path, on_step: Callable[[StepMetrics], None] = la
     with job:
         if not job.start():
             return None
-        log = RunLog(run_dir, job.cfg, job.plan)
+        log = RunLog(run_dir, job.cfg, job.plan, job.first_step)
         stopped = None
         try:
             history = train(job, log, on_step)
