@@ -4,10 +4,16 @@ from here (torch-free, so the simulator's --trace and the planner read runs with
     RUN/
       config.json, plan.txt        the latest attempt's settings and plan
       configs/attempt-N.json       each attempt's settings
-      metrics.jsonl                one row per step, naming its attempt
+      metrics.jsonl                one row per step, naming its attempt ("abandoned": a step done again later)
       trace.json, traces/step-N.json, profiles/rank-N.svg, plot.svg
       checkpoints/step-NNNNNNNN/   layout-free checkpoints (pipegpt.state.checkpoint)
+      abandoned-<time>/checkpoints/  those a resume from an older checkpoint moved off the line (train.run_dir)
       restart.json                 what a restart carries into the next attempt (pipegpt.train.restart)
+      snapshots.json               the run id its snapshots in shared memory are kept under, and their owner
+                                   (pipegpt.state.snapshot)
+
+One process owns the directory while it runs: the driver, holding a lock on the directory itself
+(pipegpt.state.owner).
 """
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ import os
 
 CONFIG, PLAN, METRICS, TRACE, PLOT = "config.json", "plan.txt", "metrics.jsonl", "trace.json", "plot.svg"
 CONFIGS, TRACES, PROFILES, CHECKPOINTS = "configs", "traces", "profiles", "checkpoints"
-RESTART = "restart.json"
+RESTART, SNAPSHOTS = "restart.json", "snapshots.json"
+ABANDONED_PREFIX = "abandoned-"
 
 
 def attempt_config(n: int) -> str:
@@ -31,3 +38,20 @@ def holds_run(run_dir) -> bool:
     metrics, checkpoints = os.path.join(run_dir, METRICS), os.path.join(run_dir, CHECKPOINTS)
     return (os.path.isfile(metrics) and os.path.getsize(metrics) > 0) or \
         (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints)))
+
+
+def write_whole(path, text: str) -> None:
+    """`text` into `path`, whole or not at all: written beside it, then renamed over it. A full disk leaves
+    the file as it was (never empty or half-written) and no temporary file behind."""
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -124,6 +124,22 @@ def read_only(path):
             os.chmod(path, 0o755)
 
 
+@contextmanager
+def lock_held_elsewhere(directory):
+    """`directory` locked (flock on the directory itself) by a helper process, as a live `pipegpt run` holds its
+    run directory; yields the helper's pid. The helper is killed on the way out, and the kernel frees the lock."""
+    holder = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+              "print('held', flush=True)\ntime.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(directory)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
 def proc_cmdline(pid: int) -> str:
     """A process's command line from /proc ("?" once it is gone)."""
     try:

@@ -118,28 +118,32 @@ class RunLog:
     event files in the run directory.
 
     A run directory holds one run, attempt after attempt: the fresh run is attempt 1, each --resume into it
-    the next (a resume into a new directory is attempt 2). Every metrics.jsonl row names its attempt (readers
-    take the rows of the attempt that went on: pipegpt.schedule.calibrate.read_metrics). Each attempt's config
-    is kept as configs/attempt-N.json; config.json and plan.txt are the latest attempt's, the layout trace.json
-    was measured in."""
+    or start again there (--resume auto without a checkpoint, a restart) the next (a resume into a new
+    directory is attempt 2). Every metrics.jsonl row names its attempt; the rows of the steps after
+    `first_step` (where this attempt goes on from) that earlier attempts wrote are marked "abandoned" as it
+    opens, and readers skip them (pipegpt.schedule.calibrate.read_metrics). Each attempt's config is kept as
+    configs/attempt-N.json; config.json and plan.txt are the latest attempt's, the layout trace.json was
+    measured in. Each is written whole or not at all (a full disk leaves no empty file)."""
 
-    def __init__(self, run_dir: Path, cfg: TrainConfig, plan: Plan):
+    def __init__(self, run_dir: Path, cfg: TrainConfig, plan: Plan, first_step: int = 0):
         self.run_dir = Path(run_dir)
         configs = self.run_dir / CONFIGS_DIR
         earlier = attempts(self.run_dir)
+        in_rows = settle_metrics(self.run_dir / run_files.METRICS, first_step)
         if cfg.checkpoint.resume is None:
-            self.attempt = 1
+            self.attempt = max([0, in_rows, *earlier]) + 1
         else:
             if not earlier and (self.run_dir / run_files.CONFIG).is_file():  # a run from before configs/ was kept
                 configs.mkdir(exist_ok=True)
-                (self.run_dir / run_files.attempt_config(1)).write_text((self.run_dir / run_files.CONFIG).read_text())
+                run_files.write_whole(self.run_dir / run_files.attempt_config(1),
+                                      (self.run_dir / run_files.CONFIG).read_text())
                 earlier = [1]
-            self.attempt = max([1, *earlier]) + 1
+            self.attempt = max([1, in_rows, *earlier]) + 1
         text = json.dumps(asdict(cfg), indent=2, default=str)
         configs.mkdir(exist_ok=True)
-        (self.run_dir / run_files.attempt_config(self.attempt)).write_text(text)
-        (self.run_dir / run_files.CONFIG).write_text(text)
-        (self.run_dir / run_files.PLAN).write_text(dump_schedule_text(plan))
+        run_files.write_whole(self.run_dir / run_files.attempt_config(self.attempt), text)
+        run_files.write_whole(self.run_dir / run_files.CONFIG, text)
+        run_files.write_whole(self.run_dir / run_files.PLAN, dump_schedule_text(plan))
         self._metrics = open(self.run_dir / run_files.METRICS, "a")
         self._tensorboard = _tensorboard_writer(self.run_dir)
 
@@ -168,6 +172,37 @@ class RunLog:
             write_plot(self.run_dir)  # plot.svg: the loss curve without TensorBoard
         except OSError as e:  # a picture is not worth failing a run that trained
             print(f"pipegpt: plot.svg not written: {e}", file=sys.stderr)
+
+
+def settle_metrics(path: Path, first_step: int) -> int:
+    """metrics.jsonl as an attempt that goes on after `first_step` opens it: a last row cut short (a writer
+    killed mid-line) is cut off, so the next row starts a line of its own; the rows of later steps, which this
+    attempt does again (an interrupted attempt's steps past its checkpoint, the branch a resume of an older
+    checkpoint left), are marked "abandoned". Rewritten whole, only where something changed. Returns the
+    highest attempt the rows name (0: no rows)."""
+    try:
+        lines = Path(path).read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    changed, latest, kept = False, 0, []
+    for line in lines:
+        try:
+            row = json.loads(line)
+            step, attempt = int(row["step"]), int(row.get("attempt", 1))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            changed |= not line.endswith("\n")  # torn: the last line (a whole one always ends in a newline)
+            if line.endswith("\n"):
+                kept.append(line)  # not a row: readers skip it
+            continue
+        latest = max(latest, attempt)
+        if step > first_step and not row.get("abandoned"):
+            line, changed = json_line({**row, "abandoned": True}) + "\n", True
+        elif not line.endswith("\n"):  # a whole row whose newline was lost
+            line, changed = line + "\n", True
+        kept.append(line)
+    if changed:
+        run_files.write_whole(path, "".join(kept))
+    return latest
 
 
 EVAL_METRICS = ("val_loss", "hellaswag_acc", "hellaswag_acc_norm")

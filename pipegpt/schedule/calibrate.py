@@ -203,7 +203,8 @@ def read_metrics(run_dir) -> list[dict]:
     Every row names the attempt that wrote it (`attempt`: 1 for the fresh run, +1 per resume). A resume goes
     on from its checkpoint, so an attempt's first row replaces the rows of the steps from there on that
     earlier attempts wrote (an interrupted attempt's steps past the checkpoint): each step's last row, and no
-    stale row after it. A line cut short by a crash is skipped."""
+    stale row after it. Rows marked "abandoned" (steps a later attempt did again: pipegpt.observe.metrics) and
+    a line cut short by a crash are skipped."""
     path = os.path.join(os.fspath(run_dir), METRICS_FILE)
     if not os.path.isfile(path):
         return []
@@ -215,6 +216,8 @@ def read_metrics(run_dir) -> list[dict]:
                 row = json.loads(line)
                 step = int(row["step"])
             except (ValueError, TypeError, KeyError):
+                continue
+            if row.get("abandoned"):
                 continue
             if row.get("attempt", 1) != attempt:
                 attempt = row.get("attempt", 1)

@@ -57,12 +57,19 @@ def begin(root: Path, step: int) -> Path:
     """An empty temporary directory for the checkpoint after `step` steps. What interrupted saves left
     (`.tmp-step-*`, of any step: a save killed midway is never finished) is removed first."""
     root = Path(root)
-    if root.is_dir():
-        for stale in root.glob(f".tmp-{DIR_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_unfinished(root)
     tmp = root / f".tmp-{DIR_PREFIX}{step:08d}"
     tmp.mkdir(parents=True)
     return tmp
+
+
+def remove_unfinished(root: Path) -> None:
+    """What interrupted saves left under root (`.tmp-step-*`): also when a run starts, as the space they hold
+    may be what a full disk lacks."""
+    root = Path(root)
+    if root.is_dir():
+        for stale in root.glob(f".tmp-{DIR_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 # safetensors' dtype names (its format's spec)

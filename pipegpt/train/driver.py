@@ -238,7 +238,7 @@ class Job:
         """--snapshot-every: every rank copies its state after `step` steps and writes it in the background into
         the run's snapshot directory in shared memory (pipegpt.state.snapshot); returns once every copy is made."""
         manifest = {**self._manifest(step), "run_dir": str(Path(run_dir).resolve())}  # where a restart goes on
-        directory = snapshot.begin(snapshot.snapshot_root(run_dir), step, manifest)
+        directory = snapshot.begin(snapshot.claim_root(run_dir), step, manifest)  # this driver's, never another's
         self.cluster.call("snapshot", str(directory))
 
     def step(self, step: int) -> list[WorkerStep]:
@@ -474,7 +474,7 @@ def run_job(job: Job, run_dir: Path, on_step: Callable[[StepMetrics], None] = la
     with job:
         if not job.start():
             return None
-        log = RunLog(run_dir, job.cfg, job.plan)
+        log = RunLog(run_dir, job.cfg, job.plan, job.first_step)
         stopped = None
         try:
             history = train(job, log, on_step)

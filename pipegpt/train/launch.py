@@ -15,7 +15,8 @@ from pipegpt import run_files
 from pipegpt.engine.placement import resolve_device
 from pipegpt.train.progress import Clock, crowding, progress_line, summary_lines
 from pipegpt.train.restart import drop_snapshots, exit_now, restart, restart_state
-from pipegpt.train.run_dir import check_run_dir, move_aside, resumed_run_dir
+from pipegpt.state.owner import release
+from pipegpt.train.run_dir import abandon_later, check_run_dir, move_aside, own_run_dir, resumed_run_dir
 
 
 def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None, log_every: int,
@@ -28,29 +29,57 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     # TensorPipe reports each connection a stopping job closes; failures reach us as WorkerFailure.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     warnings.filterwarnings("ignore", category=UserWarning)
-    from pipegpt.comm.rpc import WorkerFailure
-    from pipegpt.train.driver import Job, NonFiniteError, learning_rate_jump, resumed_step, run_job
-    from pipegpt.observe.metrics import new_run_dir
+    from pipegpt.train.driver import Job, resumed_step
 
     driver = not under_torchrun() or os.environ.get("RANK") == "0"  # the one process that writes the run directory
     out = Path(run_dir) if run_dir else resumed_run_dir(cfg)
     job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
     restarts, job.failed_at, job.steps_lost = restart_state(out)
     continuing = continuing or restarts > 0
-    model, p, steps = cfg.model, cfg.parallel, cfg.runtime.steps
+    steps = cfg.runtime.steps
     done = resumed_step(cfg)
     if done >= steps:
         if driver:
             echo(f"nothing to do: the checkpoint was taken after step {done} of {steps}; nothing written "
                  f"(give --steps above {done} to train on)")
         return
-    if driver:
-        check_run_dir(out, cfg, overwrite, continuing)  # still before any process starts, and before anything is written
-    if driver and overwrite and out is not None and run_files.holds_run(out):
-        echo(f"pipegpt: moved the earlier run in {out} to {move_aside(out)}")
-    if out is None:
-        out = new_run_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    if driver:  # the one process that writes the run directory, from its lock on
+        out = _own(cfg, out, overwrite, continuing, done, echo)
+    try:
+        _run(job, preset, out, driver, restarts, log_every, echo, done)
+    finally:
+        if driver:
+            release(out)  # the run is over: a process that goes on (a test) no longer holds the directory
+
+
+def _own(cfg: TrainConfig, out: Path | None, overwrite: bool, continuing: bool, done: int, echo: Callable) -> Path:
+    """The driver takes the run directory (a new runs/<time> for None): its lock, the checks, then what earlier
+    runs left there; still before any process starts. Returns the directory."""
+    from pipegpt.observe.metrics import new_run_dir
+
+    try:
+        if out is not None and out.is_dir():
+            own_run_dir(out)  # before the checks: a live run's directory is refused naming its pid
+        check_run_dir(out, cfg, overwrite, continuing)
+        out = new_run_dir() if out is None else out
+        out.mkdir(parents=True, exist_ok=True)
+        own_run_dir(out, warn=lambda line: echo(line, err=True))
+        _take_over(out, overwrite, done, echo)
+    except BaseException:
+        if out is not None:
+            release(out)
+        raise
+    return out
+
+
+def _run(job, preset: str, out: Path, driver: bool, restarts: int, log_every: int, echo: Callable,
+         done: int) -> None:
+    """Start the job, print as it goes, and the summary; on a failure, a restart or one line and exit 1."""
+    from pipegpt.comm.rpc import WorkerFailure
+    from pipegpt.train.driver import NonFiniteError, learning_rate_jump, run_job
+
+    cfg = job.cfg
+    model, p, steps = cfg.model, cfg.parallel, cfg.runtime.steps
     device = resolve_device(cfg.runtime.device, cfg.world_size)
     if driver:
         echo(f"pipegpt: {model.n_layer}-layer {'Llama' if model.is_llama else 'GPT'} ({preset}), {cfg.world_size} worker{'s' * (cfg.world_size > 1)} on "
@@ -81,6 +110,7 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
         if m.checkpoint_s is not None:
             echo(f"step {m.step}: checkpoint saved in {m.checkpoint_s:.2f} s")
 
+    mine = out if driver else None  # the snapshots to drop: the driver's
     if driver:  # a scheduler's SIGTERM ends the job as Ctrl-C does: every worker stopped, one line
         signal.signal(signal.SIGTERM, _terminated)
     try:
@@ -90,26 +120,43 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
             echo(e.report, err=True)
         if driver and restarts < cfg.checkpoint.max_restarts:
             restart(echo, e, job, out, restarts + 1)
-        drop_snapshots(cfg, out)
+        drop_snapshots(cfg, mine)
         exit_now(echo, f"Error: {e}; all workers stopped" + (
             f" (after {restarts} restart{'s' if restarts > 1 else ''}, --max-restarts {cfg.checkpoint.max_restarts})"
             if restarts else ""), 1)
     except NonFiniteError as e:  # the job was closed cleanly; nothing was applied or saved from that state
-        drop_snapshots(cfg, out)
+        drop_snapshots(cfg, mine)
         exit_now(echo, f"Error: {e}", 1)
     except KeyboardInterrupt:
-        drop_snapshots(cfg, out)
+        drop_snapshots(cfg, mine)
         exit_now(echo, "Interrupted: all workers stopped", 130)
     except Terminated:
-        drop_snapshots(cfg, out)
+        drop_snapshots(cfg, mine)
         exit_now(echo, "Terminated (SIGTERM): all workers stopped", 143)
-    drop_snapshots(cfg, out)
+    drop_snapshots(cfg, mine)
     if not history:
         if history is not None:
             echo(f"nothing to do: the checkpoint was taken after step {job.first_step} of {steps}")
         return
     for line in summary_lines(history, cfg, out):
         echo(line)
+
+
+def _take_over(out: Path, overwrite: bool, done: int, echo: Callable) -> None:
+    """The driver, holding the run directory: what earlier runs left there is settled before anything is
+    written: --overwrite moves the earlier run aside; snapshots whose driver is gone leave the memory; saves
+    cut short leave the disk; checkpoints later than where this run goes on move off its line."""
+    from pipegpt.state import checkpoint, snapshot
+
+    if overwrite and run_files.holds_run(out):
+        echo(f"pipegpt: moved the earlier run in {out} to {move_aside(out)}")
+    snapshot.sweep()
+    checkpoint.remove_unfinished(out / run_files.CHECKPOINTS)
+    moved = abandon_later(out, done)
+    if moved:
+        names, dest = moved
+        echo(f"pipegpt: the run goes on after step {done}, before its latest checkpoint: moved the later ones "
+             f"({', '.join(names)}) to {dest}; their metrics rows are marked abandoned")
 
 
 class Terminated(BaseException):

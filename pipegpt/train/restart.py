@@ -2,8 +2,9 @@
 checkpoint (or snapshot), in the same layout or, when a device is gone, in the layout for the ranks that remain.
 
 What the next attempt must know (which restart it is, when the failure happened, the completed steps it lost)
-goes into the run directory's restart.json, tagged with this process's identity: os.execve keeps the pid and
-its start time, so the new image, and nothing else, recognises the file as its own.
+goes into the run directory's restart.json, tagged with this process's identity (pipegpt.state.owner): os.execve
+keeps the pid and its start time, so the new image, and nothing else, recognises the file as its own. The run
+directory's lock and the snapshots in shared memory pass to the new image the same way.
 """
 from __future__ import annotations
 
@@ -17,24 +18,12 @@ from typing import Callable
 from pipegpt import run_files
 from pipegpt.config import TrainConfig
 from pipegpt.engine.placement import resolve_device
-
-
-def _process_identity() -> list:
-    """(pid, start time in clock ticks since boot): unchanged by execve, never shared by two live processes."""
-    try:
-        with open(f"/proc/{os.getpid()}/stat") as f:
-            start = int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        start = None
-    return [os.getpid(), start]
+from pipegpt.state.owner import keep_across_exec, process_identity
 
 
 def write_restart_state(run_dir: Path, count: int, failed_at: float, steps_lost: int | None) -> None:
-    state = {"process": _process_identity(), "count": count, "failed_at": failed_at, "steps_lost": steps_lost}
-    path = Path(run_dir) / run_files.RESTART
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, path)
+    state = {"process": process_identity(), "count": count, "failed_at": failed_at, "steps_lost": steps_lost}
+    run_files.write_whole(Path(run_dir) / run_files.RESTART, json.dumps(state))
 
 
 def restart_state(run_dir: Path | None) -> tuple[int, float | None, int | None]:
@@ -46,7 +35,7 @@ def restart_state(run_dir: Path | None) -> tuple[int, float | None, int | None]:
         state = json.loads((Path(run_dir) / run_files.RESTART).read_text())
     except (OSError, ValueError):
         return 0, None, None
-    if not isinstance(state, dict) or state.get("process") != _process_identity():
+    if not isinstance(state, dict) or state.get("process") != process_identity():
         return 0, None, None
     return int(state["count"]), float(state["failed_at"]), state.get("steps_lost")
 
@@ -73,7 +62,10 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     on_disk = int(checkpoint.read_manifest(saved[-1], verify=False)["step"]) if saved else 0
     # a snapshot outlives processes, not machines: where a device is gone, its host may be too
     same_devices = ranks == cfg.world_size
-    memory = snapshot.newest_complete(snapshot.snapshot_root(run_dir), on_disk) if same_devices else None
+    root = snapshot.own_root(run_dir)  # this driver's: never another run's
+    memory = snapshot.newest_complete(root, on_disk) if same_devices and root is not None else None
+    if root is not None:
+        snapshot.keep_only(root, memory)  # the others are older, or were left half-written by the failure
     if memory is not None:
         saved = [memory]  # newer than any checkpoint on disk: resumed from shared memory
     if saved:
@@ -99,6 +91,7 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
         env[FAULT_ENV] = later_faults()
     write_restart_state(run_dir, count, failed_at, steps_lost)
     env.update(device_env)  # on GPUs: only those that passed the device check
+    keep_across_exec(env)  # the run directory stays this process's through the exec
     resume = None if not saved else str(saved[-1]) if memory is not None else str(run_dir)
     args = restart_args(sys.argv[1:], resume, flags, run_dir=str(run_dir))
     os.execve(sys.executable, [sys.executable, "-m", "pipegpt", *args], env)
@@ -167,10 +160,12 @@ def _lost(failure) -> bool:
 
 def drop_snapshots(cfg: TrainConfig, run_dir: Path) -> None:
     """The run is over (done, or failed past --max-restarts): its snapshots in shared memory go (RAM)."""
-    if cfg.checkpoint.snapshot_every:
+    if cfg.checkpoint.snapshot_every and run_dir is not None:
         from pipegpt.state import snapshot
 
-        snapshot.remove(snapshot.snapshot_root(run_dir))
+        root = snapshot.own_root(run_dir)
+        if root is not None:
+            snapshot.remove(root)
 
 
 

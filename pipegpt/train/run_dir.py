@@ -1,9 +1,11 @@
-"""The run directory: one run per directory, writable, checked before any work starts; --overwrite moves an
-earlier run aside; a resumed run goes on in its checkpoint's directory. The file names are pipegpt.run_files'."""
+"""The run directory: one run per directory, owned by one driver while it runs (its lock), writable, checked
+before any work starts; --overwrite moves an earlier run aside; a resumed run goes on in its checkpoint's
+directory, and its history stays a line (later checkpoints move aside). The file names are pipegpt.run_files'."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from pipegpt import run_files
 from pipegpt.config import TrainConfig
@@ -38,6 +40,54 @@ def check_run_dir(run_dir: Path | None, cfg: TrainConfig, overwrite: bool, conti
                         "make it writable, give another --run-dir, or --save-every 0")
 
 
+def own_run_dir(run_dir: Path, warn: Callable[[str], None] | None = None) -> None:
+    """This process owns run_dir until it ends (pipegpt.state.owner): refused in one line while another run
+    holds it. Where it cannot be locked, `warn` (if given) says so and the run goes on unguarded."""
+    from pipegpt.config import ConfigError
+    from pipegpt.state.owner import RunDirBusy, lock_run_dir
+
+    try:
+        why = lock_run_dir(run_dir)
+    except RunDirBusy as e:
+        who = f"pid {e.pid}" if e.pid else "another process"
+        raise ConfigError(f"{run_dir} is in use by another pipegpt run ({who}): wait for it to end or stop it, "
+                          f"or give another --run-dir") from None
+    if why and warn:
+        warn(f"pipegpt: {run_dir} could not be locked ({why}): nothing keeps a second run out of it")
+
+
+def abandon_later(run_dir: Path, step: int) -> tuple[list[str], Path] | None:
+    """History is a line: a run going on after `step` in a directory that holds later checkpoints (a resume of
+    an older one) moves them into RUN/abandoned-<time>/checkpoints/, so that the latest and --keep follow the
+    branch that runs (their metrics rows are marked by the run's log: pipegpt.observe.metrics). Returns
+    (the names moved, where) or None."""
+    import time
+
+    from pipegpt.state.checkpoint import DIR_PREFIX, complete_checkpoints
+
+    def step_of(path: Path) -> int:
+        digits = path.name.removeprefix(DIR_PREFIX)
+        return int(digits) if digits.isdigit() else -1
+
+    later = [p for p in complete_checkpoints(run_dir / run_files.CHECKPOINTS) if step_of(p) > step]
+    if not later:
+        return None
+    dest = _fresh(run_dir / f"{run_files.ABANDONED_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}") / run_files.CHECKPOINTS
+    dest.mkdir(parents=True)
+    for path in later:
+        path.rename(dest / path.name)
+    return [p.name for p in later], dest.parent
+
+
+def _fresh(path: Path) -> Path:
+    """path, or path-2, path-3, ... : the first that does not exist."""
+    found, n = path, 1
+    while found.exists():
+        n += 1
+        found = path.with_name(f"{path.name}-{n}")
+    return found
+
+
 def _check_writable(path: Path, what: str, fix: str = "choose a directory you can write to") -> None:
     """A ConfigError unless a file can be created in `path`, or in its nearest existing parent if it does not
     exist yet. Tried rather than asked (os.access): root ignores permission bits, not a read-only mount."""
@@ -63,17 +113,12 @@ def move_aside(run_dir: Path) -> Path:
     """--overwrite: everything in run_dir (but earlier previous-* folders) into run_dir/previous-<time>/."""
     import time
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest, n = run_dir / f"previous-{stamp}", 1
-    while dest.exists():
-        n += 1
-        dest = run_dir / f"previous-{stamp}-{n}"
+    dest = _fresh(run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}")
     dest.mkdir()
     for entry in list(run_dir.iterdir()):
         if entry != dest and not entry.name.startswith("previous-"):
             entry.rename(dest / entry.name)
     return dest
-
 
 
 def resumed_run_dir(cfg: TrainConfig) -> Path | None:

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from helpers import NoWorkers, assert_one_line_error, invoke, read_only, run_pipegpt
+from helpers import NoWorkers, assert_one_line_error, invoke, lock_held_elsewhere, read_only, run_pipegpt
 
 SAVED_ARGS = ["--stages", "2", "--microbatches", "2", "--microbatch-size", "2", "--steps", "4", "--save-every", "2",
               "--layers-per-stage", "3,1", "--lr", "0.002", "--seed", "7", "--threads-per-worker", "1"]
@@ -131,3 +131,29 @@ def test_a_resumed_attempt_has_an_eta_and_its_summary_covers_the_whole_run(saved
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
     assert summary.startswith(f"done: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} in 9 steps "
                               f"(5 in this attempt, from step 5); "), summary
+
+
+def test_a_resume_into_a_directory_a_live_run_holds_is_refused(no_workers, run_copy):
+    with lock_held_elsewhere(run_copy) as pid:
+        assert_one_line_error(invoke("run", "--resume", run_copy, "--steps", "6"),
+                              f"{run_copy} is in use by another pipegpt run (pid {pid})")
+    assert not NoWorkers.started
+
+
+def test_resuming_an_older_checkpoint_moves_the_later_ones_off_the_line(run_copy):
+    """History is a line: from step 2 of a run that saved 2 and 4, the later checkpoint moves aside, so the latest
+    and --keep follow the branch that runs (--keep 2 would otherwise have pruned step 2 and kept the old 4), and
+    the old branch's metrics rows are marked abandoned."""
+    from pipegpt.schedule.calibrate import read_metrics
+    from pipegpt.state.checkpoint import resolve
+
+    proc = _ok(run_pipegpt("run", "--resume", run_copy / "checkpoints" / "step-00000002", "--steps", "3",
+                           "--save-every", "1", "--keep", "2", timeout=240))
+    moved = [p for p in run_copy.iterdir() if p.name.startswith("abandoned-")]
+    assert len(moved) == 1 and sorted(p.name for p in (moved[0] / "checkpoints").iterdir()) == ["step-00000004"]
+    assert (f"pipegpt: the run goes on after step 2, before its latest checkpoint: moved the later ones "
+            f"(step-00000004) to {moved[0]}; their metrics rows are marked abandoned") in proc.stdout.splitlines()
+    assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
+    assert resolve(run_copy).name == "step-00000003"  # what the next --resume of the run goes on from
+    assert [(r["step"], r["attempt"]) for r in _rows(run_copy) if r.get("abandoned")] == [(3, 1), (4, 1)]
+    assert [(r["step"], r["attempt"]) for r in read_metrics(run_copy)] == [(1, 1), (2, 1), (3, 2)]

@@ -1,5 +1,6 @@
 """`pipegpt run`'s run directory and the errors around it, in one line before any worker starts: one run per
-directory (a fresh run into a used one is refused; --overwrite moves the old content aside), a directory
+directory (a fresh run into a used one is refused; --overwrite moves the old content aside), one live run per
+directory (its driver's lock: a second run, a resume or an --overwrite is refused naming its pid), a directory
 that exists as a file or cannot be written, ports out of range, --log-every 0; and a warning when more
 worker processes than cores start on CPU.
 
@@ -9,10 +10,12 @@ training itself replaced (the no_training fixture) where what comes before it is
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from helpers import NoWorkers, assert_one_line_error, invoke, read_only
+from helpers import NoWorkers, assert_one_line_error, invoke, lock_held_elsewhere, read_only
 
 ARGS = ["--stages", "2", "--microbatches", "2", "--steps", "2"]
 
@@ -76,6 +79,89 @@ def test_a_resume_into_another_runs_directory_is_refused(no_workers, tmp_path):
     check_run_dir(run, cfg, overwrite=False)  # its own run: attempt after attempt
     with pytest.raises(ConfigError, match="--overwrite starts a fresh run and --resume continues one"):
         check_run_dir(tmp_path / "new", cfg, overwrite=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# one live run per directory
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["fresh", "overwrite"])
+def test_a_directory_a_live_run_holds_is_refused_naming_its_pid(no_workers, tmp_path, overwrite):
+    run = _used(tmp_path / "run") if overwrite else tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    before = sorted(p.name for p in run.rglob("*"))
+    with lock_held_elsewhere(run) as pid:
+        result = invoke("run", *ARGS, "--run-dir", run, *(["--overwrite"] if overwrite else []))
+        assert_one_line_error(result, f"{run} is in use by another pipegpt run (pid {pid})", "another --run-dir")
+    assert not NoWorkers.started
+    assert sorted(p.name for p in run.rglob("*")) == before  # nothing moved aside, nothing written
+
+
+def test_the_lock_goes_with_its_holder_and_a_finished_run_gives_it_back(no_training, tmp_path):
+    from pipegpt.state.owner import lock_holder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with lock_held_elsewhere(run):
+        assert invoke("run", *ARGS, "--run-dir", run).exit_code == 2
+    assert no_training == []
+    result = invoke("run", *ARGS, "--run-dir", run)  # the holder was killed: the kernel freed the lock
+    assert result.exit_code == 0, result.output
+    assert no_training == [run] and lock_holder(run) is None  # this process holds it no longer
+
+
+RESTARTED = """
+import fcntl, os, sys
+from pipegpt.state import owner
+run_dir = sys.argv[1]
+if len(sys.argv) == 2:  # the driver: owns the directory, then replaces itself as a restart does
+    assert owner.lock_run_dir(run_dir) is None
+    env = dict(os.environ)
+    owner.keep_across_exec(env)
+    os.execve(sys.executable, [sys.executable, __file__, run_dir, "again"], env)
+probe = os.open(run_dir, os.O_RDONLY)
+try:  # before the new image takes anything: is the directory still locked?
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("free")
+except BlockingIOError:
+    print("held")
+os.close(probe)
+print(owner.lock_run_dir(run_dir), owner.lock_holder(run_dir) == os.getpid(), owner.LOCK_FD_ENV in os.environ)
+"""
+
+
+def test_a_restart_keeps_the_run_directory_through_its_exec(tmp_path):
+    """The driver replaces itself (os.execve, same pid) on a restart: the directory is never free in between,
+    and the new image takes over the lock it inherited (a second flock of its own would be refused)."""
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEGPT_")}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["held", "None True False"], proc.stdout
+
+
+def test_a_start_removes_what_interrupted_saves_left(no_training, tmp_path):
+    """A save cut short leaves checkpoints/.tmp-step-*: removed as the next attempt starts (on a full disk, its
+    space is what the run lacks), not only at its first save."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / ".tmp-step-00000004").mkdir(parents=True)
+    (run / "checkpoints" / ".tmp-step-00000004" / "rank-00000.safetensors").write_bytes(b"\0" * 1024)
+    (run / "metrics.jsonl").write_text('{"step": 1, "attempt": 1, "loss": 5.0}\n')
+    result = invoke("run", *ARGS, "--run-dir", run, "--resume", "auto")  # no checkpoint: the run starts again
+    assert result.exit_code == 0, result.output
+    assert no_training == [run] and os.listdir(run / "checkpoints") == []
+
+
+def test_under_torchrun_only_rank_0_writes(no_training, tmp_path, monkeypatch):
+    """The other ranks neither create nor lock a run directory (here: no runs/<time> of their own)."""
+    monkeypatch.chdir(tmp_path)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                        "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    result = invoke("run", *ARGS)
+    assert result.exit_code == 0, result.output
+    assert no_training == [None] and os.listdir(tmp_path) == []
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """--max-restarts: a worker that dies, raises or stalls no longer ends the run; the driver starts the workers
 again in the same layout from the run's latest checkpoint, and the losses go on as if nothing had happened."""
 import json
+import subprocess
+import time
 
 import pytest
 
-from helpers import assert_one_line_error, clean_env, invoke, run_pipegpt
+from helpers import PIPEGPT, assert_one_line_error, clean_env, invoke, run_pipegpt
 
 RUN = ("run", "--stages", "2", "--microbatches", "4", "--steps", "6", "--save-every", "2")
 
@@ -64,6 +66,41 @@ def test_a_restart_resumes_the_newest_snapshot_in_memory_not_the_older_checkpoin
     assert first_again >= 5 and rows[first_again]["steps_lost"] == 6 - first_again  # 1 or 0, never 2 (step 3's)
     assert all(rows[s]["snapshot_s"] > 0 for s in (1, 2, 4)) and rows[3]["snapshot_s"] is None  # a checkpoint
     assert not snapshot_root(run_dir).exists()  # the run is over: its snapshots leave the memory
+
+
+TINY = ("--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--vocab-size", "256", "--stages", "2",
+        "--microbatches", "2", "--threads-per-worker", "1")
+
+
+def test_a_dead_runs_snapshots_are_never_taken_by_a_later_run(tmp_path):
+    """A driver killed outright leaves its snapshots in shared memory. The next run in its directory (here
+    --resume auto: no checkpoint, so the run starts again) restarts from its own state, never from the dead
+    run's snapshot (which would take that run's step and settings: "nothing to do", 2 steps of 6 trained);
+    it removes them, and its rows are a new attempt's."""
+    from pipegpt.schedule.calibrate import read_metrics
+    from pipegpt.state.snapshot import snapshot_root
+
+    run_dir = tmp_path / "run"
+    dead = subprocess.Popen([PIPEGPT, "run", *TINY, "--steps", "500", "--snapshot-every", "1", "--max-restarts", "1",
+                             "--run-dir", str(run_dir)], env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        while len(read_metrics(run_dir)) < 4 and dead.poll() is None and time.monotonic() - t0 < 240:
+            time.sleep(0.2)
+        root = snapshot_root(run_dir)
+        assert any(p.name.removeprefix(".tmp-").startswith("step-") for p in root.iterdir()), list(root.iterdir())
+    finally:
+        dead.kill()  # SIGKILL: nothing of it runs again; its workers die with it
+        dead.wait()
+    proc = run_pipegpt("run", *TINY, "--steps", "6", "--snapshot-every", "4", "--max-restarts", "1",
+                       "--run-dir", run_dir, "--resume", "auto", timeout=300, env=clean_env(PIPEGPT_FAULT="raise:1:3"))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    said = next(ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 1 failed at step 3"))
+    assert said.endswith("from the start (no checkpoint yet)"), said
+    assert "nothing to do" not in proc.stdout and not root.exists()
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and {r["attempt"] for r in rows} == {3}, rows
 
 
 @pytest.mark.slow
