@@ -29,7 +29,8 @@ from pipegpt.train.metrics import RunLog, StepMetrics, step_metrics
 from pipegpt.train.profile import problem_line
 from pipegpt.train.clocks import measure_offsets, shift_events
 from pipegpt.train.results import WorkerStep
-from pipegpt.schedule import Plan, ScheduleError, lower, schedule_spec, validate
+from pipegpt.schedule import (Plan, ScheduleError, add_reduce_grad, lower, schedule_spec, validate,
+                              without_reduce_grad)
 from pipegpt.schedule.simulate import Costs
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 from pipegpt.stages import partition_layers
@@ -38,7 +39,17 @@ from pipegpt.train.worker import Worker
 
 
 def make_plan(cfg: TrainConfig) -> Plan:
-    """The lowered, validated plan every worker executes: from the schedule registry or a schedule file."""
+    """The lowered, validated plan every worker executes: from the schedule registry or a schedule file; with
+    data parallelism each stage's REDUCE_GRAD in it (where a schedule file has none: after the stage's last
+    B or W), with one replica none."""
+    plan = _pipeline_plan(cfg)
+    try:
+        return validate(add_reduce_grad(plan)) if cfg.parallel.dp > 1 else without_reduce_grad(plan)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _pipeline_plan(cfg: TrainConfig) -> Plan:
     p = cfg.parallel
     try:
         if p.schedule_file is not None:

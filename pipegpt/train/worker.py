@@ -35,8 +35,8 @@ from pipegpt.model.gpt import GPT
 from pipegpt.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer, set_lr
 from pipegpt.train.profile import Profiler
 from pipegpt.train.results import SavedFile, WorkerStep
-from pipegpt.runtime import PipelineRuntime, last_gradient_actions
-from pipegpt.schedule import Plan
+from pipegpt.runtime import PipelineRuntime
+from pipegpt.schedule import Plan, last_gradient_actions
 from pipegpt.stages import Stage, partition_layers
 from pipegpt.tensor_parallel import REPLICATED, kv_replicas, shard_tensor, tp_shard_spec
 from pipegpt.tensor_parallel.layers import (replicated_kv_params, sequence_parallel_grad_params, shard_for_tp,
@@ -147,7 +147,7 @@ class Worker:
         message_dtype = getattr(torch, cfg.runtime.message_dtype)
         self.runtime = PipelineRuntime(
             plan, self.rank, self.stages, self.p2p, pipeline, shape, dtype, self.device,
-            on_gradients_ready=self.averager.start if self.averager else lambda stage: None,
+            collectives=self.averager,  # runs the plan's REDUCE_GRADs (dp > 1)
             message_dtype=message_dtype)
         self.eval_runtime = eval_plan and PipelineRuntime(eval_plan, self.rank, self.stages, self.p2p, pipeline,
                                                           shape, dtype, self.device, message_dtype=message_dtype)
