@@ -216,3 +216,4 @@ def test_a_measured_reduction_is_traced_and_calibrates_nothing(tmp_path):
     got = c.calibration.costs
     assert (got.forward, got.backward, got.dp_comm) == (costs.forward, costs.backward, (0, 0))
     assert c.summary()["measured"]["comm_overhead_per_rank"] is None  # no messages in this trace
+    assert c.fidelity == 1.0  # the launch after rank 0's last B does not lengthen the measured step
