@@ -17,7 +17,7 @@ from fractions import Fraction
 from numbers import Real
 
 from .actions import COMPUTE_KINDS, Action, Kind, Plan, ScheduleError
-from .lowering import add_reduce_grad
+from .lowering import last_gradient_actions
 from .validate import dependencies, validate
 
 # Keys accepted by Costs.parse / Costs.from_json (lower case) and the field each fills.
@@ -449,7 +449,7 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
     events.sort(key=lambda e: e.rank)  # stable: each rank keeps its plan order
     meta = {**plan.meta, "costs": costs.as_dict()}
     if any(costs.dp_comm):
-        meta["step_end"] = _gradient_sync_end(add_reduce_grad(plan), ends, costs)
+        meta["step_end"] = _gradient_sync_end(plan, ends, costs)
     return Timeline(events, plan.num_ranks, schedule=plan.name, num_microbatches=plan.num_microbatches,
                     stage_to_rank=tuple(plan.stage_to_rank), activation_bytes=costs.activation_bytes, meta=meta)
 
@@ -458,14 +458,25 @@ def _gradient_sync_end(plan: Plan, ends: dict[Action, Real], costs: Costs) -> Re
     """When the last data-parallel gradient reduction ends. A REDUCE_GRAD is launched where it stands: once
     its rank has finished the compute action before it; launching takes no compute time (the reduction is
     asynchronous), and it then takes dp_comm[stage] on its rank's one reduction channel, after the reductions
-    launched before it."""
+    launched before it. A rank without REDUCE_GRAD launches where add_reduce_grad would put them."""
     end = 0
     for actions in plan.ranks:
-        reached = channel = 0
-        for a in actions:
-            if a.kind is Kind.REDUCE_GRAD:
-                channel = max(channel, reached) + costs.dp_comm[a.stage]
-            elif a.kind in COMPUTE_KINDS:
-                reached = ends[a]
+        placed = [i for i, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD]
+        if placed:
+            launches = [(_reached(actions, i, ends), actions[i].stage) for i in placed]
+        else:
+            after = last_gradient_actions(actions)
+            launches = [(ends[actions[i]], s) for s, i in sorted(after.items(), key=lambda item: item[1])]
+        channel = 0
+        for at, stage in launches:
+            channel = max(channel, at) + costs.dp_comm[stage]
         end = max(end, channel)
     return end
+
+
+def _reached(actions, i: int, ends: dict[Action, Real]) -> Real:
+    """When a rank reaches step i of its actions: the end of the compute action before it (0 if none)."""
+    for k in range(i - 1, -1, -1):
+        if actions[k].kind in COMPUTE_KINDS:
+            return ends[actions[k]]
+    return 0
