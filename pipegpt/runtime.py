@@ -1,6 +1,9 @@
-"""The runtime walks plan.ranks[rank] and dispatches each action to a Stage or to comm.
+"""The runtime walks plan.ranks[rank] and dispatches each action to a Stage, to comm or to a collective.
 
 It decides nothing about order: the lowered plan from pipegpt.schedule does.
+A REDUCE_GRAD launches the stage's data-parallel gradient reduction on the
+`collectives` object it is given (comm.data_parallel.GradientAverager); it
+overlaps what follows, and the worker waits for it after the step.
 Each run of consecutive SEND/RECV actions is posted as one batch; receives are
 waited for before the next compute, sends at the release points the schedule
 computes (pipegpt.schedule.messages.release_points: where the receiver is known
@@ -15,12 +18,12 @@ whole compute action after the output was ready, with the receiver waiting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from pipegpt.comm.p2p import Message, PointToPoint
-from pipegpt.schedule.actions import Action, Kind, Plan
+from pipegpt.schedule.actions import COLLECTIVE_KINDS, Action, Kind, Plan, ScheduleError
 from pipegpt.schedule.messages import comm_batches, release_points
 from pipegpt.stages import Stage
 from pipegpt.timing import clock_for, device_marker
@@ -43,22 +46,30 @@ def _outbox_key(send: Action) -> tuple[Kind, int, int]:
     return Kind.F if send.kind is Kind.SEND_F else Kind.B, send.stage, send.microbatch
 
 
-def last_gradient_actions(actions) -> dict[int, int]:
-    """Per stage, the index of the action after which its weight gradients are complete (last B or W)."""
-    return {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+class Collectives(Protocol):
+    """What runs a plan's collective actions on this rank."""
+
+    def reduce_grad(self, stage: int) -> None:
+        """Launch the reduction of the stage's gradients over its replicas (asynchronous)."""
 
 
 class PipelineRuntime:
     def __init__(self, plan: Plan, rank: int, stages: dict[int, Stage], p2p: PointToPoint,
                  pipeline_ranks: list[int], activation_shape: tuple[int, ...], dtype, device,
-                 on_gradients_ready: Callable[[int], None] = lambda stage: None, message_dtype=None):
+                 collectives: Collectives | None = None, message_dtype=None):
         self.plan, self.rank, self.stages, self.p2p = plan, rank, stages, p2p
         self.actions = plan.ranks[pipeline_ranks.index(rank)]
         self.names = [str(a) for a in self.actions]  # trace labels, formatted once, not per step
         self.batch_end = dict(comm_batches(self.actions))
-        # Data-parallel reduction of a stage's gradients can start while other stages still compute.
-        self.gradients_ready_after = {i: s for s, i in last_gradient_actions(self.actions).items()}
-        self.on_gradients_ready = on_gradients_ready
+        self.collective_at = {i: a for i, a in enumerate(self.actions) if a.kind in COLLECTIVE_KINDS}
+        for a in self.collective_at.values():
+            if a.kind is not Kind.REDUCE_GRAD:
+                raise ScheduleError(f"rank {rank}: the plan has {a}, and the runtime does not run "
+                                    f"{a.kind.value} yet")
+            if collectives is None:
+                raise ScheduleError(f"rank {rank}: the plan has {a}, but this rank has no data-parallel "
+                                    f"replicas to reduce its gradients with")
+        self.collectives = collectives
         # Global rank that owns each stage in this rank's pipeline.
         self.owner = [pipeline_ranks[r] for r in plan.stage_to_rank]
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
@@ -105,6 +116,8 @@ class PipelineRuntime:
     def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
         if a.kind.is_compute:
             return i, self.names[i], (), "nobody (computing)"
+        if a.kind.is_collective:  # launched, not waited for: the worker waits after the step
+            return i, self.names[i], (), "nobody (launching a gradient reduction)"
         receive, forward = a.kind in (Kind.RECV_F, Kind.RECV_B), a.kind in (Kind.SEND_F, Kind.RECV_B)
         peer = self.owner[a.stage + 1 if forward else a.stage - 1]
         return i, self.names[i], (peer,), (f"receive {a} from rank {peer}" if receive else f"send {a} to rank {peer}")
@@ -140,15 +153,17 @@ class PipelineRuntime:
                     marks.append((i, self.marker(actions[i])))
                 i = end
                 continue
-            if self.before_compute is not None:
-                self.before_compute(actions[i])
-            self._compute(actions[i], inputs, targets, inbox, outbox)
+            collective = self.collective_at.get(i)
+            if collective is None:
+                if self.before_compute is not None:
+                    self.before_compute(actions[i])
+                self._compute(actions[i], inputs, targets, inbox, outbox)
+            else:
+                self.collectives.reduce_grad(collective.stage)
             if record:
                 events.append((self.names[i], t0, clock()))
             if self.marker is not None:
                 marks.append((i, self.marker(actions[i])))
-            if i in self.gradients_ready_after:
-                self.on_gradients_ready(self.gradients_ready_after[i])
             i += 1
         for action, message in in_flight.items():  # sends no later message of the plan acknowledged
             self.now = at[self.index_of[action]]

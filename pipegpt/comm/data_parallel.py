@@ -1,7 +1,8 @@
 """Data parallelism: average gradients across pipeline replicas, in buckets, overlapped with compute.
 
-A stage's buckets are all-reduced asynchronously as soon as its last backward
-action of the step has run; finish() waits for all of them before the optimizer.
+A stage's buckets are all-reduced asynchronously where the plan's REDUCE_GRAD
+for the stage stands (right after its last backward action of the step: the
+runtime calls reduce_grad); finish() waits for all of them before the optimizer.
 """
 from __future__ import annotations
 
@@ -38,13 +39,17 @@ def sum_in_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = BUCKE
 
 
 class GradientAverager:
+    """The runtime's collectives with data parallelism: a REDUCE_GRAD averages the stage's gradients."""
+
     def __init__(self, params_by_stage: dict[int, list[torch.Tensor]], group, rank: int, timeout_s: float):
         self.group, self.rank, self.timeout = group, rank, timedelta(seconds=timeout_s)
         self.size = dist.get_world_size(group)
         self.buckets = {s: buckets(ps) for s, ps in params_by_stage.items()}
         self.pending: list = []
+        self.reduced: set[int] = set()  # stages whose reduction this step launched
 
-    def start(self, stage: int) -> None:
+    def reduce_grad(self, stage: int) -> None:
+        self.reduced.add(stage)
         for bucket in self.buckets.get(stage, []):
             grads = [p.grad for p in bucket]
             flat = _flatten_dense_tensors(grads).div_(self.size)
@@ -52,6 +57,12 @@ class GradientAverager:
             self.pending.append((work, flat, grads))
 
     def finish(self) -> None:
+        # A plan without a stage's REDUCE_GRAD would leave this replica's gradients unaveraged: refuse.
+        missing = sorted(s for s, bs in self.buckets.items() if bs and s not in self.reduced)
+        self.reduced.clear()
+        if missing:
+            raise ValueError(f"rank {self.rank}: the plan has no {missing[0]}REDUCE_GRAD, so stage {missing[0]}'s "
+                            f"gradients were not averaged over the data-parallel replicas")
         for work, flat, grads in self.pending:
             try:
                 work.wait(self.timeout)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import resource
-from typing import Callable
 
 import torch
 
@@ -18,8 +17,8 @@ from pipegpt.config import TrainConfig
 from pipegpt.engine.placement import cuda_device_index, resolve_device
 from pipegpt.model.gpt import GPT
 from pipegpt.model.partition import partition_layers
-from pipegpt.runtime import PipelineRuntime, StepResult, last_gradient_actions
-from pipegpt.schedule import Plan
+from pipegpt.runtime import PipelineRuntime, StepResult
+from pipegpt.schedule import Plan, last_gradient_actions
 from pipegpt.stages import Stage
 from pipegpt.state import rng
 from pipegpt.tensor_parallel.layers import shard_for_tp
@@ -50,8 +49,7 @@ class Engine:
         self.mesh = init_mesh(Grid(p.dp, p.stages, p.tp), rank, self.device, self.init_method,
                               cfg.runtime.wait_timeout_s, embedding_pp_indices=(0, p.stages - 1))
 
-    def build(self, cfg: TrainConfig, plan: Plan, eval_plan: Plan | None,
-              on_gradients_ready: Callable[[int], None] = lambda stage: None) -> None:
+    def build(self, cfg: TrainConfig, plan: Plan, eval_plan: Plan | None, collectives=None) -> None:
         """This rank's model stages for the plan (whole from the per-name seeds, then cut to its tp shard), the
         runtimes that walk the plan and the forward-only evaluation plan, and its dropout streams."""
         self.plan = plan
@@ -82,7 +80,7 @@ class Engine:
         shape, pipeline = (p.microbatch_size, seq, cfg.model.n_embd), self.mesh.grid.pipeline_ranks(self.rank)
         message_dtype = getattr(torch, cfg.runtime.message_dtype)
         self.runtime = PipelineRuntime(plan, self.rank, self.stages, self.p2p, pipeline, shape, dtype, self.device,
-                                       on_gradients_ready=on_gradients_ready, message_dtype=message_dtype)
+                                       collectives=collectives, message_dtype=message_dtype)
         self.eval_runtime = eval_plan and PipelineRuntime(eval_plan, self.rank, self.stages, self.p2p, pipeline,
                                                           shape, dtype, self.device, message_dtype=message_dtype)
         # Dropout's streams: one per (pipeline rank, replica), shared by the tp ranks (pipegpt.state.rng).

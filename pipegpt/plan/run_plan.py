@@ -10,13 +10,24 @@ from dataclasses import replace
 from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.model.partition import partition_layers
 from pipegpt.plan.balance import stage_costs
-from pipegpt.schedule import SCHEDULES, Plan, ScheduleError, lower, schedule_spec, validate
+from pipegpt.schedule import (SCHEDULES, Plan, ScheduleError, add_reduce_grad, lower, schedule_spec, validate,
+                              without_reduce_grad)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 from pipegpt.schedule.simulate import Costs
 
 
 def make_plan(cfg: TrainConfig) -> Plan:
-    """The lowered, validated plan every worker executes: from the schedule registry or a schedule file."""
+    """The lowered, validated plan every worker executes: from the schedule registry or a schedule file; with
+    data parallelism each stage's REDUCE_GRAD in it (where a schedule file has none: after the stage's last
+    B or W), with one replica none."""
+    plan = _pipeline_plan(cfg)
+    try:
+        return validate(add_reduce_grad(plan)) if cfg.parallel.dp > 1 else without_reduce_grad(plan)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _pipeline_plan(cfg: TrainConfig) -> Plan:
     p = cfg.parallel
     try:
         if p.schedule_file is not None:

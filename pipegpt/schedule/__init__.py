@@ -1,8 +1,8 @@
 """Schedules as data: pure Python, no torch (so `pipegpt simulate` starts instantly)."""
 from .actions import Action, Kind, Plan, PlanError, ScheduleError
-from .lowering import lower
+from .lowering import add_reduce_grad, last_gradient_actions, lower, without_reduce_grad
 from .registry import SCHEDULES, ScheduleSpec, build_plan, schedule_spec
 from .validate import validate
 
-__all__ = ["Action", "Kind", "Plan", "PlanError", "ScheduleError", "SCHEDULES", "ScheduleSpec", "build_plan",
-           "lower", "schedule_spec", "validate"]
+__all__ = ["Action", "Kind", "Plan", "PlanError", "ScheduleError", "SCHEDULES", "ScheduleSpec", "add_reduce_grad",
+           "build_plan", "last_gradient_actions", "lower", "schedule_spec", "validate", "without_reduce_grad"]

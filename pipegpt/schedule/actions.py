@@ -1,8 +1,10 @@
 """The action IR: what one rank does next, as plain data.
 
 An action names a stage (a slice of layers), a kind and a microbatch, and
-prints as "2F0" (stage 2, forward, microbatch 0) or "1SEND_B3". A Plan holds,
-for every rank, its ordered list of actions, plus where each stage lives.
+prints as "2F0" (stage 2, forward, microbatch 0) or "1SEND_B3". A collective
+acts on a stage's whole step, not on one microbatch: it prints without one,
+"1REDUCE_GRAD", and holds NO_MICROBATCH (-1). A Plan holds, for every rank,
+its ordered list of actions, plus where each stage lives.
 """
 from __future__ import annotations
 
@@ -17,6 +19,16 @@ class ScheduleError(ValueError):
     """A schedule, its arguments or a schedule file is not valid."""
 
 
+class Category(enum.Enum):
+    """What an action kind does: computes on a stage, moves one message between two ranks of a pipeline,
+    or joins a collective over the stage's replicas (every replica runs the same plan, so every member of
+    the group launches its collectives in the same order)."""
+
+    COMPUTE = "compute"
+    P2P = "point-to-point"
+    COLLECTIVE = "collective"
+
+
 class Kind(str, enum.Enum):
     F = "F"  # forward
     B = "B"  # full backward: input and weight gradients together
@@ -26,19 +38,35 @@ class Kind(str, enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    REDUCE_GRAD = "REDUCE_GRAD"  # launch the data-parallel reduction of the stage's gradients
+    UNSHARD = "UNSHARD"  # gather the stage's sharded parameters (ZeRO-3; validated, not run yet)
+    RESHARD = "RESHARD"  # free the gathered parameters again (ZeRO-3; validated, not run yet)
+
+    @property
+    def category(self) -> Category:
+        return CATEGORY[self]
 
     @property
     def is_compute(self) -> bool:
         return self in COMPUTE_KINDS
 
     @property
-    def is_comm(self) -> bool:
-        return not self.is_compute
+    def is_p2p(self) -> bool:
+        return self in P2P_KINDS
+
+    @property
+    def is_collective(self) -> bool:
+        return self in COLLECTIVE_KINDS
 
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+P2P_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+COLLECTIVE_KINDS = frozenset({Kind.REDUCE_GRAD, Kind.UNSHARD, Kind.RESHARD})
+CATEGORY = {**dict.fromkeys(COMPUTE_KINDS, Category.COMPUTE), **dict.fromkeys(P2P_KINDS, Category.P2P),
+            **dict.fromkeys(COLLECTIVE_KINDS, Category.COLLECTIVE)}
+NO_MICROBATCH = -1  # a collective's microbatch: it acts on the stage's whole step
 # Longest names first so that "SEND_F" is not read as "S" + ... by the regex.
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNSHARD|RESHARD|F|B|I|W)(\d*)$")
 
 
 class Action(NamedTuple):
@@ -49,6 +77,8 @@ class Action(NamedTuple):
     microbatch: int
 
     def __str__(self) -> str:
+        if self.kind in COLLECTIVE_KINDS:
+            return f"{self.stage}{self.kind.value}"
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
     def __repr__(self) -> str:
@@ -57,12 +87,17 @@ class Action(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> "Action":
         match = _ACTION_RE.match(text.strip())
-        if not match:
-            raise ScheduleError(
-                f"bad action {text!r}: expected <stage><kind><microbatch> such as '2F0' or '1SEND_B3', "
-                f"kind one of {', '.join(k.value for k in Kind)}"
-            )
-        return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
+        if match:
+            stage, kind, microbatch = int(match.group(1)), Kind(match.group(2)), match.group(3)
+            if kind in COLLECTIVE_KINDS and not microbatch:
+                return cls(stage, kind, NO_MICROBATCH)
+            if kind not in COLLECTIVE_KINDS and microbatch:
+                return cls(stage, kind, int(microbatch))
+        raise ScheduleError(
+            f"bad action {text!r}: expected <stage><kind><microbatch> such as '2F0' or '1SEND_B3', "
+            f"kind one of {', '.join(k.value for k in Kind if k not in COLLECTIVE_KINDS)}, or <stage><collective> "
+            f"such as '1REDUCE_GRAD', collective one of {', '.join(k.value for k in Kind if k in COLLECTIVE_KINDS)}"
+        )
 
 
 def F(stage: int, mb: int) -> Action:
@@ -79,6 +114,10 @@ def I(stage: int, mb: int) -> Action:  # noqa: E743
 
 def W(stage: int, mb: int) -> Action:
     return Action(stage, Kind.W, mb)
+
+
+def REDUCE_GRAD(stage: int) -> Action:  # noqa: N802 - named like its kind, as F/B/I/W are
+    return Action(stage, Kind.REDUCE_GRAD, NO_MICROBATCH)
 
 
 @dataclass(frozen=True)
@@ -109,7 +148,8 @@ class Plan:
 
     @property
     def is_lowered(self) -> bool:
-        return any(a.kind.is_comm for actions in self.ranks for a in actions)
+        """Whether the point-to-point messages are in (collectives do not count)."""
+        return any(a.kind in P2P_KINDS for actions in self.ranks for a in actions)
 
     @cached_property
     def split_pairs(self) -> frozenset[tuple[int, int]]:
@@ -121,6 +161,7 @@ class Plan:
         return Action(stage, Kind.I if (stage, mb) in self.split_pairs else Kind.B, mb)
 
     def compute_only(self) -> "Plan":
+        """The plan without its messages and collectives."""
         return self.with_ranks([[a for a in acts if a.kind.is_compute] for acts in self.ranks])
 
     def forward_only(self) -> "Plan":

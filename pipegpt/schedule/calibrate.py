@@ -18,6 +18,8 @@ How the costs are calibrated (the simulator's meaning of each, measured where it
   producer end; comm is the median of those samples. This folds in all that lies between the two
   computes: the sender posting its SEND (the lowered plan may place it after later compute), the
   transfer, the receiver waking up. No such dependency (one rank, or no rank ever waited): comm = 0.
+* A REDUCE_GRAD's event (with data parallelism) is its launch, not the reduction: it is left out of the
+  measured timeline, so it calibrates nothing (dp_comm stays 0) and the step span stays the pipeline's.
 
 What the simulator does not model shows up as a fidelity below 1: time a rank spends in a comm batch
 after its message has already arrived (posting and copying), skew between the ranks' starts, and the
@@ -169,6 +171,8 @@ def read_trace(path, plan: Plan, global_ranks: tuple[int, ...] | None = None) ->
         except (KeyError, TypeError, ValueError):
             raise ScheduleError(f"{path}: event {json.dumps(e)[:120]} has no action (args.action such as "
                                 f"'1F3') or no ts/dur") from None
+        if action.kind.is_collective:  # a launch (REDUCE_GRAD): see the module docstring
+            continue
         events.append(Event(rank_of[e["pid"]], action, start, end))
     _check_matches(events, plan, path, global_ranks)
     return Timeline(events, plan.num_ranks, schedule=plan.name, num_microbatches=plan.num_microbatches,
@@ -188,7 +192,7 @@ def _check_matches(events: list[Event], plan: Plan, path: str, global_ranks) -> 
     for r, actions in enumerate(plan.ranks):
         planned = Counter(actions)
         compute = Counter({a: n for a, n in ran[r].items() if a.kind.is_compute})
-        extra = (ran[r] - planned) if any(a.kind.is_comm for a in ran[r]) else (compute - planned)
+        extra = (ran[r] - planned) if any(a.kind.is_p2p for a in ran[r]) else (compute - planned)
         missing = Counter({a: n for a, n in planned.items() if a.kind.is_compute}) - compute
         if extra or missing:
             problem = (f"it has {sorted(extra, key=str)[0]}, which the plan does not have there" if extra else
@@ -324,7 +328,7 @@ def comm_overhead_per_rank(plan: Plan, measured: Timeline) -> list | None:
     batches: dict[tuple[int, object, object], list[Action]] = defaultdict(list)
     posted: dict[Action, object] = {}
     for e in measured.events:
-        if e.action.kind.is_comm:
+        if e.action.kind.is_p2p:
             batches[(e.rank, e.start, e.end)].append(e.action)
             posted[e.action] = e.start
     if not batches:

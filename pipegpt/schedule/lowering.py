@@ -10,12 +10,17 @@ sending or receiving: 1SEND_F3 (stage 1 sends mb 3 forward) pairs with
 The runtime posts each run of consecutive comm actions as one batch
 (batch_isend_irecv style); validate.check_deadlock_free checks that, with
 blocking semantics, the order cannot deadlock.
+
+Collectives are inserted by passes of their own: add_reduce_grad puts a
+stage's data-parallel gradient reduction (1REDUCE_GRAD) right after the action
+that completes its gradients. lower() keeps a plan's collectives where they
+stand, after the compute action they followed, so the passes commute.
 """
 from __future__ import annotations
 
 import heapq
 
-from .actions import Action, Kind, Plan, PlanError
+from .actions import COLLECTIVE_KINDS, REDUCE_GRAD, Action, Kind, Plan, PlanError
 from .messages import peer, recvs_before, sends_after
 
 
@@ -33,6 +38,7 @@ def lower(plan: Plan) -> Plan:
     every pair of ranks sees its messages in the same order at both ends (NCCL
     matches point-to-point by order).
     """
+    collectives = _collectives_by_anchor(plan)
     plan = plan.compute_only()
     num_ranks = plan.num_ranks
     lowered: list[list[Action]] = [[] for _ in range(num_ranks)]
@@ -83,5 +89,72 @@ def lower(plan: Plan) -> Plan:
     if stuck:
         r = stuck[0]
         raise PlanError(plan, r, pos[r], f"cannot be lowered: waits for {waiting[r]}")
+    if collectives:
+        lowered = [_put_back(acts, anchors) for acts, anchors in zip(lowered, collectives)]
     return plan.with_ranks(lowered)
 
+
+def _collectives_by_anchor(plan: Plan) -> list[dict[Action | None, list[Action]]] | None:
+    """Per rank, {the compute action a run of collectives follows (None: the rank's start): that run};
+    None when the plan has no collectives."""
+    if not any(a.kind in COLLECTIVE_KINDS for acts in plan.ranks for a in acts):
+        return None
+    out = []
+    for actions in plan.ranks:
+        anchors: dict[Action | None, list[Action]] = {}
+        anchor = None
+        for a in actions:
+            if a.kind in COLLECTIVE_KINDS:
+                anchors.setdefault(anchor, []).append(a)
+            elif a.kind.is_compute:
+                anchor = a
+        out.append(anchors)
+    return out
+
+
+def _put_back(actions: list[Action], anchors: dict[Action | None, list[Action]]) -> list[Action]:
+    out = list(anchors.get(None, ()))
+    for a in actions:
+        out.append(a)
+        out.extend(anchors.get(a, ()))
+    return out
+
+
+def last_gradient_actions(actions) -> dict[int, int]:
+    """Per stage, the index of the action after which its weight gradients are complete (last B or W)."""
+    return {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+
+
+def add_reduce_grad(plan: Plan) -> Plan:
+    """Insert each stage's REDUCE_GRAD right after its last B or W, on every rank: the reduction of its
+    gradients over the data-parallel replicas starts there and overlaps the compute that follows.
+
+    A stage that already has its REDUCE_GRAD keeps it where it stands (a schedule file may place it later),
+    so the pass is idempotent. Which parameters a stage's reduction carries is the worker's business: one
+    shared by two stages of a rank (the V-shape's tied embedding) goes with the stage finishing last, whose
+    REDUCE_GRAD then follows both stages' gradients. A forward-only plan gets none.
+    """
+    ranks, added = [], False
+    for actions in plan.ranks:
+        done = {a.stage for a in actions if a.kind is Kind.REDUCE_GRAD}
+        after = {i: s for s, i in last_gradient_actions(actions).items() if s not in done}
+        if after:
+            added, actions = True, _with_reductions(actions, after)
+        ranks.append(actions)
+    return plan.with_ranks(ranks) if added else plan
+
+
+def _with_reductions(actions, after: dict[int, int]) -> list[Action]:
+    out = []
+    for i, a in enumerate(actions):
+        out.append(a)
+        if i in after:
+            out.append(REDUCE_GRAD(after[i]))
+    return out
+
+
+def without_reduce_grad(plan: Plan) -> Plan:
+    """The plan with no REDUCE_GRAD: what runs with one replica, where there is nothing to reduce."""
+    if not any(a.kind is Kind.REDUCE_GRAD for acts in plan.ranks for a in acts):
+        return plan
+    return plan.with_ranks([[a for a in acts if a.kind is not Kind.REDUCE_GRAD] for acts in plan.ranks])

@@ -7,7 +7,7 @@ types alone, so none of those has to import another to get it.
 """
 from __future__ import annotations
 
-from .actions import COMPUTE_KINDS, Action, Kind, Plan
+from .actions import P2P_KINDS, Action, Kind, Plan
 
 
 def sends_after(action: Action, plan: Plan) -> list[Action]:
@@ -55,13 +55,14 @@ def peer(action: Action, plan: Plan) -> tuple[int, Action]:
 
 
 def comm_batches(actions) -> list[tuple[int, int]]:
-    """Index ranges [start, end) of each maximal run of comm actions in a rank's list."""
+    """Index ranges [start, end) of each maximal run of point-to-point actions in a rank's list (a collective,
+    like a compute action, ends a run)."""
     batches, start = [], None
     for i, a in enumerate(list(actions) + [None]):
-        is_comm = a is not None and a.kind not in COMPUTE_KINDS
-        if is_comm and start is None:
+        is_p2p = a is not None and a.kind in P2P_KINDS
+        if is_p2p and start is None:
             start = i
-        elif not is_comm and start is not None:
+        elif not is_p2p and start is not None:
             batches.append((start, i))
             start = None
     return batches
@@ -194,7 +195,7 @@ def message_peaks(plan: Plan, eager_sends: bool = False) -> list[int]:
                 if a.kind is Kind.F:  # its received input is the stage's now; its output goes on
                     level += after[a.stage] - before[a.stage]
                     peak = max(peak, level)
-                elif a.kind is not Kind.W:  # B or I: reads a received gradient, makes one to send
+                elif a.kind is Kind.B or a.kind is Kind.I:  # reads a received gradient, makes one to send
                     level += before[a.stage]
                     peak = max(peak, level)
                     level -= after[a.stage]

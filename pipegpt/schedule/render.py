@@ -2,7 +2,8 @@
 
 All renderers take a Timeline, so a simulated plan and a measured run look
 the same. Only compute actions (F, B, I, W) are drawn as blocks; the Chrome
-trace keeps every event, comm included.
+trace keeps every event, messages and collectives (a measured REDUCE_GRAD's
+launch) included.
 """
 from __future__ import annotations
 
@@ -381,10 +382,12 @@ def to_chrome_trace(timeline: Timeline) -> dict:
         events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
     for e in sorted(timeline.events, key=lambda e: (e.rank, e.start)):
         a = e.action
+        whole_stage = a.kind.is_collective  # no microbatch to name
         events.append({
-            "name": f"{a.kind.value}{a.microbatch}", "cat": a.kind.value, "ph": "X", "pid": e.rank, "tid": 0,
-            "ts": float(e.start - t0) * us, "dur": float(e.end - e.start) * us,
-            "args": {"stage": a.stage, "microbatch": a.microbatch, "action": str(a)},
+            "name": a.kind.value if whole_stage else f"{a.kind.value}{a.microbatch}", "cat": a.kind.value,
+            "ph": "X", "pid": e.rank, "tid": 0, "ts": float(e.start - t0) * us, "dur": float(e.end - e.start) * us,
+            "args": {"stage": a.stage, "action": str(a)} if whole_stage else
+                    {"stage": a.stage, "microbatch": a.microbatch, "action": str(a)},
         })
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"schedule": timeline.schedule, "num_microbatches": timeline.num_microbatches,

@@ -12,7 +12,8 @@ Blank lines and `#` comments are ignored, except the optional `# stages:`
 (or `# stage_to_rank:`) and `# name:` headers. Without `# stages:` each stage
 lives on the rank whose line uses it, which is stage s on rank s for
 1F1B-like files. The number of microbatches is the largest one used plus one.
-Files may be compute-only or lowered (with SEND/RECV); either way the plan is
+Files may be compute-only or lowered (with SEND/RECV), with or without
+collectives (1REDUCE_GRAD: a stage and no microbatch); either way the plan is
 validated, so a dependency error names the rank, the step and the line.
 """
 from __future__ import annotations

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from numbers import Real
 
-from .actions import Action, Kind, Plan, ScheduleError
+from .actions import COMPUTE_KINDS, Action, Kind, Plan, ScheduleError
+from .lowering import last_gradient_actions
 from .validate import dependencies, validate
 
 # Keys accepted by Costs.parse / Costs.from_json (lower case) and the field each fills.
@@ -48,8 +49,10 @@ class Costs:
     The other parallel axes: tp_comm[s] is the time stage s spends in its
     tensor-parallel all-reduces for one microbatch's forward; its backward (B or
     I) makes as many, W none. dp_comm[s] is the time to all-reduce stage s's
-    gradients across data-parallel replicas: it starts when the stage's last
-    B/W ends, overlaps compute, and a rank's reductions run one after another.
+    gradients across data-parallel replicas, the cost of its REDUCE_GRAD: it
+    starts where the plan's REDUCE_GRAD stands (a plan without them is charged
+    as add_reduce_grad places them: when the stage's last B/W ends), overlaps
+    compute, and a rank's reductions run one after another.
     """
 
     forward: tuple
@@ -392,7 +395,8 @@ def simulate(plan: Plan, costs: Costs) -> Timeline:
     """Run the plan's compute actions against the costs and return when each ran.
 
     Each rank runs its compute actions in plan order (SEND/RECV are ignored:
-    messages are modelled as latency). An action starts when its rank is free
+    messages are modelled as latency; collectives take no compute time, see
+    _gradient_sync_end). An action starts when its rank is free
     and every dependency (validate.dependencies) is available: at once on the
     same rank, costs.comm after it ended on another. The times are computed
     in dependency order, which gives exactly what an event-driven run gives.
@@ -445,18 +449,34 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
     events.sort(key=lambda e: e.rank)  # stable: each rank keeps its plan order
     meta = {**plan.meta, "costs": costs.as_dict()}
     if any(costs.dp_comm):
-        meta["step_end"] = _gradient_sync_end(events, costs, plan.num_ranks)
+        meta["step_end"] = _gradient_sync_end(plan, ends, costs)
     return Timeline(events, plan.num_ranks, schedule=plan.name, num_microbatches=plan.num_microbatches,
                     stage_to_rank=tuple(plan.stage_to_rank), activation_bytes=costs.activation_bytes, meta=meta)
 
 
-def _gradient_sync_end(events: list[Event], costs: Costs, num_ranks: int) -> Real:
-    """When the last data-parallel gradient all-reduce ends: each stage's starts once its last B/W has."""
-    ready: dict[int, tuple[Real, int]] = {}  # stage -> (its gradients complete, rank)
-    for e in events:
-        if e.action.kind in (Kind.B, Kind.W):
-            ready[e.action.stage] = max(ready.get(e.action.stage, (e.end, e.rank)), (e.end, e.rank))
-    channel_free: list[Real] = [0] * num_ranks
-    for stage, (at, rank) in sorted(ready.items(), key=lambda item: item[1]):
-        channel_free[rank] = max(channel_free[rank], at) + costs.dp_comm[stage]
-    return max(channel_free)
+def _gradient_sync_end(plan: Plan, ends: dict[Action, Real], costs: Costs) -> Real:
+    """When the last data-parallel gradient reduction ends. A REDUCE_GRAD is launched where it stands: once
+    its rank has finished the compute action before it; launching takes no compute time (the reduction is
+    asynchronous), and it then takes dp_comm[stage] on its rank's one reduction channel, after the reductions
+    launched before it. A rank without REDUCE_GRAD launches where add_reduce_grad would put them."""
+    end = 0
+    for actions in plan.ranks:
+        placed = [i for i, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD]
+        if placed:
+            launches = [(_reached(actions, i, ends), actions[i].stage) for i in placed]
+        else:
+            after = last_gradient_actions(actions)
+            launches = [(ends[actions[i]], s) for s, i in sorted(after.items(), key=lambda item: item[1])]
+        channel = 0
+        for at, stage in launches:
+            channel = max(channel, at) + costs.dp_comm[stage]
+        end = max(end, channel)
+    return end
+
+
+def _reached(actions, i: int, ends: dict[Action, Real]) -> Real:
+    """When a rank reaches step i of its actions: the end of the compute action before it (0 if none)."""
+    for k in range(i - 1, -1, -1):
+        if actions[k].kind in COMPUTE_KINDS:
+            return ends[actions[k]]
+    return 0

@@ -1,12 +1,18 @@
 """The validator: a plan the runtime may execute is complete, ordered and deadlock-free.
 
 Errors name the rank and the step and show the plan around it.
+
+Collectives are checked where a plan has them: a stage's REDUCE_GRAD comes once, after its last B or W on
+its rank, and a plan that reduces one stage's gradients reduces every stage's; UNSHARD comes before the
+stage's first compute action and RESHARD after its last, each once and never one without the other. They
+block nothing here: a collective is launched, not waited for, and every replica of a rank launches its
+collectives in the same order (the same plan), so they cannot deadlock with each other or with messages.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .actions import Action, Kind, Plan, PlanError, ScheduleError
+from .actions import COLLECTIVE_KINDS, NO_MICROBATCH, Action, Kind, Plan, PlanError, ScheduleError
 from .messages import comm_batches, messages, peer
 
 
@@ -27,28 +33,37 @@ def dependencies(action: Action, plan: Plan) -> list[Action]:
 
 def validate(plan: Plan) -> Plan:
     """Raise PlanError/ScheduleError if the plan is not executable; return it unchanged otherwise."""
-    _check_shape(plan)
+    has_collectives = _check_shape(plan)
     _check_counts(plan)
     _check_order(plan.compute_only())
+    if has_collectives:
+        _check_collectives(plan)
     if plan.is_lowered:
         _check_messages(plan)
         check_deadlock_free(plan)
     return plan
 
 
-def _check_shape(plan: Plan) -> None:
+def _check_shape(plan: Plan) -> bool:
+    """Raise on a rank, stage or microbatch out of place; return whether the plan has collectives."""
     if plan.num_ranks < 1 or not plan.stage_to_rank:
         raise ScheduleError("a plan needs at least one rank and one stage")
     if sorted(set(plan.stage_to_rank)) != list(range(plan.num_ranks)):
         raise ScheduleError(f"stage_to_rank {list(plan.stage_to_rank)} must use every rank 0..{plan.num_ranks - 1}")
+    collectives = False
     for r, actions in enumerate(plan.ranks):
         for k, a in enumerate(actions):
             if not 0 <= a.stage < plan.num_stages:
                 raise PlanError(plan, r, k, f"stage {a.stage} out of range 0..{plan.num_stages - 1}")
-            if not 0 <= a.microbatch < plan.num_microbatches:
+            if a.kind in COLLECTIVE_KINDS:
+                if a.microbatch != NO_MICROBATCH:
+                    raise PlanError(plan, r, k, f"{a.kind.value} acts on a whole stage: it takes no microbatch")
+                collectives = True
+            elif not 0 <= a.microbatch < plan.num_microbatches:
                 raise PlanError(plan, r, k, f"microbatch {a.microbatch} out of range 0..{plan.num_microbatches - 1}")
             if plan.stage_to_rank[a.stage] != r:
                 raise PlanError(plan, r, k, f"stage {a.stage} belongs to rank {plan.stage_to_rank[a.stage]}")
+    return collectives
 
 
 def _check_counts(plan: Plan) -> None:
@@ -104,10 +119,42 @@ def _check_order(plan: Plan) -> None:
     raise PlanError(plan, r, pos[r], "circular wait: " + "; ".join(waits))
 
 
+def _check_collectives(plan: Plan) -> None:
+    """Each collective where the module docstring says (duplicates are _check_counts' to refuse)."""
+    reduced = {a.stage for acts in plan.ranks for a in acts if a.kind is Kind.REDUCE_GRAD}
+    for r, actions in enumerate(plan.ranks):
+        computes: dict[int, list[int]] = {}  # stage -> its compute actions' steps
+        gradients: dict[int, int] = {}  # stage -> the step of its last B or W
+        for k, a in enumerate(actions):
+            if a.kind.is_compute:
+                computes.setdefault(a.stage, []).append(k)
+                if a.kind is Kind.B or a.kind is Kind.W:
+                    gradients[a.stage] = k
+        index = {a: k for k, a in enumerate(actions) if a.kind in COLLECTIVE_KINDS}
+        for a, k in index.items():
+            s, steps = a.stage, computes.get(a.stage, [])
+            # A plan with a REDUCE_GRAD is a training plan: _check_counts saw every stage's B or W.
+            if a.kind is Kind.REDUCE_GRAD and k < gradients[s]:
+                raise PlanError(plan, r, k, f"reduces stage {s}'s gradients before {actions[gradients[s]]}, "
+                                            f"its last gradient")
+            if a.kind is Kind.UNSHARD and steps and k > steps[0]:
+                raise PlanError(plan, r, k, f"gathers stage {s}'s parameters after {actions[steps[0]]} used them")
+            if a.kind is Kind.RESHARD and steps and k < steps[-1]:
+                raise PlanError(plan, r, k, f"frees stage {s}'s parameters before {actions[steps[-1]]} uses them")
+            partner = Kind.RESHARD if a.kind is Kind.UNSHARD else Kind.UNSHARD
+            if a.kind is not Kind.REDUCE_GRAD and Action(s, partner, NO_MICROBATCH) not in index:
+                raise PlanError(plan, r, k, f"has no {s}{partner.value} to go with it")
+        if reduced:
+            for s in plan.stages_of(r):
+                if s not in reduced:
+                    raise PlanError(plan, r, len(actions), f"missing {s}{Kind.REDUCE_GRAD.value}: the plan "
+                                                           f"reduces other stages' gradients")
+
+
 def _check_messages(plan: Plan) -> None:
     """Every cross-rank edge has one SEND after its producer and one RECV before its consumer, in FIFO order."""
     for r, (got, want) in enumerate(zip(plan.ranks, messages(plan))):
-        got_comm = {a for a in got if a.kind.is_comm}
+        got_comm = {a for a in got if a.kind.is_p2p}
         for a in sorted(got_comm - want):
             raise PlanError(plan, r, got.index(a), f"{a} matches no message between ranks")
         for a in sorted(want - got_comm):
@@ -119,7 +166,7 @@ def _check_messages(plan: Plan) -> None:
                     else plan.backward_of(a.stage, a.microbatch)
                 if index[producer] > k:
                     raise PlanError(plan, r, k, f"sends before {producer} has computed it")
-            elif a.kind.is_comm:
+            elif a.kind.is_p2p:
                 consumer = Action(a.stage, Kind.F, a.microbatch) if a.kind is Kind.RECV_F \
                     else plan.backward_of(a.stage, a.microbatch)
                 if index[consumer] < k:
@@ -131,7 +178,7 @@ def _check_messages(plan: Plan) -> None:
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 dst, partner = peer(a, plan)
                 sent[(r, dst)].append((a, k))
-            elif a.kind.is_comm:
+            elif a.kind.is_p2p:
                 src, _ = peer(a, plan)
                 received[(src, r)].append((a, k))
     for (src, dst), sends in sent.items():
@@ -158,7 +205,7 @@ def check_deadlock_free(plan: Plan) -> None:
         for r, actions in enumerate(plan.ranks):
             while pos[r] < len(actions):
                 end = batch_at[r].get(pos[r])
-                if end is None:  # compute
+                if end is None:  # compute, or a collective: launched, not waited for
                     pos[r] += 1
                     progress = True
                     continue

@@ -20,8 +20,8 @@ class GradSync:
     """A parallelism's part of finishing a step's gradients. The defaults: nothing to reduce, every value counted
     and owned here."""
 
-    def start(self, stage: int) -> None:
-        """The stage's gradients on this rank are complete (its last backward action ran)."""
+    def reduce_grad(self, stage: int) -> None:
+        """The plan's REDUCE_GRAD for a stage: its gradients on this rank are complete (its last B or W ran)."""
 
     def reduce(self) -> None:
         """Complete what this parallelism sums or averages, in place, before clipping."""
@@ -36,14 +36,14 @@ class GradSync:
 
 
 class DataParallelSync(GradSync):
-    """Replicas average their gradients, each stage's buckets started as soon as the stage's last backward ran, so
-    they overlap with the rest of the step. Replica 0 stores the parameters (optimizer state: see the role)."""
+    """Replicas average their gradients, each stage's buckets started at the stage's REDUCE_GRAD (placed by the
+    plan right after the stage's last backward), so they overlap with the rest of the step. Replica 0 stores the parameters (optimizer state: see the role)."""
 
     def __init__(self, engine: Engine, timeout_s: float):
         self.averager = GradientAverager(engine.params_by_stage(), engine.mesh.group("dp"), engine.rank, timeout_s)
 
-    def start(self, stage: int) -> None:
-        self.averager.start(stage)
+    def reduce_grad(self, stage: int) -> None:
+        self.averager.reduce_grad(stage)
 
     def reduce(self) -> None:
         self.averager.finish()
@@ -124,10 +124,12 @@ def not_owned(syncs: list[GradSync]) -> set[int]:
     return set().union(*(s.not_owned() for s in syncs))
 
 
-def grads_started(syncs: list[GradSync]):
-    """The runtime's callback when a stage's gradients are complete: every sync that overlaps hears of it."""
-    def started(stage: int) -> None:
-        for sync in syncs:
-            sync.start(stage)
-    return started
+class PlanCollectives:
+    """What the runtime calls for the plan's collective actions: every sync hears of a stage's REDUCE_GRAD."""
 
+    def __init__(self, syncs: list[GradSync] | None = None):
+        self.syncs = syncs or []
+
+    def reduce_grad(self, stage: int) -> None:
+        for sync in self.syncs:
+            sync.reduce_grad(stage)

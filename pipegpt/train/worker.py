@@ -31,7 +31,7 @@ from pipegpt.resilience.faults import FaultHook
 from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint, rng, snapshot
 from pipegpt.tensor_parallel import REPLICATED, shard_tensor, tp_shard_spec
-from pipegpt.train.grad_sync import grads_started, make_syncs, not_counted, not_owned
+from pipegpt.train.grad_sync import PlanCollectives, make_syncs, not_counted, not_owned
 from pipegpt.train.optim import (clip_grads_, global_grad_norm, lr_at, make_optimizer, moments_overflow_at,
                                   set_lr)
 
@@ -77,10 +77,9 @@ class Worker:
         p, last = cfg.parallel, plan.num_stages - 1
         # Steps whose per-action timestamps are recorded: --trace-steps and the last (trace.json); others skip it.
         self.recorded_steps = frozenset(cfg.runtime.traced_steps()) | {cfg.runtime.steps - 1}
-        syncs: list = []  # filled once the stages exist; the runtime's callback reads the list then
-        engine.build(cfg, plan, eval_plan, on_gradients_ready=grads_started(syncs))
-        syncs += make_syncs(engine, cfg)
-        self.syncs = syncs
+        collectives = PlanCollectives()  # runs the plan's REDUCE_GRADs with the syncs made once the stages exist
+        engine.build(cfg, plan, eval_plan, collectives=collectives)
+        self.syncs = collectives.syncs = make_syncs(engine, cfg)
         self.stages, self.named_params, self.full_names = engine.stages, engine.named_params, engine.full_names
         self.moments_limit = moments_overflow_at(engine.dtype)
         self.optimizer = make_optimizer(self.named_params, cfg.optim, engine.mesh.group("dp") if p.zero else None)
