@@ -24,7 +24,8 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+from urllib.parse import parse_qsl, urlparse
 
 import torch
 import torch.distributed as dist
@@ -389,6 +390,55 @@ def bind_to_master_interface(env=os.environ) -> str | None:
     return name
 
 
+ATTEMPT_SCHEME = "pipegpt-attempt"
+
+
+def attempt_prefix(env: Mapping[str, str] = os.environ) -> str:
+    """The store keys of this torchrun attempt. torchrun's agent serves one store for the job's whole life and
+    starts every restart's processes on it: keys left by an attempt whose processes are gone (their addresses)
+    would be read by the next attempt's ranks, which then connect to nothing. The restart count tells attempts
+    apart; the world size, a new round of an elastic job whose agents keep their count."""
+    return (f"pipegpt/{env.get('TORCHELASTIC_RUN_ID', '')}/restart-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            f"/world-{env['WORLD_SIZE']}/")
+
+
+def _attempt_rendezvous(url: str, timeout: timedelta | None = None, **_):
+    """The rendezvous behind ATTEMPT_SCHEME: torchrun's store (env://, as torch would join it), under
+    attempt_prefix. RPC passes no timeout: the one in the URL bounds the wait for the store."""
+    query = dict(parse_qsl(urlparse(url).query))
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    timeout = timeout or timedelta(seconds=float(query["timeout_s"]))
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    yield dist.PrefixStore(attempt_prefix(), store), rank, world_size
+
+
+def attempt_init_method(timeout_s: float) -> str:
+    """Under torchrun, the init_method of RPC and of the process groups: this attempt's keys of torchrun's store."""
+    try:
+        dist.register_rendezvous_handler(ATTEMPT_SCHEME, _attempt_rendezvous)
+    except RuntimeError:  # registered by an earlier cluster in this process
+        pass
+    return f"{ATTEMPT_SCHEME}://?timeout_s={timeout_s}"
+
+
+def _finish_within(timeout_s: float, fn: Callable[[], None]) -> BaseException | None:
+    """fn() on a thread of its own, waited for at most timeout_s: its exception (None once it returned), or a
+    TimeoutError. Past the limit the thread is left behind: the process that cannot go on exits."""
+    done, error = threading.Event(), []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            error.append(e)
+        done.set()
+
+    threading.Thread(target=run, name="pipegpt-join", daemon=True).start()
+    if not done.wait(timeout_s):
+        return TimeoutError()
+    return error[0] if error else None
+
+
 class TorchrunCluster(Cluster):
     """Under torchrun: every process is a worker; rank 0 also runs the driver."""
 
@@ -397,9 +447,17 @@ class TorchrunCluster(Cluster):
         self.rank = int(os.environ["RANK"])
         bind_to_master_interface()  # before the agent and the process groups pick an address
         # torchrun's agent serves the store at MASTER_PORT and makes every rank its client
-        # (TORCHELASTIC_USE_AGENT_STORE): RPC, like c10d, must rendezvous through it.
-        rpc.init_rpc(f"worker{self.rank}", rank=self.rank, world_size=self.world_size,
-                     rpc_backend_options=_rpc_options("env://", timeout_s))
+        # (TORCHELASTIC_USE_AGENT_STORE): RPC and the process groups rendezvous there, on this attempt's keys.
+        self.init_method = attempt_init_method(timeout_s)
+        # Bounded here: init_rpc's own gloo group waits on its peers for weeks (DEFAULT_PROCESS_GROUP_TIMEOUT).
+        error = _finish_within(timeout_s, lambda: rpc.init_rpc(
+            f"worker{self.rank}", rank=self.rank, world_size=self.world_size,
+            rpc_backend_options=_rpc_options(self.init_method, timeout_s)))
+        if error is not None:
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            why = f"within {timeout_s:.0f}s" if isinstance(error, TimeoutError) else f"({_last_line(error)})"
+            raise WorkerFailure(self.rank, f"could not join the job's {self.world_size} ranks {why}; "
+                                           f"torchrun restart {restart}")
 
     @property
     def is_driver(self) -> bool:

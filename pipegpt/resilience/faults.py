@@ -37,8 +37,11 @@ NOT_FAILURES = (IN_SAVE, STUCK, NAN_LOSS, NAN_GRAD, GPU_STUCK)  # kinds that do 
 
 def planned_fault(rank: int, env: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
     """(kind, step) if this rank is to fail, else None. A comma list plans one fault per attempt of a run that
-    restarts (--max-restarts): each restart drops the first (later_faults)."""
-    spec = env.get(FAULT_ENV, "").split(",")[0]
+    restarts: each restart of --max-restarts drops the first (later_faults); torchrun's restarts run the same
+    command again, so there the attempt is torchrun's restart count."""
+    planned = env.get(FAULT_ENV, "").split(",")
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    spec = planned[attempt] if attempt < len(planned) else ""
     if not spec:
         return None
     kind, fault_rank, step = spec.split(":")

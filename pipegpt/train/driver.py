@@ -159,7 +159,8 @@ class Job:
         if under_torchrun():
             if self.cores:  # before the RPC agent and gloo start their threads
                 bind_this_process(self.cores[0])
-            self.cluster, init_method = TorchrunCluster(cfg.runtime.timeout_s), "env://"
+            self.cluster = TorchrunCluster(cfg.runtime.timeout_s)
+            init_method = self.cluster.init_method
             if not self.cluster.is_driver:
                 self.cluster.close()  # serve the driver's requests until it shuts everyone down
                 return False
