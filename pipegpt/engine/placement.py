@@ -78,6 +78,9 @@ def name_process(title: str) -> None:
     """What ps and top show for this process ("pipegpt: rank 1 stage 1"), instead of multiprocessing's
     `python -c from multiprocessing.spawn ...` shared by every worker."""
     try:
+        # Only within the command line's own bytes: /proc/PID/environ stays readable (torchrun's RANK, which
+        # tools and tests read there); a worker's command line is long enough for the title.
+        os.environ.setdefault("SPT_NOENV", "1")
         import setproctitle
 
         setproctitle.setproctitle(title)
