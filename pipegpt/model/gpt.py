@@ -297,3 +297,15 @@ def build_reference_model(config: ModelConfig, seed: int, recompute: str = "none
     GPT(config, layers=..., init_seed=seed) slices get exactly the same initial values."""
     torch.manual_seed(seed)
     return GPT(config, recompute=recompute, init_seed=seed)
+
+
+def load_whole_model(config: ModelConfig, full_state_dict: dict, device="cpu") -> GPT:
+    """The whole model in one process holding a full state dict (one-process names), in eval mode: built on
+    the meta device (no initial values drawn), then loaded (strict; a misfit raises KeyError or RuntimeError)."""
+    with torch.device("meta"):
+        model = GPT(config, init_seed=0)
+    model.to_empty(device=device)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.wte.weight  # to_empty gives each module its own tensor
+    model.load_from_full(full_state_dict)
+    return model.eval()
