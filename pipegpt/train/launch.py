@@ -55,7 +55,7 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.runtime.device, cfg.world_size)
     if driver:
-        echo(f"pipegpt: {model.n_layer}-layer {'Llama' if model.is_llama else 'GPT'} ({preset}), {cfg.world_size} workers on "
+        echo(f"pipegpt: {model.n_layer}-layer {model.architecture.family} ({preset}), {cfg.world_size} workers on "
              f"{device}, schedule {p.schedule}, "
              f"{p.microbatches} microbatches x {p.microbatch_size} sequences x {model.seq_len} tokens; "
              f"run dir {out}")
