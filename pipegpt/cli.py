@@ -182,6 +182,7 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
 
     --resume takes every setting from the checkpoint's run except those given here (each change is printed).
     """
+    from pipegpt.arch import ARCHITECTURES
     from pipegpt.config import MODEL_PRESETS
     from pipegpt.options import given, resume_auto, train_config
     from pipegpt.train.launch import launch
@@ -190,7 +191,9 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
     if options["resume"] == "auto":
         options["resume"], continuing = resume_auto(run_dir)
     cfg = train_config(ctx, batch_size, options, say=click.echo, config_file=config_file, layout=layout)
-    preset = "tiny-llama" if options["arch"] == "llama" and not given(ctx, "preset") else options["preset"]
+    preset = options["preset"]
+    if options["arch"] in ARCHITECTURES and not given(ctx, "preset"):  # --arch alone: that architecture's own preset
+        preset = ARCHITECTURES[options["arch"]].default_preset
     started = cfg.checkpoint.resume or cfg.checkpoint.init_from
     if started is not None and not given(ctx, "preset"):  # the model is the checkpoint's
         preset = next((name for name, m in MODEL_PRESETS.items() if m == cfg.model),
@@ -268,9 +271,9 @@ def convert(from_hf, out, tokenizer, to_hf, source):
 
         path, model = import_hf(from_hf, out, tokenizer)
         tokenizer = read_manifest(path)["tokenizer"]
-        click.echo(f"wrote {path}: {model.n_layer}-layer {'Llama' if model.is_llama else 'GPT-2'}, "
+        click.echo(f"wrote {path}: {model.n_layer}-layer {model.architecture.title}, "
                    f"n_embd {model.n_embd}, {model.n_head} heads"
-                   + (f" ({model.kv_heads} key/value)" if model.is_llama else "") + ", "
+                   + (f" ({model.kv_heads} key/value)" if model.architecture.grouped_kv else "") + ", "
                    f"vocabulary {model.vocab_size}, seq_len {model.seq_len}, "
                    f"{'tied' if model.tie_embeddings else 'untied'} embeddings; tokenizer {tokenizer}")
         click.echo(f"train from it: pipegpt run --init-from {path} {model_flags(model, tokenizer)}")
@@ -282,7 +285,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
 
     found, model = export_hf(source, to_hf)
     click.echo(f"wrote {to_hf}/config.json and model.safetensors from {found}: {model.n_layer}-layer "
-               f"{'Llama' if model.is_llama else 'GPT-2'}, "
+               f"{model.architecture.title}, "
                f"n_embd {model.n_embd}, vocabulary {model.vocab_size}")
 
 

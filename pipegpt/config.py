@@ -14,6 +14,8 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from pipegpt.arch import ARCHITECTURES, LLAMA, Architecture
+
 
 class ConfigError(ValueError):
     """A configuration value is not valid (one-line, user-facing message)."""
@@ -26,7 +28,7 @@ def _check_positive_int(name: str, value) -> None:
         raise ConfigError(f"{name}={value} must be a positive integer (>= 1)")
 
 
-ARCHS = ("gpt2", "llama")
+ARCHS = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -74,19 +76,19 @@ class ModelConfig:
         """The MLP's hidden width (ffn_hidden, or the architecture's rule)."""
         if self.ffn_hidden is not None:
             return self.ffn_hidden
-        if self.arch == "llama":
-            return -(-(8 * self.n_embd // 3) // 256) * 256
-        return 4 * self.n_embd
+        return self.architecture.ffn_rule(self.n_embd)
 
     @property
-    def is_llama(self) -> bool:
-        return self.arch == "llama"
+    def architecture(self) -> Architecture:
+        """The description of arch (pipegpt.arch)."""
+        if self.arch not in ARCHITECTURES:
+            raise ConfigError(f"arch={self.arch!r} is not valid: use one of {', '.join(ARCHITECTURES)}")
+        return ARCHITECTURES[self.arch]
 
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "pad_vocab_to"):
             _check_positive_int(name, getattr(self, name))
-        if self.arch not in ARCHS:
-            raise ConfigError(f"arch={self.arch!r} is not valid: use one of {', '.join(ARCHS)}")
+        arch = self.architecture
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
@@ -99,10 +101,11 @@ class ModelConfig:
             divisors = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
             raise ConfigError(f"n_kv_head={self.kv_heads} does not divide n_head={self.n_head}: "
                               f"use one of {', '.join(map(str, divisors))}")
-        if self.kv_heads != self.n_head and self.arch != "llama":
-            raise ConfigError(f"n_kv_head={self.kv_heads} (grouped-query attention) needs arch llama, "
-                              f"not {self.arch}; GPT-2 has n_kv_head = n_head = {self.n_head}")
-        if self.is_llama and self.head_dim % 2:
+        if self.kv_heads != self.n_head and not arch.grouped_kv:
+            grouped = ", ".join(a.name for a in ARCHITECTURES.values() if a.grouped_kv)
+            raise ConfigError(f"n_kv_head={self.kv_heads} (grouped-query attention) needs arch {grouped}, "
+                              f"not {self.arch}; {arch.title} has n_kv_head = n_head = {self.n_head}")
+        if arch.rotary and self.head_dim % 2:
             raise ConfigError(f"head size n_embd/n_head = {self.head_dim} is odd: rotary embeddings need "
                               f"an even head size")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
@@ -120,7 +123,7 @@ class ModelConfig:
 
 
 # Llama-shaped models: untied unless stated (SmolLM ties), no biases.
-_LLAMA = dict(arch="llama", bias=False, tie_embeddings=False)
+_LLAMA = dict(arch=LLAMA.name, bias=LLAMA.bias, tie_embeddings=LLAMA.tie_embeddings)
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=128),
     "gpt2": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, n_embd=768),

@@ -12,6 +12,7 @@ from typing import Callable
 import click
 from click.core import ParameterSource
 
+from pipegpt.arch import ARCHITECTURES, GPT2
 from pipegpt.config import (ARCHS, MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, canonical_tokenizer,
                             microbatch_size_for, model_config)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
@@ -19,8 +20,10 @@ from pipegpt import run_files
 
 MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
                  "tie_embeddings", "dropout", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "qkv_bias")
-# the Llama-only settings: given with arch gpt2 they are refused (GPT-2 has no rotary, grouping or qkv-only bias)
-LLAMA_ONLY = {"n_kv_head": "--n-kv-head", "rope_theta": "--rope-theta", "qkv_bias": "--qkv-bias"}
+# settings of an architectural property (pipegpt.arch): given for an architecture without it, they are refused
+# (GPT-2 has no grouping, rotary positions or q/k/v biases of their own)
+ARCH_SPECIFIC = {"n_kv_head": ("--n-kv-head", "grouped_kv"), "rope_theta": ("--rope-theta", "rotary"),
+                 "qkv_bias": ("--qkv-bias", "own_qkv_bias")}
 
 
 def int_tuple(value: str | None) -> tuple[int, ...] | None:
@@ -99,8 +102,8 @@ def model_from_options(options: dict, vocab_size: int | None = None) -> ModelCon
     default when --vocab-size is not given)."""
     o = {name: options.get(name) for name in MODEL_OPTIONS}
     preset = o["preset"] or "tiny"
-    if o["arch"] == "llama" and preset == "tiny":  # --arch llama alone: the small Llama, as GPT-2 starts from tiny
-        preset = "tiny-llama"
+    if o["arch"] in ARCHITECTURES and preset == "tiny":  # --arch alone: its own small preset (GPT-2's is tiny)
+        preset = ARCHITECTURES[o["arch"]].default_preset
     arch = MODEL_PRESETS[preset].arch if preset in MODEL_PRESETS else None
     if o["arch"] is not None and arch is not None and o["arch"] != arch:
         raise ConfigError(f"--arch {o['arch']} does not match --model {preset} (a {arch} preset): leave out --arch "
@@ -121,15 +124,14 @@ def _tie(o: dict) -> bool | None:
 
 
 def check_arch_flags(o: dict, arch: str | None) -> None:
-    """Refuse a Llama-only setting given for a GPT-2; its default value (what GPT-2 has: a run's config.json
-    holds them all) passes."""
-    if arch == "llama":
-        return
-    defaults = ModelConfig()
-    for name, flag in LLAMA_ONLY.items():
-        if o.get(name) is not None and o[name] != getattr(defaults, name):
-            raise ConfigError(f"{flag} {_shown(o[name])} applies to --arch llama only (this model is "
-                              f"{arch or 'gpt2'}): leave it out or give --arch llama")
+    """Refuse a setting of a property the architecture lacks (a Llama-only one given for a GPT-2); its default
+    value (what GPT-2 has: a run's config.json holds them all) passes."""
+    described, defaults = ARCHITECTURES.get(arch, GPT2), ModelConfig()
+    for name, (flag, needs) in ARCH_SPECIFIC.items():
+        if not getattr(described, needs) and o.get(name) is not None and o[name] != getattr(defaults, name):
+            having = [a.name for a in ARCHITECTURES.values() if getattr(a, needs)]
+            raise ConfigError(f"{flag} {_shown(o[name])} applies to --arch {' or '.join(having)} only (this model "
+                              f"is {arch or 'gpt2'}): leave it out or give --arch {having[0]}")
 
 
 def model_flags(model: ModelConfig, tokenizer: str) -> str:
@@ -140,10 +142,11 @@ def model_flags(model: ModelConfig, tokenizer: str) -> str:
     else:
         flags = (f"--n-layer {model.n_layer} --n-embd {model.n_embd} --n-head {model.n_head} "
                  f"--seq-len {model.seq_len} --vocab-size {model.vocab_size}")
-        if model.is_llama:
-            flags = f"--arch llama {flags} --n-kv-head {model.kv_heads} --ffn-hidden {model.ffn_width} " \
-                    f"--rope-theta {model.rope_theta} --norm-eps {model.norm_eps}"
-            flags += " --qkv-bias" if model.qkv_bias else ""
+        arch = model.architecture
+        if arch is not GPT2:  # its shape in full: `--arch NAME` alone starts from that architecture's own preset
+            flags = f"--arch {arch.name} {flags}" + (f" --n-kv-head {model.kv_heads}" if arch.grouped_kv else "")
+            flags += f" --ffn-hidden {model.ffn_width}" + (f" --rope-theta {model.rope_theta}" if arch.rotary else "")
+            flags += f" --norm-eps {model.norm_eps}" + (" --qkv-bias" if arch.own_qkv_bias and model.qkv_bias else "")
             flags += " --tie-embeddings" if model.tie_embeddings else " --no-tie-embeddings"
         else:
             flags += "" if model.ffn_hidden is None else f" --ffn-hidden {model.ffn_hidden}"
@@ -315,8 +318,9 @@ def _file_model_options(ctx: click.Context, options: dict, model: dict, path: st
         return options
     arch = model.get("arch") or (MODEL_PRESETS[model["preset"]].arch if model.get("preset") in MODEL_PRESETS
                                  else "gpt2")
-    if model.get("bias", arch != "llama") is not (arch != "llama"):  # GPT-2 has biases, Llama none
-        raise ConfigError(f"--config {path}: model.bias = {model['bias']!r}: only {str(arch != 'llama').lower()} "
+    bias = ARCHITECTURES.get(arch, GPT2).bias  # each architecture's own: GPT-2 has biases, Llama none
+    if model.get("bias", bias) is not bias:
+        raise ConfigError(f"--config {path}: model.bias = {model['bias']!r}: only {str(bias).lower()} "
                           f"is supported for arch {arch}")
     filled = dict(options)
     as_options = {k: v for k, v in model.items() if k in ("preset", "n_layer", "n_embd", "n_head", "seq_len",

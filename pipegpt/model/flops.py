@@ -1,6 +1,7 @@
 """Training FLOPs per token of a model shape (torch-free: the planner and the run's MFU both count them).
 
-Both architectures (pipegpt.model.gpt), C = n_embd, F = ffn_width, Q = head_dim, K = kv_heads x Q:
+The parameters counted are pipegpt.arch's description of each architecture; for the two there are,
+C = n_embd, F = ffn_width, Q = head_dim, K = kv_heads x Q:
 
     gpt2   block: ln1, ln2 (LayerNorm gain and bias: 2C each, C without bias), attn.qkv 3C x C, attn.proj C x C,
            mlp.fc F x C, mlp.proj C x F (+ biases 3C, C, F, C); embedding wte + wpe (lookups); ln_f, lm_head
@@ -11,35 +12,27 @@ Both architectures (pipegpt.model.gpt), C = n_embd, F = ffn_width, Q = head_dim,
 """
 from __future__ import annotations
 
+import math
+
+from pipegpt.arch import block_linears, block_shapes, head_shapes
 from pipegpt.config import ModelConfig
 
 
 def block_matmul_weights(model: ModelConfig) -> int:
     """Elements of one block's weight matrices (the FLOPs of its matmuls are 2 x this per token forward)."""
-    C, F = model.n_embd, model.ffn_width
-    if model.is_llama:
-        K = model.kv_heads * model.head_dim
-        return 2 * C * C + 2 * K * C + 3 * F * C
-    return 4 * C * C + 2 * F * C
+    return sum(lin.rows * lin.cols for lin in block_linears(model))
 
 
 def block_parameters(model: ModelConfig) -> int:
     """Parameters of one block: its weight matrices, norms and biases."""
-    C, F = model.n_embd, model.ffn_width
-    if model.is_llama:
-        K = model.kv_heads * model.head_dim
-        biases = (C + 2 * K if model.qkv_bias else 0) + (C + 2 * F + C if model.bias else 0)
-        return 2 * C + block_matmul_weights(model) + biases
-    norm = 2 * C if model.bias else C  # a LayerNorm's gain (and bias)
-    biases = 3 * C + C + F + C if model.bias else 0  # qkv, attention proj, fc, mlp proj
-    return 2 * norm + block_matmul_weights(model) + biases
+    return sum(math.prod(shape) for _, shape in block_shapes(model))
 
 
 def matmul_parameters(model: ModelConfig) -> int:
     """N of nanoGPT's FLOPs estimate: every parameter but the position embedding, the LM head (the padded
     vocabulary's rows) counted once, tied or not (an untied token embedding is a lookup, not a matmul)."""
     C, L, V = model.n_embd, model.n_layer, model.padded_vocab_size
-    norm = C if model.is_llama or not model.bias else 2 * C  # ln_f: RMSNorm's gain, LayerNorm's gain (and bias)
+    norm = sum(math.prod(shape) for _, shape in head_shapes(model, lm_head=False))  # ln_f
     return L * block_parameters(model) + norm + V * C
 
 

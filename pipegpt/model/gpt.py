@@ -5,7 +5,8 @@ The module knows nothing of processes. `GPT(config)` is the whole model;
 Every parameter keeps its one-process name whichever slice holds it
 (`wte.weight`, `blocks.3.attn.qkv.weight`, `ln_f.weight`, `lm_head.weight`).
 
-One block structure whose parts follow `config.arch`:
+One block structure whose parts follow the architecture's description (pipegpt.arch: its norm, positions,
+MLP, fused or separate q/k/v):
     gpt2   wte + wpe; LayerNorm ln1/ln2/ln_f; attn.qkv (q, k, v stacked) and attn.proj; mlp.fc, GELU, mlp.proj
     llama  wte only (rotary positions, Hugging Face's rotate-half form, so its weights load unchanged);
            RMSNorm ln1/ln2/ln_f; attn.q, attn.k, attn.v (k and v with n_kv_head heads: grouped-query
@@ -99,21 +100,24 @@ class CausalSelfAttention(nn.Module):
         # n_head and n_kv_head are per instance: a tensor-parallel shard holds n_head/tp of them.
         self.n_head, self.n_kv_head, self.layer = config.n_head, config.kv_heads, layer
         self.dropout, self.selective = config.dropout, selective
-        self.rope_theta = config.rope_theta if config.is_llama else None
+        arch = config.architecture
+        self.rope_theta = config.rope_theta if arch.rotary else None
+        self.fused_qkv = arch.fused_qkv
         C, hd = config.n_embd, config.head_dim
-        if config.is_llama:
-            self.q = SplitLinear(C, self.n_head * hd, bias=config.qkv_bias)
-            self.k = SplitLinear(C, self.n_kv_head * hd, bias=config.qkv_bias)
-            self.v = SplitLinear(C, self.n_kv_head * hd, bias=config.qkv_bias)
+        qkv_bias = config.qkv_bias if arch.own_qkv_bias else config.bias
+        if arch.fused_qkv:
+            self.qkv = SplitLinear(C, 3 * C, bias=qkv_bias)
         else:
-            self.qkv = SplitLinear(C, 3 * C, bias=config.bias)
+            self.q = SplitLinear(C, self.n_head * hd, bias=qkv_bias)
+            self.k = SplitLinear(C, self.n_kv_head * hd, bias=qkv_bias)
+            self.v = SplitLinear(C, self.n_kv_head * hd, bias=qkv_bias)
         self.proj = SplitLinear(self.n_head * hd, C, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
     def _heads(self, x):
         """q [B, n_head, T, hd], k and v [B, n_kv_head, T, hd]. Widths come from the projections' outputs,
         not x: a tensor-parallel shard may see a longer (sequence-gathered) input."""
-        if self.rope_theta is None:
+        if self.fused_qkv:
             q, k, v = self.qkv(x).chunk(3, dim=2)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
@@ -144,7 +148,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         C, hidden = config.n_embd, config.ffn_width
-        self.swiglu = config.is_llama
+        self.swiglu = config.architecture.gated_mlp
         if self.swiglu:
             self.gate = SplitLinear(C, hidden, bias=config.bias)
             self.up = SplitLinear(C, hidden, bias=config.bias)
@@ -159,7 +163,7 @@ class MLP(nn.Module):
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
-    if config.is_llama:
+    if config.architecture.norm == "rms":
         return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
@@ -219,9 +223,10 @@ class GPT(nn.Module):
             raise ConfigError(f"recompute={recompute!r} is not valid: use one of {', '.join(RECOMPUTE_MODES)}")
         self.config, self.layers, self.embed, self.head, self.recompute = config, layers, embed, head, recompute
         V, C = config.padded_vocab_size, config.n_embd
+        self.rotary = config.architecture.rotary
         if embed:
             self.wte = nn.Embedding(V, C)
-            if not config.is_llama:  # rotary positions have no parameters
+            if not self.rotary:  # rotary positions have no parameters
                 self.wpe = nn.Embedding(config.seq_len, C)
             self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(config, recompute == "selective", i) for i in layers})
@@ -277,7 +282,7 @@ class GPT(nn.Module):
             if start + T > self.config.seq_len:
                 raise ValueError(f"sequence length {start + T} exceeds seq_len={self.config.seq_len}")
             x = self.wte(x)
-            if not self.config.is_llama:
+            if not self.rotary:
                 x = x + self.wpe(torch.arange(start, start + T, device=x.device))
             x = self.drop(x)
         for block in self.blocks.values():
@@ -297,3 +302,15 @@ def build_reference_model(config: ModelConfig, seed: int, recompute: str = "none
     GPT(config, layers=..., init_seed=seed) slices get exactly the same initial values."""
     torch.manual_seed(seed)
     return GPT(config, recompute=recompute, init_seed=seed)
+
+
+def load_whole_model(config: ModelConfig, full_state_dict: dict, device="cpu") -> GPT:
+    """The whole model in one process holding a full state dict (one-process names), in eval mode: built on
+    the meta device (no initial values drawn), then loaded (strict; a misfit raises KeyError or RuntimeError)."""
+    with torch.device("meta"):
+        model = GPT(config, init_seed=0)
+    model.to_empty(device=device)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.wte.weight  # to_empty gives each module its own tensor
+    model.load_from_full(full_state_dict)
+    return model.eval()

@@ -188,6 +188,7 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from pipegpt.arch import ROW, block_linears, kv_local_heads, stage_shapes
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
 from pipegpt.schedule.actions import Kind, Plan
 from pipegpt.schedule.lowering import lower
@@ -238,11 +239,6 @@ def check_tp_shapes(model: ModelConfig, tp: int) -> None:
         raise ConfigError(f"the MLP width {width} is not divisible by tp={tp}")
 
 
-def kv_local_heads(model: ModelConfig, tp: int) -> int:
-    """Key/value heads one tp rank holds: kv_heads/tp, or one (shared by tp/kv_heads ranks) when tp > kv_heads."""
-    return max(1, model.kv_heads // tp)
-
-
 def _check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} must be an integer >= 1")
@@ -257,66 +253,7 @@ def stage_parameter_shapes(model: ModelConfig, layers: int, embed: bool, head: b
     """(name, shape) of every parameter one tp rank of the slice holds, in GPT.named_parameters order
     (block names without their index). A tied lm_head in a slice that holds the embedding is wte."""
     _check_tp(model, tp)
-    h, Vp, bias, F = model.n_embd, model.padded_vocab_size, model.bias, model.ffn_width
-    out: list[tuple[str, tuple[int, ...]]] = []
-
-    def ln(prefix):
-        out.append((f"{prefix}.weight", (h,)))
-        if bias:
-            out.append((f"{prefix}.bias", (h,)))
-
-    def linear(prefix, rows, cols, has_bias, bias_len):
-        out.append((f"{prefix}.weight", (rows, cols)))
-        if has_bias:
-            out.append((f"{prefix}.bias", (bias_len,)))
-
-    if model.is_llama:
-        return _llama_shapes(model, _count(layers), embed, head, tp)
-    if embed:
-        out += [("wte.weight", (Vp // tp, h)), ("wpe.weight", (model.seq_len, h))]
-    for _ in range(_count(layers)):
-        ln("ln1")
-        linear("attn.qkv", 3 * h // tp, h, bias, 3 * h // tp)
-        linear("attn.proj", h, h // tp, bias, h)
-        ln("ln2")
-        linear("mlp.fc", F // tp, h, bias, F // tp)
-        linear("mlp.proj", h, F // tp, bias, h)
-    if head:
-        ln("ln_f")
-        if not (embed and model.tie_embeddings):
-            out.append(("lm_head.weight", (Vp // tp, h)))
-    return tuple(out)
-
-
-def _llama_shapes(model: ModelConfig, layers: int, embed: bool, head: bool, tp: int):
-    """stage_parameter_shapes for arch llama."""
-    h, Vp, bias, F = model.n_embd, model.padded_vocab_size, model.bias, model.ffn_width
-    q = model.n_head * model.head_dim // tp  # this rank's q heads
-    kv = kv_local_heads(model, tp) * model.head_dim  # its key/value heads (one replicated when tp > kv_heads)
-    rows: list[tuple[str, tuple[int, ...]]] = []
-
-    def add(prefix, r, c, has_bias, bias_len):
-        rows.append((f"{prefix}.weight", (r, c)))
-        if has_bias:
-            rows.append((f"{prefix}.bias", (bias_len,)))
-
-    if embed:
-        rows.append(("wte.weight", (Vp // tp, h)))  # rotary positions: no wpe
-    for _ in range(layers):
-        rows.append(("ln1.weight", (h,)))  # RMSNorm: a gain, no bias
-        add("attn.q", q, h, model.qkv_bias, q)
-        add("attn.k", kv, h, model.qkv_bias, kv)
-        add("attn.v", kv, h, model.qkv_bias, kv)
-        add("attn.proj", h, q, bias, h)
-        rows.append(("ln2.weight", (h,)))
-        add("mlp.gate", F // tp, h, bias, F // tp)
-        add("mlp.up", F // tp, h, bias, F // tp)
-        add("mlp.proj", h, F // tp, bias, h)
-    if head:
-        rows.append(("ln_f.weight", (h,)))
-        if not (embed and model.tie_embeddings):
-            rows.append(("lm_head.weight", (Vp // tp, h)))
-    return tuple(rows)
+    return stage_shapes(model, _count(layers), embed, head, tp)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -407,9 +344,9 @@ def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, hea
     # Where dropout > 0 puts its masks: 1 byte (CUDA's native_dropout) or the tensor's dtype (CPU).
     mask_c, mask_r = (1, 1) if device == "cuda" else (c, r)
     math_attention = drop and device == "cpu"  # CPU SDPA has no dropout in its flash kernel
-    llama, F = model.is_llama, model.ffn_width
+    arch, F = model.architecture, model.ffn_width
     # a norm's statistics: LayerNorm's mean and rstd; RMSNorm's rstd (and on CPU, composite, x * rstd)
-    norm_stats = (bS * r + (Ns * r if device == "cpu" else 0)) if llama else 2 * bS * r
+    norm_stats = (bS * r + (Ns * r if device == "cpu" else 0)) if arch.norm == "rms" else 2 * bS * r
 
     total = 0
     n = _count(layers)
@@ -417,30 +354,21 @@ def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, hea
         if recompute == "full":
             layer = Ns * r  # the block's input, kept by the checkpoint
         else:
-            if llama:
-                # SDPA keeps k and v repeated to the q heads (grouped-query attention repeats them before the
-                # kernel); selective recomputation's checkpoint keeps its inputs, k and v as the kv heads give them
-                kv = kv_local_heads(model, tp) * model.head_dim
-                attention_inputs = N // tp + (2 * b * s * kv if recompute == "selective" else 2 * N // tp)
-                layer = (2 * Ns * r  # ln1, ln2 inputs
-                         + 2 * norm_stats  # their rstd (and the CPU's x * rstd)
-                         + _llama_linear_inputs(precision, sp) * N * c  # q/k/v and gate/up inputs
-                         + attention_inputs * c  # q and k after rotation, v
-                         + N // tp * c  # the attention output = the proj input
-                         + 4 * b * s * (F // tp) * c)  # gate output (SiLU input), up output, SiLU output, product
-                if c != 4:
-                    layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call
-                if precision == "bf16":
-                    layer += _block_weights(model, tp) * 2  # each microbatch's bf16 casts of the seven weights
-            else:
-                layer = (2 * Ns * r  # ln1, ln2 inputs
-                         + 4 * bS * r  # their mean and rstd
-                         + 2 * N * c  # qkv and fc inputs (LayerNorm outputs; all-gathered with SP; bf16 casts)
-                         + 3 * N // tp * c  # q, k, v (the qkv output)
-                         + N // tp * c  # the attention output = the proj input
-                         + 2 * b * s * F // tp * c)  # fc output (GeLU input), GeLU output (proj input)
-                if precision == "bf16":
-                    layer += (4 * h * h + 2 * F * h) // tp * 2  # each microbatch's bf16 casts of the four weights
+            # SDPA keeps q, k and v (GPT-2's: views of the qkv output; grouped-query attention repeats k and v to
+            # the q heads before the kernel); selective recomputation's checkpoint keeps its inputs, k and v as
+            # the kv heads give them
+            kv = kv_local_heads(model, tp) * model.head_dim
+            attention_inputs = N // tp + (2 * b * s * kv if recompute == "selective" else 2 * N // tp)
+            layer = (2 * Ns * r  # ln1, ln2 inputs
+                     + 2 * norm_stats  # their statistics
+                     + _linear_inputs(model, precision, sp) * N * c  # the column-parallel linears' inputs
+                     + attention_inputs * c  # q and k (after rotation), v
+                     + N // tp * c  # the attention output = the proj input
+                     + arch.mlp_saved * b * s * (F // tp) * c)  # the MLP's intermediates
+            if arch.rotary and c != 4:
+                layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call
+            if precision == "bf16":
+                layer += _block_weights(model, tp) * 2  # each microbatch's bf16 casts of the block's weights
             if math_attention:
                 if recompute != "selective":  # softmax output, its dropout mask, the dropout output
                     layer += 3 * b * (a // tp) * s * s * c
@@ -450,7 +378,7 @@ def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, hea
                 layer += 2 * Ns * mask_c  # the attention and MLP residual dropouts' masks
         total += n * layer
     if embed:
-        total += bs * INT64 + (0 if llama else s * INT64)  # tokens (Stage.inputs), wpe's positions
+        total += bs * INT64 + (0 if arch.rotary else s * INT64)  # tokens (Stage.inputs), wpe's positions
         if tp > 1:
             total += bs * INT64 + bs * BOOL  # the vocabulary shard's local ids and outside-mask
         if drop:
@@ -467,18 +395,16 @@ def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, hea
     return total
 
 
-def _llama_linear_inputs(precision: str, sp: bool) -> int:
-    """The inputs Llama's five column-parallel linears (q, k, v on ln1's output; gate, up on ln2's) keep: the
-    two RMSNorm outputs, shared; or, where each linear makes its own (autocast's bf16 cast, sequence
-    parallelism's all-gather), five."""
-    return 5 if precision == "bf16" or sp else 2
+def _linear_inputs(model: ModelConfig, precision: str, sp: bool) -> int:
+    """The inputs the block's column-parallel linears (attention's on ln1's output, the MLP's on ln2's) keep:
+    the two norm outputs, shared; or, where each linear makes its own (autocast's bf16 cast, sequence
+    parallelism's all-gather), one each (GPT-2's qkv and fc: two; Llama's q, k, v, gate, up: five)."""
+    return sum(lin.split != ROW for lin in block_linears(model)) if precision == "bf16" or sp else 2
 
 
 def _block_weights(model: ModelConfig, tp: int) -> int:
     """Elements of one block's weight matrices on one tp rank (Llama: k and v per local kv head)."""
-    h, F = model.n_embd, model.ffn_width
-    kv = kv_local_heads(model, tp) * model.head_dim
-    return 2 * h * (model.n_head * model.head_dim // tp) + 2 * kv * h + 3 * h * (F // tp)
+    return sum(lin.rows * lin.cols for lin in block_linears(model, tp))
 
 
 def activation_bytes(model: ModelConfig, layers, *, microbatch_size: int, tp: int = 1,
@@ -497,13 +423,10 @@ def _deferred_bytes(model, layers, b, tp, sp, precision, embed, head) -> int:
     s, h, Vp = model.seq_len, model.n_embd, model.padded_vocab_size
     sp = sp and tp > 1
     N, Ns = b * s * h, b * (s // tp if sp else s) * h
-    if model.is_llama:  # inputs: q/k/v's and gate/up's (shared or each its own), the two projs'; then the
-        # output gradients of q, k, v (kv heads wide), attn.proj, gate, up and mlp.proj
-        F, kv = model.ffn_width, kv_local_heads(model, tp) * model.head_dim
-        layer = ((_llama_linear_inputs(precision, sp) + 2) * N + 2 * N // tp + 2 * b * s * kv
-                 + 3 * b * s * (F // tp)) * c
-    else:
-        layer = (4 * N + (4 * N + 2 * b * s * model.ffn_width) // tp) * c  # each linear's input and output gradient
+    # each linear's input and output gradient: the column-parallel ones' inputs (the norms' outputs, shared or
+    # each its own) and outputs (kv heads wide for k and v), the row-parallel ones' (rank-wide) inputs and outputs
+    widths = sum(lin.cols + lin.rows if lin.split == ROW else lin.rows for lin in block_linears(model, tp))
+    layer = (_linear_inputs(model, precision, sp) * N + b * s * widths) * c
     if sp and model.bias:
         layer += 2 * Ns * c  # the row-parallel biases' gradients (after the reduce-scatter)
     total = _count(layers) * layer
@@ -562,9 +485,9 @@ def _workspace(model, layers, b, tp, sp, recompute, precision, embed, head, devi
         # outputs are transient too. backward: the gradients of about one block; under full
         # recomputation that block's recomputed activations as well.
         F = model.ffn_width
-        mlp = 4 * b * s * (F // tp) * c if model.is_llama else 2 * b * s * F // tp * c  # the MLP's intermediates
+        mlp = model.architecture.mlp_saved * b * s * (F // tp) * c  # the MLP's intermediates
         forward = mlp + 2 * N * r if recompute == "full" else 2 * N * r
-        backward = 3 * b * s * F * r if model.is_llama else 2 * b * s * F * r
+        backward = model.architecture.mlp_matrices * b * s * F * r
         if recompute == "full":
             backward += _activation_bytes(model, 1, b, tp, sp, "none", precision, False, False, device)
         if model.dropout > 0 and device == "cpu":  # SDPA's math path: the s^2 gradients

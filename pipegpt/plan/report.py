@@ -2,6 +2,7 @@
 --explain why the others lost and what does not fit), the JSON object, and the line when nothing fits."""
 from __future__ import annotations
 
+from pipegpt.arch import GPT2
 from pipegpt.config import ModelConfig
 from pipegpt.model.flops import flops_per_token
 
@@ -108,8 +109,9 @@ def describe_model(model: ModelConfig) -> str:
     params = memory_model.parameter_count(model, model.n_layer, True, True, 1)
     flops = format_count(flops_per_token(model), " ")
     heads = f"{model.n_head} heads"
-    if model.is_llama:  # the shape GPT-2's line implies (kv heads = heads, MLP 4 x width) stated where it differs
-        heads = (f"llama, {model.n_head} heads ({model.kv_heads} key/value), SwiGLU {model.ffn_width}"
+    if model.architecture is not GPT2:  # stated where GPT-2's line implies it: kv heads = heads, MLP 4 x width
+        heads = (f"{model.arch}, {model.n_head} heads ({model.kv_heads} key/value), {model.architecture.mlp_title} "
+                 f"{model.ffn_width}"
                  + (", untied head" if not model.tie_embeddings else ""))
     return (f"{format_count(params)} parameters: {model.n_layer} layers, width {model.n_embd}, {heads}, "
             f"seq {model.seq_len}, vocabulary {model.vocab_size}; {flops}FLOP per token")

@@ -7,6 +7,7 @@ so each quantity is computed once per (model, tp, sp, recompute, microbatch size
 split. One StageCosts serves one search: its caches hold for one cluster and one cost model."""
 from __future__ import annotations
 
+from pipegpt.arch import block_shapes, embedding_shapes, head_shapes
 from pipegpt.config import ModelConfig
 
 from . import memory as memory_model
@@ -93,12 +94,9 @@ class StageCosts:
     def stage_tensors(model, layers):
         """Each stage's parameter tensors (the optimizer's per-tensor work)."""
         S = len(layers)
-        if model.is_llama:  # norms: a gain; q, k, v (+ biases), attn.proj, gate, up, mlp.proj (+ biases); wte
-            per_layer = 9 + (3 if model.qkv_bias else 0) + (4 if model.bias else 0)
-            return [n * per_layer + (1 if s == 0 else 0) + (2 if s == S - 1 else 0) for s, n in enumerate(layers)]
-        per_layer = 12 if model.bias else 6
-        ln = 2 if model.bias else 1
-        return [n * per_layer + (2 if s == 0 else 0) + ((ln + 1) if s == S - 1 else 0) for s, n in enumerate(layers)]
+        per_layer, embed, head = (len(shapes) for shapes in (block_shapes(model), embedding_shapes(model),
+                                                             head_shapes(model)))  # the head's lm_head counted
+        return [n * per_layer + (embed if s == 0 else 0) + (head if s == S - 1 else 0) for s, n in enumerate(layers)]
 
     def linear(self, model, tp, sp, rc, mbs):
         """Per-stage quantities as (per block, {(embed, head): the stage's fixed part}): parameters, saved and

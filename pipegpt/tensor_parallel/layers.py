@@ -62,6 +62,7 @@ import torch.distributed
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from pipegpt.arch import ROW, block_linears, kv_local_heads
 from pipegpt.config import ConfigError
 from pipegpt.model.gpt import GPT
 from pipegpt.model.split_backward import SplitLinear, add_bias, split_linear
@@ -216,22 +217,16 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
                                 group, sp, device="meta")
         return swap(new, old, prefix)
 
-    kv_local = max(1, kv // tp_size)  # kv heads of this rank: kv/tp, or one shared (tp a multiple of kv)
+    kv_local = kv_local_heads(config, tp_size)  # kv heads of this rank: kv/tp, or one shared (tp a multiple of kv)
+    linears = block_linears(config, tp_size)  # each one's split and its shape on this rank
     for i, block in module.blocks.items():
-        p, attn, mlp = f"blocks.{i}", block.attn, block.mlp
-        if config.is_llama:
-            attn.q = column(attn.q, f"{p}.attn.q")
-            attn.k = column(attn.k, f"{p}.attn.k", kv_local * config.head_dim)
-            attn.v = column(attn.v, f"{p}.attn.v", kv_local * config.head_dim)
-            mlp.gate = column(mlp.gate, f"{p}.mlp.gate")
-            mlp.up = column(mlp.up, f"{p}.mlp.up")
-        else:
-            attn.qkv = column(attn.qkv, f"{p}.attn.qkv")
-            mlp.fc = column(mlp.fc, f"{p}.mlp.fc")
-        attn.proj = row(attn.proj, f"{p}.attn.proj")
-        attn.n_head //= tp_size
-        attn.n_kv_head = kv_local
-        mlp.proj = row(mlp.proj, f"{p}.mlp.proj")
+        for lin in linears:
+            owner, _, leaf = lin.name.rpartition(".")
+            parent, name = block.get_submodule(owner), f"blocks.{i}.{lin.name}"
+            old = getattr(parent, leaf)
+            setattr(parent, leaf, row(old, name) if lin.split == ROW else column(old, name, lin.rows))
+        block.attn.n_head //= tp_size
+        block.attn.n_kv_head = kv_local
 
     V_local = config.padded_vocab_size // tp_size
     vocab_start = tp_rank * V_local

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from pipegpt.arch import hf_names, named_shapes
 from pipegpt.state import checkpoint
 from pipegpt.config import ConfigError, ModelConfig, canonical_tokenizer
 
@@ -56,27 +57,14 @@ HF_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer
                "tie_word_embeddings": True, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                "add_cross_attention": False}
 
-# (Hugging Face suffix within a block, pipegpt suffix within a block, Conv1D weight to transpose)
-_BLOCK = [("ln_1.weight", "ln1.weight", False), ("ln_1.bias", "ln1.bias", False),
-          ("attn.c_attn.weight", "attn.qkv.weight", True), ("attn.c_attn.bias", "attn.qkv.bias", False),
-          ("attn.c_proj.weight", "attn.proj.weight", True), ("attn.c_proj.bias", "attn.proj.bias", False),
-          ("ln_2.weight", "ln2.weight", False), ("ln_2.bias", "ln2.bias", False),
-          ("mlp.c_fc.weight", "mlp.fc.weight", True), ("mlp.c_fc.bias", "mlp.fc.bias", False),
-          ("mlp.c_proj.weight", "mlp.proj.weight", True), ("mlp.c_proj.bias", "mlp.proj.bias", False)]
-_TOP = [("wte.weight", "wte.weight"), ("wpe.weight", "wpe.weight"), ("ln_f.weight", "ln_f.weight"),
-        ("ln_f.bias", "ln_f.bias")]
 _NOT_WEIGHTS = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")  # causal-mask buffers of older files
 
 
-
-
-def name_map(n_layer: int, tied: bool) -> list[tuple[str, str, bool]]:
-    """(Hugging Face name without `transformer.`, pipegpt one-process name, transpose) for every weight."""
-    names = [(hf, ours, False) for hf, ours in _TOP]
-    names += [(f"h.{i}.{hf}", f"blocks.{i}.{ours}", t) for i in range(n_layer) for hf, ours, t in _BLOCK]
-    if not tied:
-        names.append(("lm_head.weight", "lm_head.weight", False))
-    return names
+def name_map(model: ModelConfig) -> list[tuple[str, str, bool]]:
+    """(Hugging Face name without `transformer.`, pipegpt one-process name, transpose) for every weight (the
+    architecture's names, pipegpt.arch), biases always: Hugging Face's GPT-2 has them (a model without them
+    exports zeros)."""
+    return hf_names(dataclasses.replace(model, bias=True))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -167,20 +155,11 @@ def read_hf_weights(hf_dir: Path) -> dict:
     raise ConvertError(f"{hf_dir}: holds no {SAFETENSORS_FILE} or {BIN_FILE} (nor a sharded index of either)")
 
 
-def _expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every one-process parameter name of the model and its shape (built on the meta device: no memory)."""
-    from pipegpt.model.gpt import GPT
-
-    with torch.device("meta"):
-        gpt = GPT(model, init_seed=0)
-    return {name: tuple(p.shape) for name, p in gpt.named_parameters()}
-
-
 def from_hf_state_dict(weights: dict, model: ModelConfig, where: Path | str = "") -> dict:
     """pipegpt's one-process state dict (float32) of a Hugging Face GPT-2 state dict (names without
     `transformer.`); a ConvertError names the first missing, unexpected or misshapen tensor."""
-    shapes = _expected_shapes(model)
-    mapping = name_map(model.n_layer, model.tie_embeddings)
+    shapes = named_shapes(model)
+    mapping = name_map(model)
     expected = {hf for hf, _, _ in mapping} | ({"lm_head.weight"} if model.tie_embeddings else set())
     return convert_llama.checked_weights(weights, mapping, shapes, expected, _NOT_WEIGHTS, where, "a GPT-2",
                                          f"n_layer={model.n_layer}, tie_word_embeddings={model.tie_embeddings}")
@@ -199,7 +178,7 @@ def import_hf(hf_dir, out, tokenizer: str | None = None) -> tuple[Path, ModelCon
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ConvertError(f"--out {out}: already exists: choose a new path for the checkpoint")
     if llama:
-        state = convert_llama.from_hf_state_dict(read_hf_weights(hf_dir), model, _expected_shapes(model), hf_dir)
+        state = convert_llama.from_hf_state_dict(read_hf_weights(hf_dir), model, named_shapes(model), hf_dir)
     else:
         state = from_hf_state_dict(read_hf_weights(hf_dir), model, hf_dir)
     tokenizer = _tokenizer_for(hf_dir, tokenizer, llama)
@@ -244,7 +223,7 @@ def to_hf_state_dict(state: dict, model: ModelConfig) -> dict:
     """Hugging Face names (with `transformer.`, as save_pretrained writes them) of a one-process state dict.
     Padded vocabulary rows are dropped; a model without biases gets zero biases (the same function)."""
     out = {}
-    for hf, ours, transpose in name_map(model.n_layer, model.tie_embeddings):
+    for hf, ours, transpose in name_map(model):
         if ours in state:
             t = state[ours]
         elif not model.bias and ours.endswith(".bias"):
@@ -271,10 +250,9 @@ def export_hf(path, hf_dir) -> tuple[Path, ModelConfig]:
         if (hf_dir / name).exists():
             raise ConvertError(f"--to-hf {hf_dir}: already holds {name}: choose a new directory")
     weights = checkpoint.read_weights(found)
-    if model.is_llama:
-        tensors, config = convert_llama.to_hf_state_dict(weights, model), convert_llama.hf_config(model)
-    else:
-        tensors, config = to_hf_state_dict(weights, model), hf_config(model, manifest.get("tokenizer"))
+    exporters = {"gpt2": lambda: (to_hf_state_dict(weights, model), hf_config(model, manifest.get("tokenizer"))),
+                 "llama": lambda: (convert_llama.to_hf_state_dict(weights, model), convert_llama.hf_config(model))}
+    tensors, config = exporters[model.arch]()
     hf_dir.mkdir(parents=True, exist_ok=True)
     partial = hf_dir / f"{SAFETENSORS_FILE}.partial"
     checkpoint.write_safetensors(partial, tensors, {"format": "pt"})  # follows the umask, as save_file's do not

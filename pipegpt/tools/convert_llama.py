@@ -23,6 +23,7 @@ import re
 
 import torch
 
+from pipegpt.arch import hf_names
 from pipegpt.config import ConfigError, ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -35,10 +36,6 @@ class ConvertError(ConfigError):
 
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size")
 
-_BLOCK = [("input_layernorm.weight", "ln1.weight"), ("post_attention_layernorm.weight", "ln2.weight"),
-          ("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"), ("self_attn.v_proj", "attn.v"),
-          ("self_attn.o_proj", "attn.proj"), ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.up"),
-          ("mlp.down_proj", "mlp.proj")]
 _NOT_WEIGHTS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # buffers of older files
 
 
@@ -90,34 +87,17 @@ def model_config_from_hf(config: dict, where) -> ModelConfig:
         raise ConvertError(f"{where}: {e}") from None
 
 
-def name_map(model: ModelConfig) -> list[tuple[str, str]]:
-    """(Hugging Face name, pipegpt one-process name) of every parameter of the model."""
-    names = [("model.embed_tokens.weight", "wte.weight"), ("model.norm.weight", "ln_f.weight")]
-    for i in range(model.n_layer):
-        for hf, ours in _BLOCK:
-            if hf.endswith(".weight"):
-                names.append((f"model.layers.{i}.{hf}", f"blocks.{i}.{ours}"))
-                continue
-            names.append((f"model.layers.{i}.{hf}.weight", f"blocks.{i}.{ours}.weight"))
-            has_bias = model.qkv_bias if ours in ("attn.q", "attn.k", "attn.v") else model.bias
-            if has_bias:
-                names.append((f"model.layers.{i}.{hf}.bias", f"blocks.{i}.{ours}.bias"))
-    if not model.tie_embeddings:
-        names.append(("lm_head.weight", "lm_head.weight"))
-    return names
-
-
 def from_hf_state_dict(weights: dict, model: ModelConfig, shapes: dict, where) -> dict:
     """pipegpt's one-process state dict (float32); a ConvertError names the first missing, unexpected or
     misshapen tensor."""
-    mapping = name_map(model)
-    expected = {hf for hf, _ in mapping}
+    mapping = hf_names(model)
+    expected = {hf for hf, _, _ in mapping}
     if model.tie_embeddings and "lm_head.weight" in weights:
         if not torch.equal(weights["lm_head.weight"], weights.get("model.embed_tokens.weight")):
             raise ConvertError(f"{where}: tie_word_embeddings=True, but lm_head.weight differs from "
                                f"model.embed_tokens.weight: set tie_word_embeddings false in config.json")
         expected.add("lm_head.weight")
-    return checked_weights(weights, [(hf, ours, False) for hf, ours in mapping], shapes, expected, _NOT_WEIGHTS,
+    return checked_weights(weights, mapping, shapes, expected, _NOT_WEIGHTS,
                            where, "a model", f"num_hidden_layers={model.n_layer}, "
                                              f"tie_word_embeddings={model.tie_embeddings}")
 
@@ -167,7 +147,7 @@ def hf_config(model: ModelConfig) -> dict:
 def to_hf_state_dict(state: dict, model: ModelConfig) -> dict:
     """Hugging Face names of a one-process state dict (padded vocabulary rows dropped)."""
     out = {}
-    for hf, ours in name_map(model):
+    for hf, ours, _ in hf_names(model):
         if ours not in state:
             raise ConvertError(f"the checkpoint holds no param/{ours}")
         t = state[ours]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from pipegpt.state import checkpoint
 from pipegpt.config import ConfigError, ModelConfig
-from pipegpt.model.gpt import GPT, KVCache
+from pipegpt.model.gpt import GPT, KVCache, load_whole_model
 
 
 class SampleError(ConfigError):
@@ -63,17 +63,12 @@ def load_model(path, device="cpu") -> tuple[GPT, dict, Path]:
     except (KeyError, TypeError, ConfigError) as e:
         raise checkpoint.CheckpointError(f"{found / checkpoint.MANIFEST}: no usable model settings ({e})") from None
     state = checkpoint.read_weights(found)
-    with torch.device("meta"):  # no initial values drawn: every parameter is loaded below
-        model = GPT(config, init_seed=0)
-    model.to_empty(device=device)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.wte.weight  # to_empty gives each module its own tensor
     try:
-        model.load_from_full(state)
+        model = load_whole_model(config, state, device)
     except (KeyError, RuntimeError) as e:
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise checkpoint.CheckpointError(f"{found}: its parameters do not fit its model settings ({first})") from None
-    return model.eval(), manifest, found
+    return model, manifest, found
 
 
 @torch.no_grad()

@@ -290,7 +290,7 @@ class Job:
         """The whole model in this process: every rank's parameters by one-process name, tensor-parallel
         shards joined (data-parallel replica 0). For evaluations that need all of it at once (HellaSwag)."""
         from pipegpt.comm.mesh import Grid
-        from pipegpt.model.gpt import GPT
+        from pipegpt.model.gpt import load_whole_model
         from pipegpt.tensor_parallel import gather_full
 
         p = self.cfg.parallel
@@ -303,9 +303,7 @@ class Job:
         kv = self.cfg.model.kv_heads  # Llama's k and v shards are split by kv head
         full = {n: gather_full(n, [parts[t] for t in range(p.tp)], kv) if p.tp > 1 else parts[0]
                 for n, parts in shards.items()}
-        model = GPT(self.cfg.model, init_seed=0)
-        model.load_from_full(full)
-        return model.eval()
+        return load_whole_model(self.cfg.model, full)
 
     def hellaswag(self, examples) -> tuple[float, float]:
         """(acc, acc_norm) of the current model on HellaSwag examples."""

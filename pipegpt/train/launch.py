@@ -82,7 +82,8 @@ def _run(job, preset: str, out: Path, driver: bool, restarts: int, log_every: in
     model, p, steps = cfg.model, cfg.parallel, cfg.runtime.steps
     device = resolve_device(cfg.runtime.device, cfg.world_size)
     if driver:
-        echo(f"pipegpt: {model.n_layer}-layer {'Llama' if model.is_llama else 'GPT'} ({preset}), {cfg.world_size} worker{'s' * (cfg.world_size > 1)} on "
+        echo(f"pipegpt: {model.n_layer}-layer {model.architecture.family} ({preset}), {cfg.world_size} "
+             f"worker{'s' * (cfg.world_size > 1)} on "
              f"{device}, schedule {p.schedule}, "
              f"{p.microbatches} microbatches x {p.microbatch_size} sequences x {model.seq_len} tokens; "
              f"run dir {out}")

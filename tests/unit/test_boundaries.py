@@ -150,6 +150,13 @@ def test_the_probe_sees_torch():
     assert {"pipegpt.model.gpt", "pipegpt.stages.stage"} <= set(found["pipegpt"])
 
 
+def test_arch_loads_nothing_else():
+    """The architectures' description sits under the config: it loads no torch and no other pipegpt module."""
+    found = loaded("pipegpt.arch")
+    assert found["pipegpt"] == ["pipegpt", "pipegpt.arch"], found
+    assert not found["third_party"], found
+
+
 def test_config_and_devices_load_no_torch():
     """validate() runs before any worker exists, in a process that need not load torch."""
     check(["pipegpt.config", "pipegpt.engine.placement"], ("pipegpt.schedule", "pipegpt.model.gpt", "pipegpt.comm"),

@@ -1,0 +1,195 @@
+"""Each architecture pipegpt builds, described as data: what its block is made of and which parameters, of
+which shapes, it holds. Torch-free, and importing nothing of pipegpt: the config, the model, the planner's
+memory and costs, tensor parallelism and the converters all read the one description here, so an
+architecture's properties are named (`rotary`, `gated_mlp`, `norm == "rms"`) where code differs, and a third
+architecture is one more ARCHITECTURES entry plus the modules it needs.
+
+    gpt2   LayerNorm; learned positions (wpe); q, k, v in one matrix (attn.qkv); GELU MLP (mlp.fc, mlp.proj)
+    llama  RMSNorm; rotary positions (no parameters); attn.q, attn.k, attn.v with n_kv_head key/value heads
+           (grouped-query attention); SwiGLU MLP (mlp.gate, mlp.up, mlp.proj); q/k/v biases by qkv_bias
+
+Functions take a ModelConfig (`model`) and, for shapes, the tensor-parallel degree tp: shapes are one tp
+rank's, as pipegpt.tensor_parallel shards them (column-parallel rows, row-parallel columns and the
+vocabulary divided by tp; key/value rows by whole kv head; norms, wpe and row-parallel biases whole).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+# How a block's linear is split over tp ranks: its rows (outputs), its rows by key/value head, or its columns.
+COLUMN, KV, ROW = "column", "kv", "row"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                           # ModelConfig.arch
+    title: str                          # its name in messages
+    family: str                         # the name a run's first line gives its models
+    norm: str                           # "layer" (LayerNorm: a gain, and a bias with bias=True) or "rms" (a gain)
+    positions: str                      # "learned" (wpe [seq_len, n_embd]) or "rotary" (no parameters)
+    mlp: str                            # "gelu" (mlp.fc, mlp.proj) or "swiglu" (mlp.gate, mlp.up, mlp.proj)
+    fused_qkv: bool                     # q, k, v stacked in attn.qkv; else attn.q, attn.k, attn.v
+    grouped_kv: bool                    # n_kv_head may be below n_head (grouped-query attention)
+    own_qkv_bias: bool                  # q/k/v biases follow qkv_bias (Qwen2's), not bias
+    bias: bool                          # its presets' bias (the only one a --config file may give)
+    tie_embeddings: bool                # its presets' default
+    default_preset: str                 # what `--arch NAME` alone builds
+    ffn_rule: Callable[[int], int]      # the MLP width when ffn_hidden is not set, of n_embd
+    # Hugging Face: its block prefix, (our module, theirs) in their files' order, the linears stored [in, out]
+    hf_block_prefix: str
+    hf_top: tuple[tuple[str, str], ...]
+    hf_block: tuple[tuple[str, str], ...]
+    hf_transposed: frozenset = frozenset()
+
+    @property
+    def rotary(self) -> bool:
+        return self.positions == "rotary"
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.mlp == "swiglu"
+
+    @property
+    def mlp_title(self) -> str:
+        return {"gelu": "GELU", "swiglu": "SwiGLU"}[self.mlp]
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
+    def mlp_saved(self) -> int:
+        """MLP-wide tensors its forward keeps for the backward: gate and up outputs, SiLU's, their product;
+        or fc's output and GELU's."""
+        return 4 if self.gated_mlp else 2
+
+
+GPT2 = Architecture(
+    name="gpt2", title="GPT-2", family="GPT", norm="layer", positions="learned", mlp="gelu", fused_qkv=True,
+    grouped_kv=False, own_qkv_bias=False, bias=True, tie_embeddings=True, default_preset="tiny",
+    ffn_rule=lambda C: 4 * C,
+    hf_block_prefix="h.{i}.", hf_top=(("wte", "wte"), ("wpe", "wpe"), ("ln_f", "ln_f")),
+    hf_block=(("ln1", "ln_1"), ("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("ln2", "ln_2"),
+              ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")),
+    hf_transposed=frozenset({"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}))  # Conv1D
+LLAMA = Architecture(
+    name="llama", title="Llama", family="Llama", norm="rms", positions="rotary", mlp="swiglu", fused_qkv=False,
+    grouped_kv=True, own_qkv_bias=True, bias=False, tie_embeddings=False, default_preset="tiny-llama",
+    ffn_rule=lambda C: -(-(8 * C // 3) // 256) * 256,  # two thirds of 4 x n_embd, up to a multiple of 256
+    hf_block_prefix="model.layers.{i}.", hf_top=(("wte", "model.embed_tokens"), ("ln_f", "model.norm")),
+    hf_block=(("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"), ("attn.q", "self_attn.q_proj"),
+              ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"), ("attn.proj", "self_attn.o_proj"),
+              ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.proj", "mlp.down_proj")))
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (GPT2, LLAMA)}
+
+
+def kv_local_heads(model, tp: int) -> int:
+    """Key/value heads one tp rank holds: kv_heads/tp, or one (shared by tp/kv_heads ranks) when tp > kv_heads."""
+    return max(1, model.kv_heads // tp)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One block linear on one tp rank: its name in the block, weight [rows, cols], bias [rows] or none."""
+
+    name: str
+    rows: int
+    cols: int
+    bias: bool
+    split: str  # COLUMN, KV or ROW
+
+
+@functools.lru_cache(maxsize=1024)
+def block_linears(model, tp: int = 1) -> tuple[Linear, ...]:
+    """The block's linears in the model's order (attention's, then the MLP's)."""
+    arch = ARCHITECTURES[model.arch]
+    h, F = model.n_embd, model.ffn_width
+    qkv_bias = model.qkv_bias if arch.own_qkv_bias else model.bias
+    if arch.fused_qkv:
+        attention = [Linear("attn.qkv", 3 * h // tp, h, qkv_bias, COLUMN)]
+    else:
+        kv = kv_local_heads(model, tp) * model.head_dim
+        attention = [Linear("attn.q", h // tp, h, qkv_bias, COLUMN), Linear("attn.k", kv, h, qkv_bias, KV),
+                     Linear("attn.v", kv, h, qkv_bias, KV)]
+    inputs = [Linear(n, F // tp, h, model.bias, COLUMN) for n in (("mlp.gate", "mlp.up") if arch.gated_mlp
+                                                                  else ("mlp.fc",))]
+    return (*attention, Linear("attn.proj", h, h // tp, model.bias, ROW), *inputs,
+            Linear("mlp.proj", h, F // tp, model.bias, ROW))
+
+
+def _norm(model, name: str) -> list[tuple[str, tuple[int, ...]]]:
+    out = [(f"{name}.weight", (model.n_embd,))]
+    if ARCHITECTURES[model.arch].norm == "layer" and model.bias:
+        out.append((f"{name}.bias", (model.n_embd,)))
+    return out
+
+
+def _linear(lin: Linear) -> list[tuple[str, tuple[int, ...]]]:
+    out = [(f"{lin.name}.weight", (lin.rows, lin.cols))]
+    if lin.bias:
+        out.append((f"{lin.name}.bias", (lin.rows,)))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def block_shapes(model, tp: int = 1) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name within the block, shape) of one block's parameters, in GPT.named_parameters order."""
+    linears = block_linears(model, tp)
+    out = _norm(model, "ln1")
+    out += [p for lin in linears if lin.name.startswith("attn.") for p in _linear(lin)]
+    out += _norm(model, "ln2")
+    out += [p for lin in linears if lin.name.startswith("mlp.") for p in _linear(lin)]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def embedding_shapes(model, tp: int = 1) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    out = [("wte.weight", (model.padded_vocab_size // tp, model.n_embd))]
+    if not ARCHITECTURES[model.arch].rotary:
+        out.append(("wpe.weight", (model.seq_len, model.n_embd)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def head_shapes(model, tp: int = 1, lm_head: bool = True) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """ln_f's and, with lm_head (a slice whose head is not tied to its own wte), lm_head's."""
+    return tuple(_norm(model, "ln_f") + ([("lm_head.weight", (model.padded_vocab_size // tp, model.n_embd))]
+                                         if lm_head else []))
+
+
+def stage_shapes(model, layers: int, embed: bool, head: bool, tp: int = 1) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of every parameter one tp rank of a slice of `layers` blocks holds, in GPT.named_parameters
+    order (block names without their index). A tied lm_head in a slice that holds the embedding is wte."""
+    return ((embedding_shapes(model, tp) if embed else ()) + block_shapes(model, tp) * layers
+            + (head_shapes(model, tp, not (embed and model.tie_embeddings)) if head else ()))
+
+
+def named_shapes(model) -> dict[str, tuple[int, ...]]:
+    """{one-process name: shape} of the whole model's parameters."""
+    block = block_shapes(model)
+    out = dict(embedding_shapes(model))
+    out.update((f"blocks.{i}.{name}", shape) for i in range(model.n_layer) for name, shape in block)
+    out.update(head_shapes(model, lm_head=not model.tie_embeddings))
+    return out
+
+
+def hf_names(model) -> list[tuple[str, str, bool]]:
+    """(Hugging Face name, one-process name, stored transposed) of every parameter of the model, in the order
+    of the architecture's hf_top, its blocks' hf_block, then an untied lm_head."""
+    arch = ARCHITECTURES[model.arch]
+    top = dict(embedding_shapes(model) + head_shapes(model, lm_head=False))
+    block = dict(block_shapes(model))
+
+    def tensors(names, ours, theirs, prefix=""):
+        return [(f"{theirs}.{n[len(ours) + 1:]}", f"{prefix}{n}", n.endswith(".weight") and ours in arch.hf_transposed)
+                for n in names if n.startswith(ours + ".")]
+
+    out = [t for ours, theirs in arch.hf_top for t in tensors(top, ours, theirs)]
+    for i in range(model.n_layer):
+        out += [(arch.hf_block_prefix.format(i=i) + hf, name, t) for ours, theirs in arch.hf_block
+                for hf, name, t in tensors(block, ours, theirs, f"blocks.{i}.")]
+    if not model.tie_embeddings:
+        out.append(("lm_head.weight", "lm_head.weight", False))
+    return out
