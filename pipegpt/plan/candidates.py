@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.config import ConfigError, ModelConfig, option_flags
+from pipegpt.dims import LAYOUT_FIELDS
 from pipegpt.schedule import SCHEDULES
 from pipegpt.schedule.simulate import Costs
 
@@ -117,20 +118,23 @@ class Layout:
                 f"m{self.microbatches}x{self.microbatch_size} rc={self.recompute} zero{self.zero}"
                 + (" balanced" if self.balanced else ""))
 
+    def settings(self) -> dict:
+        """The run settings (config fields: pipegpt.dims.LAYOUT_FIELDS) that build this plan: virtual stages where
+        the schedule takes them, the split where it is not the run's even one (None: the run's default)."""
+        told = {"virtual_stages": self.virtual_stages if self.takes_virtual_stages else None,
+                "layers_per_stage": tuple(self.layers_per_stage) if self.balanced else None}
+        return {f.name: told.get(f.name, getattr(self, f.planned)) for f in LAYOUT_FIELDS if f.planned}
+
     def run_args(self, model: ModelConfig, precision: str) -> list[str]:
         """The `pipegpt run` arguments (as that command spells them) that build this plan."""
         args = model_args(model, self.pad_vocab)
-        args += ["--stages", str(self.pp), "--dp", str(self.dp), "--tp", str(self.tp), "--schedule", self.schedule]
-        if self.takes_virtual_stages:
-            args += ["--virtual-stages", str(self.virtual_stages)]
-        args += ["--microbatches", str(self.microbatches), "--microbatch-size", str(self.microbatch_size),
-                 "--recompute", self.recompute, "--zero", str(self.zero)]
-        if self.sequence_parallel:
-            args.append("--sequence-parallel")
-        if self.balanced:
-            args += ["--layers-per-stage", ",".join(map(str, self.layers_per_stage))]
-        args += ["--precision", precision]
-        return args
+        for name, value in self.settings().items():
+            flag = option_flags(name)[0]
+            if value is True:
+                args.append(flag)
+            elif value is not None and value is not False:  # None and False: the run's default
+                args += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+        return args + ["--precision", precision]
 
     def command(self, model: ModelConfig, precision: str) -> str:
         return "pipegpt run " + " ".join(self.run_args(model, precision))

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipegpt.config import TrainConfig, under_torchrun
+from pipegpt.config import TrainConfig, option_flags, under_torchrun
+from pipegpt.dims import LAYOUT_FIELDS
 from pipegpt.train.placement import resolve_device
 
 
@@ -193,9 +194,7 @@ def _shrink(echo: Callable, failure, cfg: TrainConfig, remaining: int):
 
 
 # The layout options a shrunk restart sets (and their short forms): the old values go.
-LAYOUT_FLAGS = {"--stages": "-p", "--dp": None, "--tp": None, "--microbatches": "-m", "--schedule": "-s",
-                "--virtual-stages": "-v", "--layers-per-stage": None, "--batch-size": None, "--max-live": None,
-                "--balance": None, "--layout": None}
+LAYOUT_FLAGS = frozenset(flag for f in LAYOUT_FIELDS if f.shrink for flag in option_flags(f.name))
 
 
 def restart_args(argv: list[str], resume: str | None, layout: dict | None = None, run_dir: str | None = None
@@ -206,7 +205,7 @@ def restart_args(argv: list[str], resume: str | None, layout: dict | None = None
     ranks."""
     drop = {"--overwrite"} | ({"--resume", "--init-from", "--config", "--run-dir"} if resume else set())
     if layout:
-        drop |= {f for long, short in LAYOUT_FLAGS.items() for f in (long, short) if f}
+        drop |= LAYOUT_FLAGS
     out, skip = [], False
     for arg in argv:
         if skip:

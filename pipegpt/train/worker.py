@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipegpt.comm.data_parallel import GradientAverager, sum_in_buckets
-from pipegpt.comm.mesh import Grid, init_mesh
+from pipegpt.comm.mesh import init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.comm.rpc import on_actor_thread, reports_failures
 from pipegpt.config import TrainConfig
@@ -92,7 +92,7 @@ class Worker:
         p = cfg.parallel
         # Every schedule puts the first stage on pipeline rank 0 and the last on rank 0 or pp-1,
         # so this group serves any plan a later build() brings.
-        self.mesh = init_mesh(Grid(p.dp, p.stages, p.tp), rank, self.device, self.init_method,
+        self.mesh = init_mesh(p.dims, rank, self.device, self.init_method,
                               cfg.runtime.wait_timeout_s,
                               embedding_pp_indices=(0, p.stages - 1))
         self.fault = planned_fault(rank)
@@ -142,8 +142,8 @@ class Worker:
         if dp_group is not None:
             self.averager = GradientAverager(self._params_by_stage(plan), dp_group, self.rank,
                                              cfg.runtime.wait_timeout_s)
-        seq = cfg.model.seq_len // p.tp if p.sequence_parallel else cfg.model.seq_len
-        shape, pipeline = (p.microbatch_size, seq, cfg.model.n_embd), self.mesh.grid.pipeline_ranks(self.rank)
+        seq = p.sharding.tokens_per_rank(cfg.model.seq_len)
+        shape, pipeline = (p.microbatch_size, seq, cfg.model.n_embd), self.mesh.members["pp"]
         message_dtype = getattr(torch, cfg.runtime.message_dtype)
         self.runtime = PipelineRuntime(
             plan, self.rank, self.stages, self.p2p, pipeline, shape, dtype, self.device,
@@ -255,9 +255,8 @@ class Worker:
 
     def _finishing(self) -> tuple[None, str, tuple[int, ...], str]:
         """Where a step is after its actions: in collectives with its model replica and dp peers."""
-        grid, (d, p, t) = self.mesh.grid, self.mesh.grid.coords(self.rank)
-        peers = {grid.rank_of(d, pp, tt) for pp in range(grid.pp) for tt in range(grid.tp)}
-        peers = tuple(sorted(peers | {grid.rank_of(dd, p, t) for dd in range(grid.dp)} - {self.rank}))
+        members = self.mesh.members
+        peers = tuple(sorted(set(members["model"]) | set(members["dp"]) - {self.rank}))
         what = f"collectives with ranks {', '.join(map(str, peers))}" if peers else "nobody (computing)"
         return None, "finishing the step", peers, what
 
