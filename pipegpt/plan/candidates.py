@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pipegpt.config import ConfigError, ModelConfig, option_flags
-from pipegpt.dims import LAYOUT_FIELDS
+from pipegpt.dims import LAYOUT_FIELDS, ParallelDims, Sharding
 from pipegpt.schedule import SCHEDULES
 from pipegpt.schedule.simulate import Costs
 
@@ -38,16 +38,13 @@ class Request:
 class Mesh:
     """A layout the search expands: dp x pp x tp, with what that tp asks of the model."""
 
-    dp: int
-    pp: int
-    tp: int
-    sequence_parallel: bool  # taken whenever validate_tp allows it (see pipegpt.plan.search)
+    sharding: Sharding  # sequence parallelism taken whenever validate_tp allows it (see pipegpt.plan.search)
     model: ModelConfig  # as it runs on this tp (vocabulary padded to 64 where tp needs it)
     pad_vocab: bool  # model is the request's with its vocabulary padded
 
     @property
-    def dims(self) -> tuple:
-        return self.dp, self.pp, self.tp
+    def dims(self) -> ParallelDims:
+        return self.sharding.dims
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +53,7 @@ class Candidate:
     microbatch_size)), its layer split too (the even one, or the balanced one), and ZeRO-1 is the faster
     choice that fits."""
 
-    dp: int
-    pp: int
-    tp: int
-    sequence_parallel: bool
+    sharding: Sharding  # its layout's (ZeRO still undecided: 0)
     pad_vocab: bool
     schedule: str
     v: int | None  # the schedule's virtual-stages argument (None: the schedule's own)
@@ -69,8 +63,8 @@ class Candidate:
     balanced: bool
 
     @property
-    def dims(self) -> tuple:
-        return self.dp, self.pp, self.tp
+    def dims(self) -> ParallelDims:
+        return self.sharding.dims
 
     @property
     def family(self) -> Candidate:
@@ -99,6 +93,10 @@ class Layout:
     layers_per_stage: tuple = ()
     balanced: bool = False  # layers_per_stage from balance.py rather than the even split
     pad_vocab: bool = False
+
+    @property
+    def sharding(self) -> Sharding:
+        return Sharding(dp=self.dp, pp=self.pp, tp=self.tp, sequence_parallel=self.sequence_parallel, zero=self.zero)
 
     @property
     def world(self) -> int:
