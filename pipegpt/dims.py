@@ -11,7 +11,7 @@ share a node's NVLink (config.validate refuses a tp that does not divide the pro
 parallelism passes K/V blocks once per attention layer, less than tp moves: next, so a cp ring stays inside a
 node whenever tp x cp fits there. A pipeline sends one activation per microbatch to its neighbour and data
 parallelism reduces gradients once per step, overlapped with the backward: they go outside. Megatron-Core
-orders tp-cp-dp-pp (pp outermost: a replica's stages on different nodes, the dp all-reduce within one); pipegpt
+orders tp-cp-ep-dp-pp (pp outermost: a replica's stages on different nodes, the dp all-reduce within one); pipegpt
 keeps dp outermost, as it numbered ranks before cp existed: every rank number stays what it was, and one model
 replica (pp x cp x tp ranks) is a contiguous block, so a pipeline's messages stay inside a node when a replica
 fits there and the planner's node arithmetic (pipegpt.plan.stage_costs) reads rank // gpus_per_node.
