@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from pipegpt.arch import ARCHITECTURES, LLAMA, Architecture
+from pipegpt.dims import ParallelDims, Sharding
 
 
 class ConfigError(ValueError):
@@ -212,8 +213,13 @@ class ParallelConfig:
                                              "(Megatron SP).")
 
     @property
-    def world_size(self) -> int:
-        return self.dp * self.stages * self.tp
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, pp=self.stages, tp=self.tp)
+
+    @property
+    def sharding(self) -> Sharding:
+        return Sharding(dp=self.dp, pp=self.stages, tp=self.tp, sequence_parallel=self.sequence_parallel,
+                        zero=self.zero)
 
 
 @dataclass(frozen=True)
@@ -339,6 +345,13 @@ def section_of(name: str) -> str:
     raise ConfigError(f"unknown setting {name!r}: valid settings are {', '.join(valid)}")
 
 
+def option_flags(name: str) -> tuple[str, ...]:
+    """The `pipegpt run` flags of the setting `name`: its field's flag (--name-with-dashes unless it names
+    another), then its short form; a name no section holds is a command-line option of that name."""
+    meta = next((f.metadata for cls in SECTIONS.values() for f in dataclasses.fields(cls) if f.name == name), {})
+    return tuple(x for x in (meta.get("flag") or "--" + name.replace("_", "-"), meta.get("short")) if x)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training job: the model, its layout over ranks, the optimizer, the data, the runtime."""
@@ -368,7 +381,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.world_size
+        return self.parallel.dims.world_size
 
     @property
     def batch_size(self) -> int:
@@ -443,8 +456,8 @@ class TrainConfig:
             if not c.max_restarts:
                 raise ConfigError(f"--min-ranks {c.min_ranks} says how few ranks a restart may go on with: give "
                                   f"--max-restarts N too")
-            if not 1 <= c.min_ranks <= p.world_size:
-                raise ConfigError(f"min_ranks={c.min_ranks} must be between 1 and this job's {p.world_size} ranks "
+            if not 1 <= c.min_ranks <= self.world_size:
+                raise ConfigError(f"min_ranks={c.min_ranks} must be between 1 and this job's {self.world_size} ranks "
                                   f"(dp x pp x tp)")
         if isinstance(c.snapshot_every, bool) or not isinstance(c.snapshot_every, int) or c.snapshot_every < 0:
             raise ConfigError(f"snapshot_every={c.snapshot_every!r} must be an integer >= 0")
@@ -463,9 +476,9 @@ class TrainConfig:
                               f"--layers-per-stage {','.join(map(str, p.layers_per_stage))}, or use --balance even")
         if p.schedule_file is not None and p.virtual_stages is not None:
             raise ConfigError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
-        if env is not None and under_torchrun(env) and int(env["WORLD_SIZE"]) != p.world_size:
+        if env is not None and under_torchrun(env) and int(env["WORLD_SIZE"]) != self.world_size:
             raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but dp x pp x tp = "
-                              f"{p.dp} x {p.stages} x {p.tp} = {p.world_size}")
+                              f"{p.dp} x {p.stages} x {p.tp} = {self.world_size}")
         local = env.get("LOCAL_WORLD_SIZE") if env is not None and under_torchrun(env) else None
         if local is not None and int(local) % p.tp:
             # tp ranks are consecutive (pipegpt.comm.mesh): a group crossing nodes would run its collectives

@@ -14,7 +14,8 @@ from click.core import ParameterSource
 
 from pipegpt.arch import ARCHITECTURES, GPT2
 from pipegpt.config import (ARCHS, MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, canonical_tokenizer,
-                            microbatch_size_for, model_config)
+                            microbatch_size_for, model_config, option_flags)
+from pipegpt.dims import LAYOUT_FIELDS
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 from pipegpt import run_files
 
@@ -58,10 +59,10 @@ def config_options(command):
     for section in reversed(list(SECTIONS.values())):
         for f in reversed(dataclasses.fields(section)):
             if f.metadata.get("help"):
-                flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+                flag, *short = option_flags(f.name)
                 if f.type == "bool":  # --resume restores a run's settings: an on/off one can be turned off
                     flag += "/--no-" + flag[2:]
-                names = [flag] + [n for n in [f.metadata["short"]] if n]
+                names = [flag, *short]
                 command = click.option(*names, f.name, help=f.metadata["help"], **_option_kind(f))(command)
     return command
 
@@ -219,8 +220,7 @@ def train_config(ctx: click.Context, batch_size: int | None, options: dict,
 
 
 # the settings --layout auto chooses: giving one of them as well is refused
-AUTO_LAYOUT_FIELDS = ("stages", "dp", "tp", "schedule", "virtual_stages", "microbatches", "microbatch_size",
-                      "recompute", "zero", "sequence_parallel", "layers_per_stage", "schedule_file")
+AUTO_LAYOUT_FIELDS = tuple(f.name for f in LAYOUT_FIELDS if f.auto)
 
 
 def auto_layout(model: ModelConfig, global_batch: int, settings: dict, say: Callable[[str], None],

@@ -1,7 +1,7 @@
-"""The dp x pp x tp grid of ranks and its process groups: the only place that creates them.
+"""The process groups of a layout: the only place that creates them, each from GROUP_AXES (which axes it spans).
 
-Rank layout (tp fastest, so tensor-parallel peers sit on one machine):
-    rank = (dp_index * pp + pp_index) * tp + tp_index
+Where a rank sits (rank order, coordinates, the members of a group) is pipegpt.dims.ParallelDims's: tp fastest,
+so tensor-parallel peers sit on one machine.
 """
 from __future__ import annotations
 
@@ -12,55 +12,42 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipegpt.dims import Coords, ParallelDims
 
-@dataclass(frozen=True)
-class Grid:
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_index, pp_index, tp_index) of a global rank."""
-        rest, t = divmod(rank, self.tp)
-        d, p = divmod(rest, self.pp)
-        return d, p, t
-
-    def rank_of(self, dp_index: int, pp_index: int, tp_index: int) -> int:
-        return (dp_index * self.pp + pp_index) * self.tp + tp_index
-
-    def pipeline_ranks(self, rank: int) -> list[int]:
-        """Global ranks of the pipeline this rank belongs to, by pipeline position."""
-        d, _, t = self.coords(rank)
-        return [self.rank_of(d, p, t) for p in range(self.pp)]
+# Every process group by name: the axes it spans (one group per position on the other axes).
+GROUP_AXES = {
+    "dp": ("dp",),  # gradient averaging and ZeRO-1's shards
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "model": ("pp", "tp"),  # one model replica: what a gradient norm sums over
+    "embedding": ("pp",),  # the tied embedding's copies: only the pipeline positions holding one (init_mesh)
+}
 
 
 @dataclass
 class Mesh:
-    """This process's place in the grid, with the groups it communicates over."""
+    """This process's place in the layout, with the groups it communicates over and their members."""
 
-    grid: Grid
+    dims: ParallelDims
     rank: int
-    groups: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)  # name -> process group (None: a group of one)
+    members: dict = field(default_factory=dict)  # name -> the global ranks of this rank's group, in rank order
+
+    @property
+    def coords(self) -> Coords:
+        return self.dims.coords(self.rank)
 
     @property
     def dp_index(self) -> int:
-        return self.grid.coords(self.rank)[0]
+        return self.coords.dp
 
     @property
     def pp_index(self) -> int:
-        return self.grid.coords(self.rank)[1]
+        return self.coords.pp
 
     @property
     def tp_index(self) -> int:
-        return self.grid.coords(self.rank)[2]
-
-    def pipeline_peer(self, pp_index: int) -> int:
-        """Global rank holding pipeline position pp_index in this rank's pipeline."""
-        return self.grid.pipeline_ranks(self.rank)[pp_index]
+        return self.coords.tp
 
     def group(self, name: str):
         return self.groups.get(name)
@@ -80,7 +67,7 @@ def nccl_environment(env=os.environ) -> None:
             env[name] = value
 
 
-def init_mesh(grid: Grid, rank: int, device: torch.device, init_method: str, timeout_s: float,
+def init_mesh(dims: ParallelDims, rank: int, device: torch.device, init_method: str, timeout_s: float,
               embedding_pp_indices: tuple[int, ...] = ()) -> Mesh:
     """Join the default process group (NCCL on CUDA, gloo on CPU) and create every subgroup.
 
@@ -98,23 +85,23 @@ def init_mesh(grid: Grid, rank: int, device: torch.device, init_method: str, tim
         rendezvous = {"store": dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))}
     # device_id binds the group to this rank's GPU: communicators are created now (not at the first
     # collective, on whatever device is current then) and subgroups are split from them.
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=grid.world_size,
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=dims.world_size,
                             timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None, **rendezvous)
-    mesh = Mesh(grid, rank)
-    g = grid
-    families = {
-        "dp": [[g.rank_of(d, p, t) for d in range(g.dp)] for p in range(g.pp) for t in range(g.tp)],
-        "tp": [[g.rank_of(d, p, t) for t in range(g.tp)] for d in range(g.dp) for p in range(g.pp)],
-        "pp": [[g.rank_of(d, p, t) for p in range(g.pp)] for d in range(g.dp) for t in range(g.tp)],
-        # One model replica (pp x tp): what a gradient norm sums over.
-        "model": [[g.rank_of(d, p, t) for p in range(g.pp) for t in range(g.tp)] for d in range(g.dp)],
-    }
-    if len(set(embedding_pp_indices)) > 1:
-        families["embedding"] = [[g.rank_of(d, p, t) for p in sorted(set(embedding_pp_indices))]
-                                 for d in range(g.dp) for t in range(g.tp)]
-    for name, member_lists in families.items():
-        for members in member_lists:
+    mesh = Mesh(dims, rank)
+    for name, groups in group_members(dims, embedding_pp_indices).items():
+        for members in groups:
             group = dist.new_group(members) if len(members) > 1 else None
             if rank in members:
-                mesh.groups[name] = group
+                mesh.groups[name], mesh.members[name] = group, members
     return mesh
+
+
+def group_members(dims: ParallelDims, embedding_pp_indices: tuple[int, ...] = ()) -> dict[str, list[list[int]]]:
+    """Every process group's ranks, by name, in the order every rank creates them: GROUP_AXES over the layout;
+    the embedding's only where two pipeline positions hold a copy."""
+    out = {}
+    for name, axes in GROUP_AXES.items():
+        at = {"pp": embedding_pp_indices} if name == "embedding" else None
+        if at is None or len(set(embedding_pp_indices)) > 1:
+            out[name] = dims.groups(axes, at)
+    return out

@@ -11,7 +11,7 @@ import resource
 
 import torch
 
-from pipegpt.comm.mesh import Grid, init_mesh
+from pipegpt.comm.mesh import init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.config import TrainConfig
 from pipegpt.engine.placement import cuda_device_index, resolve_device
@@ -46,7 +46,7 @@ class Engine:
         p = cfg.parallel
         # Every schedule puts the first stage on pipeline rank 0 and the last on rank 0 or pp-1,
         # so this group serves any plan a later build() brings.
-        self.mesh = init_mesh(Grid(p.dp, p.stages, p.tp), rank, self.device, self.init_method,
+        self.mesh = init_mesh(p.dims, rank, self.device, self.init_method,
                               cfg.runtime.wait_timeout_s, embedding_pp_indices=(0, p.stages - 1))
 
     def build(self, cfg: TrainConfig, plan: Plan, eval_plan: Plan | None, collectives=None) -> None:
@@ -76,8 +76,8 @@ class Engine:
         # One-process names: the last stage's copy of a tied embedding is wte.weight.
         self.full_names = {id(p): stage.module.tied_parameter_names().get(local, local)
                            for stage in reversed(self.stages.values()) for local, p in stage.module.named_parameters()}
-        seq = cfg.model.seq_len // p.tp if p.sequence_parallel else cfg.model.seq_len
-        shape, pipeline = (p.microbatch_size, seq, cfg.model.n_embd), self.mesh.grid.pipeline_ranks(self.rank)
+        seq = p.sharding.tokens_per_rank(cfg.model.seq_len)
+        shape, pipeline = (p.microbatch_size, seq, cfg.model.n_embd), self.mesh.members["pp"]
         message_dtype = getattr(torch, cfg.runtime.message_dtype)
         self.runtime = PipelineRuntime(plan, self.rank, self.stages, self.p2p, pipeline, shape, dtype, self.device,
                                        collectives=collectives, message_dtype=message_dtype)
@@ -143,9 +143,8 @@ class Engine:
 
     def finishing(self) -> tuple[None, str, tuple[int, ...], str]:
         """Where a step is after its actions: in collectives with its model replica and dp peers."""
-        grid, (d, p, t) = self.mesh.grid, self.mesh.grid.coords(self.rank)
-        peers = {grid.rank_of(d, pp, tt) for pp in range(grid.pp) for tt in range(grid.tp)}
-        peers = tuple(sorted(peers | {grid.rank_of(dd, p, t) for dd in range(grid.dp)} - {self.rank}))
+        members = self.mesh.members
+        peers = tuple(sorted((set(members["model"]) | set(members["dp"])) - {self.rank}))
         what = f"collectives with ranks {', '.join(map(str, peers))}" if peers else "nobody (computing)"
         return None, "finishing the step", peers, what
 

@@ -36,12 +36,7 @@ class AutoLayout:
 
     def settings(self) -> dict:
         """The run settings (TrainConfig fields) that build this layout."""
-        lay = self.layout
-        return dict(stages=lay.pp, dp=lay.dp, tp=lay.tp, schedule=lay.schedule,
-                    virtual_stages=lay.virtual_stages if lay.takes_virtual_stages else None,
-                    microbatches=lay.microbatches, microbatch_size=lay.microbatch_size, recompute=lay.recompute,
-                    zero=lay.zero, sequence_parallel=lay.sequence_parallel,
-                    layers_per_stage=tuple(lay.layers_per_stage) if lay.balanced else None)
+        return self.layout.settings()
 
     def text(self) -> str:
         lay = self.layout

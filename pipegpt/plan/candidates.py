@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.config import ConfigError, ModelConfig, option_flags
+from pipegpt.dims import LAYOUT_FIELDS, ParallelDims, Sharding
 from pipegpt.schedule import SCHEDULES
 from pipegpt.schedule.simulate import Costs
 
@@ -37,16 +38,13 @@ class Request:
 class Mesh:
     """A layout the search expands: dp x pp x tp, with what that tp asks of the model."""
 
-    dp: int
-    pp: int
-    tp: int
-    sequence_parallel: bool  # taken whenever validate_tp allows it (see pipegpt.plan.search)
+    sharding: Sharding  # sequence parallelism taken whenever validate_tp allows it (see pipegpt.plan.search)
     model: ModelConfig  # as it runs on this tp (vocabulary padded to 64 where tp needs it)
     pad_vocab: bool  # model is the request's with its vocabulary padded
 
     @property
-    def dims(self) -> tuple:
-        return self.dp, self.pp, self.tp
+    def dims(self) -> ParallelDims:
+        return self.sharding.dims
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +53,7 @@ class Candidate:
     microbatch_size)), its layer split too (the even one, or the balanced one), and ZeRO-1 is the faster
     choice that fits."""
 
-    dp: int
-    pp: int
-    tp: int
-    sequence_parallel: bool
+    sharding: Sharding  # its layout's (ZeRO still undecided: 0)
     pad_vocab: bool
     schedule: str
     v: int | None  # the schedule's virtual-stages argument (None: the schedule's own)
@@ -68,8 +63,8 @@ class Candidate:
     balanced: bool
 
     @property
-    def dims(self) -> tuple:
-        return self.dp, self.pp, self.tp
+    def dims(self) -> ParallelDims:
+        return self.sharding.dims
 
     @property
     def family(self) -> Candidate:
@@ -100,6 +95,10 @@ class Layout:
     pad_vocab: bool = False
 
     @property
+    def sharding(self) -> Sharding:
+        return Sharding(dp=self.dp, pp=self.pp, tp=self.tp, sequence_parallel=self.sequence_parallel, zero=self.zero)
+
+    @property
     def world(self) -> int:
         return self.dp * self.pp * self.tp
 
@@ -117,20 +116,23 @@ class Layout:
                 f"m{self.microbatches}x{self.microbatch_size} rc={self.recompute} zero{self.zero}"
                 + (" balanced" if self.balanced else ""))
 
+    def settings(self) -> dict:
+        """The run settings (config fields: pipegpt.dims.LAYOUT_FIELDS) that build this plan: virtual stages where
+        the schedule takes them, the split where it is not the run's even one (None: the run's default)."""
+        told = {"virtual_stages": self.virtual_stages if self.takes_virtual_stages else None,
+                "layers_per_stage": tuple(self.layers_per_stage) if self.balanced else None}
+        return {f.name: told.get(f.name, getattr(self, f.planned)) for f in LAYOUT_FIELDS if f.planned}
+
     def run_args(self, model: ModelConfig, precision: str) -> list[str]:
         """The `pipegpt run` arguments (as that command spells them) that build this plan."""
         args = model_args(model, self.pad_vocab)
-        args += ["--stages", str(self.pp), "--dp", str(self.dp), "--tp", str(self.tp), "--schedule", self.schedule]
-        if self.takes_virtual_stages:
-            args += ["--virtual-stages", str(self.virtual_stages)]
-        args += ["--microbatches", str(self.microbatches), "--microbatch-size", str(self.microbatch_size),
-                 "--recompute", self.recompute, "--zero", str(self.zero)]
-        if self.sequence_parallel:
-            args.append("--sequence-parallel")
-        if self.balanced:
-            args += ["--layers-per-stage", ",".join(map(str, self.layers_per_stage))]
-        args += ["--precision", precision]
-        return args
+        for name, value in self.settings().items():
+            flag = option_flags(name)[0]
+            if value is True:
+                args.append(flag)
+            elif value is not None and value is not False:  # None and False: the run's default
+                args += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+        return args + ["--precision", precision]
 
     def command(self, model: ModelConfig, precision: str) -> str:
         return "pipegpt run " + " ".join(self.run_args(model, precision))

@@ -55,6 +55,7 @@ import os
 from dataclasses import dataclass, field
 
 from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.dims import Sharding
 from pipegpt.model.flops import block_matmul_weights
 from pipegpt import run_files
 
@@ -102,8 +103,7 @@ class Pieces:
 class Shape:
     """The parallel shape the pieces are for."""
 
-    tp: int
-    sequence_parallel: bool
+    sharding: Sharding
     recompute: str
     mbs: int
 
@@ -144,7 +144,7 @@ class AnalyticalCosts:
     def compute(self, model: ModelConfig, shape: Shape) -> tuple[Piece, Piece, Piece]:
         """(layer, embed, head) compute only, no collectives."""
         T, C, V = model.seq_len, model.n_embd, model.padded_vocab_size
-        tp, mbs, rate, hbm = shape.tp, shape.mbs, self._rate(), self.cluster.hbm_bytes_per_s
+        tp, mbs, rate, hbm = shape.sharding.tp, shape.mbs, self._rate(), self.cluster.hbm_bytes_per_s
         floor = self.layer_overhead_s
         f = mbs * layer_flops_fwd(model) / tp / rate
         lf, lw, li = max(f, floor), max(f, floor), max(f, floor)
@@ -163,7 +163,7 @@ class AnalyticalCosts:
     # --- collectives and messages ---------------------------------------------------------------------
     def collectives(self, model: ModelConfig, shape: Shape) -> tuple[tuple, tuple, tuple]:
         """(layer, embed, head) tensor-parallel collective times: (forward, backward) each."""
-        tp = shape.tp
+        tp = shape.sharding.tp
         if tp == 1:
             return (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)
         c = self.cluster
@@ -177,9 +177,8 @@ class AnalyticalCosts:
         return (2 * block, layer_b), embed, head
 
     def message_bytes(self, model: ModelConfig, shape: Shape) -> float:
-        values = shape.mbs * model.seq_len * model.n_embd
         width = 2 if self.cluster.precision == "bf16" else FP32  # pipegpt's default --p2p-dtype: the precision
-        return values * width / (shape.tp if shape.sequence_parallel else 1)
+        return shape.sharding.tokens_per_rank(model.seq_len, shape.mbs) * model.n_embd * width
 
     def group_allreduce_time(self, nbytes: float, n: int, same_node: bool) -> float:
         """An all-reduce of nbytes among n ranks of a data-parallel (or other) group: ring bandwidth term,
@@ -259,8 +258,7 @@ class RunShape:
     """What a run directory says about the run: its model and layout."""
 
     model: ModelConfig
-    tp: int
-    sequence_parallel: bool
+    sharding: Sharding  # tp and sequence parallelism
     recompute: str
     mbs: int
     layers: tuple
@@ -288,9 +286,10 @@ def _run_shape(run_dir: str, plan) -> RunShape:
 
     rows = read_metrics(run_dir)  # each step's row from the attempt that went on (a resumed run has several)
     step_time = float(rows[-1]["step_time_s"]) if rows else None  # trace.json is the last step's
-    return RunShape(model, int(par.get("tp", 1)), bool(par.get("sequence_parallel", False)),
-                    str(par.get("recompute", "none")), int(par.get("microbatch_size", 1)), tuple(layers),
-                    tuple(plan.stage_to_rank), step_time, {"precision": cfg.get("runtime", {}).get("precision")})
+    sharding = Sharding(tp=int(par.get("tp", 1)), sequence_parallel=bool(par.get("sequence_parallel", False)))
+    return RunShape(model, sharding, str(par.get("recompute", "none")), int(par.get("microbatch_size", 1)),
+                    tuple(layers), tuple(plan.stage_to_rank), step_time,
+                    {"precision": cfg.get("runtime", {}).get("precision")})
 
 
 def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
@@ -306,7 +305,7 @@ def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
         raise ConfigError(f"--calibrate: {e}") from None
     run = _run_shape(run_dir, plan)
     unit = AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0)
-    shape = Shape(run.tp, run.sequence_parallel, run.recompute, run.mbs)
+    shape = Shape(run.sharding, run.recompute, run.mbs)
     layer, embed, head = unit.compute(run.model, shape)
     S = plan.num_stages
     predicted = {"f": [], "b": [], "w": []}
@@ -327,7 +326,8 @@ def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
         notes.append("no metrics.jsonl: nothing after the last action is counted")
     params = [0] * plan.num_ranks
     for s, n in enumerate(run.layers):
-        params[plan.stage_to_rank[s]] += memory_model.parameter_count(run.model, n, s == 0, s == S - 1, run.tp)
+        params[plan.stage_to_rank[s]] += memory_model.parameter_count(run.model, n, s == 0, s == S - 1,
+                                                                      run.sharding.tp)
     per_param = after / max(params) if max(params) else 0.0
     return CalibratedCosts(cluster, scale["f"], scale["b"], scale["w"], float(cal.comm), per_param,
                            source=os.fspath(run_dir), notes=tuple(notes))

@@ -3,8 +3,8 @@ communication buffers. Pure arithmetic on shapes (no torch), exact where it can 
 against pipegpt's real modules and a measured replay (tests/unit/test_plan_memory.py).
 
     parameter_count(model, layers, embed, head, tp)     parameters of one stage's slice, per tp rank
-    state_bytes(model, stages, tp, precision, dp, zero) weights, gradients, AdamW state of one rank
-    activation_bytes(model, layers, microbatch_size=.., tp=.., ...)
+    state_bytes(model, stages, sharding, precision)     weights, gradients, AdamW state of one rank
+    activation_bytes(model, layers, microbatch_size=.., sharding=.., ...)
                                                         what one stage keeps per microbatch in flight
     deferred_bytes(...)                                 what it keeps between an I and its W
     workspace_bytes(...)                                its actions' transients (an estimate)
@@ -16,7 +16,8 @@ against pipegpt's real modules and a measured replay (tests/unit/test_plan_memor
 
 A planner calls plan_memory (or rank_memory) per candidate layout: everything that depends only on
 shapes is cached, and the peaks walk each rank's actions once (well under a millisecond per call for
-GPT-2 sizes); the message count lowers each plan once (cached per plan).
+GPT-2 sizes); the message count lowers each plan once (cached per plan). A layout's tp, sequence
+parallelism, dp and ZeRO come as one pipegpt.dims.Sharding.
 
 Precision ("precision" below): "fp32" (dtype float32), "bf16" (autocast; float32 master weights,
 gradients and AdamW moments) or "fp64" (dtype float64: everything 8 bytes). memory_precision()
@@ -190,6 +191,7 @@ from typing import Sequence
 
 from pipegpt.arch import ROW, block_linears, kv_local_heads, stage_shapes
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
+from pipegpt.dims import Sharding
 from pipegpt.schedule.actions import Kind, Plan
 from pipegpt.schedule.lowering import lower
 from pipegpt.schedule.messages import message_peaks
@@ -291,8 +293,9 @@ def zero_partition(numels_by_group: Sequence[Sequence[int]], dp: int) -> list[in
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(model, stages, tp, precision, dp, zero) -> StateBytes:
+def _state_bytes(model, stages, sharding: Sharding, precision) -> StateBytes:
     r, _ = _widths(precision)
+    tp, dp, zero = sharding.tp, sharding.dp, sharding.zero
     shapes = []
     ends = {(embed, head) for _, embed, head in stages}
     share_tied = model.tie_embeddings and any(e for e, _ in ends) and any(h for _, h in ends) \
@@ -311,20 +314,21 @@ def _state_bytes(model, stages, tp, precision, dp, zero) -> StateBytes:
     return StateBytes(params, params * r, params * r, 2 * mine * r)
 
 
-def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, tp: int = 1, precision: str = "fp32",
-                dp: int = 1, zero: bool = False) -> StateBytes:
+def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
+                precision: str = "fp32") -> StateBytes:
     """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
-    (layers: a count or a range). See the module docstring."""
-    _check_positive("dp", dp)
+    (layers: a count or a range), cut over sharding.tp, and over sharding.dp with ZeRO-1 (sharding.zero).
+    See the module docstring."""
+    _check_positive("dp", sharding.dp)
     key = tuple((_count(layers), bool(embed), bool(head)) for layers, embed, head in stages)
-    return _state_bytes(model, key, tp, precision, dp, bool(zero))
+    return _state_bytes(model, key, sharding, precision)
 
 
 # ---------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------
-def _check(model, tp, sequence_parallel, recompute, device, microbatch_size=1):
-    _check_tp(model, tp, sequence_parallel)
+def _check(model, sharding: Sharding, recompute, device, microbatch_size=1):
+    _check_tp(model, sharding.tp, sharding.sequence_parallel)
     _check_positive("microbatch_size", microbatch_size)
     if recompute not in ("none", "selective", "full"):
         raise ConfigError(f"recompute={recompute!r} is not valid: use none, selective or full")
@@ -333,12 +337,12 @@ def _check(model, tp, sequence_parallel, recompute, device, microbatch_size=1):
 
 
 @functools.lru_cache(maxsize=8192)
-def _activation_bytes(model, layers, b, tp, sp, recompute, precision, embed, head, device) -> int:
-    _check(model, tp, sp, recompute, device, b)
+def _activation_bytes(model, layers, b, sharding: Sharding, recompute, precision, embed, head, device) -> int:
+    _check(model, sharding, recompute, device, b)
     r, c = _widths(precision)
     s, h, a, V, Vp = model.seq_len, model.n_embd, model.n_head, model.vocab_size, model.padded_vocab_size
-    sp = sp and tp > 1
-    S = s // tp if sp else s  # the sequence a tp rank holds in the replicated regions
+    tp, sp = sharding.tp, sharding.splits_sequence
+    S = sharding.tokens_per_rank(s)  # the sequence a tp rank holds in the replicated regions
     N, Ns, bs, bS = b * s * h, b * S * h, b * s, b * S
     drop = model.dropout > 0
     # Where dropout > 0 puts its masks: 1 byte (CUDA's native_dropout) or the tensor's dtype (CPU).
@@ -407,22 +411,22 @@ def _block_weights(model: ModelConfig, tp: int) -> int:
     return sum(lin.rows * lin.cols for lin in block_linears(model, tp))
 
 
-def activation_bytes(model: ModelConfig, layers, *, microbatch_size: int, tp: int = 1,
-                     sequence_parallel: bool = False, recompute: str = "none", precision: str = "fp32",
-                     embed: bool = False, head: bool = False, device: str = "cuda") -> int:
+def activation_bytes(model: ModelConfig, layers, *, microbatch_size: int, sharding: Sharding = Sharding(),
+                     recompute: str = "none", precision: str = "fp32", embed: bool = False, head: bool = False,
+                     device: str = "cuda") -> int:
     """Bytes one stage (layers: a count or a range; embed: it is the first, head: the last) keeps per
     microbatch in flight, from the end of its forward to its backward (B or I). `device` matters only
     with dropout > 0 (see the module docstring for every term)."""
-    return _activation_bytes(model, _count(layers), microbatch_size, tp, bool(sequence_parallel), recompute,
-                             precision, bool(embed), bool(head), device)
+    return _activation_bytes(model, _count(layers), microbatch_size, sharding, recompute, precision, bool(embed),
+                             bool(head), device)
 
 
 @functools.lru_cache(maxsize=8192)
-def _deferred_bytes(model, layers, b, tp, sp, precision, embed, head) -> int:
+def _deferred_bytes(model, layers, b, sharding: Sharding, precision, embed, head) -> int:
     r, c = _widths(precision)
     s, h, Vp = model.seq_len, model.n_embd, model.padded_vocab_size
-    sp = sp and tp > 1
-    N, Ns = b * s * h, b * (s // tp if sp else s) * h
+    tp, sp = sharding.tp, sharding.splits_sequence
+    N, Ns = b * s * h, sharding.tokens_per_rank(s, b) * h
     # each linear's input and output gradient: the column-parallel ones' inputs (the norms' outputs, shared or
     # each its own) and outputs (kv heads wide for k and v), the row-parallel ones' (rank-wide) inputs and outputs
     widths = sum(lin.cols + lin.rows if lin.split == ROW else lin.rows for lin in block_linears(model, tp))
@@ -437,14 +441,12 @@ def _deferred_bytes(model, layers, b, tp, sp, precision, embed, head) -> int:
     return total
 
 
-def deferred_bytes(model: ModelConfig, layers, *, microbatch_size: int, tp: int = 1,
-                   sequence_parallel: bool = False, precision: str = "fp32", embed: bool = False,
-                   head: bool = False) -> int:
+def deferred_bytes(model: ModelConfig, layers, *, microbatch_size: int, sharding: Sharding = Sharding(),
+                   precision: str = "fp32", embed: bool = False, head: bool = False) -> int:
     """Bytes a stage keeps per microbatch between its I (input-gradient half of the backward) and its
     W (the deferred weight gradients), whatever the recomputation (see the module docstring)."""
-    _check_tp(model, tp, sequence_parallel)
-    return _deferred_bytes(model, _count(layers), microbatch_size, tp, bool(sequence_parallel), precision,
-                           bool(embed), bool(head))
+    _check_tp(model, sharding.tp, sharding.sequence_parallel)
+    return _deferred_bytes(model, _count(layers), microbatch_size, sharding, precision, bool(embed), bool(head))
 
 
 def stage_activation_bytes(model: ModelConfig, layers_per_stage: Sequence, **kwargs) -> tuple[tuple, tuple, tuple]:
@@ -474,8 +476,9 @@ class Workspace:
 
 
 @functools.lru_cache(maxsize=8192)
-def _workspace(model, layers, b, tp, sp, recompute, precision, embed, head, device) -> Workspace:
+def _workspace(model, layers, b, sharding: Sharding, recompute, precision, embed, head, device) -> Workspace:
     r, c = _widths(precision)
+    tp = sharding.tp
     s, h, a, Vp = model.seq_len, model.n_embd, model.n_head, model.padded_vocab_size
     N, L = b * s * h, b * s * (Vp // tp) * r  # a hidden state (gathered), the logits in the loss's dtype
     n = _count(layers)
@@ -489,7 +492,7 @@ def _workspace(model, layers, b, tp, sp, recompute, precision, embed, head, devi
         forward = mlp + 2 * N * r if recompute == "full" else 2 * N * r
         backward = model.architecture.mlp_matrices * b * s * F * r
         if recompute == "full":
-            backward += _activation_bytes(model, 1, b, tp, sp, "none", precision, False, False, device)
+            backward += _activation_bytes(model, 1, b, sharding, "none", precision, False, False, device)
         if model.dropout > 0 and device == "cpu":  # SDPA's math path: the s^2 gradients
             backward += 2 * b * (a // tp) * s * s * r
             if recompute == "selective":  # and the recomputed softmax, mask and dropout output
@@ -508,16 +511,16 @@ def _workspace(model, layers, b, tp, sp, recompute, precision, embed, head, devi
     return Workspace(forward, backward, tail, weight)
 
 
-def workspace_bytes(model: ModelConfig, layers, *, microbatch_size: int, tp: int = 1,
-                    sequence_parallel: bool = False, recompute: str = "none", precision: str = "fp32",
-                    embed: bool = False, head: bool = False, device: str = "cuda") -> Workspace:
+def workspace_bytes(model: ModelConfig, layers, *, microbatch_size: int, sharding: Sharding = Sharding(),
+                    recompute: str = "none", precision: str = "fp32", embed: bool = False, head: bool = False,
+                    device: str = "cuda") -> Workspace:
     """An estimate of the transient memory of one stage's actions (arguments as activation_bytes):
     the blocks' temporaries and gradients, a full recomputation's block, the logits and their
     gradient, the weight gradients before they accumulate. Checked as a bound of the replay's
     per-op peak, not exact."""
-    _check(model, tp, sequence_parallel, recompute, device, microbatch_size)
-    return _workspace(model, _count(layers), microbatch_size, tp, bool(sequence_parallel), recompute, precision,
-                      bool(embed), bool(head), device)
+    _check(model, sharding, recompute, device, microbatch_size)
+    return _workspace(model, _count(layers), microbatch_size, sharding, recompute, precision, bool(embed),
+                      bool(head), device)
 
 
 def activation_peaks(plan: Plan, saved: Sequence[int], deferred: Sequence[int] | None = None,
@@ -614,11 +617,11 @@ def held_messages(plan: Plan, device: str = "cuda") -> tuple[int, ...]:
 
 
 def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, microbatch_size: int,
-                tp: int = 1, sequence_parallel: bool = False, recompute: str = "none", precision: str = "fp32",
-                dp: int = 1, zero: bool = False, device: str = "cuda",
-                activations: Sequence[int] | None = None) -> list[MemoryBreakdown]:
+                sharding: Sharding = Sharding(), recompute: str = "none", precision: str = "fp32",
+                device: str = "cuda", activations: Sequence[int] | None = None) -> list[MemoryBreakdown]:
     """The MemoryBreakdown of every pipeline rank of `plan` (every dp and tp replica of a pipeline
-    rank needs the same; with ZeRO-1 the optimizer is the largest dp rank's share).
+    rank needs the same; with ZeRO-1 the optimizer is the largest dp rank's share). sharding: tp (and
+    sequence parallelism), dp and ZeRO; the pipeline is the plan's.
 
     layers_per_stage: a count or range per stage (pipegpt.stages.partition_layers gives pipegpt's
     default split; not imported here, the stages package loads torch). activations: each
@@ -627,25 +630,24 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     activation_peaks' held. workspace: activation_peaks' working less held.
     """
     counts = _layer_counts(model, plan, layers_per_stage)
-    kw = dict(microbatch_size=microbatch_size, tp=tp, sequence_parallel=sequence_parallel, precision=precision)
+    kw = dict(microbatch_size=microbatch_size, sharding=sharding, precision=precision)
     saved, deferred, workspace = stage_activation_bytes(model, counts, recompute=recompute, device=device, **kw)
     walked = activation_peaks(plan, saved, deferred, workspace)
     peaks = [held for held, _ in walked] if activations is None else list(activations)
     _, c = _widths(precision)  # messages travel in the compute precision (--p2p-dtype's default)
-    S = model.seq_len // tp if sequence_parallel and tp > 1 else model.seq_len
-    message = microbatch_size * S * model.n_embd * c
+    message = sharding.tokens_per_rank(model.seq_len, microbatch_size) * model.n_embd * c
     last = plan.num_stages - 1
     messages = held_messages(plan, device)
     out = []
     for rank in range(plan.num_ranks):
         mine = plan.stages_of(rank)
-        state = state_bytes(model, [(counts[s], s == 0, s == last) for s in mine], tp=tp, precision=precision,
-                            dp=dp, zero=zero)
+        state = state_bytes(model, [(counts[s], s == 0, s == last) for s in mine], sharding=sharding,
+                            precision=precision)
         out.append(MemoryBreakdown(
             rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
             optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],
             p2p_buffers=message * messages[rank],
-            dp_buffers=state.gradients if dp > 1 else 0, overlap_dp=len(mine) > 1))
+            dp_buffers=state.gradients if sharding.dp > 1 else 0, overlap_dp=len(mine) > 1))
     return out
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
+from pipegpt.dims import ParallelDims, Sharding
 from pipegpt.model.flops import flops_per_token
 from pipegpt.schedule import SCHEDULES, ScheduleError
 from pipegpt.schedule.simulate import Costs, simulate
@@ -88,7 +89,7 @@ class Search:
         self.sim_cache: dict = {}
         self.stats = {"layouts": 0, "candidates": 0, "memory_refused": 0, "schedule_refused": 0,
                       "simulated": 0, "cache_hits": 0, "popped": 0, "seconds": 0.0}
-        self.refusals: dict = {}  # (dp, pp, tp) -> Refusal with the least memory seen
+        self.refusals: dict = {}  # ParallelDims -> Refusal with the least memory seen
 
     # --- simulation ----------------------------------------------------------------------------------
     def simulate(self, schedule, p, m, v, F, B, W, TP, comm, dpc):
@@ -138,7 +139,7 @@ class Search:
                     world = dp * pp * tp
                     if world <= c.gpus and (not req.exact_gpus or world == c.gpus) \
                             and all(want is None or want == got for want, got in zip(req.only, (dp, pp, tp))):
-                        out.append(Mesh(dp, pp, tp, sp, m_tp, pad))
+                        out.append(Mesh(Sharding(dp=dp, pp=pp, tp=tp, sequence_parallel=sp), m_tp, pad))
         return out
 
     def groups(self, pp):
@@ -156,129 +157,128 @@ class Search:
                     out.setdefault((placement, v, vs), []).append((name, splits_backward(name)))
         return [(placement, v, vs, names) for (placement, v, vs), names in out.items()]
 
-    def _refuse(self, dp, pp, tp, needs, parts, what):
-        key = (dp, pp, tp)
-        old = self.refusals.get(key)
+    def _refuse(self, dims: ParallelDims, needs, parts, what):
+        old = self.refusals.get(dims)
         if old is None or needs < old.needs:
-            self.refusals[key] = Refusal(dp, pp, tp, needs, parts, what)
+            self.refusals[dims] = Refusal(dims.dp, dims.pp, dims.tp, needs, parts, what)
 
     def layout_bound(self, mesh: Mesh) -> float:
         """A lower bound on any plan of the layout (bounds.layout_lower_bound)."""
-        P = self.per_stage.pieces(mesh.model, mesh.tp, mesh.sequence_parallel, "none", PER_SEQUENCE)
-        return layout_lower_bound(P, mesh.model.n_layer, self.req.batch_size // mesh.dp, mesh.pp)
+        P = self.per_stage.pieces(mesh.model, mesh.sharding, "none", PER_SEQUENCE)
+        return layout_lower_bound(P, mesh.model.n_layer, self.req.batch_size // mesh.sharding.dp, mesh.sharding.pp)
 
     def expand(self, mesh: Mesh):
         """The layout's candidates with their lower bounds: (bound, Candidate)."""
-        dp, pp, tp, sp, m_tp = mesh.dp, mesh.pp, mesh.tp, mesh.sequence_parallel, mesh.model
+        sh, dims, m_tp = mesh.sharding, mesh.dims, mesh.model
+        dp, pp = sh.dp, sh.pp
         cs = self.per_stage
         cap, r_bytes = self.cluster.usable_bytes, 4
         b = self.req.batch_size // dp
-        world = dp * pp * tp
-        zeros = (0, 1) if dp > 1 else (0,)
+        zoned = _zero_choices(sh)
         opt = 2 * r_bytes / dp  # AdamW state per parameter at ZeRO-1's even share: a lower bound of the greedy one
         for placement, v, vs, schedules in self.groups(pp):
             S = len(placement)
             for balanced in (False, True):
                 for rc in RECOMPUTE_ORDER:
-                    layers = cs.split(m_tp, tp, sp, rc, placement, balanced)
+                    layers = cs.split(m_tp, sh, rc, placement, balanced)
                     if layers is None:
                         continue
-                    params = cs.stage_params(m_tp, tp, layers)
+                    params = cs.stage_params(m_tp, sh, layers)
                     rank_params = [0] * pp
                     for s, r in enumerate(placement):
                         rank_params[r] += params[s]
                     static = [(2 * r_bytes + opt) * x for x in rank_params]
                     if max(static) > cap:
                         r = max(range(pp), key=static.__getitem__)
-                        self._refuse(dp, pp, tp, static[r], {"weights": r_bytes * rank_params[r],
-                                                             "gradients": r_bytes * rank_params[r],
-                                                             "optimizer": opt * rank_params[r]},
+                        self._refuse(dims, static[r], {"weights": r_bytes * rank_params[r],
+                                                       "gradients": r_bytes * rank_params[r],
+                                                       "optimizer": opt * rank_params[r]},
                                      "weights, gradients and optimizer state alone" + (" (ZeRO-1)" if dp > 1 else ""))
                         self.stats["memory_refused"] += 1
                         continue
-                    dpc = cs.dp_comm(params, dp, world)
+                    dpc = cs.dp_comm(params, sh)
                     tensors = cs.stage_tensors(m_tp, layers)
-                    after = min(cs.after_time(m_tp, placement, params, tensors, dp, pp, tp, z, layers) for z in zeros)
+                    after = min(cs.after_time(m_tp, placement, params, tensors, z, layers) for z in zoned.values())
                     for mbs in _divisors(b):
                         m = b // mbs
                         if 3 * m * S > MAX_ACTIONS:
                             continue
-                        F, B, W, TP, saved, _, msg = cs.vectors(m_tp, tp, sp, rc, mbs, layers)
+                        F, B, W, TP, saved, _, msg = cs.vectors(m_tp, sh, rc, mbs, layers)
                         least = list(static)
                         for s, r in enumerate(placement):
                             least[r] += saved[s]  # every stage of a rank holds a microbatch at some moment
                         if max(least) > cap:
                             r = max(range(pp), key=least.__getitem__)
-                            self._refuse(dp, pp, tp, least[r], {
+                            self._refuse(dims, least[r], {
                                 "weights": r_bytes * rank_params[r], "gradients": r_bytes * rank_params[r],
                                 "optimizer": opt * rank_params[r], "activations": least[r] - static[r]},
                                 f"{rc} recomputation, {'ZeRO-1, ' if dp > 1 else ''}{mbs} sequence"
                                 f"{'s' if mbs > 1 else ''} per microbatch")
                             self.stats["memory_refused"] += 1
                             break  # larger microbatches hold more
-                        comm = cs.message_time(msg, placement, dp, pp, tp)
+                        comm = cs.message_time(msg, placement, sh)
                         bounds = {}
                         for name, split in schedules:
                             if split not in bounds:
                                 bounds[split] = makespan_lower_bound(F, B, W, TP, comm, dpc, placement, m,
                                                                      split) + after
                             self.stats["candidates"] += 1
-                            yield bounds[split], Candidate(dp, pp, tp, sp, mesh.pad_vocab, name, v, vs, mbs, rc,
-                                                           balanced)
+                            yield bounds[split], Candidate(sh, mesh.pad_vocab, name, v, vs, mbs, rc, balanced)
 
     def evaluate(self, cand: Candidate) -> _Eval | None:
         """Memory (exact), then the simulator; None when it does not fit or the schedule refuses."""
-        dp, pp, tp, sp = cand.dp, cand.pp, cand.tp, cand.sequence_parallel
+        sh = cand.sharding
+        dp, pp = sh.dp, sh.pp
         schedule, v, mbs, rc = cand.schedule, cand.v, cand.microbatch_size, cand.recompute
         cs = self.per_stage
         cap = self.cluster.usable_bytes
         m_tp = replace(self.model, pad_vocab_to=64) if cand.pad_vocab else self.model
         m = self.req.batch_size // dp // mbs
         placement = stage_placement(schedule, pp, v)
-        layers = cs.split(m_tp, tp, sp, rc, placement, cand.balanced)
+        layers = cs.split(m_tp, sh, rc, placement, cand.balanced)
         try:
             st = structure(schedule, pp, m, v)
         except ScheduleError:
             self.stats["schedule_refused"] += 1
             return None
-        F, B, W, TP, saved, deferred, msg = cs.vectors(m_tp, tp, sp, rc, mbs, layers)
-        zeros = (0, 1) if dp > 1 else (0,)
+        F, B, W, TP, saved, deferred, msg = cs.vectors(m_tp, sh, rc, mbs, layers)
+        zoned = _zero_choices(sh)
         what = lambda z: (f"{schedule}, {rc} recomputation, {'ZeRO-1, ' if z else ''}{mbs} sequence"  # noqa: E731
                           f"{'s' if mbs > 1 else ''} per microbatch")
         # A lower bound first (state + held activations, no walk over the plan), then the memory model.
         held = held_peaks(schedule, pp, m, v, saved, deferred)
         S = len(layers)
         states = {z: [memory_model.state_bytes(m_tp, [(layers[s], s == 0, s == S - 1) for s in st.plan.stages_of(r)],
-                                               tp=tp, precision=self.precision, dp=dp, zero=bool(z))
-                      for r in range(pp)] for z in zeros}
-        least = {z: [x.weights + x.gradients + x.optimizer + h for x, h in zip(states[z], held)] for z in zeros}
-        if min(max(least[z]) for z in zeros) > cap:
+                                               sharding=zs, precision=self.precision)
+                      for r in range(pp)] for z, zs in zoned.items()}
+        least = {z: [x.weights + x.gradients + x.optimizer + h for x, h in zip(states[z], held)] for z in zoned}
+        if min(max(least[z]) for z in zoned) > cap:
             self.stats["memory_refused"] += 1
-            z = min(zeros, key=lambda z: max(least[z]))
+            z = min(zoned, key=lambda z: max(least[z]))
             r = max(range(pp), key=least[z].__getitem__)
             x = states[z][r]
-            self._refuse(dp, pp, tp, least[z][r], {"weights": x.weights, "gradients": x.gradients,
-                                                    "optimizer": x.optimizer, "activations": held[r]}, what(z))
+            self._refuse(cand.dims, least[z][r], {"weights": x.weights, "gradients": x.gradients,
+                                                  "optimizer": x.optimizer, "activations": held[r]}, what(z))
             return None
-        base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, tp=tp, sequence_parallel=sp,
-                                        recompute=rc, precision=self.precision, dp=dp, zero=False)
-        mem = {z: [replace(x, optimizer=states[z][x.rank].optimizer) for x in base] for z in zeros}
+        base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, sharding=zoned[0], recompute=rc,
+                                        precision=self.precision)
+        mem = {z: [replace(x, optimizer=states[z][x.rank].optimizer) for x in base] for z in zoned}
         fits = [z for z, ranks in mem.items() if max(x.total for x in ranks) <= cap]
         if not fits:
             self.stats["memory_refused"] += 1
             z = min(mem, key=lambda z: max(x.total for x in mem[z]))
             worst = max(mem[z], key=lambda x: x.total)
-            self._refuse(dp, pp, tp, worst.total, memory_parts(worst), what(z))
+            self._refuse(cand.dims, worst.total, memory_parts(worst), what(z))
             return None
-        params = cs.stage_params(m_tp, tp, layers)
-        comm = cs.message_time(msg, placement, dp, pp, tp)
-        dpc = cs.dp_comm(params, dp, dp * pp * tp)
+        params = cs.stage_params(m_tp, sh, layers)
+        comm = cs.message_time(msg, placement, sh)
+        dpc = cs.dp_comm(params, sh)
         makespan, bubble = self.simulate(schedule, pp, m, v, F, B, W, TP, comm, dpc)
         tensors = cs.stage_tensors(m_tp, layers)
-        step, zero = min((makespan + cs.after_time(m_tp, placement, params, tensors, dp, pp, tp, z, layers), z)
+        step, zero = min((makespan + cs.after_time(m_tp, placement, params, tensors, zoned[z], layers), z)
                          for z in fits)
-        layout = Layout(dp, pp, tp, schedule, cand.virtual_stages, m, mbs, rc, zero, sp, tuple(layers), cand.balanced,
-                        cand.pad_vocab)
+        layout = Layout(dp, pp, sh.tp, schedule, cand.virtual_stages, m, mbs, rc, zero, sh.sequence_parallel,
+                        tuple(layers), cand.balanced, cand.pad_vocab)
         return _Eval(step, layout, makespan, bubble, step - makespan, max(x.total for x in mem[zero]), m_tp)
 
     def run(self) -> SearchResult:
@@ -304,19 +304,20 @@ class Search:
             return max(kth, by_schedule[schedule].step if schedule in by_schedule else math.inf)
 
         expanded = 0
-        done: set = set()  # (dp, pp, tp) of the layouts expanded
-        pushed: dict = {}  # (dp, pp, tp) -> candidates pushed
-        refused: dict = {}  # (dp, pp, tp) -> candidates refused (memory or schedule)
+        done: set = set()  # the ParallelDims of the layouts expanded
+        pushed: dict = {}  # ParallelDims -> candidates pushed
+        refused: dict = {}  # ParallelDims -> candidates refused (memory or schedule)
         while heap:
             lb, _, what, item = heapq.heappop(heap)
             if lb >= bar() * (1 - 1e-9):
                 break
             if what == "layout":
                 expanded += 1
-                done.add(item.dims)
+                dims = item.dims
+                done.add(dims)
                 for bound, cand in self.expand(item):
                     counter += 1
-                    pushed[item.dims] = pushed.get(item.dims, 0) + 1
+                    pushed[dims] = pushed.get(dims, 0) + 1
                     heapq.heappush(heap, (max(bound, lb), counter, "candidate", cand))
                 continue
             cand = item
@@ -355,7 +356,7 @@ class Search:
         if req.explain and best:
             limit = best[0].layout.pp * best[0].layout.tp
             for mesh in layouts:
-                if mesh.dims not in done and mesh.pp * mesh.tp < limit:
+                if mesh.dims not in done and mesh.sharding.pp * mesh.sharding.tp < limit:
                     done.add(mesh.dims)
                     pushed[mesh.dims] = sum(1 for _ in self.expand(mesh))
                     refused[mesh.dims] = 0
@@ -373,20 +374,19 @@ class Search:
         st = structure(L.schedule, L.pp, L.microbatches, v)
         placement = st.plan.stage_to_rank
         layers = list(L.layers_per_stage)
-        F, B, W, TP, saved, deferred, msg = cs.vectors(model, L.tp, L.sequence_parallel, L.recompute,
-                                                       L.microbatch_size, layers)
-        params = cs.stage_params(model, L.tp, layers)
-        comm = cs.message_time(msg, placement, L.dp, L.pp, L.tp)
-        dpc = cs.dp_comm(params, L.dp, L.world)
+        sh = L.sharding
+        F, B, W, TP, saved, deferred, msg = cs.vectors(model, sh, L.recompute, L.microbatch_size, layers)
+        params = cs.stage_params(model, sh, layers)
+        comm = cs.message_time(msg, placement, sh)
+        dpc = cs.dp_comm(params, sh)
         costs = Costs(tuple(F), tuple(B), tuple(W), comm, tuple(saved), tuple(TP), tuple(dpc))
         timeline = simulate(st.plan, costs)
         makespan = float(timeline.makespan)
         tensors = cs.stage_tensors(model, layers)
-        after = cs.after_time(model, placement, params, tensors, L.dp, L.pp, L.tp, L.zero, layers)
+        after = cs.after_time(model, placement, params, tensors, sh, layers)
         step = makespan + after
-        mem = memory_model.plan_memory(model, st.plan, layers, microbatch_size=L.microbatch_size, tp=L.tp,
-                                       sequence_parallel=L.sequence_parallel, recompute=L.recompute,
-                                       precision=self.precision, dp=L.dp, zero=bool(L.zero))
+        mem = memory_model.plan_memory(model, st.plan, layers, microbatch_size=L.microbatch_size, sharding=sh,
+                                       recompute=L.recompute, precision=self.precision)
         memory = [memory_parts(x) for x in mem]
         peak_rank = max(range(len(memory)), key=lambda r: memory[r]["total"])
         tokens = self.req.batch_size * model.seq_len
@@ -398,7 +398,7 @@ class Search:
         tp_time = sum(2 * TP[s] for s in range(len(placement)) if placement[s] == r) * L.microbatches
         rc_extra = 0.0
         if L.recompute != "none":
-            B0 = cs.vectors(model, L.tp, L.sequence_parallel, "none", L.microbatch_size, layers)[1]
+            B0 = cs.vectors(model, sh, "none", L.microbatch_size, layers)[1]
             rc_extra = sum(B[s] - B0[s] for s in range(len(placement)) if placement[s] == r) * L.microbatches
         end = float(timeline.end_time - timeline.start_time)
         breakdown = {"compute": float(busy[r]) - tp_time, "recompute": rc_extra, "tp_comm": tp_time,
@@ -443,6 +443,12 @@ def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> N
     MLP width the memory model's shapes assume (kv heads split or replicated; Llama's ffn_hidden divisible)."""
     validate_tp(model, tp, sequence_parallel)
     memory_model.check_tp_shapes(model, tp)
+
+
+@lru_cache(maxsize=None)
+def _zero_choices(sharding: Sharding) -> dict:
+    """{0: the layout without ZeRO-1, 1: with it (dp > 1 only)}."""
+    return {z: sharding._replace(zero=z) for z in ((0, 1) if sharding.dp > 1 else (0,))}
 
 
 def _round(x: float) -> float:

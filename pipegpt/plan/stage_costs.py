@@ -3,12 +3,14 @@
 one message's time, the gradient all-reduce and what follows the last action; and the layer split.
 
 Everything per stage is linear in the stage's block count plus a fixed part for the embedding and the head,
-so each quantity is computed once per (model, tp, sp, recompute, microbatch size) and composed for any
-split. One StageCosts serves one search: its caches hold for one cluster and one cost model."""
+so each quantity is computed once per (model, the way a rank's tensors are cut, recompute, microbatch size)
+and composed for any split. A candidate's layout comes as one pipegpt.dims.Sharding. One StageCosts serves one
+search: its caches hold for one cluster and one cost model."""
 from __future__ import annotations
 
 from pipegpt.arch import block_shapes, embedding_shapes, head_shapes
 from pipegpt.config import ModelConfig
+from pipegpt.dims import Sharding
 
 from . import memory as memory_model
 from .balance import balance_layers, even_layers
@@ -28,24 +30,26 @@ class StageCosts:
         self._linear: dict = {}
         self._params: dict = {}
 
-    def pieces(self, model: ModelConfig, tp: int, sp: bool, recompute: str, mbs: int):
-        key = (model.padded_vocab_size, tp, sp, recompute, mbs)
+    def pieces(self, model: ModelConfig, sharding: Sharding, recompute: str, mbs: int):
+        key = (model.padded_vocab_size, sharding.tensor_cut, recompute, mbs)
         hit = self._pieces.get(key)
         if hit is None:
-            hit = self._pieces[key] = self.cost.pieces(model, Shape(tp, sp, recompute, mbs))
+            hit = self._pieces[key] = self.cost.pieces(model, Shape(sharding.tensor_cut, recompute, mbs))
         return hit
 
-    def message_time(self, nbytes, placement, dp, pp, tp) -> float:
+    def message_time(self, nbytes, placement, sharding: Sharding) -> float:
         """The mean time of one message over the placement's links between ranks, in the slowest replica."""
-        key = (placement, dp, pp, tp)
+        key = (placement, sharding)
         hit = self._crossings.get(key)
         if hit is None:
             links = [(placement[s], placement[s + 1]) for s in range(len(placement) - 1)
                      if placement[s] != placement[s + 1]]
             G = self.cluster.gpus_per_node
             worst = 0
-            for d in range(min(dp, G)):
-                worst = max(worst, sum(((d * pp + a) * tp) // G != ((d * pp + b) * tp) // G for a, b in links))
+            replica, stage = sharding.stride("dp"), sharding.stride("pp")  # rank_of(dp=d, pp=a) = d x replica + a x stage
+            for d in range(min(sharding.dp, G)):
+                worst = max(worst, sum((d * replica + a * stage) // G != (d * replica + b * stage) // G
+                                       for a, b in links))
             hit = self._crossings[key] = (len(links), worst)
         links, worst = hit
         if not links:
@@ -53,26 +57,26 @@ class StageCosts:
         t_in, t_out = self.cost.message_time(nbytes, True), self.cost.message_time(nbytes, False)
         return (worst * t_out + (links - worst) * t_in) / links
 
-    def dp_comm(self, stage_params, dp, world):
+    def dp_comm(self, stage_params, sharding: Sharding):
         """Each stage's gradient all-reduce over the dp replicas (fp32 gradients, per tp rank)."""
-        inside = world <= self.cluster.gpus_per_node
-        return [self.cost.group_allreduce_time(4 * n, dp, inside) for n in stage_params]
+        inside = sharding.world_size <= self.cluster.gpus_per_node
+        return [self.cost.group_allreduce_time(4 * n, sharding.dp, inside) for n in stage_params]
 
-    def after_time(self, model, placement, stage_params, stage_tensors, dp, pp, tp, zero, layers=()) -> float:
+    def after_time(self, model, placement, stage_params, stage_tensors, sharding: Sharding, layers=()) -> float:
         """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO-1's broadcast),
         the tied embedding's gradient sum between the first and the last stage, and with tp > kv_heads
         (Llama; layers: blocks per stage) the replicated key/value heads' gradient sum over the tp group
         (pipegpt.tensor_parallel.layers.sum_replicated_kv_grads: one all-reduce of a [kv_heads, n] buffer)."""
-        c = self.cluster
+        c, dp, pp, tp = self.cluster, sharding.dp, sharding.pp, sharding.tp
         params = [0.0] * pp
         tensors = [0] * pp
         for s, r in enumerate(placement):
             params[r] += stage_params[s]
             tensors[r] += stage_tensors[s]
-        inside = dp * pp * tp <= c.gpus_per_node
+        inside = sharding.world_size <= c.gpus_per_node
         worst = 0.0
         for r in range(pp):
-            if zero and dp > 1:
+            if sharding.zero and dp > 1:
                 t = self.cost.optimizer_time(params[r] / dp, max(1, -(-tensors[r] // dp)))
                 t += self.cost.broadcast_shards_time(params[r] * 4, dp, inside)
             else:
@@ -80,7 +84,8 @@ class StageCosts:
             worst = max(worst, t)
         if model.tie_embeddings and placement[0] != placement[-1]:
             G = c.gpus_per_node
-            same = (placement[0] * tp) // G == (placement[-1] * tp) // G
+            stage = sharding.stride("pp")
+            same = placement[0] * stage // G == placement[-1] * stage // G  # rank_of(pp=...) // G
             worst += self.cost.group_allreduce_time(model.padded_vocab_size * model.n_embd / tp * 4, 2, same)
         if layers and tp > model.kv_heads:  # Llama's replicated kv heads: their gradients summed over the tp group
             blocks = [0] * pp
@@ -98,10 +103,11 @@ class StageCosts:
                                                              head_shapes(model)))  # the head's lm_head counted
         return [n * per_layer + (embed if s == 0 else 0) + (head if s == S - 1 else 0) for s, n in enumerate(layers)]
 
-    def linear(self, model, tp, sp, rc, mbs):
+    def linear(self, model, sharding: Sharding, rc, mbs):
         """Per-stage quantities as (per block, {(embed, head): the stage's fixed part}): parameters, saved and
         deferred activation bytes, and F, B, W, tp_comm -- all linear in the stage's block count."""
-        key = (model.padded_vocab_size, tp, sp, rc, mbs)
+        cut = sharding.tensor_cut
+        key = (model.padded_vocab_size, cut, rc, mbs)
         hit = self._linear.get(key)
         if hit is not None:
             return hit
@@ -111,10 +117,10 @@ class StageCosts:
             base = {eh: fn(0, *eh) for eh in ends}
             return fn(1, False, False) - base[(False, False)], base
 
-        kw = dict(microbatch_size=mbs, tp=tp, sequence_parallel=sp, precision=self.precision)
+        kw = dict(microbatch_size=mbs, sharding=cut, precision=self.precision)
         act = lin(lambda n, e, h: memory_model.activation_bytes(model, n, recompute=rc, embed=e, head=h, **kw))
         dfr = lin(lambda n, e, h: memory_model.deferred_bytes(model, n, embed=e, head=h, **kw))
-        P = self.pieces(model, tp, sp, rc, mbs)
+        P = self.pieces(model, cut, rc, mbs)
 
         def piece_parts(piece):
             sym = min(piece.comm_f, piece.comm_b)
@@ -126,7 +132,8 @@ class StageCosts:
         hit = self._linear[key] = (act, dfr, vec, P.message_bytes)
         return hit
 
-    def params_linear(self, model, tp):
+    def params_linear(self, model, sharding: Sharding):
+        tp = sharding.tp
         key = (model.padded_vocab_size, tp)
         hit = self._params.get(key)
         if hit is None:
@@ -141,13 +148,13 @@ class StageCosts:
         S = len(layers)
         return [n * per + base[(s == 0, s == S - 1)] for s, n in enumerate(layers)]
 
-    def stage_params(self, model, tp, layers):
+    def stage_params(self, model, sharding: Sharding, layers):
         """Each stage's parameter count (per tp rank)."""
-        return self.compose(self.params_linear(model, tp), layers)
+        return self.compose(self.params_linear(model, sharding), layers)
 
-    def vectors(self, model, tp, sp, rc, mbs, layers):
+    def vectors(self, model, sharding: Sharding, rc, mbs, layers):
         """Per stage F, B, W, tp_comm, saved and deferred activation bytes; one message's bytes."""
-        act, dfr, (layer, base), msg = self.linear(model, tp, sp, rc, mbs)
+        act, dfr, (layer, base), msg = self.linear(model, sharding, rc, mbs)
         S = len(layers)
         ends = [base[(s == 0, s == S - 1)] for s in range(S)]
         F = [n * layer[0] + e[0] for n, e in zip(layers, ends)]
@@ -156,7 +163,7 @@ class StageCosts:
         TP = [n * layer[3] + e[3] for n, e in zip(layers, ends)]
         return F, B, W, TP, self.compose(act, layers), self.compose(dfr, layers), msg
 
-    def split(self, model, tp, sp, rc, placement, balanced):
+    def split(self, model, sharding: Sharding, rc, placement, balanced):
         """The even split, or the one balanced by cost (None when that is the even one). Costs per sequence
         (forward + backward + collectives of a block, the embedding, the head: their FLOP parts, which set
         the balance at any microbatch size)."""
@@ -164,7 +171,7 @@ class StageCosts:
         even = tuple(even_layers(model.n_layer, S))
         if not balanced or S == 1:
             return None if balanced else even
-        P = self.pieces(model, tp, sp, rc, PER_SEQUENCE)
+        P = self.pieces(model, sharding, rc, PER_SEQUENCE)
         cost = lambda piece: piece.f + piece.b + piece.comm_f + piece.comm_b  # noqa: E731
         unit = cost(P.layer)
         key = (placement, model.n_layer, round(cost(P.embed) / unit, 2), round(cost(P.head) / unit, 2))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipegpt.config import ConfigError, TrainConfig
+from pipegpt.config import ConfigError, TrainConfig, option_flags
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,9 @@ def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
             except ConfigError:
                 continue
             if best is None or time < best[0]:
-                flags = {"--stages": stages, "--dp": dp, "--microbatches": microbatches, "--schedule": schedule}
-                if changes["virtual_stages"]:
-                    flags["--virtual-stages"] = changes["virtual_stages"]
-                best = (time, candidate, flags)
+                given = {name: changes[name] for name in ("stages", "dp", "microbatches", "schedule", "virtual_stages")
+                         if changes[name] is not None}  # the restart's command line: flag -> value
+                best = (time, candidate, {option_flags(name)[0]: value for name, value in given.items()})
             break
     if best is None:
         return None

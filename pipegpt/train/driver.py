@@ -289,17 +289,16 @@ class Job:
     def gathered_model(self):
         """The whole model in this process: every rank's parameters by one-process name, tensor-parallel
         shards joined (data-parallel replica 0). For evaluations that need all of it at once (HellaSwag)."""
-        from pipegpt.comm.mesh import Grid
         from pipegpt.model.gpt import load_whole_model
         from pipegpt.tensor_parallel import gather_full
 
         p = self.cfg.parallel
-        grid, shards = Grid(p.dp, p.stages, p.tp), {}
+        shards = {}
         for rank, named in enumerate(self.cluster.call("model_state")):
-            d, _, t = grid.coords(rank)
-            if d == 0:
+            at = p.dims.coords(rank)
+            if at.dp == 0:
                 for name, value in named.items():
-                    shards.setdefault(name, {})[t] = value
+                    shards.setdefault(name, {})[at.tp] = value
         kv = self.cfg.model.kv_heads  # Llama's k and v shards are split by kv head
         full = {n: gather_full(n, [parts[t] for t in range(p.tp)], kv) if p.tp > 1 else parts[0]
                 for n, parts in shards.items()}

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 from pipegpt import run_files
-from pipegpt.config import TrainConfig
+from pipegpt.config import TrainConfig, option_flags
+from pipegpt.dims import LAYOUT_FIELDS
 from pipegpt.engine.placement import resolve_device
 from pipegpt.state.owner import keep_across_exec, process_identity
 
@@ -118,9 +119,7 @@ def _shrink(echo: Callable, failure, cfg: TrainConfig, remaining: int):
 
 
 # The layout options a shrunk restart sets (and their short forms): the old values go.
-LAYOUT_FLAGS = {"--stages": "-p", "--dp": None, "--tp": None, "--microbatches": "-m", "--schedule": "-s",
-                "--virtual-stages": "-v", "--layers-per-stage": None, "--batch-size": None, "--max-live": None,
-                "--balance": None, "--layout": None}
+LAYOUT_FLAGS = frozenset(flag for f in LAYOUT_FIELDS if f.shrink for flag in option_flags(f.name))
 
 
 def restart_args(argv: list[str], resume: str | None, layout: dict | None = None, run_dir: str | None = None
@@ -133,7 +132,7 @@ def restart_args(argv: list[str], resume: str | None, layout: dict | None = None
     drop = {"--overwrite"} | ({"--resume", "--init-from", "--config"} if resume else set()) | \
         ({"--run-dir"} if run_dir else set())
     if layout:
-        drop |= {f for long, short in LAYOUT_FLAGS.items() for f in (long, short) if f}
+        drop |= LAYOUT_FLAGS
     out, skip = [], False
     for arg in argv:
         if skip:

@@ -43,15 +43,14 @@ def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
     """
     import torch
 
-    from pipegpt.comm.mesh import Grid
     from pipegpt.tensor_parallel import gather_full
 
     layout = cfg.parallel
-    grid = Grid(layout.dp, layout.stages, layout.tp)
     shards: dict[tuple[str, int], dict[int, object]] = {}
     replicas: dict[tuple[str, int, int], object] = {}
     for rank, tensors in enumerate(per_rank):
-        d, p, t = grid.coords(rank)
+        at = layout.dims.coords(rank)
+        d, p, t = at.dp, at.pp, at.tp
         for name, value in tensors.items():
             key = (_one_process_name(name, cfg), p)
             if d == 0:
@@ -81,14 +80,12 @@ def _run(job, cfg, steps: int):
 def _gathered(per_rank: list[dict], cfg) -> dict[str, object]:
     """{"<kind>/<one-process name>": full tensor} from every rank's {"<kind>/<name>": shard}; a key held
     by several data-parallel replicas (or by only one, with ZeRO-1) counts once."""
-    from pipegpt.comm.mesh import Grid
     from pipegpt.tensor_parallel import gather_full
 
     layout = cfg.parallel
-    grid = Grid(layout.dp, layout.stages, layout.tp)
     shards: dict[str, dict[int, object]] = {}
     for rank, tensors in enumerate(per_rank):
-        _, _, t = grid.coords(rank)
+        t = layout.dims.coords(rank).tp
         for key, value in tensors.items():
             shards.setdefault(key, {})[t] = value
     out = {}

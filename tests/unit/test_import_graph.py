@@ -10,6 +10,7 @@ from test_schedule_imports import find_cycle, module_graph
 # Lowest first: a module may import its own package and the layers before it, never one after it.
 LAYERS = [
     "pipegpt.arch",
+    "pipegpt.dims",
     "pipegpt.config",
     "pipegpt.run_files",
     "pipegpt.schedule",

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from helpers import invoke, one_thread
 from plan_memory_harness import Layout, free_port, replay_rank, saved_tensor_bytes, tp_worker
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig
+from pipegpt.dims import Sharding
 from pipegpt.model.flops import flops_per_token, matmul_parameters
 from pipegpt.plan import memory as memory_model
 from pipegpt.plan.candidates import Request
@@ -141,11 +142,11 @@ def test_kv_heads_split_or_replicated_else_no_candidate():
     with pytest.raises(ConfigError, match="n_kv_head=6"):
         memory_model._check_tp(six, 4)  # neither: 1.5 heads per rank
     cluster = make_cluster(gpus=8, gpus_per_node=8, device="h100", precision="bf16")
-    tps = {m.tp for m in Search(Request(six, 8, cluster, AnalyticalCosts(cluster))).layouts()}
+    tps = {m.sharding.tp for m in Search(Request(six, 8, cluster, AnalyticalCosts(cluster))).layouts()}
     assert tps == {1, 2}  # 4: kv heads; 8: query heads
     # tp a multiple of the kv heads: replicated, a candidate (TinyLlama: 4 kv heads, tp 8)
     tiny11 = MODEL_PRESETS["tinyllama-1.1b"]
-    tps = {m.tp for m in Search(Request(tiny11, 64, cluster, AnalyticalCosts(cluster))).layouts()}
+    tps = {m.sharding.tp for m in Search(Request(tiny11, 64, cluster, AnalyticalCosts(cluster))).layouts()}
     assert tps == {1, 2, 4, 8}
     assert memory_model.kv_local_heads(tiny11, 8) == 1 and memory_model.kv_local_heads(tiny11, 2) == 2
     # the MLP width must split too
@@ -160,15 +161,15 @@ def test_replicated_kv_heads_add_their_gradient_sum_after_the_step():
     cluster = make_cluster(gpus=8, gpus_per_node=8, device="h100", precision="bf16")
     cs = StageCosts(cluster, AnalyticalCosts(cluster))
     layers = [11, 11]
-    params = cs.stage_params(m, 8, layers)
+    params = cs.stage_params(m, Sharding(tp=8), layers)
     tensors = cs.stage_tensors(m, layers)
-    base = cs.after_time(m, (0, 1), params, tensors, 1, 2, 8, 0)
-    with_kv = cs.after_time(m, (0, 1), params, tensors, 1, 2, 8, 0, layers)
+    base = cs.after_time(m, (0, 1), params, tensors, Sharding(pp=2, tp=8))
+    with_kv = cs.after_time(m, (0, 1), params, tensors, Sharding(pp=2, tp=8), layers)
     expect = cs.cost.group_allreduce_time(m.kv_heads * 11 * 2 * m.head_dim * m.n_embd * 4, 8, True)
     assert with_kv - base == pytest.approx(expect) and expect > 0
-    params4 = cs.stage_params(m, 4, layers)  # tp 4 = kv heads: nothing replicated
-    assert cs.after_time(m, (0, 1), params4, tensors, 1, 2, 4, 0, layers) == \
-        cs.after_time(m, (0, 1), params4, tensors, 1, 2, 4, 0)
+    params4 = cs.stage_params(m, Sharding(tp=4), layers)  # tp 4 = kv heads: nothing replicated
+    assert cs.after_time(m, (0, 1), params4, tensors, Sharding(pp=2, tp=4), layers) == \
+        cs.after_time(m, (0, 1), params4, tensors, Sharding(pp=2, tp=4))
     assert tensors == [11 * 9 + 1, 11 * 9 + 2]  # 9 tensors a block; wte; ln_f and lm_head
 
 
@@ -246,8 +247,9 @@ HELD, WORKING = 0.10, (-0.02, 0.30)
 def _check_layout(layout, measured) -> list:
     plan = layout.plan()
     counts = [len(r) for r in partition_layers(layout.model.n_layer, plan.num_stages, layout.layers_per_stage)]
-    predicted = plan_memory(layout.model, plan, counts, microbatch_size=layout.microbatch_size, tp=layout.tp,
-                            sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+    predicted = plan_memory(layout.model, plan, counts, microbatch_size=layout.microbatch_size,
+                            sharding=Sharding(tp=layout.tp, sequence_parallel=layout.sequence_parallel),
+                            recompute=layout.recompute,
                             precision=memory_precision(layout.precision, layout.dtype), device="cpu")
     bad = []
     for rank, (p, m) in enumerate(zip(predicted, measured)):

@@ -20,6 +20,7 @@ from helpers import one_thread
 from plan_memory_harness import (Layout, free_port, optimizer_state_bytes, rank_modules, replay_rank,
                                  saved_tensor_bytes, tp_worker)
 from pipegpt.config import ConfigError, MODEL_PRESETS, ModelConfig
+from pipegpt.dims import Sharding
 from pipegpt.model.gpt import GPT
 from pipegpt.plan.memory import (MemoryBreakdown, activation_bytes, deferred_bytes, memory_precision,
                                  parameter_count, peak_activation_bytes, plan_memory, rank_memory,
@@ -68,8 +69,8 @@ def layer_counts(layout: Layout, plan) -> list[int]:
 def predicted(layout: Layout) -> list[MemoryBreakdown]:
     plan = layout.plan()
     return list(plan_memory(
-        layout.model, plan, layer_counts(layout, plan), microbatch_size=layout.microbatch_size, tp=layout.tp,
-        sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+        layout.model, plan, layer_counts(layout, plan), microbatch_size=layout.microbatch_size,
+        sharding=Sharding(tp=layout.tp, sequence_parallel=layout.sequence_parallel), recompute=layout.recompute,
         precision=memory_precision(layout.precision, layout.dtype), device="cpu"))
 
 
@@ -189,7 +190,7 @@ def test_zero_state_matches_torch(tp_measured):
                   [torch.Size(s).numel() for s in shapes if len(s) < 2]]
         shares = [4 * 2 * n for n in zero_partition(groups, 2)]
         assert [tp_measured[r]["zero"][i] for r in range(2)] == shares
-        assert state_bytes(cfg, stages, dp=2, zero=True).optimizer == max(shares)
+        assert state_bytes(cfg, stages, sharding=Sharding(dp=2, zero=True)).optimizer == max(shares)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.distributed.optim's torch.jit use
@@ -235,13 +236,14 @@ def test_rank_memory_breakdown():
     gpt2 = dataclasses.replace(MODEL_PRESETS["gpt2"], pad_vocab_to=64)
     plan = build_plan("zbv", 4, 8)
     counts = [len(r) for r in partition_layers(gpt2.n_layer, plan.num_stages)]
-    kw = dict(microbatch_size=4, tp=2, sequence_parallel=True, recompute="selective", precision="bf16", dp=4, zero=True)
+    kw = dict(microbatch_size=4, sharding=Sharding(dp=4, tp=2, sequence_parallel=True, zero=True),
+              recompute="selective", precision="bf16")
     rows = plan_memory(gpt2, plan, counts, **kw)
     for rank, row in enumerate(rows):
         assert isinstance(row, MemoryBreakdown) and row.rank == rank
         assert row == rank_memory(gpt2, plan, counts, rank, **kw)
         stages = [(counts[s], s == 0, s == plan.num_stages - 1) for s in plan.stages_of(rank)]
-        state = state_bytes(gpt2, stages, tp=2, precision="bf16", dp=4, zero=True)
+        state = state_bytes(gpt2, stages, sharding=Sharding(dp=4, tp=2, zero=True), precision="bf16")
         assert (row.weights, row.gradients, row.optimizer) == (state.weights, state.gradients, state.optimizer)
         assert row.dp_buffers == row.gradients and row.overlap_dp  # V-shape: two stages per rank
         assert row.total == row.weights + row.gradients + row.optimizer + row.p2p_buffers + row.activations \
@@ -250,7 +252,7 @@ def test_rank_memory_breakdown():
     # rank 0 holds both ends of the V: the tied embedding once
     assert rows[0].parameters == parameter_count(gpt2, counts[0], True, False, 2) \
         + parameter_count(gpt2, counts[7], False, True, 2) - gpt2.padded_vocab_size // 2 * gpt2.n_embd
-    one = plan_memory(gpt2, build_plan("1f1b", 4, 8), [3, 3, 3, 3], microbatch_size=4, dp=2)
+    one = plan_memory(gpt2, build_plan("1f1b", 4, 8), [3, 3, 3, 3], microbatch_size=4, sharding=Sharding(dp=2))
     assert all(not r.overlap_dp and r.total == r.weights + r.gradients + r.optimizer + r.p2p_buffers
                + max(r.activations + r.workspace, r.dp_buffers) for r in one)
     given = rank_memory(gpt2, plan, counts, 1, activations=123, **kw)
@@ -267,8 +269,8 @@ def test_fast_enough_for_a_search():
         for tp in (1, 2, 4):
             for recompute in ("none", "selective", "full"):
                 for b in (1, 2, 4, 8):
-                    plan_memory(gpt2, plan, counts, microbatch_size=b, tp=tp, recompute=recompute,
-                                precision="bf16", dp=2, zero=True)
+                    plan_memory(gpt2, plan, counts, microbatch_size=b, sharding=Sharding(dp=2, tp=tp, zero=True),
+                                recompute=recompute, precision="bf16")
                     calls += 1
     per_call = (time.perf_counter() - start) / calls
     assert per_call < 0.01, f"{per_call * 1e3:.2f} ms per plan_memory call"
@@ -283,7 +285,7 @@ def test_precision_and_errors():
     with pytest.raises(ConfigError, match="precision"):
         activation_bytes(MODEL, 2, microbatch_size=2, precision="fp16")
     with pytest.raises(ConfigError, match="tp=3"):
-        activation_bytes(MODEL, 2, microbatch_size=2, tp=3)
+        activation_bytes(MODEL, 2, microbatch_size=2, sharding=Sharding(tp=3))
     with pytest.raises(ConfigError, match="recompute"):
         activation_bytes(MODEL, 2, microbatch_size=2, recompute="some")
     with pytest.raises(ConfigError, match="n_layer"):
