@@ -74,12 +74,13 @@ def lower_bound(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Co
                 max_live: int | None = None) -> Real:
     """No valid plan of this placement finishes sooner, whatever its order or backward split.
 
-    Four bounds, the largest wins: (1) a rank has all its work to do, and until the first microbatch's
-    forward reaches one of its stages it can only run forwards of its earlier stages; (2) the last backward-input of a stage ends after
-    all of that stage's F and I, and the upstream chain of input gradients and stage 0's W still
-    follows it; (3) the same from a stage's last forward, with the whole downstream path after it;
-    (4) with a memory limit, a rank with one stage runs at most max_live forwards before its first
-    backward, which comes back only after microbatch 0's round trip through the later stages.
+    Five bounds, the largest wins: (1) a rank has all its work to do, and until the first microbatch's
+    forward reaches one of its stages it can only run forwards of its earlier stages; (2) the last
+    backward-input of a stage ends after all of that stage's F and I, and the upstream chain of input
+    gradients and stage 0's W still follows it; (3) the same from a stage's last forward, with the whole
+    downstream path after it; (4) with a memory limit, a rank with one stage runs at most max_live forwards
+    before its first backward, which comes back only after microbatch 0's round trip through the later
+    stages; (5) the same for a rank with several stages (_memory_start_bound).
     """
     m, n = num_microbatches, len(stage_to_rank)
     d = costs.duration
@@ -113,9 +114,34 @@ def lower_bound(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Co
             s, ahead = mine[0], min(max_live, m)
             first_back = arrive[s] + fwd[s] + downstream[s]
             bound = max(bound, max(first_back, arrive[s] + ahead * fwd[s]) + work - ahead * fwd[s])
+        if max_live is not None:
+            first_input = {s: arrive[s] + fwd[s] + downstream[s] for s in mine}
+            bound = max(bound, _memory_start_bound(mine, m, max_live, work, fwd, inp, wgt, arrive, first_input))
     for s in range(n):
         bound = max(bound, arrive[s] + m * (fwd[s] + inp[s]) + upstream[s],
                     arrive[s] + m * fwd[s] + downstream[s] + inp[s] + upstream[s])
+    return bound
+
+
+def _memory_start_bound(mine, m, max_live, work, fwd, inp, wgt, arrive, first_input) -> Real:
+    """Bound (5): a rank frees no memory before its first W (or B) can end, at first_free; until then it
+    starts at most max_live forwards. So in [0, T) for T <= first_free it can do at most the max_live longest
+    forwards, and of each stage's forwards, I and W only what fits after the first could start (forwards
+    from arrive[s], I from first_input[s], W an I later): the rest of its work, at least, follows T."""
+    first_free = min(first_input[s] + inp[s] + wgt[s] for s in mine)
+    longest = sorted((fwd[s] for s in mine), reverse=True)
+    ahead, most_forward = max_live, 0  # the max_live longest forwards: m of each stage, longest first
+    for f in longest:
+        most_forward += f * min(ahead, m)
+        ahead -= min(ahead, m)
+    bound = 0
+    for t in sorted({first_input[s] for s in mine} | {first_free}):
+        if t > first_free:
+            break
+        forward = sum(min(m * fwd[s], max(0, t - arrive[s])) for s in mine)
+        backward = sum(min(m * inp[s], max(0, t - first_input[s])) +
+                       min(m * wgt[s], max(0, t - first_input[s] - inp[s])) for s in mine)
+        bound = max(bound, t + work - min(t, min(forward, most_forward) + backward))
     return bound
 
 
@@ -201,17 +227,15 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
 
 
 def _improve(problem: Problem, ranks: list[list[int]], makespan: Real, max_live: int, bound: Real,
-             evaluations: int) -> tuple[list[list[int]] | None, Real]:
-    """First-improvement local search: move one action one place earlier on its rank while that shortens
-    the simulated step and keeps the plan valid and within the memory limit. The moved order (None if
-    nothing moved) and its makespan."""
+                   evaluations: int) -> tuple[list[list[int]] | None, Real]:
+    """First improvement over every rank and place: move one action one place earlier. The moved order (None
+    if nothing moved) and its makespan."""
     ranks = [list(acts) for acts in ranks]
     m = problem.m
     improved, moved = True, False
     while improved and evaluations > 0 and makespan > bound:
         improved = False
-        for r in range(len(ranks)):
-            acts = ranks[r]
+        for acts in ranks:
             for k in range(1, len(acts)):
                 if evaluations <= 0:
                     break
