@@ -59,14 +59,22 @@ class Problem:
         return tuple(tuple(map(self.action, acts)) for acts in ranks)
 
 
-def list_schedule(problem: Problem, v: Variant, pivots: set | None = None) -> list[list[int]] | None:
-    """Event-driven list scheduling at the problem's costs; None where the variant stalls on memory.
+def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
+                  give_up_at: Real | None = None) -> tuple[list[list[int]], Real, int] | None:
+    """Event-driven list scheduling at the problem's costs: the plan, with the makespan and peak live memory
+    simulate() gives it (without dp_comm's all-reduces); None where the variant stalls on memory, or where
+    its plan cannot finish before give_up_at.
 
     Each free rank takes, by the variant's priorities, a ready backward (input gradient first), a forward
     that fits its memory, or a pending W; a rank with nothing ready waits for the next arrival it knows of,
     or, knowing none, for any other rank to finish something. `pivots` collects the flags (forward_first,
     deep_first, patient, reserve) whose other value would have decided differently somewhere in this run:
-    flipping any of the others gives this very plan."""
+    flipping any of the others gives this very plan (only of a run that finished).
+
+    Beside the scheduler's own clock, each action also gets the time simulate() will give it: as early as its
+    rank and its inputs allow in the order made so far (the scheduler can start it later, when it learns of
+    an arrival late). Those times decide the makespan, and a rank that cannot end before give_up_at even
+    working without a gap ends the run."""
     n, m, num_ranks, hop = problem.n, problem.m, problem.num_ranks, problem.hop
     stage_to_rank, stages_of = problem.stage_to_rank, problem.stages_of
     last = n - 1
@@ -86,6 +94,15 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None) -> li
     free: list[Real] = [0] * num_ranks
     plan: list[list[int]] = [[] for _ in range(num_ranks)]
     remaining = [len(st) * m * (3 if v.split else 2) for st in stages_of]
+    # simulate()'s times: ends by stage and microbatch, each rank's free moment, the work it has left
+    sim_f = [[None] * m for _ in range(n)]
+    sim_back = [[None] * m for _ in range(n)]
+    sim_free: list[Real] = [0] * num_ranks
+    work_left = [m * sum(dur_f[s] + dur_back[s] + (dur_w[s] if v.split else 0) for s in st) for st in stages_of]
+    level, peak, level_at = [0] * num_ranks, [0] * num_ranks, [None] * num_ranks
+    first_start = last_end = None
+    if give_up_at is not None:
+        give_up_at = give_up_at + abs(give_up_at) * 1e-9  # work_left is a running difference: rounding
     limit, reserve, forward_first = v.limit, v.reserve, v.forward_first
     patient = v.w_policy == "patient"
     heappush, heappop = heapq.heappush, heapq.heappop
@@ -161,6 +178,7 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None) -> li
             else:
                 idle.add(r)
             continue
+        start = sim_free[r]
         if kind == F_:
             mb = next_f[s]
             end = t + dur_f[s]
@@ -169,11 +187,25 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None) -> li
             next_f[s] = mb + 1
             live[r] += 1
             reserved[r] += later_here[s] if first_here[s] else -1
+            if s:
+                a = sim_f[s - 1][mb]
+                if hop[s - 1]:
+                    a = a + hop[s - 1]
+                if a > start:
+                    start = a
+            took = dur_f[s]
+            sim_end = sim_f[s][mb] = start + took
+            when = start  # memory rises as an F starts
         elif kind == W_:
             s, mb = waiting_w.popleft()
             end = t + dur_w[s]
             plan[r].append(code_w[s] + mb)
             live[r] -= 1
+            a = sim_back[s][mb]
+            if a > start:
+                start = a
+            took = dur_w[s]
+            when = sim_end = start + took  # and falls as a W ends
         else:
             mb = next_b[s]
             end = t + dur_back[s]
@@ -184,6 +216,31 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None) -> li
                 waiting_w.append((s, mb))
             else:
                 live[r] -= 1
+            a = sim_f[s][mb]
+            if a > start:
+                start = a
+            if s != last:
+                a = sim_back[s + 1][mb]
+                if hop[s]:
+                    a = a + hop[s]
+                if a > start:
+                    start = a
+            took = dur_back[s]
+            sim_end = sim_back[s][mb] = start + took
+            when = sim_end if back == B_ else None
+        sim_free[r] = sim_end
+        work_left[r] -= took
+        if first_start is None or start < first_start:
+            first_start = start
+        if last_end is None or sim_end > last_end:
+            last_end = sim_end
+        if when is not None:  # simulate() counts releases before allocations at one time: see fast_simulate
+            if level_at[r] is not None and when != level_at[r] and level[r] > peak[r]:
+                peak[r] = level[r]
+            level_at[r] = when
+            level[r] += 1 if kind == F_ else -1
+        if give_up_at is not None and sim_end + work_left[r] - first_start >= give_up_at:
+            break
         remaining[r] -= 1
         free[r] = end
         heappush(heap, (end, r))
@@ -193,4 +250,6 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None) -> li
     if pivots is not None:
         pivots.update(name for name, flag in (("forward_first", pivot_ff), ("deep_first", pivot_deep),
                                               ("patient", pivot_patient), ("reserve", pivot_reserve)) if flag)
-    return None if any(remaining) else plan
+    if any(remaining):  # stalled, or given up on
+        return None
+    return plan, last_end - first_start, max(max(level[r], peak[r]) for r in range(num_ranks))

@@ -202,15 +202,17 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         if variant in same:
             continue  # a variant already run scheduled exactly this way
         pivots: set[str] = set()
-        ranks = list_schedule(problem, variant, pivots)
-        same |= _same_plans(variant, pivots)
-        if ranks is None:
+        result = list_schedule(problem, variant, pivots, best_time)
+        same |= _same_plans(variant, pivots)  # a run given up on is given up on with any of them too
+        if result is None:
             continue
+        ranks, makespan, peak = result
         key = tuple(map(tuple, ranks))
         if key in seen:
             continue
         seen.add(key)
-        makespan, peak = evaluate(problem, ranks)
+        if any(costs.dp_comm):  # the all-reduces after the last W/B may end the step
+            makespan, peak = evaluate(problem, ranks)
         if peak <= max_live and (best_time is None or makespan < best_time):
             best_plan, best_ranks, best_time = None, ranks, makespan
     if best_ranks is None:
