@@ -29,6 +29,8 @@ class Variant:
     #                arriving before the W would end
     reserve: bool  # a microbatch entering a rank reserves memory for every later stage it has there
     limit: int  # the memory limit this variant schedules to (at most the caller's)
+    entering: int = 0  # if not 0, instead of reserve: at most this many microbatches on a rank's first stage at
+    #                    once, and a slot kept free for each later stage there (some may share it)
 
 
 class Problem:
@@ -105,6 +107,8 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
         give_up_at = give_up_at + abs(give_up_at) * 1e-9  # work_left is a running difference: rounding
     limit, reserve, forward_first = v.limit, v.reserve, v.forward_first
     patient = v.w_policy == "patient"
+    entering = v.entering
+    entered = [0] * num_ranks  # microbatches on the rank's first stage: F run, W not yet
     heappush, heappop = heapq.heappush, heapq.heappop
 
     pivot_ff = pivot_deep = pivot_patient = pivot_reserve = False
@@ -146,6 +150,9 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
                     continue
                 fits_plain = live[r] + 1 <= limit
                 fits_reserved = not first_here[s] or live[r] + reserved[r] + 1 + later_here[s] <= limit
+                if entering:
+                    fits_plain = fits_reserved = fits_plain and not first_here[s] or (
+                        entered[r] < entering and live[r] + 1 + later_here[s] <= limit)
                 if fits_plain != fits_reserved:
                     pivot_reserve = True
                 if fits_reserved if reserve else fits_plain:
@@ -187,6 +194,7 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
             next_f[s] = mb + 1
             live[r] += 1
             reserved[r] += later_here[s] if first_here[s] else -1
+            entered[r] += first_here[s]
             if s:
                 a = sim_f[s - 1][mb]
                 if hop[s - 1]:
@@ -198,6 +206,7 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
             when = start  # memory rises as an F starts
         elif kind == W_:
             s, mb = waiting_w.popleft()
+            entered[r] -= first_here[s]
             end = t + dur_w[s]
             plan[r].append(code_w[s] + mb)
             live[r] -= 1
@@ -216,6 +225,7 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
                 waiting_w.append((s, mb))
             else:
                 live[r] -= 1
+                entered[r] -= first_here[s]
             a = sim_f[s][mb]
             if a > start:
                 start = a

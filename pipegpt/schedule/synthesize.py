@@ -28,6 +28,7 @@ from .simulate import Costs
 SEARCH_EVALUATIONS = 300
 # ... and at most this many actions simulated in all, so that a large plan's search stays a fraction of a second.
 SEARCH_ACTIONS = 300_000
+ENTERING = (4, 6)  # caps on a rank's microbatches in flight (Variant.entering), in eighths of the limit
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,16 @@ def _variants(max_live: int, least: int) -> list[Variant]:
     limits = sorted({max_live, max(least, max_live - 1), max(least, (max_live + least) // 2)}, reverse=True)
     # An unsplit B never won over a grid of p, m, costs and message latencies: every variant splits. (A third
     # W policy, "early" (W before F when memory is full), chose as "fill" does in every state: dropped.)
-    return [Variant(True, *flags, limit) for limit in limits
-            for flags in itertools.product((False, True), (True, False), ("fill", "patient"), (True, False))]
+    variants = []
+    if least > 1:  # several stages per rank: also let more microbatches in than one slot each for later stages
+        # (tried first: at p >= 8 with message latency these win, and the sooner a good plan is found, the
+        # sooner list_schedule gives up on the others)
+        for eighths in ENTERING:
+            variants += [Variant(True, *flags, False, limit, max(1, -(-limit * eighths // 8))) for limit in limits
+                         for flags in itertools.product((True, False), (True, False), ("fill", "patient"))]
+    variants += [Variant(True, *flags, limit) for limit in limits
+                 for flags in itertools.product((False, True), (True, False), ("fill", "patient"), (True, False))]
+    return variants
 
 
 def _same_plans(v: Variant, pivots: set) -> set[Variant]:
