@@ -297,7 +297,9 @@ def test_memory_bound_for_ranks_with_several_stages():
 def test_large_sizes_take_seconds_not_minutes():
     import time
 
-    for name, p, m, limit in (("auto", 32, 128, 1.0), ("auto-v", 32, 128, 3.0), ("auto", 64, 256, 3.0)):
+    """Issue 32's targets at unit costs (about 0.05, 0.2, 0.2 and 0.9 s measured on one core)."""
+    for name, p, m, limit in (("auto", 32, 128, 1.0), ("auto-v", 32, 128, 1.0), ("auto", 64, 256, 5.0),
+                              ("auto-v", 64, 256, 5.0)):
         start = time.process_time()
         SCHEDULES[name].synthesize(p, m)
         assert time.process_time() - start < limit, (name, p, m)
