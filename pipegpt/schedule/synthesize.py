@@ -13,19 +13,22 @@ order, with any split of the backward, finishes sooner.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
-from collections import deque
 from dataclasses import dataclass, field, replace
 from numbers import Real
 
 from .actions import Action, Kind, Plan, ScheduleError
-from .simulate import Costs, simulate, simulate_unchecked
+from .fast_simulate import evaluate
+from .list_scheduler import Problem, Variant, list_schedule
+from .simulate import Costs
 
 # Simulations the local search may spend after the list scheduler (a count, not seconds, so that every
 # process that synthesizes the same inputs gets the same plan); it stops earlier once a pass over
 # every rank finds nothing to move.
 SEARCH_EVALUATIONS = 300
+# ... and at most this many actions simulated in all, so that a large plan's search stays a fraction of a second.
+SEARCH_ACTIONS = 300_000
+ENTERING = (4, 6)  # caps on a rank's microbatches in flight (Variant.entering), in eighths of the limit
 
 
 @dataclass(frozen=True)
@@ -72,12 +75,13 @@ def lower_bound(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Co
                 max_live: int | None = None) -> Real:
     """No valid plan of this placement finishes sooner, whatever its order or backward split.
 
-    Four bounds, the largest wins: (1) a rank has all its work to do, and until the first microbatch's
-    forward reaches one of its stages it can only run forwards of its earlier stages; (2) the last backward-input of a stage ends after
-    all of that stage's F and I, and the upstream chain of input gradients and stage 0's W still
-    follows it; (3) the same from a stage's last forward, with the whole downstream path after it;
-    (4) with a memory limit, a rank with one stage runs at most max_live forwards before its first
-    backward, which comes back only after microbatch 0's round trip through the later stages.
+    Five bounds, the largest wins: (1) a rank has all its work to do, and until the first microbatch's
+    forward reaches one of its stages it can only run forwards of its earlier stages; (2) the last
+    backward-input of a stage ends after all of that stage's F and I, and the upstream chain of input
+    gradients and stage 0's W still follows it; (3) the same from a stage's last forward, with the whole
+    downstream path after it; (4) with a memory limit, a rank with one stage runs at most max_live forwards
+    before its first backward, which comes back only after microbatch 0's round trip through the later
+    stages; (5) the same for a rank with several stages (_memory_start_bound).
     """
     m, n = num_microbatches, len(stage_to_rank)
     d = costs.duration
@@ -111,136 +115,66 @@ def lower_bound(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Co
             s, ahead = mine[0], min(max_live, m)
             first_back = arrive[s] + fwd[s] + downstream[s]
             bound = max(bound, max(first_back, arrive[s] + ahead * fwd[s]) + work - ahead * fwd[s])
+        if max_live is not None:
+            first_input = {s: arrive[s] + fwd[s] + downstream[s] for s in mine}
+            bound = max(bound, _memory_start_bound(mine, m, max_live, work, fwd, inp, wgt, arrive, first_input))
     for s in range(n):
         bound = max(bound, arrive[s] + m * (fwd[s] + inp[s]) + upstream[s],
                     arrive[s] + m * fwd[s] + downstream[s] + inp[s] + upstream[s])
     return bound
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One way to break ties in the list scheduler."""
-
-    split: bool  # backward as I then W (W free to fill gaps) or one B
-    forward_first: bool  # take a ready forward before a ready backward (while memory allows)
-    deep_first: bool  # among ready actions of one kind on a rank, the deepest stage first
-    w_policy: str  # "fill": W when nothing else is ready; "early": W before F when memory is at its limit;
-    #                "patient": like fill, but wait for a backward arriving before the W would end
-    reserve: bool  # a microbatch entering a rank reserves memory for every later stage it has there
-    limit: int  # the memory limit this variant schedules to (at most the caller's)
+def _memory_start_bound(mine, m, max_live, work, fwd, inp, wgt, arrive, first_input) -> Real:
+    """Bound (5): a rank frees no memory before its first W (or B) can end, at first_free; until then it
+    starts at most max_live forwards. So in [0, T) for T <= first_free it can do at most the max_live longest
+    forwards, and of each stage's forwards, I and W only what fits after the first could start (forwards
+    from arrive[s], I from first_input[s], W an I later): the rest of its work, at least, follows T."""
+    first_free = min(first_input[s] + inp[s] + wgt[s] for s in mine)
+    longest = sorted((fwd[s] for s in mine), reverse=True)
+    ahead, most_forward = max_live, 0  # the max_live longest forwards: m of each stage, longest first
+    for f in longest:
+        most_forward += f * min(ahead, m)
+        ahead -= min(ahead, m)
+    bound = 0
+    for t in sorted({first_input[s] for s in mine} | {first_free}):
+        if t > first_free:
+            break
+        forward = sum(min(m * fwd[s], max(0, t - arrive[s])) for s in mine)
+        backward = sum(min(m * inp[s], max(0, t - first_input[s])) +
+                       min(m * wgt[s], max(0, t - first_input[s] - inp[s])) for s in mine)
+        bound = max(bound, t + work - min(t, min(forward, most_forward) + backward))
+    return bound
 
 
 def _variants(max_live: int, least: int) -> list[Variant]:
     limits = sorted({max_live, max(least, max_live - 1), max(least, (max_live + least) // 2)}, reverse=True)
-    # An unsplit B never won over a grid of p, m, costs and message latencies: every variant splits.
-    return [Variant(True, *flags, limit) for limit in limits
-            for flags in itertools.product((False, True), (True, False), ("fill", "early", "patient"), (True, False))]
+    # An unsplit B never won over a grid of p, m, costs and message latencies: every variant splits. (A third
+    # W policy, "early" (W before F when memory is full), chose as "fill" does in every state: dropped.)
+    variants = []
+    if least > 1:  # several stages per rank: also let more microbatches in than one slot each for later stages
+        # (tried first: at p >= 8 with message latency these win, and the sooner a good plan is found, the
+        # sooner list_schedule gives up on the others)
+        for eighths in ENTERING:
+            variants += [Variant(True, *flags, False, limit, max(1, -(-limit * eighths // 8))) for limit in limits
+                         for flags in itertools.product((True, False), (True, False), ("fill", "patient"))]
+    variants += [Variant(True, *flags, limit) for limit in limits
+                 for flags in itertools.product((False, True), (True, False), ("fill", "patient"), (True, False))]
+    return variants
 
 
-def _list_schedule(stage_to_rank: tuple[int, ...], m: int, costs: Costs, v: Variant) -> list[list[Action]] | None:
-    """Event-driven list scheduling at the given costs; None where the variant stalls on memory."""
-    n = len(stage_to_rank)
-    num_ranks = max(stage_to_rank) + 1
-    stages_of = [[s for s in range(n) if stage_to_rank[s] == r] for r in range(num_ranks)]
-    order = [sorted(st, reverse=v.deep_first) for st in stages_of]
-    later_here = [[t for t in stages_of[stage_to_rank[s]] if t > s] for s in range(n)]  # same rank, deeper
-    first_here = [not any(t < s for t in stages_of[stage_to_rank[s]]) for s in range(n)]
-    d = costs.duration
-    backward_kind = Kind.I if v.split else Kind.B
-    ends: dict[tuple[int, Kind, int], Real] = {}
-    next_f, next_b = [0] * n, [0] * n
-    pending_w: list[deque[Action]] = [deque() for _ in range(num_ranks)]
-    live, reserved = [0] * num_ranks, [0] * num_ranks
-    free: list[Real] = [0] * num_ranks
-    plan: list[list[Action]] = [[] for _ in range(num_ranks)]
-    remaining = [len(st) * m * (3 if v.split else 2) for st in stages_of]
-
-    def arrival(s: int, kind: Kind, mb: int, dep_stage: int) -> Real | None:
-        end = ends.get((dep_stage, kind, mb))
-        if end is None:
-            return None
-        return end + (costs.comm if stage_to_rank[dep_stage] != stage_to_rank[s] else 0)
-
-    def forward_ready(s: int) -> Real | None:
-        mb = next_f[s]
-        if mb >= m:
-            return None
-        return 0 if s == 0 else arrival(s, Kind.F, mb, s - 1)
-
-    def backward_ready(s: int) -> Real | None:
-        mb = next_b[s]
-        if mb >= next_f[s]:
-            return None
-        own = ends.get((s, Kind.F, mb))
-        if own is None:
-            return None
-        if s == n - 1:
-            return own
-        down = arrival(s, backward_kind, mb, s + 1)
-        return None if down is None else max(own, down)
-
-    def forward_fits(r: int, s: int, limit: int) -> bool:
-        if not v.reserve:
-            return live[r] + 1 <= limit
-        if first_here[s]:
-            return live[r] + reserved[r] + 1 + len(later_here[s]) <= limit
-        return True  # its slot was reserved when the microbatch entered the rank
-
-    heap = [(0, r) for r in range(num_ranks)]
-    idle: set[int] = set()  # ranks waiting for another rank to finish something
-    while heap:
-        t, r = heapq.heappop(heap)
-        if remaining[r] == 0 or t < free[r]:
-            continue
-        ready_b = [(s, at) for s in order[r] if (at := backward_ready(s)) is not None]
-        fits = [(s, at) for s in order[r] if (at := forward_ready(s)) is not None and forward_fits(r, s, v.limit)]
-        now_b = [s for s, at in ready_b if at <= t]
-        now_f = [s for s, at in fits if at <= t]
-        soon = [at for _, at in ready_b + fits if at > t]
-        w = pending_w[r][0] if pending_w[r] else None
-        choice = None
-        if w is not None and v.w_policy == "early" and not now_b and not fits:
-            choice = w  # memory is full: the W frees a slot
-        if choice is None:
-            groups = [(now_f, Kind.F), (now_b, backward_kind)]
-            for group, kind in (groups if v.forward_first else groups[::-1]):
-                if group:
-                    s = group[0]
-                    choice = Action(s, kind, next_f[s] if kind is Kind.F else next_b[s])
-                    break
-        if choice is None and w is not None and (v.w_policy != "patient" or not soon or t + d(w) <= min(soon)):
-            choice = w
-        if choice is None:
-            if soon:
-                heapq.heappush(heap, (min(soon), r))
-            else:
-                idle.add(r)
-            continue
-        s, kind, mb = choice
-        end = t + d(choice)
-        ends[(s, kind, mb)] = end
-        plan[r].append(choice)
-        remaining[r] -= 1
-        free[r] = end
-        if kind is Kind.F:
-            next_f[s] += 1
-            live[r] += 1
-            if v.reserve:
-                reserved[r] += len(later_here[s]) if first_here[s] else -1
-        elif kind is Kind.I:
-            next_b[s] += 1
-            pending_w[r].append(Action(s, Kind.W, mb))
-        else:
-            if kind is Kind.B:
-                next_b[s] += 1
-            else:
-                pending_w[r].popleft()
-            live[r] -= 1
-        heapq.heappush(heap, (end, r))
-        for q in idle:  # what this action produces may be what they wait for
-            heapq.heappush(heap, (max(end, free[q]), q))
-        idle.clear()
-    return None if any(remaining) else plan
+def _same_plans(v: Variant, pivots: set) -> set[Variant]:
+    """The variants that schedule exactly as v did: v with any of the flags that decided nothing flipped."""
+    free = [f for f in ("forward_first", "deep_first", "patient", "reserve") if f not in pivots]
+    same = set()
+    for flips in itertools.product((False, True), repeat=len(free)):
+        changes = {}
+        for flag, flip in zip(free, flips):
+            if flip and flag == "patient":
+                changes["w_policy"] = "fill" if v.w_policy == "patient" else "patient"
+            elif flip:
+                changes[flag] = not getattr(v, flag)
+        same.add(replace(v, **changes))
+    return same
 
 
 def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Costs, max_live: int | None = None,
@@ -258,67 +192,72 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
     meta = {"max_live": max_live}
     if stages_per_rank(stage_to_rank) > 1:
         meta["virtual_stages"] = stages_per_rank(stage_to_rank)
+    problem = Problem(stage_to_rank, m, costs)
+    bound = lower_bound(stage_to_rank, m, costs, max_live)
 
-    def fits(timeline) -> bool:
-        return max(timeline.peak_live_microbatches_per_rank) <= max_live
-
-    best_plan, best_time, tried = None, None, 0
+    best_plan = best_ranks = best_time = None  # a fixed Plan, or the codes of a synthesized order
     best_fixed = best_fixed_time = None
     for plan in fixed:
-        timeline = simulate(plan, costs)
-        if fits(timeline) and (best_fixed_time is None or timeline.makespan < best_fixed_time):
-            best_fixed, best_fixed_time = plan.name, timeline.makespan
-            best_plan, best_time = plan, timeline.makespan
-    seen = set()
+        ranks = problem.encode(plan)
+        makespan, peak = evaluate(problem, ranks)
+        if peak <= max_live and (best_fixed_time is None or makespan < best_fixed_time):
+            best_fixed, best_fixed_time = plan.name, makespan
+            best_plan, best_ranks, best_time = plan, ranks, makespan
+    seen, same, tried = set(), set(), 0
     for variant in _variants(max_live, least_max_live(stage_to_rank)):
-        ranks = _list_schedule(stage_to_rank, m, costs, variant)
+        if best_time is not None and best_time <= bound:
+            break  # nothing beats the bound
         tried += 1
-        if ranks is None:
+        if variant in same:
+            continue  # a variant already run scheduled exactly this way
+        pivots: set[str] = set()
+        result = list_schedule(problem, variant, pivots, best_time)
+        same |= _same_plans(variant, pivots)  # a run given up on is given up on with any of them too
+        if result is None:
             continue
+        ranks, makespan, peak = result
         key = tuple(map(tuple, ranks))
         if key in seen:
             continue
         seen.add(key)
-        plan = Plan("synthesized", m, stage_to_rank, key, meta=dict(meta))
-        timeline = simulate(plan, costs)
-        if fits(timeline) and (best_time is None or timeline.makespan < best_time):
-            best_plan, best_time = plan, timeline.makespan
-    if best_plan is None:
+        if any(costs.dp_comm):  # the all-reduces after the last W/B may end the step
+            makespan, peak = evaluate(problem, ranks)
+        if peak <= max_live and (best_time is None or makespan < best_time):
+            best_plan, best_ranks, best_time = None, ranks, makespan
+    if best_ranks is None:
         raise ScheduleError(f"no schedule found within max-live={max_live}; raise --max-live")
-    bound = lower_bound(stage_to_rank, m, costs, max_live)
-    if best_time > bound and search_evaluations > 0:
-        start = best_plan
-        best_plan, best_time = _improve(best_plan, best_time, costs, max_live, bound, search_evaluations)
-        if best_plan is not start:  # actions moved: an order of its own, not the fixed one it started from
-            best_plan = replace(best_plan, name="synthesized")
+    evaluations = min(search_evaluations, SEARCH_ACTIONS // max(1, sum(map(len, best_ranks))))
+    if best_time > bound and evaluations > 0:
+        improved, best_time = _improve(problem, best_ranks, best_time, max_live, bound, evaluations)
+        if improved is not None:  # actions moved: an order of its own, not the fixed one it started from
+            best_plan, best_ranks = None, improved
+    if best_plan is None:
+        best_plan = Plan("synthesized", m, stage_to_rank, problem.decode(best_ranks))
     plan = replace(best_plan, name=name, meta={**dict(meta), "from": best_plan.name})
     return Synthesis(plan, best_time, bound, max_live, best_fixed, best_fixed_time, tried)
 
 
-def _improve(plan: Plan, makespan: Real, costs: Costs, max_live: int, bound: Real, evaluations: int):
-    """First-improvement local search: move one action one place earlier on its rank while that shortens
-    the simulated step and keeps the plan valid and within the memory limit."""
-    ranks = [list(acts) for acts in plan.ranks]
-    improved = True
+def _improve(problem: Problem, ranks: list[list[int]], makespan: Real, max_live: int, bound: Real,
+                   evaluations: int) -> tuple[list[list[int]] | None, Real]:
+    """First improvement over every rank and place: move one action one place earlier. The moved order (None
+    if nothing moved) and its makespan."""
+    ranks = [list(acts) for acts in ranks]
+    m = problem.m
+    improved, moved = True, False
     while improved and evaluations > 0 and makespan > bound:
         improved = False
-        for r in range(len(ranks)):
-            for k in range(1, len(ranks[r])):
+        for acts in ranks:
+            for k in range(1, len(acts)):
                 if evaluations <= 0:
                     break
-                a, b = ranks[r][k - 1], ranks[r][k]
-                if a.stage == b.stage and a.kind == b.kind:
+                a, b = acts[k - 1], acts[k]
+                if a // m == b // m:
                     continue  # a stage keeps its microbatch order
-                ranks[r][k - 1], ranks[r][k] = b, a
-                candidate = plan.with_ranks(ranks)
+                acts[k - 1], acts[k] = b, a
                 evaluations -= 1
-                try:
-                    timeline = simulate_unchecked(candidate, costs)
-                except ScheduleError:
-                    timeline = None
-                if timeline is not None and timeline.makespan < makespan and \
-                        max(timeline.peak_live_microbatches_per_rank) <= max_live:
-                    plan, makespan, improved = candidate, timeline.makespan, True
+                result = evaluate(problem, ranks)
+                if result is not None and result[0] < makespan and result[1] <= max_live:
+                    makespan, improved, moved = result[0], True, True
                 else:
-                    ranks[r][k - 1], ranks[r][k] = a, b
-    return plan, makespan
+                    acts[k - 1], acts[k] = a, b
+    return (ranks if moved else None), makespan
