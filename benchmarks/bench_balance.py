@@ -76,7 +76,7 @@ def one_run(args, balance: str, run_dir: Path) -> dict:
 
 def predicted(args, costs_s, layers) -> float:
     """The simulator's makespan (ms) of the plan with these per-layer costs and this split."""
-    from pipegpt.plan.balance import LayerCosts
+    from pipegpt.costs.balance import LayerCosts
     from pipegpt.schedule import build_plan
     from pipegpt.schedule.simulate import Costs, simulate
 
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every measurement here")
     args = ap.parse_args()
 
-    from pipegpt.plan.balance import even_layers
+    from pipegpt.costs.balance import even_layers
 
     print(f"{args.schedule}, {args.stages} stages x {args.microbatches} microbatches x {args.microbatch_size} "
           f"sequences x {args.seq_len} tokens; GPT {args.n_layer} layers, width {args.n_embd}, {args.n_head} heads, "

@@ -111,7 +111,7 @@ def simulate(**options):
     pipegpt simulate --schedule auto -p 4 -m 16 --costs F=1,B=2,W=1,comm=0.2 --max-live 4
     """
     # The planner reads --layer-costs; pipegpt.schedule sits below it, so the reader is handed in.
-    from pipegpt.plan.balance import parse_layer_costs
+    from pipegpt.costs.balance import parse_layer_costs
     from pipegpt.schedule.report import SimulateOptions, simulate_command
 
     out = options["out"]
@@ -400,7 +400,7 @@ def plan(**options):
 
     Every candidate's step is simulated (pipegpt simulate's simulator) with per-stage costs from FLOPs at a
     device efficiency, collectives and messages from bytes and bandwidths (or costs calibrated from a run),
-    and its memory is pipegpt.plan.memory's; the best plans come with the `pipegpt run` command that runs them.
+    and its memory is pipegpt.costs.memory's; the best plans come with the `pipegpt run` command that runs them.
 
     \b
     pipegpt plan --model gpt2 --gpus 8 --device h100 --batch-size 512

@@ -14,7 +14,7 @@ parallelism reduces gradients once per step, overlapped with the backward: they 
 orders tp-cp-ep-dp-pp (pp outermost: a replica's stages on different nodes, the dp all-reduce within one); pipegpt
 keeps dp outermost, as it numbered ranks before cp existed: every rank number stays what it was, and one model
 replica (pp x cp x tp ranks) is a contiguous block, so a pipeline's messages stay inside a node when a replica
-fits there and the planner's node arithmetic (pipegpt.plan.stage_costs) reads rank // gpus_per_node.
+fits there and the planner's node arithmetic (pipegpt.costs.stage_costs) reads rank // gpus_per_node.
 cp has size 1 until context parallelism exists.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipegpt.config import TrainConfig
 from pipegpt.model.flops import flops_per_token
-from pipegpt.plan.devices import device_peak_tflops
+from pipegpt.costs.devices import device_peak_tflops
 from pipegpt.observe.plot import write_plot
 from pipegpt.engine.results import WorkerStep
 from pipegpt.schedule.actions import Action, Plan

@@ -18,8 +18,8 @@ Pure Python (no torch): `pipegpt plan` answers in seconds on a laptop.
     trial.py        `pipegpt plan --try`: the top plans run here and measured beside predicted
 
     from pipegpt.plan.candidates import Request
-    from pipegpt.plan.cost import AnalyticalCosts
-    from pipegpt.plan.devices import make_cluster
+    from pipegpt.costs.cost import AnalyticalCosts
+    from pipegpt.costs.devices import make_cluster
     from pipegpt.plan.search import search
     cluster = make_cluster(8, 8, "h100")
     result = search(Request(MODEL_PRESETS["gpt2"], 512, cluster, AnalyticalCosts(cluster)))

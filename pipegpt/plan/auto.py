@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pipegpt.config import ConfigError, ModelConfig
 
 from .candidates import Layout, Request
-from .cost import AnalyticalCosts
-from .devices import DEVICES, GiB, make_cluster
+from pipegpt.costs.cost import AnalyticalCosts
+from pipegpt.costs.devices import DEVICES, GiB, make_cluster
 from .report import no_fit_message
 from .search import search
 

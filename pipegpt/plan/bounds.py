@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import math
 
-from .stage_costs import PER_SEQUENCE
+from pipegpt.costs.stage_costs import PER_SEQUENCE
 
 
 def layout_lower_bound(pieces, n_layer: int, sequences: int, pp: int) -> float:
     """Below any plan of a layout: a replica's least work (its `sequences`, no recomputation) spread evenly
-    over its pp ranks. pieces: pipegpt.plan.cost.Pieces at PER_SEQUENCE sequences per microbatch."""
+    over its pp ranks. pieces: pipegpt.costs.cost.Pieces at PER_SEQUENCE sequences per microbatch."""
     per = lambda p: p.f + p.b + p.comm_f + p.comm_b  # noqa: E731
     work = (n_layer * per(pieces.layer) + per(pieces.embed) + per(pieces.head)) / PER_SEQUENCE
     return sequences * work / pp

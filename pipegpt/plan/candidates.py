@@ -10,8 +10,8 @@ from pipegpt.dims import LAYOUT_FIELDS, ParallelDims, Sharding
 from pipegpt.schedule import SCHEDULES
 from pipegpt.schedule.simulate import Costs
 
-from .cost import AnalyticalCosts
-from .devices import Cluster
+from pipegpt.costs.cost import AnalyticalCosts
+from pipegpt.costs.devices import Cluster
 
 MAX_ACTIONS = 60_000  # compute actions per plan: larger plans are not simulated
 
@@ -219,7 +219,7 @@ class Result:
 
 
 def memory_parts(x) -> dict:
-    """A pipegpt.plan.memory.MemoryBreakdown as the parts printed (bytes)."""
+    """A pipegpt.costs.memory.MemoryBreakdown as the parts printed (bytes)."""
     return {"weights": x.weights, "gradients": x.gradients, "optimizer": x.optimizer, "activations": x.activations,
             "workspace": getattr(x, "workspace", 0), "communication": x.p2p_buffers + x.dp_buffers,
             "total": x.total}

@@ -9,8 +9,8 @@ from pipegpt.config import ConfigError, ModelConfig, nearest_multiples
 from pipegpt.schedule.registry import schedule_names
 
 from .candidates import Request
-from .cost import DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, AnalyticalCosts, calibrate_costs
-from .devices import make_cluster
+from pipegpt.costs.cost import DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, AnalyticalCosts, calibrate_costs
+from pipegpt.costs.devices import make_cluster
 from .report import as_json, format_text, no_fit_message
 from .search import search
 from .trial import trials_dir, trials_text, try_plans

@@ -6,9 +6,9 @@ from pipegpt.arch import GPT2
 from pipegpt.config import ModelConfig
 from pipegpt.model.flops import flops_per_token
 
-from . import memory as memory_model
+from pipegpt.costs import memory as memory_model
 from .candidates import MAX_ACTIONS, Refusal, Result, SearchResult
-from .devices import format_bytes
+from pipegpt.costs.devices import format_bytes
 
 
 def format_seconds(x: float) -> str:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.model.partition import partition_layers
-from pipegpt.plan.balance import stage_costs
+from pipegpt.costs.balance import stage_costs
 from pipegpt.schedule import (SCHEDULES, Plan, ScheduleError, add_reduce_grad, lower, schedule_spec, validate,
                               without_reduce_grad)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file

@@ -16,7 +16,7 @@ What is searched, for a model, a global batch and a cluster:
   this model it moves the same bytes as tensor parallelism without it and holds less, so it is taken
   whenever validate_tp allows it, the other way otherwise);
 * the layer split: even (what `pipegpt run` does without --layers-per-stage), or balanced by cost
-  (pipegpt.plan.balance: embedding and head counted, for the schedule's placement) when that differs.
+  (pipegpt.costs.balance: embedding and head counted, for the schedule's placement) when that differs.
 
 How it stays fast (branch and bound over two levels):
 
@@ -31,7 +31,7 @@ How it stays fast (branch and bound over two levels):
 * memory before time: a family whose weights, gradients and optimizer state (at ZeRO-1's even share) plus
   one microbatch per stage does not fit is dropped with all its larger microbatches; a popped candidate is
   checked against its held activations at the schedule's peak (live sets read once from the plan's action
-  order, then one matrix-vector product per candidate) and then against pipegpt.plan.memory's full
+  order, then one matrix-vector product per candidate) and then against pipegpt.costs.memory's full
   breakdown, before it is simulated.
 * the simulator's results are cached by (schedule, p, m, v, costs normalised and rounded to 3 significant
   digits); the plans printed are simulated again with their exact costs.
@@ -54,12 +54,12 @@ from pipegpt.model.flops import flops_per_token
 from pipegpt.schedule import SCHEDULES, ScheduleError
 from pipegpt.schedule.simulate import Costs, simulate
 
-from . import memory as memory_model
-from .balance import even_layers
+from pipegpt.costs import memory as memory_model
+from pipegpt.costs.balance import even_layers
 from .bounds import layout_lower_bound, makespan_lower_bound
 from .candidates import (MAX_ACTIONS, Candidate, Layout, Mesh, Refusal, Request, Result, SearchResult,
                          memory_parts)
-from .stage_costs import PER_SEQUENCE, StageCosts
+from pipegpt.costs.stage_costs import PER_SEQUENCE, StageCosts
 from .structure import held_peaks, splits_backward, stage_placement, structure
 
 RECOMPUTE_ORDER = ("none", "selective", "full")

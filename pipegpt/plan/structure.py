@@ -31,7 +31,7 @@ def structure(schedule: str, p: int, m: int, v: int | None) -> Structure:
 def live_sets(schedule: str, p: int, m: int, v: int | None) -> tuple:
     """Per rank, (its stages, a matrix whose rows are the count vectors at which its held activations may peak).
 
-    pipegpt.plan.memory counts saved[s] from a stage-microbatch's F to its B, or to its I and then
+    pipegpt.costs.memory counts saved[s] from a stage-microbatch's F to its B, or to its I and then
     deferred[s] until its W; a rank's level changes only at its own actions, so it peaks right after one of
     its F or I actions whatever the costs and the bytes. The distinct (saved counts, deferred counts)
     vectors of those moments give every rank's peak for any bytes as one matrix-vector product (held_peaks)."""

@@ -12,7 +12,7 @@ from typing import Callable
 from .actions import Plan, ScheduleError
 from .generators import dualpipev, gpipe, interleaved_1f1b, looped, one_f_one_b, v_shape, zb_h1, zbv
 from .simulate import Costs
-from .synthesize import SEARCH_EVALUATIONS, Synthesis, check_max_live, synthesize
+from .synthesis.synthesize import SEARCH_EVALUATIONS, Synthesis, check_max_live, synthesize
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class SimulateOptions:
 def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Callable) -> None:
     """Simulate the schedules (or the schedule file, or the traced run) and echo what the options ask for.
 
-    read_layer_costs(spec, n_layers) reads --layer-costs (pipegpt.plan.balance.parse_layer_costs: the
+    read_layer_costs(spec, n_layers) reads --layer-costs (pipegpt.costs.balance.parse_layer_costs: the
     planner sits above this package, so the command hands it in)."""
     if opts.trace_dir is not None:
         given = [flag for flag, value in (("--schedule", opts.schedule), ("--schedule-file", opts.schedule_file),

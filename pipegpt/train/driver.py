@@ -192,7 +192,7 @@ class Job:
         the order). Every worker is rebuilt for it (Job.build: the same grid, the same initial weights, which
         come from per-name seeds). The job's config then holds the split, the order's costs and what they came
         from (config.json records them)."""
-        from pipegpt.plan.balance import balance_layers
+        from pipegpt.costs.balance import balance_layers
 
         p = self.cfg.parallel
         balance = p.balance == "cost" and p.balanced_costs is None

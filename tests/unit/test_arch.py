@@ -15,7 +15,7 @@ from pipegpt.arch import ARCHITECTURES, GPT2, LLAMA, hf_names, named_shapes, sta
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
 from pipegpt.model import flops
 from pipegpt.model.gpt import GPT
-from pipegpt.plan import memory
+from pipegpt.costs import memory
 from pipegpt.tensor_parallel.layout import shard_tensor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -139,7 +139,7 @@ def test_a_third_architecture_is_one_entry(monkeypatch):
 @pytest.mark.parametrize("name, tp", list(itertools.product(["gpt2", "llama"], [1, 2])))
 def test_the_planners_tensor_counts_are_the_descriptions(name, tp):
     """The optimizer's per-tensor work counts the description's tensors (the head's lm_head always)."""
-    from pipegpt.plan.stage_costs import StageCosts
+    from pipegpt.costs.stage_costs import StageCosts
 
     model = SHAPES[name]
     per_block = len(dict(arch.block_shapes(model)))

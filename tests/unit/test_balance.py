@@ -13,7 +13,7 @@ import pytest
 
 from helpers import ROOT, assert_one_line_error, invoke, run_pipegpt
 from pipegpt.config import ConfigError, ModelConfig, TrainConfig
-from pipegpt.plan.balance import (balance, balance_layers, even_layers, parse_layer_costs, rank_loads,
+from pipegpt.costs.balance import (balance, balance_layers, even_layers, parse_layer_costs, rank_loads,
                                   stage_costs)
 from pipegpt.schedule.registry import SCHEDULES
 
@@ -141,7 +141,7 @@ def test_parse_layer_costs(tmp_path):
 
 
 def test_balance_and_simulate_with_layer_costs_load_no_torch():
-    code = ("import sys; import pipegpt.plan.balance; from pipegpt.cli import main\n"
+    code = ("import sys; import pipegpt.costs.balance; from pipegpt.cli import main\n"
             "try:\n    main(['simulate', '-p', '4', '-m', '8', '--layer-costs', 'embed=0,block=1,head=3', '--layers', "
             "'8', '--balance', 'cost', '--no-chart'])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
             "assert 'torch' not in sys.modules, 'torch was imported'")

@@ -84,8 +84,8 @@ def test_schedule_loads_no_torch():
 def test_plan_loads_no_torch():
     """The planner (memory model, balance, search) is arithmetic on shapes and plans: `pipegpt plan`
     answers without loading torch, and nothing it imports needs torch either."""
-    mods = submodules("pipegpt.plan")
-    assert {"pipegpt.plan", "pipegpt.plan.memory"} <= set(mods)
+    mods = submodules("pipegpt.plan") + submodules("pipegpt.costs")
+    assert {"pipegpt.plan", "pipegpt.costs.memory"} <= set(mods)
     check(mods, ("pipegpt.model.gpt", "pipegpt.stages", "pipegpt.comm", "pipegpt.tensor_parallel.layers",
                  "pipegpt.tensor_parallel.collectives", "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"),
           forbid_torch=True)

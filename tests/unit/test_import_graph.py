@@ -16,6 +16,7 @@ LAYERS = [
     "pipegpt.schedule",
     "pipegpt.model",
     "pipegpt.data",
+    "pipegpt.costs",
     "pipegpt.plan",
     "pipegpt.tensor_parallel",
     "pipegpt.stages",

@@ -98,7 +98,7 @@ def test_1f1b_holds_as_many_messages_whatever_m_and_gpipe_all_of_them(eager):
 
 
 def test_the_memory_model_counts_the_messages_the_runtime_holds():
-    from pipegpt.plan.memory import plan_memory
+    from pipegpt.costs.memory import plan_memory
 
     model = ModelConfig(vocab_size=256, seq_len=64, n_layer=8, n_head=4, n_embd=128)
     message = 2 * 64 * 128 * 4  # microbatch_size x seq_len x n_embd, fp32

@@ -1,6 +1,6 @@
 """metrics.jsonl across attempts: every row names its attempt, and readers take the rows of the attempt that
 went on (each step's last; an interrupted attempt's steps past the checkpoint a resume went on from are
-dropped): pipegpt.schedule.calibrate.read_metrics, which `plan --calibrate` (pipegpt.plan.cost) reads."""
+dropped): pipegpt.schedule.calibrate.read_metrics, which `plan --calibrate` (pipegpt.costs.cost) reads."""
 from __future__ import annotations
 
 import json
@@ -32,7 +32,7 @@ def test_rows_without_attempts_take_each_steps_last(tmp_path):
 def test_calibration_reads_the_last_step_of_the_lineage(tmp_path, monkeypatch):
     """plan --calibrate takes the step time of trace.json's step: the last row of the attempt that went on,
     not the last line of the file."""
-    from pipegpt.plan import cost
+    from pipegpt.costs import cost
     from pipegpt.schedule import build_plan, lower
 
     plan = lower(build_plan("1f1b", 2, 2))

@@ -26,11 +26,11 @@ import pytest
 
 from helpers import ROOT, assert_one_line_error, invoke, run_pipegpt
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig
-from pipegpt.plan import memory as memory_model
+from pipegpt.costs import memory as memory_model
 from pipegpt.plan.bounds import makespan_lower_bound
 from pipegpt.plan.candidates import Layout, Request
-from pipegpt.plan.cost import AnalyticalCosts, Piece
-from pipegpt.plan.devices import DEVICES, GiB, make_cluster, parse_bytes, parse_rate
+from pipegpt.costs.cost import AnalyticalCosts, Piece
+from pipegpt.costs.devices import DEVICES, GiB, make_cluster, parse_bytes, parse_rate
 from pipegpt.plan.search import Search, evaluate_layout, search
 from pipegpt.plan.structure import held_peaks, structure
 from pipegpt.schedule import SCHEDULES, build_plan
@@ -371,7 +371,7 @@ def test_calibrated_predictions_order_measured_layouts(tmp_path):
     """8 layouts of one small model on this machine (one thread per worker, so pp=2 uses both cores and pp=1
     one: 4 ranks would share 2 cores, which the simulator does not model), a fixed global batch of 16
     sequences, measured twice in alternating order; costs calibrated from one run (pp 2, 1f1b, m 8)."""
-    from pipegpt.plan.cost import calibrate_costs
+    from pipegpt.costs.cost import calibrate_costs
 
     flags = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "128"]
     model = ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256)

@@ -21,14 +21,14 @@ from plan_memory_harness import Layout, free_port, replay_rank, saved_tensor_byt
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.model.flops import flops_per_token, matmul_parameters
-from pipegpt.plan import memory as memory_model
+from pipegpt.costs import memory as memory_model
 from pipegpt.plan.candidates import Request
-from pipegpt.plan.cost import AnalyticalCosts, head_flops_fwd, layer_flops_fwd
-from pipegpt.plan.devices import make_cluster
-from pipegpt.plan.memory import (activation_bytes, memory_precision, parameter_count, plan_memory,
+from pipegpt.costs.cost import AnalyticalCosts, head_flops_fwd, layer_flops_fwd
+from pipegpt.costs.devices import make_cluster
+from pipegpt.costs.memory import (activation_bytes, memory_precision, parameter_count, plan_memory,
                                  stage_parameter_shapes)
 from pipegpt.plan.search import Search, search
-from pipegpt.plan.stage_costs import StageCosts
+from pipegpt.costs.stage_costs import StageCosts
 from pipegpt.schedule import build_plan
 from pipegpt.stages import partition_layers
 

@@ -1,4 +1,4 @@
-"""The memory model (pipegpt.plan.memory) against pipegpt itself.
+"""The memory model (pipegpt.costs.memory) against pipegpt itself.
 
 Parameters: exact against GPT slices and tensor-parallel shard shapes. State: exact against the
 real AdamW state after one step (and torch's ZeRO-1 partition, in real dp processes). Activations:
@@ -22,7 +22,7 @@ from plan_memory_harness import (Layout, free_port, optimizer_state_bytes, rank_
 from pipegpt.config import ConfigError, MODEL_PRESETS, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.model.gpt import GPT
-from pipegpt.plan.memory import (MemoryBreakdown, activation_bytes, deferred_bytes, memory_precision,
+from pipegpt.costs.memory import (MemoryBreakdown, activation_bytes, deferred_bytes, memory_precision,
                                  parameter_count, peak_activation_bytes, plan_memory, rank_memory,
                                  stage_activation_bytes, stage_parameter_shapes, state_bytes, zero_partition)
 from pipegpt.schedule import build_plan

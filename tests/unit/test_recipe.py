@@ -14,7 +14,7 @@ import torch
 from helpers import assert_one_line_error, invoke, run_pipegpt
 from pipegpt.config import MODEL_PRESETS, ModelConfig, OptimizerConfig, TrainConfig
 from pipegpt.model.flops import flops_per_token, matmul_parameters
-from pipegpt.plan.devices import device_peak_tflops
+from pipegpt.costs.devices import device_peak_tflops
 from pipegpt.observe.metrics import step_metrics
 from pipegpt.engine.results import WorkerStep
 from pipegpt.model.gpt import GPT

@@ -7,7 +7,7 @@ import pytest
 from pipegpt.schedule import ScheduleError, build_plan, lower, validate
 from pipegpt.schedule.registry import SCHEDULES, fixed_plans
 from pipegpt.schedule.simulate import Costs, simulate
-from pipegpt.schedule.synthesize import default_max_live, least_max_live, lower_bound
+from pipegpt.schedule.synthesis.synthesize import default_max_live, least_max_live, lower_bound
 
 FIXED = {"auto": ("gpipe", "1f1b", "zb-h1"), "auto-v": ("zbv", "dualpipev")}
 
@@ -187,8 +187,8 @@ def test_fast_simulate_gives_the_simulators_makespan_and_peak_to_the_bit():
     from fractions import Fraction
     import random
 
-    from pipegpt.schedule.fast_simulate import evaluate
-    from pipegpt.schedule.list_scheduler import Problem
+    from pipegpt.schedule.synthesis.fast_simulate import evaluate
+    from pipegpt.schedule.synthesis.list_scheduler import Problem
 
     rng = random.Random(1)
     checked = 0

@@ -1,51 +1,7 @@
-"""How many bytes one rank of a layout needs: weights, gradients, optimizer state, activations,
-communication buffers. Pure arithmetic on shapes (no torch), exact where it can be, and checked
-against pipegpt's real modules and a measured replay (tests/unit/test_plan_memory.py).
-
-    parameter_count(model, layers, embed, head, tp)     parameters of one stage's slice, per tp rank
-    state_bytes(model, stages, sharding, precision)     weights, gradients, AdamW state of one rank
-    activation_bytes(model, layers, microbatch_size=.., sharding=.., ...)
-                                                        what one stage keeps per microbatch in flight
-    deferred_bytes(...)                                 what it keeps between an I and its W
-    workspace_bytes(...)                                its actions' transients (an estimate)
-    stage_activation_bytes(model, layers_per_stage, ...) the three for every stage
-    activation_peaks(plan, saved, deferred, workspace)  each rank's (held, working) peak, walking its
-    peak_activation_bytes(plan, saved, deferred)        actions / the held one alone
-    plan_memory(model, plan, layers_per_stage, ...)     MemoryBreakdown of every rank / of one
-    rank_memory(model, plan, layers_per_stage, rank, ...)
-
-A planner calls plan_memory (or rank_memory) per candidate layout: everything that depends only on
-shapes is cached, and the peaks walk each rank's actions once (well under a millisecond per call for
-GPT-2 sizes); the message count lowers each plan once (cached per plan). A layout's tp, sequence
-parallelism, dp and ZeRO come as one pipegpt.dims.Sharding.
-
-Precision ("precision" below): "fp32" (dtype float32), "bf16" (autocast; float32 master weights,
-gradients and AdamW moments) or "fp64" (dtype float64: everything 8 bytes). memory_precision()
-maps a run's (precision, dtype) to it.
-
-Parameters (exact)
-------------------
-One stage's slice holds, per tp rank t of tp (shapes as pipegpt.tensor_parallel shards them): the
-embedding wte [Vp/tp, h] (Vp: the padded vocabulary) and wpe [seq_len, h] (replicated); per block
-ln1, ln2 (weight, bias: replicated), attn.qkv [3h/tp, h] + bias [3h/tp], attn.proj [h, h/tp] + bias
-[h] (replicated: added once after the reduce), mlp.fc [4h/tp, h] + bias [4h/tp], mlp.proj
-[h, 4h/tp] + bias [h]; the head ln_f and lm_head [Vp/tp, h] (no bias). With tied embeddings a slice
-holding both ends shares one tensor, and so does a rank holding both ends of a V-shape
-(pipegpt.train.worker makes them one tensor); a head stage on another rank than the embedding keeps its own
-copy of wte.
-
-State (exact)
--------------
-weights and gradients: 4 bytes per parameter (8 with fp64; bf16 autocast keeps fp32 master weights
-and fp32 .grad). AdamW: exp_avg and exp_avg_sq, 2 x the parameter bytes (the per-tensor `step` is a
-4-byte host scalar, left out). ZeRO-1 (torch's ZeroRedundancyOptimizer over the dp group) gives each
-dp rank the state of a subset of whole parameters: per parameter group (decay: matrices; no decay:
-vectors) largest first, each to the dp rank with the fewest elements so far. The model replays that
-greedy partition and reports the worst dp rank's share, not an even 1/dp split, which can be far
-off: whole tensors cannot be split, so for GPT-2 (124M, vocabulary padded to 64) the worst share
-over the even one is 1.00 / 1.24 / 2.48 at dp = 2 / 4 / 8 with one stage; with pp=4 a middle stage
-(3 blocks, 12 matrices of 0.6-2.4M) gives 1.00 / 1.11 / 1.33 and the first stage (wte's 38.6M
-and 3 blocks) 1.27 / 2.55 / 5.09; gpt2-medium with one stage 1.00 / 1.01 / 1.16.
+"""What one stage keeps per microbatch in flight, between an I and its W, and its actions' transients;
+each rank's peaks over a plan. Pure arithmetic on shapes (no torch), checked against the saved-tensor hooks
+and a measured replay (tests/unit/test_plan_memory.py, test_plan_llama.py). pipegpt.costs.memory adds the
+rest of a rank (weights, gradients, optimizer state, message buffers) and re-exports these.
 
 Activations (per microbatch in flight; checked against the measured replay)
 ------------------------------------------------------------------------------
@@ -166,35 +122,18 @@ the end of the first stage's backward (Vp/t*h*r), a weight's gradient before it 
 (W). activation_peaks adds each action's to the level it runs at; the replay's per-op peak is met
 within a few percent, overshot by up to ~25% with full recomputation.
 
-Rank totals
------------
-weights + gradients + optimizer + p2p buffers + activations + workspace, plus the data-parallel gradient
-copies: pipegpt's GradientAverager flattens every bucket of a stage's gradients (BUCKET_BYTES each,
-but ALL buckets stay pending until finish()), so dp > 1 costs a second copy of the rank's gradients;
-on a rank with one stage they are made after its last backward, when no activation is left, so the
-total takes the larger of the two (with several stages on a rank, their sum). p2p buffers: the most
-messages the runtime holds at once (pipegpt.schedule.messages.message_peaks of the lowered plan, b*S*h*c
-each, in the compute precision as --p2p-dtype's default; S = s/tp with sequence parallelism, else s): a tensor to send from its compute until the schedule
-shows its receiver has it (a later message the receiver posted after receiving it), a received gradient
-until its backward. That follows the schedule: under 1F1B a number bounded by the stage count, whatever
-the microbatch count; under GPipe every forward output until the first backward acknowledges one.
-
-Not modelled: the CUDA context and the caching allocator's rounding and fragmentation, the optimizer
-step's temporaries (foreach AdamW's intermediates over a parameter group), torch.compile's buffers, the
-batch of token ids the loader holds for the step (a few KB).
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
-from pipegpt.arch import ROW, block_linears, kv_local_heads, stage_shapes
+from pipegpt.arch import ROW, block_linears, kv_local_heads
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
 from pipegpt.dims import Sharding
 from pipegpt.schedule.actions import Kind, Plan
-from pipegpt.schedule.lowering import lower
-from pipegpt.schedule.messages import message_peaks
+
 
 MEMORY_PRECISIONS = ("fp32", "bf16", "fp64")
 INT64, BOOL = 8, 1
@@ -246,82 +185,6 @@ def _check_positive(name: str, value) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer >= 1")
 
 
-# ---------------------------------------------------------------------------
-# Parameters and their state
-# ---------------------------------------------------------------------------
-@functools.lru_cache(maxsize=4096)
-def stage_parameter_shapes(model: ModelConfig, layers: int, embed: bool, head: bool,
-                           tp: int = 1) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, shape) of every parameter one tp rank of the slice holds, in GPT.named_parameters order
-    (block names without their index). A tied lm_head in a slice that holds the embedding is wte."""
-    _check_tp(model, tp)
-    return stage_shapes(model, _count(layers), embed, head, tp)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def parameter_count(model: ModelConfig, layers, embed: bool, head: bool, tp: int = 1) -> int:
-    """Parameters one tp rank of the slice (layers: a count or a range) holds; see the module docstring."""
-    return sum(_numel(shape) for _, shape in stage_parameter_shapes(model, _count(layers), embed, head, tp))
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    parameters: int  # on this rank (a V-shape's tied embedding once)
-    weights: int
-    gradients: int
-    optimizer: int  # AdamW moments; with ZeRO-1 the largest dp rank's share
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def zero_partition(numels_by_group: Sequence[Sequence[int]], dp: int) -> list[int]:
-    """Elements each of dp ranks gets from torch's ZeroRedundancyOptimizer: per parameter group,
-    largest parameter first, each to the rank with the fewest elements so far (lowest index on ties)."""
-    sizes = [0] * dp
-    for group in numels_by_group:
-        for n in sorted(group, reverse=True):
-            r = min(range(dp), key=sizes.__getitem__)
-            sizes[r] += n
-    return sizes
-
-
-@functools.lru_cache(maxsize=4096)
-def _state_bytes(model, stages, sharding: Sharding, precision) -> StateBytes:
-    r, _ = _widths(precision)
-    tp, dp, zero = sharding.tp, sharding.dp, sharding.zero
-    shapes = []
-    ends = {(embed, head) for _, embed, head in stages}
-    share_tied = model.tie_embeddings and any(e for e, _ in ends) and any(h for _, h in ends) \
-        and not any(e and h for e, h in ends)
-    for layers, embed, head in stages:
-        for name, shape in stage_parameter_shapes(model, layers, embed, head, tp):
-            if share_tied and name == "lm_head.weight":  # one tensor with the rank's wte (the worker ties them)
-                continue
-            shapes.append(shape)
-    params = sum(_numel(s) for s in shapes)
-    if zero and dp > 1:
-        groups = [[_numel(s) for s in shapes if len(s) >= 2], [_numel(s) for s in shapes if len(s) < 2]]
-        mine = max(zero_partition(groups, dp))
-    else:
-        mine = params
-    return StateBytes(params, params * r, params * r, 2 * mine * r)
-
-
-def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
-                precision: str = "fp32") -> StateBytes:
-    """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
-    (layers: a count or a range), cut over sharding.tp, and over sharding.dp with ZeRO-1 (sharding.zero).
-    See the module docstring."""
-    _check_positive("dp", sharding.dp)
-    key = tuple((_count(layers), bool(embed), bool(head)) for layers, embed, head in stages)
-    return _state_bytes(model, key, sharding, precision)
 
 
 # ---------------------------------------------------------------------------
@@ -571,92 +434,3 @@ def activation_peaks(plan: Plan, saved: Sequence[int], deferred: Sequence[int] |
 def peak_activation_bytes(plan: Plan, saved: Sequence[int], deferred: Sequence[int] | None = None) -> list[int]:
     """Each rank's peak of held activation bytes (activation_peaks' held)."""
     return [held for held, _ in activation_peaks(plan, saved, deferred)]
-
-
-# ---------------------------------------------------------------------------
-# One rank
-# ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes one rank needs at its peak (see the module docstring for what each holds)."""
-
-    rank: int
-    parameters: int
-    weights: int
-    gradients: int
-    optimizer: int
-    activations: int  # peak of held activations over the step
-    workspace: int  # the most one action's transients add on top of the held level (an estimate)
-    p2p_buffers: int
-    dp_buffers: int  # flattened gradient copies while the dp all-reduces run
-    overlap_dp: bool = False  # dp_buffers coexist with activations (several stages on the rank)
-
-    @property
-    def total(self) -> int:
-        pipeline = self.activations + self.workspace
-        busy = pipeline + self.dp_buffers if self.overlap_dp else max(pipeline, self.dp_buffers)
-        return self.weights + self.gradients + self.optimizer + self.p2p_buffers + busy
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
-
-
-def _layer_counts(model: ModelConfig, plan: Plan, layers_per_stage) -> list[int]:
-    counts = [_count(x) for x in layers_per_stage]
-    if len(counts) != plan.num_stages:
-        raise ConfigError(f"layers_per_stage has {len(counts)} entries but the plan has {plan.num_stages} stages")
-    if sum(counts) != model.n_layer:
-        raise ConfigError(f"layers_per_stage sums to {sum(counts)} but the model has n_layer={model.n_layer}")
-    return counts
-
-
-@functools.lru_cache(maxsize=1024)
-def held_messages(plan: Plan, device: str = "cuda") -> tuple[int, ...]:
-    """Per rank, the most message buffers the runtime holds at once (sends are posted eagerly off CUDA)."""
-    return tuple(message_peaks(plan if plan.is_lowered else lower(plan), eager_sends=device != "cuda"))
-
-
-def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, microbatch_size: int,
-                sharding: Sharding = Sharding(), recompute: str = "none", precision: str = "fp32",
-                device: str = "cuda", activations: Sequence[int] | None = None) -> list[MemoryBreakdown]:
-    """The MemoryBreakdown of every pipeline rank of `plan` (every dp and tp replica of a pipeline
-    rank needs the same; with ZeRO-1 the optimizer is the largest dp rank's share). sharding: tp (and
-    sequence parallelism), dp and ZeRO; the pipeline is the plan's.
-
-    layers_per_stage: a count or range per stage (pipegpt.stages.partition_layers gives pipegpt's
-    default split; not imported here, the stages package loads torch). activations: each
-    rank's peak activation bytes if the caller has them (e.g. from a Timeline built with
-    Costs(activation_bytes=saved); with I/W that misses what deferred_bytes adds); by default
-    activation_peaks' held. workspace: activation_peaks' working less held.
-    """
-    counts = _layer_counts(model, plan, layers_per_stage)
-    kw = dict(microbatch_size=microbatch_size, sharding=sharding, precision=precision)
-    saved, deferred, workspace = stage_activation_bytes(model, counts, recompute=recompute, device=device, **kw)
-    walked = activation_peaks(plan, saved, deferred, workspace)
-    peaks = [held for held, _ in walked] if activations is None else list(activations)
-    _, c = _widths(precision)  # messages travel in the compute precision (--p2p-dtype's default)
-    message = sharding.tokens_per_rank(model.seq_len, microbatch_size) * model.n_embd * c
-    last = plan.num_stages - 1
-    messages = held_messages(plan, device)
-    out = []
-    for rank in range(plan.num_ranks):
-        mine = plan.stages_of(rank)
-        state = state_bytes(model, [(counts[s], s == 0, s == last) for s in mine], sharding=sharding,
-                            precision=precision)
-        out.append(MemoryBreakdown(
-            rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
-            optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],
-            p2p_buffers=message * messages[rank],
-            dp_buffers=state.gradients if sharding.dp > 1 else 0, overlap_dp=len(mine) > 1))
-    return out
-
-
-def rank_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, rank: int, *,
-                activations: int | None = None, **kwargs) -> MemoryBreakdown:
-    """The MemoryBreakdown of one pipeline rank (kwargs: those of plan_memory); `activations`: its peak
-    activation bytes if the caller has them."""
-    if activations is not None:
-        peaks = [0] * plan.num_ranks
-        peaks[rank] = activations
-        kwargs["activations"] = peaks
-    return plan_memory(model, plan, layers_per_stage, **kwargs)[rank]

@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from numbers import Real
 
-from .actions import Action, Kind, Plan
-from .simulate import Costs
+from ..actions import Action, Kind, Plan
+from ..simulate import Costs
 
 KINDS = (Kind.F, Kind.I, Kind.W, Kind.B)
 F_, I_, W_, B_ = range(4)

@@ -17,10 +17,10 @@ import itertools
 from dataclasses import dataclass, field, replace
 from numbers import Real
 
-from .actions import Action, Kind, Plan, ScheduleError
+from ..actions import Action, Kind, Plan, ScheduleError
 from .fast_simulate import evaluate
 from .list_scheduler import Problem, Variant, list_schedule
-from .simulate import Costs
+from ..simulate import Costs
 
 # Simulations the local search may spend after the list scheduler (a count, not seconds, so that every
 # process that synthesizes the same inputs gets the same plan); it stops earlier once a pass over

@@ -1,5 +1,5 @@
-"""A candidate's numbers per stage, from the per-layer costs (pipegpt.plan.cost) and the memory model
-(pipegpt.plan.memory): F, B, W and tensor-parallel time, held and deferred activation bytes, parameters,
+"""A candidate's numbers per stage, from the per-layer costs (pipegpt.costs.cost) and the memory model
+(pipegpt.costs.memory): F, B, W and tensor-parallel time, held and deferred activation bytes, parameters,
 one message's time, the gradient all-reduce and what follows the last action; and the layer split.
 
 Everything per stage is linear in the stage's block count plus a fixed part for the embedding and the head,
