@@ -193,3 +193,27 @@ def hf_names(model) -> list[tuple[str, str, bool]]:
     if not model.tie_embeddings:
         out.append(("lm_head.weight", "lm_head.weight", False))
     return out
+
+
+# The model presets (--model NAME), each a ModelConfig's fields. Llama-shaped ones: untied unless stated (SmolLM
+# ties), no biases.
+_LLAMA = dict(arch=LLAMA.name, bias=LLAMA.bias, tie_embeddings=LLAMA.tie_embeddings)
+PRESET_SHAPES: dict[str, dict] = {
+    "tiny": dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=128),
+    "gpt2": dict(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(vocab_size=50257, seq_len=1024, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, n_embd=1600),
+    "tiny-llama": dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=128,
+        ffn_hidden=352, **_LLAMA),
+    "smollm-135m": dict(vocab_size=49152, seq_len=2048, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+        ffn_hidden=1536, rope_theta=10000.0, **{**_LLAMA, "tie_embeddings": True}),
+    "tinyllama-1.1b": dict(vocab_size=32000, seq_len=2048, n_layer=22, n_head=32, n_kv_head=4,
+        n_embd=2048, ffn_hidden=5632, rope_theta=10000.0, **_LLAMA),
+    "llama3-8b": dict(vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+        ffn_hidden=14336, rope_theta=500000.0, **_LLAMA),
+    "llama3-70b": dict(vocab_size=128256, seq_len=8192, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192,
+        ffn_hidden=28672, rope_theta=500000.0, **_LLAMA),
+    "llama3-405b": dict(vocab_size=128256, seq_len=8192, n_layer=126, n_head=128, n_kv_head=8,
+        n_embd=16384, ffn_hidden=53248, rope_theta=500000.0, **_LLAMA),
+}

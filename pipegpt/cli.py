@@ -15,7 +15,7 @@ import sys
 import click
 
 from pipegpt.config import ConfigError
-from pipegpt.options import MODEL_OPTIONS, config_options, model_options
+from pipegpt.options import MODEL_OPTIONS, config_options, model_options, plan_options
 from pipegpt.schedule.actions import ScheduleError
 from pipegpt.state.checkpoint import CheckpointError
 
@@ -135,21 +135,12 @@ def plot(run_dirs, out, title):
     pipegpt plot runs/20250101-120000                       # writes runs/20250101-120000/plot.svg
     pipegpt plot runs/a runs/b --out a_vs_b.svg
     """
-    from pathlib import Path
+    from pipegpt.observe.plot import PlotError, plot_command
 
-    from pipegpt.observe.plot import PLOT_FILE, PlotError, plot_runs
-
-    dirs = [Path(d) for d in run_dirs]
-    out = Path(out) if out is not None else (dirs[0] / PLOT_FILE if len(dirs) == 1 else Path(PLOT_FILE))
     try:
-        text = plot_runs(dirs, title)
+        click.echo(f"wrote {plot_command(run_dirs, out, title)}")
     except PlotError as e:  # a ValueError, not one of USER_ERRORS: made one `Error:` line here
         raise click.ClickException(str(e)) from None
-    try:
-        out.write_text(text)
-    except OSError as e:
-        raise click.ClickException(f"cannot write {out}: {e.strerror}") from None
-    click.echo(f"wrote {out}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -259,34 +250,11 @@ def convert(from_hf, out, tokenizer, to_hf, source):
     pipegpt run --init-from ckpt/gpt2 --model gpt2 --tokenizer gpt2 ...
     pipegpt convert --to-hf exported/ --checkpoint runs/my-run  # GPT2LMHeadModel.from_pretrained("exported/")
     """
-    if (from_hf is None) == (to_hf is None):
-        raise click.UsageError("give --from-hf HF_DIR --out CHECKPOINT (import) or --to-hf HF_DIR "
-                               "--checkpoint CHECKPOINT (export)")
-    if from_hf is not None:
-        if out is None or source is not None:
-            raise click.UsageError("--from-hf HF_DIR needs --out CHECKPOINT (and no --checkpoint)")
-        from pipegpt.options import model_flags
-        from pipegpt.tools.convert import import_hf
-        from pipegpt.state.checkpoint import read_manifest
+    from pipegpt.options import model_flags
+    from pipegpt.tools.convert import convert_command
 
-        path, model = import_hf(from_hf, out, tokenizer)
-        tokenizer = read_manifest(path)["tokenizer"]
-        click.echo(f"wrote {path}: {model.n_layer}-layer {model.architecture.title}, "
-                   f"n_embd {model.n_embd}, {model.n_head} heads"
-                   + (f" ({model.kv_heads} key/value)" if model.architecture.grouped_kv else "") + ", "
-                   f"vocabulary {model.vocab_size}, seq_len {model.seq_len}, "
-                   f"{'tied' if model.tie_embeddings else 'untied'} embeddings; tokenizer {tokenizer}")
-        click.echo(f"train from it: pipegpt run --init-from {path} {model_flags(model, tokenizer)}")
-        click.echo(f"sample from it: pipegpt sample {path} --prompt ...")
-        return
-    if source is None or out is not None or tokenizer is not None:
-        raise click.UsageError("--to-hf HF_DIR needs --checkpoint CHECKPOINT (and no --out or --tokenizer)")
-    from pipegpt.tools.convert import export_hf
-
-    found, model = export_hf(source, to_hf)
-    click.echo(f"wrote {to_hf}/config.json and model.safetensors from {found}: {model.n_layer}-layer "
-               f"{model.architecture.title}, "
-               f"n_embd {model.n_embd}, vocabulary {model.vocab_size}")
+    for line in convert_command(from_hf, out, tokenizer, to_hf, source, model_flags):
+        click.echo(line)
 
 
 @main.command()
@@ -350,51 +318,7 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
 
 @main.command()
 @model_options
-@click.option("--batch-size", type=int, default=None, help="Sequences per step, all replicas together.")
-@click.option("--batch-tokens", type=int, default=None, help="Tokens per step (a multiple of seq_len).")
-@click.option("--gpus", type=int, required=True, help="GPUs available (a plan may use fewer).")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's node, 8).")
-@click.option("--device", default=None, metavar="PRESET",
-              help="GPU preset: h100, h100-pcie, h200, a100-80gb, a100-40gb, l4, a10g, v100 (datasheet peak and "
-                   "memory, links of the usual DGX/HGX node); the options below override it.")
-@click.option("--gpu-memory", default=None, metavar="SIZE", help="Memory per GPU: 80GiB, 40GB, 81920MiB.")
-@click.option("--reserve", default=None, metavar="SIZE",
-              help="Memory per GPU no plan may use: the CUDA context, NCCL buffers, fragmentation (default: 2GiB, "
-                   "or a tenth of a smaller GPU; 0 fills the whole memory).")
-@click.option("--gpu-tflops", type=float, default=None, help="Peak dense TFLOPS per GPU at --precision.")
-@click.option("--intra-node-gbps", default=None, metavar="RATE",
-              help="Bandwidth per GPU and direction inside a node: Gbit/s, or with a unit (450GB/s).")
-@click.option("--inter-node-gbps", default=None, metavar="RATE",
-              help="Bandwidth per GPU and direction between nodes: Gbit/s, or with a unit (50GB/s).")
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-              help="What the plan runs with (pipegpt run --precision).")
-@click.option("--efficiency", type=float, default=None,
-              help="Achieved / peak matmul FLOP/s of the analytical model (default 0.5).")
-@click.option("--layer-overhead-us", type=float, default=None,
-              help="Least host time of one block's forward, microseconds (default 100; backward twice).")
-@click.option("--calibrate", "calibrate_dir", type=click.Path(), default=None, metavar="RUN_DIR",
-              help="Scale compute to a run's measured F/B/W (its trace.json) instead of --efficiency.")
-@click.option("--schedule", "-s", "schedules", default="all", show_default=True,
-              help="Schedules to consider: a comma list or 'all' (every generated one; name auto or auto-v to add "
-                   "them, written for unit costs here and for the measured ones by pipegpt run).")
-@click.option("--all-gpus", is_flag=True, help="Only layouts that use every GPU (dp x pp x tp = --gpus).")
-@click.option("--dp", "only_dp", type=click.IntRange(min=1), default=None,
-              help="Only layouts with this many data-parallel replicas (as pipegpt run --dp).")
-@click.option("--stages", "-p", "only_pp", type=click.IntRange(min=1), default=None,
-              help="Only layouts with this many pipeline ranks (as pipegpt run --stages).")
-@click.option("--tp", "only_tp", type=click.IntRange(min=1), default=None,
-              help="Only layouts with this many tensor-parallel ranks (as pipegpt run --tp).")
-@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print.")
-@click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit).")
-@click.option("--try", "try_top", type=click.IntRange(min=1), default=None, metavar="K",
-              help="Run the top K plans here for --try-steps steps each (pipegpt run, device as --try-device) and "
-                   "print measured step time beside predicted.")
-@click.option("--try-steps", type=click.IntRange(min=2), default=5, show_default=True,
-              help="Steps per tried plan; the first (warm-up) is left out of the median.")
-@click.option("--try-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--try-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Where the tried runs keep their directories, DIR/plan-K (default: a new runs/plan-try-<time>).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@plan_options
 def plan(**options):
     """Choose dp x pp x tp, schedule, microbatches and recomputation; predict step time and memory.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pipegpt.arch import ARCHITECTURES, LLAMA, Architecture
+from pipegpt.arch import ARCHITECTURES, PRESET_SHAPES, Architecture
 from pipegpt.dims import ParallelDims, Sharding
 
 
@@ -123,27 +123,7 @@ class ModelConfig:
         return self
 
 
-# Llama-shaped models: untied unless stated (SmolLM ties), no biases.
-_LLAMA = dict(arch=LLAMA.name, bias=LLAMA.bias, tie_embeddings=LLAMA.tie_embeddings)
-MODEL_PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=128),
-    "gpt2": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, n_embd=1600),
-    "tiny-llama": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=128,
-                              ffn_hidden=352, **_LLAMA),
-    "smollm-135m": ModelConfig(vocab_size=49152, seq_len=2048, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
-                               ffn_hidden=1536, rope_theta=10000.0, **{**_LLAMA, "tie_embeddings": True}),
-    "tinyllama-1.1b": ModelConfig(vocab_size=32000, seq_len=2048, n_layer=22, n_head=32, n_kv_head=4,
-                                  n_embd=2048, ffn_hidden=5632, rope_theta=10000.0, **_LLAMA),
-    "llama3-8b": ModelConfig(vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
-                             ffn_hidden=14336, rope_theta=500000.0, **_LLAMA),
-    "llama3-70b": ModelConfig(vocab_size=128256, seq_len=8192, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192,
-                              ffn_hidden=28672, rope_theta=500000.0, **_LLAMA),
-    "llama3-405b": ModelConfig(vocab_size=128256, seq_len=8192, n_layer=126, n_head=128, n_kv_head=8,
-                               n_embd=16384, ffn_hidden=53248, rope_theta=500000.0, **_LLAMA),
-}
+MODEL_PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**shape) for name, shape in PRESET_SHAPES.items()}
 
 
 def model_config(preset: str, **overrides) -> ModelConfig:

@@ -220,3 +220,16 @@ def write_plot(run_dir: Path) -> Path | None:
     path = Path(run_dir) / PLOT_FILE
     path.write_text(text)
     return path
+
+
+def plot_command(run_dirs, out, title) -> Path:
+    """`pipegpt plot`'s work: the runs' picture written to `out` (default: plot.svg in the one run's directory,
+    ./plot.svg for several); returns where. PlotError (one line) when it cannot."""
+    dirs = [Path(d) for d in run_dirs]
+    out = Path(out) if out is not None else (dirs[0] / PLOT_FILE if len(dirs) == 1 else Path(PLOT_FILE))
+    text = plot_runs(dirs, title)
+    try:
+        out.write_text(text)
+    except OSError as e:
+        raise PlotError(f"cannot write {out}: {e.strerror}") from None
+    return out

@@ -261,3 +261,27 @@ def export_hf(path, hf_dir) -> tuple[Path, ModelConfig]:
     partial.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(partial, hf_dir / CONFIG_FILE)  # last: a directory with config.json is whole
     return found, model
+
+
+def convert_command(from_hf, out, tokenizer, to_hf, source, model_flags) -> list[str]:
+    """`pipegpt convert`'s work: an import (--from-hf --out) or an export (--to-hf --checkpoint); the lines it
+    prints. model_flags(model, tokenizer): the run flags of a model (the command line's own)."""
+    if (from_hf is None) == (to_hf is None):
+        raise ConfigError("give --from-hf HF_DIR --out CHECKPOINT (import) or --to-hf HF_DIR "
+                          "--checkpoint CHECKPOINT (export)")
+    if from_hf is not None:
+        if out is None or source is not None:
+            raise ConfigError("--from-hf HF_DIR needs --out CHECKPOINT (and no --checkpoint)")
+        path, model = import_hf(from_hf, out, tokenizer)
+        tokenizer = checkpoint.read_manifest(path)["tokenizer"]
+        return [f"wrote {path}: {model.n_layer}-layer {model.architecture.title}, n_embd {model.n_embd}, "
+                f"{model.n_head} heads" + (f" ({model.kv_heads} key/value)" if model.architecture.grouped_kv else "")
+                + f", vocabulary {model.vocab_size}, seq_len {model.seq_len}, "
+                f"{'tied' if model.tie_embeddings else 'untied'} embeddings; tokenizer {tokenizer}",
+                f"train from it: pipegpt run --init-from {path} {model_flags(model, tokenizer)}",
+                f"sample from it: pipegpt sample {path} --prompt ..."]
+    if source is None or out is not None or tokenizer is not None:
+        raise ConfigError("--to-hf HF_DIR needs --checkpoint CHECKPOINT (and no --out or --tokenizer)")
+    found, model = export_hf(source, to_hf)
+    return [f"wrote {to_hf}/config.json and model.safetensors from {found}: {model.n_layer}-layer "
+            f"{model.architecture.title}, n_embd {model.n_embd}, vocabulary {model.vocab_size}"]
