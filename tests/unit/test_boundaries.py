@@ -161,3 +161,12 @@ def test_config_and_devices_load_no_torch():
     """validate() runs before any worker exists, in a process that need not load torch."""
     check(["pipegpt.config", "pipegpt.engine.placement"], ("pipegpt.schedule", "pipegpt.model.gpt", "pipegpt.comm"),
           forbid_torch=True)
+
+
+def test_the_engine_serves_any_role_it_loads_no_training():
+    """One rank's machinery (device, mesh, stages, point-to-point, runtime) knows no optimizer, loader, checkpoint
+    or metrics: an inference role builds on it as the training role does (pipegpt.train.worker)."""
+    mods = submodules("pipegpt.engine")
+    assert {"pipegpt.engine.engine", "pipegpt.engine.actor"} <= set(mods)
+    check(mods, ("pipegpt.train", "pipegpt.data", "pipegpt.observe", "pipegpt.resilience", "pipegpt.state.checkpoint",
+                 "pipegpt.state.snapshot", "pipegpt.plan", "pipegpt.costs"))
