@@ -230,24 +230,8 @@ def test_killing_the_driver_takes_the_workers_with_it(tmp_path):
 
 
 def test_sigterm_to_the_driver_stops_every_worker_in_one_line(tmp_path):
-    """A scheduler's SIGTERM (it exited 143 with no word before)."""
-    job = Job([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "100000", "--log-every", "1",
-               "--run-dir", str(tmp_path / "run")], env=clean_env())
-    try:
-        started = job.wait_for(lambda: job.step_line_time(2) is not None or job.proc.poll() is not None, LIMIT_S)
-        assert started and job.proc.poll() is None, f"no training steps\n{job.stdout}\n{job.stderr}"
-        job.sample()
-        os.kill(job.proc.pid, signal.SIGTERM)
-        code = job.wait(LIMIT_S)
-        assert code == 143, job.stderr
-        assert job.stderr.splitlines()[-1] == "Terminated (SIGTERM): all workers stopped", job.stderr
-        assert "Traceback" not in job.stderr
-        assert not job.survivors(), job.cmdlines
-    finally:
-        job.kill_all()
-
-
-def test_ps_names_each_worker_by_its_rank_and_stage(tmp_path):
+    """A scheduler's SIGTERM (it exited 143 with no word before). And ps names each worker by its rank and stage
+    (each was `python -c from multiprocessing.spawn ...`)."""
     job = Job([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "100000", "--log-every", "1",
                "--run-dir", str(tmp_path / "run")], env=clean_env())
     try:
@@ -256,6 +240,12 @@ def test_ps_names_each_worker_by_its_rank_and_stage(tmp_path):
         job.sample()
         titles = sorted(cmd for cmd in job.cmdlines.values() if cmd.startswith("pipegpt: rank"))
         assert titles == ["pipegpt: rank 0 stage 0", "pipegpt: rank 1 stage 1"], job.cmdlines
+        os.kill(job.proc.pid, signal.SIGTERM)
+        code = job.wait(LIMIT_S)
+        assert code == 143, job.stderr
+        assert job.stderr.splitlines()[-1] == "Terminated (SIGTERM): all workers stopped", job.stderr
+        assert "Traceback" not in job.stderr
+        assert not job.survivors(), job.cmdlines
     finally:
         job.kill_all()
 
