@@ -219,6 +219,9 @@ class Cluster:
                         for _ in range(10):
                             time.sleep(POLL_S)
                             self.check_alive()
+                        if "ran for more than set timeout" in str(e):  # the RPC layer's own words, made plain
+                            raise WorkerFailure(r, f"no answer to {method}() within {timeout:.0f}s: a step this "
+                                                   f"large may need a longer --timeout") from None
                         raise WorkerFailure(r, _last_line(e)) from None
                     if isinstance(value, Failed):
                         raise WorkerFailure(r, value.cause)

@@ -69,6 +69,8 @@ def check(cfg: TrainConfig) -> Plan:
     plan = make_plan(cfg)
     check_layers_fill(cfg, plan)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)
+    if resolve_device(cfg.runtime.device, cfg.world_size) == "cpu":
+        _check_host_memory(cfg, plan)
     if resolve_device(cfg.runtime.device, cfg.world_size) == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         local = local_world_size(cfg.world_size)
@@ -76,6 +78,36 @@ def check(cfg: TrainConfig) -> Plan:
             raise ConfigError(f"device=cuda needs one GPU per rank on this machine ({local}), "
                               f"but {have} are visible: use --device cpu or fewer ranks")
     return plan
+
+
+PROCESS_BYTES = 400 * 2**20  # a worker's own footprint before its model: the interpreter, torch, gloo, RPC
+
+
+def _check_host_memory(cfg: TrainConfig, plan: Plan, meminfo: str = "/proc/meminfo") -> None:
+    """On CPU, the planner's estimate of what this machine's ranks hold (weights, gradients, optimizer state,
+    activations, message buffers; pipegpt.costs.memory) against the memory it has available: a job larger than
+    the machine is one line now, not a worker killed by the kernel a minute or two later."""
+    from pipegpt.costs.activations import memory_precision
+    from pipegpt.costs.memory import plan_memory
+
+    try:
+        with open(meminfo) as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return  # not Linux: nothing to compare with
+    p, m = cfg.parallel, cfg.model
+    ranks = plan_memory(m, plan, partition_layers(m.n_layer, plan.num_stages, p.layers_per_stage),
+                        microbatch_size=p.microbatch_size, sharding=p.sharding, recompute=p.recompute,
+                        precision=memory_precision(cfg.runtime.precision, cfg.runtime.dtype), device="cpu")
+    local = local_world_size(cfg.world_size)
+    per_replica = sum(r.total for r in ranks) * p.tp  # every tp rank of a pipeline rank holds as much
+    need = (per_replica * p.dp if local == cfg.world_size else max(r.total for r in ranks) * local) \
+        + PROCESS_BYTES * local
+    if need > available:
+        raise ConfigError(f"this job needs about {need / 2**30:.1f} GiB of host memory on this machine ({local} "
+                          f"rank{'s' * (local > 1)}: weights, gradients, optimizer state, activations), and "
+                          f"{available / 2**30:.1f} GiB is available: use a smaller model (--model, --n-layer), "
+                          f"fewer ranks here, or more machines")
 
 
 def start_from(cfg: TrainConfig) -> Path | None:
