@@ -69,8 +69,6 @@ def check(cfg: TrainConfig) -> Plan:
     plan = make_plan(cfg)
     check_layers_fill(cfg, plan)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)
-    if resolve_device(cfg.runtime.device, cfg.world_size) == "cpu":
-        _check_host_memory(cfg, plan)
     if resolve_device(cfg.runtime.device, cfg.world_size) == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         local = local_world_size(cfg.world_size)
@@ -163,6 +161,8 @@ class Job:
 
     def __init__(self, cfg: TrainConfig, port: int | None = None, threads_per_worker: int | None = None):
         self.cfg, self.plan = cfg, check(cfg)
+        if resolve_device(cfg.runtime.device, cfg.world_size) == "cpu":  # this machine's, not the config's limit
+            _check_host_memory(cfg, self.plan)
         self.eval_plan = evaluation_plan(self.plan)
         if port is not None and not under_torchrun() and not port_is_free(port):
             raise ConfigError(f"port {port} is in use: choose a free port or leave --port out")
