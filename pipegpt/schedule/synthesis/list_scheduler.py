@@ -61,8 +61,8 @@ class Problem:
         return tuple(tuple(map(self.action, acts)) for acts in ranks)
 
 
-def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
-                  give_up_at: Real | None = None) -> tuple[list[list[int]], Real, int] | None:
+def list_schedule(problem: Problem, v: Variant, pivots: set | None = None, give_up_at: Real | None = None,
+                  flips: frozenset = frozenset()) -> tuple[list[list[int]], Real, int] | None:
     """Event-driven list scheduling at the problem's costs: the plan, with the makespan and peak live memory
     simulate() gives it (without dp_comm's all-reduces); None where the variant stalls on memory, or where
     its plan cannot finish before give_up_at.
@@ -76,7 +76,11 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
     Beside the scheduler's own clock, each action also gets the time simulate() will give it: as early as its
     rank and its inputs allow in the order made so far (the scheduler can start it later, when it learns of
     an arrival late). Those times decide the makespan, and a rank that cannot end before give_up_at even
-    working without a gap ends the run."""
+    working without a gap ends the run.
+
+    `flips` turns single choices the other way: the k-th time a rank chooses, 3k in flips takes the second stage
+    with a ready backward, 3k + 1 the second with a ready forward, 3k + 2 a forward over a backward (or the
+    reverse), or a W over waiting (or the reverse)."""
     n, m, num_ranks, hop = problem.n, problem.m, problem.num_ranks, problem.hop
     stage_to_rank, stages_of = problem.stage_to_rank, problem.stages_of
     last = n - 1
@@ -112,6 +116,7 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
     heappush, heappop = heapq.heappush, heapq.heappop
 
     pivot_ff = pivot_deep = pivot_patient = pivot_reserve = False
+    choice = 0
     heap = [(0, r) for r in range(num_ranks)]
     idle: set[int] = set()  # ranks waiting for another rank to finish something
     while heap:
@@ -164,9 +169,17 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
         waiting_w = pending_w[r]
         now_b = ready_b[0] if ready_b else None
         now_f = ready_f[0] if ready_f else None
+        flip = False
+        if flips:
+            if len(ready_b) > 1 and choice in flips:
+                now_b = ready_b[1]
+            if len(ready_f) > 1 and choice + 1 in flips:
+                now_f = ready_f[1]
+            flip = choice + 2 in flips
+        choice += 3
         if ready_f and ready_b:
             pivot_ff = True
-        if forward_first:
+        if forward_first != flip:
             kind, s = (F_, now_f) if now_f is not None else (back, now_b) if now_b is not None else (None, None)
         else:
             kind, s = (back, now_b) if now_b is not None else (F_, now_f) if now_f is not None else (None, None)
@@ -175,7 +188,7 @@ def list_schedule(problem: Problem, v: Variant, pivots: set | None = None,
         if kind is None and waiting_w:
             if soon is not None and t + dur_w[waiting_w[0][0]] > soon:
                 pivot_patient = True  # a backward arrives before this W would end: patient waits for it
-                if not patient:
+                if patient == flip:
                     kind = W_
             else:
                 kind = W_

@@ -5,8 +5,9 @@ The fixed generators assume every action costs the same. Here the plan is made f
 hand: an event-driven list scheduler (the zero-bubble paper's heuristic, generalised to real costs,
 message latency and per-stage memory) runs in a few dozen priority variants, the fixed schedules
 of the same placement that fit the limit join as candidates, the simulator times them all and the
-fastest within the limit wins, so the result is never worse than the best fixed schedule. A local
-search then tries moving single actions earlier while the simulator says that helps.
+fastest within the limit wins, so the result is never worse than the best fixed schedule. On small plans an
+iterated greedy then reruns the winning variant with a few of its choices turned (_sample), and a local
+search tries moving single actions earlier while the simulator says that helps.
 
 lower_bound() says how far from optimal the winner can be: no schedule of that placement, in any
 order, with any split of the backward, finishes sooner.
@@ -14,6 +15,7 @@ order, with any split of the backward, finishes sooner.
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass, field, replace
 from numbers import Real
 
@@ -28,6 +30,11 @@ from ..simulate import Costs
 SEARCH_EVALUATIONS = 300
 # ... and at most this many actions simulated in all, so that a large plan's search stays a fraction of a second.
 SEARCH_ACTIONS = 300_000
+# Runs of the iterated greedy (_sample; a seeded generator: the same plan every time), and the actions they may
+# schedule in all; a plan too large for SAMPLES // 4 runs is not sampled (at p 16 and up a few dozen found nothing).
+SAMPLES = 200
+SAMPLE_ACTIONS = 300_000
+FLIPS = 8  # at most this many choices turned at once
 ENTERING = (4, 6)  # caps on a rank's microbatches in flight (Variant.entering), in eighths of the limit
 
 
@@ -204,6 +211,7 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
             best_fixed, best_fixed_time = plan.name, makespan
             best_plan, best_ranks, best_time = plan, ranks, makespan
     seen, same, tried = set(), set(), 0
+    winners: list[Variant] = []  # the variants that bettered the best so far, in turn
     for variant in _variants(max_live, least_max_live(stage_to_rank)):
         if best_time is not None and best_time <= bound:
             break  # nothing beats the bound
@@ -224,8 +232,14 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
             makespan, peak = evaluate(problem, ranks)
         if peak <= max_live and (best_time is None or makespan < best_time):
             best_plan, best_ranks, best_time = None, ranks, makespan
+            winners.append(variant)
     if best_ranks is None:
         raise ScheduleError(f"no schedule found within max-live={max_live}; raise --max-live")
+    samples = min(SAMPLES, SAMPLE_ACTIONS // max(1, sum(map(len, best_ranks))))
+    if winners and best_time > bound and samples >= SAMPLES // 4:
+        sampled, best_time = _sample(problem, winners[-1], best_time, max_live, bound, samples)
+        if sampled is not None:
+            best_plan, best_ranks = None, sampled
     evaluations = min(search_evaluations, SEARCH_ACTIONS // max(1, sum(map(len, best_ranks))))
     if best_time > bound and evaluations > 0:
         improved, best_time = _improve(problem, best_ranks, best_time, max_live, bound, evaluations)
@@ -235,6 +249,29 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         best_plan = Plan("synthesized", m, stage_to_rank, problem.decode(best_ranks))
     plan = replace(best_plan, name=name, meta={**dict(meta), "from": best_plan.name})
     return Synthesis(plan, best_time, bound, max_live, best_fixed, best_fixed_time, tried)
+
+
+def _sample(problem: Problem, base: Variant, makespan: Real, max_live: int, bound: Real,
+            runs: int) -> tuple[list[list[int]] | None, Real]:
+    """Iterated greedy over the list scheduler's choices: from the best variant's run, turn a few more choices
+    the other way (list_schedule's flips) and keep the set when the plan is faster. (Keeping equal ones walks
+    onto plateaus of choices that decide nothing and found less.) The best order found (None if none beat
+    makespan) and its makespan."""
+    jitter, best, kept = random.Random(0), None, frozenset()
+    choices = 3 * sum(len(st) for st in problem.stages_of) * problem.m * 3  # about 3 per action
+    for _ in range(runs):
+        if makespan <= bound:
+            break
+        flips = kept | {jitter.randrange(choices) for _ in range(jitter.randint(1, FLIPS))}
+        result = list_schedule(problem, base, None, makespan, flips)
+        if result is None:
+            continue
+        ranks, time, peak = result
+        if any(problem.costs.dp_comm):
+            time, peak = evaluate(problem, ranks)
+        if peak <= max_live and time < makespan:
+            best, makespan, kept = ranks, time, flips
+    return best, makespan
 
 
 def _improve(problem: Problem, ranks: list[list[int]], makespan: Real, max_live: int, bound: Real,
