@@ -93,6 +93,22 @@ def test_sample_equals_transformers_greedy_generation(tmp_path):
     assert len(theirs) == 20 and ours.new_tokens == theirs
 
 
+def test_without_tokenizer_json_bytes_is_said_or_the_tokenizer_asked_for(tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_model(seed=10).save_pretrained(hf_dir)
+    result = invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt")
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if "no tokenizer.json" in line]
+    assert len(said) == 1 and said[0].startswith("tokenizer bytes: ") and "--tokenizer" in said[0], result.output
+    hf_dir = tmp_path / "hf-1000"
+    hf_model(seed=10, vocab_size=1000).save_pretrained(hf_dir)
+    assert_one_line_error(invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt-1000"),
+                          "holds no tokenizer.json", "vocabulary of 1000", "--tokenizer")
+    assert not (tmp_path / "ckpt-1000").exists()
+    result = invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt-1000", "--tokenizer", "bytes")
+    assert result.exit_code == 0 and checkpoint.read_manifest(tmp_path / "ckpt-1000")["tokenizer"] == "bytes"
+
+
 def set_rope(hf_dir, form: str, theta: float):
     """config.json's rotary settings in one form: transformers 5's rope_parameters, or the top-level rope_theta and
     rope_scaling that older transformers and the Hub's files hold."""
