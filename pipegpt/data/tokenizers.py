@@ -89,6 +89,11 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def tokenizer_size(name: str) -> int:
+    """How many token ids a tokenizer gives; gpt2's is known without fetching its BPE files."""
+    return 50257 if name == "gpt2" else get_tokenizer(name).vocab_size
+
+
 def _is_network_error(error: BaseException) -> bool:
     """A failed download (requests' and urllib's errors are OSErrors), as opposed to a bad file."""
     return isinstance(error, OSError) or any(word in type(error).__name__ for word in ("Connection", "Timeout", "HTTP"))

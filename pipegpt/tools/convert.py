@@ -34,6 +34,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -50,6 +51,7 @@ BIN_FILE = "pytorch_model.bin"
 LAYER_NORM_EPS = 1e-5                                     # torch.nn.LayerNorm's, which pipegpt's model uses
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")          # both are GELU with the tanh approximation
 EOT_TOKENS = {"gpt2": 50256}                              # the end-of-text token of each tokenizer that has one
+FITTING_TOKENIZERS = {256: "bytes", 50257: "gpt2"}        # the built-in tokenizer whose ids fill a vocabulary
 
 # Hugging Face defaults (GPT2Config) for fields a config.json leaves out.
 HF_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
@@ -165,9 +167,10 @@ def from_hf_state_dict(weights: dict, model: ModelConfig, where: Path | str = ""
                                          f"n_layer={model.n_layer}, tie_word_embeddings={model.tie_embeddings}")
 
 
-def import_hf(hf_dir, out, tokenizer: str | None = None) -> tuple[Path, ModelConfig]:
+def import_hf(hf_dir, out, tokenizer: str | None = None,
+              say: Callable[[str], None] = lambda line: None) -> tuple[Path, ModelConfig]:
     """Convert a Hugging Face GPT-2 or Llama-family directory into a weights-only checkpoint at `out`
-    (atomically). The tokenizer it remembers: _tokenizer_for."""
+    (atomically). The tokenizer it remembers: _tokenizer_for (say() gets a line when the vocabulary chose it)."""
     hf_dir, out = Path(hf_dir), Path(out)
     hf_config = read_hf_config(hf_dir)
     llama = convert_llama.is_llama_family(hf_config)
@@ -181,22 +184,35 @@ def import_hf(hf_dir, out, tokenizer: str | None = None) -> tuple[Path, ModelCon
         state = convert_llama.from_hf_state_dict(read_hf_weights(hf_dir), model, named_shapes(model), hf_dir)
     else:
         state = from_hf_state_dict(read_hf_weights(hf_dir), model, hf_dir)
-    tokenizer = _tokenizer_for(hf_dir, tokenizer, llama)
+    tokenizer = _tokenizer_for(hf_dir, tokenizer, llama, model.vocab_size, say)
     source = {"from_hf": str(hf_dir), "hf_config": hf_config}
     path = checkpoint.write_weights(out, state, {"model": dataclasses.asdict(model), "tokenizer": tokenizer,
                                                  "config": source})
     return path, model
 
 
-def _tokenizer_for(hf_dir: Path, tokenizer: str | None, llama: bool) -> str:
+def _tokenizer_for(hf_dir: Path, tokenizer: str | None, llama: bool, vocab_size: int,
+                   say: Callable[[str], None]) -> str:
     """The tokenizer the checkpoint remembers (loaded once here, so a bad one is refused before anything is
-    written): the one given; else a Llama-family directory's own tokenizer.json (by absolute path), bytes
-    without one; gpt2 (tiktoken's, the same BPE) for GPT-2."""
+    written): the one given; else a Llama-family directory's own tokenizer.json (by absolute path); gpt2
+    (tiktoken's, the same BPE) for a GPT-2 of 50257 tokens or more; else the built-in one whose ids fill the
+    vocabulary exactly, said in a line; else none: a ConvertError asks for --tokenizer."""
     from pipegpt.data.tokenizers import get_tokenizer
 
     if tokenizer is None:
         own = hf_dir / "tokenizer.json"
-        tokenizer = str(own) if llama and own.is_file() else ("bytes" if llama else "gpt2")
+        if llama and own.is_file():
+            tokenizer = str(own)
+        elif not llama and vocab_size >= 50257:
+            tokenizer = "gpt2"
+        elif vocab_size in FITTING_TOKENIZERS:
+            tokenizer = FITTING_TOKENIZERS[vocab_size]
+            say(f"tokenizer {tokenizer}: {f'{hf_dir} holds no tokenizer.json, and ' if llama else ''}the one whose "
+                f"ids fill the {vocab_size}-token vocabulary (give --tokenizer for another)")
+        else:
+            raise ConvertError(f"{hf_dir}: which tokenizer? {'it holds no tokenizer.json, and ' if llama else ''}"
+                               f"a vocabulary of {vocab_size} fits neither bytes (256) nor gpt2 (50257): give "
+                               f"--tokenizer (the model's tokenizer.json, gpt2 or bytes)")
     if tokenizer != "gpt2":  # tiktoken may need the network; a GPT-2 import never did
         tokenizer = get_tokenizer(canonical_tokenizer(tokenizer)).name
     return tokenizer
@@ -272,12 +288,13 @@ def convert_command(from_hf, out, tokenizer, to_hf, source, model_flags) -> list
     if from_hf is not None:
         if out is None or source is not None:
             raise ConfigError("--from-hf HF_DIR needs --out CHECKPOINT (and no --checkpoint)")
-        path, model = import_hf(from_hf, out, tokenizer)
+        notes = []
+        path, model = import_hf(from_hf, out, tokenizer, notes.append)
         tokenizer = checkpoint.read_manifest(path)["tokenizer"]
         return [f"wrote {path}: {model.n_layer}-layer {model.architecture.title}, n_embd {model.n_embd}, "
                 f"{model.n_head} heads" + (f" ({model.kv_heads} key/value)" if model.architecture.grouped_kv else "")
                 + f", vocabulary {model.vocab_size}, seq_len {model.seq_len}, "
-                f"{'tied' if model.tie_embeddings else 'untied'} embeddings; tokenizer {tokenizer}",
+                f"{'tied' if model.tie_embeddings else 'untied'} embeddings; tokenizer {tokenizer}", *notes,
                 f"train from it: pipegpt run --init-from {path} {model_flags(model, tokenizer)}",
                 f"sample from it: pipegpt sample {path} --prompt ..."]
     if source is None or out is not None or tokenizer is not None:

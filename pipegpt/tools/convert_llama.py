@@ -13,9 +13,13 @@ pipegpt's rotary code uses, so every tensor maps by name alone (no transposes, n
     model.norm.weight                             ln_f.weight
     lm_head.weight                                lm_head.weight              (untied models only)
 
-Only what pipegpt computes exactly is accepted: SiLU, no rope scaling, no sliding window, no experts,
-head_dim = hidden_size / num_attention_heads, q/k/v biases alone (Qwen2) or every bias (Llama's
-attention_bias with mlp_bias); anything else is one line naming the config field.
+Only what pipegpt computes exactly is accepted: SiLU, plain rotary positions (rope_type "default"), no sliding
+window, no experts, head_dim = hidden_size / num_attention_heads, q/k/v biases alone (Qwen2) or every bias
+(Llama's attention_bias with mlp_bias); anything else is one line naming the config field.
+
+The rotary settings come in two forms: top-level rope_theta and rope_scaling (older transformers, most files on
+the Hub) and transformers 5's rope_parameters {"rope_type": ..., "rope_theta": ...}. Both are read (rope_theta
+from either, and where both give one they must agree); an export writes both, so that either reads it.
 """
 from __future__ import annotations
 
@@ -56,8 +60,7 @@ def model_config_from_hf(config: dict, where) -> ModelConfig:
             refuse(field, "a whole number is needed")
     if config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "pipegpt's SwiGLU uses silu")
-    if config.get("rope_scaling") is not None:
-        refuse("rope_scaling", "pipegpt computes plain rotary positions (rope_scaling null)")
+    rope_theta = rope_theta_from_hf(config, where)
     if kind == "mistral" and config.get("sliding_window") is not None:
         refuse("sliding_window", "pipegpt's attention is full causal attention (sliding_window null)")
     if kind == "qwen2" and config.get("use_sliding_window"):
@@ -79,12 +82,45 @@ def model_config_from_hf(config: dict, where) -> ModelConfig:
         return ModelConfig(arch="llama", vocab_size=config["vocab_size"], seq_len=config.get("max_position_embeddings", 2048),
                            n_layer=config["num_hidden_layers"], n_head=H, n_embd=C,
                            n_kv_head=config.get("num_key_value_heads") or H, ffn_hidden=config["intermediate_size"],
-                           rope_theta=float(config.get("rope_theta", 10000.0)),
+                           rope_theta=rope_theta,
                            norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qkv_bias, bias=bias,
                            dropout=0.0, tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                            pad_vocab_to=1).validate()
     except ConfigError as e:
         raise ConvertError(f"{where}: {e}") from None
+
+
+def rope_theta_from_hf(config: dict, where) -> float:
+    """The rotary base of a config.json in either form (the module's docstring); a ConvertError names a rope type
+    other than the plain one, a partial rotary factor, or two rotary bases that disagree."""
+    found = {"": config}  # where rotary settings are, by prefix
+    for field in ("rope_scaling", "rope_parameters"):  # transformers 5 reads rope_scaling first, then rope_parameters
+        params = config.get(field)
+        if not params:
+            continue
+        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+            raise ConvertError(f"{where}: {field}={params!r} is not supported: pipegpt computes one plain rotary "
+                               f"embedding for every layer")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise ConvertError(f"{where}: {field}={params!r} is not supported: rope_type {rope_type!r} scales the "
+                               f"rotary positions; pipegpt computes plain ones (rope_type 'default')")
+        found[f"{field}."] = params
+    thetas = {}
+    for prefix, params in found.items():
+        if params.get("partial_rotary_factor") not in (None, 1, 1.0):
+            raise ConvertError(f"{where}: {prefix}partial_rotary_factor={params['partial_rotary_factor']!r} is not "
+                               f"supported: pipegpt rotates whole heads")
+        theta = params.get("rope_theta")
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0):
+            raise ConvertError(f"{where}: {prefix}rope_theta={theta!r} is not supported: a positive rotary base is "
+                               f"needed")
+        if theta is not None:
+            thetas[f"{prefix}rope_theta"] = theta
+    if len(set(thetas.values())) > 1:
+        raise ConvertError(f"{where}: {' and '.join(f'{f}={t!r}' for f, t in thetas.items())} disagree: which rotary "
+                           f"base? (transformers 5 reads rope_parameters, older versions the top-level rope_theta)")
+    return float(next(iter(thetas.values()), 10000.0))
 
 
 def from_hf_state_dict(weights: dict, model: ModelConfig, shapes: dict, where) -> dict:
@@ -135,7 +171,9 @@ def hf_config(model: ModelConfig) -> dict:
               "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
               "num_key_value_heads": model.kv_heads, "hidden_act": "silu",
               "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
-              "rope_theta": model.rope_theta, "rope_scaling": None, "tie_word_embeddings": model.tie_embeddings,
+              "rope_theta": model.rope_theta, "rope_scaling": None,
+              "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+              "tie_word_embeddings": model.tie_embeddings,
               "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
     if kind == "llama":
         config.update(attention_bias=model.bias, mlp_bias=model.bias, head_dim=model.head_dim)

@@ -13,7 +13,7 @@ from typing import Callable
 from pipegpt.config import TrainConfig, under_torchrun
 from pipegpt import run_files
 from pipegpt.engine.placement import resolve_device
-from pipegpt.train.progress import Clock, crowding, progress_line, summary_lines
+from pipegpt.train.progress import Clock, crowding, progress_line, summary_lines, unused_vocabulary
 from pipegpt.train.restart import drop_snapshots, exit_now, restart, restart_state
 from pipegpt.state.owner import release
 from pipegpt.train.run_dir import abandon_later, check_run_dir, move_aside, own_run_dir, resumed_run_dir
@@ -90,9 +90,9 @@ def _run(job, preset: str, out: Path, driver: bool, restarts: int, log_every: in
         jump = learning_rate_jump(cfg)
         if jump:
             echo(jump)
-        crowded = crowding(cfg, device)
-        if crowded:
-            echo(crowded, err=True)
+        for warning in (crowding(cfg, device), unused_vocabulary(cfg)):
+            if warning:
+                echo(warning, err=True)
 
     clock = Clock(done, steps)  # from where this attempt starts (job.first_step is known only once it started)
 

@@ -1,4 +1,5 @@
-"""What `pipegpt run` prints as it goes: the crowding warning, progress lines (elapsed, ETA) and the summary."""
+"""What `pipegpt run` prints as it goes: the crowding and vocabulary warnings, progress lines (elapsed, ETA) and
+the summary."""
 from __future__ import annotations
 
 import os
@@ -25,6 +26,18 @@ def crowding(cfg: TrainConfig, device: str) -> str | None:
     return (f"pipegpt: warning: {workers} worker processes on {cores} CPU cores: they take turns, so each step "
             f"is slower than on {workers} cores (dp x pp x tp = {cfg.world_size})")
 
+
+def unused_vocabulary(cfg: TrainConfig) -> str | None:
+    """A warning when the tokenizer gives fewer ids than the model's vocabulary (`--model gpt2 --tokenizer bytes`):
+    the embedding rows above its ids never see a token."""
+    from pipegpt.data.tokenizers import tokenizer_size
+
+    ids, vocab = tokenizer_size(cfg.data.tokenizer), cfg.model.vocab_size
+    if ids >= vocab:
+        return None
+    return (f"pipegpt: warning: tokenizer {cfg.data.tokenizer} gives {ids:,} token ids but the model's vocabulary "
+            f"is {vocab:,}: {vocab - ids:,} embedding rows are never trained (give --vocab-size {ids}, or the "
+            f"tokenizer the model was made for)")
 
 
 class Clock:

@@ -142,9 +142,26 @@ def test_bin_in_openai_layout(tmp_path):
     result = invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt")
     assert result.exit_code == 0, result.output
     model, manifest, _ = load_model(tmp_path / "ckpt")
-    assert manifest["tokenizer"] == "gpt2"  # the default
+    assert manifest["tokenizer"] == "bytes"  # the one that fits its 256-token vocabulary (issue 33: not gpt2)
     with torch.no_grad():
         assert (model(TOKENS) - hf_logits(hf)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("vocab_size, tokenizer", [(256, "bytes"), (50257, "gpt2"), (1000, None)])
+def test_without_tokenizer_the_one_that_fits_the_vocabulary(vocab_size, tokenizer, tmp_path):
+    """A GPT-2 of 50257 tokens gets gpt2 as before; one of 256 gets bytes, said in a line; any other asks."""
+    hf_dir, out = tmp_path / "hf", tmp_path / "ckpt"
+    hf_gpt2(seed=3, vocab_size=vocab_size).save_pretrained(hf_dir)
+    result = invoke("convert", "--from-hf", hf_dir, "--out", out)
+    if tokenizer is None:
+        assert_one_line_error(result, "vocabulary of 1000 fits neither bytes (256) nor gpt2", "--tokenizer")
+        assert not out.exists()
+        return
+    assert result.exit_code == 0, result.output
+    assert checkpoint.read_manifest(out)["tokenizer"] == tokenizer
+    assert f"--vocab-size {vocab_size} --tokenizer {tokenizer}" in result.output
+    chosen = [line for line in result.output.splitlines() if line.startswith(f"tokenizer {tokenizer}: ")]
+    assert len(chosen) == (tokenizer == "bytes"), result.output  # gpt2 for a GPT-2 goes without saying
 
 
 def _hf_dir(tmp_path: Path, name: str, **config) -> Path:

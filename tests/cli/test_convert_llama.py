@@ -93,6 +93,88 @@ def test_sample_equals_transformers_greedy_generation(tmp_path):
     assert len(theirs) == 20 and ours.new_tokens == theirs
 
 
+def test_without_tokenizer_json_bytes_is_said_or_the_tokenizer_asked_for(tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_model(seed=10).save_pretrained(hf_dir)
+    result = invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt")
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if "no tokenizer.json" in line]
+    assert len(said) == 1 and said[0].startswith("tokenizer bytes: ") and "--tokenizer" in said[0], result.output
+    hf_dir = tmp_path / "hf-1000"
+    hf_model(seed=10, vocab_size=1000).save_pretrained(hf_dir)
+    assert_one_line_error(invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt-1000"),
+                          "holds no tokenizer.json", "vocabulary of 1000", "--tokenizer")
+    assert not (tmp_path / "ckpt-1000").exists()
+    result = invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt-1000", "--tokenizer", "bytes")
+    assert result.exit_code == 0 and checkpoint.read_manifest(tmp_path / "ckpt-1000")["tokenizer"] == "bytes"
+
+
+def set_rope(hf_dir, form: str, theta: float):
+    """config.json's rotary settings in one form: transformers 5's rope_parameters, or the top-level rope_theta and
+    rope_scaling that older transformers and the Hub's files hold."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.pop("rope_parameters", None), config.pop("rope_theta", None), config.pop("rope_scaling", None)
+    if form == "rope_parameters":
+        config["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
+    else:
+        config.update(rope_theta=theta, rope_scaling=None)
+    (hf_dir / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("form", ["as saved", "rope_parameters", "top-level rope_theta"])
+def test_a_rotary_base_other_than_10000_is_read_in_either_form(form, tmp_path):
+    """The config as the installed transformers saves it (5.x: rope_parameters), and each form written out."""
+    hf = hf_model(seed=7, rope_theta=100000.0)
+    hf_dir, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    hf.save_pretrained(hf_dir)
+    if form != "as saved":
+        set_rope(hf_dir, form, 100000.0)
+    result = invoke("convert", "--from-hf", hf_dir, "--out", ckpt)
+    assert result.exit_code == 0, result.output
+    assert checkpoint.read_manifest(ckpt)["model"]["rope_theta"] == 100000.0
+    assert max_logit_diff(ckpt, hf) < 1e-4
+    prompt = "rotary "
+    ids = torch.tensor([list(prompt.encode())])
+    with torch.no_grad():
+        theirs = hf.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
+    assert sample(ckpt, prompt, max_new_tokens=30, temperature=0, top_k=None, seed=0).new_tokens == theirs
+
+
+def test_export_of_a_rotary_base_is_read_by_transformers(tmp_path):
+    hf = hf_model(seed=8, rope_theta=100000.0)
+    ckpt = imported(tmp_path, hf)
+    assert invoke("convert", "--to-hf", tmp_path / "out", "--checkpoint", ckpt).exit_code == 0
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == 100000.0  # both forms
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.to_dict().get("rope_parameters") == hf.config.to_dict().get("rope_parameters")
+    with torch.no_grad():
+        assert (back(TOKENS).logits - hf(TOKENS).logits).abs().max().item() < 1e-5
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+
+
+@pytest.mark.parametrize("change, fragments", [
+    ({"rope_parameters": LLAMA3_ROPE}, ["rope_parameters=", "rope_type 'llama3'"]),
+    ({"rope_parameters": None, "rope_theta": 500000.0,
+      "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}}, ["rope_scaling=", "'llama3'"]),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "rope_theta": 10000.0},
+     ["rope_theta=10000.0", "rope_parameters.rope_theta=500000.0", "disagree"]),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     ["rope_parameters.partial_rotary_factor=0.5"]),
+], ids=["llama3 in rope_parameters", "llama3 in rope_scaling", "two bases", "partial rotary"])
+def test_rotary_settings_pipegpt_does_not_compute_are_one_line(change, fragments, tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_model(seed=9).save_pretrained(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.pop("rope_theta", None)
+    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
+    assert_one_line_error(invoke("convert", "--from-hf", hf_dir, "--out", tmp_path / "ckpt"), *fragments)
+    assert not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_the_kv_cache_gives_the_tokens_of_the_whole_context(arch, tmp_path):
     """Greedy with the cache equals greedy recomputing the context, past seq_len too (the window crops)."""

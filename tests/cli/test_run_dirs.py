@@ -222,3 +222,16 @@ def test_more_workers_than_cores_on_cpu_is_said(no_training, tmp_path, monkeypat
     fits = invoke("run", "--stages", "1", "--microbatches", "2", "--steps", "2", "--device", "cpu",
                   "--run-dir", tmp_path / "one")
     assert fits.exit_code == 0 and fits.stderr == "", fits.output
+
+
+def test_a_tokenizer_with_fewer_ids_than_the_vocabulary_is_said(no_training, tmp_path):
+    """`--model gpt2 --tokenizer bytes` trains 50,257 embeddings on 256 ids: one line says so; a fit says nothing."""
+    result = invoke("run", "--model", "gpt2", "--tokenizer", "bytes", *ARGS, "--device", "cpu",
+                    "--run-dir", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stderr.splitlines() if "vocabulary" in line] == [
+        "pipegpt: warning: tokenizer bytes gives 256 token ids but the model's vocabulary is 50,257: 50,001 "
+        "embedding rows are never trained (give --vocab-size 256, or the tokenizer the model was made for)"]
+    fits = invoke("run", "--tokenizer", "bytes", "--vocab-size", "256", *ARGS, "--device", "cpu",
+                  "--run-dir", tmp_path / "fits")
+    assert fits.exit_code == 0 and "vocabulary" not in fits.stderr, fits.output
