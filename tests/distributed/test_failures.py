@@ -209,13 +209,21 @@ def test_worker_failure_stops_the_job(kind, cause, tmp_path):
         job.kill_all()
 
 
-def test_killing_the_driver_takes_the_workers_with_it(tmp_path):
+def _training(tmp_path) -> Job:
+    """A long run of two workers, its family sampled once its second step is done."""
     job = Job([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "100000", "--log-every", "1",
                "--run-dir", str(tmp_path / "run")], env=clean_env())
+    started = job.wait_for(lambda: job.step_line_time(2) is not None or job.proc.poll() is not None, LIMIT_S)
+    if not (started and job.proc.poll() is None):
+        job.kill_all()
+        pytest.fail(f"no training steps\n{job.stdout}\n{job.stderr}")
+    job.sample()
+    return job
+
+
+def test_killing_the_driver_takes_the_workers_with_it(tmp_path):
+    job = _training(tmp_path)
     try:
-        started = job.wait_for(lambda: job.step_line_time(2) is not None or job.proc.poll() is not None, LIMIT_S)
-        assert started and job.proc.poll() is None, f"no training steps\n{job.stdout}\n{job.stderr}"
-        job.sample()
         workers = _workers(job)
         assert len(workers) >= 2, job.cmdlines
         killed = time.monotonic()
@@ -232,12 +240,8 @@ def test_killing_the_driver_takes_the_workers_with_it(tmp_path):
 def test_sigterm_to_the_driver_stops_every_worker_in_one_line(tmp_path):
     """A scheduler's SIGTERM (it exited 143 with no word before). And ps names each worker by its rank and stage
     (each was `python -c from multiprocessing.spawn ...`)."""
-    job = Job([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "100000", "--log-every", "1",
-               "--run-dir", str(tmp_path / "run")], env=clean_env())
+    job = _training(tmp_path)
     try:
-        started = job.wait_for(lambda: job.step_line_time(2) is not None or job.proc.poll() is not None, LIMIT_S)
-        assert started and job.proc.poll() is None, f"no training steps\n{job.stdout}\n{job.stderr}"
-        job.sample()
         titles = sorted(cmd for cmd in job.cmdlines.values() if cmd.startswith("pipegpt: rank"))
         assert titles == ["pipegpt: rank 0 stage 0", "pipegpt: rank 1 stage 1"], job.cmdlines
         os.kill(job.proc.pid, signal.SIGTERM)
