@@ -1,8 +1,8 @@
 """The runtime walks plan.ranks[rank] and dispatches each action to a Stage, to comm or to a collective.
 
 It decides nothing about order: the lowered plan from pipegpt.schedule does.
-A REDUCE_GRAD launches the stage's data-parallel gradient reduction on the
-`collectives` object it is given (comm.data_parallel.GradientAverager); it
+A REDUCE_GRAD launches the stage's gradient reduction on the `collectives`
+object it is given (the training role's train.grad_sync.PlanCollectives); it
 overlaps what follows, and the worker waits for it after the step.
 Each run of consecutive SEND/RECV actions is posted as one batch; receives are
 waited for before the next compute, sends at the release points the schedule

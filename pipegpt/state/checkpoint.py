@@ -257,12 +257,11 @@ def check_tensors(checkpoint: Path, model) -> None:
     one line here, not a shape error in a worker. Only the files' headers are read."""
     import torch
 
-    from pipegpt.model.gpt import GPT
+    from pipegpt.arch import named_shapes
     from pipegpt.tensor_parallel import shard_tensor
 
     reader = CheckpointReader(checkpoint, verify=False)
-    with torch.device("meta"):
-        params = dict(GPT(model, init_seed=0).named_parameters())
+    params = {name: torch.empty(shape, device="meta") for name, shape in named_shapes(model).items()}
     optimizer = read_manifest(checkpoint, verify=False).get("optimizer", True)
     for name, p in params.items():
         for kind in ("param", "exp_avg", "exp_avg_sq") if optimizer else ("param",):

@@ -55,11 +55,16 @@ class TensorParallelSync(GradSync):
     values are counted and stored by tp rank 0, a shared kv head by the first rank of its group."""
 
     def __init__(self, engine: Engine, cfg: TrainConfig):
-        self.engine, self.group = engine, engine.mesh.group("tp")
+        self.group = engine.mesh.group("tp")
         self.kv_heads, self.tp, self.tp_index = cfg.model.kv_heads, cfg.parallel.tp, engine.mesh.tp_index
         modules = [stage.module for stage in engine.stages.values()]
         self.partial = [p for m in modules for p in sequence_parallel_grad_params(m)]
         self.shared_kv = [p for m in modules for p in replicated_kv_params(m)]
+        # Replicated values live on tp rank 0 (a tied head's one-process name is wte.weight: split the same way).
+        self.replicated = set() if self.tp_index == 0 else {
+            id(p) for _, p in engine.named_params if tp_shard_spec(engine.full_names[id(p)]) == REPLICATED}
+        self.uncounted = self.replicated | ({id(p) for p in self.shared_kv}
+                                            if self.tp_index % kv_replicas(self.kv_heads, self.tp) else set())
 
     def reduce(self) -> None:
         if self.partial:
@@ -67,21 +72,11 @@ class TensorParallelSync(GradSync):
         if self.shared_kv:
             sum_replicated_kv_grads(self.shared_kv, self.group, self.kv_heads, self.tp_index, self.tp)
 
-    def _replicated(self) -> set[int]:
-        if self.tp_index == 0:
-            return set()
-        return {id(p) for _, p in self.engine.named_params
-                if tp_shard_spec(self.engine.full_names[id(p)]) == REPLICATED}
-
     def not_counted(self) -> set[int]:
-        skip = {id(p) for n, p in self.engine.named_params if tp_shard_spec(n) == REPLICATED} \
-            if self.tp_index > 0 else set()
-        if self.tp_index % kv_replicas(self.kv_heads, self.tp):
-            skip |= {id(p) for p in self.shared_kv}
-        return skip
+        return self.uncounted
 
     def not_owned(self) -> set[int]:
-        return self._replicated()
+        return self.replicated
 
 
 class TiedEmbeddingSync(GradSync):

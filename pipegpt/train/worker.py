@@ -80,6 +80,8 @@ class Worker:
         collectives = PlanCollectives()  # runs the plan's REDUCE_GRADs with the syncs made once the stages exist
         engine.build(cfg, plan, eval_plan, collectives=collectives)
         self.syncs = collectives.syncs = make_syncs(engine, cfg)
+        # what other ranks count in the norm and store in a checkpoint: fixed until the next build
+        self.uncounted, self.elsewhere = not_counted(self.syncs), not_owned(self.syncs)
         self.stages, self.named_params, self.full_names = engine.stages, engine.named_params, engine.full_names
         self.moments_limit = moments_overflow_at(engine.dtype)
         self.optimizer = make_optimizer(self.named_params, cfg.optim, engine.mesh.group("dp") if p.zero else None)
@@ -173,7 +175,7 @@ class Worker:
         finite). The update may be applied when the norm and every rank's loss are finite: the same answer
         on every rank, since the losses' flags travel with the norm's all-reduce; replicas agree on the
         norm (their gradients were averaged) but not on their losses, hence one more all-reduce with dp."""
-        mesh, skip = self.engine.mesh, not_counted(self.syncs)
+        mesh, skip = self.engine.mesh, self.uncounted
         params = [p for _, p in self.named_params]
         counted = [p for p in params if id(p) not in skip]
         norm, bad_loss, mine_finite = global_grad_norm(counted, mesh.group("model"), self.device,
@@ -216,7 +218,7 @@ class Worker:
 
     def _checkpoint_tensors(self) -> tuple[dict, dict]:
         """What this rank owns of a checkpoint (RNG streams, parameters, Adam moments) and each tensor's tp shard."""
-        optimizer, mesh, elsewhere = self._local_optimizer, self.engine.mesh, not_owned(self.syncs)
+        optimizer, mesh, elsewhere = self._local_optimizer, self.engine.mesh, self.elsewhere
         shard = [mesh.tp_index, self.cfg.parallel.tp]
         tensors = rng.rng_state(self.rank, self.device)
         if mesh.dp_index == 0:  # replica 0 stores the parameters; under ZeRO each replica its optimizer shard
