@@ -1,6 +1,6 @@
 """Configuration as frozen dataclasses in sections, every default defined once, checked before any process starts.
 
-TrainConfig = model + parallel (dp x pp x tp, schedule, microbatches) + optim + data + runtime + checkpoint + eval. Fields
+TrainConfig = model + parallel (dp x pp x cp x tp, schedule, microbatches) + optim + data + runtime + checkpoint + eval. Fields
 with help text are also `pipegpt run` options (pipegpt.options derives them from here). Nothing here imports
 torch: `validate()` runs before any worker exists. Every check raises ConfigError with a one-line
 message that names the bad value and says what would be valid, so the driver can print it as it is.
@@ -147,6 +147,7 @@ TOKENIZERS = ("bytes", "gpt2")
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
 BALANCE = ("even", "cost")
+CP_COMM = ("ring", "allgather")
 ON_NONFINITE = ("stop", "skip")
 P2P_MATCHING = ("auto", "tag", "order")
 COMPILE_TIMEOUT_S = 900.0  # the first steps' timeout under --compile (RuntimeConfig.wait_timeout_s)
@@ -161,12 +162,17 @@ def setting(default, help: str = "", flag: str | None = None, short: str | None 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is laid out over ranks (dp x pp x tp) and how a step is cut into microbatches."""
+    """How the model is laid out over ranks (dp x pp x cp x tp) and how a step is cut into microbatches."""
 
     stages: int = setting(4, "Pipeline ranks (one worker process each; under torchrun, default "
                              "WORLD_SIZE / (dp x tp)).", short="-p")
     dp: int = setting(1, "Data-parallel replicas.")
     tp: int = setting(1, "Tensor-parallel ranks per stage.")
+    cp: int = setting(1, "Context-parallel ranks per stage: each holds 1/cp of every sequence (two chunks, so "
+                         "causal attention's work is even).")
+    cp_comm: str = setting("ring", "With --cp: how attention sees the other ranks' keys and values: a ring of "
+                                   "point-to-point blocks overlapped with compute, or one all-gather (Llama 3's).",
+                           choices=CP_COMM)
     schedule: str = setting("1f1b", "A schedule from `pipegpt simulate --schedule all`.", short="-s")
     schedule_file: str | None = setting(None, "Train with a schedule written by hand, one line of actions per rank "
                                               "(the format `pipegpt simulate --schedule-file` reads).")
@@ -194,11 +200,11 @@ class ParallelConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, pp=self.stages, tp=self.tp)
+        return ParallelDims(dp=self.dp, pp=self.stages, cp=self.cp, tp=self.tp)
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(dp=self.dp, pp=self.stages, tp=self.tp, sequence_parallel=self.sequence_parallel,
+        return Sharding(dp=self.dp, pp=self.stages, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
                         zero=self.zero)
 
 
@@ -378,7 +384,7 @@ class TrainConfig:
         size torchrun started, if it did."""
         self.model.validate()
         p, o, r = self.parallel, self.optim, self.runtime
-        for name in ("stages", "dp", "tp", "microbatches", "microbatch_size"):
+        for name in ("stages", "dp", "cp", "tp", "microbatches", "microbatch_size"):
             _check_positive_int(name, getattr(p, name))
         _check_positive_int("steps", r.steps)
         for name, value in (("virtual_stages", p.virtual_stages), ("threads_per_worker", r.threads_per_worker)):
@@ -422,7 +428,9 @@ class TrainConfig:
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("sequence parallelism shards along the sequence across tensor-parallel ranks: "
                               "use it with --tp 2 or more")
-        validate_tp(self.model, p.tp, p.sequence_parallel)
+        validate_tp(self.model, p.tp, p.sequence_parallel, p.cp)
+        validate_cp(self.model, p.cp)
+        _check_choice("cp_comm", p.cp_comm, CP_COMM)
         c, e = self.checkpoint, self.eval
         for name in ("eval_every", "eval_batches"):
             value = getattr(e, name)
@@ -438,7 +446,7 @@ class TrainConfig:
                                   f"--max-restarts N too")
             if not 1 <= c.min_ranks <= self.world_size:
                 raise ConfigError(f"min_ranks={c.min_ranks} must be between 1 and this job's {self.world_size} ranks "
-                                  f"(dp x pp x tp)")
+                                  f"(dp x pp x cp x tp)")
         if isinstance(c.snapshot_every, bool) or not isinstance(c.snapshot_every, int) or c.snapshot_every < 0:
             raise ConfigError(f"snapshot_every={c.snapshot_every!r} must be an integer >= 0")
         if c.snapshot_every and not c.max_restarts:
@@ -457,8 +465,8 @@ class TrainConfig:
         if p.schedule_file is not None and p.virtual_stages is not None:
             raise ConfigError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
         if env is not None and under_torchrun(env) and int(env["WORLD_SIZE"]) != self.world_size:
-            raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but dp x pp x tp = "
-                              f"{p.dp} x {p.stages} x {p.tp} = {self.world_size}")
+            raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but dp x pp x cp x tp = "
+                              f"{p.dp} x {p.stages} x {p.cp} x {p.tp} = {self.world_size}")
         local = env.get("LOCAL_WORLD_SIZE") if env is not None and under_torchrun(env) else None
         if local is not None and int(local) % p.tp:
             # tp ranks are consecutive (pipegpt.comm.mesh): a group crossing nodes would run its collectives
@@ -540,7 +548,23 @@ def _near_divisors(n: int, k: int) -> str:
     return f"tp={below}" + (f" or tp={above}" if above else "")
 
 
-def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+def validate_cp(config: ModelConfig, cp: int) -> None:
+    """`config` can run over `cp` context-parallel ranks: every sequence cuts into 2 x cp equal chunks (rank r
+    holds chunks r and 2cp-1-r), and attention has no dropout there (the ring computes it blockwise)."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"cp={cp!r} must be an integer >= 1")
+    if cp == 1:
+        return
+    if config.seq_len % (2 * cp):
+        raise ConfigError(f"context parallelism cuts each sequence into 2 x cp = {2 * cp} chunks: seq_len="
+                          f"{config.seq_len} is not divisible by {2 * cp}; use seq_len="
+                          f"{nearest_multiples(config.seq_len, 2 * cp)}")
+    if config.dropout:
+        raise ConfigError(f"context parallelism computes attention blockwise, without dropout: dropout="
+                          f"{config.dropout} needs cp=1 (or use dropout=0)")
+
+
+def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False, cp: int = 1) -> None:
     """Raise ConfigError (one line, naming the values and the nearest valid ones) unless
     `config` can be split over `tp` tensor-parallel ranks: whole heads per rank, and key/value heads either
     n_kv_head/tp per rank or, with tp a multiple of n_kv_head, one replicated over tp/n_kv_head ranks
@@ -579,6 +603,10 @@ def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False) -
         raise ConfigError(f"padded vocab_size={V} (vocab_size={config.vocab_size}, pad_vocab_to={pad}) "
                           f"is not divisible by tp={tp}: {fix}")
     T = config.seq_len
-    if sequence_parallel and T % tp:
+    if sequence_parallel and T % (tp * cp):
+        if cp > 1:
+            raise ConfigError(f"sequence parallelism cuts each context-parallel rank's seq_len/cp tokens over tp: "
+                              f"seq_len={T} is not divisible by cp x tp = {cp * tp}; use seq_len="
+                              f"{nearest_multiples(T, math.lcm(tp * cp, 2 * cp))}")
         raise ConfigError(f"sequence parallelism needs seq_len divisible by tp: seq_len={T}, tp={tp}; "
                           f"use seq_len={nearest_multiples(T, tp)}")

@@ -15,7 +15,6 @@ orders tp-cp-ep-dp-pp (pp outermost: a replica's stages on different nodes, the 
 keeps dp outermost, as it numbered ranks before cp existed: every rank number stays what it was, and one model
 replica (pp x cp x tp ranks) is a contiguous block, so a pipeline's messages stay inside a node when a replica
 fits there and the planner's node arithmetic (pipegpt.costs.stage_costs) reads rank // gpus_per_node.
-cp has size 1 until context parallelism exists.
 """
 from __future__ import annotations
 
@@ -151,6 +150,8 @@ LAYOUT_FIELDS = (
     LayoutField("stages", "pp", auto=True, shrink=True),
     LayoutField("dp", "dp", auto=True, shrink=True),
     LayoutField("tp", "tp", auto=True, shrink=True),
+    LayoutField("cp", shrink=True),
+    LayoutField("cp_comm", shrink=True),
     LayoutField("schedule", "schedule", auto=True, shrink=True),
     LayoutField("virtual_stages", "virtual_stages", auto=True, shrink=True),
     LayoutField("microbatches", "microbatches", auto=True, shrink=True),

@@ -16,7 +16,9 @@ from pipegpt.dims import Coords, ParallelDims
 
 # Every process group by name: the axes it spans (one group per position on the other axes).
 GROUP_AXES = {
-    "dp": ("dp",),  # gradient averaging and ZeRO-1's shards
+    "dp": ("dp",),  # the replicas of one layout position: what a loss is averaged over
+    "dp_cp": ("dp", "cp"),  # gradient averaging and ZeRO-1's shards: cp ranks hold the same weights, as replicas
+    "cp": ("cp",),  # one stage's context-parallel ranks: K/V travel among them
     "tp": ("tp",),
     "pp": ("pp",),
     "model": ("pp", "tp"),  # one model replica: what a gradient norm sums over
@@ -44,6 +46,10 @@ class Mesh:
     @property
     def pp_index(self) -> int:
         return self.coords.pp
+
+    @property
+    def cp_index(self) -> int:
+        return self.coords.cp
 
     @property
     def tp_index(self) -> int:

@@ -53,6 +53,8 @@ def _hand_written_groups(dp, pp, tp, embedding_pp_indices):
         "pp": [[rank_of(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
         "model": [[rank_of(d, p, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
     }
+    groups["dp_cp"] = groups["dp"]  # cp = 1: a cp group is one rank, dp x cp the dp group
+    groups["cp"] = [[r] for r in range(dp * pp * tp)]
     if len(set(embedding_pp_indices)) > 1:
         groups["embedding"] = [[rank_of(d, p, t) for p in sorted(set(embedding_pp_indices))]
                                for d in range(dp) for t in range(tp)]
@@ -64,7 +66,8 @@ def test_the_group_table_builds_the_groups_mesh_listed_by_hand(dp, pp, tp):
     dims = ParallelDims(dp=dp, pp=pp, tp=tp)
     ends = (0, pp - 1)  # the worker's embedding positions
     want = _hand_written_groups(dp, pp, tp, ends)
-    assert group_members(dims, ends) == want  # same groups, same order (every rank creates them in one order)
+    assert group_members(dims, ends) == {name: want[name] for name in group_members(dims, ends)}
+    assert group_members(dims, ends).keys() == want.keys()  # same groups, same order (every rank creates them in one order)
     assert ("embedding" in want) == (pp > 1)
     for name, groups in want.items():
         for group in groups:
@@ -132,7 +135,7 @@ def test_the_layout_maps_come_from_one_table():
     assert AUTO_LAYOUT_FIELDS == ("stages", "dp", "tp", "schedule", "virtual_stages", "microbatches",
                                   "microbatch_size", "recompute", "zero", "sequence_parallel", "layers_per_stage",
                                   "schedule_file")
-    assert LAYOUT_FLAGS == {"--stages", "-p", "--dp", "--tp", "--microbatches", "-m", "--schedule", "-s",
+    assert LAYOUT_FLAGS == {"--stages", "-p", "--dp", "--tp", "--cp", "--cp-comm", "--microbatches", "-m", "--schedule", "-s",
                            "--virtual-stages", "-v", "--layers-per-stage", "--batch-size", "--max-live",
                            "--balance", "--layout"}
     assert option_flags("stages") == ("--stages", "-p") and option_flags("timeout_s") == ("--timeout",)

@@ -19,6 +19,7 @@ LAYERS = [
     "pipegpt.costs",
     "pipegpt.plan",
     "pipegpt.tensor_parallel",
+    "pipegpt.context_parallel",
     "pipegpt.stages",
     "pipegpt.comm",
     "pipegpt.timing",

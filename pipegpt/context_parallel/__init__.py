@@ -1,0 +1,5 @@
+"""Context parallelism: every sequence cut over cp ranks of one stage, attention seeing the others' keys and values.
+
+    chunks.py     which positions a cp rank holds (load-balanced: chunks r and 2cp-1-r of 2cp), cutting and joining
+    attention.py  attention across the cp group: a ring of K/V blocks, or one all-gather; autograd Functions
+"""
