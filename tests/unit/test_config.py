@@ -14,7 +14,7 @@ from pipegpt.config import (SECTIONS, ConfigError, ModelConfig, TrainConfig, mic
 
 # Every option of `pipegpt run`. A change here is a change of the CLI that users and scripts see: make it on purpose.
 RUN_OPTIONS = [
-    "--batch-size", "--data", "--eval-batches", "--eval-every", "--hellaswag", "--init-from", "--keep", "--resume", "--save-every", "--device", "--dp", "--dtype", "--grad-clip", "--layers-per-stage", "--layout", "--log-every", "--snapshot-every",
+    "--batch-size", "--data", "--eval-batches", "--eval-every", "--hellaswag", "--init-from", "--keep", "--resume", "--save-every", "--device", "--dp", "--cp", "--cp-comm", "--dtype", "--grad-clip", "--layers-per-stage", "--layout", "--log-every", "--snapshot-every",
     "--lr", "--max-live", "--max-restarts", "--microbatch-size", "--min-ranks", "--microbatches", "--model", "--n-embd", "--n-head", "--n-layer", "--no-tie-embeddings",
     "--pad-vocab", "--port", "--recompute", "--run-dir", "--schedule", "--schedule-file", "--seed", "--seq-len",
     "--sequence-parallel", "--stages", "--steps", "--threads-per-worker", "--timeout", "--tokenizer", "--tp",
@@ -102,7 +102,7 @@ def test_p2p_dtype_defaults_to_the_compute_precision():
 
 def test_torchrun_world_size_must_match_the_grid():
     env = {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "a", "MASTER_PORT": "1"}
-    with pytest.raises(ConfigError, match=r"torchrun started 8 processes but dp x pp x tp = 1 x 4 x 1 = 4"):
+    with pytest.raises(ConfigError, match=r"torchrun started 8 processes but dp x pp x cp x tp = 1 x 4 x 1 x 1 = 4"):
         TrainConfig().validate(env)
     TrainConfig.build(stages=8).validate(env)
 
