@@ -237,6 +237,9 @@ class DataConfig:
                                                "llm.c shards or one flat uint16 file (default: built-in corpus).")
     tokenizer: str = setting("bytes", "bytes (vocabulary 256, offline), gpt2 (tiktoken BPE) or the path of a Hugging "
                                       "Face tokenizer.json (the tokenizers library, offline).")
+    document_mask: bool = setting(False, "Packed data: attention stays within each document (a document ends at the "
+                                         "tokenizer's end-of-text token).")
+    position_reset: bool = setting(False, "With --document-mask: positions restart at 0 at each document.")
 
 
 @dataclass(frozen=True)
@@ -394,6 +397,11 @@ class TrainConfig:
         _check_choice("device", r.device, DEVICES)
         _check_choice("dtype", r.dtype, DTYPES)
         check_tokenizer_name(self.data.tokenizer)
+        if self.data.position_reset and not self.data.document_mask:
+            raise ConfigError("--position-reset restarts positions at document boundaries: give --document-mask too")
+        if self.data.document_mask and self.data.tokenizer == "bytes":
+            raise ConfigError("--document-mask finds documents by the end-of-text token, and the bytes tokenizer has "
+                              "none: use --tokenizer gpt2 or a tokenizer.json with one")
         if p.zero not in (0, 1):
             raise ConfigError(f"zero={p.zero} is not supported: use 0 (off) or 1 (shard optimizer state)")
         for name in ("lr", "weight_decay", "grad_clip", "min_lr"):  # inf or nan would train on in nan

@@ -128,9 +128,10 @@ class PipelineRuntime:
         return (mb * self.plan.num_stages + sender_stage) * 2 + int(backward)
 
     def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
-             record: bool = True) -> StepResult:
+             record: bool = True, documents: list | None = None) -> StepResult:
         """Run one training step's forward and backward; gradients accumulate in the stages' params.
-        record=False: no per-action timestamps (no clock reads; on CUDA no events and no synchronisation)."""
+        record=False: no per-action timestamps (no clock reads; on CUDA no events and no synchronisation).
+        documents: per microbatch, its document boundaries (pipegpt.model.gpt.Documents), for every stage."""
         inbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to consume
         outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to send
         in_flight: dict[Action, Message] = {}  # SENDs posted, not yet released
@@ -157,7 +158,7 @@ class PipelineRuntime:
             if collective is None:
                 if self.before_compute is not None:
                     self.before_compute(actions[i])
-                self._compute(actions[i], inputs, targets, inbox, outbox)
+                self._compute(actions[i], inputs, targets, inbox, outbox, documents)
             else:
                 self.collectives.reduce_grad(collective.stage)
             if record:
@@ -180,11 +181,12 @@ class PipelineRuntime:
         losses = torch.stack(losses).tolist() if losses else []  # one device-to-host transfer
         return StepResult(losses, self.clock.resolve(events) if record else [])
 
-    def _compute(self, a: Action, inputs, targets, inbox, outbox) -> None:
+    def _compute(self, a: Action, inputs, targets, inbox, outbox, documents=None) -> None:
         stage, s, mb = self.stages[a.stage], a.stage, a.microbatch
         if a.kind is Kind.F:
             x = inputs[mb] if stage.is_first else inbox.pop((Kind.F, s, mb)).to(self.dtype)
-            out = stage.forward(mb, x, targets[mb] if stage.is_last else None)
+            out = stage.forward(mb, x, targets[mb] if stage.is_last else None,
+                                None if documents is None else documents[mb])
             if not stage.is_last:
                 self._hand_over(Kind.F, s, s + 1, mb, out, inbox, outbox)
         elif a.kind in (Kind.B, Kind.I):

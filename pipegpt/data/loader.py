@@ -44,6 +44,17 @@ class BatchSampler:
         return self
 
 
+def document_starts(x: torch.Tensor, end_of_text: int) -> torch.Tensor:
+    """[N, T]: for each token of x [N, T], the position where its document starts: 0, or one past the last
+    end-of-text token before it (a packed sequence's documents are separated by that token, which ends its own)."""
+    import torch
+
+    T = x.size(1)
+    new = torch.zeros_like(x, dtype=torch.bool)
+    new[:, 1:] = x[:, :-1] == end_of_text
+    return (torch.arange(T) * new).cummax(dim=1).values
+
+
 def windows(tokens, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of the windows at `starts`: y is x shifted by one token."""
     import torch
@@ -62,24 +73,40 @@ class RankLoader:
     """
 
     def __init__(self, tokens, seq_len: int, microbatches: int, microbatch_size: int, dp: int, dp_index: int,
-                 seed: int, inputs: bool, targets: bool, vocab_size: int | None = None):
+                 seed: int, inputs: bool, targets: bool, vocab_size: int | None = None, cp: int = 1,
+                 cp_index: int = 0, end_of_text: int | None = None):
         per_replica = microbatches * microbatch_size
         self.vocab_size = vocab_size  # ids at or past it are refused here, not met as an IndexError in a layer
         self.sampler = BatchSampler(tokens, dp * per_replica, seq_len, seed)
         self.rows = slice(dp_index * per_replica, (dp_index + 1) * per_replica)
         self.microbatch_size, self.inputs, self.targets = microbatch_size, inputs, targets
+        # context parallelism: this rank's chunks of every sequence; with end_of_text, where documents start
+        self.cp, self.cp_index, self.end_of_text = cp, cp_index, end_of_text
         self.step = 0
 
     def batch(self, step: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
         """(input microbatches or None, target microbatches or None) of a step."""
+        inputs, targets, _ = self.parts(step)
+        return inputs, targets
+
+    def parts(self, step: int) -> tuple[list | None, list | None, list | None]:
+        """(inputs, targets, document starts), each a list of microbatches or None: document starts
+        (pipegpt.data.loader.document_starts) when an end-of-text token was given, for every stage."""
+        from pipegpt.context_parallel.chunks import shard_sequence
+
         x, y = windows(self.sampler.tokens, self.sampler.starts(step)[self.rows], self.sampler.seq_len)
+        self._check_vocabulary(step, x, y)
+        starts = None if self.end_of_text is None else document_starts(x, self.end_of_text)
+        x, y, starts = (None if t is None else shard_sequence(t, self.cp_index, self.cp) for t in (x, y, starts))
+        split = lambda t, wanted: list(t.split(self.microbatch_size)) if wanted and t is not None else None  # noqa
+        return split(x, self.inputs), split(y, self.targets), split(starts, True)
+
+    def _check_vocabulary(self, step: int, x, y) -> None:
         if self.vocab_size is not None and max(int(x.max()), int(y.max())) >= self.vocab_size:
             from pipegpt.data.tokenizers import DataError
 
             raise DataError(f"step {step + 1}'s batch holds token id {max(int(x.max()), int(y.max()))}, not below "
                             f"the model's vocabulary size {self.vocab_size}: the data changed after it was checked")
-        return (list(x.split(self.microbatch_size)) if self.inputs else None,
-                list(y.split(self.microbatch_size)) if self.targets else None)
 
     def next(self):
         out = self.batch(self.step)

@@ -14,6 +14,7 @@ import torch
 from pipegpt.comm.mesh import init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.config import TrainConfig
+from pipegpt.context_parallel.layers import shard_for_cp
 from pipegpt.engine.placement import cuda_device_index, resolve_device
 from pipegpt.model.gpt import GPT
 from pipegpt.model.partition import partition_layers
@@ -64,6 +65,7 @@ class Engine:
                          recompute=p.recompute, init_seed=cfg.runtime.seed)
             if p.tp > 1:
                 shard_for_tp(module, self.mesh.tp_index, p.tp, self.mesh.group("tp"), p.sequence_parallel)
+            shard_for_cp(module, self.mesh.cp_index, p.cp, self.mesh.group("cp"), p.cp_comm)
             module = module.to(self.device, dtype)  # fp32 master weights under bf16 autocast too
             if cfg.runtime.compile:
                 module.compile()  # in place: parameter names and the module's attributes stay as they are
@@ -115,17 +117,17 @@ class Engine:
         return [stage.module.get_parameter(local) for stage in self.stages.values()
                 for local in stage.module.tied_parameter_names()]
 
-    def forward_only(self, inputs, targets) -> list[float]:
+    def forward_only(self, inputs, targets, documents=None) -> list[float]:
         """The evaluation plan over one batch, without gradients: the last stage's losses per microbatch."""
         with torch.no_grad():
-            losses = self.eval_runtime.step(inputs, targets, record=False).losses
+            losses = self.eval_runtime.step(inputs, targets, record=False, documents=documents).losses
             for stage in self.stages.values():
                 stage.discard()
         return losses
 
-    def train_step(self, inputs, targets, record: bool) -> StepResult:
+    def train_step(self, inputs, targets, record: bool, documents=None) -> StepResult:
         """The training plan over one batch; gradients accumulate in the stages' parameters."""
-        return self.runtime.step(inputs, targets, record=record)
+        return self.runtime.step(inputs, targets, record=record, documents=documents)
 
     def eval_mode(self, on: bool) -> None:
         for stage in self.stages.values():
@@ -144,7 +146,7 @@ class Engine:
     def finishing(self) -> tuple[None, str, tuple[int, ...], str]:
         """Where a step is after its actions: in collectives with its model replica and dp peers."""
         members = self.mesh.members
-        peers = tuple(sorted((set(members["model"]) | set(members["dp"])) - {self.rank}))
+        peers = tuple(sorted((set(members["model"]) | set(members["dp_cp"])) - {self.rank}))
         what = f"collectives with ranks {', '.join(map(str, peers))}" if peers else "nobody (computing)"
         return None, "finishing the step", peers, what
 

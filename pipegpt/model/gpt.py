@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -51,15 +52,30 @@ TIED_NAME = "wte.weight"  # the one-process name of the tied embedding/head weig
 # ---------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------
-def _causal_sdpa(q, k, v, dropout_p: float, offset: int = 0):
-    """Causal attention of q's positions offset.. over k's 0..: offset > 0 when earlier keys are cached."""
+def _causal_sdpa(q, k, v, dropout_p: float, offset: int = 0, documents: torch.Tensor | None = None):
+    """Causal attention of q's positions offset.. over k's 0..: offset > 0 when earlier keys are cached.
+    documents [B, T]: each token's document (where it starts); a token then attends within its own only."""
     if k.size(1) != q.size(1):  # grouped-query attention: each kv head serves n_head/n_kv_head q heads
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+    if documents is not None:
+        T = q.size(2)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        mask = causal & (documents[:, :, None] == documents[:, None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p)
     if offset == 0:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     T, S = q.size(2), k.size(2)
     mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=offset)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+class Documents(NamedTuple):
+    """Where packed documents lie in a microbatch's sequences: `starts` [B, T] holds, per token, the position
+    where its document starts (so two tokens share a document when their starts are equal, and a token's place in
+    its document is its position less its start); `reset_positions`: positions restart at each document."""
+
+    starts: torch.Tensor
+    reset_positions: bool = False
 
 
 @functools.lru_cache(maxsize=16)
@@ -71,12 +87,29 @@ def _rope_table(head_dim: int, length: int, theta: float, device: torch.device) 
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, theta: float, offset: int = 0) -> torch.Tensor:
-    """x [B, heads, T, head_dim] rotated by positions offset..offset+T (the rotate-half form)."""
+def apply_rope(x: torch.Tensor, theta: float, offset: int = 0, positions: torch.Tensor | None = None,
+               table_length: int | None = None) -> torch.Tensor:
+    """x [B, heads, T, head_dim] rotated by positions offset..offset+T (the rotate-half form), or by `positions`
+    ([T] or [B, T]: context parallelism's chunks, positions restarting at each document) below table_length."""
     T, hd = x.size(2), x.size(3)
-    cos, sin = (t[offset:offset + T].to(x.dtype) for t in _rope_table(hd, offset + T, float(theta), x.device))
+    if positions is None:
+        cos, sin = (t[offset:offset + T].to(x.dtype) for t in _rope_table(hd, offset + T, float(theta), x.device))
+    else:
+        cos, sin = (t[positions].to(x.dtype) for t in _rope_table(hd, table_length, float(theta), x.device))
+        if positions.dim() == 2:  # per sequence: [B, 1, T, hd] over the heads
+            cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def token_positions(length: int, context_parallel, documents: Documents | None, device) -> torch.Tensor | None:
+    """The positions of a slice's `length` tokens when they are not 0..length-1: a context-parallel rank's chunks
+    (context_parallel.positions), less each document's start where positions restart; None otherwise."""
+    positions = None if context_parallel is None else context_parallel.positions(length, device)
+    if documents is not None and documents.reset_positions:
+        base = torch.arange(length, device=device) if positions is None else positions
+        positions = base - documents.starts
+    return positions
 
 
 class KVCache:
@@ -100,6 +133,10 @@ class CausalSelfAttention(nn.Module):
         # n_head and n_kv_head are per instance: a tensor-parallel shard holds n_head/tp of them.
         self.n_head, self.n_kv_head, self.layer = config.n_head, config.kv_heads, layer
         self.dropout, self.selective = config.dropout, selective
+        self.max_positions = config.seq_len
+        # Set by pipegpt.context_parallel.shard_for_cp: this rank's place in the sequence and attention over the
+        # cp group (positions(length, device), attend(q, k, v, document starts)).
+        self.context_parallel = None
         arch = config.architecture
         self.rope_theta = config.rope_theta if arch.rotary else None
         self.fused_qkv = arch.fused_qkv
@@ -126,18 +163,23 @@ class CausalSelfAttention(nn.Module):
         return (q.view(B, T, self.n_head, hd).transpose(1, 2), k.view(B, T, self.n_kv_head, hd).transpose(1, 2),
                 v.view(B, T, self.n_kv_head, hd).transpose(1, 2))
 
-    def forward(self, x, cache: KVCache | None = None):
+    def forward(self, x, cache: KVCache | None = None, documents: Documents | None = None):
         q, k, v = self._heads(x)
         offset = cache.length if cache is not None else 0
+        cp = self.context_parallel
         if self.rope_theta is not None:
-            q, k = apply_rope(q, self.rope_theta, offset), apply_rope(k, self.rope_theta, offset)
+            positions = token_positions(q.size(2), cp, documents, q.device)
+            q, k = (apply_rope(t, self.rope_theta, offset, positions, self.max_positions) for t in (q, k))
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)
         p = self.dropout if self.training else 0.0
-        if self.selective and torch.is_grad_enabled():
-            y = checkpoint(_causal_sdpa, q, k, v, p, offset, use_reentrant=False)
+        starts = None if documents is None else documents.starts
+        if cp is not None:  # its Function keeps only q, k, v, the output and their log-sum-exp: nothing to recompute
+            y = cp.attend(q, k, v, starts)
+        elif self.selective and torch.is_grad_enabled():
+            y = checkpoint(_causal_sdpa, q, k, v, p, offset, starts, use_reentrant=False)
         else:
-            y = _causal_sdpa(q, k, v, p, offset)
+            y = _causal_sdpa(q, k, v, p, offset, starts)
         B, H, T, hd = y.shape
         return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, H * hd)))
 
@@ -176,8 +218,8 @@ class Block(nn.Module):
         self.ln2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache: KVCache | None = None):
-        x = x + self.attn(self.ln1(x), cache)
+    def forward(self, x, cache: KVCache | None = None, documents: Documents | None = None):
+        x = x + self.attn(self.ln1(x), cache, documents)
         return x + self.mlp(self.ln2(x))
 
 
@@ -224,6 +266,7 @@ class GPT(nn.Module):
         self.config, self.layers, self.embed, self.head, self.recompute = config, layers, embed, head, recompute
         V, C = config.padded_vocab_size, config.n_embd
         self.rotary = config.architecture.rotary
+        self.context_parallel = None  # pipegpt.context_parallel.shard_for_cp's: where this rank's tokens sit
         if embed:
             self.wte = nn.Embedding(V, C)
             if not self.rotary:  # rotary positions have no parameters
@@ -273,9 +316,10 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:
         """Tokens (or the previous stage's activations) -> activations, logits, or the mean loss with targets.
-        With a KVCache (sampling, no grad), x holds the positions after those cached."""
+        With a KVCache (sampling, no grad), x holds the positions after those cached. documents: packed
+        documents' boundaries (attention stays within each; positions may restart)."""
         T = x.size(1)
         if self.embed:
             start = cache.length if cache is not None else 0
@@ -283,13 +327,14 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence length {start + T} exceeds seq_len={self.config.seq_len}")
             x = self.wte(x)
             if not self.rotary:
-                x = x + self.wpe(torch.arange(start, start + T, device=x.device))
+                positions = token_positions(T, self.context_parallel, documents, x.device)
+                x = x + self.wpe(torch.arange(start, start + T, device=x.device) if positions is None else positions)
             x = self.drop(x)
         for block in self.blocks.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, None, documents, use_reentrant=False)
             else:
-                x = block(x, cache)
+                x = block(x, cache, documents)
         if cache is not None:
             cache.length += T
         if not self.head:

@@ -18,11 +18,12 @@ from pipegpt.schedule.simulate import Costs
 
 def make_plan(cfg: TrainConfig) -> Plan:
     """The lowered, validated plan every worker executes: from the schedule registry or a schedule file; with
-    data parallelism each stage's REDUCE_GRAD in it (where a schedule file has none: after the stage's last
-    B or W), with one replica none."""
+    data or context parallelism each stage's REDUCE_GRAD in it (where a schedule file has none: after the stage's
+    last B or W), with one replica and one cp rank none."""
     plan = _pipeline_plan(cfg)
     try:
-        return validate(add_reduce_grad(plan)) if cfg.parallel.dp > 1 else without_reduce_grad(plan)
+        averaged = cfg.parallel.dp * cfg.parallel.cp > 1  # gradients are averaged over dp x cp
+        return validate(add_reduce_grad(plan)) if averaged else without_reduce_grad(plan)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
 

@@ -22,7 +22,8 @@ class Shrunk:
 
 def layout_text(cfg: TrainConfig) -> str:
     p = cfg.parallel
-    return f"dp {p.dp} x pp {p.stages} x tp {p.tp}, {p.schedule}, {p.microbatches} microbatches"
+    cp = f" x cp {p.cp}" if p.cp > 1 else ""
+    return f"dp {p.dp} x pp {p.stages}{cp} x tp {p.tp}, {p.schedule}, {p.microbatches} microbatches"
 
 
 def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
@@ -33,7 +34,7 @@ def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
     old = _predicted(cfg)
     best = None
     for dp in sorted((d for d in range(1, p.dp + 1) if p.dp % d == 0), reverse=True):
-        stages = min(ranks // (dp * p.tp), cfg.model.n_layer)
+        stages = min(ranks // (dp * p.cp * p.tp), cfg.model.n_layer)
         if stages < 1:
             continue
         microbatches = p.microbatches * p.dp // dp

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import Variable
 
-from pipegpt.model.gpt import GPT
+from pipegpt.model.gpt import GPT, Documents
 from pipegpt.model.split_backward import defer_weight_grads
 
 
@@ -31,24 +31,27 @@ class Stage:
         self.pending_weight_grads: dict[int, list] = {}
         self.losses: list[torch.Tensor] = []
 
-    def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns the output to pass on (detached), or on the last stage the microbatch loss."""
+    def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """Returns the output to pass on (detached), or on the last stage the microbatch loss.
+        documents: the microbatch's document boundaries (--document-mask), on every stage."""
         if not self.is_first:
             x = x.detach().requires_grad_()
         self.inputs[mb] = x
         if self.autocast_dtype is None:
-            return self._forward(mb, x, targets)
+            return self._forward(mb, x, targets, documents)
         with torch.autocast(x.device.type, dtype=self.autocast_dtype):
-            return self._forward(mb, x, targets)
+            return self._forward(mb, x, targets, documents)
 
-    def _forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None,
+                 documents: Documents | None) -> torch.Tensor:
         if self.is_last:
-            loss = self.module(x, targets)
+            loss = self.module(x, targets, documents=documents)
             self.losses.append(loss.detach())
             # Microbatches are equal-sized, so the mean of their mean losses is the batch's mean loss.
             self.outputs[mb] = loss / self.num_microbatches
             return loss.detach()
-        out = self.module(x)
+        out = self.module(x, documents=documents)
         self.outputs[mb] = out
         return out.detach()
 

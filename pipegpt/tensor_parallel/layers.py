@@ -144,10 +144,11 @@ class SequenceChunkEmbedding(nn.Embedding):
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
     def forward(self, pos):
-        if pos.size(0) % self.tp_size:
-            raise ValueError(f"sequence parallelism: sequence length {pos.size(0)} is not divisible "
+        """pos [T], or [B, T] (positions per sequence: restarting at each document)."""
+        if pos.size(-1) % self.tp_size:
+            raise ValueError(f"sequence parallelism: sequence length {pos.size(-1)} is not divisible "
                              f"by tp={self.tp_size}")
-        return super().forward(pos.chunk(self.tp_size, 0)[self.tp_rank])
+        return super().forward(pos.chunk(self.tp_size, -1)[self.tp_rank])
 
 
 def _vocab_parallel_head_output(logits, targets, vocab_start: int, vocab_size: int, group):

@@ -59,6 +59,9 @@ def check(cfg: TrainConfig) -> Plan:
         if top >= cfg.model.vocab_size:
             raise ConfigError(f"the built-in corpus holds token id {top} (tokenizer {cfg.data.tokenizer}), not below "
                               f"vocab_size={cfg.model.vocab_size}: give --vocab-size {top + 1} or more")
+    if cfg.data.document_mask and get_tokenizer(cfg.data.tokenizer).eot_token is None:
+        raise ConfigError(f"--document-mask finds documents by the end-of-text token, and tokenizer "
+                          f"{cfg.data.tokenizer} has none: use one with <|endoftext|>, <|end_of_text|> or </s>")
     start_from(cfg)
     if cfg.eval.hellaswag:
         from pipegpt.data.hellaswag import read_examples
@@ -98,7 +101,7 @@ def _check_host_memory(cfg: TrainConfig, plan: Plan, meminfo: str = "/proc/memin
                         microbatch_size=p.microbatch_size, sharding=p.sharding, recompute=p.recompute,
                         precision=memory_precision(cfg.runtime.precision, cfg.runtime.dtype), device="cpu")
     local = local_world_size(cfg.world_size)
-    per_replica = sum(r.total for r in ranks) * p.tp  # every tp rank of a pipeline rank holds as much
+    per_replica = sum(r.total for r in ranks) * p.tp * p.cp  # every tp and cp rank of a pipeline rank holds as much
     need = (per_replica * p.dp if local == cfg.world_size else max(r.total for r in ranks) * local) \
         + PROCESS_BYTES * local
     if need > available:
@@ -309,10 +312,9 @@ class Job:
         raise WorkerStalled(culprit.rank, f"{culprit.cause} (step {step + 1}, {waited_s:.0f}s)", report)
 
     def build(self, cfg: TrainConfig) -> list[dict]:
-        """Rebuild every worker for another config on the same grid (dp x pp x tp)."""
-        grid = lambda c: (c.parallel.dp, c.parallel.stages, c.parallel.tp)  # noqa: E731
-        if grid(cfg) != grid(self.cfg):
-            raise ConfigError(f"a running job keeps its grid dp x pp x tp = {grid(self.cfg)}, not {grid(cfg)}")
+        """Rebuild every worker for another config on the same grid (dp x pp x cp x tp)."""
+        if cfg.parallel.dims != self.cfg.parallel.dims:
+            raise ConfigError(f"a running job keeps its grid {self.cfg.parallel.dims}, not {cfg.parallel.dims}")
         self.cfg, self.plan = cfg, check(cfg)
         self.step_times = []  # another config, other step times
         self.eval_plan = evaluation_plan(self.plan)
@@ -328,7 +330,7 @@ class Job:
         shards = {}
         for rank, named in enumerate(self.cluster.call("model_state")):
             at = p.dims.coords(rank)
-            if at.dp == 0:
+            if at.dp == 0 and at.cp == 0:  # cp ranks hold the same weights
                 for name, value in named.items():
                     shards.setdefault(name, {})[at.tp] = value
         kv = self.cfg.model.kv_heads  # Llama's k and v shards are split by kv head

@@ -40,7 +40,7 @@ class DataParallelSync(GradSync):
     plan right after the stage's last backward), so they overlap with the rest of the step. Replica 0 stores the parameters (optimizer state: see the role)."""
 
     def __init__(self, engine: Engine, timeout_s: float):
-        self.averager = GradientAverager(engine.params_by_stage(), engine.mesh.group("dp"), engine.rank, timeout_s)
+        self.averager = GradientAverager(engine.params_by_stage(), engine.mesh.group("dp_cp"), engine.rank, timeout_s)
 
     def reduce_grad(self, stage: int) -> None:
         self.averager.reduce_grad(stage)
@@ -102,7 +102,7 @@ def make_syncs(engine: Engine, cfg: TrainConfig) -> list[GradSync]:
     """The syncs a built engine needs, in the order their sums run: data-parallel averages first (started during
     the step), then tensor parallelism's partial sums, then the tied embedding's copies."""
     syncs: list[GradSync] = []
-    if engine.mesh.group("dp") is not None:
+    if engine.mesh.group("dp_cp") is not None:  # cp ranks average their gradients as replicas do
         syncs.append(DataParallelSync(engine, cfg.runtime.wait_timeout_s))
     if cfg.parallel.tp > 1:
         syncs.append(TensorParallelSync(engine, cfg))

@@ -24,7 +24,7 @@ def crowding(cfg: TrainConfig, device: str) -> str | None:
     if workers <= cores:
         return None
     return (f"pipegpt: warning: {workers} worker processes on {cores} CPU cores: they take turns, so each step "
-            f"is slower than on {workers} cores (dp x pp x tp = {cfg.world_size})")
+            f"is slower than on {workers} cores (dp x pp x cp x tp = {cfg.world_size})")
 
 
 def unused_vocabulary(cfg: TrainConfig) -> str | None:

@@ -25,6 +25,7 @@ from pipegpt.engine.actor import actor_method
 from pipegpt.engine.engine import Engine
 from pipegpt.engine.placement import name_process
 from pipegpt.engine.results import SavedFile, WorkerStep
+from pipegpt.model.gpt import Documents
 from pipegpt.observe.clocks import clock_reading
 from pipegpt.observe.profile import Profiler
 from pipegpt.resilience.faults import FaultHook
@@ -84,13 +85,16 @@ class Worker:
         self.uncounted, self.elsewhere = not_counted(self.syncs), not_owned(self.syncs)
         self.stages, self.named_params, self.full_names = engine.stages, engine.named_params, engine.full_names
         self.moments_limit = moments_overflow_at(engine.dtype)
-        self.optimizer = make_optimizer(self.named_params, cfg.optim, engine.mesh.group("dp") if p.zero else None)
+        self.optimizer = make_optimizer(self.named_params, cfg.optim, engine.mesh.group("dp_cp") if p.zero else None)
         self.loader = self.val_loader = None
-        if 0 in self.stages or last in self.stages:
+        # --document-mask: every stage's attention needs the documents' boundaries, so every rank reads the batch
+        end_of_text = get_tokenizer(cfg.data.tokenizer).eot_token if cfg.data.document_mask else None
+        if 0 in self.stages or last in self.stages or end_of_text is not None:
             train, val = self._tokens()
             loader = lambda tokens, seed: RankLoader(  # noqa: E731
                 tokens, cfg.model.seq_len, plan.num_microbatches, p.microbatch_size, p.dp, engine.mesh.dp_index,
-                seed, inputs=0 in self.stages, targets=last in self.stages, vocab_size=cfg.model.vocab_size)
+                seed, inputs=0 in self.stages, targets=last in self.stages, vocab_size=cfg.model.vocab_size,
+                cp=p.cp, cp_index=engine.mesh.cp_index, end_of_text=end_of_text)
             self.loader = loader(train, cfg.runtime.seed)
             # Without a validation split (the built-in corpus, one flat file), validation windows come from
             # the training tokens under another seed: a check of the mechanics, not a held-out loss.
@@ -115,8 +119,8 @@ class Worker:
         t0, cpu0 = time.perf_counter(), _process_cpu_s()
         for _, p in self.named_params:
             p.grad = None
-        inputs, targets = self._batch(self.loader, step)
-        result = engine.train_step(inputs, targets, record=step in self.recorded_steps)
+        inputs, targets, documents = self._batch(self.loader, step)
+        result = engine.train_step(inputs, targets, record=step in self.recorded_steps, documents=documents)
         engine.runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping, optimizer
         for sync in self.syncs:
             sync.reduce()
@@ -141,7 +145,8 @@ class Worker:
         self.engine.eval_mode(True)
         try:
             for k in range(batches):
-                losses += self.engine.forward_only(*self._batch(self.val_loader, k))
+                inputs, targets, documents = self._batch(self.val_loader, k)
+                losses += self.engine.forward_only(inputs, targets, documents)
         finally:
             self.engine.eval_mode(False)
         return {"rank": self.rank, "losses": losses}
@@ -158,13 +163,15 @@ class Worker:
         return self.engine.where()
 
     def _batch(self, loader: RankLoader | None, step: int):
+        """(inputs, targets, documents) of a step on this rank's device, each a list of microbatches or None."""
         if loader is None:
-            return None, None
+            return None, None, None
         loader.step = step + 1
-        inputs, targets = loader.batch(step)
+        parts = loader.parts(step)
         to_device = self.engine.to_device
-        return ([to_device(x) for x in inputs] if inputs else None,
-                [to_device(y) for y in targets] if targets else None)
+        inputs, targets, starts = ([to_device(t) for t in ts] if ts else None for ts in parts)
+        reset = self.cfg.data.position_reset
+        return inputs, targets, None if starts is None else [Documents(s, reset) for s in starts]
 
     def _clip_gradients(self, loss_finite: bool) -> tuple[float, bool, list[int]]:
         """Clip by the global norm over one model replica, each value counted once (every sync says which of
@@ -182,9 +189,9 @@ class Worker:
                                                        flagged=not loss_finite)
         # A norm whose squares overflow the moments' dtype poisons Adam's state: not applied either.
         finite = norm < self.moments_limit and not bad_loss
-        if self.cfg.parallel.dp > 1:
+        if mesh.group("dp_cp") is not None:  # replicas and cp ranks differ in their losses
             flag = torch.tensor(0.0 if finite else 1.0, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.group("dp"))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.group("dp_cp"))
             finite = flag.item() == 0.0
         if finite:
             clip_grads_(params, norm, self.cfg.optim.grad_clip)
@@ -221,10 +228,13 @@ class Worker:
         optimizer, mesh, elsewhere = self._local_optimizer, self.engine.mesh, self.elsewhere
         shard = [mesh.tp_index, self.cfg.parallel.tp]
         tensors = rng.rng_state(self.rank, self.device)
-        if mesh.dp_index == 0:  # replica 0 stores the parameters; under ZeRO each replica its optimizer shard
+        # Replica 0 (dp and cp index 0: cp ranks hold the same weights) stores the parameters; under ZeRO each
+        # rank of the dp x cp group its optimizer shard.
+        first_replica = mesh.dp_index == 0 and mesh.cp_index == 0
+        if first_replica:
             tensors.update({f"param/{self.full_names[id(p)]}": p for _, p in self.named_params
                             if id(p) not in elsewhere})
-        if mesh.dp_index == 0 or self.cfg.parallel.zero:
+        if first_replica or self.cfg.parallel.zero:
             for p, state in optimizer.state.items():
                 if id(p) not in elsewhere:
                     tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})

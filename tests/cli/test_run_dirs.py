@@ -218,7 +218,7 @@ def test_more_workers_than_cores_on_cpu_is_said(no_training, tmp_path, monkeypat
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
         "pipegpt: warning: 2 worker processes on 1 CPU cores: they take turns, so each step is slower than on "
-        "2 cores (dp x pp x tp = 2)"], result.stderr
+        "2 cores (dp x pp x cp x tp = 2)"], result.stderr
     fits = invoke("run", "--stages", "1", "--microbatches", "2", "--steps", "2", "--device", "cpu",
                   "--run-dir", tmp_path / "one")
     assert fits.exit_code == 0 and fits.stderr == "", fits.output

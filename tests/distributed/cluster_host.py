@@ -39,7 +39,8 @@ def _serve(conn, cfg) -> None:
 def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
     """(one-process name, full tensor) per pipeline copy: tensor-parallel shards gathered to full shape.
 
-    Data-parallel replicas must hold identical values: replica 0's are returned, the others checked.
+    Data-parallel replicas (and context-parallel ranks) must hold identical values: replica 0's are returned, the
+    others checked.
     """
     import torch
 
@@ -53,7 +54,7 @@ def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
         d, p, t = at.dp, at.pp, at.tp
         for name, value in tensors.items():
             key = (_one_process_name(name, cfg), p)
-            if d == 0:
+            if d == 0 and at.cp == 0:  # context-parallel ranks hold the same weights, as replicas do
                 shards.setdefault(key, {})[t] = value
             else:
                 replicas[(*key, t)] = value

@@ -1,0 +1,54 @@
+"""Context parallelism as a setting on a plain GPT slice: shard_for_cp tells every attention layer (and the
+embedding's positions) where this rank's tokens sit and how to see the others'. Parameters are untouched: every cp
+rank of a stage holds the same weights, and their gradients are averaged with the data-parallel replicas'
+(pipegpt.comm.mesh's dp_cp group), so nothing here changes a checkpoint.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from pipegpt.config import CP_COMM, ConfigError
+from pipegpt.context_parallel.attention import context_parallel_attention
+from pipegpt.context_parallel.chunks import local_positions
+from pipegpt.model.gpt import GPT
+
+
+@dataclass(frozen=True, eq=False)
+class ContextParallel:
+    """One rank's place in its cp group: what the model's attention and position embedding ask of it."""
+
+    rank: int
+    size: int
+    group: object
+    comm: str
+
+    def positions(self, length: int, device) -> torch.Tensor:
+        """The global positions of this rank's `length` local tokens (two load-balanced chunks)."""
+        return _positions(length * self.size, self.rank, self.size, torch.device(device))
+
+    def attend(self, q, k, v, documents: torch.Tensor | None) -> torch.Tensor:
+        return context_parallel_attention(q, k, v, self.group, self.rank, self.size, self.comm, documents)
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(seq_len: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
+    return local_positions(seq_len, rank, size, device)
+
+
+def shard_for_cp(module: GPT, cp_rank: int, cp_size: int, group, comm: str = "ring") -> GPT:
+    """Make `module` one rank of a cp group of cp_size (in place; its inputs then hold this rank's chunks of every
+    sequence, pipegpt.context_parallel.chunks). Returns `module`; cp_size 1 leaves it as it is."""
+    if comm not in CP_COMM:
+        raise ConfigError(f"cp_comm={comm!r} is not valid: use one of {', '.join(CP_COMM)}")
+    if not 0 <= cp_rank < cp_size:
+        raise ConfigError(f"cp_rank={cp_rank} must be in [0, {cp_size})")
+    if cp_size == 1:
+        return module
+    layout = ContextParallel(cp_rank, cp_size, group, comm)
+    module.context_parallel = layout
+    for block in module.blocks.values():
+        block.attn.context_parallel = layout
+    return module
