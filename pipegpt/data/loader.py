@@ -45,13 +45,14 @@ class BatchSampler:
 
 
 def document_starts(x: torch.Tensor, end_of_text: int) -> torch.Tensor:
-    """[N, T]: for each token of x [N, T], the position where its document starts: 0, or one past the last
-    end-of-text token before it (a packed sequence's documents are separated by that token, which ends its own)."""
+    """[N, T]: for each token of x [N, T], the position where its document starts: 0, or the last end-of-text token
+    at or before it. pipegpt prepare (as llm.c's shards) puts that token before every document, so it opens its
+    document, and its target, the document's first token, is predicted from it alone (as after a BOS)."""
     import torch
 
     T = x.size(1)
-    new = torch.zeros_like(x, dtype=torch.bool)
-    new[:, 1:] = x[:, :-1] == end_of_text
+    new = x == end_of_text
+    new[:, 0] = True
     return (torch.arange(T) * new).cummax(dim=1).values
 
 

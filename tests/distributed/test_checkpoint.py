@@ -37,7 +37,8 @@ def losses(run_dir: Path) -> list[float]:
 LAYOUTS = {"1f1b": ["--stages", "2", "--microbatches", "2"],
            "zb-h1": ["--stages", "2", "--microbatches", "3", "--schedule", "zb-h1"],
            "1f1b-dp2": ["--stages", "2", "--microbatches", "2", "--dp", "2"],
-           "zb-h1-dp2-zero1": ["--stages", "2", "--microbatches", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-h1"]}
+           "zb-h1-dp2-zero1": ["--stages", "2", "--microbatches", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-h1"],
+           "1f1b-cp2": ["--stages", "2", "--microbatches", "2", "--cp", "2"]}
 
 
 # All slow: the dropout test resumes 1f1b-dp2 bit for bit in the default run, and a ZeRO-1 resume under another
@@ -96,8 +97,12 @@ def _config(**layout) -> TrainConfig:
 
 
 @pytest.mark.parametrize("layout", [{"stages": 2, "tp": 2}, {"stages": 1}, {"stages": 2, "dp": 2, "zero": 1,
-                                                                              "microbatches": 2}],
-                         ids=["2-stages-tp2", "one-process", "dp2-zero1"])
+                                                                              "microbatches": 2},
+                                    {"stages": 2, "cp": 2},
+                                    pytest.param({"stages": 1, "cp": 4}, marks=pytest.mark.slow),
+                                    pytest.param({"stages": 1, "cp": 2, "dp": 2, "zero": 1, "microbatches": 2},
+                                                 marks=pytest.mark.slow)],
+                         ids=["2-stages-tp2", "one-process", "dp2-zero1", "2-stages-cp2", "cp4", "cp2-dp2-zero1"])
 def test_resume_under_another_layout_restores_everything(four_stage_checkpoint, layout):
     path, next_loss = four_stage_checkpoint
     reader = checkpoint.CheckpointReader(path)
@@ -250,3 +255,10 @@ def test_a_runs_checkpoint_files_follow_the_umask(saved):
     ckpt = saved / "checkpoints" / "step-00000002"
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in ckpt.iterdir()}
     assert modes == {name: oct(0o666 & ~umask) for name in modes} and len(modes) == 3
+
+
+@pytest.mark.slow
+def test_a_context_parallel_checkpoint_resumes_in_one_process(tmp_path):
+    """cp 2 -> cp 1: a checkpoint is layout-free (cp ranks hold the same weights; replica 0 stores them)."""
+    pipegpt_run(tmp_path / "run", *LAYOUTS["1f1b-cp2"], "--steps", "3", "--save-every", "2", "--dtype", "float64")
+    assert_resumes_exactly(tmp_path / "run", _config(stages=1, microbatches=2))

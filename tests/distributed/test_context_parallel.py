@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from pipegpt.config import ModelConfig
 from pipegpt.train.driver import check
@@ -27,7 +28,7 @@ def cp_config(p: int, cp: int, model: ModelConfig = MODEL, **changes):
 
 @pytest.mark.parametrize("comm", ["ring", pytest.param("allgather", marks=pytest.mark.slow)])
 def test_gpt2_cp2_matches_one_process(workers, comm):
-    cfg = cp_config(1, 2, cp_comm=comm, microbatches=2)
+    cfg = cp_config(2, 2, cp_comm=comm, microbatches=4)  # the grid of the other default cases: one start
     check(cfg)
     assert_matches_reordered(cfg, workers(cfg))
 
@@ -60,3 +61,65 @@ def test_cp_grid_matches_one_process(workers, cp, dp, tp, p, comm, extra, model)
     cfg = cp_config(p, cp, m, dp=dp, tp=tp, cp_comm=comm, microbatches=2 * p, **extra)
     check(cfg)
     assert_matches_reordered(cfg, workers(cfg))
+
+
+@pytest.fixture(scope="module")
+def packed_data(tmp_path_factory):
+    """Short documents packed into shards by pipegpt prepare (each opened by the end-of-text token, id 0) with a
+    small tokenizer.json: several documents fall in every 16-token window."""
+    pytest.importorskip("tokenizers")
+    from helpers import make_tokenizer_json
+    from pipegpt.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("packed")
+    tokenizer = make_tokenizer_json(root / "tokenizer.json")
+    words = "the pipeline sends activations forward and gradients back".split()  # the tokenizer's own words
+    files = []
+    for i in range(300):
+        path = root / f"doc{i:03d}.txt"
+        path.write_text(" ".join(words[(i * 7 + j) % len(words)] for j in range(1 + i % 2)))
+        files.append(str(path))
+    prepare(files, str(root / "data"), tokenizer=tokenizer, val_fraction=0.1)
+    return str(root / "data"), tokenizer
+
+
+def document_reference(cfg):
+    """Step 0's loss and clipped gradients of the one-process model on the whole batch, documents masked."""
+    from helpers import one_thread
+    from pipegpt.data.loader import BatchSampler, document_starts
+    from pipegpt.data.tokenizers import get_tokenizer
+    from pipegpt.data.tokens import open_tokens
+    from pipegpt.model.gpt import Documents, build_reference_model
+
+    with one_thread():
+        model = build_reference_model(cfg.model, cfg.runtime.seed)
+        x, y = BatchSampler(open_tokens(cfg.data.data, "train"), cfg.batch_size, cfg.model.seq_len,
+                            cfg.runtime.seed).batch(0)
+        starts = document_starts(x, get_tokenizer(cfg.data.tokenizer).eot_token)
+        assert min(len(set(row.tolist())) for row in starts) >= 3, "each window must hold several documents"
+        unmasked = model(x, y).item()
+        loss = model(x, y, documents=Documents(starts, cfg.data.position_reset))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        return loss.item(), unmasked, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("p,cp,reset,model", [(2, 2, True, "gpt2"),
+                                              pytest.param(2, 2, False, "gqa", marks=pytest.mark.slow),
+                                              pytest.param(1, 4, True, "gqa", marks=pytest.mark.slow),
+                                              pytest.param(2, 1, False, "gpt2", marks=pytest.mark.slow)])
+def test_document_mask_matches_one_process(workers, packed_data, p, cp, reset, model):
+    data, tokenizer = packed_data
+    from pipegpt.data.tokenizers import get_tokenizer
+
+    vocab = get_tokenizer(tokenizer).vocab_size
+    m = dataclasses.replace(MODEL if model == "gpt2" else MODELS[model], vocab_size=vocab)
+    cfg = cp_config(p, cp, m, data=data, tokenizer=tokenizer, document_mask=True, position_reset=reset,
+                    microbatches=2 * p)
+    check(cfg)
+    ref_loss, unmasked, ref_grads = document_reference(cfg)
+    assert abs(ref_loss - unmasked) > 1e-4  # the mask matters on this data
+    loss, grads, _ = workers(cfg).run(cfg, 1)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for name, grad in grads:
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda msg: f"{name}: {msg}")

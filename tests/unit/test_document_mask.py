@@ -26,15 +26,15 @@ def packed(lengths_per_row, seed=0):
         row = []
         for n in lengths:
             doc = torch.randint(1, 64, (n,), generator=g)
-            doc[-1] = EOT  # a document ends with the end-of-text token
+            doc[0] = EOT  # a document opens with the end-of-text token (pipegpt prepare's and llm.c's shards)
             row.append(doc)
         rows.append(torch.cat(row))
     return torch.stack(rows)
 
 
 def test_document_starts():
-    x = torch.tensor([[5, 0, 3, 4, 0, 0, 9], [1, 2, 3, 4, 5, 6, 7]])
-    assert document_starts(x, 0).tolist() == [[0, 0, 2, 2, 2, 5, 6], [0] * 7]
+    x = torch.tensor([[5, 0, 3, 4, 0, 0, 9], [1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 0, 3, 4, 5]])
+    assert document_starts(x, 0).tolist() == [[0, 1, 1, 1, 4, 5, 5], [0] * 7, [0, 0, 0, 3, 3, 3, 3]]
 
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -54,7 +54,7 @@ def test_with_position_reset_each_document_is_its_own_sequence(config):
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_the_loss_and_gradients_equal_the_documents_run_alone(config):
-    """Targets within each document (the end-of-text token's target is the next document's first token: left out
+    """Targets within each document (a document's last target is the next document's end-of-text token: left out
     here by ignore_index, as it is the one target a document alone does not have)."""
     x = packed([[8, 9, 7]])
     y = torch.roll(x, -1, 1)

@@ -6,28 +6,13 @@ import json
 
 import pytest
 
-from helpers import assert_one_line_error, invoke
+from helpers import TEXT, assert_one_line_error, invoke, make_tokenizer_json
 
 tokenizers = pytest.importorskip("tokenizers")
 
 from pipegpt.config import ConfigError, canonical_tokenizer, check_tokenizer_name  # noqa: E402
 from pipegpt.data.tokenizers import DataError, get_tokenizer  # noqa: E402
 
-TEXT = "the pipeline sends activations forward and gradients back. " * 20
-
-
-def make_tokenizer_json(path) -> str:
-    """A small byte-level BPE trained here (no download), with an end-of-text token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT], trainer)
-    tok.save(str(path))
-    return str(path)
 
 
 def test_encode_decode_round_trip_and_the_name_is_the_absolute_path(tmp_path, monkeypatch):
