@@ -1,37 +1,288 @@
-"""TEMPORARY stand-in (not committed): all-gather attention."""
+"""Causal attention over a sequence cut across a context-parallel group (chunks.py's load-balanced order).
+
+    context_parallel_attention(q, k, v, group, cp_rank, cp_size, comm="ring", documents=None)
+
+q [B, Hq, L, hd], k and v [B, Hkv, L, hd]: this rank's L = T / cp tokens (chunk r, then chunk 2cp-1-r), positions
+already applied. A query attends to the keys at global positions <= its own (and, given documents [B, L], of its own
+document). Two autograd Functions; each saves only local tensors (q, k, v, out, the log-sum-exp, documents):
+
+ring (default): K/V (with GQA only the kv heads) travel to the next cp rank in batched point-to-point, each block's
+  attention computed while the next is in flight, partial outputs merged by their log-sum-exp in fp32. At step s
+  rank r holds the block of rank (r - s) mod cp; with the load-balanced chunks it computes: its own block causally
+  (local order is global order), an earlier rank's block only against that rank's first chunk (its second is later
+  than all of r's queries), a later rank's block only for r's second chunk (r's first is earlier than all its keys).
+  Every step after the first is L x L/2 pairs on every rank. The backward is a ring too: dK/dV (fp32) travel with
+  their block, each rank adding its share, and a last hop returns them to their owner.
+allgather (Llama 3's): K, V and documents gathered once, the local queries attend to the keys they can see (the
+  sequence up to their last chunk); the backward re-gathers K/V and reduce-scatters dK/dV.
+
+Every wait is bounded by TIMEOUT_S (set_timeout) where the backend's Work takes a timeout (gloo; on CUDA NCCL's
+own group timeout bounds the stream wait) and a failure raises ContextParallelError naming the peer. bytes_sent()
+counts what this process sent through these functions (a collective counted as a ring algorithm sends it).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pipegpt.context_parallel.chunks import join_sequence, local_positions, shard_sequence
+from pipegpt.context_parallel.kernels import block_backward, block_forward, merge_into
+from pipegpt.tensor_parallel.collectives import _all_gather_single, _reduce_scatter_single  # torch's names by version
+
+COMMS = ("ring", "allgather")
+TIMEOUT_S = 60.0  # any one wait; pipegpt's --timeout through set_timeout
+_sent = [0]  # bytes this process sent through this module
 
 
-class _Gather(torch.autograd.Function):
+class ContextParallelError(RuntimeError):
+    pass
+
+
+def set_timeout(seconds: float) -> None:
+    global TIMEOUT_S
+    TIMEOUT_S = float(seconds)
+
+
+def bytes_sent() -> int:
+    return _sent[0]
+
+
+def reset_bytes_sent() -> None:
+    _sent[0] = 0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def attention_pairs(seq_len: int, cp_rank: int, cp_size: int, documents: torch.Tensor | None = None) -> int:
+    """The (query, key) pairs rank cp_rank's queries attend to (causal, and within their document when documents,
+    ids [seq_len] or [B, seq_len] of the whole sequence, nondecreasing, are given); summed over B."""
+    positions = local_positions(seq_len, cp_rank, cp_size)
+    if documents is None:
+        return int((positions + 1).sum())
+    docs = documents.reshape(-1, seq_len)
+    idx = torch.arange(seq_len).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    first = torch.where(starts, idx, 0).cummax(dim=1).values  # where each token's document begins
+    return int((idx - first + 1)[:, positions].sum())
+
+
+def _same_document(docs_q: torch.Tensor | None, docs_k: torch.Tensor | None) -> torch.Tensor | None:
+    return None if docs_q is None else docs_q[:, :, None] == docs_k[:, None, :]
+
+
+class _Peers:
+    """Batched point-to-point with the next and previous cp ranks, each wait bounded."""
+
+    def __init__(self, group, cp_rank: int, cp_size: int, device: torch.device):
+        self.group, self.cp_rank = group, cp_rank
+        self.next, self.prev = (cp_rank + 1) % cp_size, (cp_rank - 1) % cp_size
+        self.host_waits = device.type != "cuda"  # NCCL: the stream waits, the group's timeout bounds it
+
+    def peer(self, cp_rank: int) -> str:
+        return f"cp rank {cp_rank} (global rank {dist.get_global_rank(self.group, cp_rank)})"
+
+    def shift(self, tensors: list[torch.Tensor], tag: int, what: str):
+        """Post: each tensor to the next rank, a buffer like it from the previous. wait() gives the buffers."""
+        recvs = [torch.empty_like(t) for t in tensors]
+        next_rank, prev_rank = (dist.get_global_rank(self.group, r) for r in (self.next, self.prev))
+        ops = [dist.P2POp(dist.isend, t, next_rank, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, prev_rank, self.group, tag) for t in recvs]
+        works = dist.batch_isend_irecv(ops)
+        _sent[0] += sum(_nbytes(t) for t in tensors)
+        if len(works) == len(ops):  # gloo: one Work per operation, so a failure names its peer
+            labelled = [(w, f"{what} to {self.peer(self.next)}") for w in works[:len(tensors)]]
+            labelled += [(w, f"{what} from {self.peer(self.prev)}") for w in works[len(tensors):]]
+        else:  # one Work for the batch (NCCL)
+            labelled = [(w, f"{what} to {self.peer(self.next)} and from {self.peer(self.prev)}") for w in works]
+        return recvs, labelled
+
+    def wait(self, posted) -> list[torch.Tensor]:
+        recvs, labelled = posted
+        for work, what in labelled:
+            _wait([work], self.host_waits, what, self.cp_rank)
+        return recvs
+
+
+def _wait(works, host_waits: bool, what: str, cp_rank: int) -> None:
+    try:
+        for work in works:
+            work.wait(timedelta(seconds=TIMEOUT_S)) if host_waits else work.wait()
+    except Exception as e:  # gloo raises on a timeout or a dead peer
+        raise ContextParallelError(f"cp rank {cp_rank}: context-parallel attention: {what} failed after at most "
+                                   f"{TIMEOUT_S:g}s: {e}") from None
+
+
+def _ring_block(r: int, source: int, half: int):
+    """(query slice, key slice, causal) rank r computes against the block of rank `source`."""
+    if source == r:
+        return slice(None), slice(None), True
+    if source < r:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+def _ring_blocks(peers: _Peers, k, v, documents, r: int, n: int):
+    """Each step's (query slice, key slice, causal, k, v, same-document mask) on rank r; the next block travels
+    while the caller computes on this one."""
+    half = k.size(2) // 2
+    kv, docs = torch.stack((k, v)), documents
+    for step in range(n):
+        posted = peers.shift([kv] if docs is None else [kv, docs], 0, "passing K/V") if step < n - 1 else None
+        qs, ks, causal = _ring_block(r, (r - step) % n, half)
+        allowed = None if docs is None else _same_document(documents[:, qs], docs[:, ks])
+        yield qs, ks, causal, kv[0][:, :, ks], kv[1][:, :, ks], allowed
+        if posted is not None:
+            kv, docs = (peers.wait(posted) + [None])[:2]
+
+
+class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, rank, size):
-        ctx.group, ctx.rank, ctx.size = group, rank, size
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return join_sequence(parts, 2)
+    def forward(ctx, q, k, v, documents, group, cp_rank, cp_size):
+        peers = _Peers(group, cp_rank, cp_size, q.device)
+        out = lse = None
+        for qs, ks, causal, k_block, v_block, allowed in _ring_blocks(peers, k, v, documents, cp_rank, cp_size):
+            block_out, block_lse = block_forward(q[:, :, qs], k_block, v_block, causal, allowed)
+            if out is None:  # the diagonal block: every query sees itself, so lse starts finite
+                out, lse = block_out.to(block_lse.dtype), block_lse
+            else:
+                merge_into(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.group, ctx.cp_rank, ctx.cp_size = group, cp_rank, cp_size
+        return out
 
     @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
-        return shard_sequence(g, ctx.rank, ctx.size, 2), None, None, None
+    def backward(ctx, dout):
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        peers = _Peers(ctx.group, ctx.cp_rank, ctx.cp_size, q.device)
+        dq = dkv_posted = None
+        for qs, ks, causal, k_block, v_block, allowed in _ring_blocks(peers, k, v, documents, ctx.cp_rank,
+                                                                       ctx.cp_size):
+            dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_block, v_block, out[:, :, qs],
+                                              lse[:, :, qs], causal, allowed)
+            if dq is None:
+                dq, dkv = dq_b, torch.zeros((2, *k.shape), dtype=dk_b.dtype, device=k.device)
+            else:
+                dq[:, :, qs] += dq_b
+                dkv = peers.wait(dkv_posted)[0]  # this block's dK/dV from the ranks that held it before
+            dkv[0][:, :, ks] += dk_b
+            dkv[1][:, :, ks] += dv_b
+            dkv_posted = peers.shift([dkv], 1, "passing dK/dV")  # the last hop reaches the owner
+        dkv = peers.wait(dkv_posted)[0]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def context_parallel_attention(q, k, v, group, cp_rank, cp_size, comm="ring", documents=None):
-    L = q.size(2)
-    K, V = _Gather.apply(k, group, cp_rank, cp_size), _Gather.apply(v, group, cp_rank, cp_size)
-    if K.size(1) != q.size(1):
-        K, V = (t.repeat_interleave(q.size(1) // K.size(1), dim=1) for t in (K, V))
-    qpos = local_positions(L * cp_size, cp_rank, cp_size, q.device)
-    kpos = torch.arange(L * cp_size, device=q.device)
-    mask = kpos[None, :] <= qpos[:, None]
+def _all_gather(x: torch.Tensor, what: str, group, cp_rank: int, cp_size: int, host_waits: bool) -> torch.Tensor:
+    """[cp, *x.shape]: every rank's x, in cp rank order."""
+    x = x.contiguous()
+    out = x.new_empty((cp_size * x.size(0), *x.shape[1:]))  # the collective concatenates along dim 0
+    work = _all_gather_single(out, x, group=group, async_op=True)
+    _sent[0] += (cp_size - 1) * _nbytes(x)
+    _wait([work], host_waits, f"all-gathering {what} over cp ranks 0..{cp_size - 1} "
+                              f"(global ranks {dist.get_process_group_ranks(group)})", cp_rank)
+    return out.view(cp_size, *x.shape)
+
+
+def _reduce_scatter(x: torch.Tensor, group, cp_rank: int, cp_size: int, host_waits: bool) -> torch.Tensor:
+    """x [cp, ...] summed over the group, rank r keeping x[r]."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[1:])
+    work = _reduce_scatter_single(out, x.view(-1, *x.shape[2:]), group=group, async_op=True)  # splits dim 0
+    _sent[0] += (cp_size - 1) * _nbytes(out)
+    _wait([work], host_waits, f"reduce-scattering dK/dV over cp ranks 0..{cp_size - 1} "
+                              f"(global ranks {dist.get_process_group_ranks(group)})", cp_rank)
+    return out
+
+
+def _visible_keys(seq_len: int, cp_rank: int, cp_size: int) -> int:
+    """How many leading positions rank cp_rank's queries can see: up to the end of its second chunk."""
+    return (2 * cp_size - cp_rank) * seq_len // (2 * cp_size)
+
+
+def _gathered(k, v, documents, group, r, n, host_waits):
+    """The whole sequence's K/V [2, B, Hkv, T', hd] (T' = the visible prefix) and documents [B, T'], global order."""
+    seq_len, visible = n * k.size(2), _visible_keys(n * k.size(2), r, n)
+    kv = join_sequence(list(_all_gather(torch.stack((k, v)), "K/V", group, r, n, host_waits).unbind(0)), dim=3)
+    docs = None
     if documents is not None:
-        parts = [torch.empty_like(documents) for _ in range(cp_size)]
-        dist.all_gather(parts, documents.contiguous(), group=group)
-        docs = join_sequence(parts, 1)
-        mask = (mask & (documents[:, :, None] == docs[:, None, :]))[:, None]
-    return F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+        docs = join_sequence(list(_all_gather(documents, "document ids", group, r, n, host_waits).unbind(0)), dim=1)[:, :visible]
+    return kv[:, :, :, :visible], docs, seq_len
+
+
+def _allgather_mask(documents, docs_k, seq_len, r, n, device):
+    positions = local_positions(seq_len, r, n, device=device)
+    visible = _visible_keys(seq_len, r, n)
+    allowed = (torch.arange(visible, device=device)[None, :] <= positions[:, None])[None]
+    same = _same_document(documents, docs_k)
+    return allowed if same is None else allowed & same
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, documents, group, cp_rank, cp_size):
+        host_waits = q.device.type != "cuda"
+        kv, docs_k, seq_len = _gathered(k, v, documents, group, cp_rank, cp_size, host_waits)
+        allowed = _allgather_mask(documents, docs_k, seq_len, cp_rank, cp_size, q.device)
+        out, lse = block_forward(q, kv[0], kv[1], False, allowed)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, documents)  # local only: K/V are gathered again in backward
+        ctx.group, ctx.cp_rank, ctx.cp_size = group, cp_rank, cp_size
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        r, n, host_waits = ctx.cp_rank, ctx.cp_size, q.device.type != "cuda"
+        kv, docs_k, seq_len = _gathered(k, v, documents, ctx.group, r, n, host_waits)
+        allowed = _allgather_mask(documents, docs_k, seq_len, r, n, q.device)
+        dq, dk, dv = block_backward(dout, q, kv[0], kv[1], out, lse, False, allowed)
+        dkv = torch.stack((dk, dv))
+        dkv = torch.nn.functional.pad(dkv, (0, 0, 0, seq_len - dkv.size(3)))  # keys no one here could see
+        shards = torch.stack([shard_sequence(dkv, s, n, dim=3) for s in range(n)])
+        dkv = _reduce_scatter(shards, ctx.group, r, n, host_waits)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _check(q, k, v, group, cp_rank, cp_size, comm, documents) -> None:
+    if comm not in COMMS:
+        raise ValueError(f"cp comm {comm!r} is not one of {', '.join(COMMS)}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside cp = {cp_size}")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or (q.size(0), q.size(2), q.size(3)) != (
+            k.size(0), k.size(2), k.size(3)) or q.size(1) % k.size(1):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q [B, Hq, L, hd] "
+                         "and k, v [B, Hkv, L, hd] with Hkv dividing Hq")
+    if cp_size > 1 and q.size(2) % 2:
+        raise ValueError(f"a local sequence of {q.size(2)} does not hold two equal chunks")
+    if documents is not None and tuple(documents.shape) != (q.size(0), q.size(2)):
+        raise ValueError(f"documents {tuple(documents.shape)}: expected [B, L] = {(q.size(0), q.size(2))}")
+    if cp_size > 1 and dist.get_rank(group) != cp_rank:
+        raise ValueError(f"cp_rank {cp_rank} is not this process's rank {dist.get_rank(group)} in the cp group")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp_rank: int, cp_size: int,
+                               comm: str = "ring", documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal (and, given documents, same-document) attention of this rank's queries over the whole sequence's
+    keys, [B, Hq, L, hd] in q's dtype; scale 1/sqrt(hd). cp_size 1: plain attention, no communication (group
+    unused, may be None)."""
+    _check(q, k, v, group, cp_rank, cp_size, comm, documents)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if cp_size == 1:
+        return _local_attention(q, k, v, documents)
+    function = _RingAttention if comm == "ring" else _AllGatherAttention
+    return function.apply(q, k, v, documents, group, cp_rank, cp_size)
+
+
+def _local_attention(q, k, v, documents):
+    if k.size(1) != q.size(1):
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+    if documents is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    L = q.size(2)
+    mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril() & (documents[:, :, None] == documents[:, None])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])

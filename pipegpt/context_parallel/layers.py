@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pipegpt.config import CP_COMM, ConfigError
-from pipegpt.context_parallel.attention import context_parallel_attention
+from pipegpt.context_parallel.attention import context_parallel_attention, set_timeout
 from pipegpt.context_parallel.chunks import local_positions
 from pipegpt.model.gpt import GPT
 
@@ -38,15 +38,19 @@ def _positions(seq_len: int, rank: int, size: int, device: torch.device) -> torc
     return local_positions(seq_len, rank, size, device)
 
 
-def shard_for_cp(module: GPT, cp_rank: int, cp_size: int, group, comm: str = "ring") -> GPT:
+def shard_for_cp(module: GPT, cp_rank: int, cp_size: int, group, comm: str = "ring",
+                 timeout_s: float | None = None) -> GPT:
     """Make `module` one rank of a cp group of cp_size (in place; its inputs then hold this rank's chunks of every
-    sequence, pipegpt.context_parallel.chunks). Returns `module`; cp_size 1 leaves it as it is."""
+    sequence, pipegpt.context_parallel.chunks). Returns `module`; cp_size 1 leaves it as it is.
+    timeout_s: how long attention waits for a peer's K/V (the run's communication timeout)."""
     if comm not in CP_COMM:
         raise ConfigError(f"cp_comm={comm!r} is not valid: use one of {', '.join(CP_COMM)}")
     if not 0 <= cp_rank < cp_size:
         raise ConfigError(f"cp_rank={cp_rank} must be in [0, {cp_size})")
     if cp_size == 1:
         return module
+    if timeout_s is not None:
+        set_timeout(timeout_s)
     layout = ContextParallel(cp_rank, cp_size, group, comm)
     module.context_parallel = layout
     for block in module.blocks.values():

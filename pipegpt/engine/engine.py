@@ -65,7 +65,8 @@ class Engine:
                          recompute=p.recompute, init_seed=cfg.runtime.seed)
             if p.tp > 1:
                 shard_for_tp(module, self.mesh.tp_index, p.tp, self.mesh.group("tp"), p.sequence_parallel)
-            shard_for_cp(module, self.mesh.cp_index, p.cp, self.mesh.group("cp"), p.cp_comm)
+            shard_for_cp(module, self.mesh.cp_index, p.cp, self.mesh.group("cp"), p.cp_comm,
+                         cfg.runtime.wait_timeout_s)
             module = module.to(self.device, dtype)  # fp32 master weights under bf16 autocast too
             if cfg.runtime.compile:
                 module.compile()  # in place: parameter names and the module's attributes stay as they are
