@@ -301,6 +301,29 @@ def test_a_full_disk_under_the_metrics_is_one_line(tmp_path):
         job.kill_all()
 
 
+@pytest.mark.slow
+def test_a_driver_stopped_for_longer_than_the_timeout_blames_no_worker(tmp_path):
+    """SIGSTOP of the driver inside a step for 15 s, past --timeout 10, the heartbeat's 10 s and the stall floor:
+    once it goes on (SIGCONT) it says it was paused, and the run finishes (a worker was blamed)."""
+    job = Job([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "6", "--log-every", "1",
+               "--n-embd", "384", "--n-head", "4", "--seq-len", "256", "--timeout", "10",
+               "--run-dir", str(tmp_path / "run")], env=clean_env(PYTHONUNBUFFERED="1"))
+    try:
+        assert job.wait_for(lambda: job.step_line_time(3) is not None or job.proc.poll() is not None, LIMIT_S)
+        time.sleep(0.2)  # inside step 4's call (a step takes ~1 s here)
+        os.kill(job.proc.pid, signal.SIGSTOP)
+        time.sleep(15)
+        os.kill(job.proc.pid, signal.SIGCONT)
+        code = job.wait(LIMIT_S + 15)
+        report = f"exit status {code}\nstdout:\n{job.stdout}\nstderr:\n{job.stderr}"
+        assert code == 0, report
+        assert job.step_line_time(6) is not None, report
+        assert any(line.startswith("pipegpt: the driver was paused for 1") for line in job.stderr.splitlines()), report
+        assert "Error" not in job.stderr, report
+    finally:
+        job.kill_all()
+
+
 def test_the_orphan_check_can_fail():
     """The checker above must see a process that outlives the command that started it."""
     job = Job(["/bin/sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], env=clean_env())
