@@ -17,7 +17,9 @@ One process owns the directory while it runs: the driver, holding a lock on the 
 """
 from __future__ import annotations
 
+import errno
 import os
+from contextlib import contextmanager
 
 CONFIG, PLAN, METRICS, TRACE, PLOT = "config.json", "plan.txt", "metrics.jsonl", "trace.json", "plot.svg"
 CONFIGS, TRACES, PROFILES, CHECKPOINTS = "configs", "traces", "profiles", "checkpoints"
@@ -40,15 +42,50 @@ def holds_run(run_dir) -> bool:
         (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints)))
 
 
+class RunFileError(OSError):
+    """A run file could not be written: its str is one line naming the file and the cause ("disk full writing
+    runs/a/metrics.jsonl: No space left on device"). An OSError still, for callers that catch those."""
+
+    def __init__(self, path, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause), os.fspath(path))
+        full = cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        self.line = f"{'disk full writing' if full else 'cannot write'} {os.fspath(path)}: {cause.strerror or cause}"
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def failure_line(e: OSError) -> str:
+    """One line for an OSError that stopped a run: the file and the cause."""
+    if isinstance(e, RunFileError):
+        return e.line
+    if e.filename is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunFileError(e.filename, e).line
+    return f"{e.strerror}: {os.fspath(e.filename)}" if e.strerror and e.filename is not None else str(e)
+
+
+@contextmanager
+def writing(path):
+    """Any OSError inside becomes a RunFileError naming `path`."""
+    try:
+        yield
+    except RunFileError:
+        raise
+    except OSError as e:
+        raise RunFileError(path, e) from e
+
+
 def write_whole(path, text: str) -> None:
     """`text` into `path`, whole or not at all: written beside it, then renamed over it. A full disk leaves
-    the file as it was (never empty or half-written) and no temporary file behind."""
+    the file as it was (never empty or half-written) and no temporary file behind; it raises a RunFileError
+    naming `path`."""
     path = os.fspath(path)
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        with writing(path):
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -18,6 +18,7 @@ import queue
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -33,6 +34,7 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
 from pipegpt.comm.lifeline import run_worker
+from pipegpt.comm.wait_window import WaitWindow, pause_line
 
 POLL_S = 0.05
 HEARTBEAT_EVERY_S = 2.0
@@ -196,18 +198,20 @@ class Cluster:
         it may raise (a WorkerFailure); if it returns, the call waits on and asks again as long later."""
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         timeout = timeout_s or self.timeout_s
-        futures = {r: getattr(self.actors[r].rpc_async(timeout=timeout), method)(*args) for r in ranks}
+        # No timeout in RPC itself (0): the window below bounds the wait, leaving out any pause of this process,
+        # which RPC's own timer would count against the workers.
+        futures = {r: getattr(self.actors[r].rpc_async(timeout=0), method)(*args) for r in ranks}
         settled = threading.Event()  # wakes the loop as soon as any answer arrives
         for fut in futures.values():
             fut.add_done_callback(lambda _: settled.set())
-        started = time.monotonic()
-        deadline = started + timeout
-        stall_at = started + stall_after_s if stall_after_s and on_stall else float("inf")
-        next_heartbeat = time.monotonic() + HEARTBEAT_EVERY_S
+        window = WaitWindow(timeout, stall_after_s if on_stall else None, ranks)
+        next_heartbeat = window.now + HEARTBEAT_EVERY_S
         pings: dict[int, Any] = {}
-        answered = {r: time.monotonic() for r in ranks}
         while True:
             settled.clear()
+            paused = window.poll()
+            if paused is not None:  # the driver itself was stopped: no worker is late for it
+                print(pause_line(paused), file=sys.stderr, flush=True)
             self.check_alive()
             for r, fut in futures.items():
                 if fut.done():
@@ -219,44 +223,43 @@ class Cluster:
                         for _ in range(10):
                             time.sleep(POLL_S)
                             self.check_alive()
-                        if "ran for more than set timeout" in str(e):  # the RPC layer's own words, made plain
-                            raise WorkerFailure(r, f"no answer to {method}() within {timeout:.0f}s: a step this "
-                                                   f"large may need a longer --timeout") from None
                         raise WorkerFailure(r, _last_line(e)) from None
                     if isinstance(value, Failed):
                         raise WorkerFailure(r, value.cause)
             if all(f.done() for f in futures.values()):
                 return [futures[r].wait() for r in ranks]
-            now = time.monotonic()
-            if now > deadline:
+            if window.timed_out():
                 late = [r for r, f in futures.items() if not f.done()]
-                raise WorkerFailure(late[0], f"no answer to {method}() within {timeout:.0f}s (ranks {late} pending)")
-            if now > stall_at:
-                on_stall(now - started)
-                now = time.monotonic()
-                stall_at = now + stall_after_s
-            if now > next_heartbeat:
+                raise WorkerFailure(late[0], f"no answer to {method}() within {timeout:.0f}s (ranks {late} pending)"
+                                    + ("; a step this large may need a longer --timeout" if method == "step" else ""))
+            if window.stall_due():
+                on_stall(window.waited())
+                window.stall_checked()
+            if window.now > next_heartbeat:
                 # A rank that stops answering pings is stuck (or stopped), not merely busy:
                 # the RPC agent answers from its own threads while compute runs.
                 for r in ranks:
                     if r in pings and not pings[r].done():
-                        if now - answered[r] > HEARTBEAT_TIMEOUT_S:
-                            raise WorkerFailure(r, f"stopped answering (no heartbeat for {now - answered[r]:.0f}s)")
+                        if window.silent_for(r) > HEARTBEAT_TIMEOUT_S:
+                            raise WorkerFailure(r, f"stopped answering (no heartbeat for {window.silent_for(r):.0f}s)")
                         continue
                     if r in pings:
-                        answered[r] = now
+                        window.heard_from(r)
                     pings[r] = rpc.rpc_async(f"worker{r}", _ping, timeout=0)
-                next_heartbeat = now + HEARTBEAT_EVERY_S
+                next_heartbeat = window.now + HEARTBEAT_EVERY_S
             settled.wait(POLL_S)
 
     def ask(self, method: str, *args, timeout_s: float) -> dict[int, Any]:
         """Call method on every actor and wait at most timeout_s: {rank: answer} of the ranks that answered
         in time (one that failed, raised or stayed silent is left out). For quick questions to a busy job."""
-        futures = {r: getattr(self.actors[r].rpc_async(timeout=timeout_s), method)(*args)
+        futures = {r: getattr(self.actors[r].rpc_async(timeout=0), method)(*args)  # bounded below, as call()
                    for r in range(self.world_size)}
-        deadline = time.monotonic() + timeout_s
-        while not all(f.done() for f in futures.values()) and time.monotonic() < deadline:
+        window = WaitWindow(timeout_s)
+        while not all(f.done() for f in futures.values()) and not window.timed_out():
             time.sleep(POLL_S / 5)
+            paused = window.poll()
+            if paused is not None:
+                print(pause_line(paused), file=sys.stderr, flush=True)
         answers = {}
         for r, fut in futures.items():
             if fut.done():
@@ -318,10 +321,11 @@ class LocalCluster(Cluster):
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
+        window = WaitWindow(timeout_s)
         while not joined.wait(POLL_S):  # a worker that dies while starting must not leave us waiting
             self.check_alive()
-            if time.monotonic() > deadline:
+            window.poll()  # a pause of this process is not the workers' time
+            if window.timed_out():
                 self.kill()
                 raise WorkerFailure(0, f"workers did not start within {timeout_s:.0f}s")
         if error:

@@ -140,18 +140,23 @@ class RunLog:
                 earlier = [1]
             self.attempt = max([1, in_rows, *earlier]) + 1
         text = json.dumps(asdict(cfg), indent=2, default=str)
-        configs.mkdir(exist_ok=True)
+        with run_files.writing(configs):
+            configs.mkdir(exist_ok=True)
         run_files.write_whole(self.run_dir / run_files.attempt_config(self.attempt), text)
         run_files.write_whole(self.run_dir / run_files.CONFIG, text)
         run_files.write_whole(self.run_dir / run_files.PLAN, dump_schedule_text(plan))
-        self._metrics = open(self.run_dir / run_files.METRICS, "a")
+        with run_files.writing(self.run_dir / run_files.METRICS):
+            # unbuffered: a failed write leaves nothing pending for close() to fail on again
+            self._metrics = open(self.run_dir / run_files.METRICS, "ab", buffering=0)
         self._tensorboard = _tensorboard_writer(self.run_dir)
 
     def step(self, metrics: StepMetrics) -> None:
         row = asdict(metrics)
         row = {"step": row.pop("step"), "attempt": self.attempt, **row}
-        self._metrics.write(json_line(row) + "\n")
-        self._metrics.flush()
+        data = memoryview((json_line(row) + "\n").encode())
+        with run_files.writing(self.run_dir / run_files.METRICS):  # a torn row is cut as the next attempt opens
+            while data:
+                data = data[self._metrics.write(data):]
         if self._tensorboard is not None:
             for tag, value in tensorboard_scalars(metrics):
                 self._tensorboard.add_scalar(tag, value, metrics.step)
@@ -161,13 +166,17 @@ class RunLog:
         """The step's measured timeline as trace.json (Perfetto), the format `simulate --out x.json` writes;
         with a step's number (--trace-steps, from 1), as traces/step-N.json."""
         path = self.run_dir / (run_files.TRACE if step is None else run_files.step_trace(step))
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(to_chrome_trace(measured_timeline(results, plan))))
+        with run_files.writing(path.parent):
+            path.parent.mkdir(exist_ok=True)
+        run_files.write_whole(path, json.dumps(to_chrome_trace(measured_timeline(results, plan))))
 
-    def close(self) -> None:
+    def close(self, plot: bool = True) -> None:
+        """plot: redraw plot.svg (not after a failed write: the run's one line says why it stopped)."""
         self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if not plot:
+            return
         try:
             write_plot(self.run_dir)  # plot.svg: the loss curve without TensorBoard
         except OSError as e:  # a picture is not worth failing a run that trained

@@ -136,8 +136,13 @@ def commit(tmp: Path, manifest: dict, keep: int, checksums: dict[str, str] | Non
     checksums = dict(checksums or {})
     sha256 = {name: checksums.get(name) or file_sha256(tmp / name) for name in files}
     manifest = {"format": FORMAT, "version": VERSION, "files": files, "sha256": sha256, **manifest}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
-    _fsync(tmp / MANIFEST)
+    try:
+        with run_files.writing(tmp / MANIFEST):
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+            _fsync(tmp / MANIFEST)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # on a full disk its space is what the run lacks
+        raise
     final = tmp.with_name(tmp.name.removeprefix(".tmp-"))
     if final.exists():
         shutil.rmtree(final)

@@ -77,9 +77,13 @@ def claim_root(run_dir: Path) -> Path:
     identity = owner.process_identity()
     root = _base() / f"{PREFIX}{secrets.token_hex(8)}"
     root.mkdir()
-    run_files.write_whole(root / OWNER, json.dumps(identity))
-    run_files.write_whole(Path(run_dir) / run_files.SNAPSHOTS,
-                          json.dumps({"run_id": root.name.removeprefix(PREFIX), "owner": identity}))
+    try:
+        run_files.write_whole(root / OWNER, json.dumps(identity))
+        run_files.write_whole(Path(run_dir) / run_files.SNAPSHOTS,
+                              json.dumps({"run_id": root.name.removeprefix(PREFIX), "owner": identity}))
+    except OSError:  # a full disk: no root that nothing records
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     return root
 
 
@@ -106,7 +110,8 @@ def begin(root: Path, step: int, manifest: dict) -> Path:
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
-    (directory / PENDING).write_text(json.dumps(manifest, default=str))
+    with run_files.writing(directory / PENDING):
+        (directory / PENDING).write_text(json.dumps(manifest, default=str))
     for old in _snapshots(root)[:-2]:
         shutil.rmtree(old, ignore_errors=True)
     return directory

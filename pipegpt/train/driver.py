@@ -507,13 +507,16 @@ def run_job(job: Job, run_dir: Path, on_step: Callable[[StepMetrics], None] = la
         if not job.start():
             return None
         log = RunLog(run_dir, job.cfg, job.plan, job.first_step)
-        stopped = None
+        stopped, wrote = None, True
         try:
             history = train(job, log, on_step)
         except NonFiniteError as e:
             stopped = e  # every rank ended the step without applying it: close the job as usual, then say why
+        except OSError:
+            wrote = False  # a run file (metrics.jsonl, a manifest, ...) could not be written: the job is killed
+            raise
         finally:
-            log.close()
+            log.close(plot=wrote)
         job.close()
     if stopped is not None:
         raise stopped

@@ -44,9 +44,15 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
                  f"(give --steps above {done} to train on)")
         return
     if driver:  # the one process that writes the run directory, from its lock on
-        out = _own(cfg, out, overwrite, continuing, done, echo)
+        try:
+            out = _own(cfg, out, overwrite, continuing, done, echo)
+        except OSError as e:  # a full disk, before any worker started
+            exit_now(echo, f"Error: {run_files.failure_line(e)}", 1)
     try:
         _run(job, preset, out, driver, restarts, log_every, echo, done)
+    except OSError as e:  # a run file not written (a full disk): the job was killed on the way out
+        drop_snapshots(cfg, out if driver else None)
+        exit_now(echo, f"Error: {run_files.failure_line(e)}; all workers stopped", 1)
     finally:
         if driver:
             release(out)  # the run is over: a process that goes on (a test) no longer holds the directory

@@ -235,3 +235,10 @@ def test_a_tokenizer_with_fewer_ids_than_the_vocabulary_is_said(no_training, tmp
     fits = invoke("run", "--tokenizer", "bytes", "--vocab-size", "256", *ARGS, "--device", "cpu",
                   "--run-dir", tmp_path / "fits")
     assert fits.exit_code == 0 and "vocabulary" not in fits.stderr, fits.output
+
+
+def test_one_rank_is_one_worker(no_training, tmp_path):
+    """The banner said '1 workers'."""
+    result = invoke("run", "--stages", "1", "--microbatches", "2", "--steps", "2", "--run-dir", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert ", 1 worker on " in result.stdout.splitlines()[0], result.stdout

@@ -12,9 +12,11 @@ Zombies count as gone (they hold no resources and an init that does not reap the
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -250,6 +252,74 @@ def test_sigterm_to_the_driver_stops_every_worker_in_one_line(tmp_path):
         assert job.stderr.splitlines()[-1] == "Terminated (SIGTERM): all workers stopped", job.stderr
         assert "Traceback" not in job.stderr
         assert not job.survivors(), job.cmdlines
+    finally:
+        job.kill_all()
+
+
+# The driver as `pipegpt` runs it, on a disk that fills as metrics.jsonl is written (half of a row goes down,
+# then ENOSPC); the workers (spawned: a fresh interpreter each) write as usual.
+FULL_DISK_DRIVER = """
+import builtins, errno, os
+real = builtins.open
+
+class Filling:
+    def __init__(self, f):
+        self.f = f
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+def filling(file, mode="r", *args, **kwargs):
+    f = real(file, mode, *args, **kwargs)
+    return Filling(f) if str(file).endswith("metrics.jsonl") and "a" in mode else f
+
+builtins.open = filling
+from pipegpt.cli import main
+main(prog_name="pipegpt")
+"""
+
+
+def test_a_full_disk_under_the_metrics_is_one_line(tmp_path):
+    """A run file the driver cannot write (here the first metrics row) ends the run with one line naming the
+    file and the cause, exit 1, no traceback, every worker stopped; the attempt's config is whole."""
+    run_dir = tmp_path / "run"
+    job = Job([sys.executable, "-c", FULL_DISK_DRIVER, "run", "--stages", "2", "--microbatches", "2", "--steps", "4",
+               "--run-dir", str(run_dir)], env=clean_env())
+    try:
+        code = job.wait(LIMIT_S)
+        report = f"exit status {code}\nstdout:\n{job.stdout}\nstderr:\n{job.stderr}"
+        assert code == 1, report
+        assert job.stderr.splitlines() == [f"Error: disk full writing {run_dir / 'metrics.jsonl'}: No space left "
+                                           f"on device; all workers stopped"], report
+        assert "Traceback" not in job.stdout, report
+        assert len(_workers(job)) >= 2, job.cmdlines
+        assert not job.survivors(), job.cmdlines
+        assert json.loads((run_dir / "configs" / "attempt-1.json").read_text())["runtime"]["steps"] == 4
+    finally:
+        job.kill_all()
+
+
+@pytest.mark.slow
+def test_a_driver_stopped_for_longer_than_the_timeout_blames_no_worker(tmp_path):
+    """SIGSTOP of the driver inside a step for 15 s, past --timeout 10, the heartbeat's 10 s and the stall floor:
+    once it goes on (SIGCONT) it says it was paused, and the run finishes (a worker was blamed)."""
+    job = Job([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "6", "--log-every", "1",
+               "--n-embd", "384", "--n-head", "4", "--seq-len", "256", "--timeout", "10",
+               "--run-dir", str(tmp_path / "run")], env=clean_env(PYTHONUNBUFFERED="1"))
+    try:
+        assert job.wait_for(lambda: job.step_line_time(3) is not None or job.proc.poll() is not None, LIMIT_S)
+        time.sleep(0.2)  # inside step 4's call (a step takes ~1 s here)
+        os.kill(job.proc.pid, signal.SIGSTOP)
+        time.sleep(15)
+        os.kill(job.proc.pid, signal.SIGCONT)
+        code = job.wait(LIMIT_S + 15)
+        report = f"exit status {code}\nstdout:\n{job.stdout}\nstderr:\n{job.stderr}"
+        assert code == 0, report
+        assert job.step_line_time(6) is not None, report
+        assert any(line.startswith("pipegpt: the driver was paused for 1") for line in job.stderr.splitlines()), report
+        assert "Error" not in job.stderr, report
     finally:
         job.kill_all()
 

@@ -37,3 +37,13 @@ def test_the_driver_refuses_it_before_any_worker_starts(monkeypatch):
     cfg = TrainConfig().replace(stages=2, steps=8)
     with pytest.raises(ConfigError, match="rank 5 is not one of this job's ranks 0..1"):
         check(cfg)
+
+
+def test_the_readme_gives_the_fault_syntax_and_every_kind():
+    """PIPEGPT_FAULT's syntax was only in docs/architecture.md."""
+    from helpers import ROOT
+    from pipegpt.resilience.faults import KINDS
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`PIPEGPT_FAULT=KIND:RANK:STEP`" in readme
+    assert [kind for kind in KINDS if f"`{kind}`" not in readme] == []
