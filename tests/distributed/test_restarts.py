@@ -235,3 +235,34 @@ def test_the_shrunk_layout_keeps_the_global_batch_and_uses_the_ranks_left():
     assert (one.cfg.parallel.dp, one.cfg.parallel.stages, one.cfg.parallel.microbatches) == (1, 1, 8)
     v = shrunk_layout(TrainConfig.build(model, stages=4, schedule="zbv", microbatches=8, device="cpu"), 3)
     assert v.cfg.parallel.schedule == "zbv" and v.cfg.parallel.stages == 3
+
+
+def test_a_shrunk_layout_keeps_its_context_parallel_ranks():
+    from pipegpt.config import ModelConfig, TrainConfig
+    from pipegpt.resilience.elastic import layout_text, shrunk_layout
+
+    model = ModelConfig(vocab_size=256, seq_len=16, n_layer=8, n_head=4, n_embd=32)
+    cfg = TrainConfig.build(model, stages=2, cp=2, microbatches=4, device="cpu")  # 4 ranks
+    three = shrunk_layout(cfg, 3)  # a pipeline of one stage with its 2 cp ranks: the sequence cut stays
+    assert (three.cfg.parallel.stages, three.cfg.parallel.cp, three.cfg.world_size) == (1, 2, 2)
+    assert layout_text(three.cfg) == "dp 1 x pp 1 x cp 2 x tp 1, 1f1b, 4 microbatches"
+
+
+@pytest.mark.slow
+def test_a_lost_device_under_context_parallelism_shrinks_and_goes_on_like_a_manual_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_pipegpt("run", "--stages", "2", "--cp", "2", "--microbatches", "2", "--steps", "6", "--save-every",
+                       "2", "--max-restarts", "1", "--min-ranks", "2", "--run-dir", run_dir, timeout=300,
+                       env=clean_env(PIPEGPT_FAULT="lose:3:4"))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    said = next(ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 3 failed"))
+    assert "dp 1 x pp 2 x cp 2 x tp 1, 1f1b, 2 microbatches -> dp 1 x pp 1 x cp 2 x tp 1" in said, said
+    rows = last_rows(run_dir)
+    resumed = [s for s, r in rows.items() if r["attempt"] == 2]
+    by_hand = run_pipegpt("run", "--resume", run_dir / "checkpoints" / "step-00000002", "--stages", "1",
+                          "--run-dir", tmp_path / "manual", "--save-every", "0", timeout=300)
+    assert by_hand.returncode == 0, by_hand.stderr
+    expected = last_rows(tmp_path / "manual")
+    assert sorted(expected) == sorted(resumed)
+    for s in resumed:
+        assert rows[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-5), s
