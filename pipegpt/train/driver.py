@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipegpt.state import checkpoint, snapshot
+from pipegpt.state.rng import grid_change_line
 from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
 from pipegpt.engine.placement import (bind_this_process, local_world_size, resolve_device, torchrun_cores,
@@ -214,6 +215,9 @@ class Job:
             t0 = time.perf_counter()
             steps = self.cluster.call("load", str(source), cfg.checkpoint.resume is None)
             self.first_step, self.loaded = steps[0], (source, time.perf_counter() - t0)
+            if cfg.checkpoint.resume:
+                _warn(grid_change_line(checkpoint.read_manifest(source, verify=False), cfg.parallel.dims,
+                                       cfg.model.dropout))
         return True
 
     def measure_and_fit(self) -> None:

@@ -273,9 +273,10 @@ class Worker:
             for p in group["params"]:
                 optimizer.state[p] = {"step": torch.tensor(float(step)),
                                       "exp_avg": mine("exp_avg", p), "exp_avg_sq": mine("exp_avg_sq", p)}
-        if manifest["world_size"] == self.cfg.world_size:
-            keys = [key for key in (f"rng/{self.rank}", f"cuda_rng/{self.rank}") if reader.has(key)]
-            rng.restore_rng({key: reader.full(key, "") for key in keys}, self.rank, self.device)
+        keys = [key for key in (f"rng/{self.rank}", f"cuda_rng/{self.rank}") if reader.has(key)]
+        mesh = self.engine.mesh  # streams restored only under the same grid, else fresh (the driver says so)
+        rng.resume_streams(manifest, self.cfg.parallel.dims, lambda: {key: reader.full(key, "") for key in keys},
+                           self.rank, mesh.pp_index, mesh.dp_index, self.cfg.runtime.seed, self.device)
         if self.loader is not None:
             self.loader.load_state_dict({"step": step})
         return step
