@@ -76,8 +76,10 @@ def _rpc_options(init_method: str, timeout_s: float):
     # TCP only: TensorPipe's shared-memory transport busy-polls a reactor thread in every process
     # (measured: a third of a core in all for a 4-rank job on 2 cores), and the control plane carries
     # one small message per step, whose latency does not matter.
+    # CPU channel only: the GPU ones (cuda_ipc, cuda_gdr, cuda_xth) fail at start-up on some clusters (PyTorch
+    # #95487, #130513; tensorpipe #412), and no CUDA tensor travels here (the workers answer with CPU values).
     return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s, num_worker_threads=16,
-                                           _transports=["uv"])
+                                           _transports=["uv"], _channels=["basic"])
 
 
 def quiet_torch_warnings() -> None:
