@@ -191,8 +191,9 @@ class Cluster:
                        for r in range(self.world_size)]
 
     def call(self, method: str, *args, ranks=None, timeout_s: float | None = None, stall_after_s: float | None = None,
-             on_stall: Callable[[float], None] | None = None) -> list[Any]:
-        """Call method on every actor (or the given ranks) and wait for all, failing fast.
+             on_stall: Callable[[float], None] | None = None, limit_flag: str = "--timeout") -> list[Any]:
+        """Call method on every actor (or the given ranks) and wait for all, failing fast. limit_flag: the option
+        that sets timeout_s, named when a call runs past it.
 
         stall_after_s, on_stall: once the call has waited that long, on_stall(seconds waited) runs here;
         it may raise (a WorkerFailure); if it returns, the call waits on and asks again as long later."""
@@ -223,7 +224,7 @@ class Cluster:
                             self.check_alive()
                         if "ran for more than set timeout" in str(e):  # the RPC layer's own words, made plain
                             raise WorkerFailure(r, f"no answer to {method}() within {timeout:.0f}s: a step this "
-                                                   f"large may need a longer --timeout") from None
+                                                   f"large may need a longer {limit_flag}") from None
                         raise WorkerFailure(r, _last_line(e)) from None
                     if isinstance(value, Failed):
                         raise WorkerFailure(r, value.cause)
@@ -232,7 +233,8 @@ class Cluster:
             now = time.monotonic()
             if now > deadline:
                 late = [r for r, f in futures.items() if not f.done()]
-                raise WorkerFailure(late[0], f"no answer to {method}() within {timeout:.0f}s (ranks {late} pending)")
+                raise WorkerFailure(late[0], f"no answer to {method}() within {timeout:.0f}s (ranks {late} pending; "
+                                             f"{limit_flag} sets the limit)")
             if now > stall_at:
                 on_stall(now - started)
                 now = time.monotonic()

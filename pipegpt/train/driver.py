@@ -283,9 +283,9 @@ class Job:
         naming the rank that holds the others up (pipegpt.resilience.watchdog), well before the communication timeout."""
         threshold, t0 = stall_threshold(self.step_times), time.perf_counter()
         self.current_step = step
-        compiling = len(self.step_times) < COMPILE_STEPS  # --compile: these may compile (wait_timeout_s)
-        results = self.cluster.call("step", step, timeout_s=self.cfg.runtime.wait_timeout_s if compiling else None,
-                                    stall_after_s=threshold,
+        first = len(self.step_times) < COMPILE_STEPS  # cold: these may warm up, or compile (--compile)
+        results = self.cluster.call("step", step, timeout_s=self.cfg.runtime.step_deadline_s(first),
+                                    limit_flag="--step-timeout", stall_after_s=threshold,
                                     on_stall=lambda waited: self._stalled(step, waited, threshold))
         self.step_times.append(time.perf_counter() - t0)
         for r in results:
@@ -350,9 +350,10 @@ class Job:
 
     def evaluate(self) -> float:
         """Validation loss: the mean over the eval batches' microbatches (the last stage's ranks report them)."""
-        # the first evaluation compiles its forward-only graphs under --compile
-        losses = [loss for r in self.cluster.call("evaluate", self.cfg.eval.eval_batches,
-                                                  timeout_s=self.cfg.runtime.wait_timeout_s) for loss in r["losses"]]
+        # several batches, unwatched; the first evaluation compiles its forward-only graphs under --compile
+        losses = [loss for r in self.cluster.call("evaluate", self.cfg.eval.eval_batches, limit_flag="--step-timeout",
+                                                  timeout_s=self.cfg.runtime.step_deadline_s(first=True))
+                  for loss in r["losses"]]
         return sum(losses) / len(losses)
 
     def call(self, method: str, *args) -> list:
