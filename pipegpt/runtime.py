@@ -31,6 +31,7 @@ from pipegpt.timing import clock_for, device_marker
 
 DEVICE_QUERY_S = 1.0  # how long where() waits for the device's marks: a query can block while the host synchronises
 DEVICE_UNKNOWN = (None, "unknown action", (), f"unknown (its device marks did not answer within {DEVICE_QUERY_S:g}s)")
+OPTIMIZER_STEP = (None, "optimizer step", (), "nobody (updating the parameters)")  # a role's phase after the plan
 
 
 @dataclass
@@ -128,6 +129,13 @@ class PipelineRuntime:
         query.start()
         query.join(DEVICE_QUERY_S)
         return answer[0] if answer else DEVICE_UNKNOWN
+
+    def launched(self, where: tuple[int | None, str, tuple[int, ...], str]) -> None:
+        """The host launched the work of `where`, a phase of the step after the plan's actions (the gradients'
+        syncs and clipping, the optimizer step): a mark after it tells device_now() whether the GPU got
+        through it, as for an action."""
+        if self.marker is not None:
+            self.marks.append((where, self.marker(None)))
 
     def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
         if a.kind.is_compute:

@@ -28,6 +28,7 @@ from pipegpt.engine.results import SavedFile, WorkerStep
 from pipegpt.observe.clocks import clock_reading
 from pipegpt.observe.profile import Profiler
 from pipegpt.resilience.faults import FaultHook
+from pipegpt.runtime import OPTIMIZER_STEP
 from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint, rng, snapshot
 from pipegpt.tensor_parallel import REPLICATED, shard_tensor, tp_shard_spec
@@ -117,16 +118,20 @@ class Worker:
             p.grad = None
         inputs, targets = self._batch(self.loader, step)
         result = engine.train_step(inputs, targets, record=step in self.recorded_steps)
-        engine.runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping, optimizer
+        runtime = engine.runtime
+        runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping
         for sync in self.syncs:
             sync.reduce()
         self.fault.after_gradients(number, result.losses, self.named_params)
         grad_norm, finite, nonfinite_stages = self._clip_gradients(
             loss_finite=all(math.isfinite(loss) for loss in result.losses))
+        runtime.launched(runtime.now)
         lr = lr_at(step, self.cfg.optim, self.cfg.runtime.steps)
         if finite:
+            runtime.now = OPTIMIZER_STEP  # a GPU hung in the update is named so, not "finishing the step"
             set_lr(self.optimizer, lr)
             self.optimizer.step()
+            runtime.launched(OPTIMIZER_STEP)
         engine.synchronize()
         engine.runtime.now = None
         return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,

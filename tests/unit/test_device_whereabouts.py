@@ -85,3 +85,44 @@ def test_a_device_query_that_blocks_leaves_where_after_its_limit(monkeypatch):
     held.set()  # lets the stuck query go, whatever happened
     assert answer == [DEVICE_UNKNOWN], "where() was held up by a blocked device query"
     assert time.monotonic() - t0 < DEVICE_QUERY_S + 2
+
+
+class HungInTheUpdate:
+    """The rank's engine, its device standing in: every mark made once the optimizer step is launched stays
+    incomplete (a GPU hung in the update); where() is asked while the host waits in synchronize()."""
+
+    def __init__(self, runtime: PipelineRuntime):
+        self.runtime, self.device, self.device_name, self.hung, self.asked = runtime, torch.device("cpu"), "cpu", \
+            False, []
+        runtime.intercept(marker=lambda action: Mark(done=not self.hung))
+
+    def train_step(self, inputs, targets, record):
+        return self.runtime.step(inputs, targets, record=record)
+
+    def finishing(self):
+        return None, "finishing the step", (0, 2), "collectives with ranks 0, 2"
+
+    def synchronize(self):
+        self.asked.append((self.runtime.now, self.runtime.device_now()))
+
+    def peak_memory(self):
+        return 0
+
+
+def test_a_gpu_hung_in_the_optimizer_step_is_said_to_be_there(monkeypatch):
+    from pipegpt.config import TrainConfig
+    from pipegpt.resilience.faults import FaultHook
+    from pipegpt.runtime import OPTIMIZER_STEP
+    from pipegpt.train.worker import Worker
+
+    runtime = middle_rank(monkeypatch, [])
+    worker = Worker.__new__(Worker)  # the training role's step on a stand-in engine
+    worker.engine = engine = HungInTheUpdate(runtime)
+    worker.rank, worker.cfg, worker.fault, worker.syncs, worker.loader = 1, TrainConfig(), FaultHook(None), [], None
+    worker.recorded_steps, worker.named_params = frozenset(), list(runtime.stages[1].module.named_parameters())
+    worker._clip_gradients = lambda loss_finite: (1.0, True, [])
+    worker.optimizer = SimpleNamespace(param_groups=[{}], step=lambda: setattr(engine, "hung", True))
+    answer = worker.step(0)
+    assert getattr(answer, "applied", False), answer
+    host, device = engine.asked[0]
+    assert host == device == OPTIMIZER_STEP, engine.asked  # not "finishing the step" with ranks 0 and 2
