@@ -34,7 +34,7 @@ from pipegpt.state import checkpoint, rng, snapshot
 from pipegpt.tensor_parallel import REPLICATED, shard_tensor, tp_shard_spec
 from pipegpt.train.grad_sync import PlanCollectives, make_syncs, not_counted, not_owned
 from pipegpt.train.optim import (clip_grads_, global_grad_norm, lr_at, make_optimizer, moments_overflow_at,
-                                  set_lr)
+                                  set_lr, step_tensor)
 
 __all__ = ["Worker", "actor_method", "first_nonfinite"]
 
@@ -276,7 +276,7 @@ class Worker:
         optimizer = self._local_optimizer
         for group in optimizer.param_groups:
             for p in group["params"]:
-                optimizer.state[p] = {"step": torch.tensor(float(step)),
+                optimizer.state[p] = {"step": step_tensor(step, p, group),  # on the GPU for fused AdamW
                                       "exp_avg": mine("exp_avg", p), "exp_avg_sq": mine("exp_avg_sq", p)}
         keys = [key for key in (f"rng/{self.rank}", f"cuda_rng/{self.rank}") if reader.has(key)]
         mesh = self.engine.mesh  # streams restored only under the same grid, else fresh (the driver says so)
