@@ -33,6 +33,7 @@ this module holds the model only.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import zlib
@@ -113,6 +114,8 @@ class CausalSelfAttention(nn.Module):
             self.v = SplitLinear(C, self.n_kv_head * hd, bias=qkv_bias)
         self.proj = SplitLinear(self.n_head * hd, C, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
+        # tensor parallelism: a context for this rank's own dropout masks over its heads (tensor_parallel.rng)
+        self.core_rng = None
 
     def _heads(self, x):
         """q [B, n_head, T, hd], k and v [B, n_kv_head, T, hd]. Widths come from the projections' outputs,
@@ -134,10 +137,11 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)
         p = self.dropout if self.training else 0.0
-        if self.selective and torch.is_grad_enabled():
-            y = checkpoint(_causal_sdpa, q, k, v, p, offset, use_reentrant=False)
-        else:
-            y = _causal_sdpa(q, k, v, p, offset)
+        with self.core_rng(q.device) if p and self.core_rng else contextlib.nullcontext():
+            if self.selective and torch.is_grad_enabled():
+                y = checkpoint(_causal_sdpa, q, k, v, p, offset, use_reentrant=False)
+            else:
+                y = _causal_sdpa(q, k, v, p, offset)
         B, H, T, hd = y.shape
         return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, H * hd)))
 

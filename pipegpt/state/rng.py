@@ -4,9 +4,8 @@ Seeded as Megatron seeds its default generator: one stream per (pipeline rank, d
 every tensor-parallel rank of them, so dropout in the replicated regions (embedding, residual branches after the
 row-parallel all-reduce) draws one mask on all of them, as it must for the replicas to stay equal. Replicas and
 pipeline stages draw different masks. Dropout in sharded regions (attention heads under tp; the sequence chunks
-under sequence parallelism) draws from the same stream, so its masks repeat across tp ranks: correct in
-expectation, not independent (Megatron forks a per-tp-rank stream there; that would also need recomputation to
-restore it).
+under sequence parallelism) draws from a per-tp-rank stream derived from this one on entering the region
+(pipegpt.tensor_parallel.rng), so restoring this stream (recomputation, a checkpoint) restores those masks too.
 
 A checkpoint keeps each rank's CPU state ("rng/<rank>") and, on a GPU, its device generator's state
 ("cuda_rng/<rank>"); a resume under the same grid (dp, pp, cp, tp) restores both, so it continues the same streams.
