@@ -152,6 +152,8 @@ ON_NONFINITE = ("stop", "skip")
 P2P_MATCHING = ("auto", "tag", "order")
 COMPILE_TIMEOUT_S = 900.0  # the first steps' timeout under --compile (RuntimeConfig.wait_timeout_s)
 COMPILE_STEPS = 2  # steps of a job that may compile: the first, and a recompilation on the second
+STEP_TIMEOUT_FACTOR = 10.0  # a step's deadline without --step-timeout, in --timeout's: a step is many waits
+FIRST_STEPS_FACTOR = 3.0  # the first COMPILE_STEPS steps' deadline: communicators made, memory and kernels warmed
 P2P_DTYPES = ("auto", "bf16", "fp32")
 
 
@@ -250,6 +252,10 @@ class RuntimeConfig:
     dtype: str = setting("float32", "Parameters and activations (float64: for exact comparisons on CPU).",
                          choices=DTYPES)
     timeout_s: float = setting(60.0, "Seconds any wait may take before the job is brought down.", flag="--timeout")
+    step_timeout_s: float | None = setting(None, "Seconds a whole step may take before the job is brought down "
+                                                 "(default: 10 x --timeout; the first two steps get 3 times as "
+                                                 "long). Each wait inside a step keeps --timeout.",
+                                           flag="--step-timeout")
     threads_per_worker: int | None = setting(None, "Intra-op threads per worker (default: cores / ranks).")
     bind_cores: bool = setting(False, "Pin each worker on this machine to cores of its own (local rank r with t "
                                       "threads: the t cores from r x t among those this process may use), as "
@@ -282,6 +288,14 @@ class RuntimeConfig:
         NCCL fixes a group's timeout when it is made, so the workers' waits keep it for the run; the stall
         watchdog still bounds every step after the first."""
         return max(self.timeout_s, COMPILE_TIMEOUT_S) if self.compile else self.timeout_s
+
+    def step_deadline_s(self, first: bool) -> float:
+        """Seconds the driver waits for a step's answers: --step-timeout (default 10 x --timeout), apart from the
+        communication timeout, since a step is many waits and its compute; the first steps (first=True) get
+        FIRST_STEPS_FACTOR times as long (a cold start: NCCL's communicators, the allocator, kernels' tuning),
+        and with --compile at least the compile timeout. The stall watchdog still bounds every later step."""
+        step = self.step_timeout_s or STEP_TIMEOUT_FACTOR * self.timeout_s
+        return max(FIRST_STEPS_FACTOR * step, self.wait_timeout_s) if first else step
 
     @property
     def message_dtype(self) -> str:
@@ -412,6 +426,10 @@ class TrainConfig:
         for name, value in (("lr", o.lr), ("timeout_s", r.timeout_s)):
             if not value > 0:
                 raise ConfigError(f"{name}={value} must be > 0")
+        if r.step_timeout_s is not None and not r.step_timeout_s >= r.timeout_s:
+            raise ConfigError(f"step_timeout_s={r.step_timeout_s} must be at least timeout_s={r.timeout_s}: a step is "
+                              f"many waits, each bounded by --timeout (leave --step-timeout out for "
+                              f"{STEP_TIMEOUT_FACTOR:g} x --timeout)")
         if o.grad_clip < 0 or o.weight_decay < 0:
             raise ConfigError("grad_clip and weight_decay must be >= 0")
         _check_choice("lr_schedule", o.lr_schedule, LR_SCHEDULES)

@@ -17,6 +17,7 @@ whole compute action after the output was ready, with the receiver waiting.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -27,6 +28,10 @@ from pipegpt.schedule.actions import COLLECTIVE_KINDS, Action, Kind, Plan, Sched
 from pipegpt.schedule.messages import comm_batches, release_points
 from pipegpt.stages import Stage
 from pipegpt.timing import clock_for, device_marker
+
+DEVICE_QUERY_S = 1.0  # how long where() waits for the device's marks: a query can block while the host synchronises
+DEVICE_UNKNOWN = (None, "unknown action", (), f"unknown (its device marks did not answer within {DEVICE_QUERY_S:g}s)")
+OPTIMIZER_STEP = (None, "optimizer step", (), "nobody (updating the parameters)")  # a role's phase after the plan
 
 
 @dataclass
@@ -82,10 +87,12 @@ class PipelineRuntime:
         # so that keeping it costs one attribute store; None between steps.
         self.now: tuple[int | None, str, tuple[int, ...], str] | None = None
         # On CUDA the host runs ahead of the GPU: a mark after each action (an event) tells device_now() which
-        # action the GPU is in; (action index, mark) of this step.
+        # action the GPU is in; (whereabouts, mark) of this step.
         self.marker = device_marker(torch.device(device))
         self.marks: list = []
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
+        # A comm batch is posted, and marked, as one: its whereabouts name every peer in it, not its first action's.
+        self.batch_at = {i: self._batch_whereabouts(i, end) for i, end in self.batch_end.items()}
         self.index_of = {a: i for i, a in enumerate(self.actions)}
         self.eager_sends = p2p.matches_by_tag
         self.send_of = {_outbox_key(a): a for a in self.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)}
@@ -105,13 +112,30 @@ class PipelineRuntime:
         self.marker = marker or self.marker
 
     def device_now(self) -> tuple[int | None, str, tuple[int, ...], str] | None:
-        """Where the device is, as `now` is where the host is: the first action of this step whose mark has
-        not completed (the GPU is still in it), or None when the device has done every action launched (or
-        marks nothing). Called from another thread (Worker.where())."""
-        for i, mark in list(self.marks):
-            if not mark.query():
-                return self.at[i]
-        return None
+        """Where the device is, as `now` is where the host is: the first action (or comm batch) of this step
+        whose mark has not completed (the GPU is still in it), or None when the device has done every action
+        launched (or marks nothing). Called from another thread (Worker.where()); the marks are queried on a
+        thread of their own, so a query that blocks (the driver's lock, held by a synchronising host) leaves
+        the caller after DEVICE_QUERY_S with DEVICE_UNKNOWN."""
+        marks = list(self.marks)
+        if not marks:
+            return None
+        answer: list = []
+
+        def first_unfinished():
+            answer.append(next((where for where, mark in marks if not mark.query()), None))
+
+        query = threading.Thread(target=first_unfinished, name="pipegpt-device-query", daemon=True)
+        query.start()
+        query.join(DEVICE_QUERY_S)
+        return answer[0] if answer else DEVICE_UNKNOWN
+
+    def launched(self, where: tuple[int | None, str, tuple[int, ...], str]) -> None:
+        """The host launched the work of `where`, a phase of the step after the plan's actions (the gradients'
+        syncs and clipping, the optimizer step): a mark after it tells device_now() whether the GPU got
+        through it, as for an action."""
+        if self.marker is not None:
+            self.marks.append((where, self.marker(None)))
 
     def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
         if a.kind.is_compute:
@@ -121,6 +145,14 @@ class PipelineRuntime:
         receive, forward = a.kind in (Kind.RECV_F, Kind.RECV_B), a.kind in (Kind.SEND_F, Kind.RECV_B)
         peer = self.owner[a.stage + 1 if forward else a.stage - 1]
         return i, self.names[i], (peer,), (f"receive {a} from rank {peer}" if receive else f"send {a} to rank {peer}")
+
+    def _batch_whereabouts(self, start: int, end: int) -> tuple[int, str, tuple[int, ...], str]:
+        """A comm batch's whereabouts: its actions, every peer and what it exchanges with each."""
+        parts = [self.at[i] for i in range(start, end)]
+        if len(parts) == 1:
+            return parts[0]
+        peers = tuple(sorted({peer for _, _, ps, _ in parts for peer in ps}))
+        return start, "+".join(name for _, name, _, _ in parts), peers, "; ".join(what for *_, what in parts)
 
     def _tag(self, sender_stage: int, mb: int, backward: bool) -> int:
         # Tags keep messages apart where the backend honours them (gloo); NCCL matches by
@@ -142,16 +174,16 @@ class PipelineRuntime:
         i, actions, at = 0, self.actions, self.at
         self.marks = marks = []
         while i < len(actions):
-            self.now = at[i]
-            t0 = clock() if record else None
             end = self.batch_end.get(i)
+            self.now = at[i] if end is None else self.batch_at[i]
+            t0 = clock() if record else None
             if end is not None:
                 self._communicate(actions[i:end], inbox, outbox, in_flight, i)
                 if record:
                     t1 = clock()
                     events.extend((name, t0, t1) for name in self.names[i:end])
                 if self.marker is not None:
-                    marks.append((i, self.marker(actions[i])))
+                    marks.append((self.batch_at[i], self.marker(actions[i])))
                 i = end
                 continue
             collective = self.collective_at.get(i)
@@ -164,7 +196,7 @@ class PipelineRuntime:
             if record:
                 events.append((self.names[i], t0, clock()))
             if self.marker is not None:
-                marks.append((i, self.marker(actions[i])))
+                marks.append((at[i], self.marker(actions[i])))
             i += 1
         for action, message in in_flight.items():  # sends no later message of the plan acknowledged
             self.now = at[self.index_of[action]]

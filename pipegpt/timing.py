@@ -61,6 +61,7 @@ def _cuda_mark(action):
 
 def device_marker(device: torch.device):
     """What the runtime calls after launching each action, for the stall watchdog: on CUDA an event on the
-    compute stream (its query() says whether the GPU got past the action); None where the host's position is
-    the device's (the CPU). A test may stand in any callable(action) -> object with query()."""
+    compute stream (its query() says whether the GPU got past the action; None for a phase after the plan's
+    actions); None where the host's position is the device's (the CPU). A test may stand in any
+    callable(action) -> object with query()."""
     return _cuda_mark if device.type == "cuda" else None

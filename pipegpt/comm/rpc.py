@@ -78,8 +78,10 @@ def _rpc_options(init_method: str, timeout_s: float):
     # TCP only: TensorPipe's shared-memory transport busy-polls a reactor thread in every process
     # (measured: a third of a core in all for a 4-rank job on 2 cores), and the control plane carries
     # one small message per step, whose latency does not matter.
+    # CPU channel only: the GPU ones (cuda_ipc, cuda_gdr, cuda_xth) fail at start-up on some clusters (PyTorch
+    # #95487, #130513; tensorpipe #412), and no CUDA tensor travels here (the workers answer with CPU values).
     return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s, num_worker_threads=16,
-                                           _transports=["uv"])
+                                           _transports=["uv"], _channels=["basic"])
 
 
 def quiet_torch_warnings() -> None:
@@ -191,8 +193,9 @@ class Cluster:
                        for r in range(self.world_size)]
 
     def call(self, method: str, *args, ranks=None, timeout_s: float | None = None, stall_after_s: float | None = None,
-             on_stall: Callable[[float], None] | None = None) -> list[Any]:
-        """Call method on every actor (or the given ranks) and wait for all, failing fast.
+             on_stall: Callable[[float], None] | None = None, limit_flag: str = "--timeout") -> list[Any]:
+        """Call method on every actor (or the given ranks) and wait for all, failing fast. limit_flag: the option
+        that sets timeout_s, named when a call runs past it.
 
         stall_after_s, on_stall: once the call has waited that long, on_stall(seconds waited) runs here;
         it may raise (a WorkerFailure); if it returns, the call waits on and asks again as long later."""
@@ -230,8 +233,8 @@ class Cluster:
                 return [futures[r].wait() for r in ranks]
             if window.timed_out():
                 late = [r for r, f in futures.items() if not f.done()]
-                raise WorkerFailure(late[0], f"no answer to {method}() within {timeout:.0f}s (ranks {late} pending)"
-                                    + ("; a step this large may need a longer --timeout" if method == "step" else ""))
+                raise WorkerFailure(late[0], f"no answer to {method}() within {timeout:.0f}s (ranks {late} pending; "
+                                             f"{limit_flag} sets the limit)")
             if window.stall_due():
                 on_stall(window.waited())
                 window.stall_checked()

@@ -15,6 +15,7 @@ from pipegpt.comm.mesh import init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.config import TrainConfig
 from pipegpt.context_parallel.layers import shard_for_cp
+from pipegpt.engine.compiling import compile_stage
 from pipegpt.engine.placement import cuda_device_index, resolve_device
 from pipegpt.model.gpt import GPT
 from pipegpt.model.partition import partition_layers
@@ -68,8 +69,8 @@ class Engine:
             shard_for_cp(module, self.mesh.cp_index, p.cp, self.mesh.group("cp"), p.cp_comm,
                          cfg.runtime.wait_timeout_s)
             module = module.to(self.device, dtype)  # fp32 master weights under bf16 autocast too
-            if cfg.runtime.compile:
-                module.compile()  # in place: parameter names and the module's attributes stay as they are
+            if cfg.runtime.compile:  # in place, each stage on its own (dynamo's limit counts per stage)
+                compile_stage(module, self.rank)
             self.stages[s] = Stage(s, plan.num_stages, module, plan.num_microbatches,
                                    torch.bfloat16 if cfg.runtime.precision == "bf16" else None)
         if self.stages.keys() >= {0, last} and last != 0 and cfg.model.tie_embeddings:

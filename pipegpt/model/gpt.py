@@ -33,6 +33,7 @@ this module holds the model only.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import zlib
@@ -150,6 +151,8 @@ class CausalSelfAttention(nn.Module):
             self.v = SplitLinear(C, self.n_kv_head * hd, bias=qkv_bias)
         self.proj = SplitLinear(self.n_head * hd, C, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
+        # tensor parallelism: a context for this rank's own dropout masks over its heads (tensor_parallel.rng)
+        self.core_rng = None
 
     def _heads(self, x):
         """q [B, n_head, T, hd], k and v [B, n_kv_head, T, hd]. Widths come from the projections' outputs,
@@ -176,10 +179,12 @@ class CausalSelfAttention(nn.Module):
         starts = None if documents is None else documents.starts
         if cp is not None:  # its Function keeps only q, k, v, the output and their log-sum-exp: nothing to recompute
             y = cp.attend(q, k, v, starts)
-        elif self.selective and torch.is_grad_enabled():
-            y = checkpoint(_causal_sdpa, q, k, v, p, offset, starts, use_reentrant=False)
         else:
-            y = _causal_sdpa(q, k, v, p, offset, starts)
+            with self.core_rng(q.device) if p and self.core_rng else contextlib.nullcontext():
+                if self.selective and torch.is_grad_enabled():
+                    y = checkpoint(_causal_sdpa, q, k, v, p, offset, starts, use_reentrant=False)
+                else:
+                    y = _causal_sdpa(q, k, v, p, offset, starts)
         B, H, T, hd = y.shape
         return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, H * hd)))
 

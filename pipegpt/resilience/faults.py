@@ -101,7 +101,7 @@ def _gpu_stuck_marker():
     seen = {"compute": False}
 
     def marker(action):
-        seen["compute"] = seen["compute"] or action.kind.is_compute
+        seen["compute"] = seen["compute"] or (action is not None and action.kind.is_compute)
         return _Mark(not seen["compute"])
 
     return marker

@@ -1,4 +1,4 @@
-"""Megatron-style tensor parallelism, in three modules:
+"""Megatron-style tensor parallelism, in four modules:
 
     layout       which parameter is split how, by one-process name (REPLICATED, DIM0, DIM1,
                  QKV_DIM0, KV_DIM0, tp_shard_spec, kv_replicas, shard/gather of tensors and state
@@ -8,6 +8,7 @@
                  scatter/gather/reduce-scatter, vocab_parallel_cross_entropy).
     layers       the parallel layers and shard_for_tp, the module replacement on a GPT slice
                  (its docstring explains the scheme).
+    rng          a tp rank's own dropout masks in sharded regions (Megatron's RNG tracker idea).
 """
 from pipegpt.tensor_parallel.layout import (DIM0, DIM1, KV_DIM0, QKV_DIM0, REPLICATED, gather_full,
                                             gather_state_dicts, kv_replicas, shard_state_dict, shard_tensor,

@@ -41,9 +41,11 @@ reduce-scatters and adds the position embeddings of its chunk. Every replicated 
 gets a PARTIAL gradient (from its chunk only): `sequence_parallel_grad_params(slice)` lists them,
 for the caller to all-reduce (sum) over the tp group after backward.
 
-Dropout: tp ranks must seed torch identically, so dropout in replicated regions agrees. Masks in
-sharded regions (attention heads, sequence chunks) then repeat across ranks: correct in
-expectation, but not the one-process masks (nothing with dropout > 0 matches one process).
+Dropout: tp ranks seed torch identically, so dropout in replicated regions draws one mask on all of
+them. In sharded regions (the attention probabilities of a rank's heads; under sequence parallelism
+every dropout, over a sequence chunk) each rank draws masks of its own (pipegpt.tensor_parallel.rng),
+restored with the shared stream by recomputation: the one-process model given the ranks' masks
+(joined over heads or chunks) computes the same loss and gradients.
 
 Sharded linears stay pipegpt.model.split_backward.SplitLinear, so defer_weight_grads() defers their
 weight grads (and the row-parallel biases', added after the reduce with add_bias); W closures
@@ -70,6 +72,7 @@ from pipegpt.tensor_parallel.collectives import (copy_to_tp, gather_from_sequenc
                                                  reduce_scatter_to_sequence, vocab_parallel_cross_entropy)
 from pipegpt.config import validate_tp
 from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, shard_tensor, tp_shard_spec
+from pipegpt.tensor_parallel.rng import ShardedDropout, sharded_region
 
 
 # ---------------------------------------------------------------------------
@@ -218,6 +221,9 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
                                 group, sp, device="meta")
         return swap(new, old, prefix)
 
+    def own_masks(old: nn.Dropout) -> ShardedDropout:
+        return swap(ShardedDropout(old.p, tp_rank), old, "")
+
     kv_local = kv_local_heads(config, tp_size)  # kv heads of this rank: kv/tp, or one shared (tp a multiple of kv)
     linears = block_linears(config, tp_size)  # each one's split and its shape on this rank
     for i, block in module.blocks.items():
@@ -228,6 +234,9 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
             setattr(parent, leaf, row(old, name) if lin.split == ROW else column(old, name, lin.rows))
         block.attn.n_head //= tp_size
         block.attn.n_kv_head = kv_local
+        block.attn.core_rng = functools.partial(sharded_region, tp_rank)  # this rank's heads: its own masks
+        if sp:  # the residual branches' dropout sees this rank's sequence chunk
+            block.attn.resid_drop, block.mlp.drop = own_masks(block.attn.resid_drop), own_masks(block.mlp.drop)
 
     V_local = config.padded_vocab_size // tp_size
     vocab_start = tp_rank * V_local
@@ -238,6 +247,8 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
         if sp and hasattr(module, "wpe"):  # GPT-2's learned positions (Llama's rotary ones have no parameters)
             old = module.wpe
             module.wpe = swap(SequenceChunkEmbedding(meta(*old.weight.shape), tp_rank, tp_size), old, "wpe")
+        if sp:  # the embedding's dropout sees this rank's sequence chunk
+            module.drop = own_masks(module.drop)
     if module.head:
         module.lm_head = column(module.lm_head, "lm_head")
         if module.embed and module.config.tie_embeddings:

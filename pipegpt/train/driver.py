@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipegpt.state import checkpoint, snapshot
+from pipegpt.state.rng import grid_change_line
 from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
 from pipegpt.engine.placement import (bind_this_process, local_world_size, resolve_device, torchrun_cores,
@@ -217,6 +218,9 @@ class Job:
             t0 = time.perf_counter()
             steps = self.cluster.call("load", str(source), cfg.checkpoint.resume is None)
             self.first_step, self.loaded = steps[0], (source, time.perf_counter() - t0)
+            if cfg.checkpoint.resume:
+                _warn(grid_change_line(checkpoint.read_manifest(source, verify=False), cfg.parallel.dims,
+                                       cfg.model.dropout))
         return True
 
     def measure_and_fit(self) -> None:
@@ -282,9 +286,9 @@ class Job:
         naming the rank that holds the others up (pipegpt.resilience.watchdog), well before the communication timeout."""
         threshold, t0 = stall_threshold(self.step_times), time.perf_counter()
         self.current_step = step
-        compiling = len(self.step_times) < COMPILE_STEPS  # --compile: these may compile (wait_timeout_s)
-        results = self.cluster.call("step", step, timeout_s=self.cfg.runtime.wait_timeout_s if compiling else None,
-                                    stall_after_s=threshold,
+        first = len(self.step_times) < COMPILE_STEPS  # cold: these may warm up, or compile (--compile)
+        results = self.cluster.call("step", step, timeout_s=self.cfg.runtime.step_deadline_s(first),
+                                    limit_flag="--step-timeout", stall_after_s=threshold,
                                     on_stall=lambda waited: self._stalled(step, waited, threshold))
         self.step_times.append(time.perf_counter() - t0)
         for r in results:
@@ -348,9 +352,10 @@ class Job:
 
     def evaluate(self) -> float:
         """Validation loss: the mean over the eval batches' microbatches (the last stage's ranks report them)."""
-        # the first evaluation compiles its forward-only graphs under --compile
-        losses = [loss for r in self.cluster.call("evaluate", self.cfg.eval.eval_batches,
-                                                  timeout_s=self.cfg.runtime.wait_timeout_s) for loss in r["losses"]]
+        # several batches, unwatched; the first evaluation compiles its forward-only graphs under --compile
+        losses = [loss for r in self.cluster.call("evaluate", self.cfg.eval.eval_batches, limit_flag="--step-timeout",
+                                                  timeout_s=self.cfg.runtime.step_deadline_s(first=True))
+                  for loss in r["losses"]]
         return sum(losses) / len(losses)
 
     def call(self, method: str, *args) -> list:

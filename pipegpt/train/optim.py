@@ -15,26 +15,40 @@ def decays(p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
 
-def make_optimizer(named_params: list[tuple[str, torch.Tensor]], optim: OptimizerConfig, zero_group=None):
-    """AdamW over two groups (decay, no decay). With zero_group (the data-parallel group), torch's
-    ZeroRedundancyOptimizer shards the optimizer state across the replicas (ZeRO-1).
+def adamw_kernel(params) -> dict[str, bool]:
+    """How AdamW updates: fused (one kernel over all tensors, as nanoGPT on CUDA) where every parameter is a
+    floating-point CUDA tensor; else foreach (on CPU the same per-tensor arithmetic as foreach=False, bit for
+    bit, which the one-process oracle compares against)."""
+    params = list(params)
+    on_cuda = bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+    return {"fused": True} if on_cuda else {"foreach": True}
 
-    foreach: on CUDA a few kernels over all tensors instead of a dozen per tensor; on CPU the same per-tensor
-    arithmetic as foreach=False, bit for bit. Not fused: Worker.load restores `step` as a CPU tensor where
-    torch's fused kernels keep it on the parameter's device, and no GPU has checked that path."""
+
+def step_tensor(step: int, p: torch.Tensor, group: dict) -> torch.Tensor:
+    """A parameter's Adam `step` as torch keeps it (a resume sets it): on the parameter's device, float32, for
+    the fused and capturable kernels; a CPU scalar otherwise."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(step), dtype=torch.float32, device=p.device)
+    return torch.tensor(float(step))
+
+
+def make_optimizer(named_params: list[tuple[str, torch.Tensor]], optim: OptimizerConfig, zero_group=None):
+    """AdamW over two groups (decay, no decay), fused on CUDA (adamw_kernel). With zero_group (the
+    data-parallel group), torch's ZeroRedundancyOptimizer shards the optimizer state across the replicas (ZeRO-1)."""
     groups = [
         {"params": [p for _, p in named_params if decays(p)], "weight_decay": optim.weight_decay},
         {"params": [p for _, p in named_params if not decays(p)], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    kernel = adamw_kernel(p for _, p in named_params)
     if zero_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         # parameters_as_bucket_view: each rank's shard lives in one flat tensor, so the updated parameters go out
         # in one broadcast per rank, not one per parameter.
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group,
-                                       parameters_as_bucket_view=True, lr=optim.lr, betas=optim.betas, foreach=True)
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, foreach=True)
+                                       parameters_as_bucket_view=True, lr=optim.lr, betas=optim.betas, **kernel)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, **kernel)
 
 
 def lr_at(step: int, optim: OptimizerConfig, total_steps: int) -> float:

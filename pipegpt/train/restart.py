@@ -43,8 +43,9 @@ def restart_state(run_dir: Path | None) -> tuple[int, float | None, int | None]:
 
 def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     """Say which rank failed, why, at which step and where the run goes on from; then replace this process with
-    `pipegpt run` again, resuming the run's latest checkpoint (or starting it again, without one). The workers are
-    already gone (the job was killed on the way out); a fresh process leaves no RPC state behind. A rehearsed
+    `pipegpt run` again, resuming the run's latest checkpoint (or starting it again, without one). The workers were
+    killed on the way out (on GPUs the device check waits for them to exit); a fresh process leaves no RPC state
+    behind. A rehearsed
     fault (PIPEGPT_FAULT) fires on the first attempt only (a comma list: one per attempt)."""
     from pipegpt.state import checkpoint, snapshot
     from pipegpt.resilience.elastic import layout_text
@@ -57,7 +58,8 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     at = f" at step {step + 1}" if step is not None else " while starting"
     cfg = job.cfg
     device = resolve_device(cfg.runtime.device, cfg.world_size)
-    ranks, device_env, checked = restart_devices(device, cfg.world_size, failure.rank if _lost(failure) else None)
+    ranks, device_env, checked = restart_devices(device, cfg.world_size, failure.rank if _lost(failure) else None,
+                                                 workers=getattr(job.cluster, "procs", ()))  # local ones: by rank
     if checked:
         echo(f"pipegpt: {checked}", err=True)
     on_disk = int(checkpoint.read_manifest(saved[-1], verify=False)["step"]) if saved else 0

@@ -29,12 +29,13 @@ from pipegpt.model.gpt import Documents
 from pipegpt.observe.clocks import clock_reading
 from pipegpt.observe.profile import Profiler
 from pipegpt.resilience.faults import FaultHook
+from pipegpt.runtime import OPTIMIZER_STEP
 from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint, rng, snapshot
 from pipegpt.tensor_parallel import REPLICATED, shard_tensor, tp_shard_spec
 from pipegpt.train.grad_sync import PlanCollectives, make_syncs, not_counted, not_owned
 from pipegpt.train.optim import (clip_grads_, global_grad_norm, lr_at, make_optimizer, moments_overflow_at,
-                                  set_lr)
+                                  set_lr, step_tensor)
 
 __all__ = ["Worker", "actor_method", "first_nonfinite"]
 
@@ -121,16 +122,20 @@ class Worker:
             p.grad = None
         inputs, targets, documents = self._batch(self.loader, step)
         result = engine.train_step(inputs, targets, record=step in self.recorded_steps, documents=documents)
-        engine.runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping, optimizer
+        runtime = engine.runtime
+        runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping
         for sync in self.syncs:
             sync.reduce()
         self.fault.after_gradients(number, result.losses, self.named_params)
         grad_norm, finite, nonfinite_stages = self._clip_gradients(
             loss_finite=all(math.isfinite(loss) for loss in result.losses))
+        runtime.launched(runtime.now)
         lr = lr_at(step, self.cfg.optim, self.cfg.runtime.steps)
         if finite:
+            runtime.now = OPTIMIZER_STEP  # a GPU hung in the update is named so, not "finishing the step"
             set_lr(self.optimizer, lr)
             self.optimizer.step()
+            runtime.launched(OPTIMIZER_STEP)
         engine.synchronize()
         engine.runtime.now = None
         return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,
@@ -281,11 +286,12 @@ class Worker:
         optimizer = self._local_optimizer
         for group in optimizer.param_groups:
             for p in group["params"]:
-                optimizer.state[p] = {"step": torch.tensor(float(step)),
+                optimizer.state[p] = {"step": step_tensor(step, p, group),  # on the GPU for fused AdamW
                                       "exp_avg": mine("exp_avg", p), "exp_avg_sq": mine("exp_avg_sq", p)}
-        if manifest["world_size"] == self.cfg.world_size:
-            keys = [key for key in (f"rng/{self.rank}", f"cuda_rng/{self.rank}") if reader.has(key)]
-            rng.restore_rng({key: reader.full(key, "") for key in keys}, self.rank, self.device)
+        keys = [key for key in (f"rng/{self.rank}", f"cuda_rng/{self.rank}") if reader.has(key)]
+        mesh = self.engine.mesh  # streams restored only under the same grid, else fresh (the driver says so)
+        rng.resume_streams(manifest, self.cfg.parallel.dims, lambda: {key: reader.full(key, "") for key in keys},
+                           self.rank, mesh.pp_index, mesh.dp_index, self.cfg.runtime.seed, self.device)
         if self.loader is not None:
             self.loader.load_state_dict({"step": step})
         return step

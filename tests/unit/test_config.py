@@ -18,6 +18,7 @@ RUN_OPTIONS = [
     "--lr", "--max-live", "--max-restarts", "--microbatch-size", "--min-ranks", "--microbatches", "--model", "--n-embd", "--n-head", "--n-layer", "--no-tie-embeddings",
     "--pad-vocab", "--port", "--recompute", "--run-dir", "--schedule", "--schedule-file", "--seed", "--seq-len",
     "--sequence-parallel", "--stages", "--steps", "--threads-per-worker", "--timeout", "--tokenizer", "--tp",
+    "--step-timeout",  # a whole step's deadline, apart from --timeout's for each wait in it
     "--virtual-stages", "--vocab-size", "--weight-decay", "--zero", "-m", "-p", "-s", "-v",
     # the nanoGPT/llm.c recipe: learning-rate schedule, precision, compilation, MFU
     "--warmup-steps", "--min-lr", "--lr-schedule", "--precision", "--compile", "--peak-tflops",

@@ -357,3 +357,19 @@ def test_on_nccl_sends_keep_the_plans_order(monkeypatch, device_type, matching):
     assert sends == [f"post send tag {mb * 4}" for mb in range(4)]
     # the lowered plan holds forward 1's send until rank 1 needs it, after forward 2
     assert log.index("forward 2") < log.index("post send tag 4"), log
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The control plane's TensorPipe channels
+
+def test_rpc_registers_only_the_cpu_channel(monkeypatch):
+    """TensorPipe's GPU channels (cuda_ipc, cuda_gdr) fail at start-up on some clusters; only CPU control messages
+    travel over RPC, so the agent gets the basic channel alone (and the TCP transport)."""
+    import torch.distributed.rpc as rpc
+
+    from pipegpt.comm import rpc as control
+
+    given = {}
+    monkeypatch.setattr(rpc, "TensorPipeRpcBackendOptions", lambda **kwargs: given.update(kwargs) or kwargs)
+    control._rpc_options("tcp://127.0.0.1:1", 5.0)
+    assert given.get("_channels") == ["basic"] and given["_transports"] == ["uv"]

@@ -1,13 +1,15 @@
 """Multi-node and timeouts (issue 16, item 7): the interface RPC and gloo bind to under torchrun, NCCL's error
-handling, the first steps' timeout under --compile. (tp dividing the processes per node: tests/unit/test_config.py.)"""
+handling, the first steps' timeout under --compile, a step's deadline apart from a wait's (issue 30). (tp dividing the processes per node: tests/unit/test_config.py.)"""
 from __future__ import annotations
 
 import socket
 import types
 
+import pytest
+
 from pipegpt.comm.mesh import nccl_environment
 from pipegpt.comm.rpc import bind_to_master_interface, interface_reaching
-from pipegpt.config import COMPILE_STEPS, COMPILE_TIMEOUT_S, TrainConfig
+from pipegpt.config import COMPILE_STEPS, COMPILE_TIMEOUT_S, ConfigError, TrainConfig
 from pipegpt.train.driver import Job
 
 
@@ -60,11 +62,37 @@ def test_compile_gives_the_first_steps_their_own_timeout():
             calls.append(kwargs.get("timeout_s"))
             return [types.SimpleNamespace(rank=0, events=[])]
 
-    for compile_, expected in ((True, COMPILE_TIMEOUT_S), (False, 60.0)):
+    # A step's deadline is its own (--step-timeout, default 10 x --timeout), not one wait's: the first steps get
+    # three times as long, and under --compile at least the compile timeout.
+    for settings, first, later in (({"compile": True, "timeout_s": 20.0}, COMPILE_TIMEOUT_S, 200.0),
+                                   ({"compile": True}, 1800.0, 600.0), ({}, 1800.0, 600.0),
+                                   ({"step_timeout_s": 90.0}, 270.0, 90.0)):
         job = Job.__new__(Job)  # the driver's step, on a stand-in cluster
-        job.cfg, job.cluster = TrainConfig.build(compile=compile_), Cluster()
+        job.cfg, job.cluster = TrainConfig.build(**settings), Cluster()
         job.step_times, job.clock_offsets = [], [0.0]
         calls.clear()
         for step in range(COMPILE_STEPS + 2):
             job.step(step)
-        assert calls == [expected] * COMPILE_STEPS + [None] * 2
+        assert calls == [first] * COMPILE_STEPS + [later] * 2, settings
+
+
+def test_a_step_timeout_below_the_communication_timeout_is_refused():
+    with pytest.raises(ConfigError, match=r"step_timeout_s=30.0 must be at least timeout_s=60.0: a step is many "
+                                          r"waits, each bounded by --timeout \(leave --step-timeout out for 10 x"):
+        TrainConfig.build(step_timeout_s=30.0).validate()
+    TrainConfig.build(step_timeout_s=60.0).validate()
+
+
+def test_a_step_past_its_deadline_names_the_option_that_sets_it():
+    from pipegpt.comm.rpc import Cluster, WorkerFailure
+
+    class Silent(Cluster):  # one actor whose step never answers
+        world_size, timeout_s = 1, 60.0
+
+        def __init__(self):
+            never = types.SimpleNamespace(done=lambda: False, add_done_callback=lambda fn: None)
+            self.actors = [types.SimpleNamespace(rpc_async=lambda timeout: types.SimpleNamespace(step=lambda *a: never))]
+
+    with pytest.raises(WorkerFailure, match=r"rank 0 failed: no answer to step\(\) within 0s \(ranks \[0\] "
+                                            r"pending; --step-timeout sets the limit\)"):
+        Silent().call("step", 0, timeout_s=0.2, limit_flag="--step-timeout")

@@ -78,3 +78,49 @@ def test_on_a_gpu_the_device_stream_resumes_exactly():
     rng.seed_rank(3, 1, 0, gpu)
     rng.restore_rng(saved, 0, gpu)
     assert torch.equal(torch.nn.functional.dropout(torch.ones(1000, device=gpu), 0.1), expected)
+
+
+def manifest(dp, pp, tp, cp=None, step=6):
+    parallel = {"dp": dp, "stages": pp, "tp": tp, **({"cp": cp} if cp is not None else {})}
+    return {"step": step, "world_size": dp * pp * tp * (cp or 1), "config": {"parallel": parallel}}
+
+
+def resumed(saved_manifest, dims, saved_states):
+    """What a resuming rank's CPU stream draws next, and whether the checkpoint's state was taken."""
+    restored = rng.resume_streams(saved_manifest, dims, lambda: saved_states, rank=1, pp_index=0, dp_index=0,
+                                  seed=7, device=torch.device("cpu"))
+    return torch.rand(8), restored
+
+
+def test_a_resume_continues_the_saved_streams_only_under_the_same_grid():
+    from pipegpt.dims import ParallelDims
+
+    rng.seed_rank(7, 1, 0, torch.device("cpu"))
+    torch.rand(5)
+    saved = rng.rng_state(1, torch.device("cpu"))
+    continued = torch.rand(8)
+    # pp 4 x tp 2 written, pp 4 x tp 2 resumed: rank 1 holds the same position, its stream goes on
+    draws, restored = resumed(manifest(1, 4, 2, cp=1), ParallelDims(pp=4, tp=2), saved)
+    assert restored and torch.equal(draws, continued)
+    # a manifest written before context parallelism (no cp) is the grid with cp 1
+    draws, restored = resumed(manifest(1, 4, 2), ParallelDims(pp=4, tp=2, cp=1), saved)
+    assert restored and torch.equal(draws, continued)
+    # pp 4 x tp 2 resumed as pp 2 x tp 4: the same world size, another position for rank 1: fresh streams,
+    # the same on the tp ranks of a pipeline rank, and not a replay of the run's first masks
+    draws, restored = resumed(manifest(1, 4, 2), ParallelDims(pp=2, tp=4), saved)
+    assert not restored and not torch.equal(draws, continued)
+    rng.seed_rank(7, 0, 0, torch.device("cpu"), step=6)
+    assert torch.equal(draws, torch.rand(8))
+    rng.seed_rank(7, 0, 0, torch.device("cpu"))
+    assert not torch.equal(draws, torch.rand(8))
+    assert rng.rank_seed(7, 0, 0, step=0) == rng.rank_seed(7, 0, 0)  # the streams of a run that never resumed
+
+
+def test_the_driver_says_when_dropout_streams_start_afresh():
+    from pipegpt.dims import ParallelDims
+
+    assert rng.grid_change_line(manifest(1, 4, 2), ParallelDims(pp=4, tp=2), dropout=0.1) is None
+    assert rng.grid_change_line(manifest(1, 4, 2), ParallelDims(pp=2, tp=4), dropout=0.0) is None  # nothing drawn
+    assert rng.grid_change_line(manifest(1, 4, 2), ParallelDims(pp=2, tp=4), dropout=0.1) == (
+        "pipegpt: the checkpoint was written under dp x pp x cp x tp = 1 x 4 x 1 x 2, this run is 1 x 2 x 1 x 4: "
+        "dropout's random streams start afresh (seeded for the resume after step 6), not continued")

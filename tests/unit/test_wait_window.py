@@ -122,5 +122,5 @@ def test_the_fake_cluster_does_blame_a_late_worker(monkeypatch):
     cluster.world_size, cluster.timeout_s = 2, 0.5
     cluster.actors = [_Actor(0, 0.1), _Actor(1, 1e9)]
     with pytest.raises(rpc.WorkerFailure, match=r"^rank 1 failed: no answer to step\(\) within 0s \(ranks \[1\] "
-                       r"pending\); a step this large may need a longer --timeout$"):
+                       r"pending; --timeout sets the limit\)$"):
         cluster.call("step")
