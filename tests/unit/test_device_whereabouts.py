@@ -96,7 +96,7 @@ class HungInTheUpdate:
             False, []
         runtime.intercept(marker=lambda action: Mark(done=not self.hung))
 
-    def train_step(self, inputs, targets, record):
+    def train_step(self, inputs, targets, record, documents=None):
         return self.runtime.step(inputs, targets, record=record)
 
     def finishing(self):
