@@ -123,3 +123,31 @@ def test_document_mask_matches_one_process(workers, packed_data, p, cp, reset, m
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in grads:
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda msg: f"{name}: {msg}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm", ["ring", "allgather"])
+def test_bf16_cp2_is_the_one_process_model_under_autocast(workers, comm):
+    """Under --precision bf16 the ring merges its blocks in fp32: loss and gradients within bf16's rounding of the
+    one-process model under the same autocast (2^-8 relative per value; normwise bounds)."""
+    from helpers import one_thread
+    from pipegpt.data.loader import BatchSampler
+    from pipegpt.data.tokenizers import get_tokenizer
+    from pipegpt.data.tokens import builtin_tokens
+    from pipegpt.model.gpt import build_reference_model
+
+    cfg = cp_config(2, 2, MODELS["gqa"], cp_comm=comm, microbatches=4, precision="bf16")
+    check(cfg)
+    with one_thread():
+        model = build_reference_model(cfg.model, cfg.runtime.seed)
+        x, y = BatchSampler(builtin_tokens(get_tokenizer("bytes")), cfg.batch_size, cfg.model.seq_len,
+                            cfg.runtime.seed).batch(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+    got_loss, grads, _ = workers(cfg).run(cfg, 1)
+    assert got_loss == pytest.approx(loss.item(), rel=1e-2)
+    for name, grad in grads:
+        ref = dict(model.named_parameters())[name].grad
+        assert float((grad - ref).norm() / ref.norm()) < 3e-2, name
