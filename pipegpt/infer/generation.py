@@ -50,7 +50,12 @@ def make_groups(prompts: list[tuple[int, list[int]]], count: int) -> list[Group]
 
 class PipelineLink:
     """A rank's messages of the decode loop: activations to the next stage, tokens from the last to the first.
-    Receives are waited for at once; sends go when posted and are waited for once done, or at the end."""
+    Receives are waited for at once; sends go when posted and are waited for once done, or at the end.
+
+    Every channel carries its messages in the plan's order at both ends, so order matching (NCCL) pairs them as
+    tag matching (gloo) does. With 2 stages the tokens share the pair of ranks with the activations, in the other
+    direction: a token message is a few bytes, which NCCL delivers without waiting for its receive to be posted,
+    so it never holds up a large activation behind it."""
 
     def __init__(self, p2p: PointToPoint, pipeline_ranks: list[int], message_dtype: torch.dtype, device):
         self.p2p, self.ranks, self.message_dtype, self.device = p2p, pipeline_ranks, message_dtype, device

@@ -54,8 +54,10 @@ class InferenceJob:
     """Workers of a layout holding a checkpoint's model, from start to close."""
 
     def __init__(self, path, layout: Layout, device: str = "auto", timeout_s: float = 60.0,
-                 microbatches: int | None = None, warn: Callable[[str], None] | None = None):
+                 microbatches: int | None = None, warn: Callable[[str], None] | None = None,
+                 threads_per_worker: int | None = None):
         self.layout, self.timeout_s, self.microbatches, self.requested_device = layout, timeout_s, microbatches, device
+        self.threads = threads_per_worker  # intra-op threads of each worker (default: this machine's cores / ranks)
         self._check(path)
         self.device = resolve_device(self.cfg.runtime.device, self.cfg.world_size)
         if self.device == "cuda":
@@ -99,7 +101,7 @@ class InferenceJob:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         warnings.filterwarnings("ignore", category=UserWarning)
         world = self.cfg.world_size
-        threads = max(1, (os.cpu_count() or 1) // world)
+        threads = self.threads or max(1, (os.cpu_count() or 1) // world)
         self.cluster = LocalCluster(world, self.timeout_s, threads)
         self.cluster.spawn(InferenceWorker, lambda r: (r, self.cfg, self.cluster.group_init_method))
         described = self.cluster.call("start", self.plan)

@@ -164,7 +164,7 @@ def test_more_ranks_than_cores_is_a_warning(ckpt):
 
 
 @pytest.mark.slow  # three jobs of workers
-def test_on_workers_the_output_is_one_process_s(ckpt, tmp_path):
+def test_on_workers_it_prints_what_one_process_prints(ckpt, tmp_path):
     """`--stages 2 --tp 2` and `--dp 2` print what `--stages 1` prints, and `--stages 1` what one process does."""
     path, _ = ckpt
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
