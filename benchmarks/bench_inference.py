@@ -7,7 +7,8 @@ A weights-only checkpoint of a GPT-2-shaped model (random weights, bytes vocabul
 the whole model, the batched sampler (pipegpt.infer.generation.generate_in_process: all prompts in one left-padded
 batch) and the one-process HellaSwag scorer (pipegpt.data.hellaswag.score). Workers: `--stages S` workers
 (pipegpt.infer.job.InferenceJob), the prompts in min(S, prompts) groups through the stages, HellaSwag one example
-per microbatch, 2 x S microbatches a step. Every process computes on --threads intra-op threads (default 1: on a
+per microbatch, 2 x S microbatches a step; every job stays up, and each round every contender takes its turn
+at each measurement (interleaved: the machine's drift hits them alike). Every process computes on --threads intra-op threads (default 1: on a
 busy machine two threads of tiny matmuls spin against each other, measured 14x slower here). Each figure is the
 best of --repeats timed runs after one untimed (warm-up); tokens/s counts new tokens only (prompts x
 --max-new-tokens). Greedy: the workers' tokens are checked equal to the one process's.
@@ -66,39 +67,41 @@ def make_checkpoint(path: Path, args):
                              {"model": dataclasses.asdict(model), "tokenizer": "bytes"})
 
 
-def best_of(repeats: int, run) -> tuple[float, object]:
-    """(least seconds of `repeats` timed runs after an untimed one, the last result)."""
-    result, times = run(), []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = run()
-        times.append(time.perf_counter() - t0)
-    return min(times), result
+def timed(run) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    result = run()
+    return time.perf_counter() - t0, result
 
 
-def one_process(path: Path, file: Path, args) -> dict:
-    from pipegpt.data.hellaswag import read_examples, score
-    from pipegpt.infer.generation import generate_in_process
-    from pipegpt.infer.sampling import SamplingSettings
-    from pipegpt.tools.sample import load_model
+class OneProcess:
+    """The whole model here: the batched sampler and the one-process HellaSwag scorer."""
 
-    import torch
+    def __init__(self, path: Path, file: Path, args):
+        import torch
 
-    torch.set_num_threads(args.threads)
-    model, _, _ = load_model(path, "cpu")
-    settings = SamplingSettings(args.max_new_tokens, 0, None, 0, 256)
-    out = {"generate": {}}
-    for n in args.prompts:
-        seconds, tokens = best_of(args.repeats, lambda: generate_in_process(model, prompts_for(n), settings))
-        out["generate"][n] = {"seconds": seconds, "tokens": tokens}
-    examples = read_examples(file)
-    out["hellaswag"] = {"seconds": best_of(args.repeats, lambda: score(model, examples, "bytes", file))[0],
-                        "examples": len(examples)}
-    return out
+        from pipegpt.data.hellaswag import read_examples
+        from pipegpt.infer.sampling import SamplingSettings
+        from pipegpt.tools.sample import load_model
+
+        torch.set_num_threads(args.threads)
+        self.model, _, _ = load_model(path, "cpu")
+        self.settings = SamplingSettings(args.max_new_tokens, 0, None, 0, 256)
+        self.file, self.examples = file, read_examples(file)
+
+    def run(self, what: str, n: int | None = None) -> tuple[float, object]:
+        from pipegpt.data.hellaswag import score
+        from pipegpt.infer.generation import generate_in_process
+
+        if what == "generate":
+            return timed(lambda: generate_in_process(self.model, prompts_for(n), self.settings))
+        return timed(lambda: score(self.model, self.examples, "bytes", self.file))
+
+    def close(self) -> None:
+        pass
 
 
-def on_workers(path: str, file: str, stages: int, args, conn) -> None:
-    """In a process of its own (RPC starts once per process): the job of `stages` workers, timed."""
+def serve_workers(path: str, file: str, stages: int, args, conn) -> None:
+    """In a process of its own (RPC starts once per process): the job of `stages` workers, timing what it is asked."""
     from pipegpt.data.hellaswag import read_examples, render_all
     from pipegpt.infer.job import InferenceJob, Layout
     from pipegpt.infer.sampling import SamplingSettings
@@ -107,16 +110,48 @@ def on_workers(path: str, file: str, stages: int, args, conn) -> None:
     with InferenceJob(path, Layout(stages), device="cpu", timeout_s=300, warn=lambda line: None,
                       threads_per_worker=args.threads) as job:
         job.start()
-        out = {"generate": {}}
-        for n in args.prompts:
-            prompts = prompts_for(n)
-            seconds, tokens = best_of(args.repeats, lambda: job.generate(prompts, settings)[0])
-            out["generate"][n] = {"seconds": seconds, "tokens": tokens}
         examples = read_examples(file)
         rendered = render_all(examples, "bytes", job.model.seq_len, 256, file)
-        out["hellaswag"] = {"seconds": best_of(args.repeats, lambda: job.hellaswag(examples, rendered))[0],
-                            "examples": len(examples)}
-    conn.send(out)
+        conn.send("ready")
+        while (asked := conn.recv()) is not None:
+            what, n = asked
+            if what == "generate":
+                conn.send(timed(lambda: job.generate(prompts_for(n), settings)[0]))
+            else:
+                conn.send(timed(lambda: job.hellaswag(examples, rendered)))
+
+
+class Workers:
+    """A job of `stages` workers in a child process, asked over a pipe (its answers timed there)."""
+
+    def __init__(self, path: Path, file: Path, stages: int, args):
+        self.conn, child = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(target=serve_workers, args=(str(path), str(file), stages, args,
+                                                                                child))
+        self.proc.start()
+        assert self.conn.recv() == "ready"
+
+    def run(self, what: str, n: int | None = None) -> tuple[float, object]:
+        self.conn.send((what, n))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=120)
+
+
+def measure(contenders: dict, args) -> dict:
+    """Per contender the least seconds (and the result) of each measurement over --repeats rounds after a warm-up
+    round; within a round the contenders take turns, so the machine's drift hits them alike."""
+    best: dict = {name: {} for name in contenders}
+    jobs = [("generate", n) for n in args.prompts] + [("hellaswag", None)]
+    for round_ in range(args.repeats + 1):
+        for job in jobs:
+            for name, contender in contenders.items():
+                seconds, result = contender.run(*job)
+                if round_ and (job not in best[name] or seconds < best[name][job][0]):
+                    best[name][job] = (seconds, result)
+    return best
 
 
 def main() -> None:
@@ -140,14 +175,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path, file = Path(tmp) / "ckpt", hellaswag_file(Path(tmp) / "hellaswag.jsonl", args.hellaswag_examples)
         make_checkpoint(path, args)
-        base = one_process(path, file, args)
-        measured = {}
-        for stages in layouts:
-            parent, child = mp.get_context("spawn").Pipe()
-            proc = mp.get_context("spawn").Process(target=on_workers, args=(str(path), str(file), stages, args, child))
-            proc.start()
-            measured[stages] = parent.recv()
-            proc.join(timeout=60)
+        contenders = {"one": OneProcess(path, file, args)}
+        try:
+            for stages in layouts:  # started one after another, then all kept up while measured in turns
+                contenders[stages] = Workers(path, file, stages, args)
+            best = measure(contenders, args)
+        finally:
+            for contender in contenders.values():
+                contender.close()
     after = _cpu_accounting()
 
     cores = len(os.sched_getaffinity(0))
@@ -157,14 +192,13 @@ def main() -> None:
     print(f"{'stages':>6} {'prompts':>7} {'one process tok/s':>18} {'workers tok/s':>14} {'speedup':>8} {'same':>5}")
     for stages in layouts:
         for n in args.prompts:
-            one, got = base["generate"][n], measured[stages]["generate"][n]
-            rate = lambda r: n * args.max_new_tokens / r["seconds"]  # noqa: E731
-            print(f"{stages:>6} {n:>7} {rate(one):>18.1f} {rate(got):>14.1f} {rate(got) / rate(one):>7.2f}x "
-                  f"{'yes' if got['tokens'] == one['tokens'] else 'NO':>5}")
-    print(f"HellaSwag ({args.hellaswag_examples} examples): one process "
-          f"{base['hellaswag']['examples'] / base['hellaswag']['seconds']:.1f} examples/s; "
-          + "; ".join(f"{s} stage{'s' * (s > 1)} {m['hellaswag']['examples'] / m['hellaswag']['seconds']:.1f}"
-                      for s, m in measured.items()))
+            (one, expected), (got, tokens) = best["one"][("generate", n)], best[stages][("generate", n)]
+            rate = lambda seconds: n * args.max_new_tokens / seconds  # noqa: E731
+            print(f"{stages:>6} {n:>7} {rate(one):>18.1f} {rate(got):>14.1f} {one / got:>7.2f}x "
+                  f"{'yes' if tokens == expected else 'NO':>5}")
+    examples_per_s = lambda name: args.hellaswag_examples / best[name][("hellaswag", None)][0]  # noqa: E731
+    print(f"HellaSwag ({args.hellaswag_examples} examples): one process {examples_per_s('one'):.1f} examples/s; "
+          + "; ".join(f"{s} stage{'s' * (s > 1)} {examples_per_s(s):.1f}" for s in layouts))
     print(_other_load(before, after, cores))
 
 
