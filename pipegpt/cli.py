@@ -99,6 +99,11 @@ def main():
 @click.option("--max-live", type=int, default=None, metavar="N",
               help="For auto and auto-v: the most stage-microbatches' activations a rank may hold at once (the "
                    "peak live column). Default 1F1B's memory: stages x stages per rank.")
+@click.option("--forward-only", is_flag=True,
+              help="The schedules' forwards alone: the plans evaluation runs (validation loss, HellaSwag).")
+@click.option("--decode-steps", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Generation's plan: --microbatches prompt groups through --stages ranks, a prefill and K-1 "
+                   "decode steps, each group's next step waiting for its token; shows the steady state's bubble.")
 def simulate(**options):
     """Simulate pipeline schedules: ASCII chart, bubble %, makespan, peak live activations.
 
@@ -109,6 +114,8 @@ def simulate(**options):
     pipegpt simulate --trace runs/20250101-120000 --out measured_vs_predicted.html
     pipegpt simulate -p 4 -m 16 --layer-costs embed=0.1,block=1,head=4 --layers 8 --balance cost
     pipegpt simulate --schedule auto -p 4 -m 16 --costs F=1,B=2,W=1,comm=0.2 --max-live 4
+    pipegpt simulate --forward-only -p 4 -m 8                  # evaluation's plan
+    pipegpt simulate --decode-steps 16 -p 4 -m 4 --costs F=1,comm=0.1   # generation: 4 prompt groups
     """
     # The planner reads --layer-costs; pipegpt.schedule sits below it, so the reader is handed in.
     from pipegpt.costs.balance import parse_layer_costs
@@ -257,9 +264,53 @@ def convert(from_hf, out, tokenizer, to_hf, source):
         click.echo(line)
 
 
+def layout_options(command):
+    """--stages, --tp, --dp and --timeout of the commands that can run on workers (sample, hellaswag)."""
+    for option in reversed([
+        click.option("--stages", "-p", type=click.IntRange(min=1), default=None,
+                     help="Run on workers: pipeline stages (one worker each), the model cut into them. Without "
+                          "--stages, --tp or --dp the whole model runs in this process."),
+        click.option("--tp", type=click.IntRange(min=1), default=None, help="Run on workers: tensor-parallel ranks "
+                                                                             "per stage."),
+        click.option("--dp", type=click.IntRange(min=1), default=None, help="Run on workers: replicas, each taking "
+                                                                             "its share of the prompts or examples."),
+        click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=60.0,
+                     show_default=True, help="On workers: seconds any wait may take before the job is brought down."),
+    ]):
+        command = option(command)
+    return command
+
+
+def _layout(stages, tp, dp):
+    """The workers' layout the options ask for, or None (one process)."""
+    from pipegpt.infer.job import Layout
+
+    if stages is None and tp is None and dp is None:
+        return None
+    return Layout(stages or 1, tp or 1, dp or 1)
+
+
+def _on_workers(work):
+    """work() whose worker failure is one `Error:` line and exit status 1, as `pipegpt run`'s."""
+    from pipegpt.comm.rpc import WorkerFailure
+
+    try:
+        return work()
+    except WorkerFailure as e:
+        if e.report:
+            click.echo(e.report, err=True)
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(1)
+
+
 @main.command()
 @click.argument("path", type=click.Path())
-@click.option("--prompt", default="\n", show_default="a newline", help="The text to continue.")
+@click.option("--prompt", multiple=True, show_default="a newline",
+              help="The text to continue; repeat it for several prompts, generated together.")
+@click.option("--prompts-file", type=click.Path(), default=None, metavar="FILE",
+              help="Prompts to continue, one per line (blank lines skipped), instead of --prompt.")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="Prompts generated together (default: all); the batches run one after another.")
 @click.option("--max-new-tokens", type=int, default=200, show_default=True, help="Tokens to generate.")
 @click.option("--temperature", type=float, default=0.8, show_default=True,
               help="Softmax temperature; 0: always the most likely token (greedy).")
@@ -269,19 +320,42 @@ def convert(from_hf, out, tokenizer, to_hf, source):
               help="Override the tokenizer the checkpoint remembers.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA when a GPU is visible.")
-def sample(path, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, device):
-    """Generate text from a checkpoint (or a run directory's latest) in one process.
+@layout_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt: prompt, text, new_tokens.")
+def sample(path, prompt, prompts_file, batch, max_new_tokens, temperature, top_k, seed, tokenizer, device, stages,
+           tp, dp, timeout_s, as_json):
+    """Generate text from a checkpoint (or a run directory's latest), in one process or on workers.
+
+    With --stages/--tp/--dp the model is cut over workers in that layout, each stage keeping the KV caches of its
+    blocks; the prompts flow through the stages in groups, so every stage works while the others decode. Prompt i
+    draws from a generator seeded with --seed + i: the same tokens in any batch and any layout.
 
     \b
     pipegpt sample runs/my-run --prompt "def main(" --max-new-tokens 100
     pipegpt sample ckpt/gpt2 --prompt "Hello, I'm a language model," --temperature 0   # greedy
+    pipegpt sample runs/my-run --prompts-file prompts.txt --stages 4 --tp 2 --max-new-tokens 64
     """
-    from pipegpt.tools.sample import check_settings
+    from pipegpt.infer.sampling import SamplingSettings
+    from pipegpt.tools.sample import check_settings, read_prompts, sample_many
     from pipegpt.tools.sample import sample as run_sample
 
     check_settings(max_new_tokens, temperature, top_k)  # refused before the checkpoint is read
-    result = run_sample(path, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, device)
-    click.echo(result.text)
+    if prompts_file is not None and prompt:
+        raise click.UsageError("give --prompt or --prompts-file, not both")
+    prompts = read_prompts(prompts_file) if prompts_file is not None else list(prompt) or ["\n"]
+    layout = _layout(stages, tp, dp)
+    if layout is None and len(prompts) == 1 and not as_json:  # one prompt in one process: nanoGPT's loop
+        click.echo(run_sample(path, prompts[0], max_new_tokens, temperature, top_k, seed, tokenizer, device).text)
+        return
+    settings = SamplingSettings(max_new_tokens, temperature, top_k, seed)
+    result = _on_workers(lambda: sample_many(path, prompts, settings, tokenizer, device, batch, layout, timeout_s))
+    for k, s in enumerate(result.samples):
+        if as_json:
+            click.echo(json.dumps({"prompt": prompts[k], "text": s.text, "new_tokens": s.new_tokens}))
+        else:
+            click.echo(s.text if k == 0 else "---------------\n" + s.text)
+    click.echo(f"pipegpt: {len(prompts)} prompt{'s' * (len(prompts) > 1)} x {max_new_tokens} new tokens in "
+               f"{result.seconds:.2f} s, {result.tokens_per_s:.1f} tokens/s ({result.where})", err=True)
 
 
 @main.command()
@@ -293,9 +367,11 @@ def sample(path, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, de
               help="Override the tokenizer the checkpoint remembers.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA when a GPU is visible.")
+@layout_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
-    """HellaSwag accuracy of a checkpoint (or a run directory's latest), nanoGPT's scoring.
+def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, as_json):
+    """HellaSwag accuracy of a checkpoint (or a run directory's latest), nanoGPT's scoring, in one process or on
+    workers (--stages/--tp/--dp: each holds a slice of the model, the examples flow through the stages).
 
     Each ending is scored by the cross-entropy of its tokens after ctx + " ": acc picks the ending with the
     smallest sum of losses, acc_norm the smallest mean loss per ending token (nanoGPT's number). A candidate
@@ -303,10 +379,12 @@ def hellaswag(path, jsonl, limit, tokenizer, device, as_json):
 
     \b
     pipegpt hellaswag ckpt/gpt2 --file hellaswag_val.jsonl --limit 1000 --json
+    pipegpt hellaswag runs/my-run --file hellaswag_val.jsonl --stages 4 --tp 2
     """
     from pipegpt.tools.hellaswag import evaluate
 
-    result = evaluate(path, jsonl, limit, tokenizer, device)
+    layout = _layout(stages, tp, dp)
+    result = _on_workers(lambda: evaluate(path, jsonl, limit, tokenizer, device, layout, timeout_s))
     if as_json:
         click.echo(json.dumps(result.as_dict()))
     else:

@@ -332,7 +332,7 @@ class EvalConfig:
     eval_every: int = setting(0, "Validation loss every N steps and after the last (0: never).")
     eval_batches: int = setting(4, "Global batches per evaluation (the same ones each time).")
     hellaswag: str | None = setting(None, "HellaSwag jsonl (nanoGPT's format): accuracy at every evaluation, "
-                                          "scored on the model gathered into the driver.")
+                                          "scored on the workers in the run's layout.")
 
 
 SECTIONS = {"parallel": ParallelConfig, "optim": OptimizerConfig, "data": DataConfig, "runtime": RuntimeConfig,

@@ -160,10 +160,13 @@ class PipelineRuntime:
         return (mb * self.plan.num_stages + sender_stage) * 2 + int(backward)
 
     def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
-             record: bool = True, documents: list | None = None) -> StepResult:
+             record: bool = True, documents: list | None = None,
+             activation_shape: tuple[int, ...] | None = None) -> StepResult:
         """Run one training step's forward and backward; gradients accumulate in the stages' params.
         record=False: no per-action timestamps (no clock reads; on CUDA no events and no synchronisation).
-        documents: per microbatch, its document boundaries (pipegpt.model.gpt.Documents), for every stage."""
+        documents: per microbatch, its document boundaries (pipegpt.model.gpt.Documents), for every stage.
+        activation_shape: this step's messages' shape, when not the run's (scoring: sequences of another length)."""
+        shape = activation_shape or self.activation_shape
         inbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to consume
         outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to send
         in_flight: dict[Action, Message] = {}  # SENDs posted, not yet released
@@ -178,7 +181,7 @@ class PipelineRuntime:
             self.now = at[i] if end is None else self.batch_at[i]
             t0 = clock() if record else None
             if end is not None:
-                self._communicate(actions[i:end], inbox, outbox, in_flight, i)
+                self._communicate(actions[i:end], inbox, outbox, in_flight, i, shape)
                 if record:
                     t1 = clock()
                     events.extend((name, t0, t1) for name in self.names[i:end])
@@ -250,7 +253,7 @@ class PipelineRuntime:
         return Message(tensor.to(self.message_dtype), self.owner[a.stage + 1 if forward else a.stage - 1],
                        self._tag(a.stage, a.microbatch, not forward), f"send {a}")
 
-    def _communicate(self, batch, inbox, outbox, in_flight, first: int) -> None:
+    def _communicate(self, batch, inbox, outbox, in_flight, first: int, shape: tuple[int, ...]) -> None:
         sends, posted, recvs, recv_at = [], [], [], []
         for i, a in enumerate(batch, first):
             s, mb = a.stage, a.microbatch
@@ -265,7 +268,7 @@ class PipelineRuntime:
             else:
                 backward = a.kind is Kind.RECV_B
                 sender = s + 1 if backward else s - 1
-                buffer = torch.empty(self.activation_shape, dtype=self.message_dtype, device=self.device)
+                buffer = torch.empty(shape, dtype=self.message_dtype, device=self.device)
                 recvs.append(Message(buffer, self.owner[sender], self._tag(sender, mb, backward), f"receive {a}"))
                 recv_at.append(self.at[i])
                 inbox[(Kind.B if backward else Kind.F, s, mb)] = buffer

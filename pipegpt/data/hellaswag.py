@@ -1,4 +1,5 @@
-"""HellaSwag accuracy of a checkpoint, in one process (`pipegpt hellaswag`): nanoGPT's scoring.
+"""HellaSwag accuracy of a checkpoint, nanoGPT's scoring: in one process (score), or on the workers of a run or an
+inference job in their layout (score_on_engine; the driver's render_all, combine_scores and count_correct).
 
 The file is the jsonl that nanoGPT's hellaswag.py reads (hellaswag_val.jsonl): one JSON object per line
 with "ctx" (a non-empty string), "endings" (4 strings) and "label" (the right ending, 0..3; an integer,
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pipegpt.config import ConfigError
+from pipegpt.context_parallel.chunks import shard_sequence
 from pipegpt.data.tokenizers import DataError, get_tokenizer
 
 if TYPE_CHECKING:
@@ -127,6 +129,14 @@ def ending_losses(model: GPT, rows: list[list[int]], masks: list[list[int]]) -> 
     return total.cpu(), (total / scored.sum(dim=1)).cpu()
 
 
+def _check_vocabulary(rows: list[list[int]], example: Example, tokenizer: str, vocab: int, file) -> None:
+    top = max(max(r) for r in rows)
+    if top >= vocab:
+        raise DataError(f"{Path(file)}:{example.line}: token id {top} (tokenizer {tokenizer}) is not below the "
+                        f"model's vocabulary size {vocab}: use the tokenizer the model was trained with "
+                        f"(--tokenizer)")
+
+
 def score(model: GPT, examples: list[Example], tokenizer: str, file) -> tuple[int, int]:
     """(correct by summed ending loss, correct by mean ending loss) of a model on the examples."""
     tok = get_tokenizer(tokenizer)
@@ -134,12 +144,97 @@ def score(model: GPT, examples: list[Example], tokenizer: str, file) -> tuple[in
     correct = correct_norm = 0
     for ex in examples:
         rows, masks = render(ex, tok, seq_len)
-        top = max(max(r) for r in rows)
-        if top >= vocab:
-            raise DataError(f"{Path(file)}:{ex.line}: token id {top} (tokenizer {tokenizer}) is not below the "
-                            f"model's vocabulary size {vocab}: use the tokenizer the model was trained with "
-                            f"(--tokenizer)")
+        _check_vocabulary(rows, ex, tokenizer, vocab, file)
         total, mean = ending_losses(model, rows, masks)
         correct += int(int(total.argmin()) == ex.label)
         correct_norm += int(int(mean.argmin()) == ex.label)
     return correct, correct_norm
+
+
+# Scoring on the workers, in the run's layout, with the evaluation plan: the driver renders every example once
+# (render_all). Each data-parallel replica takes every dp-th example; a step of the forward-only plan carries one
+# example per microbatch (its 4 candidates are the microbatch's sequences, right-padded to the longest of the
+# step), and the last stage's ranks report per candidate the sum of its ending tokens' losses and how many there
+# were (pipegpt.stages.Stage.per_row). Under context parallelism each cp rank holds its chunks of the sequences and
+# reports its part of the sums. The driver adds the parts (combine_scores) and picks the answers (count_correct):
+# numbers travel, never weights.
+
+Rendered = list[tuple[list[int], int]]  # per candidate: its tokens and where its scored ending starts in them
+
+
+def render_all(examples: list[Example], tokenizer: str, seq_len: int, vocab: int, file) -> list[Rendered]:
+    """Every example's 4 candidates as render() makes them, each (tokens, index of its first ending token);
+    a token id the model cannot take is a DataError naming the line."""
+    tok = get_tokenizer(tokenizer)
+    out = []
+    for ex in examples:
+        rows, masks = render(ex, tok, seq_len)
+        _check_vocabulary(rows, ex, tokenizer, vocab, file)
+        out.append([(row, mask.index(1) if 1 in mask else len(mask)) for row, mask in zip(rows, masks)])
+    return out
+
+
+def count_correct(examples: list[Example], scores: dict[int, list[list[float]]]) -> tuple[int, int]:
+    """(correct by summed ending loss, correct by mean ending loss) from each example's per-candidate
+    [sum of losses, tokens scored], as score() picks: the first candidate with the least."""
+    correct = correct_norm = 0
+    for i, ex in enumerate(examples):
+        sums = [total for total, _ in scores[i]]
+        means = [total / count for total, count in scores[i]]
+        correct += int(min(range(ENDINGS), key=sums.__getitem__) == ex.label)
+        correct_norm += int(min(range(ENDINGS), key=means.__getitem__) == ex.label)
+    return correct, correct_norm
+
+
+Scores = list[tuple[int, list[list[float]]]]  # (example index, per candidate [sum of losses, tokens scored])
+
+
+def score_on_engine(engine, rendered: list[Rendered]) -> Scores | None:
+    """This rank's part of scoring the examples: what the last stage's ranks of tp index 0 report (one per cp
+    rank), None on every other rank."""
+    mesh, sharding = engine.mesh, engine.sharding
+    plan = engine.eval_runtime.plan
+    m = plan.num_microbatches
+    # a sequence cuts into 2 x cp chunks, and again over tp under sequence parallelism
+    multiple = (2 * sharding.cp if sharding.cp > 1 else 1) * (sharding.tp if sharding.splits_sequence else 1)
+    mine = list(range(mesh.dp_index, len(rendered), sharding.dp))
+    reports = mesh.tp_index == 0 and plan.num_stages - 1 in engine.stages
+    scores: Scores = []
+    for start in range(0, len(mine), m):
+        examples = mine[start:start + m]
+        length = max(len(tokens) for i in examples for tokens, _ in rendered[i])
+        length = -(-length // multiple) * multiple
+        inputs, targets = [], []
+        for k in range(m):  # a step short of examples fills its microbatches with candidates scoring nothing
+            x, y = _candidates(rendered[examples[k]] if k < len(examples) else [], length)
+            inputs.append(engine.to_device(shard_sequence(x, mesh.cp_index, sharding.cp)))
+            targets.append(engine.to_device(shard_sequence(y, mesh.cp_index, sharding.cp)))
+        shape = (ENDINGS, sharding.tokens_per_rank(length), engine.width)
+        rows = engine.score_rows(inputs, targets, shape)
+        if reports:
+            scores += [(i, rows[k]) for k, i in enumerate(examples)]
+    return scores if reports else None
+
+
+def _candidates(example: Rendered, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [4, length] (0 after each candidate's end) and targets (the next token where it is an ending token,
+    else -1: the context and the padding are not scored, nor a first token without one before it)."""
+    x = torch.zeros((ENDINGS, length), dtype=torch.long)
+    y = torch.full((ENDINGS, length), -1, dtype=torch.long)
+    for j, (tokens, ending) in enumerate(example):
+        x[j, :len(tokens)] = torch.tensor(tokens)
+        first = max(ending, 1)
+        y[j, first - 1:len(tokens) - 1] = torch.tensor(tokens[first:], dtype=torch.long)
+    return x, y
+
+
+def combine_scores(answers: list[Scores | None]) -> dict[int, list[list[float]]]:
+    """Every example's per-candidate [sum, count] from the ranks' reports: cp ranks' parts added."""
+    combined: dict[int, list[list[float]]] = {}
+    for scores in answers:
+        for i, rows in scores or ():
+            if i in combined:
+                combined[i] = [[a + c, b + d] for (a, b), (c, d) in zip(combined[i], rows)]
+            else:
+                combined[i] = [list(row) for row in rows]
+    return combined

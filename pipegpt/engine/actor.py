@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
 from pipegpt.comm.rpc import on_actor_thread, reports_failures
+from pipegpt.engine.engine import Engine
 
 
 def actor_method(method=None, *, concurrent: bool = False):
@@ -31,3 +33,28 @@ def actor_method(method=None, *, concurrent: bool = False):
     wrapped = reports_failures(on_device)
     wrapped.is_actor_method = True
     return wrapped
+
+
+class Role:
+    """What every role on a rank's engine (training: pipegpt.train.worker; inference: pipegpt.infer.worker) is: an
+    actor holding its settings and the rank's Engine, answering where() and shutdown()."""
+
+    def __init__(self, rank: int, cfg, init_method: str):
+        # Nothing here can fail: the work is in start(), whose failure the driver hears about.
+        self.rank, self.cfg = rank, cfg
+        self.engine = Engine(rank, init_method)
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.engine.device
+
+    @actor_method(concurrent=True)
+    def where(self) -> dict:
+        """Which action this rank is on and which ranks it waits for (now: None between steps); answered
+        on an RPC thread while a call runs on the actor thread, for the driver's stall watchdog."""
+        return self.engine.where()
+
+    @actor_method
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

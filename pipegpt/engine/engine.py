@@ -80,6 +80,7 @@ class Engine:
         # One-process names: the last stage's copy of a tied embedding is wte.weight.
         self.full_names = {id(p): stage.module.tied_parameter_names().get(local, local)
                            for stage in reversed(self.stages.values()) for local, p in stage.module.named_parameters()}
+        self.sharding, self.width = p.sharding, cfg.model.n_embd  # what a message of another length takes
         seq = p.sharding.tokens_per_rank(cfg.model.seq_len)
         shape, pipeline = (p.microbatch_size, seq, cfg.model.n_embd), self.mesh.members["pp"]
         message_dtype = getattr(torch, cfg.runtime.message_dtype)
@@ -126,6 +127,21 @@ class Engine:
             for stage in self.stages.values():
                 stage.discard()
         return losses
+
+    def score_rows(self, inputs, targets, activation_shape: tuple[int, ...]) -> list:
+        """The evaluation plan over one batch of sequences of activation_shape's length, without gradients: on
+        the last stage's ranks, per microbatch and sequence [sum of its targets' losses, targets counted]."""
+        last = self.stages.get(self.eval_runtime.plan.num_stages - 1)
+        if last is not None:
+            last.per_row = True
+        try:
+            with torch.no_grad():
+                return self.eval_runtime.step(inputs, targets, record=False, activation_shape=activation_shape).losses
+        finally:
+            if last is not None:
+                last.per_row = False
+            for stage in self.stages.values():
+                stage.discard()
 
     def train_step(self, inputs, targets, record: bool, documents=None) -> StepResult:
         """The training plan over one batch; gradients accumulate in the stages' parameters."""

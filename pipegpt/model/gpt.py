@@ -53,11 +53,15 @@ TIED_NAME = "wte.weight"  # the one-process name of the tied embedding/head weig
 # ---------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------
-def _causal_sdpa(q, k, v, dropout_p: float, offset: int = 0, documents: torch.Tensor | None = None):
+def _causal_sdpa(q, k, v, dropout_p: float, offset: int = 0, documents: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None):
     """Causal attention of q's positions offset.. over k's 0..: offset > 0 when earlier keys are cached.
-    documents [B, T]: each token's document (where it starts); a token then attends within its own only."""
+    documents [B, T]: each token's document (where it starts); a token then attends within its own only.
+    mask [B, 1, T, S]: which keys each query sees, given whole (a KVCache of left-padded prompts)."""
     if k.size(1) != q.size(1):  # grouped-query attention: each kv head serves n_head/n_kv_head q heads
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     if documents is not None:
         T = q.size(2)
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
@@ -114,12 +118,47 @@ def token_positions(length: int, context_parallel, documents: Documents | None, 
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, per block, for sampling one token at a time."""
+    """Keys and values of the positions seen so far, per block, for sampling one token at a time.
 
-    def __init__(self):
+    pads: for a batch of prompts of different lengths, left-padded to the longest, each row's padding. A row's
+    positions then start after its padding and its queries never see a padding key, so every row computes what
+    it would alone; all rows stay at one cache index, so a decoding step appends one column for all of them."""
+
+    def __init__(self, pads: list[int] | None = None):
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self.length = 0  # positions cached (the next token's position); GPT.forward advances it
+        self.length = 0  # cache index of the next token (its position without padding); GPT.forward advances it
+        self.pads = pads if pads and any(pads) else None
+        self.least_pad = min(pads) if self.pads else 0
+        self._pads: torch.Tensor | None = None
+        self._mask: tuple | None = None  # (length, T, mask) of the forward in progress: its blocks share it
+
+    def _pad_tensor(self, device) -> torch.Tensor:
+        if self._pads is None:
+            self._pads = torch.tensor(self.pads, device=device)
+        return self._pads
+
+    def positions(self, T: int, device) -> torch.Tensor | None:
+        """Each row's positions of the next T tokens [B, T] (padding at 0); None without padding (every row's
+        are length..length+T-1)."""
+        if self.pads is None:
+            return None
+        at = self.length + torch.arange(T, device=device)
+        return (at[None, :] - self._pad_tensor(device)[:, None]).clamp_min(0)
+
+    def mask(self, T: int, device) -> torch.Tensor | None:
+        """Which keys (cached and new) each of the next T queries sees [B, 1, T, length + T]: the causal ones that
+        are not padding, and a padding query its own key (so none is left with nothing); None without padding."""
+        if self.pads is None:
+            return None
+        if self._mask is not None and self._mask[:2] == (self.length, T):
+            return self._mask[2]
+        keys, queries = torch.arange(self.length + T, device=device), self.length + torch.arange(T, device=device)
+        causal, own = keys[None, :] <= queries[:, None], keys[None, :] == queries[:, None]
+        real = keys[None, :] >= self._pad_tensor(device)[:, None]
+        mask = ((causal[None] & real[:, None, :]) | own[None])[:, None]
+        self._mask = (self.length, T, mask)
+        return mask
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self.keys:
@@ -172,8 +211,12 @@ class CausalSelfAttention(nn.Module):
         cp = self.context_parallel
         if self.rope_theta is not None:
             positions = token_positions(q.size(2), cp, documents, q.device)
+            if positions is None and cache is not None:
+                positions = cache.positions(q.size(2), q.device)
             q, k = (apply_rope(t, self.rope_theta, offset, positions, self.max_positions) for t in (q, k))
+        mask = None
         if cache is not None:
+            mask = cache.mask(q.size(2), q.device)
             k, v = cache.extend(self.layer, k, v)
         p = self.dropout if self.training else 0.0
         starts = None if documents is None else documents.starts
@@ -184,7 +227,7 @@ class CausalSelfAttention(nn.Module):
                 if self.selective and torch.is_grad_enabled():
                     y = checkpoint(_causal_sdpa, q, k, v, p, offset, starts, use_reentrant=False)
                 else:
-                    y = _causal_sdpa(q, k, v, p, offset, starts)
+                    y = _causal_sdpa(q, k, v, p, offset, starts, mask)
         B, H, T, hd = y.shape
         return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, H * hd)))
 
@@ -228,16 +271,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def head_output(logits: torch.Tensor, targets: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+def head_output(logits: torch.Tensor, targets: torch.Tensor | None, vocab_size: int,
+                reduction: str = "mean") -> torch.Tensor:
     """What the head returns from its logits: without targets the logits of the real vocabulary
     (padded columns dropped, they are never predicted), with targets the mean cross-entropy
-    ignoring targets == -1. GPT.head_output is this, per instance, so tensor parallelism can put
-    a vocabulary-parallel version in its place."""
+    ignoring targets == -1 (reduction "none": each target's, 0 where ignored, in targets' shape).
+    GPT.head_output is this, per instance, so tensor parallelism can put a vocabulary-parallel
+    version in its place."""
     if logits.size(-1) != vocab_size:
         logits = logits[..., :vocab_size]
     if targets is None:
         return logits
-    return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=-1)
+    loss = F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=-1, reduction=reduction)
+    return loss if reduction == "mean" else loss.view(targets.shape)
 
 
 def slice_state_dict(full_state_dict: dict, layers: range, embed: bool, head: bool, tie: bool) -> dict:
@@ -321,18 +367,30 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:
-        """Tokens (or the previous stage's activations) -> activations, logits, or the mean loss with targets.
-        With a KVCache (sampling, no grad), x holds the positions after those cached. documents: packed
-        documents' boundaries (attention stays within each; positions may restart)."""
+                cache: KVCache | None = None, documents: Documents | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        """Tokens (or the previous stage's activations) -> activations, logits, or the mean loss with targets
+        (reduction "none": each target's loss). With a KVCache (sampling, no grad), x holds the positions
+        after those cached. documents: packed documents' boundaries (attention stays within each; positions
+        may restart)."""
+        x = self.hidden(x, cache, documents)
+        if not self.head:
+            return x
+        return self.head_output(self.lm_head(self.ln_f(x)), targets, reduction=reduction)
+
+    def hidden(self, x: torch.Tensor, cache: KVCache | None = None,
+               documents: Documents | None = None) -> torch.Tensor:
+        """forward() up to the head: the embedding (if held) and the blocks; a cache advances past x."""
         T = x.size(1)
         if self.embed:
             start = cache.length if cache is not None else 0
-            if start + T > self.config.seq_len:
+            if start + T - (cache.least_pad if cache is not None else 0) > self.config.seq_len:
                 raise ValueError(f"sequence length {start + T} exceeds seq_len={self.config.seq_len}")
             x = self.wte(x)
             if not self.rotary:
                 positions = token_positions(T, self.context_parallel, documents, x.device)
+                if positions is None and cache is not None:
+                    positions = cache.positions(T, x.device)
                 x = x + self.wpe(torch.arange(start, start + T, device=x.device) if positions is None else positions)
             x = self.drop(x)
         for block in self.blocks.values():
@@ -342,9 +400,7 @@ class GPT(nn.Module):
                 x = block(x, cache, documents)
         if cache is not None:
             cache.length += T
-        if not self.head:
-            return x
-        return self.head_output(self.lm_head(self.ln_f(x)), targets)
+        return x
 
 
 def build_reference_model(config: ModelConfig, seed: int, recompute: str = "none") -> GPT:

@@ -124,11 +124,12 @@ def _rank_summaries(timeline: Timeline) -> list[str]:
     busy, span = timeline.busy_per_rank, timeline.makespan
     live = timeline.peak_live_microbatches_per_rank
     peak_bytes = timeline.peak_activation_bytes_per_rank
+    backward = any(e.action.kind is not Kind.F for e in timeline.compute_events())  # else nothing stays live
     out = []
     for r in range(timeline.num_ranks):
         pct = 100 * float(busy[r] / span) if span else 0.0
-        text = f"busy {pct:5.1f}%  idle {_fmt(span - busy[r])}  peak live {live[r]}"
-        if peak_bytes is not None:
+        text = f"busy {pct:5.1f}%  idle {_fmt(span - busy[r])}" + (f"  peak live {live[r]}" if backward else "")
+        if peak_bytes is not None and backward:
             text += f" ({human_bytes(peak_bytes[r])})"
         out.append(text)
     return out

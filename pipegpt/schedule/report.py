@@ -15,6 +15,7 @@ from pipegpt.config import ConfigError
 
 from . import render
 from .actions import Plan, ScheduleError
+from .inference import decode_plan, steady_state_bubble
 from .registry import schedule_names, schedule_spec
 from .render import human_bytes
 from .schedule_file import check_against_file, load_schedule_file
@@ -43,6 +44,8 @@ class SimulateOptions:
     n_layers: int | None = None
     balance: str | None = None
     max_live: int | None = None
+    forward_only: bool = False
+    decode_steps: int | None = None
 
 
 def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Callable) -> None:
@@ -86,7 +89,7 @@ def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Ca
             records.append({"schedule": name, "applies": False, "reason": " ".join(str(e).split())})
             timelines.append(None)
             continue
-        records.append({**record(plan, timeline, costs), **extra})
+        records.append({**record(plan, timeline, costs), **extra, **decode_record(plan, timeline)})
         timelines.append(timeline)
 
     if opts.out is not None:
@@ -126,6 +129,48 @@ def _layer_costs(opts: SimulateOptions, read_layer_costs: Callable):
 
 
 def _jobs(opts: SimulateOptions) -> list[tuple[str, Callable]]:
+    """(name, a function making the plan) per schedule: the file's plan, or each generator's; with --forward-only
+    their forwards alone (evaluation's plans); with --decode-steps generation's decode loop."""
+    if opts.decode_steps is not None:
+        return _decode_job(opts)
+    jobs = _schedule_jobs(opts)
+    if not opts.forward_only:
+        return jobs
+
+    def forwards(make):
+        def make_forward_only(costs_of):
+            plan, costs, extra = make(costs_of)
+            return plan.compute_only().forward_only(), costs, extra
+        return make_forward_only
+
+    return [(f"{name}-forward", forwards(make)) for name, make in jobs]
+
+
+def _decode_job(opts: SimulateOptions) -> list[tuple[str, Callable]]:
+    """--decode-steps K: generation's plan for --stages ranks and --microbatches prompt groups."""
+    given = [flag for flag, value in (("--schedule", opts.schedule), ("--schedule-file", opts.schedule_file),
+                                      ("--virtual-stages", opts.virtual_stages), ("--max-live", opts.max_live))
+             if value is not None]
+    if given:
+        raise ScheduleError(f"--decode-steps simulates generation's own order (each prompt group through every "
+                            f"stage, step after step): leave out {' and '.join(given)}")
+    if opts.stages is None or opts.microbatches is None:
+        raise ScheduleError("--decode-steps needs --stages (pipeline ranks) and --microbatches (prompt groups)")
+    plan = decode_plan(opts.stages, opts.microbatches, opts.decode_steps)
+    return [(plan.name, lambda costs_of: (plan, *costs_of(plan)))]
+
+
+def decode_record(plan: Plan, timeline) -> dict:
+    """What a decode plan adds to its record: the steady state's bubble (a decode step late in the loop)."""
+    if "decode_groups" not in plan.meta:
+        return {}
+    per_rank = steady_state_bubble(timeline, plan)
+    return {"decode_groups": plan.meta["decode_groups"], "decode_steps": plan.meta["decode_steps"],
+            "steady_state_bubble": None if per_rank is None else float(sum(per_rank) / len(per_rank)),
+            "steady_state_bubble_per_rank": None if per_rank is None else [float(b) for b in per_rank]}
+
+
+def _schedule_jobs(opts: SimulateOptions) -> list[tuple[str, Callable]]:
     """(name, a function making the plan) per schedule: the file's plan, or each generator's."""
     if opts.schedule_file is not None:
         if opts.schedule is not None:
@@ -196,6 +241,8 @@ def record(plan, timeline, costs) -> dict:
     }
     rec.update({k: s[k] for k in ("makespan", "bubble_fraction", "bubble_fraction_per_rank", "busy_per_rank",
                                   "peak_live_microbatches_per_rank", "peak_activation_bytes_per_rank")})
+    if plan.is_forward_only:  # nothing waits for a backward: a forward's activations go when it ends
+        rec["peak_live_microbatches_per_rank"] = rec["peak_activation_bytes_per_rank"] = None
     rec["plan"] = plan.compute_only().as_strings()
     return rec
 
@@ -208,9 +255,16 @@ def summary_text(rec: dict) -> str:
         f"{rec['microbatches']} microbatches",
         f"makespan          {rec['makespan']:g}",
         f"bubble            {100 * rec['bubble_fraction']:.1f}%  (per rank: {pct})",
-        "peak live         " + " ".join(map(str, rec["peak_live_microbatches_per_rank"]))
-        + "  stage-microbatches per rank",
     ]
+    if rec.get("steady_state_bubble") is not None:
+        lines.append(f"steady state      {100 * rec['steady_state_bubble']:.1f}% bubble  (decode step "
+                     f"{rec['decode_steps'] - 2} of 1..{rec['decode_steps'] - 1}; {rec['decode_groups']} prompt "
+                     f"groups in flight; step 0 is the prefill)")
+    if rec["peak_live_microbatches_per_rank"] is None:
+        lines.append("peak live         forward only: no activations are kept for a backward")
+    else:
+        lines.append("peak live         " + " ".join(map(str, rec["peak_live_microbatches_per_rank"]))
+                     + "  stage-microbatches per rank")
     if rec["peak_activation_bytes_per_rank"] is not None:
         lines.append("peak activations  " + ", ".join(human_bytes(b) for b in rec["peak_activation_bytes_per_rank"]))
     if "lower_bound" in rec:
@@ -235,8 +289,9 @@ def table(records: list[dict]) -> str:
         if not r["applies"]:
             rows.append([r["schedule"], "-", "-", "-"] + (["-"] if has_bytes else []) + ["no: " + r["reason"]])
             continue
-        live = r["peak_live_microbatches_per_rank"]
-        row = [r["schedule"], f"{r['makespan']:g}", f"{100 * r['bubble_fraction']:.1f}%", f"{max(live)}/{min(live)}"]
+        live = r["peak_live_microbatches_per_rank"] or ["-"]
+        row = [r["schedule"], f"{r['makespan']:g}", f"{100 * r['bubble_fraction']:.1f}%",
+               f"{max(live)}/{min(live)}" if live != ["-"] else "-"]
         if has_bytes:
             pb = r["peak_activation_bytes_per_rank"]
             row.append(human_bytes(max(pb)) if pb else "-")

@@ -20,7 +20,10 @@ def dependencies(action: Action, plan: Plan) -> list[Action]:
     """Compute actions that must finish before this compute action may start."""
     s, mb, last = action.stage, action.microbatch, plan.num_stages - 1
     if action.kind is Kind.F:
-        return [Action(s - 1, Kind.F, mb)] if s > 0 else []
+        if s > 0:
+            return [Action(s - 1, Kind.F, mb)]
+        groups = plan.meta.get("decode_groups")  # generation: a group's next step takes its last stage's token
+        return [Action(last, Kind.F, mb - groups)] if groups and mb >= groups else []
     if action.kind in (Kind.B, Kind.I):
         deps = [Action(s, Kind.F, mb)]
         if s < last:

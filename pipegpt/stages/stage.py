@@ -30,6 +30,9 @@ class Stage:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pending_weight_grads: dict[int, list] = {}
         self.losses: list[torch.Tensor] = []
+        # Scoring (HellaSwag): the last stage reports per sequence the sum of its targets' losses and their count
+        # [rows, 2], not the microbatch's mean loss.
+        self.per_row = False
 
     def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -45,6 +48,11 @@ class Stage:
 
     def _forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None,
                  documents: Documents | None) -> torch.Tensor:
+        if self.is_last and self.per_row:
+            losses = self.module(x, targets, documents=documents, reduction="none").float()
+            rows = torch.stack((losses.sum(dim=-1), (targets != -1).sum(dim=-1).to(losses.dtype)), dim=-1)
+            self.losses.append(rows)
+            return rows
         if self.is_last:
             loss = self.module(x, targets, documents=documents)
             self.losses.append(loss.detach())

@@ -293,6 +293,16 @@ def check_compatible(manifest: dict, model: dict, where: Path) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # Reading, by one-process name
 
+def model_config(checkpoint: Path, manifest: dict):
+    """The ModelConfig a checkpoint's manifest holds (a CheckpointError when its settings are unusable)."""
+    from pipegpt.config import ConfigError, ModelConfig
+
+    try:
+        return ModelConfig(**manifest["model"]).validate()
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{checkpoint / MANIFEST}: no usable model settings ({e})") from None
+
+
 class CheckpointReader:
     """The full (one-process) tensor of any name, gathered from whichever shards hold it."""
 
@@ -327,6 +337,13 @@ class CheckpointReader:
             raise CheckpointError(f"{self.checkpoint}: {key} has shards {sorted(parts)} of {tp_size}")
         shards = [self._files[parts[r][0]].get_tensor(key) for r in range(tp_size)]
         return shards[0] if tp_size == 1 else gather_full(name, shards, self.kv_heads)
+
+    def shard(self, key: str, name: str, tp_rank: int, tp_size: int):
+        """Rank tp_rank's tensor-parallel shard (of tp_size) of the tensor stored under `key`, whatever the tp
+        layout that wrote it."""
+        from pipegpt.tensor_parallel import shard_tensor
+
+        return shard_tensor(name, self.full(key, name), tp_rank, tp_size, self.kv_heads)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -176,29 +176,8 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Te
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_shard, targets, vocab_start, vocab_size, group):
-        V_local = logits_shard.size(-1)
-        # at least fp32, as F.cross_entropy under autocast (and the loss comes back in it)
-        logits = logits_shard.reshape(-1, V_local).to(torch.promote_types(logits_shard.dtype, torch.float32))
-        targets = targets.reshape(-1)
-        if logits.size(0) != targets.numel():
-            raise ValueError(f"vocab_parallel_cross_entropy: {logits.size(0)} rows of logits "
-                             f"but {targets.numel()} targets")
-        n_real = V_local if vocab_size is None else max(0, min(V_local, vocab_size - vocab_start))
-        if n_real < V_local:  # padded vocabulary columns are never predicted
-            logits = logits.clone()
-            logits[:, n_real:] = float("-inf")
-        # 1. the global max per row (a shard of pure padding contributes -inf)
-        row_max = _all_reduce(logits.max(dim=1).values, group, op=dist.ReduceOp.MAX)
-        shifted = logits - row_max.unsqueeze(1)
-        # 2. the target's shifted logit (from the one shard that owns it) and sum of exp, in one sum
-        valid = targets != -1
-        local_t = targets - vocab_start
-        mine = valid & (local_t >= 0) & (local_t < n_real)
-        index = torch.where(mine, local_t, torch.zeros_like(local_t)).unsqueeze(1)
-        target_logit = torch.where(mine, shifted.gather(1, index).squeeze(1), torch.zeros_like(row_max))
-        exp = shifted.exp()
-        sums = _all_reduce(torch.stack([target_logit, exp.sum(dim=1)]), group)
-        target_logit, sum_exp = sums[0], sums[1]
+        exp, index, mine, valid, sum_exp, target_logit = _shifted_parts(logits_shard, targets, vocab_start,
+                                                                        vocab_size, group)
         count = valid.sum()
         loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(sum_exp)).sum() / count
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(1)), index, mine, valid, count)
@@ -227,3 +206,42 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     then one all-reduce sum of the stacked (target logit, sum of exp) per row.
     """
     return _VocabParallelCrossEntropy.apply(logits_shard, targets, vocab_start, vocab_size, group)
+
+
+@torch.no_grad()
+def vocab_parallel_token_losses(logits_shard: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                group, vocab_size: int | None = None) -> torch.Tensor:
+    """Each target's cross-entropy (0 where targets == -1), in targets' shape, from logits split over the
+    vocabulary as vocab_parallel_cross_entropy takes them; for scoring, without gradients."""
+    _, _, _, valid, sum_exp, target_logit = _shifted_parts(logits_shard, targets, vocab_start, vocab_size, group)
+    return torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(sum_exp)).view(targets.shape)
+
+
+def _shifted_parts(logits_shard, targets, vocab_start, vocab_size, group):
+    """The softmax's pieces every rank agrees on, without gathering the logits: (exp of the shifted local logits,
+    the target's local column, whether this rank owns the target, whether the target counts, the global sum of
+    exp, the target's shifted logit) per row. Two collectives: all-reduce max of the row maxima, then one
+    all-reduce sum of the stacked (target logit, sum of exp)."""
+    V_local = logits_shard.size(-1)
+    # at least fp32, as F.cross_entropy under autocast (and the loss comes back in it)
+    logits = logits_shard.reshape(-1, V_local).to(torch.promote_types(logits_shard.dtype, torch.float32))
+    targets = targets.reshape(-1)
+    if logits.size(0) != targets.numel():
+        raise ValueError(f"vocab_parallel_cross_entropy: {logits.size(0)} rows of logits "
+                         f"but {targets.numel()} targets")
+    n_real = V_local if vocab_size is None else max(0, min(V_local, vocab_size - vocab_start))
+    if n_real < V_local:  # padded vocabulary columns are never predicted
+        logits = logits.clone()
+        logits[:, n_real:] = float("-inf")
+    # 1. the global max per row (a shard of pure padding contributes -inf)
+    row_max = _all_reduce(logits.max(dim=1).values, group, op=dist.ReduceOp.MAX)
+    shifted = logits - row_max.unsqueeze(1)
+    # 2. the target's shifted logit (from the one shard that owns it) and sum of exp, in one sum
+    valid = targets != -1
+    local_t = targets - vocab_start
+    mine = valid & (local_t >= 0) & (local_t < n_real)
+    index = torch.where(mine, local_t, torch.zeros_like(local_t)).unsqueeze(1)
+    target_logit = torch.where(mine, shifted.gather(1, index).squeeze(1), torch.zeros_like(row_max))
+    exp = shifted.exp()
+    sums = _all_reduce(torch.stack([target_logit, exp.sum(dim=1)]), group)
+    return exp, index, mine, valid, sums[1], sums[0]

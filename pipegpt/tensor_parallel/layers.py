@@ -69,7 +69,8 @@ from pipegpt.config import ConfigError
 from pipegpt.model.gpt import GPT
 from pipegpt.model.split_backward import SplitLinear, add_bias, split_linear
 from pipegpt.tensor_parallel.collectives import (copy_to_tp, gather_from_sequence, group_size, reduce_from_tp,
-                                                 reduce_scatter_to_sequence, vocab_parallel_cross_entropy)
+                                                 reduce_scatter_to_sequence, vocab_parallel_cross_entropy,
+                                                 vocab_parallel_token_losses)
 from pipegpt.config import validate_tp
 from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, shard_tensor, tp_shard_spec
 from pipegpt.tensor_parallel.rng import ShardedDropout, sharded_region
@@ -154,10 +155,13 @@ class SequenceChunkEmbedding(nn.Embedding):
         return super().forward(pos.chunk(self.tp_size, -1)[self.tp_rank])
 
 
-def _vocab_parallel_head_output(logits, targets, vocab_start: int, vocab_size: int, group):
-    """GPT.head_output for a vocabulary shard: the loss, or the logits of this rank's real columns."""
+def _vocab_parallel_head_output(logits, targets, vocab_start: int, vocab_size: int, group, reduction: str = "mean"):
+    """GPT.head_output for a vocabulary shard: the loss (reduction "none": each target's), or the logits of this
+    rank's real columns."""
     if targets is None:
         return logits[..., :max(0, min(logits.size(-1), vocab_size - vocab_start))]
+    if reduction == "none":
+        return vocab_parallel_token_losses(logits, targets, vocab_start, group, vocab_size=vocab_size)
     return vocab_parallel_cross_entropy(logits, targets, vocab_start, group, vocab_size=vocab_size)
 
 

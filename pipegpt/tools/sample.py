@@ -1,4 +1,4 @@
-"""Text from a checkpoint, in one process (`pipegpt sample`): nanoGPT's generation loop.
+"""Text from a checkpoint (`pipegpt sample`): nanoGPT's generation loop, in one process or on workers in a layout.
 
 The checkpoint may come from any layout (or from `pipegpt convert --from-hf`): its parameters are read
 by one-process name (checkpoint.read_weights) into the whole GPT, which runs in eval mode. Each new token
@@ -7,6 +7,11 @@ the positions seen are kept in a KVCache, so each new token costs one position's
 is full; from then on the cropped window is computed whole, as nanoGPT does): divided by the
 temperature, cut to the top k, softmax, one draw from a generator seeded with `seed` (temperature 0:
 the argmax). Tokens the tokenizer cannot decode (rows beyond its vocabulary) are never drawn.
+
+Several prompts (repeated --prompt, or --prompts-file) generate together, `batch` at a time: in one process as one
+left-padded batch (pipegpt.infer.generation), or with --stages/--tp/--dp on workers holding a slice each, the prompt
+groups in flight through the stages (pipegpt.infer.job). Prompt i draws from a generator seeded with seed + i, so
+every prompt's tokens are the same alone, in any batch and in any layout.
 """
 from __future__ import annotations
 
@@ -15,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pipegpt.state import checkpoint
-from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.config import ConfigError
+from pipegpt.infer.sampling import next_token
 from pipegpt.model.gpt import GPT, KVCache, load_whole_model
 
 
@@ -58,10 +63,7 @@ def load_model(path, device="cpu") -> tuple[GPT, dict, Path]:
     """The whole model of a checkpoint (or of a run directory's latest) in eval mode, its manifest, its path."""
     found = checkpoint.resolve(path)
     manifest = checkpoint.read_manifest(found)
-    try:
-        config = ModelConfig(**manifest["model"]).validate()
-    except (KeyError, TypeError, ConfigError) as e:
-        raise checkpoint.CheckpointError(f"{found / checkpoint.MANIFEST}: no usable model settings ({e})") from None
+    config = checkpoint.model_config(found, manifest)
     state = checkpoint.read_weights(found)
     try:
         model = load_whole_model(config, state, device)
@@ -87,17 +89,7 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: fl
             fed = idx.size(1)
         else:  # the context no longer fits: positions shift, so the window is computed whole
             logits = model(idx[:, -T:])[:, -1, :].float()
-        if vocab_limit is not None and vocab_limit < logits.size(-1):
-            logits[:, vocab_limit:] = -math.inf
-        if temperature == 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.size(-1):
-                kth = torch.topk(logits, top_k).values[:, [-1]]
-                logits[logits < kth] = -math.inf
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
-        idx = torch.cat((idx, nxt), dim=1)
+        idx = torch.cat((idx, next_token(logits, temperature, top_k, generator, vocab_limit)), dim=1)
     return idx[0, len(prompt):].tolist()
 
 
@@ -111,16 +103,112 @@ def sample(path, prompt: str, max_new_tokens: int, temperature: float, top_k: in
     model, manifest, found = load_model(path, dev)
     name = tokenizer or manifest.get("tokenizer") or "bytes"
     tok = get_tokenizer(name)
+    ids = encode_prompt(tok, name, prompt, model.config.vocab_size)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    new = generate(model, ids, max_new_tokens, temperature, top_k, generator, vocab_limit=tok.vocab_size)
+    return Sample(_text(tok, prompt, ids, new), ids, new, found, name)
+
+
+def encode_prompt(tok, name: str, prompt: str, vocab: int, which: str = "the prompt") -> list[int]:
+    """A prompt's tokens (an empty one: the end-of-text token, where GPT-2's documents start)."""
     ids = tok.encode(prompt)
     if not ids:
         if tok.eot_token is None:
-            raise SampleError("the prompt encodes to no tokens: give a non-empty --prompt")
-        ids = [tok.eot_token]  # GPT-2's documents start after an end-of-text token
-    vocab = model.config.vocab_size
+            raise SampleError(f"{which} encodes to no tokens: give a non-empty --prompt")
+        ids = [tok.eot_token]
     if max(ids) >= vocab:
-        raise SampleError(f"the prompt holds token id {max(ids)} (tokenizer {name}), not below the model's "
+        raise SampleError(f"{which} holds token id {max(ids)} (tokenizer {name}), not below the model's "
                           f"vocabulary size {vocab}: use the tokenizer the model was trained with (--tokenizer)")
-    generator = torch.Generator(device=dev).manual_seed(seed)
-    new = generate(model, ids, max_new_tokens, temperature, top_k, generator, vocab_limit=tok.vocab_size)
-    text = tok.decode(ids + new) if prompt else tok.decode(new)  # not the end-of-text token put in its place
-    return Sample(text, ids, new, found, name)
+    return ids
+
+
+def _text(tok, prompt: str, ids: list[int], new: list[int]) -> str:
+    return tok.decode(ids + new) if prompt else tok.decode(new)  # not the end-of-text token put in its place
+
+
+def read_prompts(file) -> list[str]:
+    """The prompts of a file, one per line (blank lines skipped)."""
+    path = Path(file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SampleError(f"{path}: no such file (expected prompts, one per line)") from None
+    except IsADirectoryError:
+        raise SampleError(f"{path}: a directory (expected a file of prompts, one per line)") from None
+    except UnicodeDecodeError as e:
+        raise SampleError(f"{path}: not UTF-8 text ({e})") from None
+    except OSError as e:
+        raise SampleError(f"{path}: unreadable ({e.strerror})") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise SampleError(f"{path}: holds no prompts (one per line)")
+    return prompts
+
+
+@dataclass
+class Generation:
+    samples: list[Sample]
+    seconds: float             # generating (the workers' calls, or the one-process loop), not loading
+    where: str                 # "one process", or the layout
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(s.new_tokens) for s in self.samples) / self.seconds if self.seconds else 0.0
+
+
+def check_room(prompts: list[list[int]], max_new_tokens: int, seq_len: int) -> None:
+    """On workers the KV caches hold seq_len positions: a prompt and its new tokens must fit in them."""
+    i, longest = max(enumerate(prompts), key=lambda p: len(p[1]))
+    if len(longest) + max_new_tokens > seq_len:
+        room = seq_len - len(longest)
+        use = f"--max-new-tokens {room} or less" if room > 0 else "a prompt shorter than seq_len"
+        raise SampleError(f"--max-new-tokens {max_new_tokens} is past the context: prompt {i + 1} has "
+                          f"{len(longest)} tokens, and the KV caches hold seq_len={seq_len} positions: use {use} "
+                          f"(one process, without --stages, --tp or --dp, crops the context instead)")
+
+
+def sample_many(path, prompts: list[str], settings, tokenizer: str | None = None, device: str = "cpu",
+                batch: int | None = None, layout=None, timeout_s: float = 60.0) -> Generation:
+    """Every prompt's continuation (settings: pipegpt.infer.sampling.SamplingSettings; its vocab_limit is set
+    from the tokenizer): in one process (layout None), or on workers in `layout` (pipegpt.infer.job.Layout)."""
+    import dataclasses
+    import time
+
+    from pipegpt.data.tokenizers import get_tokenizer
+    from pipegpt.infer.generation import generate_in_process
+    from pipegpt.infer.job import InferenceJob
+
+    check_settings(settings.max_new_tokens, settings.temperature, settings.top_k)
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise SampleError(f"batch={batch!r} must be an integer >= 1")
+    if layout is None:
+        dev = pick_device(device)
+        model, manifest, found = load_model(path, dev)
+        config = model.config
+    else:
+        job = InferenceJob(path, layout, device, timeout_s)  # refuses a bad layout before any worker starts
+        manifest, found, config = job.manifest, job.found, job.model
+    name = tokenizer or manifest.get("tokenizer") or "bytes"
+    tok = get_tokenizer(name)
+    ids = [encode_prompt(tok, name, p, config.vocab_size, f"prompt {i + 1}" if len(prompts) > 1 else "the prompt")
+           for i, p in enumerate(prompts)]
+    settings = dataclasses.replace(settings, vocab_limit=tok.vocab_size)
+    if layout is not None:
+        check_room(ids, settings.max_new_tokens, config.seq_len)
+        with job:
+            job.start()
+            new, seconds = job.generate(ids, settings, batch)
+        where = layout.describe()
+    else:
+        t0, new, step = time.perf_counter(), [], batch or len(ids)
+        for start in range(0, len(ids), step):
+            part = ids[start:start + step]
+            if max(map(len, part)) + settings.max_new_tokens <= config.seq_len:
+                new += generate_in_process(model, part, settings, first=start)
+            else:  # the context overflows: each prompt alone, its window cropped
+                new += [generate(model, p, settings.max_new_tokens, settings.temperature, settings.top_k,
+                                 torch.Generator(device=dev).manual_seed(settings.seed + start + k), tok.vocab_size)
+                        for k, p in enumerate(part)]
+        seconds, where = time.perf_counter() - t0, "one process"
+    samples = [Sample(_text(tok, p, i, n), i, n, found, name) for p, i, n in zip(prompts, ids, new)]
+    return Generation(samples, seconds, where)

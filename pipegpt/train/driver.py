@@ -160,6 +160,20 @@ def learning_rate_jump(cfg: TrainConfig) -> str | None:
             f"schedule: step {step + 1} runs at lr {after:.3g}, not the {before:.3g} the run was heading for")
 
 
+def _hellaswag_rows(cfg: TrainConfig, had: tuple | None = None) -> tuple:
+    """(what they depend on, --hellaswag's examples, their candidates' tokens): a token id the model cannot take
+    is refused now. `had`: an earlier answer, kept when it still holds."""
+    key = (cfg.eval.hellaswag, cfg.data.tokenizer, cfg.model.seq_len, cfg.model.vocab_size)
+    if had is not None and had[0] == key:
+        return had
+    if not cfg.eval.hellaswag:
+        return key, None, None
+    from pipegpt.data.hellaswag import read_examples, render_all
+
+    examples = read_examples(cfg.eval.hellaswag)
+    return key, examples, render_all(examples, *key[1:], cfg.eval.hellaswag)
+
+
 class Job:
     """A job's workers, from start to close: one actor per rank, steered over RPC."""
 
@@ -187,6 +201,7 @@ class Job:
         self.current_step: int | None = None  # the loop's index (from 0) of the step running or last run
         self.failed_at: float | None = None  # time.time() of the failure this attempt restarts after (--max-restarts)
         self.steps_lost: int | None = None  # the steps completed before that failure that this attempt does again
+        self.hellaswag_data = _hellaswag_rows(cfg)  # tokenized once, checked before any worker starts
 
     def start(self) -> bool:
         """Start the workers and build them for the plan. Under torchrun every process calls this; the
@@ -322,32 +337,20 @@ class Job:
         self.cfg, self.plan = cfg, check(cfg)
         self.step_times = []  # another config, other step times
         self.eval_plan = evaluation_plan(self.plan)
+        self.hellaswag_data = _hellaswag_rows(cfg, self.hellaswag_data)
         return self.cluster.call("build", cfg, self.plan, self.eval_plan)
 
-    def gathered_model(self):
-        """The whole model in this process: every rank's parameters by one-process name, tensor-parallel
-        shards joined (data-parallel replica 0). For evaluations that need all of it at once (HellaSwag)."""
-        from pipegpt.model.gpt import load_whole_model
-        from pipegpt.tensor_parallel import gather_full
+    def hellaswag(self) -> tuple[float, float]:
+        """(acc, acc_norm) of the current model on --hellaswag's examples, scored on the workers in the run's
+        layout (pipegpt.data.hellaswag.score_on_engine): only per-candidate loss sums come back."""
+        from pipegpt.data.hellaswag import combine_scores, count_correct
 
+        _, examples, rendered = self.hellaswag_data
         p = self.cfg.parallel
-        shards = {}
-        for rank, named in enumerate(self.cluster.call("model_state")):
-            at = p.dims.coords(rank)
-            if at.dp == 0 and at.cp == 0:  # cp ranks hold the same weights
-                for name, value in named.items():
-                    shards.setdefault(name, {})[at.tp] = value
-        kv = self.cfg.model.kv_heads  # Llama's k and v shards are split by kv head
-        full = {n: gather_full(n, [parts[t] for t in range(p.tp)], kv) if p.tp > 1 else parts[0]
-                for n, parts in shards.items()}
-        return load_whole_model(self.cfg.model, full)
-
-    def hellaswag(self, examples) -> tuple[float, float]:
-        """(acc, acc_norm) of the current model on HellaSwag examples."""
-        from pipegpt.data.hellaswag import score
-
-        correct, correct_norm = score(self.gathered_model(), examples, self.cfg.data.tokenizer,
-                                      self.cfg.eval.hellaswag)
+        steps = -(-len(rendered) // (self.eval_plan.num_microbatches * p.dp))  # each as long as a wait may be
+        scores = combine_scores(self.cluster.call("hellaswag", rendered,
+                                                  timeout_s=self.cfg.runtime.wait_timeout_s * (steps + 1)))
+        correct, correct_norm = count_correct(examples, scores)
         return correct / len(examples), correct_norm / len(examples)
 
     def evaluate(self) -> float:
@@ -449,11 +452,6 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
     skipped = 0
     traced = set(cfg.runtime.traced_steps())
     profiled = profiled_steps(cfg, job.first_step)
-    hellaswag = None
-    if cfg.eval.hellaswag:
-        from pipegpt.data.hellaswag import read_examples
-
-        hellaswag = read_examples(cfg.eval.hellaswag)
     for step in range(job.first_step, cfg.runtime.steps):
         with profiling(job, profiled, step, log.run_dir / run_files.PROFILES):
             t0, cpu0 = time.perf_counter(), time.process_time()
@@ -475,8 +473,8 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
             metrics.steps_lost = job.steps_lost
         if evaluation_due(cfg, step):
             metrics.val_loss = job.evaluate()
-            if hellaswag:
-                metrics.hellaswag_acc, metrics.hellaswag_acc_norm = job.hellaswag(hellaswag)
+            if cfg.eval.hellaswag:
+                metrics.hellaswag_acc, metrics.hellaswag_acc_norm = job.hellaswag()
         if checkpoint_due(cfg, step):
             t0 = time.perf_counter()
             try:

@@ -2,9 +2,9 @@
 training step adds: the optimizer, the data loaders, one gradient sync per parallelism, checkpoints.
 
 The driver calls its methods over RPC; the methods marked @actor_method are the control plane's
-whole surface (start, build, step, measure_layer_costs, evaluate, save, load, where, profile_start/stop,
-describe, shutdown, and for tests named_grads, named_parameters, named_optimizer_state). Activations never
-pass through here: the runtime sends them worker to worker.
+whole surface (start, build, step, measure_layer_costs, evaluate, hellaswag, save, load, where,
+profile_start/stop, describe, shutdown, and for tests named_grads, named_parameters, named_optimizer_state).
+Activations never pass through here: the runtime sends them worker to worker.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from pipegpt.config import TrainConfig
+from pipegpt.data.hellaswag import score_on_engine
 from pipegpt.data.loader import RankLoader
 from pipegpt.data.tokenizers import get_tokenizer
 from pipegpt.data.tokens import builtin_tokens, open_tokens
-from pipegpt.engine.actor import actor_method
-from pipegpt.engine.engine import Engine
+from pipegpt.engine.actor import Role, actor_method
 from pipegpt.engine.placement import name_process
 from pipegpt.engine.results import SavedFile, WorkerStep
 from pipegpt.model.gpt import Documents
@@ -32,7 +32,7 @@ from pipegpt.resilience.faults import FaultHook
 from pipegpt.runtime import OPTIMIZER_STEP
 from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint, rng, snapshot
-from pipegpt.tensor_parallel import REPLICATED, shard_tensor, tp_shard_spec
+from pipegpt.tensor_parallel import REPLICATED, tp_shard_spec
 from pipegpt.train.grad_sync import PlanCollectives, make_syncs, not_counted, not_owned
 from pipegpt.train.optim import (clip_grads_, global_grad_norm, lr_at, make_optimizer, moments_overflow_at,
                                   set_lr, step_tensor)
@@ -46,16 +46,7 @@ def _process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-class Worker:
-    def __init__(self, rank: int, cfg: TrainConfig, init_method: str):
-        # Nothing here can fail: the work is in start(), whose failure the driver hears about.
-        self.rank, self.cfg = rank, cfg
-        self.engine = Engine(rank, init_method)
-
-    @property
-    def device(self) -> torch.device | None:
-        return self.engine.device
-
+class Worker(Role):
     @actor_method
     def start(self, plan: Plan, eval_plan: Plan | None = None) -> dict:
         """Take this rank's device, join the process groups, then build for the plan."""
@@ -156,16 +147,20 @@ class Worker:
             self.engine.eval_mode(False)
         return {"rank": self.rank, "losses": losses}
 
+    @actor_method
+    def hellaswag(self, rendered: list) -> list | None:
+        """This rank's part of HellaSwag on the current model (pipegpt.data.hellaswag.score_on_engine): the last
+        stage's per-candidate loss sums, None elsewhere."""
+        self.engine.eval_mode(True)
+        try:
+            return score_on_engine(self.engine, rendered)
+        finally:
+            self.engine.eval_mode(False)
+
     @actor_method(concurrent=True)
     def clock(self) -> tuple[str, float]:
         """This process's clock domain and perf_counter: the driver aligns ranks' traces by them."""
         return clock_reading()
-
-    @actor_method(concurrent=True)
-    def where(self) -> dict:
-        """Which action this rank is on and which ranks it waits for (now: None between steps); answered
-        on an RPC thread while step() runs on another, for the driver's stall watchdog."""
-        return self.engine.where()
 
     def _batch(self, loader: RankLoader | None, step: int):
         """(inputs, targets, documents) of a step on this rank's device, each a list of microbatches or None."""
@@ -275,8 +270,7 @@ class Worker:
 
         def mine(key: str, p: torch.Tensor) -> torch.Tensor:
             name = self.full_names[id(p)]
-            full = reader.full(f"{key}/{name}", name)
-            return shard_tensor(name, full, tp_rank, tp, self.cfg.model.kv_heads).to(p.device, p.dtype)
+            return reader.shard(f"{key}/{name}", name, tp_rank, tp).to(p.device, p.dtype)
 
         with torch.no_grad():
             for _, p in self.named_params:
@@ -295,11 +289,6 @@ class Worker:
         if self.loader is not None:
             self.loader.load_state_dict({"step": step})
         return step
-
-    @actor_method
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters by one-process name (its tensor-parallel shards), on the CPU."""
-        return {self.full_names[id(p)]: p.detach().cpu().clone() for _, p in self.named_params}
 
     @actor_method
     def named_optimizer_state(self) -> dict[str, torch.Tensor]:
@@ -348,11 +337,6 @@ class Worker:
     @actor_method
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().cpu().clone() for n, p in self.named_params}
-
-    @actor_method
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def first_nonfinite(stages: dict, full_names: dict, optimizer_state) -> tuple[int, str] | None:

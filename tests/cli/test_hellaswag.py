@@ -163,7 +163,7 @@ def test_bad_inputs_are_one_line_errors(ckpt, tmp_path):
 
 @pytest.mark.slow  # 11 s; scoring a checkpoint stays in the default set
 def test_during_a_pipelined_run_it_scores_the_model_the_checkpoint_holds(tmp_path):
-    """`pipegpt run --hellaswag` gathers the 2-stage x tp-2 model into the driver at an evaluation step; its
+    """`pipegpt run --hellaswag` scores the 2-stage x tp-2 model on its workers at an evaluation step; its
     accuracies equal the oracle's on the checkpoint saved at that step."""
     from pipegpt.tools.sample import load_model
 
@@ -186,3 +186,25 @@ def test_a_bad_file_is_refused_before_any_worker_starts(tmp_path):
     bad.write_text('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 7}\n')
     result = invoke("run", "--eval-every", "1", "--hellaswag", bad, "--run-dir", tmp_path / "run")
     assert result.exit_code == 2 and "label" in result.output and not (tmp_path / "run").exists()
+
+
+def test_a_layout_the_model_cannot_take_is_refused_before_any_worker_starts(ckpt, tmp_path, no_workers):
+    path, _, _ = ckpt
+    data = write_jsonl(tmp_path / "hs.jsonl", [0])
+    assert_one_line_error(cli(path, "--file", data, "--stages", 3), "--stages 3", "2 layers", "at most 2")
+    assert_one_line_error(cli(path, "--file", data, "--stages", 2, "--tp", 3), "tp")
+    assert not no_workers
+
+
+@pytest.mark.slow  # two jobs of workers
+def test_on_workers_it_gives_the_one_process_accuracies(ckpt, tmp_path):
+    path, _, (by_sum, by_mean) = ckpt
+    labels = [0, 1, 2, 3, 0, 1]
+    data = write_jsonl(tmp_path / "val.jsonl", labels)
+    one = json.loads(cli(path, "--file", data, "--device", "cpu", "--json").stdout)
+    assert (one["correct"], one["correct_norm"]) == (sum(p == lab for p, lab in zip(by_sum, labels)),
+                                                     sum(p == lab for p, lab in zip(by_mean, labels)))
+    for layout in (["--stages", "2", "--tp", "2"], ["--stages", "2", "--dp", "2"]):
+        proc = run_pipegpt("hellaswag", path, "--file", data, "--device", "cpu", "--json", *layout, timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) == one

@@ -3,16 +3,19 @@ repeat; the context is cropped to seq_len; bad inputs are one `Error:` line with
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_one_line_error, invoke
+from helpers import assert_one_line_error, invoke, run_pipegpt
 from pipegpt.state import checkpoint
 from pipegpt.config import ModelConfig
 from pipegpt.data.tokenizers import ByteTokenizer
 from pipegpt.model.gpt import GPT
+from pipegpt.infer.job import InferenceJob, Layout
 from pipegpt.tools.sample import generate, load_model, sample
 
 MODEL = ModelConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=4, n_embd=32)
@@ -105,3 +108,71 @@ def test_bad_inputs_are_one_line_errors(ckpt, tmp_path):
     assert_one_line_error(cli(narrow, "--prompt", "abc~", "--device", "cpu"), "token id 126", "vocabulary size 100")
     if not torch.cuda.is_available():
         assert_one_line_error(cli(path, "--device", "cuda"), "no CUDA GPU")
+
+
+PROMPTS = ["def f(x):", "a", "hello!"]
+
+
+def test_several_prompts_in_one_process_each_equal_a_loop_of_their_own(ckpt, tmp_path):
+    """Prompt i draws from seed + i: in one batch, in batches of 2 and from a file, the tokens of the loop alone."""
+    path, gpt = ckpt
+    expected = [generate(gpt, list(p.encode()), 6, 0.9, 20, torch.Generator().manual_seed(4 + i), 256)
+                for i, p in enumerate(PROMPTS)]
+    args = ["--max-new-tokens", 6, "--temperature", 0.9, "--top-k", 20, "--seed", 4, "--device", "cpu", "--json"]
+    prompts = [x for p in PROMPTS for x in ("--prompt", p)]
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n\n")
+    for extra in (prompts, [*prompts, "--batch", 2], ["--prompts-file", tmp_path / "prompts.txt"]):
+        result = cli(path, *args, *extra)
+        assert result.exit_code == 0, result.output
+        rows = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [r["new_tokens"] for r in rows] == expected and [r["prompt"] for r in rows] == PROMPTS
+        assert "tokens/s (one process)" in result.stderr
+    text = cli(path, *args[:-1], *prompts)
+    assert text.stdout == "\n---------------\n".join(ByteTokenizer().decode(list(p.encode()) + t)
+                                                   for p, t in zip(PROMPTS, expected)) + "\n"
+
+
+def test_a_layout_or_prompts_that_cannot_run_are_refused_before_any_worker_starts(ckpt, tmp_path, no_workers):
+    path, _ = ckpt
+    assert_one_line_error(cli(path, "--stages", 3), "--stages 3", "2 layers", "at most 2")
+    assert_one_line_error(cli(path, "--stages", 2, "--prompt", PROMPT, "--max-new-tokens", 8),
+                          "--max-new-tokens 8 is past the context", "9 tokens", "seq_len=16", "--max-new-tokens 7")
+    assert_one_line_error(cli(path, "--tp", 2, "--prompt", "x" * 16, "--max-new-tokens", 1),
+                          "prompt 1 has 16 tokens", "a prompt shorter than seq_len")
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    assert_one_line_error(cli(path, "--prompts-file", tmp_path / "empty.txt"), "empty.txt", "holds no prompts")
+    assert_one_line_error(cli(path, "--prompts-file", tmp_path / "nowhere.txt"), "nowhere.txt", "no such file")
+    assert_one_line_error(cli(path, "--prompts-file", tmp_path), "a directory")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    assert_one_line_error(cli(path, "--prompts-file", tmp_path / "latin1.txt"), "latin1.txt", "not UTF-8")
+    (tmp_path / "p.txt").write_text("a\n")
+    assert_one_line_error(cli(path, "--prompt", "a", "--prompts-file", tmp_path / "p.txt"), "not both")
+    assert_one_line_error(cli(path, "--stages", 0), "--stages")
+    assert not no_workers
+
+
+def test_more_ranks_than_cores_is_a_warning(ckpt):
+    path, _ = ckpt
+    cores = len(os.sched_getaffinity(0))
+    said = []
+    job = InferenceJob(path, Layout(stages=2, tp=2, dp=cores), device="cpu", warn=said.append)
+    assert job.cluster is None and len(said) == 1
+    assert f"{4 * cores} worker processes on {cores} CPU cores" in said[0]
+    said.clear()
+    InferenceJob(path, Layout(stages=1), device="cpu", warn=said.append)
+    assert not said
+
+
+@pytest.mark.slow  # three jobs of workers
+def test_on_workers_it_prints_what_one_process_prints(ckpt, tmp_path):
+    """`--stages 2 --tp 2` and `--dp 2` print what `--stages 1` prints, and `--stages 1` what one process does."""
+    path, _ = ckpt
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    args = ["sample", path, "--prompts-file", tmp_path / "prompts.txt", "--max-new-tokens", 7, "--temperature", 0.8,
+            "--device", "cpu", "--json"]
+    one = cli(*args[1:])
+    assert one.exit_code == 0, one.output
+    for layout in (["--stages", 1], ["--stages", 2, "--tp", 2], ["--dp", 2, "--batch", 2]):
+        proc = run_pipegpt(*args, *layout, timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == one.stdout, layout

@@ -13,12 +13,11 @@ def _one_process_name(name: str, cfg) -> str:
     return "wte.weight" if name == "lm_head.weight" and cfg.model.tie_embeddings else name
 
 
-def _serve(conn, cfg) -> None:
-    from pipegpt.train.driver import Job
-
+def serve(conn, make_job, commands: dict) -> None:
+    """In the child: make and start the job, then run the commands the pipe brings until "stop"."""
     job = None
     try:
-        job = Job(cfg, threads_per_worker=1)
+        job = make_job()
         job.start()
         conn.send(("ok", None))
         while True:
@@ -26,7 +25,7 @@ def _serve(conn, cfg) -> None:
             if command == "stop":
                 break
             try:
-                conn.send(("ok", COMMANDS[command](job, *args)))
+                conn.send(("ok", commands[command](job, *args)))
             except Exception as e:  # report, keep serving the next case
                 conn.send(("error", f"{type(e).__name__}: {e}"))
         job.close()
@@ -34,6 +33,12 @@ def _serve(conn, cfg) -> None:
         if job is not None:
             job.kill()
         conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _serve(conn, cfg) -> None:
+    from pipegpt.train.driver import Job
+
+    serve(conn, lambda: Job(cfg, threads_per_worker=1), COMMANDS)
 
 
 def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
@@ -128,20 +133,29 @@ def _evaluate(job, cfg):
     return job.evaluate()
 
 
+def _hellaswag(job, cfg, path: str):
+    """HellaSwag's (acc, acc_norm) of cfg's model holding a checkpoint's weights, as the training loop scores it."""
+    job.build(cfg)
+    job.call("load", path, True)
+    return job.hellaswag()
+
+
 def _build(job, cfg):
     """Every worker's describe() after building for cfg."""
     return job.build(cfg)
 
 
-COMMANDS = {"run": _run, "resume": _resume, "save": _save, "evaluate": _evaluate, "build": _build}
+COMMANDS = {"run": _run, "resume": _resume, "save": _save, "evaluate": _evaluate, "build": _build,
+            "hellaswag": _hellaswag}
 
 
-class ClusterHost:
-    def __init__(self, cfg):
-        """Workers for cfg's dp x pp x tp grid; later runs may change anything but the grid."""
+class ChildHost:
+    """A child process serving a job (`target(conn, *args)`, which calls serve()), and the pipe to it."""
+
+    def __init__(self, target, *args):
         self.conn, child = mp.get_context("spawn").Pipe()
         # Not a daemon: it starts the worker processes itself.
-        self.proc = mp.get_context("spawn").Process(target=_serve, args=(child, cfg))
+        self.proc = mp.get_context("spawn").Process(target=target, args=(child, *args))
         self.proc.start()
         self._answer(180)
 
@@ -156,6 +170,18 @@ class ClusterHost:
         if status != "ok":
             raise RuntimeError(value)
         return value
+
+    def close(self) -> None:
+        self.conn.send(("stop", None))
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class ClusterHost(ChildHost):
+    def __init__(self, cfg):
+        """Workers for cfg's dp x pp x tp grid; later runs may change anything but the grid."""
+        super().__init__(_serve, cfg)
 
     def run(self, cfg, steps: int):
         self.conn.send(("run", (cfg, steps)))
@@ -175,12 +201,10 @@ class ClusterHost:
         self.conn.send(("evaluate", (cfg,)))
         return self._answer(300)
 
+    def hellaswag(self, cfg, path) -> tuple[float, float]:
+        self.conn.send(("hellaswag", (cfg, str(path))))
+        return self._answer(300)
+
     def build(self, cfg) -> list[dict]:
         self.conn.send(("build", (cfg,)))
         return self._answer(300)
-
-    def close(self) -> None:
-        self.conn.send(("stop", None))
-        self.proc.join(timeout=60)
-        if self.proc.is_alive():
-            self.proc.kill()

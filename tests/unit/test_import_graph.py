@@ -29,6 +29,7 @@ LAYERS = [
     "pipegpt.observe",
     "pipegpt.resilience",
     "pipegpt.train",
+    "pipegpt.infer",
     "pipegpt.tools",
     "pipegpt.options",
     "pipegpt.cli",
