@@ -13,8 +13,8 @@ import click
 from click.core import ParameterSource
 
 from pipegpt.arch import ARCHITECTURES, GPT2
-from pipegpt.config import (ARCHS, MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, canonical_tokenizer,
-                            microbatch_size_for, model_config, option_flags)
+from pipegpt.config import (ARCHS, CP_COMM, MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig,
+                            canonical_tokenizer, microbatch_size_for, model_config, option_flags)
 from pipegpt.dims import LAYOUT_FIELDS
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 from pipegpt import run_files
@@ -558,13 +558,19 @@ PLAN_OPTIONS = [
     click.option("--schedule", "-s", "schedules", default="all", show_default=True,
                   help="Schedules to consider: a comma list or 'all' (every generated one; name auto or auto-v to add "
                        "them, written for unit costs here and for the measured ones by pipegpt run)."),
-    click.option("--all-gpus", is_flag=True, help="Only layouts that use every GPU (dp x pp x tp = --gpus)."),
+    click.option("--all-gpus", is_flag=True, help="Only layouts that use every GPU (dp x pp x cp x tp = --gpus)."),
     click.option("--dp", "only_dp", type=click.IntRange(min=1), default=None,
                   help="Only layouts with this many data-parallel replicas (as pipegpt run --dp)."),
     click.option("--stages", "-p", "only_pp", type=click.IntRange(min=1), default=None,
                   help="Only layouts with this many pipeline ranks (as pipegpt run --stages)."),
     click.option("--tp", "only_tp", type=click.IntRange(min=1), default=None,
                   help="Only layouts with this many tensor-parallel ranks (as pipegpt run --tp)."),
+    click.option("--cp", "only_cp", type=click.IntRange(min=1), default=None,
+                  help="Only layouts with this many context-parallel ranks (as pipegpt run --cp; default: 1, 2, 4, ... "
+                       "as the sequence and the GPUs allow)."),
+    click.option("--cp-comm", type=click.Choice(CP_COMM), default=None,
+                  help="Only layouts whose keys and values travel this way with cp > 1 (as pipegpt run --cp-comm; "
+                       "default: both are weighed)."),
     click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print."),
     click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit)."),
     click.option("--try", "try_top", type=click.IntRange(min=1), default=None, metavar="K",

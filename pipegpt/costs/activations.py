@@ -110,6 +110,16 @@ output gradients (q N/t, k and v 2*b*s*kv*hd, attn.proj N, gate and up 2*b*s*F/t
 Workspace: as GPT-2's with the MLP's intermediates 4*b*s*F/t*c under full recomputation, a backward's
 3*b*s*F*r and the widest weight F*h/t.
 
+Context parallelism (sharding.cp > 1)
+-------------------------------------
+A rank holds L = s/cp tokens of every sequence (two chunks), and its blocks keep what they keep for s tokens
+with s = L (the ring's autograd Function saves its local q, k, v, output and logsumexp: O(L)); so does
+the head, and the embedding's tokens and positions. Every per-token term above divides by cp; weights do not.
+In flight while a block's attention runs (workspace, not held): blocks of K and V of b*L*2*kv*hd*c bytes
+(kv: the rank's kv heads, only they travel): the ring two in the forward (the one computed on, the one
+arriving) and four in the backward (K/V and dK/dV); the all-gather the whole gathered K/V (cp blocks)
+forward and K/V with dK/dV (2*cp blocks) backward.
+
 Workspace (an estimate)
 -----------------------
 What an action allocates and frees again, on top of what the rank holds: a block's temporaries in a
@@ -203,9 +213,10 @@ def _check(model, sharding: Sharding, recompute, device, microbatch_size=1):
 def _activation_bytes(model, layers, b, sharding: Sharding, recompute, precision, embed, head, device) -> int:
     _check(model, sharding, recompute, device, b)
     r, c = _widths(precision)
-    s, h, a, V, Vp = model.seq_len, model.n_embd, model.n_head, model.vocab_size, model.padded_vocab_size
+    s = model.seq_len // sharding.cp  # the tokens a rank holds of each sequence
+    h, a, V, Vp = model.n_embd, model.n_head, model.vocab_size, model.padded_vocab_size
     tp, sp = sharding.tp, sharding.splits_sequence
-    S = sharding.tokens_per_rank(s)  # the sequence a tp rank holds in the replicated regions
+    S = sharding.tokens_per_rank(model.seq_len)  # the sequence a tp rank holds in the replicated regions
     N, Ns, bs, bS = b * s * h, b * S * h, b * s, b * S
     drop = model.dropout > 0
     # Where dropout > 0 puts its masks: 1 byte (CUDA's native_dropout) or the tensor's dtype (CPU).
@@ -287,9 +298,9 @@ def activation_bytes(model: ModelConfig, layers, *, microbatch_size: int, shardi
 @functools.lru_cache(maxsize=8192)
 def _deferred_bytes(model, layers, b, sharding: Sharding, precision, embed, head) -> int:
     r, c = _widths(precision)
-    s, h, Vp = model.seq_len, model.n_embd, model.padded_vocab_size
+    s, h, Vp = model.seq_len // sharding.cp, model.n_embd, model.padded_vocab_size
     tp, sp = sharding.tp, sharding.splits_sequence
-    N, Ns = b * s * h, sharding.tokens_per_rank(s, b) * h
+    N, Ns = b * s * h, sharding.tokens_per_rank(model.seq_len, b) * h
     # each linear's input and output gradient: the column-parallel ones' inputs (the norms' outputs, shared or
     # each its own) and outputs (kv heads wide for k and v), the row-parallel ones' (rank-wide) inputs and outputs
     widths = sum(lin.cols + lin.rows if lin.split == ROW else lin.rows for lin in block_linears(model, tp))
@@ -316,14 +327,15 @@ def stage_activation_bytes(model: ModelConfig, layers_per_stage: Sequence, **kwa
     """(saved, deferred, workspace): activation_bytes, deferred_bytes and workspace_bytes of every
     stage of a split (counts or ranges; stage 0 holds the embedding, the last the head), for
     Costs(activation_bytes=saved) and activation_peaks. kwargs: those of activation_bytes, without
-    layers, embed and head."""
+    layers, embed and head; and workspace_bytes' cp_comm."""
     last = len(layers_per_stage) - 1
+    cp_comm = kwargs.pop("cp_comm", "ring")
     deferred_kwargs = {k: v for k, v in kwargs.items() if k not in ("recompute", "device")}
     saved = tuple(activation_bytes(model, n, embed=s == 0, head=s == last, **kwargs)
                   for s, n in enumerate(layers_per_stage))
     deferred = tuple(deferred_bytes(model, n, embed=s == 0, head=s == last, **deferred_kwargs)
                      for s, n in enumerate(layers_per_stage))
-    workspace = tuple(workspace_bytes(model, n, embed=s == 0, head=s == last, **kwargs)
+    workspace = tuple(workspace_bytes(model, n, embed=s == 0, head=s == last, cp_comm=cp_comm, **kwargs)
                       for s, n in enumerate(layers_per_stage))
     return saved, deferred, workspace
 
@@ -339,10 +351,11 @@ class Workspace:
 
 
 @functools.lru_cache(maxsize=8192)
-def _workspace(model, layers, b, sharding: Sharding, recompute, precision, embed, head, device) -> Workspace:
+def _workspace(model, layers, b, sharding: Sharding, recompute, precision, embed, head, device,
+               cp_comm="ring") -> Workspace:
     r, c = _widths(precision)
-    tp = sharding.tp
-    s, h, a, Vp = model.seq_len, model.n_embd, model.n_head, model.padded_vocab_size
+    tp, cp = sharding.tp, sharding.cp
+    s, h, a, Vp = model.seq_len // cp, model.n_embd, model.n_head, model.padded_vocab_size
     N, L = b * s * h, b * s * (Vp // tp) * r  # a hidden state (gathered), the logits in the loss's dtype
     n = _count(layers)
     forward = backward = weight = 0
@@ -360,6 +373,10 @@ def _workspace(model, layers, b, sharding: Sharding, recompute, precision, embed
             backward += 2 * b * (a // tp) * s * s * r
             if recompute == "selective":  # and the recomputed softmax, mask and dropout output
                 backward += 3 * b * (a // tp) * s * s * c
+        if cp > 1:  # K/V blocks in flight (see the module docstring)
+            kv_block = b * s * 2 * kv_local_heads(model, tp) * model.head_dim * c
+            forward += kv_block * (cp if cp_comm == "allgather" else 2)
+            backward += kv_block * (2 * cp if cp_comm == "allgather" else 4)
         widest = F * h // tp
         weight = widest * (r + (2 if precision == "bf16" else 0))  # the largest block weight's gradient
     if head:
@@ -376,14 +393,14 @@ def _workspace(model, layers, b, sharding: Sharding, recompute, precision, embed
 
 def workspace_bytes(model: ModelConfig, layers, *, microbatch_size: int, sharding: Sharding = Sharding(),
                     recompute: str = "none", precision: str = "fp32", embed: bool = False, head: bool = False,
-                    device: str = "cuda") -> Workspace:
+                    device: str = "cuda", cp_comm: str = "ring") -> Workspace:
     """An estimate of the transient memory of one stage's actions (arguments as activation_bytes):
     the blocks' temporaries and gradients, a full recomputation's block, the logits and their
-    gradient, the weight gradients before they accumulate. Checked as a bound of the replay's
-    per-op peak, not exact."""
+    gradient, the weight gradients before they accumulate, context parallelism's K/V blocks in flight
+    (cp_comm: ring or allgather). Checked as a bound of the replay's per-op peak, not exact."""
     _check(model, sharding, recompute, device, microbatch_size)
     return _workspace(model, _count(layers), microbatch_size, sharding, recompute, precision, bool(embed),
-                      bool(head), device)
+                      bool(head), device, cp_comm)
 
 
 def activation_peaks(plan: Plan, saved: Sequence[int], deferred: Sequence[int] | None = None,

@@ -37,6 +37,23 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   the tied embedding's gradient summed between the first and the last stage; with tp > n_kv_head (Llama), the
   replicated key/value heads' gradients summed over the tp group (an all-reduce of kv_heads x one head's k
   and v gradients of the busiest rank's blocks).
+* context parallelism (cp ranks per stage, each holding L = T/cp tokens of every sequence, load-balanced):
+  every per-token cost above is a rank's L tokens (the block's FLOPs, the head's, the embedding's bytes,
+  the tp collectives' volume, the pipeline messages), attention's 4 T^2 C / cp (its L queries against all T
+  keys). Per block and pass, K and V travel: a block of K and V is mbs L 2 K' d values in the compute
+  precision (K' the kv heads of a tp rank, d the head size: only kv heads travel), over NVLink when the tp x
+  cp consecutive ranks of a group share a node (tp x cp divides the GPUs per node), else over the inter-node
+  link. ring: cp-1 steps, each one block sent
+  while one block's attention is computed (a causal kernel does half of the model's 4 L^2 C: 2 L^2 C mbs / tp
+  FLOPs), so only max(0, step - block compute) per step shows; the backward passes K/V and dK/dV (twice the
+  bytes) against twice the compute; each step also merges its partial output into the running one by their
+  log-sum-exp (forward; the backward accumulates dQ alike): 3 passes over the fp32 output block, mbs L C / tp
+  values, at HBM speed, in the block's compute; and its kernels raise the block's host floor by a sixth per
+  step (RING_STEP_LAUNCH). allgather: K/V gathered forward ((cp-1) steps of a block), gathered
+  again and dK/dV reduce-scattered backward (nothing of the sequence is kept), none of it overlapped. In
+  this model the ring never costs more than the all-gather. Recomputation (selective or full) reruns the
+  forward's share in the backward. These exposed times join the block's collectives (the simulator's
+  tp_comm); the gradient all-reduce and ZeRO-1 span dp x cp ranks (pipegpt.costs.stage_costs).
 * Llama's blocks cost what their FLOPs say (above) and move what GPT-2's move (two all-reduces of mbs T C
   activations per pass: attn.proj's and mlp.proj's outputs); RMSNorm, rotary and SiLU are elementwise, counted
   as GPT-2's LayerNorm and GELU are: not at all.
@@ -54,6 +71,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from pipegpt.arch import kv_local_heads
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.model.flops import block_matmul_weights
@@ -63,6 +81,7 @@ from .devices import Cluster
 
 DEFAULT_EFFICIENCY = 0.5  # achieved / peak matmul FLOP/s: Megatron-LM reports 44-52% on A100 (Narayanan et al. 2021)
 DEFAULT_LAYER_OVERHEAD_S = 100e-6  # host time to launch one block's forward (backward: twice)
+RING_STEP_LAUNCH = 1 / 6  # a ring step's kernels (block attention, merge, send/receive) over a block's forward's
 OPTIMIZER_BYTES_PER_PARAM = 64  # fp32 AdamW plus clipping: ~16 reads/writes of 4 bytes
 FP32 = 4
 
@@ -97,6 +116,7 @@ class Pieces:
     embed: Piece
     head: Piece
     message_bytes: float  # one pipeline message (activations or their gradients) per microbatch per tp rank
+    cp_comm: tuple = (0.0, 0.0)  # the part of layer.comm_f, layer.comm_b that is context parallelism's
 
 
 @dataclass(frozen=True)
@@ -106,6 +126,7 @@ class Shape:
     sharding: Sharding
     recompute: str
     mbs: int
+    cp_comm: str = "ring"  # how K/V travel with cp > 1 (pipegpt.config.CP_COMM)
 
 
 def layer_flops_fwd(model: ModelConfig) -> float:
@@ -143,17 +164,22 @@ class AnalyticalCosts:
 
     def compute(self, model: ModelConfig, shape: Shape) -> tuple[Piece, Piece, Piece]:
         """(layer, embed, head) compute only, no collectives."""
-        T, C, V = model.seq_len, model.n_embd, model.padded_vocab_size
+        C, V, cp = model.n_embd, model.padded_vocab_size, shape.sharding.cp
+        T = model.seq_len // cp  # the tokens a rank holds (all of them without cp)
         tp, mbs, rate, hbm = shape.sharding.tp, shape.mbs, self._rate(), self.cluster.hbm_bytes_per_s
         floor = self.layer_overhead_s
-        f = mbs * layer_flops_fwd(model) / tp / rate
-        lf, lw, li = max(f, floor), max(f, floor), max(f, floor)
+        f = mbs * layer_flops_fwd(model) / (tp * cp) / rate
+        block_floor, merges = floor, 0.0
+        if cp > 1 and shape.cp_comm == "ring":
+            block_floor *= 1 + (cp - 1) * RING_STEP_LAUNCH
+            merges = (cp - 1) * 3 * mbs * T * C / tp * FP32 / hbm
+        lf, lw, li = max(f + merges, block_floor), max(f, floor), max(f + merges, block_floor)
         if shape.recompute == "full":
             li += lf
         elif shape.recompute == "selective":
-            li += mbs * 4 * T * T * C / tp / rate
+            li += mbs * 4 * T * model.seq_len * C / tp / rate + merges
         layer = Piece(lf, li + lw, lw)
-        hf = mbs * head_flops_fwd(model) / tp / rate
+        hf = mbs * head_flops_fwd(model) / (tp * cp) / rate
         logits = mbs * T * V / tp * FP32 / hbm  # one pass over the fp32 logits
         head = Piece(max(hf + 3 * logits, floor / 2), max(2 * hf + 2 * logits, floor), max(hf, floor / 2))
         eb = max((mbs * T * C * FP32 + 2 * V / tp * C * FP32) / hbm, floor / 4)
@@ -168,13 +194,43 @@ class AnalyticalCosts:
             return (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)
         c = self.cluster
         act = 2 if c.precision == "bf16" else FP32  # autocast's matmul outputs
-        tokens = shape.mbs * model.seq_len
+        tokens = shape.mbs * model.seq_len // shape.sharding.cp
         ar = lambda nbytes: allreduce_time(nbytes, tp, c.intra_node_bytes_per_s, c.latency_intra_s)  # noqa: E731
         block = ar(tokens * model.n_embd * act)
         layer_b = 2 * block + (2 * block if shape.recompute == "full" else 0.0)
         embed = (ar(tokens * model.n_embd * FP32), 0.0)
         head = (ar(tokens * FP32) + ar(2 * tokens * FP32), ar(tokens * model.n_embd * act))
         return (2 * block, layer_b), embed, head
+
+    def context_parallel(self, model: ModelConfig, shape: Shape) -> tuple[float, float]:
+        """Per block, the context-parallel communication not hidden behind attention: (forward, backward),
+        seconds (see the module docstring)."""
+        sh = shape.sharding
+        cp, tp = sh.cp, sh.tp
+        if cp == 1:
+            return 0.0, 0.0
+        c = self.cluster
+        act = 2 if c.precision == "bf16" else FP32
+        L = model.seq_len // cp
+        block = shape.mbs * L * 2 * kv_local_heads(model, tp) * model.head_dim * act  # one chunk pair's K and V
+        bw, lat = self._link(c.gpus_per_node % (tp * cp) == 0)  # every group of tp x cp consecutive ranks in a node
+        step = lat + block / bw
+        if shape.cp_comm == "allgather":
+            forward = (cp - 1) * step
+            backward = 2 * forward  # K/V gathered again, dK/dV reduce-scattered
+        else:
+            attention = shape.mbs * 2 * L * L * model.n_embd / tp / self._rate()  # one causal block
+            forward = (cp - 1) * max(0.0, step - attention)
+            backward = (cp - 1) * max(0.0, lat + 2 * block / bw - 2 * attention)
+        if shape.recompute in ("full", "selective"):
+            backward += forward  # the recomputed attention passes K/V again
+        return forward, backward
+
+    def _link(self, same_node: bool) -> tuple[float, float]:
+        """(bytes per second, latency) of one GPU's link to a peer."""
+        c = self.cluster
+        return ((c.intra_node_bytes_per_s, c.latency_intra_s) if same_node
+                else (c.inter_node_bytes_per_s, c.latency_inter_s))
 
     def message_bytes(self, model: ModelConfig, shape: Shape) -> float:
         width = 2 if self.cluster.precision == "bf16" else FP32  # pipegpt's default --p2p-dtype: the precision
@@ -185,9 +241,7 @@ class AnalyticalCosts:
         tree latency term (2 log2 n steps), at intra-node bandwidth only when the whole group is in a node."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        c = self.cluster
-        bw, lat = ((c.intra_node_bytes_per_s, c.latency_intra_s) if same_node
-                   else (c.inter_node_bytes_per_s, c.latency_inter_s))
+        bw, lat = self._link(same_node)
         return allreduce_time(nbytes, n, bw, 0.0) + 2 * math.ceil(math.log2(n)) * lat
 
     def broadcast_shards_time(self, nbytes: float, n: int, same_node: bool) -> float:
@@ -195,9 +249,7 @@ class AnalyticalCosts:
         ZeroRedundancyOptimizer broadcasts every rank's shard: n broadcasts, each a latency)."""
         if n <= 1:
             return 0.0
-        c = self.cluster
-        bw, lat = ((c.intra_node_bytes_per_s, c.latency_intra_s) if same_node
-                   else (c.inter_node_bytes_per_s, c.latency_inter_s))
+        bw, lat = self._link(same_node)
         return (n - 1) / n * nbytes / bw + n * lat
 
     def message_time(self, nbytes: float, same_node: bool) -> float:
@@ -208,10 +260,11 @@ class AnalyticalCosts:
 
     def pieces(self, model: ModelConfig, shape: Shape) -> Pieces:
         (lc, ec, hc) = self.collectives(model, shape)
+        cp = self.context_parallel(model, shape)
         layer, embed, head = self.compute(model, shape)
         with_comm = lambda p, cc: Piece(p.f, p.b, p.w, cc[0], cc[1])  # noqa: E731
-        return Pieces(with_comm(layer, lc), with_comm(embed, ec), with_comm(head, hc),
-                      self.message_bytes(model, shape))
+        return Pieces(with_comm(layer, (lc[0] + cp[0], lc[1] + cp[1])), with_comm(embed, ec), with_comm(head, hc),
+                      self.message_bytes(model, shape), cp)
 
     # --- after the last action ------------------------------------------------------------------------
     def optimizer_time(self, params: float, tensors: int) -> float:

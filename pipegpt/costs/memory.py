@@ -14,6 +14,10 @@ against pipegpt's real modules and a measured replay (tests/unit/test_plan_memor
     plan_memory(model, plan, layers_per_stage, ...)     MemoryBreakdown of every rank / of one
     rank_memory(model, plan, layers_per_stage, rank, ...)
 
+Context parallelism: a cp rank holds its stage's whole weights and L = seq_len/cp tokens of every sequence
+(pipegpt.costs.activations); gradients are averaged, and ZeRO-1 shards the optimizer state, over the dp x cp
+ranks of a stage (gradient_group), so the data-parallel gradient copy exists whenever dp x cp > 1.
+
 A planner calls plan_memory (or rank_memory) per candidate layout: everything that depends only on
 shapes is cached, and the peaks walk each rank's actions once (well under a millisecond per call for
 GPT-2 sizes); the message count lowers each plan once (cached per plan). A layout's tp, sequence
@@ -130,10 +134,16 @@ def zero_partition(numels_by_group: Sequence[Sequence[int]], dp: int) -> list[in
     return sizes
 
 
+def gradient_group(sharding: Sharding) -> int:
+    """Ranks of a stage that average its gradients, and over which ZeRO-1 shards its optimizer state: dp x cp
+    (a context-parallel rank holds the same weights and its own tokens, like a replica)."""
+    return sharding.dp * sharding.cp
+
+
 @functools.lru_cache(maxsize=4096)
 def _state_bytes(model, stages, sharding: Sharding, precision) -> StateBytes:
     r, _ = _widths(precision)
-    tp, dp, zero = sharding.tp, sharding.dp, sharding.zero
+    tp, dp, zero = sharding.tp, gradient_group(sharding), sharding.zero
     shapes = []
     ends = {(embed, head) for _, embed, head in stages}
     share_tied = model.tie_embeddings and any(e for e, _ in ends) and any(h for _, h in ends) \
@@ -155,7 +165,7 @@ def _state_bytes(model, stages, sharding: Sharding, precision) -> StateBytes:
 def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
                 precision: str = "fp32") -> StateBytes:
     """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
-    (layers: a count or a range), cut over sharding.tp, and over sharding.dp with ZeRO-1 (sharding.zero).
+    (layers: a count or a range), cut over sharding.tp, and over dp x cp with ZeRO-1 (sharding.zero).
     See the module docstring."""
     _check_positive("dp", sharding.dp)
     key = tuple((_count(layers), bool(embed), bool(head)) for layers, embed, head in stages)
@@ -207,7 +217,8 @@ def held_messages(plan: Plan, device: str = "cuda") -> tuple[int, ...]:
 
 def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, microbatch_size: int,
                 sharding: Sharding = Sharding(), recompute: str = "none", precision: str = "fp32",
-                device: str = "cuda", activations: Sequence[int] | None = None) -> list[MemoryBreakdown]:
+                device: str = "cuda", activations: Sequence[int] | None = None,
+                cp_comm: str = "ring") -> list[MemoryBreakdown]:
     """The MemoryBreakdown of every pipeline rank of `plan` (every dp and tp replica of a pipeline
     rank needs the same; with ZeRO-1 the optimizer is the largest dp rank's share). sharding: tp (and
     sequence parallelism), dp and ZeRO; the pipeline is the plan's.
@@ -216,11 +227,13 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     default split; not imported here, the stages package loads torch). activations: each
     rank's peak activation bytes if the caller has them (e.g. from a Timeline built with
     Costs(activation_bytes=saved); with I/W that misses what deferred_bytes adds); by default
-    activation_peaks' held. workspace: activation_peaks' working less held.
+    activation_peaks' held. workspace: activation_peaks' working less held (cp_comm: how K/V travel with
+    sharding.cp > 1, ring or allgather).
     """
     counts = _layer_counts(model, plan, layers_per_stage)
     kw = dict(microbatch_size=microbatch_size, sharding=sharding, precision=precision)
-    saved, deferred, workspace = stage_activation_bytes(model, counts, recompute=recompute, device=device, **kw)
+    saved, deferred, workspace = stage_activation_bytes(model, counts, recompute=recompute, device=device,
+                                                        cp_comm=cp_comm, **kw)
     walked = activation_peaks(plan, saved, deferred, workspace)
     peaks = [held for held, _ in walked] if activations is None else list(activations)
     _, c = _widths(precision)  # messages travel in the compute precision (--p2p-dtype's default)
@@ -236,7 +249,7 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
             rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
             optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],
             p2p_buffers=message * messages[rank],
-            dp_buffers=state.gradients if sharding.dp > 1 else 0, overlap_dp=len(mine) > 1))
+            dp_buffers=state.gradients if gradient_group(sharding) > 1 else 0, overlap_dp=len(mine) > 1))
     return out
 
 

@@ -5,7 +5,7 @@ one message's time, the gradient all-reduce and what follows the last action; an
 Everything per stage is linear in the stage's block count plus a fixed part for the embedding and the head,
 so each quantity is computed once per (model, the way a rank's tensors are cut, recompute, microbatch size)
 and composed for any split. A candidate's layout comes as one pipegpt.dims.Sharding. One StageCosts serves one
-search: its caches hold for one cluster and one cost model."""
+search: its caches hold for one cluster, one cost model and one cp_comm (how K/V travel with cp > 1)."""
 from __future__ import annotations
 
 from pipegpt.arch import block_shapes, embedding_shapes, head_shapes
@@ -21,8 +21,8 @@ PER_SEQUENCE = 1 << 20  # sequences per microbatch: so many that only the per-se
 
 
 class StageCosts:
-    def __init__(self, cluster: Cluster, cost: AnalyticalCosts):
-        self.cluster, self.cost = cluster, cost
+    def __init__(self, cluster: Cluster, cost: AnalyticalCosts, cp_comm: str = "ring"):
+        self.cluster, self.cost, self.cp_comm = cluster, cost, cp_comm
         self.precision = cluster.precision
         self._pieces: dict = {}
         self._splits: dict = {}
@@ -34,7 +34,8 @@ class StageCosts:
         key = (model.padded_vocab_size, sharding.tensor_cut, recompute, mbs)
         hit = self._pieces.get(key)
         if hit is None:
-            hit = self._pieces[key] = self.cost.pieces(model, Shape(sharding.tensor_cut, recompute, mbs))
+            shape = Shape(sharding.tensor_cut, recompute, mbs, self.cp_comm)
+            hit = self._pieces[key] = self.cost.pieces(model, shape)
         return hit
 
     def message_time(self, nbytes, placement, sharding: Sharding) -> float:
@@ -58,16 +59,17 @@ class StageCosts:
         return (worst * t_out + (links - worst) * t_in) / links
 
     def dp_comm(self, stage_params, sharding: Sharding):
-        """Each stage's gradient all-reduce over the dp replicas (fp32 gradients, per tp rank)."""
+        """Each stage's gradient all-reduce over its dp x cp ranks (fp32 gradients, per tp rank)."""
         inside = sharding.world_size <= self.cluster.gpus_per_node
-        return [self.cost.group_allreduce_time(4 * n, sharding.dp, inside) for n in stage_params]
+        group = memory_model.gradient_group(sharding)
+        return [self.cost.group_allreduce_time(4 * n, group, inside) for n in stage_params]
 
     def after_time(self, model, placement, stage_params, stage_tensors, sharding: Sharding, layers=()) -> float:
-        """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO-1's broadcast),
-        the tied embedding's gradient sum between the first and the last stage, and with tp > kv_heads
+        """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO-1's broadcast; both
+        over dp x cp), the tied embedding's gradient sum between the first and the last stage, and with tp > kv_heads
         (Llama; layers: blocks per stage) the replicated key/value heads' gradient sum over the tp group
         (pipegpt.tensor_parallel.layers.sum_replicated_kv_grads: one all-reduce of a [kv_heads, n] buffer)."""
-        c, dp, pp, tp = self.cluster, sharding.dp, sharding.pp, sharding.tp
+        c, dp, pp, tp = self.cluster, memory_model.gradient_group(sharding), sharding.pp, sharding.tp
         params = [0.0] * pp
         tensors = [0] * pp
         for s, r in enumerate(placement):

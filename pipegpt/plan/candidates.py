@@ -27,7 +27,8 @@ class Request:
     # auto and auto-v when named: all would synthesize a plan per (p, m), too slow at thousands of microbatches
     schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized)
     exact_gpus: bool = False  # only layouts using every GPU
-    only: tuple = (None, None, None)  # (dp, pp, tp): only layouts with these (None: any)
+    only: tuple = (None, None, None, None)  # (dp, pp, tp, cp): only layouts with these (None: any)
+    cp_comm: str | None = None  # how K/V travel with cp > 1 (None: both are weighed)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -36,11 +37,12 @@ class Request:
 
 @dataclass(frozen=True)
 class Mesh:
-    """A layout the search expands: dp x pp x tp, with what that tp asks of the model."""
+    """A layout the search expands: dp x pp x cp x tp, with what that tp asks of the model."""
 
     sharding: Sharding  # sequence parallelism taken whenever validate_tp allows it (see pipegpt.plan.search)
     model: ModelConfig  # as it runs on this tp (vocabulary padded to 64 where tp needs it)
     pad_vocab: bool  # model is the request's with its vocabulary padded
+    cp_comm: str = "ring"  # how K/V travel with cp > 1
 
     @property
     def dims(self) -> ParallelDims:
@@ -61,6 +63,7 @@ class Candidate:
     microbatch_size: int
     recompute: str
     balanced: bool
+    cp_comm: str = "ring"
 
     @property
     def dims(self) -> ParallelDims:
@@ -93,14 +96,23 @@ class Layout:
     layers_per_stage: tuple = ()
     balanced: bool = False  # layers_per_stage from balance.py rather than the even split
     pad_vocab: bool = False
+    cp: int = 1
+    cp_comm: str = "ring"  # how K/V travel with cp > 1
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(dp=self.dp, pp=self.pp, tp=self.tp, sequence_parallel=self.sequence_parallel, zero=self.zero)
+        return Sharding(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
+                        zero=self.zero)
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def mesh_name(self) -> str:
+        """dp4 pp16 cp16(ring) tp8 sp (cp and how K/V travel only when cp > 1)."""
+        sp = " sp" if self.sequence_parallel else ""
+        return mesh_name(self.dp, self.pp, self.tp, self.cp, self.cp_comm) + sp
 
     @property
     def stages(self) -> int:
@@ -112,7 +124,7 @@ class Layout:
 
     def short(self) -> str:
         v = f" v{self.virtual_stages}" if self.takes_virtual_stages else ""
-        return (f"dp{self.dp} pp{self.pp} tp{self.tp}{' sp' if self.sequence_parallel else ''} {self.schedule}{v} "
+        return (f"{self.mesh_name} {self.schedule}{v} "
                 f"m{self.microbatches}x{self.microbatch_size} rc={self.recompute} zero{self.zero}"
                 + (" balanced" if self.balanced else ""))
 
@@ -124,9 +136,12 @@ class Layout:
         return {f.name: told.get(f.name, getattr(self, f.planned)) for f in LAYOUT_FIELDS if f.planned}
 
     def run_args(self, model: ModelConfig, precision: str) -> list[str]:
-        """The `pipegpt run` arguments (as that command spells them) that build this plan."""
+        """The `pipegpt run` arguments (as that command spells them) that build this plan (--cp and --cp-comm
+        only with cp > 1: a command without context parallelism reads as it did before it)."""
         args = model_args(model, self.pad_vocab)
         for name, value in self.settings().items():
+            if name in ("cp", "cp_comm") and self.cp == 1:
+                continue
             flag = option_flags(name)[0]
             if value is True:
                 args.append(flag)
@@ -205,7 +220,8 @@ class Result:
     def as_dict(self, precision: str) -> dict:
         L = self.layout
         return {
-            "dp": L.dp, "pp": L.pp, "tp": L.tp, "gpus": L.world, "schedule": L.schedule,
+            "dp": L.dp, "pp": L.pp, "tp": L.tp, "cp": L.cp, "cp_comm": L.cp_comm, "gpus": L.world,
+            "schedule": L.schedule,
             "virtual_stages": L.virtual_stages, "microbatches": L.microbatches, "microbatch_size": L.microbatch_size,
             "recompute": L.recompute, "zero": L.zero, "sequence_parallel": L.sequence_parallel,
             "layers_per_stage": list(L.layers_per_stage), "layer_split": "balanced" if L.balanced else "even",
@@ -216,6 +232,13 @@ class Result:
             "memory_per_rank": self.memory, "breakdown_s": self.breakdown,
             "command": L.command(self.model, precision), "args": L.run_args(self.model, precision),
         }
+
+
+def mesh_name(dp: int, pp: int, tp: int, cp: int = 1, cp_comm: str | None = None) -> str:
+    """A layout's axes as the report names them, in rank order: dp2 pp4 cp2 tp8, or with cp_comm dp2 pp4
+    cp2(ring) tp8 (cp only when > 1)."""
+    cp_part = f" cp{cp}" + (f"({cp_comm})" if cp_comm else "") if cp > 1 else ""
+    return f"dp{dp} pp{pp}{cp_part} tp{tp}"
 
 
 def memory_parts(x) -> dict:
@@ -235,6 +258,16 @@ class Refusal:
     needs: float
     parts: dict
     what: str  # the variant measured (recompute, zero, microbatch size)
+    cp: int = 1
+
+    @property
+    def name(self) -> str:
+        return mesh_name(self.dp, self.pp, self.tp, self.cp)
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one copy of the model is cut over: pp x cp x tp."""
+        return self.pp * self.cp * self.tp
 
     def dominant(self) -> str:
         parts = {k: v for k, v in self.parts.items() if k != "total"}

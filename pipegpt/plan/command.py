@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pipegpt.config import ConfigError, ModelConfig, nearest_multiples
+from pipegpt.config import CP_COMM, ConfigError, ModelConfig, nearest_multiples, validate_cp
 from pipegpt.schedule.registry import schedule_names
 
 from .candidates import Request
@@ -39,6 +39,8 @@ class PlanOptions:
     only_dp: int | None = None
     only_pp: int | None = None
     only_tp: int | None = None
+    only_cp: int | None = None
+    cp_comm: str | None = None  # None: the planner's (the ring)
     top: int = 5
     explain: bool = False
     try_top: int | None = None
@@ -62,9 +64,16 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
         costs = AnalyticalCosts(cluster, DEFAULT_EFFICIENCY if opts.efficiency is None else opts.efficiency,
                                 DEFAULT_LAYER_OVERHEAD_S if opts.layer_overhead_us is None
                                 else opts.layer_overhead_us * 1e-6)
+    if opts.only_cp is not None:
+        validate_cp(model, opts.only_cp)
+        if opts.only_cp > opts.gpus:
+            raise ConfigError(f"--cp {opts.only_cp} is more context-parallel ranks than the {opts.gpus} GPUs: "
+                              f"use at most {opts.gpus}")
+    if opts.cp_comm is not None and opts.cp_comm not in CP_COMM:
+        raise ConfigError(f"--cp-comm {opts.cp_comm!r} is not valid: use {' or '.join(CP_COMM)}")
     request = Request(model, batch_size, cluster, costs, top=opts.top, explain=opts.explain,
                       schedules=tuple(schedule_names(opts.schedules, synthesized=False)), exact_gpus=opts.all_gpus,
-                      only=(opts.only_dp, opts.only_pp, opts.only_tp))
+                      only=(opts.only_dp, opts.only_pp, opts.only_tp, opts.only_cp), cp_comm=opts.cp_comm)
     result = search(request)
     if not result.best:
         raise ConfigError(no_fit_message(result))

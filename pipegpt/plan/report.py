@@ -51,6 +51,7 @@ def explain(runner: Result, best: Result) -> str:
         "compute": work(rb) - work(bb),
         "recompute": rb["recompute"] - bb["recompute"],
         "tp_comm": rb["tp_comm"] - bb["tp_comm"],
+        "cp_comm": rb.get("cp_comm", 0.0) - bb.get("cp_comm", 0.0),
         "idle": rb["idle"] - bb["idle"],
         "dp_exposed": rb["dp_exposed"] - bb["dp_exposed"],
         "after": rb["after"] - bb["after"],
@@ -72,6 +73,9 @@ def explain(runner: Result, best: Result) -> str:
         elif part == "tp_comm":
             reasons.append(f"tensor-parallel collectives {format_seconds(rb['tp_comm'])} vs "
                            f"{format_seconds(bb['tp_comm'])}")
+        elif part == "cp_comm":
+            reasons.append(f"context-parallel K/V transfers not hidden {format_seconds(rb['cp_comm'])} vs "
+                           f"{format_seconds(bb.get('cp_comm', 0.0))}")
         elif part == "dp_exposed":
             reasons.append(f"gradient all-reduce not hidden: {format_seconds(rb['dp_exposed'])} vs "
                            f"{format_seconds(bb['dp_exposed'])}")
@@ -85,7 +89,7 @@ def refusal_line(r: Refusal, capacity: float) -> str:
     parts = {k: v for k, v in r.parts.items() if k != "total"}
     dominant = r.dominant()
     share = parts[dominant] / r.needs if r.needs else 0
-    return (f"dp{r.dp} pp{r.pp} tp{r.tp}: needs at least {format_bytes(r.needs)} > {format_bytes(capacity)} "
+    return (f"{r.name}: needs at least {format_bytes(r.needs)} > {format_bytes(capacity)} "
             f"({dominant} {format_bytes(parts[dominant])}, {100 * share:.0f}%; {r.what})")
 
 
@@ -99,7 +103,7 @@ def no_fit_message(res: SearchResult) -> str:
     parts = {k: v for k, v in lean.parts.items() if k != "total"}
     dominant = lean.dominant()
     return (f"no plan fits {c.gpus} x {format_bytes(c.memory_bytes)}{_less_reserve(c)}: the leanest, "
-            f"dp{lean.dp} pp{lean.pp} tp{lean.tp} "
+            f"{lean.name} "
             f"({lean.what}), needs at least {format_bytes(lean.needs)} per GPU, most of it {dominant} "
             f"({format_bytes(parts[dominant])}, {100 * parts[dominant] / lean.needs:.0f}%): use more or larger GPUs, "
             f"a smaller model or sequence")
@@ -137,7 +141,7 @@ def format_text(res: SearchResult) -> str:
     for i, r in enumerate(res.best, 1):
         L = r.layout
         sched = L.schedule + (f" v{L.virtual_stages}" if L.takes_virtual_stages else "")
-        rows.append([i, f"dp{L.dp} pp{L.pp} tp{L.tp}" + (" sp" if L.sequence_parallel else ""), L.world, sched,
+        rows.append([i, L.mesh_name, L.world, sched,
                      f"{L.microbatches} x {L.microbatch_size}", L.recompute, L.zero,
                      "balanced" if L.balanced else "even", format_seconds(r.step_time), format_count(r.tokens_per_s),
                      "-" if r.mfu is None else f"{100 * r.mfu:.1f}%", f"{100 * r.bubble:.1f}%",
@@ -154,6 +158,7 @@ def format_text(res: SearchResult) -> str:
                   f"  busiest rank {b['rank']}: compute {format_seconds(b['compute'])}"
                   + (f" (recomputation {format_seconds(b['recompute'])})" if b["recompute"] else "")
                   + (f", tensor-parallel collectives {format_seconds(b['tp_comm'])}" if b["tp_comm"] else "")
+                  + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b.get("cp_comm") else "")
                   + f", idle {format_seconds(b['idle'])}"
                   + (f"; gradient all-reduce exposed {format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
                   + f"; after the last action {format_seconds(b['after'])}",
@@ -172,15 +177,16 @@ def format_text(res: SearchResult) -> str:
                 lines.append(f"  best {s}: {r.layout.short()}: {explain(r, best)}")
             else:
                 lines.append(f"  {s}: {r}")
-        lighter = sorted((x for x in res.refusals if x.pp * x.tp < best.layout.pp * best.layout.tp),
-                         key=lambda x: (-x.pp * x.tp, x.needs))
+        cut = best.layout.pp * best.layout.cp * best.layout.tp
+        lighter = sorted((x for x in res.refusals if x.model_parallel < cut),
+                         key=lambda x: (-x.model_parallel, x.needs))
         if lighter:
             lines.append("  less model parallelism does not fit (the nearest layouts):")
             seen = set()
             for x in lighter:
-                if (x.pp, x.tp) in seen:
+                if (x.pp, x.cp, x.tp) in seen:
                     continue
-                seen.add((x.pp, x.tp))
+                seen.add((x.pp, x.cp, x.tp))
                 lines.append("    " + refusal_line(x, c.usable_bytes))
                 if len(seen) == 4:
                     break
@@ -197,8 +203,8 @@ def as_json(res: SearchResult) -> dict:
         "plans": [r.as_dict(c.precision) for r in res.best],
         "runners": {s: (r.as_dict(c.precision) if isinstance(r, Result) else r) for s, r in res.runners.items()},
         "why": ({f"#{i}": explain(r, res.best[0]) for i, r in enumerate(res.best[1:], 2)} if res.best else {}),
-        "refused": [{"dp": r.dp, "pp": r.pp, "tp": r.tp, "needs_bytes": r.needs, "parts": r.parts, "variant": r.what}
-                    for r in res.refusals[:20]],
+        "refused": [{"dp": r.dp, "pp": r.pp, "tp": r.tp, "cp": r.cp, "needs_bytes": r.needs, "parts": r.parts,
+                     "variant": r.what} for r in res.refusals[:20]],
     }
 
 

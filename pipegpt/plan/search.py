@@ -2,17 +2,23 @@
 
 What is searched, for a model, a global batch and a cluster:
 
-* dp x pp x tp over at most the cluster's GPUs (only those given with --dp, --stages, --tp): tp divides the
-  GPUs of a node (a tensor-parallel group never leaves its node) and passes pipegpt.config.validate_tp
-  (padding the vocabulary to 64 where that is what tp needs, as `pipegpt run --pad-vocab` does; for Llama
-  also: tp divides n_kv_head or is a multiple of it, and divides the MLP width, else the layout is not a
-  candidate); dp divides the batch.
+* dp x pp x cp x tp over at most the cluster's GPUs (only those given with --dp, --stages, --cp, --tp): tp
+  divides the GPUs of a node (a tensor-parallel group never leaves its node) and passes
+  pipegpt.config.validate_tp (padding the vocabulary to 64 where that is what tp needs, as `pipegpt run
+  --pad-vocab` does; for Llama also: tp divides n_kv_head or is a multiple of it, and divides the MLP width,
+  else the layout is not a candidate); dp divides the batch; cp (context parallelism) is a power of two that
+  pipegpt.config.validate_cp allows (seq_len cut into 2 x cp chunks, no dropout), smallest first: a cp group
+  inside a node (tp x cp divides the GPUs per node: the rank order puts it there) passes K/V over NVLink, a
+  larger one over the inter-node link, which the costs charge. With cp > 1 both ways of moving K/V are
+  weighed (only --cp-comm's when given): the ring hides its transfers behind the blocks' attention but merges
+  every block's partial output and holds two K/V blocks in flight; the all-gather's transfers show, and it
+  holds the whole sequence's K/V for a moment. With few kv heads (GQA) the gather is small and can win.
 * every schedule of the registry (pipegpt.schedule.SCHEDULES): interleaved-1f1b with v in {2, 4}, zbv and
   dualpipev with their 2 stages per rank; model stages <= n_layer. With pp = 1 only 1f1b (gradient
   accumulation: the other schedules are the same work in another order, or need two ranks).
 * microbatch size: every divisor of the replica's batch (m = batch / (dp x size)), the schedule's own rules
   (ScheduleError) refusing what they refuse; at most MAX_ACTIONS actions per plan.
-* recomputation none / selective / full; ZeRO-1 on/off when dp > 1; sequence parallelism when tp > 1 (in
+* recomputation none / selective / full; ZeRO-1 on/off when dp x cp > 1; sequence parallelism when tp > 1 (in
   this model it moves the same bytes as tensor parallelism without it and holds less, so it is taken
   whenever validate_tp allows it, the other way otherwise);
 * the layer split: even (what `pipegpt run` does without --layers-per-stage), or balanced by cost
@@ -48,7 +54,7 @@ import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from pipegpt.config import ConfigError, ModelConfig, validate_tp
+from pipegpt.config import CP_COMM, ConfigError, ModelConfig, validate_cp, validate_tp
 from pipegpt.dims import ParallelDims, Sharding
 from pipegpt.model.flops import flops_per_token
 from pipegpt.schedule import SCHEDULES, ScheduleError
@@ -85,7 +91,7 @@ class Search:
     def __init__(self, req: Request):
         self.req, self.model, self.cluster = req, req.model, req.cluster
         self.precision = req.cluster.precision
-        self.per_stage = StageCosts(req.cluster, req.costs)
+        self.stage_costs = {name: StageCosts(req.cluster, req.costs, name) for name in CP_COMM}  # by cp_comm
         self.sim_cache: dict = {}
         self.stats = {"layouts": 0, "candidates": 0, "memory_refused": 0, "schedule_refused": 0,
                       "simulated": 0, "cache_hits": 0, "popped": 0, "seconds": 0.0}
@@ -111,8 +117,23 @@ class Search:
         return out[0] * scale, out[1]
 
     # --- enumeration ---------------------------------------------------------------------------------
+    def cp_choices(self, tp: int) -> list[int]:
+        """Context-parallel sizes to consider with tp: --cp's, else 1, 2, 4, ... while validate_cp allows them
+        and cp x tp GPUs exist."""
+        given = self.req.only[3] if len(self.req.only) > 3 else None
+        out = []
+        for cp in ([given] if given is not None else (1 << i for i in range(self.cluster.gpus.bit_length()))):
+            if cp * tp > self.cluster.gpus:
+                break
+            try:
+                validate_cp(self.model, cp)
+            except ConfigError:
+                break
+            out.append(cp)
+        return out
+
     def layouts(self) -> list[Mesh]:
-        """The dp x pp x tp layouts to consider, each with its sequence parallelism and model as run."""
+        """The dp x pp x cp x tp layouts to consider, each with its sequence parallelism and model as run."""
         req, model, c = self.req, self.model, self.cluster
         out = []
         for tp in (t for t in range(1, c.gpus_per_node + 1) if c.gpus_per_node % t == 0):
@@ -127,20 +148,38 @@ class Search:
                     _check_tp(m_tp, tp)
                 except ConfigError:
                     continue
-            sp = False
-            if tp > 1:
-                try:
-                    _check_tp(m_tp, tp, True)
-                    sp = True
-                except ConfigError:
-                    pass
-            for pp in range(1, min(model.n_layer, c.gpus // tp) + 1):
-                for dp in _divisors(req.batch_size):
-                    world = dp * pp * tp
-                    if world <= c.gpus and (not req.exact_gpus or world == c.gpus) \
-                            and all(want is None or want == got for want, got in zip(req.only, (dp, pp, tp))):
-                        out.append(Mesh(Sharding(dp=dp, pp=pp, tp=tp, sequence_parallel=sp), m_tp, pad))
+            for cp in self.cp_choices(tp):
+                sp = False
+                if tp > 1:
+                    try:
+                        _check_tp(m_tp, tp, True, cp)
+                        sp = True
+                    except ConfigError:
+                        pass
+                for pp in range(1, min(model.n_layer, c.gpus // (tp * cp)) + 1):
+                    for dp in _divisors(req.batch_size):
+                        world = dp * pp * cp * tp
+                        if world <= c.gpus and (not req.exact_gpus or world == c.gpus) and all(
+                                want is None or want == got for want, got in zip(req.only, (dp, pp, tp, cp))):
+                            sh = Sharding(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=sp)
+                            out += [Mesh(sh, m_tp, pad, name) for name in self.cp_comms(m_tp, sh)]
         return out
+
+    def cp_comms(self, model: ModelConfig, sharding: Sharding) -> tuple:
+        """How K/V may travel on a layout: --cp-comm's way; else the ring, and the all-gather where a block takes
+        no longer with it (with or without recomputation, at one sequence per microbatch or many): where it
+        takes longer no plan of it wins, for it also holds more (the gathered K/V against two blocks)."""
+        if self.req.cp_comm or sharding.cp == 1:
+            return (self.req.cp_comm or "ring",)
+
+        def block(name, rc, mbs):
+            p = self.stage_costs[name].pieces(model, sharding, rc, mbs).layer
+            return (p.f + p.b + p.comm_f + p.comm_b) / mbs
+
+        if any(block("allgather", rc, mbs) <= block("ring", rc, mbs) for rc in ("none", "full")
+               for mbs in (1, PER_SEQUENCE)):
+            return CP_COMM
+        return ("ring",)
 
     def groups(self, pp):
         """Placements to consider with pp ranks: (placement, v argument, model stages per rank, schedules),
@@ -160,22 +199,22 @@ class Search:
     def _refuse(self, dims: ParallelDims, needs, parts, what):
         old = self.refusals.get(dims)
         if old is None or needs < old.needs:
-            self.refusals[dims] = Refusal(dims.dp, dims.pp, dims.tp, needs, parts, what)
+            self.refusals[dims] = Refusal(dims.dp, dims.pp, dims.tp, needs, parts, what, dims.cp)
 
     def layout_bound(self, mesh: Mesh) -> float:
         """A lower bound on any plan of the layout (bounds.layout_lower_bound)."""
-        P = self.per_stage.pieces(mesh.model, mesh.sharding, "none", PER_SEQUENCE)
+        P = self.stage_costs[mesh.cp_comm].pieces(mesh.model, mesh.sharding, "none", PER_SEQUENCE)
         return layout_lower_bound(P, mesh.model.n_layer, self.req.batch_size // mesh.sharding.dp, mesh.sharding.pp)
 
     def expand(self, mesh: Mesh):
         """The layout's candidates with their lower bounds: (bound, Candidate)."""
         sh, dims, m_tp = mesh.sharding, mesh.dims, mesh.model
         dp, pp = sh.dp, sh.pp
-        cs = self.per_stage
+        cs = self.stage_costs[mesh.cp_comm]
         cap, r_bytes = self.cluster.usable_bytes, 4
         b = self.req.batch_size // dp
         zoned = _zero_choices(sh)
-        opt = 2 * r_bytes / dp  # AdamW state per parameter at ZeRO-1's even share: a lower bound of the greedy one
+        opt = 2 * r_bytes / memory_model.gradient_group(sh)  # AdamW state per parameter at ZeRO-1's even share
         for placement, v, vs, schedules in self.groups(pp):
             S = len(placement)
             for balanced in (False, True):
@@ -193,7 +232,8 @@ class Search:
                         self._refuse(dims, static[r], {"weights": r_bytes * rank_params[r],
                                                        "gradients": r_bytes * rank_params[r],
                                                        "optimizer": opt * rank_params[r]},
-                                     "weights, gradients and optimizer state alone" + (" (ZeRO-1)" if dp > 1 else ""))
+                                     "weights, gradients and optimizer state alone" + (" (ZeRO-1)" if len(zoned) > 1
+                                                                                       else ""))
                         self.stats["memory_refused"] += 1
                         continue
                     dpc = cs.dp_comm(params, sh)
@@ -212,7 +252,7 @@ class Search:
                             self._refuse(dims, least[r], {
                                 "weights": r_bytes * rank_params[r], "gradients": r_bytes * rank_params[r],
                                 "optimizer": opt * rank_params[r], "activations": least[r] - static[r]},
-                                f"{rc} recomputation, {'ZeRO-1, ' if dp > 1 else ''}{mbs} sequence"
+                                f"{rc} recomputation, {'ZeRO-1, ' if len(zoned) > 1 else ''}{mbs} sequence"
                                 f"{'s' if mbs > 1 else ''} per microbatch")
                             self.stats["memory_refused"] += 1
                             break  # larger microbatches hold more
@@ -223,14 +263,15 @@ class Search:
                                 bounds[split] = makespan_lower_bound(F, B, W, TP, comm, dpc, placement, m,
                                                                      split) + after
                             self.stats["candidates"] += 1
-                            yield bounds[split], Candidate(sh, mesh.pad_vocab, name, v, vs, mbs, rc, balanced)
+                            yield bounds[split], Candidate(sh, mesh.pad_vocab, name, v, vs, mbs, rc, balanced,
+                                                           mesh.cp_comm)
 
     def evaluate(self, cand: Candidate) -> _Eval | None:
         """Memory (exact), then the simulator; None when it does not fit or the schedule refuses."""
         sh = cand.sharding
         dp, pp = sh.dp, sh.pp
         schedule, v, mbs, rc = cand.schedule, cand.v, cand.microbatch_size, cand.recompute
-        cs = self.per_stage
+        cs = self.stage_costs[cand.cp_comm]
         cap = self.cluster.usable_bytes
         m_tp = replace(self.model, pad_vocab_to=64) if cand.pad_vocab else self.model
         m = self.req.batch_size // dp // mbs
@@ -261,7 +302,7 @@ class Search:
                                                   "optimizer": x.optimizer, "activations": held[r]}, what(z))
             return None
         base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, sharding=zoned[0], recompute=rc,
-                                        precision=self.precision)
+                                        precision=self.precision, cp_comm=cand.cp_comm)
         mem = {z: [replace(x, optimizer=states[z][x.rank].optimizer) for x in base] for z in zoned}
         fits = [z for z, ranks in mem.items() if max(x.total for x in ranks) <= cap]
         if not fits:
@@ -278,7 +319,7 @@ class Search:
         step, zero = min((makespan + cs.after_time(m_tp, placement, params, tensors, zoned[z], layers), z)
                          for z in fits)
         layout = Layout(dp, pp, sh.tp, schedule, cand.virtual_stages, m, mbs, rc, zero, sh.sequence_parallel,
-                        tuple(layers), cand.balanced, cand.pad_vocab)
+                        tuple(layers), cand.balanced, cand.pad_vocab, sh.cp, cand.cp_comm)
         return _Eval(step, layout, makespan, bubble, step - makespan, max(x.total for x in mem[zero]), m_tp)
 
     def run(self) -> SearchResult:
@@ -289,7 +330,7 @@ class Search:
         heap = [(self.layout_bound(x), i, "layout", x) for i, x in enumerate(layouts)]
         heapq.heapify(heap)
         counter = len(heap)
-        top: dict = {}  # (dp, pp, tp, schedule, v) -> its best _Eval: one plan per layout and schedule is shown
+        top: dict = {}  # (dp, pp, cp, tp, schedule, v) -> its best _Eval: one plan per layout and schedule is shown
         by_schedule: dict = {}
         fitted: dict = {}  # a candidate's family (Candidate.family) -> True once one fits
         k = max(1, req.top)
@@ -333,7 +374,7 @@ class Search:
                 continue
             fitted[family] = True
             L = ev.layout
-            slot = (L.dp, L.pp, L.tp, L.schedule, L.virtual_stages)
+            slot = (L.dp, L.pp, L.cp, L.tp, L.schedule, L.virtual_stages)
             if slot not in top or _order(ev) < _order(top[slot]):
                 top[slot] = ev
                 steps = sorted(e.step for e in top.values())
@@ -354,22 +395,22 @@ class Search:
                     runners[s] = "no plan with it fits"
         # Refused for sure: every candidate of the layout was refused (or none passed the static check).
         if req.explain and best:
-            limit = best[0].layout.pp * best[0].layout.tp
+            limit = best[0].layout.pp * best[0].layout.cp * best[0].layout.tp
             for mesh in layouts:
-                if mesh.dims not in done and mesh.sharding.pp * mesh.sharding.tp < limit:
+                if mesh.dims not in done and mesh.sharding.pp * mesh.sharding.cp * mesh.sharding.tp < limit:
                     done.add(mesh.dims)
                     pushed[mesh.dims] = sum(1 for _ in self.expand(mesh))
                     refused[mesh.dims] = 0
         refusals = sorted((r for key, r in self.refusals.items()
                            if key in done and refused.get(key, 0) == pushed.get(key, 0)),
-                          key=lambda r: (r.pp * r.tp, r.needs))
+                          key=lambda r: (r.model_parallel, r.needs))
         self.stats["seconds_total"] = time.perf_counter() - t0
         return SearchResult(req, best, runners, refusals, dict(self.stats))
 
     # --- the exact numbers of a chosen plan ----------------------------------------------------------
     def finish(self, ev: _Eval) -> Result:
         """Simulate a plan with its exact costs and gather everything printed about it."""
-        L, model, c, cs = ev.layout, ev.model, self.cluster, self.per_stage
+        L, model, c, cs = ev.layout, ev.model, self.cluster, self.stage_costs[ev.layout.cp_comm]
         v = L.virtual_stages if L.takes_virtual_stages else None
         st = structure(L.schedule, L.pp, L.microbatches, v)
         placement = st.plan.stage_to_rank
@@ -386,7 +427,7 @@ class Search:
         after = cs.after_time(model, placement, params, tensors, sh, layers)
         step = makespan + after
         mem = memory_model.plan_memory(model, st.plan, layers, microbatch_size=L.microbatch_size, sharding=sh,
-                                       recompute=L.recompute, precision=self.precision)
+                                       recompute=L.recompute, precision=self.precision, cp_comm=L.cp_comm)
         memory = [memory_parts(x) for x in mem]
         peak_rank = max(range(len(memory)), key=lambda r: memory[r]["total"])
         tokens = self.req.batch_size * model.seq_len
@@ -400,9 +441,16 @@ class Search:
         if L.recompute != "none":
             B0 = cs.vectors(model, sh, "none", L.microbatch_size, layers)[1]
             rc_extra = sum(B[s] - B0[s] for s in range(len(placement)) if placement[s] == r) * L.microbatches
+        # context parallelism's exposed K/V time (inside the collectives the simulator charges): out of tp_time
+        blocks = sum(layers[s] for s in range(len(placement)) if placement[s] == r) * L.microbatches
+        lp = cs.pieces(model, sh, L.recompute, L.microbatch_size)
+        (cp_f, cp_b), lc = lp.cp_comm, lp.layer
+        cp_time = blocks * (cp_f + cp_b)
+        tp_time -= 2 * blocks * (min(lc.comm_f, lc.comm_b) - min(lc.comm_f - cp_f, lc.comm_b - cp_b))
         end = float(timeline.end_time - timeline.start_time)
-        breakdown = {"compute": float(busy[r]) - tp_time, "recompute": rc_extra, "tp_comm": tp_time,
-                     "idle": end - float(busy[r]), "dp_exposed": makespan - end, "after": after, "rank": r}
+        breakdown = {"compute": float(busy[r]) - tp_time - cp_time, "recompute": rc_extra, "tp_comm": tp_time,
+                     "cp_comm": cp_time, "idle": end - float(busy[r]), "dp_exposed": makespan - end, "after": after,
+                     "rank": r}
         summary = timeline.summary()
         return Result(L, model, step, makespan, after, float(timeline.bubble_fraction), tokens / step, mfu, memory,
                       peak_rank, breakdown, costs, {k: summary[k] for k in ("bubble_fraction_per_rank",
@@ -438,17 +486,17 @@ def evaluate_layout(req: Request, layout: Layout) -> Result:
     return s.finish(_Eval(0.0, layout, 0.0, 0.0, 0.0, 0.0, model))
 
 
-def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False, cp: int = 1) -> None:
     """ConfigError unless the model splits over tp: pipegpt.config.validate_tp, and the key/value heads and the
     MLP width the memory model's shapes assume (kv heads split or replicated; Llama's ffn_hidden divisible)."""
-    validate_tp(model, tp, sequence_parallel)
+    validate_tp(model, tp, sequence_parallel, cp)
     memory_model.check_tp_shapes(model, tp)
 
 
 @lru_cache(maxsize=None)
 def _zero_choices(sharding: Sharding) -> dict:
-    """{0: the layout without ZeRO-1, 1: with it (dp > 1 only)}."""
-    return {z: sharding._replace(zero=z) for z in ((0, 1) if sharding.dp > 1 else (0,))}
+    """{0: the layout without ZeRO-1, 1: with it (dp x cp > 1 only: it shards over both)}."""
+    return {z: sharding._replace(zero=z) for z in ((0, 1) if memory_model.gradient_group(sharding) > 1 else (0,))}
 
 
 def _round(x: float) -> float:

@@ -14,6 +14,8 @@ from pipegpt.config import ConfigError
 from pipegpt.schedule.calibrate import read_metrics
 from pipegpt.schedule.render import text_table
 
+from .candidates import mesh_name
+
 
 def trials_dir(given: str | None) -> Path:
     """Where the tried runs go: --try-dir (new or empty), else a new runs/plan-try-<time>."""
@@ -57,7 +59,8 @@ def trials_text(best: list, tried: list[dict], steps: int) -> str:
     rows = [["#", "plan", "predicted", "measured", "measured/predicted", "run directory"]]
     for r, t in zip(best, tried):
         layout = r.layout
-        rows.append([str(t["plan"]), f"dp{layout.dp} pp{layout.pp} tp{layout.tp} {layout.schedule} "
+        mesh = mesh_name(layout.dp, layout.pp, layout.tp, layout.cp, layout.cp_comm)
+        rows.append([str(t["plan"]), f"{mesh} {layout.schedule} "
                      f"m{layout.microbatches}x{layout.microbatch_size} rc={layout.recompute}",
                      f"{r.step_time * 1e3:.1f} ms", f"{t['measured_step_s'] * 1e3:.1f} ms",
                      f"{t['measured_over_predicted']:.2f}", t["run_dir"]])

@@ -1,0 +1,225 @@
+"""The planner with context parallelism: what a cp rank holds and spends (pipegpt.costs, against sums done by
+hand), and what the search makes of it (pipegpt.plan: cp explored, --cp and --cp-comm, the JSON, the node)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from helpers import assert_one_line_error, invoke
+from pipegpt.config import MODEL_PRESETS, TrainConfig
+from pipegpt.costs import memory as memory_model
+from pipegpt.costs.cost import AnalyticalCosts, Shape
+from pipegpt.costs.devices import make_cluster
+from pipegpt.dims import ParallelDims, Sharding
+from pipegpt.plan.candidates import Layout, Request
+from pipegpt.plan.search import Search, search
+from pipegpt.schedule import build_plan
+
+LLAMA = replace(MODEL_PRESETS["tiny-llama"], seq_len=256)  # 4 layers, width 128, 4 heads (2 kv) of 32, MLP 352
+FP32 = 4
+
+
+def _act(sharding, precision="fp32", **where):
+    return memory_model.activation_bytes(LLAMA, where.pop("layers", 0), microbatch_size=2, sharding=sharding,
+                                         precision=precision, **where)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# memory
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
+def test_a_cp_rank_keeps_the_activations_of_its_tokens(tp, sp):
+    """Every per-token term halves at cp 2; what does not depend on the sequence stays: the loss's scalars
+    (3 fp32 at tp 1; an int64 and 2 fp32 at tp 2) and, under bf16, each block's bf16 weight casts."""
+    one, two = Sharding(tp=tp, sequence_parallel=sp), Sharding(tp=tp, cp=2, sequence_parallel=sp)
+    for where in ({"layers": 3}, {"embed": True}, {"layers": 2, "embed": True}):
+        assert _act(one, **where) == 2 * _act(two, **where) > 0
+    scalars = 3 * FP32 if tp == 1 else 8 + 2 * FP32
+    assert _act(one, head=True) == 2 * _act(two, head=True) - scalars
+    # bf16: q 128x128, k and v 64x128 (two kv heads of 32), proj 128x128, gate and up 352x128, proj 128x352, / tp
+    casts = (128 * 128 + 2 * 64 * 128 + 128 * 128 + 3 * 352 * 128) // tp * 2
+    if tp == 2:  # one kv head per rank: k and v are 32 x 128 there, not 64 / 2 rows of the whole
+        casts = (64 * 128 + 2 * 32 * 128 + 128 * 64 + 3 * 176 * 128) * 2
+    assert _act(one, "bf16", layers=3) == 2 * _act(two, "bf16", layers=3) - 3 * casts
+    deferred = lambda sh: memory_model.deferred_bytes(LLAMA, 3, microbatch_size=2, sharding=sh)  # noqa: E731
+    assert deferred(one) == 2 * deferred(two)
+
+
+def test_cp_four_holds_a_quarter_of_a_layers_activations_by_hand():
+    """One block, fp32, tp 1, one sequence of 256 at cp 4: L = 64 tokens, N = 64 x 128 elements."""
+    N = 64 * 128
+    expected = (2 * N * FP32  # ln1, ln2 inputs
+                + 2 * 64 * FP32  # their rstd (CUDA's fused RMSNorm)
+                + 2 * N * FP32  # the two norm outputs the linears read
+                + 3 * N * FP32  # q, k, v as SDPA keeps them (k, v repeated to the query heads)
+                + N * FP32  # attention output
+                + 4 * 64 * 352 * FP32  # SwiGLU: gate, up, SiLU, product
+                + 4 * 64 * FP32)  # logsumexp, 4 heads
+    got = memory_model.activation_bytes(LLAMA, 1, microbatch_size=1, sharding=Sharding(cp=4))
+    assert got == expected
+
+
+def test_kv_blocks_in_flight_are_the_cp_workspace():
+    """The ring holds two K/V blocks forward and four (K/V, dK/dV) backward; the all-gather the whole sequence's
+    K/V forward, K/V and dK/dV backward. A block at cp 4: 64 tokens x (k, v) x 2 kv heads x 32 x 4 bytes."""
+    block = 64 * 2 * 2 * 32 * FP32
+    plain = memory_model.workspace_bytes(LLAMA, 1, microbatch_size=1, sharding=Sharding(cp=4))
+    ring = memory_model.workspace_bytes(LLAMA, 1, microbatch_size=1, sharding=Sharding(cp=4), cp_comm="ring")
+    gather = memory_model.workspace_bytes(LLAMA, 1, microbatch_size=1, sharding=Sharding(cp=4), cp_comm="allgather")
+    assert plain == ring
+    base_forward, base_backward = 2 * 64 * 128 * FP32, 3 * 64 * 352 * FP32  # a block's temporaries, its gradients
+    assert (ring.forward, ring.backward) == (base_forward + 2 * block, base_backward + 4 * block)
+    assert (gather.forward, gather.backward) == (base_forward + 4 * block, base_backward + 8 * block)
+
+
+def test_weights_stay_whole_and_zero_shards_over_dp_times_cp():
+    stages = [(4, True, True)]
+    state = lambda **kw: memory_model.state_bytes(LLAMA, stages, sharding=Sharding(**kw))  # noqa: E731
+    assert state(cp=4).weights == state().weights and state(cp=4).gradients == state().gradients
+    assert state(cp=4).optimizer == state().optimizer  # no ZeRO: every rank keeps its moments
+    assert state(dp=2, cp=2, zero=1) == state(dp=4, zero=1)
+    assert state(cp=2, zero=1).optimizer < state().optimizer  # ZeRO-1 over cp alone (dp 1) shards too
+    plan = build_plan("1f1b", 2, 4)
+    mem = lambda sh: memory_model.plan_memory(LLAMA, plan, [2, 2], microbatch_size=1, sharding=sh)  # noqa: E731
+    assert all(x.dp_buffers == x.gradients > 0 for x in mem(Sharding(pp=2, cp=2)))  # gradients averaged over cp
+    assert all(x.dp_buffers == 0 for x in mem(Sharding(pp=2)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# time
+
+
+def _costs(intra="400GB/s", inter="400GB/s", per_node=8, tflops=100.0):
+    cluster = make_cluster(8, per_node, gpu_memory="80GiB", gpu_tflops=tflops, intra_node=intra, inter_node=inter,
+                           hbm=2e12)
+    return cluster, AnalyticalCosts(cluster, efficiency=0.5, layer_overhead_s=0.0)
+
+
+def test_a_cp_rank_computes_its_share():
+    """Without a host floor the block's compute divides by cp, and so does the head's and the embedding's but for
+    its dense V x C weight gradient (read and written once in fp32 at HBM speed); the ring adds its merges: 3
+    passes over the fp32 output block (L x C / tp) per step, at HBM speed; the all-gather has none."""
+    _, costs = _costs()
+    one = costs.compute(LLAMA, Shape(Sharding(), "none", 2))
+    gather = costs.compute(LLAMA, Shape(Sharding(cp=4), "none", 2, "allgather"))
+    ring = costs.compute(LLAMA, Shape(Sharding(cp=4), "none", 2, "ring"))
+    for a, b in (one[0], gather[0]), (one[2], gather[2]):  # layer, head
+        assert (a.f, a.b, a.w) == pytest.approx((4 * b.f, 4 * b.b, 4 * b.w), rel=1e-12)
+    dense = 2 * 256 * 128 * FP32 / 2e12
+    (e1, e4) = one[1], gather[1]
+    assert (e1.f, e1.b - dense, e1.w - dense) == pytest.approx((4 * e4.f, 4 * (e4.b - dense), 4 * (e4.w - dense)),
+                                                                rel=1e-12)
+    merges = 3 * 3 * 2 * 64 * 128 * FP32 / 2e12  # cp - 1 steps, 3 passes, mbs 2 x 64 tokens x 128
+    assert ring[0].f == pytest.approx(gather[0].f + merges, rel=1e-12)
+    assert ring[0].b - ring[0].w == pytest.approx(gather[0].b - gather[0].w + merges, rel=1e-12)
+
+
+def test_the_ring_shows_only_what_the_blocks_attention_does_not_hide():
+    """seq 16384 at cp 2, tp 1, one sequence, bf16: a block is 8192 tokens x (k, v) x 2 kv heads x 32 x 2 bytes
+    = 2 MiB; a causal block's attention 2 x 8192^2 x 128 FLOPs at 50 TFLOP/s (100 at 0.5): 344 us."""
+    model = replace(LLAMA, seq_len=16384)
+    block, attention = 8192 * 2 * 2 * 32 * 2, 2 * 8192 * 8192 * 128 / 50e12
+    shape = Shape(Sharding(cp=2), "none", 1, "ring")
+    cluster, fast = _costs()
+    lat = cluster.latency_intra_s
+    assert lat + block / 400e9 < attention  # 10 us of transfer: hidden
+    assert fast.context_parallel(model, shape) == (0.0, 0.0)
+    _, slow = _costs(intra="100MB/s")
+    step = lat + block / 100e6
+    assert step > attention  # 21 ms: shows less the attention it overlaps
+    forward, backward = slow.context_parallel(model, shape)
+    assert forward == pytest.approx(step - attention, rel=1e-12)  # cp - 1 = 1 step
+    assert backward == pytest.approx(lat + 2 * block / 100e6 - 2 * attention, rel=1e-12)  # K/V and dK/dV
+    gathered = fast.context_parallel(model, replace(shape, cp_comm="allgather"))  # never overlapped
+    assert gathered == pytest.approx((lat + block / 400e9, 2 * (lat + block / 400e9)), rel=1e-12)
+    full = slow.context_parallel(model, replace(shape, recompute="full"))
+    assert full == pytest.approx((forward, backward + forward), rel=1e-12)  # the recomputed forward's again
+
+
+def test_a_cp_group_across_nodes_pays_the_inter_node_link():
+    """tp x cp consecutive ranks: inside a node when that divides the GPUs per node, over the network
+    otherwise."""
+    shape = Shape(Sharding(cp=4), "none", 1, "allgather")
+    block = 64 * 2 * 2 * 32 * 2
+    inside_cluster, inside = _costs(intra="400GB/s", inter="1GB/s", per_node=4)
+    outside_cluster, outside = _costs(intra="400GB/s", inter="1GB/s", per_node=2)
+    assert inside.context_parallel(LLAMA, shape)[0] == pytest.approx(
+        3 * (inside_cluster.latency_intra_s + block / 400e9), rel=1e-12)
+    assert outside.context_parallel(LLAMA, shape)[0] == pytest.approx(
+        3 * (outside_cluster.latency_inter_s + block / 1e9), rel=1e-12)
+    for group in ParallelDims(dp=2, cp=2, tp=2).groups(["cp"]):  # the mesh's order puts a group in a node of 4
+        assert len({rank // 4 for rank in group}) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the search
+
+
+def test_branch_and_bound_with_cp_finds_what_evaluating_everything_finds():
+    """The bounds stay below every plan with cp's costs in them (a model whose sequence needs cp to fit)."""
+    model = replace(LLAMA, seq_len=4096, n_layer=4)
+    cluster = make_cluster(8, 4, gpu_memory="1GiB", gpu_tflops=50, intra_node="50GB/s", inter_node="5GB/s",
+                           reserve=0)
+    req = Request(model, 4, cluster, AnalyticalCosts(cluster), top=1)
+    best = search(req).best[0]
+    assert best.layout.cp > 1
+    brute = Search(req)
+    steps = [ev.step for mesh in brute.layouts() for _, cand in brute.expand(mesh)
+             for ev in [brute.evaluate(cand)] if ev is not None]
+    assert best.step_time == pytest.approx(min(steps), rel=5e-3)
+
+
+def plan_json(*args):
+    result = invoke("plan", *args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+LONG_8B = ("--model", "llama3-8b", "--seq-len", "131072", "--gpus", "64", "--device", "h100",
+           "--batch-tokens", "4194304")
+
+
+def test_70b_at_128k_tokens_on_256_h100s_has_a_plan_with_cp():
+    """Before context parallelism: "no plan fits" (activations)."""
+    data = plan_json("--model", "llama3-70b", "--seq-len", "131072", "--gpus", "256", "--device", "h100",
+                     "--batch-tokens", "16777216", "--top", "1")
+    best = data["plans"][0]
+    assert best["cp"] > 1 and best["peak_memory_bytes"] <= 78 * 2**30
+    assert best["dp"] * best["pp"] * best["cp"] * best["tp"] == best["gpus"] <= 256
+    assert f"--cp {best['cp']} --cp-comm {best['cp_comm']}" in best["command"]
+
+
+def test_cp_and_cp_comm_keep_those_layouts_and_the_json_shows_them():
+    for plan in plan_json(*LONG_8B, "--cp", "8", "--top", "3")["plans"]:
+        assert plan["cp"] == 8 and "--cp 8 " in plan["command"]
+    for plan in plan_json(*LONG_8B, "--cp", "2", "--cp-comm", "allgather", "--top", "2")["plans"]:
+        assert (plan["cp"], plan["cp_comm"]) == (2, "allgather") and "--cp-comm allgather" in plan["command"]
+    short = plan_json("--model", "llama3-8b", "--gpus", "8", "--device", "h100", "--batch-tokens", "131072",
+                      "--cp", "1", "--top", "2")
+    assert all(p["cp"] == 1 and "--cp" not in p["command"] for p in short["plans"])  # cp 1: the run's default
+
+
+def test_with_a_slow_network_cp_groups_stay_inside_a_node():
+    data = plan_json(*LONG_8B, "--inter-node-gbps", "4", "--top", "5")
+    with_cp = [p for p in data["plans"] if p["cp"] > 1]
+    assert with_cp and all(8 % (p["tp"] * p["cp"]) == 0 for p in with_cp)
+
+
+def test_a_layout_with_cp_runs_with_cp():
+    lay = Layout(1, 2, 2, "1f1b", 1, 8, 1, cp=4, cp_comm="allgather")
+    assert lay.world == 16 and lay.sharding.cp == 4 and lay.mesh_name == "dp1 pp2 cp4(allgather) tp2"
+    args = lay.run_args(TrainConfig().model, "bf16")
+    assert args[args.index("--cp"):args.index("--cp") + 4] == ["--cp", "4", "--cp-comm", "allgather"]
+    assert lay.settings()["cp"] == 4 and Layout(1, 2, 2, "1f1b", 1, 8, 1).settings()["cp"] == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--cp", "3"], "2 x cp = 6 chunks"),
+    (["--cp", "128"], "--cp 128 is more context-parallel ranks than the 64 GPUs"),
+    (["--cp-comm", "both"], "'both' is not one of"),
+])
+def test_bad_cp_is_one_line(args, needle):
+    assert_one_line_error(invoke("plan", *LONG_8B, *args), needle)
