@@ -93,6 +93,25 @@ def allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> f
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
 
 
+def cp_block_bytes(model: ModelConfig, microbatch_size: int, sharding, precision: str = "fp32") -> float:
+    """One context-parallel rank's K and V of one layer (kv heads only): the block a ring step passes on."""
+    act = 2 if precision == "bf16" else FP32
+    L = model.seq_len // sharding.cp
+    return microbatch_size * L * 2 * kv_local_heads(model, sharding.tp) * model.head_dim * act
+
+
+def cp_bytes_per_layer(model: ModelConfig, microbatch_size: int, sharding, comm: str,
+                       precision: str = "fp32") -> float:
+    """Bytes one cp rank sends per layer in a forward and backward, as the time model counts them: (cp - 1)
+    K/V blocks forward; backward K/V again and dK/dV, which the ring passes one hop further, home to its owner
+    (cp blocks; the all-gather's reduce-scatter sends cp - 1)."""
+    cp = sharding.cp
+    if cp == 1:
+        return 0.0
+    blocks = 2 * (cp - 1) + (cp if comm == "ring" else cp - 1)
+    return blocks * cp_block_bytes(model, microbatch_size, sharding, precision)
+
+
 @dataclass(frozen=True)
 class Piece:
     """One part of a stage (a block, the embedding, the head) for one microbatch, in seconds.
@@ -210,9 +229,8 @@ class AnalyticalCosts:
         if cp == 1:
             return 0.0, 0.0
         c = self.cluster
-        act = 2 if c.precision == "bf16" else FP32
         L = model.seq_len // cp
-        block = shape.mbs * L * 2 * kv_local_heads(model, tp) * model.head_dim * act  # one chunk pair's K and V
+        block = cp_block_bytes(model, shape.mbs, sh, c.precision)
         bw, lat = self._link(c.gpus_per_node % (tp * cp) == 0)  # every group of tp x cp consecutive ranks in a node
         step = lat + block / bw
         if shape.cp_comm == "allgather":
@@ -221,7 +239,7 @@ class AnalyticalCosts:
         else:
             attention = shape.mbs * 2 * L * L * model.n_embd / tp / self._rate()  # one causal block
             forward = (cp - 1) * max(0.0, step - attention)
-            backward = (cp - 1) * max(0.0, lat + 2 * block / bw - 2 * attention)
+            backward = (cp - 1) * max(0.0, lat + 2 * block / bw - 2 * attention) + step  # dK/dV's last hop home
         if shape.recompute in ("full", "selective"):
             backward += forward  # the recomputed attention passes K/V again
         return forward, backward

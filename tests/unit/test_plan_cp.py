@@ -126,13 +126,16 @@ def test_the_ring_shows_only_what_the_blocks_attention_does_not_hide():
     cluster, fast = _costs()
     lat = cluster.latency_intra_s
     assert lat + block / 400e9 < attention  # 10 us of transfer: hidden
-    assert fast.context_parallel(model, shape) == (0.0, 0.0)
+    fast_step = lat + block / 400e9
+    # hidden but for dK/dV's last hop home, after the backward's last block (measured: the ring sends cp blocks of
+    # dK/dV, benchmarks/bench_context_parallel.py)
+    assert fast.context_parallel(model, shape) == pytest.approx((0.0, fast_step), rel=1e-12)
     _, slow = _costs(intra="100MB/s")
     step = lat + block / 100e6
     assert step > attention  # 21 ms: shows less the attention it overlaps
     forward, backward = slow.context_parallel(model, shape)
     assert forward == pytest.approx(step - attention, rel=1e-12)  # cp - 1 = 1 step
-    assert backward == pytest.approx(lat + 2 * block / 100e6 - 2 * attention, rel=1e-12)  # K/V and dK/dV
+    assert backward == pytest.approx(lat + 2 * block / 100e6 - 2 * attention + step, rel=1e-12)  # K/V, dK/dV
     gathered = fast.context_parallel(model, replace(shape, cp_comm="allgather"))  # never overlapped
     assert gathered == pytest.approx((lat + block / 400e9, 2 * (lat + block / 400e9)), rel=1e-12)
     full = slow.context_parallel(model, replace(shape, recompute="full"))
