@@ -99,6 +99,10 @@ def main():
 @click.option("--max-live", type=int, default=None, metavar="N",
               help="For auto and auto-v: the most stage-microbatches' activations a rank may hold at once (the "
                    "peak live column). Default 1F1B's memory: stages x stages per rank.")
+@click.option("--p2p-matching", type=click.Choice(["tag", "order"]), default=None,
+              help="How messages are matched: tag (gloo: a send leaves as soon as its output exists; the default) "
+                   "or order (NCCL: a send leaves at its SEND, a rank's batches run one after another and each "
+                   "completes together; the plan is lowered for the costs, as a run lowers it).")
 def simulate(**options):
     """Simulate pipeline schedules: ASCII chart, bubble %, makespan, peak live activations.
 
@@ -109,6 +113,7 @@ def simulate(**options):
     pipegpt simulate --trace runs/20250101-120000 --out measured_vs_predicted.html
     pipegpt simulate -p 4 -m 16 --layer-costs embed=0.1,block=1,head=4 --layers 8 --balance cost
     pipegpt simulate --schedule auto -p 4 -m 16 --costs F=1,B=2,W=1,comm=0.2 --max-live 4
+    pipegpt simulate --schedule zb-h1 -p 4 -m 8 --p2p-matching order
     """
     # The planner reads --layer-costs; pipegpt.schedule sits below it, so the reader is handed in.
     from pipegpt.costs.balance import parse_layer_costs
