@@ -104,6 +104,10 @@ def main():
 @click.option("--decode-steps", type=click.IntRange(min=1), default=None, metavar="K",
               help="Generation's plan: --microbatches prompt groups through --stages ranks, a prefill and K-1 "
                    "decode steps, each group's next step waiting for its token; shows the steady state's bubble.")
+@click.option("--p2p-matching", type=click.Choice(["tag", "order"]), default=None,
+              help="How messages are matched: tag (gloo: a send leaves as soon as its output exists; the default) "
+                   "or order (NCCL: a send leaves at its SEND, a rank's batches run one after another and each "
+                   "completes together; the plan is lowered for the costs, as a run lowers it).")
 def simulate(**options):
     """Simulate pipeline schedules: ASCII chart, bubble %, makespan, peak live activations.
 
@@ -116,6 +120,7 @@ def simulate(**options):
     pipegpt simulate --schedule auto -p 4 -m 16 --costs F=1,B=2,W=1,comm=0.2 --max-live 4
     pipegpt simulate --forward-only -p 4 -m 8                  # evaluation's plan
     pipegpt simulate --decode-steps 16 -p 4 -m 4 --costs F=1,comm=0.1   # generation: 4 prompt groups
+    pipegpt simulate --schedule zb-h1 -p 4 -m 8 --p2p-matching order
     """
     # The planner reads --layer-costs; pipegpt.schedule sits below it, so the reader is handed in.
     from pipegpt.costs.balance import parse_layer_costs

@@ -34,14 +34,16 @@ def _pipeline_plan(cfg: TrainConfig) -> Plan:
         if p.schedule_file is not None:
             plan = load_schedule_file(p.schedule_file)
             check_against_file(plan, p.schedule_file, p.stages, p.microbatches)
-            return plan if plan.is_lowered else validate(lower(plan))
+            return plan if plan.is_lowered else validate(lower(plan, lowering_costs(cfg, plan.stage_to_rank)))
         spec = schedule_spec(p.schedule)
         if not spec.synthesized:
             if p.max_live is not None:
                 raise ConfigError(f"--max-live is the memory limit auto and auto-v schedule to; {p.schedule} is a "
                                   f"fixed schedule: use --schedule auto or auto-v, or leave --max-live out")
-            return validate(lower(spec.build(p.stages, p.microbatches, p.virtual_stages)))
-        return validate(lower(synthesized_plan(cfg, spec)))
+            plan = spec.build(p.stages, p.microbatches, p.virtual_stages)
+        else:
+            plan = synthesized_plan(cfg, spec)
+        return validate(lower(plan, lowering_costs(cfg, plan.stage_to_rank)))
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
 
@@ -59,6 +61,21 @@ def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
             "best_fixed_s": None if synthesis.best_fixed_makespan is None else float(synthesis.best_fixed_makespan),
             "measured": p.schedule_costs is not None}
     return replace(synthesis.plan, meta=meta)
+
+
+def lowering_costs(cfg: TrainConfig, stage_to_rank) -> Costs | None:
+    """The per-stage costs the plan's messages are placed for (schedule.lowering): what the run measured
+    (auto's order, --balance cost's split), auto's estimate until then; None (unit costs) otherwise."""
+    p = cfg.parallel
+    pieces = p.schedule_costs
+    if pieces is None and p.balanced_costs is not None:  # forward + backward of each piece: B = 2F, W = F
+        pieces = tuple(x for total in p.balanced_costs for x in (total / 3, 2 * total / 3, total / 3))
+    if pieces is None and p.schedule_file is None and schedule_spec(p.schedule).synthesized:
+        pieces = estimated_layer_costs(cfg.model)
+    if pieces is None:
+        return None
+    layers = [len(r) for r in partition_layers(cfg.model.n_layer, len(stage_to_rank), p.layers_per_stage)]
+    return stage_costs_for(layers, pieces)
 
 
 def stage_costs_for(layers: list[int], layer_costs: tuple[float, ...], tp: int = 1) -> Costs:

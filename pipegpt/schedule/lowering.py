@@ -22,68 +22,158 @@ import heapq
 
 from .actions import COLLECTIVE_KINDS, REDUCE_GRAD, Action, Kind, Plan, PlanError
 from .messages import peer, recvs_before, sends_after
+from .validate import dependencies
 
 
-# Unit costs used only to pick where messages meet; any valid costs give a valid order.
-_LOWERING_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
+# Costs when none are given: one unit per forward, two per full backward, every stage alike.
+_UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
 
 
-def lower(plan: Plan) -> Plan:
+def lower(plan: Plan, costs=None) -> Plan:
     """Return the plan with SEND/RECV actions inserted, deadlock-free by construction.
 
-    The plan is run once at unit cost with rendezvous messages: a finished
-    output waits in its producer's outbox until the consumer needs it, and the
-    SEND and its RECV are appended to both ranks at the moment they meet. That
-    run is itself the proof that blocking point-to-point cannot deadlock, and
-    every pair of ranks sees its messages in the same order at both ends (NCCL
-    matches point-to-point by order).
+    The plan is run once with rendezvous messages, at `costs` (anything with a duration(action), such as
+    simulate.Costs; unit costs when None): an output waits in its producer's outbox until its consumer's
+    rank takes it, when it needs it or earlier when it is at a boundary anyway (its receive then costs no
+    wait); the RECV goes where the consumer's rank stands, and the SEND as early on the producer's rank as
+    that rank's own messages allow. That run is itself the proof that blocking point-to-point cannot
+    deadlock: every rank's comm actions meet their partners in the order of their places, so every pair
+    of ranks sees its messages in the same order at both ends (NCCL matches point-to-point by order).
+
+    Where the SEND goes matters under order matching (NCCL), where a send leaves at its SEND and a rank's
+    batches run one after another (schedule/matching.py): one put where the consumer asked for it, after
+    whatever its rank was computing then, makes the consumer wait for that compute. So it goes just after
+    the compute that made it, unless the rank has sent or received since: then into that batch if it holds
+    sends alone (or was posted at this moment), else after the compute that follows it, so that no compute
+    waiting for a receive is held behind a send its receiver takes only later. A rank posting receives
+    with outputs still unsent weighs, per output, its consumer's wait (the costs' timeline says when it
+    needs it) against its own (its receiver is busy until its next boundary) and takes the shorter.
     """
+    duration = (lambda a: _UNIT_COST[a.kind]) if costs is None else costs.duration
+    comm = 0 if costs is None else getattr(costs, "comm", 0)
     collectives = _collectives_by_anchor(plan)
     plan = plan.compute_only()
+    needed_at, latest = _eager_window(plan, duration, comm)
     num_ranks = plan.num_ranks
     lowered: list[list[Action]] = [[] for _ in range(num_ranks)]
     pos = [0] * num_ranks
-    outbox: list[list[Action]] = [[] for _ in range(num_ranks)]  # produced SENDs not yet matched
+    outbox: list[dict[Action, int]] = [{} for _ in range(num_ranks)]  # produced, unsent: index after producer
+    inbound: list[dict[Action, int]] = [{} for _ in range(num_ranks)]  # the same by receiver: its sender
     waiting: list[Action | None] = [None] * num_ranks  # the RECV a blocked rank needs
-    running: list[Action | None] = [None] * num_ranks
+    running: list[int | None] = [None] * num_ranks  # index of the compute a rank is in
+    started, busy_until = [0] * num_ranks, [0] * num_ranks  # the compute a rank is in
     events = [(0, r) for r in range(num_ranks)]  # (time, rank): the rank reaches a boundary
-    idle = [False] * num_ranks
     received: list[set[Action]] = [set() for _ in range(num_ranks)]
+    comm_end = [0] * num_ranks  # index just after the rank's last comm action
+    comm_receives: list = [None] * num_ranks  # when that batch's last receive is taken (None: it has none)
 
-    def match(sender: int, send: Action, receiver: int, recv: Action, now: int) -> None:
-        outbox[sender].remove(send)
-        lowered[sender].append(send)
-        lowered[receiver].append(recv)
+    def send_place(r: int, produced: int, now) -> int | None:
+        """Where rank r's SEND of an output made just before index `produced` goes now; None: not yet
+        (that place is beyond the compute the rank is in)."""
+        at = comm_end[r]
+        if produced >= at:
+            at = produced
+        elif not (comm_receives[r] is None or comm_receives[r] == now or at == len(lowered[r])):
+            at += 1  # after the compute that follows a batch with older receives
+        return at if running[r] is None or at <= running[r] else None
+
+    def match(sender: int, send: Action, at: int, receiver: int, recv: Action, when, recv_at=None) -> None:
+        """The SEND at index `at` of the sender, the RECV at the receiver's index `recv_at` (None: its end),
+        taken at `when`."""
+        del outbox[sender][send], inbound[receiver][send]
+        joins = at > 0 and lowered[sender][at - 1].kind.is_p2p  # the sender's last batch
+        _insert(sender, at, send)
+        comm_end[sender], comm_receives[sender] = at + 1, comm_receives[sender] if joins else None
+        recv_at = len(lowered[receiver]) if recv_at is None else recv_at
+        _insert(receiver, recv_at, recv)
         received[receiver].add(recv)
-        waiting[receiver] = None
-        idle[receiver] = False
-        heapq.heappush(events, (now, receiver))
+        comm_end[receiver], comm_receives[receiver] = recv_at + 1, when
+        if waiting[receiver] == recv:
+            waiting[receiver] = None
+            heapq.heappush(events, (when + comm, receiver))
+
+    def _insert(r: int, at: int, action: Action) -> None:
+        lowered[r].insert(at, action)
+        for other, place in outbox[r].items():  # outputs made after it moved one place on
+            if place > at:
+                outbox[r][other] = place + 1
+        if running[r] is not None and running[r] >= at:
+            running[r] += 1
+
+    def offer(r: int, now) -> None:
+        """Rank r's unsent outputs to receivers that take them now at no cost: the one waiting for it, one
+        blocked on another, one that started a compute at this very moment (its receive goes before it)."""
+        for send in list(outbox[r]):
+            dst, recv = peer(send, plan)
+            if running[dst] is None:
+                if waiting[dst] is not None:
+                    match(r, send, send_place(r, outbox[r][send], now), dst, recv, now)
+            elif started[dst] == now and not comm:
+                match(r, send, send_place(r, outbox[r][send], now), dst, recv, now, running[dst])
+
+    def take_ready(r: int, now) -> None:
+        """Rank r, at a boundary, receives every output already made for it whose SEND can be placed."""
+        for send, src in list(inbound[r].items()):
+            at = send_place(src, outbox[src][send], now)
+            if at is not None:
+                match(src, send, at, r, peer(send, plan)[1], now)
+
+    def hand_over(r: int, now):
+        """Rank r has just posted receives at `now`: its outputs still unsent would go after its next compute.
+        Each goes with this batch instead where waiting for its receiver's next boundary (which takes it
+        there) makes the step longer than the consumer's wait would by less (the eager timeline's latest
+        starts say by how much), or as much but is the shorter wait; returns when r may go on."""
+        go_on = now
+        following = plan.ranks[r][pos[r]] if pos[r] < len(plan.ranks[r]) else None
+        after = now + (duration(following) if following is not None else 0)
+        for send in list(outbox[r]):
+            dst, recv = peer(send, plan)
+            if running[dst] is None:
+                continue
+            consumer, then = _consumer(recv, plan), busy_until[dst]
+            # Each side: how much later than its latest start it goes (the step that much longer), then its wait.
+            wait = (max(0, then - latest[following]) if following is not None else 0, then - now)
+            starved_for = max(0, after - max(needed_at[consumer], then))
+            starved = (max(0, after - latest[consumer]), starved_for)
+            if wait < starved:
+                match(r, send, comm_end[r], dst, recv, then)
+                go_on = max(go_on, then)
+        return go_on
 
     while events:
         now, r = heapq.heappop(events)
         if running[r] is not None:
-            outbox[r] += sends_after(running[r], plan)
+            for send in sends_after(lowered[r][running[r]], plan):
+                outbox[r][send] = running[r] + 1
+                inbound[peer(send, plan)[0]][send] = r
             running[r] = None
-        for send in list(outbox[r]):  # hand outputs to consumers already waiting for them
-            dst, recv = peer(send, plan)
-            if waiting[dst] == recv:
-                match(r, send, dst, recv, now)
-        if pos[r] == len(plan.ranks[r]):
-            idle[r] = True
+        offer(r, now)
+        if pos[r] == len(plan.ranks[r]) or waiting[r] is not None:
             continue
         action = plan.ranks[r][pos[r]]
         needs = [a for a in recvs_before(action, plan) if a not in received[r]]
         if needs:
             src, send = peer(needs[0], plan)
-            if send in outbox[src] and idle[src]:
-                match(src, send, r, needs[0], now)
+            at = send_place(src, outbox[src][send], now) if send in outbox[src] else None
+            if at is not None:
+                match(src, send, at, r, needs[0], now)
             else:
-                waiting[r], idle[r] = needs[0], True
+                waiting[r] = needs[0]
+        if needs or not comm:  # a receive here anyway (or free): take now whatever else is ready
+            take_ready(r, now)
+        if waiting[r] is not None:
+            continue
+        go_on = hand_over(r, now) if comm_receives[r] == now and comm_end[r] == len(lowered[r]) else now
+        if needs:
+            go_on += comm
+        if go_on > now:
+            heapq.heappush(events, (go_on, r))
             continue
         lowered[r].append(action)
         pos[r] += 1
-        running[r] = action
-        heapq.heappush(events, (now + _LOWERING_COST[action.kind], r))
+        running[r] = len(lowered[r]) - 1
+        started[r], busy_until[r] = now, now + duration(action)
+        heapq.heappush(events, (busy_until[r], r))
 
     stuck = [r for r in range(num_ranks) if pos[r] < len(plan.ranks[r]) or outbox[r]]
     if stuck:
@@ -92,6 +182,48 @@ def lower(plan: Plan) -> Plan:
     if collectives:
         lowered = [_put_back(acts, anchors) for acts, anchors in zip(lowered, collectives)]
     return plan.with_ranks(lowered)
+
+
+def _consumer(recv: Action, plan: Plan) -> Action:
+    """The compute action a RECV feeds."""
+    if recv.kind is Kind.RECV_F:
+        return Action(recv.stage, Kind.F, recv.microbatch)
+    return plan.backward_of(recv.stage, recv.microbatch)
+
+
+def _eager_window(plan: Plan, duration, comm) -> tuple[dict[Action, float], dict[Action, float]]:
+    """When each compute action of a plan without messages starts if every message leaves as soon as it is
+    made (simulate()'s timeline, which lowering cannot import: simulate imports lowering), and the latest it
+    may start without making the step longer."""
+    rank_of, starts, ends, order = plan.stage_to_rank, {}, {}, []
+    pos, free, todo = [0] * plan.num_ranks, [0] * plan.num_ranks, list(range(plan.num_ranks))
+    waiters: dict[Action, list[int]] = {}
+    later: dict[Action, list[tuple[Action, float]]] = {}  # action -> (what needs it, the gap between)
+    while todo:
+        r = todo.pop()
+        actions = plan.ranks[r]
+        while pos[r] < len(actions):
+            action = actions[pos[r]]
+            deps = dependencies(action, plan)
+            missing = next((d for d in deps if d not in ends), None)
+            if missing is not None:
+                waiters.setdefault(missing, []).append(r)
+                break
+            gaps = [(d, comm if rank_of[d.stage] != r else 0) for d in deps]
+            if pos[r]:
+                gaps.append((actions[pos[r] - 1], 0))
+            for d, gap in gaps:
+                later.setdefault(d, []).append((action, gap))
+            starts[action] = max([free[r]] + [ends[d] + gap for d, gap in gaps])
+            ends[action] = free[r] = starts[action] + duration(action)
+            order.append(action)
+            pos[r] += 1
+            todo.extend(waiters.pop(action, ()))
+    span, latest = max(ends.values(), default=0), {}
+    for action in reversed(order):
+        finish = min([span] + [latest[n] - gap for n, gap in later.get(action, ())])
+        latest[action] = finish - duration(action)
+    return starts, latest
 
 
 def _collectives_by_anchor(plan: Plan) -> list[dict[Action | None, list[Action]]] | None:

@@ -19,7 +19,8 @@ from .inference import decode_plan, steady_state_bubble
 from .registry import schedule_names, schedule_spec
 from .render import human_bytes
 from .schedule_file import check_against_file, load_schedule_file
-from .simulate import costs_for_plan, simulate
+from .matching import simulate_matching
+from .simulate import costs_for_plan
 
 DEFAULT_COSTS = "F=1,B=2,W=1,comm=0"
 
@@ -46,6 +47,7 @@ class SimulateOptions:
     max_live: int | None = None
     forward_only: bool = False
     decode_steps: int | None = None
+    p2p_matching: str | None = None  # "tag" (None) or "order": how messages are matched (schedule/matching.py)
 
 
 def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Callable) -> None:
@@ -57,7 +59,7 @@ def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Ca
         given = [flag for flag, value in (("--schedule", opts.schedule), ("--schedule-file", opts.schedule_file),
                                           ("--costs", opts.costs_spec), ("--virtual-stages", opts.virtual_stages),
                                           ("--layer-costs", opts.layer_costs_spec), ("--layers", opts.n_layers),
-                                          ("--balance", opts.balance))
+                                          ("--balance", opts.balance), ("--p2p-matching", opts.p2p_matching))
                  if value is not None]
         if given:
             raise ScheduleError(f"--trace simulates the run's own plan with costs calibrated from its trace; "
@@ -79,7 +81,7 @@ def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Ca
     for name, make in jobs:
         try:
             plan, costs, extra = make(costs_of)
-            timeline = simulate(plan, costs)
+            timeline = simulate_matching(plan, costs, opts.p2p_matching or "tag")
             peak = max(timeline.peak_live_microbatches_per_rank)
             if opts.max_live is not None and peak > opts.max_live:
                 raise ScheduleError(f"peak live {peak} is above --max-live {opts.max_live}")
@@ -89,7 +91,8 @@ def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Ca
             records.append({"schedule": name, "applies": False, "reason": " ".join(str(e).split())})
             timelines.append(None)
             continue
-        records.append({**record(plan, timeline, costs), **extra, **decode_record(plan, timeline)})
+        matching = {"p2p_matching": opts.p2p_matching} if opts.p2p_matching == "order" else {}
+        records.append({**record(plan, timeline, costs), **extra, **decode_record(plan, timeline), **matching})
         timelines.append(timeline)
 
     if opts.out is not None:
@@ -107,7 +110,8 @@ def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Ca
         else:
             costs_text = (f"costs {opts.costs_spec or DEFAULT_COSTS} per rank's share of the model "
                           f"(v stages per rank: 1/v each)")
-        echo(f"{opts.stages} ranks, {opts.microbatches} microbatches; {costs_text}")
+        matched = "; messages matched by order (NCCL)" if opts.p2p_matching == "order" else ""
+        echo(f"{opts.stages} ranks, {opts.microbatches} microbatches; {costs_text}{matched}")
         echo(table(records))
     else:
         if not opts.no_chart:
@@ -274,6 +278,9 @@ def summary_text(rec: dict) -> str:
                      f"{rec['max_live']}{fixed})")
         if rec.get("chosen_from") not in (None, "synthesized"):
             lines.append(f"order             {rec['chosen_from']}'s (no synthesized order was faster)")
+    if rec.get("p2p_matching") == "order":
+        lines.append("messages          matched by order (NCCL): each send leaves at its SEND, a batch completes "
+                     "together")
     if "layers_per_stage" in rec:
         lines.append(f"layers per stage  {','.join(map(str, rec['layers_per_stage']))}  (balance {rec['balance']})")
     return "\n".join(lines)

@@ -186,3 +186,20 @@ def test_a_schedule_file_with_max_live_is_refused(tmp_path):
     path.write_text("0F0 0B0\n")
     result = run("--schedule-file", str(path), "--max-live", "2")
     assert result.exit_code == 2 and "a schedule file's order is fixed" in result.output
+
+
+def test_p2p_matching_order_prices_a_late_send_that_tag_does_not(tmp_path):
+    # a hand-placed plan whose first forward is sent only after the second: free under tag, not under order
+    path = tmp_path / "late.txt"
+    path.write_text("0F0 0F1 0SEND_F0 0SEND_F1\n1RECV_F0 1F0 1RECV_F1 1F1\n")
+    makespans = {}
+    for matching in ("tag", "order"):
+        result = run("--schedule-file", str(path), "--costs", "F=1", "--p2p-matching", matching, "--json")
+        assert result.exit_code == 0, result.output
+        makespans[matching] = json.loads(result.stdout)["makespan"]
+    assert makespans == {"tag": 3, "order": 4}
+    # a generated plan is lowered for the costs, as a run lowers it: order costs what tag does
+    result = run("-s", "zb-h1", "-p", "4", "-m", "8", "--p2p-matching", "order", "--no-chart")
+    assert result.exit_code == 0, result.output
+    assert "makespan          27" in result.stdout and "matched by order (NCCL)" in result.stdout
+    assert_one_line_error(run("-s", "1f1b", "-p", "2", "-m", "2", "--p2p-matching", "nccl"), "--p2p-matching")

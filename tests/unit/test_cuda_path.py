@@ -232,7 +232,8 @@ def test_reduce_scatter_errors_propagate_on_nccl(reduce_scatter_fails):
 # The worker's device on RPC threads
 
 def test_every_worker_method_the_driver_calls_enters_the_device():
-    public = [name for name in vars(Worker) if not name.startswith("_") and callable(getattr(Worker, name))]
+    own = {name for cls in Worker.__mro__ if cls.__module__.startswith("pipegpt.") for name in vars(cls)}
+    public = [name for name in sorted(own) if not name.startswith("_") and callable(getattr(Worker, name))]
     assert {"start", "build", "step", "describe", "named_grads", "shutdown"} <= set(public)
     assert [n for n in public if not getattr(getattr(Worker, n), "is_actor_method", False)] == []
 
@@ -319,12 +320,13 @@ def test_an_exception_on_the_actor_thread_reaches_the_caller_as_a_failed_naming_
 # When sends are posted: as soon as the output exists on gloo (matched by tag), at the plan's SEND on NCCL
 
 def _first_stage_log(monkeypatch, device_type: str, matching: str = "auto") -> list[str]:
-    """Rank 0 of a lowered 2-rank gpipe plan, run against a backend stand-in: the compute actions and the
-    posted sends in the order they happened (receives deliver zeros at once)."""
+    """Rank 0 of a lowered 2-rank gpipe plan whose forward 1 is sent only after forward 2, run against a
+    backend stand-in: the compute actions and the posted sends in the order they happened (receives deliver
+    zeros at once)."""
     from pipegpt.config import MODEL_PRESETS
     from pipegpt.model.gpt import GPT
     from pipegpt.runtime import PipelineRuntime
-    from pipegpt.schedule import build_plan, lower
+    from pipegpt.schedule import Action, build_plan, lower, validate
     from pipegpt.stages import Stage
 
     log = []
@@ -336,7 +338,10 @@ def _first_stage_log(monkeypatch, device_type: str, matching: str = "auto") -> l
     for name in ("forward", "backward"):
         original = getattr(stage, name)
         monkeypatch.setattr(stage, name, lambda mb, *a, _o=original, _n=name, **k: (log.append(f"{_n} {mb}"), _o(mb, *a, **k))[1])
-    plan = lower(build_plan("gpipe", 2, 4))  # rank 0: F0 SEND_F0 F1 F2 SEND_F1 F3 SEND_F2 SEND_F3 ...
+    plan = lower(build_plan("gpipe", 2, 4))  # each send right behind its forward: hold forward 1's back
+    first = [a for a in plan.ranks[0] if a != Action.parse("0SEND_F1")]
+    first.insert(first.index(Action.parse("0F2")) + 1, Action.parse("0SEND_F1"))
+    plan = validate(plan.with_ranks([first, plan.ranks[1]]))  # rank 0: F0 SEND_F0 F1 F2 SEND_F1 SEND_F2 F3 ...
     p2p = PointToPoint(rank=0, timeout_s=5, device_type=device_type, matching=matching)
     p2p.host_waits = True  # the stand-in's Works complete when waited for, on either path
     runtime = PipelineRuntime(plan, 0, {0: stage}, p2p, [0, 1], (1, cfg.seq_len, cfg.n_embd), torch.float32, "cpu")
@@ -355,7 +360,7 @@ def test_on_nccl_sends_keep_the_plans_order(monkeypatch, device_type, matching):
     log = _first_stage_log(monkeypatch, device_type, matching)
     sends = [line for line in log if line.startswith("post send")]
     assert sends == [f"post send tag {mb * 4}" for mb in range(4)]
-    # the lowered plan holds forward 1's send until rank 1 needs it, after forward 2
+    # the plan holds forward 1's send until after forward 2
     assert log.index("forward 2") < log.index("post send tag 4"), log
 
 

@@ -85,8 +85,9 @@ def test_1f1b_releases_each_forward_when_its_backward_comes_back():
     plan = lower(build_plan("1f1b", 2, 4))
     releases = release_points(plan)[0]
     by_batch = {str(plan.ranks[0][i]): [str(a) for a in sends] for i, sends in releases.items()}
-    # Rank 1 posts microbatch k's gradient after it received forward k, and before forward k + 1.
-    assert by_batch == {f"0RECV_B{k}": [f"0SEND_F{k}"] for k in range(4)}
+    # Rank 1 takes forward 1 as soon as it is there, before backward 0: the batch bringing gradient 0 back
+    # frees forwards 0 and 1 (the one sending forward 1), each later gradient the forward before it.
+    assert by_batch == {"0SEND_F1": ["0SEND_F0", "0SEND_F1"], "0RECV_B2": ["0SEND_F2"], "0RECV_B3": ["0SEND_F3"]}
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["order", "tag"])
