@@ -567,7 +567,7 @@ PLAN_OPTIONS = [
                   help="Only layouts with this many tensor-parallel ranks (as pipegpt run --tp)."),
     click.option("--cp", "only_cp", type=click.IntRange(min=1), default=None,
                   help="Only layouts with this many context-parallel ranks (as pipegpt run --cp; default: 1, 2, 4, ... "
-                       "as the sequence and the GPUs allow)."),
+                       "while the GPUs allow and a rank keeps 2048 tokens or more)."),
     click.option("--cp-comm", type=click.Choice(CP_COMM), default=None,
                   help="Only layouts whose keys and values travel this way with cp > 1 (as pipegpt run --cp-comm; "
                        "default: both are weighed)."),

@@ -51,7 +51,7 @@ def explain(runner: Result, best: Result) -> str:
         "compute": work(rb) - work(bb),
         "recompute": rb["recompute"] - bb["recompute"],
         "tp_comm": rb["tp_comm"] - bb["tp_comm"],
-        "cp_comm": rb.get("cp_comm", 0.0) - bb.get("cp_comm", 0.0),
+        "cp_comm": rb["cp_comm"] - bb["cp_comm"],
         "idle": rb["idle"] - bb["idle"],
         "dp_exposed": rb["dp_exposed"] - bb["dp_exposed"],
         "after": rb["after"] - bb["after"],
@@ -75,7 +75,7 @@ def explain(runner: Result, best: Result) -> str:
                            f"{format_seconds(bb['tp_comm'])}")
         elif part == "cp_comm":
             reasons.append(f"context-parallel K/V transfers not hidden {format_seconds(rb['cp_comm'])} vs "
-                           f"{format_seconds(bb.get('cp_comm', 0.0))}")
+                           f"{format_seconds(bb['cp_comm'])}")
         elif part == "dp_exposed":
             reasons.append(f"gradient all-reduce not hidden: {format_seconds(rb['dp_exposed'])} vs "
                            f"{format_seconds(bb['dp_exposed'])}")
@@ -158,7 +158,7 @@ def format_text(res: SearchResult) -> str:
                   f"  busiest rank {b['rank']}: compute {format_seconds(b['compute'])}"
                   + (f" (recomputation {format_seconds(b['recompute'])})" if b["recompute"] else "")
                   + (f", tensor-parallel collectives {format_seconds(b['tp_comm'])}" if b["tp_comm"] else "")
-                  + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b.get("cp_comm") else "")
+                  + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b["cp_comm"] else "")
                   + f", idle {format_seconds(b['idle'])}"
                   + (f"; gradient all-reduce exposed {format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
                   + f"; after the last action {format_seconds(b['after'])}",

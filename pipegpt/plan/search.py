@@ -7,7 +7,8 @@ What is searched, for a model, a global batch and a cluster:
   pipegpt.config.validate_tp (padding the vocabulary to 64 where that is what tp needs, as `pipegpt run
   --pad-vocab` does; for Llama also: tp divides n_kv_head or is a multiple of it, and divides the MLP width,
   else the layout is not a candidate); dp divides the batch; cp (context parallelism) is a power of two that
-  pipegpt.config.validate_cp allows (seq_len cut into 2 x cp chunks, no dropout), smallest first: a cp group
+  pipegpt.config.validate_cp allows (seq_len cut into 2 x cp chunks, no dropout) leaving a rank at least
+  MIN_CP_TOKENS (2048) of a sequence (so never at seq_len < 4096 unless --cp), smallest first: a cp group
   inside a node (tp x cp divides the GPUs per node: the rank order puts it there) passes K/V over NVLink, a
   larger one over the inter-node link, which the costs charge. With cp > 1 both ways of moving K/V are
   weighed (only --cp-comm's when given): the ring hides its transfers behind the blocks' attention but merges
@@ -69,6 +70,9 @@ from pipegpt.costs.stage_costs import PER_SEQUENCE, StageCosts
 from .structure import held_peaks, splits_backward, stage_placement, structure
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
+# Fewer tokens per context-parallel rank are not searched (--cp still takes them): a ring step's attention
+# gets too small to hide its transfer and launches, and the search's time grows with every cp tried.
+MIN_CP_TOKENS = 2048
 ROUND_DIGITS = 3
 
 
@@ -118,12 +122,12 @@ class Search:
 
     # --- enumeration ---------------------------------------------------------------------------------
     def cp_choices(self, tp: int) -> list[int]:
-        """Context-parallel sizes to consider with tp: --cp's, else 1, 2, 4, ... while validate_cp allows them
-        and cp x tp GPUs exist."""
+        """Context-parallel sizes to consider with tp: --cp's, else 1, 2, 4, ... while validate_cp allows them,
+        cp x tp GPUs exist and a rank keeps at least MIN_CP_TOKENS of a sequence."""
         given = self.req.only[3] if len(self.req.only) > 3 else None
         out = []
         for cp in ([given] if given is not None else (1 << i for i in range(self.cluster.gpus.bit_length()))):
-            if cp * tp > self.cluster.gpus:
+            if cp * tp > self.cluster.gpus or (given is None and cp > 1 and self.model.seq_len // cp < MIN_CP_TOKENS):
                 break
             try:
                 validate_cp(self.model, cp)

@@ -175,6 +175,16 @@ def test_branch_and_bound_with_cp_finds_what_evaluating_everything_finds():
     assert best.step_time == pytest.approx(min(steps), rel=5e-3)
 
 
+def test_cp_is_searched_in_powers_of_two_down_to_2048_tokens_a_rank():
+    cluster = make_cluster(64, 8, "h100")
+    ask = lambda model, **kw: Search(Request(model, 8, cluster, AnalyticalCosts(cluster), **kw))  # noqa: E731
+    llama8k = MODEL_PRESETS["llama3-8b"]
+    assert ask(llama8k).cp_choices(tp=1) == [1, 2, 4]  # 2,048 tokens a rank at cp 4
+    assert ask(replace(llama8k, seq_len=1 << 20)).cp_choices(tp=8) == [1, 2, 4, 8]  # cp x tp <= 64 GPUs
+    assert ask(llama8k, only=(None, None, None, 16)).cp_choices(tp=1) == [16]  # --cp: taken as given
+    assert ask(MODEL_PRESETS["gpt2"]).cp_choices(tp=1) == [1]  # 1,024 tokens: no cp searched
+
+
 def plan_json(*args):
     result = invoke("plan", *args, "--json")
     assert result.exit_code == 0, result.output
