@@ -46,9 +46,9 @@ TORCH_SCHEDULES = {
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
-    "zb-h1": None,  # torch has no one-stage-per-rank zero-bubble schedule (its ZB schedules are multi-stage)
+    "zb-h1": "ScheduleInterleavedZeroBubble",  # its ZB1P with one stage per rank is ZB-H1
 }
-MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 
 
 # ----------------------------------------------------------------------------------------------------------

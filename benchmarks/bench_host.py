@@ -1,0 +1,174 @@
+"""Host cost per microbatch and per step: pipegpt vs torch.distributed.pipelining where compute is negligible.
+
+    .venv/bin/python benchmarks/bench_host.py                       # m 16, 64, 128; 1f1b and zb-h1; 3 rounds
+    .venv/bin/python benchmarks/bench_host.py --microbatches 16,128 --schedules 1f1b --rounds 5
+
+A tiny model (2 layers, n_embd 32, 2 heads, seq_len 16, vocabulary 256, untied embeddings, microbatch size 1) on
+2 stages, one thread per rank: each action's compute is a few tens of microseconds, so the step time is the
+runtime's own work per action (Python, autograd's bookkeeping, the point-to-point post, the trace) plus what a
+step costs once (control, clip, optimizer). Both contenders are run as benchmarks/bench_pipeline.py runs them
+(its helpers, imported); in every round each (schedule, m) runs pipegpt and torch.pp back to back, the order
+swapped from one round to the next, so the machine's drift hits both alike.
+
+A line fitted by least squares over m, step_time = a + b * m, splits the median step times into the cost of one
+microbatch (b) and of one step (a). Each round is fitted on its own; the table gives the fit of the medians over
+rounds and, in brackets, the range of the rounds' fits. `pipegpt / torch`: per m the median over rounds of the
+ratio of step times (each round's pair ran back to back), and the ratio of the two fits.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_pipeline as bp  # noqa: E402  (a sibling script: its contenders, run the same way here)
+
+TINY = {"model": "tiny", "n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "vocab_size": 256, "untied": True}
+
+
+def fit(ms: list[int], times: list[float]) -> tuple[float, float]:
+    """(a, b) of the least-squares line times = a + b * ms."""
+    mean_m, mean_t = statistics.fmean(ms), statistics.fmean(times)
+    b = sum((m - mean_m) * (t - mean_t) for m, t in zip(ms, times)) / sum((m - mean_m) ** 2 for m in ms)
+    return mean_t - b * mean_m, b
+
+
+def base_spec(args) -> dict:
+    ns = argparse.Namespace(**TINY, stages=2, microbatches=max(args.microbatches), microbatch_size=1,
+                            steps=args.steps, warmup=args.warmup, lr=1e-3, grad_clip=1.0, seed=1337, cores=None,
+                            threads_per_worker=1, virtual_stages=None, bind_cores=False, schedules=None,
+                            schedule="1f1b")
+    base, _ = bp.build_specs(ns)
+    return base
+
+
+def measure(args, base: dict, schedules: list[str]) -> dict:
+    """{(schedule, contender, m): [per-round result dict]}, contenders back to back, order swapped per round."""
+    results: dict = {}
+    for rnd in range(args.rounds):
+        for m in args.microbatches:
+            for s in schedules:
+                spec = dict(base, microbatches=m, schedule=s, torch_schedule=bp.TORCH_SCHEDULES[s])
+                kinds = ["pipegpt", "torch"] if bp.TORCH_SCHEDULES[s] else ["pipegpt"]
+                for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
+                    try:
+                        r = bp.run_contender(kind, spec, args.timeout)
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        print(f"  round {rnd + 1} {s} m={m} {kind} FAILED: {str(e).splitlines()[0]}",
+                              file=sys.stderr, flush=True)
+                        r = None
+                    results.setdefault((s, kind, m), []).append(r)
+                    if r is not None:
+                        print(f"  round {rnd + 1}/{args.rounds}  {s:<6} m={m:<4} {kind:<8} median step "
+                              f"{1000 * timed_median(r, args.warmup, kind):7.1f} ms", file=sys.stderr, flush=True)
+    return results
+
+
+def timed_median(result: dict, warmup: int, kind: str, in_workers: bool = False) -> float:
+    times = result["step_times"][warmup:]
+    if in_workers and kind == "pipegpt":  # the workers' own time, as torch.pp's workers time themselves
+        times = [t - (c or 0.0) for t, c in zip(times, result["control_s"][warmup:])]
+    return statistics.median(times)
+
+
+def rounds_fit(results: dict, s: str, kind: str, ms: list[int], args, in_workers=False) -> list[tuple[float, float]]:
+    fits = []
+    for rnd in range(args.rounds):
+        runs = [results[(s, kind, m)][rnd] for m in ms]
+        if all(r is not None for r in runs):
+            fits.append(fit(ms, [timed_median(r, args.warmup, kind, in_workers) for r in runs]))
+    return fits
+
+
+def round_pairs(results: dict, s: str, m: int, args, in_workers: bool) -> list[tuple[float, float]]:
+    """(pipegpt's, torch.pp's) median step time of each round where both ran."""
+    return [(timed_median(p, args.warmup, "pipegpt", in_workers), timed_median(t, args.warmup, "torch"))
+            for p, t in zip(results[(s, "pipegpt", m)], results[(s, "torch", m)]) if p is not None and t is not None]
+
+
+def table(results: dict, schedules: list[str], args) -> list[list[str]]:
+    ms = args.microbatches
+    head = ["schedule", "contender"] + [f"m={m} ms" for m in ms] + ["per microbatch ms", "per step ms"]
+    rows = [head]
+
+    def ms_(x):
+        return f"{1000 * x:.2f}"
+
+    for s in schedules:
+        fitted: dict = {}
+        contenders = [("pipegpt", "pipegpt", False), ("pipegpt (in workers)", "pipegpt", True)]
+        if bp.TORCH_SCHEDULES[s]:
+            contenders.append((f"torch.pp {bp.TORCH_SCHEDULES[s]}", "torch", False))
+        for label, kind, in_workers in contenders:
+            medians = []
+            for m in ms:
+                runs = [r for r in results[(s, kind, m)] if r is not None]
+                medians.append(statistics.median(timed_median(r, args.warmup, kind, in_workers) for r in runs)
+                               if runs else float("nan"))
+            a, b = fitted[label] = fit(ms, medians)
+            fits = rounds_fit(results, s, kind, ms, args, in_workers)
+            spread = (lambda i: f" ({ms_(min(f[i] for f in fits))}-{ms_(max(f[i] for f in fits))})") if fits else \
+                (lambda i: "")
+            rows.append([s, label] + [f"{1000 * t:.1f}" for t in medians] + [ms_(b) + spread(1), ms_(a) + spread(0)])
+        if bp.TORCH_SCHEDULES[s]:
+            torch_label = contenders[-1][0]
+            for label, _, in_workers in contenders[:-1]:
+                ratios = [f"{statistics.median(p / t for p, t in pairs):.2f}x" if pairs else "-"
+                          for pairs in (round_pairs(results, s, m, args, in_workers) for m in ms)]
+                (a, b), (ta, tb) = fitted[label], fitted[torch_label]
+                rows.append([s, f"{label} / torch"] + ratios + [f"{b / tb:.2f}x", f"{a / ta:.2f}x"])
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--microbatches", default="16,64,128", help="comma list of m (at least two) [16,64,128]")
+    ap.add_argument("--schedules", default="1f1b,zb-h1", help="comma list of pipegpt schedules [1f1b,zb-h1]")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, each running every contender once [3]")
+    ap.add_argument("--steps", type=int, default=12, help="steps per run [12]")
+    ap.add_argument("--warmup", type=int, default=2, help="leading steps of each run left out [2]")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take [600]")
+    args = ap.parse_args(argv)
+    try:
+        args.microbatches = sorted({int(m) for m in args.microbatches.split(",") if m.strip()})
+    except ValueError:
+        ap.error(f"--microbatches {args.microbatches!r}: a comma list of integers such as 16,64,128")
+    if len(args.microbatches) < 2 or args.microbatches[0] < 2:
+        ap.error(f"--microbatches {args.microbatches}: at least two values, each at least 2 (the stages)")
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    for s in schedules:
+        if s not in bp.TORCH_SCHEDULES:
+            ap.error(f"--schedules: unknown schedule {s!r}: one of {', '.join(bp.TORCH_SCHEDULES)}")
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
+
+    base = base_spec(args)
+    mdl = base["model"]
+    print("host cost: pipegpt vs torch.distributed.pipelining, CPU, gloo, compute negligible")
+    print(f"model       n_layer={mdl['n_layer']} n_embd={mdl['n_embd']} n_head={mdl['n_head']} "
+          f"seq_len={mdl['seq_len']} vocab={mdl['vocab_size']} tied={mdl['tie_embeddings']}; microbatch size 1")
+    print(f"pipeline    2 stages, 1 thread per rank; m = {', '.join(map(str, args.microbatches))}; "
+          + "; ".join(f"{s} -> torch {bp.TORCH_SCHEDULES[s] or '(none)'}" for s in schedules))
+    print(f"timing      {args.steps} steps per run, first {args.warmup} left out; {args.rounds} rounds, contenders "
+          f"back to back, order swapped per round; step time as bench_pipeline measures it (pipegpt: the driver's "
+          f"step_time_s; 'in workers': less the RPC round trip, as torch.pp's workers time themselves)", flush=True)
+    t_start, cpu_before = time.perf_counter(), bp._cpu_accounting()
+    results = measure(args, base, schedules)
+    print()
+    from pipegpt.schedule.render import text_table
+
+    print(text_table(table(results, schedules, args), right=set(range(2, 4 + len(args.microbatches))), rule=True))
+    print(f"\n(medians over rounds; per microbatch / per step: the least-squares line over m, step = a + b m, of those "
+          f"medians, and in brackets the range of each round's own fit; x / torch: the median over rounds of the "
+          f"round's ratio of step times, and the ratio of the fits. Total wall time {time.perf_counter() - t_start:.0f} s)")
+    print(bp._other_load(cpu_before, bp._cpu_accounting(), base["cores"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
