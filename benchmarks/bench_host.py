@@ -68,25 +68,30 @@ def measure(args, base: dict, schedules: list[str]) -> dict:
     return results
 
 
-def timed_median(result: dict, warmup: int, kind: str, in_workers: bool = False) -> float:
+def timed_median(result: dict, warmup: int, kind: str, metric: str = "step") -> float:
+    """Median over the timed steps of: "step" the step time as bench_pipeline reads it; "workers" the workers' own
+    time (pipegpt's less its RPC round trip, as torch.pp's workers time themselves); "cpu" the CPU time of every
+    worker process (all threads) summed over ranks."""
     times = result["step_times"][warmup:]
-    if in_workers and kind == "pipegpt":  # the workers' own time, as torch.pp's workers time themselves
+    if metric == "workers" and kind == "pipegpt":
         times = [t - (c or 0.0) for t, c in zip(times, result["control_s"][warmup:])]
+    elif metric == "cpu":  # both report each rank's CPU time as a fraction of the step time
+        times = [t * sum(fractions) for t, fractions in zip(times, result["cpu_per_rank"][warmup:])]
     return statistics.median(times)
 
 
-def rounds_fit(results: dict, s: str, kind: str, ms: list[int], args, in_workers=False) -> list[tuple[float, float]]:
+def rounds_fit(results: dict, s: str, kind: str, ms: list[int], args, metric="step") -> list[tuple[float, float]]:
     fits = []
     for rnd in range(args.rounds):
         runs = [results[(s, kind, m)][rnd] for m in ms]
         if all(r is not None for r in runs):
-            fits.append(fit(ms, [timed_median(r, args.warmup, kind, in_workers) for r in runs]))
+            fits.append(fit(ms, [timed_median(r, args.warmup, kind, metric) for r in runs]))
     return fits
 
 
-def round_pairs(results: dict, s: str, m: int, args, in_workers: bool) -> list[tuple[float, float]]:
+def round_pairs(results: dict, s: str, m: int, args, metric: str) -> list[tuple[float, float]]:
     """(pipegpt's, torch.pp's) median step time of each round where both ran."""
-    return [(timed_median(p, args.warmup, "pipegpt", in_workers), timed_median(t, args.warmup, "torch"))
+    return [(timed_median(p, args.warmup, "pipegpt", metric), timed_median(t, args.warmup, "torch", metric))
             for p, t in zip(results[(s, "pipegpt", m)], results[(s, "torch", m)]) if p is not None and t is not None]
 
 
@@ -100,25 +105,30 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
 
     for s in schedules:
         fitted: dict = {}
-        contenders = [("pipegpt", "pipegpt", False), ("pipegpt (in workers)", "pipegpt", True)]
+        torch_name = f"torch.pp {bp.TORCH_SCHEDULES[s]}"
+        contenders = [("pipegpt", "pipegpt", "step"), ("pipegpt (in workers)", "pipegpt", "workers")]
         if bp.TORCH_SCHEDULES[s]:
-            contenders.append((f"torch.pp {bp.TORCH_SCHEDULES[s]}", "torch", False))
-        for label, kind, in_workers in contenders:
+            contenders.append((torch_name, "torch", "step"))
+        contenders.append(("pipegpt CPU", "pipegpt", "cpu"))
+        if bp.TORCH_SCHEDULES[s]:
+            contenders.append((f"{torch_name} CPU", "torch", "cpu"))
+        for label, kind, metric in contenders:
             medians = []
             for m in ms:
                 runs = [r for r in results[(s, kind, m)] if r is not None]
-                medians.append(statistics.median(timed_median(r, args.warmup, kind, in_workers) for r in runs)
+                medians.append(statistics.median(timed_median(r, args.warmup, kind, metric) for r in runs)
                                if runs else float("nan"))
             a, b = fitted[label] = fit(ms, medians)
-            fits = rounds_fit(results, s, kind, ms, args, in_workers)
+            fits = rounds_fit(results, s, kind, ms, args, metric)
             spread = (lambda i: f" ({ms_(min(f[i] for f in fits))}-{ms_(max(f[i] for f in fits))})") if fits else \
                 (lambda i: "")
             rows.append([s, label] + [f"{1000 * t:.1f}" for t in medians] + [ms_(b) + spread(1), ms_(a) + spread(0)])
         if bp.TORCH_SCHEDULES[s]:
-            torch_label = contenders[-1][0]
-            for label, _, in_workers in contenders[:-1]:
+            for label, torch_label, metric in (("pipegpt", torch_name, "step"),
+                                               ("pipegpt (in workers)", torch_name, "workers"),
+                                               ("pipegpt CPU", f"{torch_name} CPU", "cpu")):
                 ratios = [f"{statistics.median(p / t for p, t in pairs):.2f}x" if pairs else "-"
-                          for pairs in (round_pairs(results, s, m, args, in_workers) for m in ms)]
+                          for pairs in (round_pairs(results, s, m, args, metric) for m in ms)]
                 (a, b), (ta, tb) = fitted[label], fitted[torch_label]
                 rows.append([s, f"{label} / torch"] + ratios + [f"{b / tb:.2f}x", f"{a / ta:.2f}x"])
     return rows

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -49,6 +49,40 @@ def _ranks(ranks) -> str:
 def _outbox_key(send: Action) -> tuple[Kind, int, int]:
     """Where a SEND's tensor waits in the outbox: (F|B, sending stage, microbatch)."""
     return Kind.F if send.kind is Kind.SEND_F else Kind.B, send.stage, send.microbatch
+
+
+class _Compute(NamedTuple):
+    """A compute action with what the step needs of it, looked up once when the runtime is built."""
+
+    index: int
+    action: Action
+    where: tuple
+    name: str
+    kind: Kind  # F, B, I or W
+    stage: Stage | None
+    mb: int
+    take: tuple[Kind, int, int] | None  # the inbox key of its input (F) or output gradient (B, I)
+    cast: bool  # whether that tensor needs .to(dtype): a message in another dtype, or handed over on this rank
+    hand: tuple | None  # where its result goes: (inbox key,) on this rank, else (outbox key, its SEND's fields)
+
+
+class _Collective(NamedTuple):
+    index: int
+    action: Action
+    where: tuple
+    name: str
+
+
+class _Batch(NamedTuple):
+    """A run of point-to-point actions, posted as one, with its messages' peers, tags and labels."""
+
+    index: int
+    action: Action  # its first
+    where: tuple
+    names: tuple[str, ...]
+    sends: tuple  # (outbox key, SEND, peer, tag, label, the sending stage's release_output or None, microbatch)
+    recvs: tuple  # (inbox key, peer, tag, label, whereabouts)
+    releases: tuple  # (SEND, whereabouts): the sends to wait for and drop once the receives are in
 
 
 class Collectives(Protocol):
@@ -99,6 +133,9 @@ class PipelineRuntime:
         # Per comm batch (by its first index): the sends to wait for and drop once its receives are in.
         releases = release_points(plan, self.eager_sends)[pipeline_ranks.index(rank)]
         self.releases = {i: tuple((a, self.at[self.index_of[a]]) for a in sends) for i, sends in releases.items()}
+        # What step() does, one entry per compute action, collective and comm batch: every lookup, tag and label
+        # an action needs is made here, once, so that the host's cost per action is the work itself.
+        self.program = self._program()
         # Hook points (intercept): rehearsed faults reach into a step only here.
         self.before_compute: Callable[[Action], None] | None = None
         self.before_settle: Callable[[], None] | None = None
@@ -159,6 +196,63 @@ class PipelineRuntime:
         # order instead, which lowering guarantees is the same at both ends.
         return (mb * self.plan.num_stages + sender_stage) * 2 + int(backward)
 
+    def _program(self) -> list:
+        program, i, actions = [], 0, self.actions
+        while i < len(actions):
+            a, end = actions[i], self.batch_end.get(i)
+            if end is not None:
+                program.append(self._batch(i, end))
+                i = end
+                continue
+            if a.kind in COLLECTIVE_KINDS:
+                program.append(_Collective(i, a, self.at[i], self.names[i]))
+            else:
+                program.append(self._compute_entry(i, a))
+            i += 1
+        return program
+
+    def _compute_entry(self, i: int, a: Action) -> _Compute:
+        stage, s, mb = self.stages.get(a.stage), a.stage, a.microbatch
+        take = hand = None
+        cast = False
+        if a.kind in (Kind.F, Kind.B, Kind.I) and stage is not None:
+            forward = a.kind is Kind.F
+            kind, source, to = (Kind.F, s - 1, s + 1) if forward else (Kind.B, s + 1, s - 1)
+            if not (stage.is_first if forward else stage.is_last):
+                take = (kind, s, mb)
+                # A message arrives in message_dtype; a tensor handed over on this rank is cast as it always was.
+                cast = self.owner[source] == self.rank or self.message_dtype != self.dtype
+            if not (stage.is_last if forward else stage.is_first):
+                if self.owner[to] == self.rank:  # the next stage lives here too (V-shape turn)
+                    hand = ((kind, to, mb),)
+                else:
+                    send = self.send_of.get((kind, s, mb))
+                    hand = ((kind, s, mb), None if send is None else self._send_fields(send))
+        return _Compute(i, a, self.at[i], self.names[i], a.kind, stage, mb, take, cast, hand)
+
+    def _batch(self, first: int, end: int) -> _Batch:
+        sends, recvs = [], []
+        for i in range(first, end):
+            a = self.actions[i]
+            s, mb = a.stage, a.microbatch
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                key = _outbox_key(a)
+                release = self.stages[s].release_output if key[0] is Kind.F and s in self.stages else None
+                sends.append((key, a, *self._send_fields(a), release, mb))
+            else:
+                backward = a.kind is Kind.RECV_B
+                sender = s + 1 if backward else s - 1
+                recvs.append(((Kind.B if backward else Kind.F, s, mb), self.owner[sender],
+                              self._tag(sender, mb, backward), f"receive {a}", self.at[i]))
+        return _Batch(first, self.actions[first], self.batch_at[first], tuple(self.names[first:end]), tuple(sends),
+                      tuple(recvs), self.releases.get(first, ()))
+
+    def _send_fields(self, a: Action) -> tuple[int, int, str]:
+        """A SEND's (peer, tag, label)."""
+        forward = a.kind is Kind.SEND_F
+        return self.owner[a.stage + 1 if forward else a.stage - 1], self._tag(a.stage, a.microbatch, not forward), \
+            f"send {a}"
+
     def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
              record: bool = True, documents: list | None = None,
              activation_shape: tuple[int, ...] | None = None) -> StepResult:
@@ -174,35 +268,28 @@ class PipelineRuntime:
         if record:
             self.clock.start()
         clock = self.clock.mark
-        i, actions, at = 0, self.actions, self.at
         self.marks = marks = []
-        while i < len(actions):
-            end = self.batch_end.get(i)
-            self.now = at[i] if end is None else self.batch_at[i]
+        for entry in self.program:
+            self.now = entry.where
             t0 = clock() if record else None
-            if end is not None:
-                self._communicate(actions[i:end], inbox, outbox, in_flight, i, shape)
+            if type(entry) is _Batch:
+                self._communicate(entry, inbox, outbox, in_flight, shape)
                 if record:
                     t1 = clock()
-                    events.extend((name, t0, t1) for name in self.names[i:end])
-                if self.marker is not None:
-                    marks.append((self.batch_at[i], self.marker(actions[i])))
-                i = end
-                continue
-            collective = self.collective_at.get(i)
-            if collective is None:
-                if self.before_compute is not None:
-                    self.before_compute(actions[i])
-                self._compute(actions[i], inputs, targets, inbox, outbox, documents)
+                    events.extend((name, t0, t1) for name in entry.names)
             else:
-                self.collectives.reduce_grad(collective.stage)
-            if record:
-                events.append((self.names[i], t0, clock()))
+                if type(entry) is _Compute:
+                    if self.before_compute is not None:
+                        self.before_compute(entry.action)
+                    self._compute(entry, inputs, targets, inbox, outbox, documents)
+                else:
+                    self.collectives.reduce_grad(entry.action.stage)
+                if record:
+                    events.append((entry.name, t0, clock()))
             if self.marker is not None:
-                marks.append((at[i], self.marker(actions[i])))
-            i += 1
+                marks.append((entry.where, self.marker(entry.action)))
         for action, message in in_flight.items():  # sends no later message of the plan acknowledged
-            self.now = at[self.index_of[action]]
+            self.now = self.at[self.index_of[action]]
             self.p2p.wait(message)
         in_flight.clear()
         peers = self.p2p.unsettled_peers()
@@ -216,67 +303,62 @@ class PipelineRuntime:
         losses = torch.stack(losses).tolist() if losses else []  # one device-to-host transfer
         return StepResult(losses, self.clock.resolve(events) if record else [])
 
-    def _compute(self, a: Action, inputs, targets, inbox, outbox, documents=None) -> None:
-        stage, s, mb = self.stages[a.stage], a.stage, a.microbatch
-        if a.kind is Kind.F:
-            x = inputs[mb] if stage.is_first else inbox.pop((Kind.F, s, mb)).to(self.dtype)
-            out = stage.forward(mb, x, targets[mb] if stage.is_last else None,
-                                None if documents is None else documents[mb])
-            if not stage.is_last:
-                self._hand_over(Kind.F, s, s + 1, mb, out, inbox, outbox)
-        elif a.kind in (Kind.B, Kind.I):
-            grad = None if stage.is_last else inbox.pop((Kind.B, s, mb)).to(self.dtype)
-            grad_input = stage.backward(mb, grad, split=a.kind is Kind.I)
-            if not stage.is_first:
-                self._hand_over(Kind.B, s, s - 1, mb, grad_input, inbox, outbox)
-        else:
+    def _compute(self, c: _Compute, inputs, targets, inbox, outbox, documents=None) -> None:
+        stage, mb, kind = c.stage, c.mb, c.kind
+        if kind is Kind.W:
             stage.backward_weight(mb)
-
-    def _hand_over(self, kind: Kind, s: int, to: int, mb: int, tensor, inbox, outbox) -> None:
-        if self.owner[to] == self.rank:  # the next stage lives here too (V-shape turn)
-            inbox[(kind, to, mb)] = tensor
-        elif self.eager_sends:  # posted now; its SEND action takes the Message in
-            message = self._send_message(self.send_of[(kind, s, mb)], tensor)
-            self.p2p.post([message], [])
-            outbox[(kind, s, mb)] = message
-            self._sent(kind, s, mb)
-        else:
-            outbox[(kind, s, mb)] = tensor
-
-    def _sent(self, kind: Kind, s: int, mb: int) -> None:
-        """A tensor went to a send: the message holds its storage until released, the stage need not."""
+            return
+        received = None
+        if c.take is not None:
+            received = inbox.pop(c.take)
+            if c.cast:
+                received = received.to(self.dtype)
         if kind is Kind.F:
-            self.stages[s].release_output(mb)
+            out = stage.forward(mb, inputs[mb] if stage.is_first else received,
+                                targets[mb] if stage.is_last else None, None if documents is None else documents[mb])
+        else:
+            out = stage.backward(mb, received, split=kind is Kind.I)
+        if c.hand is not None:
+            self._hand_over(c, out, inbox, outbox)
 
-    def _send_message(self, a: Action, tensor: torch.Tensor) -> Message:
-        forward = a.kind is Kind.SEND_F
-        return Message(tensor.to(self.message_dtype), self.owner[a.stage + 1 if forward else a.stage - 1],
-                       self._tag(a.stage, a.microbatch, not forward), f"send {a}")
+    def _hand_over(self, c: _Compute, tensor, inbox, outbox) -> None:
+        if len(c.hand) == 1:  # the next stage lives here too (V-shape turn)
+            inbox[c.hand[0]] = tensor
+            return
+        key, fields = c.hand
+        if self.eager_sends:  # posted now; its SEND action takes the Message in
+            if fields is None:
+                raise KeyError(key)  # the plan has no SEND for this tensor
+            message = Message(self._on_the_wire(tensor), *fields)
+            self.p2p.post([message], [])
+            outbox[key] = message
+            if key[0] is Kind.F:  # a tensor went to a send: the message holds its storage, the stage need not
+                c.stage.release_output(c.mb)
+        else:
+            outbox[key] = tensor
 
-    def _communicate(self, batch, inbox, outbox, in_flight, first: int, shape: tuple[int, ...]) -> None:
-        sends, posted, recvs, recv_at = [], [], [], []
-        for i, a in enumerate(batch, first):
-            s, mb = a.stage, a.microbatch
-            if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                key = _outbox_key(a)
-                item = outbox.pop(key)
-                if isinstance(item, Message):
-                    posted.append((item, a))
-                else:
-                    sends.append((self._send_message(a, item), a))
-                    self._sent(*key)
+    def _on_the_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.dtype == self.message_dtype else tensor.to(self.message_dtype)
+
+    def _communicate(self, batch: _Batch, inbox, outbox, in_flight, shape: tuple[int, ...]) -> None:
+        sends, posted, recvs = [], [], []
+        for key, a, peer, tag, label, release, mb in batch.sends:
+            item = outbox.pop(key)
+            if isinstance(item, Message):
+                posted.append((item, a))
             else:
-                backward = a.kind is Kind.RECV_B
-                sender = s + 1 if backward else s - 1
-                buffer = torch.empty(shape, dtype=self.message_dtype, device=self.device)
-                recvs.append(Message(buffer, self.owner[sender], self._tag(sender, mb, backward), f"receive {a}"))
-                recv_at.append(self.at[i])
-                inbox[(Kind.B if backward else Kind.F, s, mb)] = buffer
+                sends.append((Message(self._on_the_wire(item), peer, tag, label), a))
+                if release is not None:  # the message holds the output's storage now, the stage need not
+                    release(mb)
+        for key, peer, tag, label, _ in batch.recvs:
+            buffer = torch.empty(shape, dtype=self.message_dtype, device=self.device)
+            recvs.append(Message(buffer, peer, tag, label))
+            inbox[key] = buffer
         self.p2p.post([m for m, _ in sends], recvs)
-        for message, now in zip(recvs, recv_at):
+        for message, (*_, now) in zip(recvs, batch.recvs):
             self.now = now
             self.p2p.wait(message)
         in_flight.update((a, m) for m, a in posted + sends)
-        for action, now in self.releases.get(first, ()):  # the receiver has these: waiting does not stall
+        for action, now in batch.releases:  # the receiver has these: waiting does not stall
             self.now = now
             self.p2p.wait(in_flight.pop(action))

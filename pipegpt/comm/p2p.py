@@ -83,8 +83,22 @@ class PointToPoint:
         self.host_waits = device_type != "cuda"
         # "order": what was posted since the last settle(), as (works, peer, label): Works, not tensors.
         self.unsettled: list[tuple[list, int, str]] = []
+        self.world, self.world_known = None, False  # the default process group, where it is gloo's
 
     def post(self, sends: list[Message], recvs: list[Message]) -> None:
+        if not self.world_known and dist.is_initialized():  # decided once, with the default group there
+            self.world_known = True
+            self.world = dist.group.WORLD if dist.get_backend() == "gloo" else None
+        if self.world is not None:
+            # gloo coalesces nothing (a Work per operation), so each goes straight to the process group:
+            # what dist.isend / irecv would call, without their checks and wrappers, per message.
+            for m in sends:
+                m.works = [self.world.send([m.tensor], m.peer, m.tag)]
+            for m in recvs:
+                m.works = [self.world.recv([m.tensor], m.peer, m.tag)]
+            if not self.matches_by_tag:
+                self.unsettled += [(m.works, m.peer, m.label) for m in sends + recvs]
+            return
         ops = [dist.P2POp(dist.isend, m.tensor, m.peer, tag=m.tag) for m in sends]
         ops += [dist.P2POp(dist.irecv, m.tensor, m.peer, tag=m.tag) for m in recvs]
         if not ops:

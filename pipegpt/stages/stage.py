@@ -30,6 +30,7 @@ class Stage:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pending_weight_grads: dict[int, list] = {}
         self.losses: list[torch.Tensor] = []
+        self._empty: torch.Tensor | None = None  # what a released output holds (release_output)
         # Scoring (HellaSwag): the last stage reports per sequence the sum of its targets' losses and their count
         # [rows, 2], not the microbatch's mean loss.
         self.per_row = False
@@ -71,7 +72,10 @@ class Stage:
         """
         out = self.outputs.get(mb)
         if out is not None:
-            out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+            empty = self._empty
+            if empty is None or empty.dtype != out.dtype or empty.device != out.device:
+                empty = self._empty = torch.empty(0, dtype=out.dtype, device=out.device)
+            out.data = empty  # one shared empty tensor, not one per microbatch: nothing writes to no elements
 
     def backward(self, mb: int, grad_output: torch.Tensor | None, split: bool = False) -> torch.Tensor | None:
         """Full backward (B), or with split=True only the input gradient (I), keeping W for later."""
