@@ -89,6 +89,11 @@ def rounds_fit(results: dict, s: str, kind: str, ms: list[int], args, metric="st
     return fits
 
 
+def ratio(x: float, y: float) -> str:
+    """x / y, where both are costs (a fit can come out at or below zero when the noise is larger than it)."""
+    return f"{x / y:.2f}x" if x > 0 and y > 0 else "n/a"
+
+
 def round_pairs(results: dict, s: str, m: int, args, metric: str) -> list[tuple[float, float]]:
     """(pipegpt's, torch.pp's) median step time of each round where both ran."""
     return [(timed_median(p, args.warmup, "pipegpt", metric), timed_median(t, args.warmup, "torch", metric))
@@ -130,7 +135,7 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
                 ratios = [f"{statistics.median(p / t for p, t in pairs):.2f}x" if pairs else "-"
                           for pairs in (round_pairs(results, s, m, args, metric) for m in ms)]
                 (a, b), (ta, tb) = fitted[label], fitted[torch_label]
-                rows.append([s, f"{label} / torch"] + ratios + [f"{b / tb:.2f}x", f"{a / ta:.2f}x"])
+                rows.append([s, f"{label} / torch"] + ratios + [ratio(b, tb), ratio(a, ta)])
     return rows
 
 

@@ -31,6 +31,7 @@ class Stage:
         self.pending_weight_grads: dict[int, list] = {}
         self.losses: list[torch.Tensor] = []
         self._empty: torch.Tensor | None = None  # what a released output holds (release_output)
+        self._ones: torch.Tensor | None = None  # the loss's gradient (_ones_like)
         # Scoring (HellaSwag): the last stage reports per sequence the sum of its targets' losses and their count
         # [rows, 2], not the microbatch's mean loss.
         self.per_row = False
@@ -56,10 +57,11 @@ class Stage:
             return rows
         if self.is_last:
             loss = self.module(x, targets, documents=documents)
-            self.losses.append(loss.detach())
+            detached = loss.detach()
+            self.losses.append(detached)
             # Microbatches are equal-sized, so the mean of their mean losses is the batch's mean loss.
             self.outputs[mb] = loss / self.num_microbatches
-            return loss.detach()
+            return detached
         out = self.module(x, documents=documents)
         self.outputs[mb] = out
         return out.detach()
@@ -80,7 +82,7 @@ class Stage:
     def backward(self, mb: int, grad_output: torch.Tensor | None, split: bool = False) -> torch.Tensor | None:
         """Full backward (B), or with split=True only the input gradient (I), keeping W for later."""
         out, x = self.outputs.pop(mb), self.inputs.pop(mb)
-        grads = (torch.ones_like(out),) if self.is_last else (grad_output,)
+        grads = (self._ones_like(out),) if self.is_last else (grad_output,)
         if split:
             with defer_weight_grads() as pending:
                 _run_backward(out, grads)
@@ -88,6 +90,14 @@ class Stage:
         else:
             _run_backward(out, grads)
         return None if self.is_first else x.grad
+
+    def _ones_like(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss's gradient, made once: autograd reads it, never writes to it (a leaf's .grad would be a copy:
+        this reference keeps autograd from taking it over)."""
+        ones = self._ones
+        if ones is None or ones.shape != loss.shape or ones.dtype != loss.dtype or ones.device != loss.device:
+            ones = self._ones = torch.ones_like(loss)
+        return ones
 
     def backward_weight(self, mb: int) -> None:
         for accumulate in self.pending_weight_grads.pop(mb):
