@@ -46,7 +46,7 @@ def _option_kind(f) -> dict:
         kind["type"] = click.Choice([str(c) for c in meta["choices"]])
         if all(isinstance(c, int) for c in meta["choices"]):
             kind["callback"] = lambda ctx, param, value: int(value)
-        kind["default"] = str(f.default)
+        kind["default"] = None if f.default is None else str(f.default)
     elif f.type.startswith("tuple[int"):
         kind["callback"] = lambda ctx, param, value: int_tuple(value)
     else:

@@ -38,14 +38,9 @@ State (exact)
 -------------
 weights and gradients: 4 bytes per parameter (8 with fp64; bf16 autocast keeps fp32 master weights
 and fp32 .grad). AdamW: exp_avg and exp_avg_sq, 2 x the parameter bytes (the per-tensor `step` is a
-4-byte host scalar, left out). ZeRO-1 (torch's ZeroRedundancyOptimizer over the dp group) gives each
-dp rank the state of a subset of whole parameters: per parameter group (decay: matrices; no decay:
-vectors) largest first, each to the dp rank with the fewest elements so far. The model replays that
-greedy partition and reports the worst dp rank's share, not an even 1/dp split, which can be far
-off: whole tensors cannot be split, so for GPT-2 (124M, vocabulary padded to 64) the worst share
-over the even one is 1.00 / 1.24 / 2.48 at dp = 2 / 4 / 8 with one stage; with pp=4 a middle stage
-(3 blocks, 12 matrices of 0.6-2.4M) gives 1.00 / 1.11 / 1.33 and the first stage (wte's 38.6M
-and 3 blocks) 1.27 / 2.55 / 5.09; gpt2-medium with one stage 1.00 / 1.01 / 1.16.
+4-byte host scalar, left out). ZeRO-1 (pipegpt.data_parallel) cuts each bucket of a stage's flat buffer
+into dp equal chunks, whatever the tensors' boundaries: each dp rank holds the moments of ceil(1/dp) of
+the rank's parameters (a bucket's padding, under dp elements, left out).
 
 Activations, deferred bytes, workspace and the peaks: pipegpt.costs.activations (re-exported here).
 
@@ -119,17 +114,6 @@ class StateBytes:
         return asdict(self)
 
 
-def zero_partition(numels_by_group: Sequence[Sequence[int]], dp: int) -> list[int]:
-    """Elements each of dp ranks gets from torch's ZeroRedundancyOptimizer: per parameter group,
-    largest parameter first, each to the rank with the fewest elements so far (lowest index on ties)."""
-    sizes = [0] * dp
-    for group in numels_by_group:
-        for n in sorted(group, reverse=True):
-            r = min(range(dp), key=sizes.__getitem__)
-            sizes[r] += n
-    return sizes
-
-
 @functools.lru_cache(maxsize=4096)
 def _state_bytes(model, stages, sharding: Sharding, precision) -> StateBytes:
     r, _ = _widths(precision)
@@ -144,11 +128,7 @@ def _state_bytes(model, stages, sharding: Sharding, precision) -> StateBytes:
                 continue
             shapes.append(shape)
     params = sum(_numel(s) for s in shapes)
-    if zero and dp > 1:
-        groups = [[_numel(s) for s in shapes if len(s) >= 2], [_numel(s) for s in shapes if len(s) < 2]]
-        mine = max(zero_partition(groups, dp))
-    else:
-        mine = params
+    mine = -(-params // dp) if zero and dp > 1 else params
     return StateBytes(params, params * r, params * r, 2 * mine * r)
 
 

@@ -133,7 +133,16 @@ def _build(job, cfg):
     return job.build(cfg)
 
 
-COMMANDS = {"run": _run, "resume": _resume, "save": _save, "evaluate": _evaluate, "build": _build}
+def _described(job, cfg, steps: int):
+    """Every worker's describe() after building for cfg and taking `steps` steps."""
+    job.build(cfg)
+    for step in range(steps):
+        job.step(step)
+    return job.call("describe")
+
+
+COMMANDS = {"run": _run, "resume": _resume, "save": _save, "evaluate": _evaluate, "build": _build,
+            "described": _described}
 
 
 class ClusterHost:
@@ -177,6 +186,10 @@ class ClusterHost:
 
     def build(self, cfg) -> list[dict]:
         self.conn.send(("build", (cfg,)))
+        return self._answer(300)
+
+    def described(self, cfg, steps: int) -> list[dict]:
+        self.conn.send(("described", (cfg, steps)))
         return self._answer(300)
 
     def close(self) -> None:
