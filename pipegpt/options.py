@@ -565,6 +565,10 @@ PLAN_OPTIONS = [
                   help="Only layouts with this many pipeline ranks (as pipegpt run --stages)."),
     click.option("--tp", "only_tp", type=click.IntRange(min=1), default=None,
                   help="Only layouts with this many tensor-parallel ranks (as pipegpt run --tp)."),
+    click.option("--zero", "only_zero", type=click.Choice(["0", "1", "2", "3"]), default=None,
+                  callback=lambda ctx, param, value: None if value is None else int(value),
+                  help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0 or 1, "
+                       "whichever is faster where both fit."),
     click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print."),
     click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit)."),
     click.option("--try", "try_top", type=click.IntRange(min=1), default=None, metavar="K",

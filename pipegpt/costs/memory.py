@@ -38,19 +38,21 @@ State (exact)
 -------------
 weights and gradients: 4 bytes per parameter (8 with fp64; bf16 autocast keeps fp32 master weights
 and fp32 .grad). AdamW: exp_avg and exp_avg_sq, 2 x the parameter bytes (the per-tensor `step` is a
-4-byte host scalar, left out). ZeRO-1 (pipegpt.data_parallel) cuts each bucket of a stage's flat buffer
-into dp equal chunks, whatever the tensors' boundaries: each dp rank holds the moments of ceil(1/dp) of
-the rank's parameters (a bucket's padding, under dp elements, left out).
+4-byte host scalar, left out). ZeRO (pipegpt.data_parallel) cuts each bucket of a stage's flat buffer
+into dp equal chunks, whatever the tensors' boundaries: each dp rank's shard is S = ceil(P/dp) of the rank's P
+parameters (a bucket's padding, under dp elements, left out). At the step's peak (between steps in brackets):
+
+    zero 0   weights P         gradients P             moments 2P
+    zero 1   weights P         gradients P + S         moments 2S   (the full buffer, and the reduced shard)
+    zero 2   weights P         gradients P + S  (S)    moments 2S   (the full buffer lives through the backward)
+    zero 3   weights S + P (S) gradients P + S  (S)    moments 2S   (--unshard step: the rank's stages gathered)
 
 Activations, deferred bytes, workspace and the peaks: pipegpt.costs.activations (re-exported here).
 
 Rank totals
 -----------
-weights + gradients + optimizer + p2p buffers + activations + workspace, plus the data-parallel gradient
-copies: pipegpt's GradientAverager flattens every bucket of a stage's gradients (BUCKET_BYTES each,
-but ALL buckets stay pending until finish()), so dp > 1 costs a second copy of the rank's gradients;
-on a rank with one stage they are made after its last backward, when no activation is left, so the
-total takes the larger of the two (with several stages on a rank, their sum). p2p buffers: the most
+weights + gradients + optimizer + p2p buffers + activations + workspace (dp_buffers, once the gradient copies
+the data-parallel reductions made, is 0: they reduce the flat gradient buffer in place). p2p buffers: the most
 messages the runtime holds at once (pipegpt.schedule.messages.message_peaks of the lowered plan, b*S*h*c
 each, in the compute precision as --p2p-dtype's default; S = s/tp with sequence parallelism, else s): a tensor to send from its compute until the schedule
 shows its receiver has it (a later message the receiver posted after receiving it), a received gradient
@@ -115,7 +117,7 @@ class StateBytes:
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(model, stages, sharding: Sharding, precision) -> StateBytes:
+def _state_bytes(model, stages, sharding: Sharding, precision, between_steps: bool = False) -> StateBytes:
     r, _ = _widths(precision)
     tp, dp, zero = sharding.tp, sharding.dp, sharding.zero
     shapes = []
@@ -128,18 +130,22 @@ def _state_bytes(model, stages, sharding: Sharding, precision) -> StateBytes:
                 continue
             shapes.append(shape)
     params = sum(_numel(s) for s in shapes)
-    mine = -(-params // dp) if zero and dp > 1 else params
-    return StateBytes(params, params * r, params * r, 2 * mine * r)
+    if not zero or dp == 1:
+        return StateBytes(params, params * r, params * r, 2 * params * r)
+    shard = -(-params // dp)
+    weights = shard + (0 if between_steps else params) if zero >= 3 else params
+    gradients = shard if between_steps and zero >= 2 else params + shard
+    return StateBytes(params, weights * r, gradients * r, 2 * shard * r)
 
 
 def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
-                precision: str = "fp32") -> StateBytes:
+                precision: str = "fp32", between_steps: bool = False) -> StateBytes:
     """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
-    (layers: a count or a range), cut over sharding.tp, and over sharding.dp with ZeRO-1 (sharding.zero).
-    See the module docstring."""
+    (layers: a count or a range), cut over sharding.tp, and over sharding.dp by ZeRO (sharding.zero): at the
+    step's peak, or what stays between steps. See the module docstring."""
     _check_positive("dp", sharding.dp)
     key = tuple((_count(layers), bool(embed), bool(head)) for layers, embed, head in stages)
-    return _state_bytes(model, key, sharding, precision)
+    return _state_bytes(model, key, sharding, precision, between_steps)
 
 
 # ---------------------------------------------------------------------------
@@ -157,7 +163,7 @@ class MemoryBreakdown:
     activations: int  # peak of held activations over the step
     workspace: int  # the most one action's transients add on top of the held level (an estimate)
     p2p_buffers: int
-    dp_buffers: int  # flattened gradient copies while the dp all-reduces run
+    dp_buffers: int  # gradient copies while the dp reductions run: none (they reduce the flat buffer in place)
     overlap_dp: bool = False  # dp_buffers coexist with activations (several stages on the rank)
 
     @property
@@ -216,7 +222,7 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
             rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
             optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],
             p2p_buffers=message * messages[rank],
-            dp_buffers=state.gradients if sharding.dp > 1 else 0, overlap_dp=len(mine) > 1))
+            dp_buffers=0, overlap_dp=len(mine) > 1))
     return out
 
 

@@ -28,6 +28,7 @@ class Request:
     schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized)
     exact_gpus: bool = False  # only layouts using every GPU
     only: tuple = (None, None, None)  # (dp, pp, tp): only layouts with these (None: any)
+    zero: int | None = None  # only this ZeRO level (None: 0 or 1, whichever is faster)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -188,7 +189,7 @@ class Result:
     model: ModelConfig  # as the plan runs it (vocabulary padded where tp needs it)
     step_time: float
     makespan: float
-    after: float  # after the last action and the last all-reduce: optimizer, ZeRO-1 broadcast, tied sum
+    after: float  # after the last action and the last all-reduce: optimizer, ZeRO's all-gather, tied sum
     bubble: float  # the simulator's idle share of the ranks' time, up to the end of the gradient all-reduce
     tokens_per_s: float
     mfu: float | None

@@ -39,6 +39,7 @@ class PlanOptions:
     only_dp: int | None = None
     only_pp: int | None = None
     only_tp: int | None = None
+    only_zero: int | None = None
     top: int = 5
     explain: bool = False
     try_top: int | None = None
@@ -64,7 +65,7 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
                                 else opts.layer_overhead_us * 1e-6)
     request = Request(model, batch_size, cluster, costs, top=opts.top, explain=opts.explain,
                       schedules=tuple(schedule_names(opts.schedules, synthesized=False)), exact_gpus=opts.all_gpus,
-                      only=(opts.only_dp, opts.only_pp, opts.only_tp))
+                      only=(opts.only_dp, opts.only_pp, opts.only_tp), zero=opts.only_zero)
     result = search(request)
     if not result.best:
         raise ConfigError(no_fit_message(result))

@@ -12,7 +12,7 @@ What is searched, for a model, a global batch and a cluster:
   accumulation: the other schedules are the same work in another order, or need two ranks).
 * microbatch size: every divisor of the replica's batch (m = batch / (dp x size)), the schedule's own rules
   (ScheduleError) refusing what they refuse; at most MAX_ACTIONS actions per plan.
-* recomputation none / selective / full; ZeRO-1 on/off when dp > 1; sequence parallelism when tp > 1 (in
+* recomputation none / selective / full; ZeRO-1 on/off when dp > 1 (plan --zero N: only N); sequence parallelism when tp > 1 (in
   this model it moves the same bytes as tensor parallelism without it and holds less, so it is taken
   whenever validate_tp allows it, the other way otherwise);
 * the layer split: even (what `pipegpt run` does without --layers-per-stage), or balanced by cost
@@ -138,7 +138,8 @@ class Search:
                 for dp in _divisors(req.batch_size):
                     world = dp * pp * tp
                     if world <= c.gpus and (not req.exact_gpus or world == c.gpus) \
-                            and all(want is None or want == got for want, got in zip(req.only, (dp, pp, tp))):
+                            and all(want is None or want == got for want, got in zip(req.only, (dp, pp, tp))) \
+                            and (not req.zero or dp > 1):  # ZeRO shards over dp
                         out.append(Mesh(Sharding(dp=dp, pp=pp, tp=tp, sequence_parallel=sp), m_tp, pad))
         return out
 
@@ -174,8 +175,8 @@ class Search:
         cs = self.per_stage
         cap, r_bytes = self.cluster.usable_bytes, 4
         b = self.req.batch_size // dp
-        zoned = _zero_choices(sh)
-        opt = 2 * r_bytes / dp  # AdamW state per parameter at ZeRO-1's even share: a lower bound of the greedy one
+        zoned = _zero_choices(sh, self.req.zero)
+        opt = 2 * r_bytes / dp  # AdamW state per parameter at ZeRO's share: a lower bound
         for placement, v, vs, schedules in self.groups(pp):
             S = len(placement)
             for balanced in (False, True):
@@ -193,7 +194,7 @@ class Search:
                         self._refuse(dims, static[r], {"weights": r_bytes * rank_params[r],
                                                        "gradients": r_bytes * rank_params[r],
                                                        "optimizer": opt * rank_params[r]},
-                                     "weights, gradients and optimizer state alone" + (" (ZeRO-1)" if dp > 1 else ""))
+                                     "weights, gradients and optimizer state alone" + (" (ZeRO)" if dp > 1 else ""))
                         self.stats["memory_refused"] += 1
                         continue
                     dpc = cs.dp_comm(params, sh)
@@ -212,7 +213,7 @@ class Search:
                             self._refuse(dims, least[r], {
                                 "weights": r_bytes * rank_params[r], "gradients": r_bytes * rank_params[r],
                                 "optimizer": opt * rank_params[r], "activations": least[r] - static[r]},
-                                f"{rc} recomputation, {'ZeRO-1, ' if dp > 1 else ''}{mbs} sequence"
+                                f"{rc} recomputation, {'ZeRO, ' if dp > 1 else ''}{mbs} sequence"
                                 f"{'s' if mbs > 1 else ''} per microbatch")
                             self.stats["memory_refused"] += 1
                             break  # larger microbatches hold more
@@ -242,8 +243,8 @@ class Search:
             self.stats["schedule_refused"] += 1
             return None
         F, B, W, TP, saved, deferred, msg = cs.vectors(m_tp, sh, rc, mbs, layers)
-        zoned = _zero_choices(sh)
-        what = lambda z: (f"{schedule}, {rc} recomputation, {'ZeRO-1, ' if z else ''}{mbs} sequence"  # noqa: E731
+        zoned = _zero_choices(sh, self.req.zero)
+        what = lambda z: (f"{schedule}, {rc} recomputation, {f'ZeRO-{z}, ' if z else ''}{mbs} sequence"  # noqa: E731
                           f"{'s' if mbs > 1 else ''} per microbatch")
         # A lower bound first (state + held activations, no walk over the plan), then the memory model.
         held = held_peaks(schedule, pp, m, v, saved, deferred)
@@ -260,9 +261,10 @@ class Search:
             self._refuse(cand.dims, least[z][r], {"weights": x.weights, "gradients": x.gradients,
                                                   "optimizer": x.optimizer, "activations": held[r]}, what(z))
             return None
-        base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, sharding=zoned[0], recompute=rc,
+        base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, sharding=sh, recompute=rc,
                                         precision=self.precision)
-        mem = {z: [replace(x, optimizer=states[z][x.rank].optimizer) for x in base] for z in zoned}
+        mem = {z: [replace(x, weights=states[z][x.rank].weights, gradients=states[z][x.rank].gradients,
+                           optimizer=states[z][x.rank].optimizer) for x in base] for z in zoned}
         fits = [z for z, ranks in mem.items() if max(x.total for x in ranks) <= cap]
         if not fits:
             self.stats["memory_refused"] += 1
@@ -446,8 +448,12 @@ def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> N
 
 
 @lru_cache(maxsize=None)
-def _zero_choices(sharding: Sharding) -> dict:
-    """{0: the layout without ZeRO-1, 1: with it (dp > 1 only)}."""
+def _zero_choices(sharding: Sharding, only: int | None = None) -> dict:
+    """{0: the layout without ZeRO, 1: with ZeRO-1 (dp > 1 only)}, or {only: that level} (plan --zero).
+    ZeRO-2 and 3 are not proposed unasked: at a step's peak they hold what ZeRO-1 holds (the full gradient
+    buffer lives through a stage's backward, the gathered parameters through its step) and take as long."""
+    if only is not None:
+        return {only: sharding._replace(zero=only)}
     return {z: sharding._replace(zero=z) for z in ((0, 1) if sharding.dp > 1 else (0,))}
 
 

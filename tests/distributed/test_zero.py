@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipegpt.costs.memory import state_bytes
+from pipegpt.dims import Sharding
 from pipegpt.schedule import SCHEDULES
 from pipegpt.state import checkpoint
 from pipegpt.train.driver import check
@@ -45,18 +47,26 @@ def test_both_unshard_policies_give_the_same_parameters(workers):
 
 
 def test_a_zero3_rank_holds_half_of_what_it_holds_at_zero0(workers):
-    """dp 2 x pp 2 after a step: parameters, gradients and Adam moments per rank, from their storages."""
+    """dp 2 x pp 2 after a step: parameters, gradients and Adam moments per rank, from their storages, beside the
+    planner's count of what stays between steps (pipegpt.costs.memory.state_bytes)."""
     cfg = zero_config(2, 0)
     host = workers(cfg)
     held = {zero: [d["held_bytes"] for d in host.described(cfg.replace(zero=zero), 1)] for zero in (0, 1, 2, 3)}
+    expect = {1: {"parameters": 1, "gradients": 1.5, "optimizer": 0.5},  # gradients: full + the shard
+              2: {"parameters": 1, "gradients": 0.5, "optimizer": 0.5},
+              3: {"parameters": 0.5, "gradients": 0.5, "optimizer": 0.5}}
     for rank, whole in enumerate(held[0]):
-        expect = {1: {"parameters": 1, "gradients": 1.5, "optimizer": 0.5},  # gradients: full + the shard
-                  2: {"parameters": 1, "gradients": 0.5, "optimizer": 0.5},
-                  3: {"parameters": 0.5, "gradients": 0.5, "optimizer": 0.5}}
         for zero, shares in expect.items():
             for part, share in shares.items():
                 got = held[zero][rank][part] / whole[part]
                 assert share <= got < share + 0.01, (zero, rank, part, got)  # a bucket's padding: a few bytes
+    for zero in (0, 1, 2, 3):
+        for rank in range(2):  # replica 0's pipeline ranks; stage r on rank r
+            p = held[zero][rank]
+            x = state_bytes(cfg.model, [(4, rank == 0, rank == 1)], sharding=Sharding(dp=2, pp=2, zero=zero),
+                            between_steps=True)
+            for part, want in (("parameters", x.weights), ("gradients", x.gradients), ("optimizer", x.optimizer)):
+                assert want <= p[part] <= want * 1.01, (zero, rank, part, p[part], want)
 
 
 def test_llama_zero3_matches_one_process(workers):
