@@ -23,10 +23,10 @@ from .validate import dependencies, validate
 # Keys accepted by Costs.parse / Costs.from_json (lower case) and the field each fills.
 _KEYS = {"f": "forward", "b": "backward", "w": "weight", "comm": "comm",
          "act_bytes": "activation_bytes", "activation_bytes": "activation_bytes",
-         "tp_comm": "tp_comm", "dp_comm": "dp_comm"}
+         "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
 _SHOWN = {"forward": "F", "backward": "B", "weight": "W", "comm": "comm", "activation_bytes": "act_bytes",
-          "tp_comm": "tp_comm", "dp_comm": "dp_comm"}
-_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm"
+          "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
+_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm, gather_comm"
 
 
 def _check_number(name: str, value) -> None:
@@ -199,7 +199,7 @@ class Costs:
         backward = fields.get("backward", (2.0,) * num_stages)
         weight = fields.get("weight", tuple(b / 2 for b in backward))
         return cls(forward, backward, weight, fields.get("comm", 0), fields.get("activation_bytes"),
-                   fields.get("tp_comm"), fields.get("dp_comm"))
+                   fields.get("tp_comm"), fields.get("dp_comm"), fields.get("gather_comm"))
 
 
 def load_costs_json(path) -> dict:

@@ -153,3 +153,8 @@ def test_a_schedule_file_that_does_not_pair_is_one_line(no_workers, tmp_path):
 def test_zero_config_checks():
     with pytest.raises(ConfigError, match="nothing to shard"):
         TrainConfig.build(zero=3).validate({})
+
+
+def test_costs_text_takes_the_gather_time():
+    costs = Costs.parse("F=1,B=2,gather_comm=0.5", 2)
+    assert costs.gather_comm == (0.5, 0.5) and costs.as_dict()["gather_comm"] == [0.5, 0.5]
