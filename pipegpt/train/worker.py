@@ -335,6 +335,10 @@ class Worker:
         described = {**self.engine.describe(), "optimizer_state_bytes": state_bytes}
         if self.dp is not None:  # what the flat buffers hold now, counted from their storages
             described["held_bytes"] = {**self.dp.storage_bytes(), "optimizer": state_bytes}
+            if self.dp.zero >= 3:  # resharded parameters have no elements of their own: count the layout's
+                described["parameters"] = sum(sum(b.layout.numels) for b in self.dp.buffers.values())
+                described["parameter_bytes"] = sum(sum(b.layout.numels) * b.empty.element_size()
+                                                   for b in self.dp.buffers.values())
         return described
 
     @actor_method

@@ -51,7 +51,9 @@ def test_a_zero3_rank_holds_half_of_what_it_holds_at_zero0(workers):
     planner's count of what stays between steps (pipegpt.costs.memory.state_bytes)."""
     cfg = zero_config(2, 0)
     host = workers(cfg)
-    held = {zero: [d["held_bytes"] for d in host.described(cfg.replace(zero=zero), 1)] for zero in (0, 1, 2, 3)}
+    described = {zero: host.described(cfg.replace(zero=zero), 1) for zero in (0, 1, 2, 3)}
+    held = {zero: [d["held_bytes"] for d in ds] for zero, ds in described.items()}
+    assert [d["parameters"] for d in described[3]] == [d["parameters"] for d in described[0]]  # counted, not held
     expect = {1: {"parameters": 1, "gradients": 1.5, "optimizer": 0.5},  # gradients: full + the shard
               2: {"parameters": 1, "gradients": 0.5, "optimizer": 0.5},
               3: {"parameters": 0.5, "gradients": 0.5, "optimizer": 0.5}}
