@@ -22,7 +22,8 @@ class StageBuffers:
         self.stage, self.params, self.zero, self.index = stage, params, zero, index
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
-            raise ValueError(f"stage {stage}: one flat buffer needs one dtype, the parameters have {sorted(map(str, dtypes))}")
+            raise ValueError(f"stage {stage}: one flat buffer needs one dtype, the parameters have "
+                             f"{sorted(map(str, dtypes))}")
         self.dtype, self.device = params[0].dtype, params[0].device
         self.layout = FlatLayout([p.numel() for p in params], params[0].element_size(), BUCKET_BYTES,
                                  shards if zero else 1, frozenset(i for i, p in enumerate(params) if id(p) in alone))

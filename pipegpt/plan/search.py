@@ -12,9 +12,9 @@ What is searched, for a model, a global batch and a cluster:
   accumulation: the other schedules are the same work in another order, or need two ranks).
 * microbatch size: every divisor of the replica's batch (m = batch / (dp x size)), the schedule's own rules
   (ScheduleError) refusing what they refuse; at most MAX_ACTIONS actions per plan.
-* recomputation none / selective / full; ZeRO-1 on/off when dp > 1 (plan --zero N: only N); sequence parallelism when tp > 1 (in
+* recomputation none / selective / full; ZeRO-1 on/off when dp > 1; sequence parallelism when tp > 1 (in
   this model it moves the same bytes as tensor parallelism without it and holds less, so it is taken
-  whenever validate_tp allows it, the other way otherwise);
+  whenever validate_tp allows it, the other way otherwise); plan --zero N: only ZeRO level N;
 * the layer split: even (what `pipegpt run` does without --layers-per-stage), or balanced by cost
   (pipegpt.costs.balance: embedding and head counted, for the schedule's placement) when that differs.
 

@@ -14,8 +14,9 @@ blocking semantics, the order cannot deadlock.
 Collectives are inserted by passes of their own: add_reduce_grad puts a
 stage's data-parallel gradient reduction (1REDUCE_GRAD) right after the action
 that completes its gradients; add_unshard_reshard puts ZeRO-3's parameter
-gathers and frees (1UNSHARD, 1RESHARD) around a stage's compute by a policy. lower() keeps a plan's collectives where they
-stand, after the compute action they followed, so the passes commute.
+gathers and frees (1UNSHARD, 1RESHARD) around a stage's compute by a policy.
+lower() keeps a plan's collectives where they stand, after the compute action
+they followed, so the passes commute.
 """
 from __future__ import annotations
 

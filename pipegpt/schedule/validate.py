@@ -6,9 +6,9 @@ Collectives are checked where a plan has them: a stage's REDUCE_GRAD comes once,
 its rank, and a plan that reduces one stage's gradients reduces every stage's. A stage with an UNSHARD is
 sharded until it (ZeRO-3): UNSHARD and RESHARD alternate, starting with an UNSHARD and ending with a RESHARD,
 and no compute action of the stage runs while it is sharded (whether a run shards every stage is the
-runtime's to check: pipegpt.data_parallel). They block nothing here: a gather waits only for the stage's replicas, which run the
-same plan and so launch their collectives in the same order: they cannot deadlock with each other or with
-messages.
+training role's to check: pipegpt.train.grad_sync). They block nothing here: a gather waits only for the
+stage's replicas, which run the same plan and so launch their collectives in the same order: they cannot
+deadlock with each other or with messages.
 """
 from __future__ import annotations
 
@@ -134,8 +134,8 @@ def _check_collectives(plan: Plan) -> None:
         for k, a in enumerate(actions):
             # A plan with a REDUCE_GRAD is a training plan: _check_counts saw every stage's B or W.
             if a.kind is Kind.REDUCE_GRAD and k < gradients[a.stage]:
-                raise PlanError(plan, r, k, f"reduces stage {a.stage}'s gradients before {actions[gradients[a.stage]]}, "
-                                            f"its last gradient")
+                last = actions[gradients[a.stage]]
+                raise PlanError(plan, r, k, f"reduces stage {a.stage}'s gradients before {last}, its last gradient")
         for s in plan.stages_of(r):
             _check_sharding(plan, r, s)
             if reduced and s not in reduced:

@@ -13,6 +13,7 @@ from pipegpt.comm.data_parallel import sum_in_buckets
 from pipegpt.config import TrainConfig
 from pipegpt.data_parallel import DataParallel
 from pipegpt.engine.engine import Engine
+from pipegpt.schedule import Kind, ScheduleError
 from pipegpt.tensor_parallel import REPLICATED, kv_replicas, tp_shard_spec
 from pipegpt.tensor_parallel.layers import replicated_kv_params, sequence_parallel_grad_params, sum_replicated_kv_grads
 
@@ -50,6 +51,13 @@ class DataParallelSync(GradSync):
 
     def __init__(self, engine: Engine, cfg: TrainConfig):
         mesh = engine.mesh
+        if cfg.parallel.zero >= 3:  # a stage the plan never gathers would compute on empty parameters
+            actions = engine.plan.ranks[mesh.pp_index]
+            gathered = {a.stage for a in actions if a.kind is Kind.UNSHARD}
+            for s in sorted(engine.stages):
+                if s not in gathered:
+                    raise ScheduleError(f"rank {engine.rank}: the plan has no {s}UNSHARD, and --zero 3 shards "
+                                        f"stage {s}'s parameters")
         self.dp = DataParallel(engine.params_by_stage(),
                                {s: list(stage.module.parameters()) for s, stage in engine.stages.items()},
                                mesh.group("dp_cp"), mesh.members["dp_cp"].index(engine.rank), cfg.parallel.zero,

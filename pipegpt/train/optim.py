@@ -16,7 +16,8 @@ def decays(p) -> bool:
     return len(p.shape) >= 2
 
 
-def make_optimizer(named_params: list[tuple[str, torch.Tensor]], optim: OptimizerConfig, decaying: set[int] | None = None):
+def make_optimizer(named_params: list[tuple[str, torch.Tensor]], optim: OptimizerConfig,
+                   decaying: set[int] | None = None):
     """AdamW over two groups (decay, no decay). decaying: the ids of the tensors that decay, where they are not
     the parameters themselves (ZeRO's 1-D pieces of a shard: pipegpt.data_parallel); else by decays().
 

@@ -186,7 +186,8 @@ def test_zero_state_matches_the_shards(tp_measured):
     """The two spawned processes as a dp group of 2: each holds the moments of its chunk of the flat buffer,
     half the parameters (the first rank the larger half), and the model counts the larger."""
     for i, (cfg, stages) in enumerate(ZERO_CASES):
-        n = sum(torch.Size(s).numel() for layers, e, h in stages for _, s in stage_parameter_shapes(cfg, len(layers), e, h))
+        n = sum(torch.Size(s).numel() for layers, e, h in stages
+                for _, s in stage_parameter_shapes(cfg, len(layers), e, h))
         shares = [4 * 2 * -(-n // 2), 4 * 2 * (n // 2)]
         assert [tp_measured[r]["zero"][i] for r in range(2)] == shares
         assert state_bytes(cfg, stages, sharding=Sharding(dp=2, zero=True)).optimizer == max(shares)

@@ -23,7 +23,8 @@ def lowered(name: str, p: int = 2, m: int = 4):
 
 def sharding_of(actions, stage: int) -> list[str]:
     """The stage's gathers, frees and compute, in order, as text."""
-    return [str(a) for a in actions if a.stage == stage and (a.kind.is_compute or a.kind in (Kind.UNSHARD, Kind.RESHARD))]
+    kinds = (Kind.UNSHARD, Kind.RESHARD)
+    return [str(a) for a in actions if a.stage == stage and (a.kind.is_compute or a.kind in kinds)]
 
 
 def test_step_gathers_each_stage_once_around_all_its_actions():
@@ -158,3 +159,15 @@ def test_zero_config_checks():
 def test_costs_text_takes_the_gather_time():
     costs = Costs.parse("F=1,B=2,gather_comm=0.5", 2)
     assert costs.gather_comm == (0.5, 0.5) and costs.as_dict()["gather_comm"] == [0.5, 0.5]
+
+
+def test_a_zero3_role_refuses_a_plan_that_never_gathers_a_stage():
+    from types import SimpleNamespace
+
+    from pipegpt.train.grad_sync import DataParallelSync
+
+    plan = lowered("1f1b")  # no UNSHARD
+    engine = SimpleNamespace(plan=plan, rank=0, stages={0: None}, mesh=SimpleNamespace(pp_index=0))
+    cfg = TrainConfig.build(ModelConfig(n_layer=2), stages=2, dp=2, zero=3)
+    with pytest.raises(ScheduleError, match="rank 0: the plan has no 0UNSHARD, and --zero 3 shards stage 0's"):
+        DataParallelSync(engine, cfg)
