@@ -46,6 +46,15 @@ def test_both_unshard_policies_give_the_same_parameters(workers):
         assert torch.equal(a, b), name  # the same values gathered: the same arithmetic, bit for bit
 
 
+def test_a_hand_written_schedule_file_with_gathers_trains_like_one_process(workers, tmp_path):
+    path = tmp_path / "gathers.txt"  # rank 0 frees its parameters between its forwards and its backwards
+    path.write_text("0UNSHARD 0F0 0F1 0F2 0F3 0RESHARD 0UNSHARD 0B0 0B1 0B2 0B3 0RESHARD\n"
+                    "1UNSHARD 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1RESHARD\n")
+    cfg = zero_config(2, 3, schedule_file=str(path), microbatches=4)
+    check(cfg)
+    assert_matches(cfg, workers(cfg))
+
+
 def test_a_zero3_rank_holds_half_of_what_it_holds_at_zero0(workers):
     """dp 2 x pp 2 after a step: parameters, gradients and Adam moments per rank, from their storages, beside the
     planner's count of what stays between steps (pipegpt.costs.memory.state_bytes)."""
