@@ -143,6 +143,8 @@ def model_config(preset: str, **overrides) -> ModelConfig:
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float64")
 RECOMPUTE = ("none", "full", "selective")
+ZERO = (0, 1, 2, 3)
+UNSHARD = ("step", "microbatch")
 TOKENIZERS = ("bytes", "gpt2")
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
@@ -196,7 +198,12 @@ class ParallelConfig:
     microbatch_size: int = setting(4, "Sequences per microbatch.")
     recompute: str = setting("none", "Activation recomputation: every block, or only the attention core.",
                              choices=RECOMPUTE)
-    zero: int = setting(0, "1: shard the optimizer state across data-parallel replicas (ZeRO-1).", choices=(0, 1))
+    zero: int = setting(0, "Shard over the data-parallel replicas (dp x cp): 1 the optimizer state (ZeRO-1), 2 also "
+                           "the gradients, 3 also the parameters, gathered by the plan's UNSHARD actions.",
+                        choices=ZERO)
+    unshard: str | None = setting(None, "With --zero 3: where the plan gathers a stage's parameters: once per step "
+                                        "(before its first action, freed after its last; the default) or around "
+                                        "each run of its consecutive actions (least memory).", choices=UNSHARD)
     sequence_parallel: bool = setting(False, "With --tp: shard the LayerNorm/dropout regions along the sequence "
                                              "(Megatron SP).")
 
@@ -416,8 +423,15 @@ class TrainConfig:
         if self.data.document_mask and self.data.tokenizer == "bytes":
             raise ConfigError("--document-mask finds documents by the end-of-text token, and the bytes tokenizer has "
                               "none: use --tokenizer gpt2 or a tokenizer.json with one")
-        if p.zero not in (0, 1):
-            raise ConfigError(f"zero={p.zero} is not supported: use 0 (off) or 1 (shard optimizer state)")
+        _check_choice("zero", p.zero, ZERO)
+        if p.zero >= 2 and p.dp * p.cp == 1:
+            raise ConfigError(f"--zero {p.zero} shards over the data-parallel replicas, and dp x cp = 1: nothing to "
+                              f"shard: give --dp 2 or more, or --zero 0")
+        if p.unshard is not None:
+            _check_choice("unshard", p.unshard, UNSHARD)
+            if p.zero < 3:
+                raise ConfigError(f"--unshard {p.unshard} places ZeRO-3's parameter gathers, and --zero is {p.zero}: "
+                                  f"give --zero 3 or leave --unshard out")
         for name in ("lr", "weight_decay", "grad_clip", "min_lr"):  # inf or nan would train on in nan
             value = getattr(o, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):

@@ -3,7 +3,9 @@
 It decides nothing about order: the lowered plan from pipegpt.schedule does.
 A REDUCE_GRAD launches the stage's gradient reduction on the `collectives`
 object it is given (the training role's train.grad_sync.PlanCollectives); it
-overlaps what follows, and the worker waits for it after the step.
+overlaps what follows, and the worker waits for it after the step. An UNSHARD
+gathers the stage's parameters there (ZeRO-3; its compute follows, so it is
+waited for), a RESHARD frees them.
 Each run of consecutive SEND/RECV actions is posted as one batch; receives are
 waited for before the next compute, sends at the release points the schedule
 computes (pipegpt.schedule.messages.release_points: where the receiver is known
@@ -57,6 +59,12 @@ class Collectives(Protocol):
     def reduce_grad(self, stage: int) -> None:
         """Launch the reduction of the stage's gradients over its replicas (asynchronous)."""
 
+    def unshard(self, stage: int) -> None:
+        """Gather the stage's parameters from its replicas' shards (done when it returns)."""
+
+    def reshard(self, stage: int) -> None:
+        """Free the stage's gathered parameters."""
+
 
 class PipelineRuntime:
     def __init__(self, plan: Plan, rank: int, stages: dict[int, Stage], p2p: PointToPoint,
@@ -67,14 +75,16 @@ class PipelineRuntime:
         self.names = [str(a) for a in self.actions]  # trace labels, formatted once, not per step
         self.batch_end = dict(comm_batches(self.actions))
         self.collective_at = {i: a for i, a in enumerate(self.actions) if a.kind in COLLECTIVE_KINDS}
+        self.collectives = collectives
+        self.run_collective = {kind: getattr(collectives, kind.value.lower(), None)
+                               for kind in (Kind.REDUCE_GRAD, Kind.UNSHARD, Kind.RESHARD)}
         for a in self.collective_at.values():
-            if a.kind is not Kind.REDUCE_GRAD:
-                raise ScheduleError(f"rank {rank}: the plan has {a}, and the runtime does not run "
-                                    f"{a.kind.value} yet")
             if collectives is None:
                 raise ScheduleError(f"rank {rank}: the plan has {a}, but this rank has no data-parallel "
                                     f"replicas to reduce its gradients with")
-        self.collectives = collectives
+            if self.run_collective[a.kind] is None:
+                raise ScheduleError(f"rank {rank}: the plan has {a}, and this rank's collectives do not run "
+                                    f"{a.kind.value}")
         # Global rank that owns each stage in this rank's pipeline.
         self.owner = [pipeline_ranks[r] for r in plan.stage_to_rank]
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
@@ -140,8 +150,11 @@ class PipelineRuntime:
     def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
         if a.kind.is_compute:
             return i, self.names[i], (), "nobody (computing)"
-        if a.kind.is_collective:  # launched, not waited for: the worker waits after the step
+        if a.kind is Kind.REDUCE_GRAD:  # launched, not waited for: the worker waits after the step
             return i, self.names[i], (), "nobody (launching a gradient reduction)"
+        if a.kind.is_collective:
+            what = "gathering" if a.kind is Kind.UNSHARD else "freeing"
+            return i, self.names[i], (), f"its data-parallel peers ({what} stage {a.stage}'s parameters)"
         receive, forward = a.kind in (Kind.RECV_F, Kind.RECV_B), a.kind in (Kind.SEND_F, Kind.RECV_B)
         peer = self.owner[a.stage + 1 if forward else a.stage - 1]
         return i, self.names[i], (peer,), (f"receive {a} from rank {peer}" if receive else f"send {a} to rank {peer}")
@@ -195,7 +208,7 @@ class PipelineRuntime:
                     self.before_compute(actions[i])
                 self._compute(actions[i], inputs, targets, inbox, outbox, documents)
             else:
-                self.collectives.reduce_grad(collective.stage)
+                self.run_collective[collective.kind](collective.stage)
             if record:
                 events.append((self.names[i], t0, clock()))
             if self.marker is not None:

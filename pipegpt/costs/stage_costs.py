@@ -59,13 +59,16 @@ class StageCosts:
         return (worst * t_out + (links - worst) * t_in) / links
 
     def dp_comm(self, stage_params, sharding: Sharding):
-        """Each stage's gradient all-reduce over its dp x cp ranks (fp32 gradients, per tp rank)."""
+        """Each stage's gradient all-reduce over its dp x cp ranks (fp32 gradients, per tp rank). ZeRO's
+        reduce-scatter moves half of it, but the search simulates a candidate before choosing its ZeRO level:
+        charged as the all-reduce (an upper bound)."""
         inside = sharding.world_size <= self.cluster.gpus_per_node
         group = memory_model.gradient_group(sharding)
         return [self.cost.group_allreduce_time(4 * n, group, inside) for n in stage_params]
 
     def after_time(self, model, placement, stage_params, stage_tensors, sharding: Sharding, layers=()) -> float:
-        """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO-1's broadcast; both
+        """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO's all-gather of the
+        parameters: after the update at ZeRO-1/2, at the stage's UNSHARD at ZeRO-3, once per step either way; both
         over dp x cp), the tied embedding's gradient sum between the first and the last stage, and with tp > kv_heads
         (Llama; layers: blocks per stage) the replicated key/value heads' gradient sum over the tp group
         (pipegpt.tensor_parallel.layers.sum_replicated_kv_grads: one all-reduce of a [kv_heads, n] buffer)."""
@@ -80,7 +83,7 @@ class StageCosts:
         for r in range(pp):
             if sharding.zero and dp > 1:
                 t = self.cost.optimizer_time(params[r] / dp, max(1, -(-tensors[r] // dp)))
-                t += self.cost.broadcast_shards_time(params[r] * 4, dp, inside)
+                t += self.cost.shard_collective_time(params[r] * 4, dp, inside)
             else:
                 t = self.cost.optimizer_time(params[r], tensors[r])
             worst = max(worst, t)

@@ -29,6 +29,7 @@ class Request:
     exact_gpus: bool = False  # only layouts using every GPU
     only: tuple = (None, None, None, None)  # (dp, pp, tp, cp): only layouts with these (None: any)
     cp_comm: str | None = None  # how K/V travel with cp > 1 (None: both are weighed)
+    zero: int | None = None  # only this ZeRO level (None: 0 or 1, whichever is faster)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class Result:
     model: ModelConfig  # as the plan runs it (vocabulary padded where tp needs it)
     step_time: float
     makespan: float
-    after: float  # after the last action and the last all-reduce: optimizer, ZeRO-1 broadcast, tied sum
+    after: float  # after the last action and the last all-reduce: optimizer, ZeRO's all-gather, tied sum
     bubble: float  # the simulator's idle share of the ranks' time, up to the end of the gradient all-reduce
     tokens_per_s: float
     mfu: float | None

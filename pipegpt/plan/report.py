@@ -80,7 +80,8 @@ def explain(runner: Result, best: Result) -> str:
             reasons.append(f"gradient all-reduce not hidden: {format_seconds(rb['dp_exposed'])} vs "
                            f"{format_seconds(bb['dp_exposed'])}")
         else:
-            reasons.append(f"after the last action (optimizer{', ZeRO-1 broadcast' if runner.layout.zero else ''}) "
+            zero = f", ZeRO-{runner.layout.zero} all-gather" if runner.layout.zero else ""
+            reasons.append(f"after the last action (optimizer{zero}) "
                            f"{format_seconds(rb['after'])} vs {format_seconds(bb['after'])}")
     return f"{head}: " + "; ".join(reasons)
 

@@ -21,7 +21,7 @@ What is searched, for a model, a global batch and a cluster:
   (ScheduleError) refusing what they refuse; at most MAX_ACTIONS actions per plan.
 * recomputation none / selective / full; ZeRO-1 on/off when dp x cp > 1; sequence parallelism when tp > 1 (in
   this model it moves the same bytes as tensor parallelism without it and holds less, so it is taken
-  whenever validate_tp allows it, the other way otherwise);
+  whenever validate_tp allows it, the other way otherwise); plan --zero N: only ZeRO level N;
 * the layer split: even (what `pipegpt run` does without --layers-per-stage), or balanced by cost
   (pipegpt.costs.balance: embedding and head counted, for the schedule's placement) when that differs.
 
@@ -164,7 +164,8 @@ class Search:
                     for dp in _divisors(req.batch_size):
                         world = dp * pp * cp * tp
                         if world <= c.gpus and (not req.exact_gpus or world == c.gpus) and all(
-                                want is None or want == got for want, got in zip(req.only, (dp, pp, tp, cp))):
+                                want is None or want == got for want, got in zip(req.only, (dp, pp, tp, cp))) \
+                                and (not req.zero or dp * cp > 1):  # ZeRO shards over dp x cp
                             sh = Sharding(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=sp)
                             out += [Mesh(sh, m_tp, pad, name) for name in self.cp_comms(m_tp, sh)]
         return out
@@ -217,8 +218,8 @@ class Search:
         cs = self.stage_costs[mesh.cp_comm]
         cap, r_bytes = self.cluster.usable_bytes, 4
         b = self.req.batch_size // dp
-        zoned = _zero_choices(sh)
-        opt = 2 * r_bytes / memory_model.gradient_group(sh)  # AdamW state per parameter at ZeRO-1's even share
+        zoned = _zero_choices(sh, self.req.zero)
+        opt = 2 * r_bytes / memory_model.gradient_group(sh)  # AdamW state per parameter at ZeRO's share: a lower bound
         for placement, v, vs, schedules in self.groups(pp):
             S = len(placement)
             for balanced in (False, True):
@@ -236,8 +237,8 @@ class Search:
                         self._refuse(dims, static[r], {"weights": r_bytes * rank_params[r],
                                                        "gradients": r_bytes * rank_params[r],
                                                        "optimizer": opt * rank_params[r]},
-                                     "weights, gradients and optimizer state alone" + (" (ZeRO-1)" if len(zoned) > 1
-                                                                                       else ""))
+                                     "weights, gradients and optimizer state alone" + (" (ZeRO)" if len(zoned) > 1
+                                                                                       or self.req.zero else ""))
                         self.stats["memory_refused"] += 1
                         continue
                     dpc = cs.dp_comm(params, sh)
@@ -256,7 +257,8 @@ class Search:
                             self._refuse(dims, least[r], {
                                 "weights": r_bytes * rank_params[r], "gradients": r_bytes * rank_params[r],
                                 "optimizer": opt * rank_params[r], "activations": least[r] - static[r]},
-                                f"{rc} recomputation, {'ZeRO-1, ' if len(zoned) > 1 else ''}{mbs} sequence"
+                                f"{rc} recomputation, {'ZeRO, ' if len(zoned) > 1 or self.req.zero else ''}"
+                                f"{mbs} sequence"
                                 f"{'s' if mbs > 1 else ''} per microbatch")
                             self.stats["memory_refused"] += 1
                             break  # larger microbatches hold more
@@ -287,8 +289,8 @@ class Search:
             self.stats["schedule_refused"] += 1
             return None
         F, B, W, TP, saved, deferred, msg = cs.vectors(m_tp, sh, rc, mbs, layers)
-        zoned = _zero_choices(sh)
-        what = lambda z: (f"{schedule}, {rc} recomputation, {'ZeRO-1, ' if z else ''}{mbs} sequence"  # noqa: E731
+        zoned = _zero_choices(sh, self.req.zero)
+        what = lambda z: (f"{schedule}, {rc} recomputation, {f'ZeRO-{z}, ' if z else ''}{mbs} sequence"  # noqa: E731
                           f"{'s' if mbs > 1 else ''} per microbatch")
         # A lower bound first (state + held activations, no walk over the plan), then the memory model.
         held = held_peaks(schedule, pp, m, v, saved, deferred)
@@ -305,9 +307,10 @@ class Search:
             self._refuse(cand.dims, least[z][r], {"weights": x.weights, "gradients": x.gradients,
                                                   "optimizer": x.optimizer, "activations": held[r]}, what(z))
             return None
-        base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, sharding=zoned[0], recompute=rc,
+        base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, sharding=sh, recompute=rc,
                                         precision=self.precision, cp_comm=cand.cp_comm)
-        mem = {z: [replace(x, optimizer=states[z][x.rank].optimizer) for x in base] for z in zoned}
+        mem = {z: [replace(x, weights=states[z][x.rank].weights, gradients=states[z][x.rank].gradients,
+                           optimizer=states[z][x.rank].optimizer) for x in base] for z in zoned}
         fits = [z for z, ranks in mem.items() if max(x.total for x in ranks) <= cap]
         if not fits:
             self.stats["memory_refused"] += 1
@@ -498,8 +501,13 @@ def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False, cp: 
 
 
 @lru_cache(maxsize=None)
-def _zero_choices(sharding: Sharding) -> dict:
-    """{0: the layout without ZeRO-1, 1: with it (dp x cp > 1 only: it shards over both)}."""
+def _zero_choices(sharding: Sharding, only: int | None = None) -> dict:
+    """{0: the layout without ZeRO, 1: with ZeRO-1 (dp x cp > 1 only: it shards over both)}, or {only: that
+    level} (plan --zero). ZeRO-2 and 3 are not proposed unasked: at a step's peak they hold what ZeRO-1 holds
+    (the full gradient buffer lives through a stage's backward, the gathered parameters through its step) and
+    take as long."""
+    if only is not None:
+        return {only: sharding._replace(zero=only)}
     return {z: sharding._replace(zero=z) for z in ((0, 1) if memory_model.gradient_group(sharding) > 1 else (0,))}
 
 

@@ -23,10 +23,10 @@ from .validate import dependencies, validate
 # Keys accepted by Costs.parse / Costs.from_json (lower case) and the field each fills.
 _KEYS = {"f": "forward", "b": "backward", "w": "weight", "comm": "comm",
          "act_bytes": "activation_bytes", "activation_bytes": "activation_bytes",
-         "tp_comm": "tp_comm", "dp_comm": "dp_comm"}
+         "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
 _SHOWN = {"forward": "F", "backward": "B", "weight": "W", "comm": "comm", "activation_bytes": "act_bytes",
-          "tp_comm": "tp_comm", "dp_comm": "dp_comm"}
-_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm"
+          "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
+_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm, gather_comm"
 
 
 def _check_number(name: str, value) -> None:
@@ -52,7 +52,9 @@ class Costs:
     gradients across data-parallel replicas, the cost of its REDUCE_GRAD: it
     starts where the plan's REDUCE_GRAD stands (a plan without them is charged
     as add_reduce_grad places them: when the stage's last B/W ends), overlaps
-    compute, and a rank's reductions run one after another.
+    compute, and a rank's reductions run one after another. gather_comm[s] is
+    the time to all-gather stage s's parameters (ZeRO-3), the cost of its
+    UNSHARD: the rank waits for it before its next compute action.
     """
 
     forward: tuple
@@ -62,12 +64,13 @@ class Costs:
     activation_bytes: tuple | None = None
     tp_comm: tuple | None = None
     dp_comm: tuple | None = None
+    gather_comm: tuple | None = None
 
     def __post_init__(self):
-        for name in ("tp_comm", "dp_comm"):  # absent means free
+        for name in ("tp_comm", "dp_comm", "gather_comm"):  # absent means free
             if getattr(self, name) is None:
                 object.__setattr__(self, name, (0,) * len(self.forward))
-        for name in ("forward", "backward", "weight", "activation_bytes", "tp_comm", "dp_comm"):
+        for name in ("forward", "backward", "weight", "activation_bytes", "tp_comm", "dp_comm", "gather_comm"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
@@ -75,11 +78,11 @@ class Costs:
         if n < 1:
             raise ScheduleError("costs: need at least one stage")
         optional = ("activation_bytes",) if self.activation_bytes is not None else ()
-        for name in ("backward", "weight", "tp_comm", "dp_comm") + optional:
+        for name in ("backward", "weight", "tp_comm", "dp_comm", "gather_comm") + optional:
             if len(getattr(self, name)) != n:
                 raise ScheduleError(f"costs: {name} has {len(getattr(self, name))} values but forward has {n}; "
                                     f"give one per stage")
-        for name in ("forward", "backward", "weight", "tp_comm", "dp_comm") + optional:
+        for name in ("forward", "backward", "weight", "tp_comm", "dp_comm", "gather_comm") + optional:
             for s, value in enumerate(getattr(self, name)):
                 _check_number(f"{name}[{s}]", value)
         _check_number("comm", self.comm)
@@ -111,6 +114,7 @@ class Costs:
                        weight=tuple(x * factor for x in self.weight),
                        tp_comm=tuple(x * factor for x in self.tp_comm),
                        dp_comm=tuple(x * factor for x in self.dp_comm),
+                       gather_comm=tuple(x * factor for x in self.gather_comm),
                        activation_bytes=None if self.activation_bytes is None
                        else tuple(x * factor for x in self.activation_bytes))
 
@@ -118,7 +122,7 @@ class Costs:
         out = {"F": list(self.forward), "B": list(self.backward), "W": list(self.weight), "comm": self.comm}
         if self.activation_bytes is not None:
             out["act_bytes"] = list(self.activation_bytes)
-        for name in ("tp_comm", "dp_comm"):
+        for name in ("tp_comm", "dp_comm", "gather_comm"):
             if any(getattr(self, name)):
                 out[name] = list(getattr(self, name))
         return out
@@ -195,7 +199,7 @@ class Costs:
         backward = fields.get("backward", (2.0,) * num_stages)
         weight = fields.get("weight", tuple(b / 2 for b in backward))
         return cls(forward, backward, weight, fields.get("comm", 0), fields.get("activation_bytes"),
-                   fields.get("tp_comm"), fields.get("dp_comm"))
+                   fields.get("tp_comm"), fields.get("dp_comm"), fields.get("gather_comm"))
 
 
 def load_costs_json(path) -> dict:
@@ -413,6 +417,7 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
         raise ScheduleError(f"costs are for {costs.num_stages} stages but plan {plan.name!r} has "
                             f"{plan.num_stages}; give one cost per stage")
     actions = plan.compute_only().ranks
+    gathers = _gathers_before(plan, costs)
     rank_of = plan.stage_to_rank
     ends: dict[Action, Real] = {}
     waiters: dict[Action, list[int]] = defaultdict(list)
@@ -430,6 +435,9 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
                 waiters[missing].append(r)
                 break
             start = free[r]
+            for unshard, duration in gathers.get(action, ()):  # the rank waits for its gathers, in plan order
+                events.append(Event(r, unshard, start, start + duration))
+                start += duration
             for d in deps:
                 available = ends[d]
                 if costs.comm and rank_of[d.stage] != r:
@@ -452,6 +460,19 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
         meta["step_end"] = _gradient_sync_end(plan, ends, costs)
     return Timeline(events, plan.num_ranks, schedule=plan.name, num_microbatches=plan.num_microbatches,
                     stage_to_rank=tuple(plan.stage_to_rank), activation_bytes=costs.activation_bytes, meta=meta)
+
+
+def _gathers_before(plan: Plan, costs: Costs) -> dict[Action, list[tuple[Action, Real]]]:
+    """Each compute action's UNSHARDs since the rank's previous compute action, with their gather times."""
+    out: dict[Action, list[tuple[Action, Real]]] = {}
+    for actions in plan.ranks:
+        waiting: list[tuple[Action, Real]] = []
+        for a in actions:
+            if a.kind is Kind.UNSHARD:
+                waiting.append((a, costs.gather_comm[a.stage]))
+            elif a.kind in COMPUTE_KINDS and waiting:
+                out[a], waiting = waiting, []
+    return out
 
 
 def _gradient_sync_end(plan: Plan, ends: dict[Action, Real], costs: Costs) -> Real:

@@ -22,6 +22,7 @@ LAYERS = [
     "pipegpt.plan",
     "pipegpt.stages",
     "pipegpt.comm",
+    "pipegpt.data_parallel",
     "pipegpt.timing",
     "pipegpt.runtime",
     "pipegpt.state",
