@@ -51,6 +51,13 @@ parameters (a bucket's padding, under dp elements, left out). At the step's peak
     zero 2   weights P         gradients P + S  (S)    moments 2S   (the full buffer lives through the backward)
     zero 3   weights S + P (S) gradients P + S  (S)    moments 2S   (--unshard step: the rank's stages gathered)
 
+With --unshard microbatch (zero 3) a stage is gathered around each run of its compute actions and the next run's
+gather is posted one run ahead, so at most two of the rank's stages are whole at once: weights S + the two
+largest stages. At zero >= 2 a stage's full gradient buffer is freed once its reduce-scatter (after the stage's
+last backward of the step) completes: with one microbatch per step at most two stages' full gradients coexist
+(S + the two largest), with several an interleaved order runs every stage's first backward before any stage's
+last, so all of them live through the step (P + S). A rank of one or two stages holds P either way.
+
 Activations, deferred bytes, workspace and the peaks: pipegpt.costs.activations (re-exported here).
 
 Rank totals
@@ -127,35 +134,53 @@ def gradient_group(sharding: Sharding) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(model, stages, sharding: Sharding, precision, between_steps: bool = False) -> StateBytes:
+def _state_bytes(model, stages, sharding: Sharding, precision, between_steps: bool = False, unshard: str = "step",
+                 microbatches: int = 2) -> StateBytes:
     r, _ = _widths(precision)
     tp, dp, zero = sharding.tp, gradient_group(sharding), sharding.zero
-    shapes = []
     ends = {(embed, head) for _, embed, head in stages}
+    # a V-shape's head shares one tensor with the rank's wte (the worker ties them): counted once
     share_tied = model.tie_embeddings and any(e for e, _ in ends) and any(h for _, h in ends) \
         and not any(e and h for e, h in ends)
+    per_stage = []
     for layers, embed, head in stages:
-        for name, shape in stage_parameter_shapes(model, layers, embed, head, tp):
-            if share_tied and name == "lm_head.weight":  # one tensor with the rank's wte (the worker ties them)
-                continue
-            shapes.append(shape)
-    params = sum(_numel(s) for s in shapes)
+        per_stage.append(sum(_numel(shape) for name, shape in stage_parameter_shapes(model, layers, embed, head, tp)
+                             if not (share_tied and name == "lm_head.weight")))
+    params = sum(per_stage)
+    weights, gradients, optimizer = zero_state(per_stage, dp, zero, unshard, microbatches, between_steps)
+    return StateBytes(params, weights * r, gradients * r, optimizer * r)
+
+
+def zero_state(stage_params: Sequence[int], dp: int, zero: int, unshard: str = "step", microbatches: int = 2,
+               between_steps: bool = False) -> tuple[int, int, int]:
+    """(weights, gradients, AdamW moments) in elements of a rank whose stages hold stage_params, under ZeRO level
+    `zero` over dp ranks (see the module docstring's table)."""
+    params = sum(stage_params)
     if not zero or dp == 1:
-        return StateBytes(params, params * r, params * r, 2 * params * r)
+        return params, params, 2 * params
     shard = -(-params // dp)
-    weights = shard + (0 if between_steps else params) if zero >= 3 else params
-    gradients = shard if between_steps and zero >= 2 else params + shard
-    return StateBytes(params, weights * r, gradients * r, 2 * shard * r)
+    two = sum(sorted(stage_params)[-2:])  # the two largest stages: what the microbatch policy keeps whole
+    if zero >= 3:
+        weights = shard + (0 if between_steps else two if unshard == "microbatch" else params)
+    else:
+        weights = params
+    if zero >= 2:
+        gradients = shard + (0 if between_steps else two if microbatches == 1 else params)
+    else:
+        gradients = params + shard
+    return weights, gradients, 2 * shard
 
 
 def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
-                precision: str = "fp32", between_steps: bool = False) -> StateBytes:
+                precision: str = "fp32", between_steps: bool = False, unshard: str = "step",
+                microbatches: int = 2) -> StateBytes:
     """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
     (layers: a count or a range), cut over sharding.tp, and over dp x cp by ZeRO (sharding.zero): at the
-    step's peak, or what stays between steps. See the module docstring."""
+    step's peak, or what stays between steps. unshard: ZeRO-3's gather policy (step or microbatch);
+    microbatches: per step (one lets ZeRO-2/3 free each stage's full gradients early). See the module docstring."""
     _check_positive("dp", sharding.dp)
     key = tuple((_count(layers), bool(embed), bool(head)) for layers, embed, head in stages)
-    return _state_bytes(model, key, sharding, precision, between_steps)
+    return _state_bytes(model, key, sharding, precision, between_steps, unshard, min(microbatches, 2))
 
 
 # ---------------------------------------------------------------------------
@@ -204,7 +229,7 @@ def held_messages(plan: Plan, device: str = "cuda") -> tuple[int, ...]:
 def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, microbatch_size: int,
                 sharding: Sharding = Sharding(), recompute: str = "none", precision: str = "fp32",
                 device: str = "cuda", activations: Sequence[int] | None = None,
-                cp_comm: str = "ring") -> list[MemoryBreakdown]:
+                cp_comm: str = "ring", unshard: str = "step") -> list[MemoryBreakdown]:
     """The MemoryBreakdown of every pipeline rank of `plan` (every dp and tp replica of a pipeline
     rank needs the same; with ZeRO-1 the optimizer is the largest dp rank's share). sharding: tp (and
     sequence parallelism), dp and ZeRO; the pipeline is the plan's.
@@ -214,7 +239,7 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     rank's peak activation bytes if the caller has them (e.g. from a Timeline built with
     Costs(activation_bytes=saved); with I/W that misses what deferred_bytes adds); by default
     activation_peaks' held. workspace: activation_peaks' working less held (cp_comm: how K/V travel with
-    sharding.cp > 1, ring or allgather).
+    sharding.cp > 1, ring or allgather). unshard: ZeRO-3's gather policy (state_bytes).
     """
     counts = _layer_counts(model, plan, layers_per_stage)
     kw = dict(microbatch_size=microbatch_size, sharding=sharding, precision=precision)
@@ -230,7 +255,7 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     for rank in range(plan.num_ranks):
         mine = plan.stages_of(rank)
         state = state_bytes(model, [(counts[s], s == 0, s == last) for s in mine], sharding=sharding,
-                            precision=precision)
+                            precision=precision, unshard=unshard, microbatches=plan.num_microbatches)
         out.append(MemoryBreakdown(
             rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
             optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],

@@ -65,6 +65,7 @@ class Candidate:
     recompute: str
     balanced: bool
     cp_comm: str = "ring"
+    per_block: bool = False  # weighed under ZeRO-3's microbatch policy only (FSDP per block)
 
     @property
     def dims(self) -> ParallelDims:
@@ -99,11 +100,16 @@ class Layout:
     pad_vocab: bool = False
     cp: int = 1
     cp_comm: str = "ring"  # how K/V travel with cp > 1
+    unshard: str | None = None  # ZeRO-3's gather policy when not the run's default (step): "microbatch"
 
     @property
     def sharding(self) -> Sharding:
         return Sharding(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
                         zero=self.zero)
+
+    @property
+    def unshard_policy(self) -> str:
+        return self.unshard or "step"
 
     @property
     def world(self) -> int:
@@ -127,7 +133,7 @@ class Layout:
         v = f" v{self.virtual_stages}" if self.takes_virtual_stages else ""
         return (f"{self.mesh_name} {self.schedule}{v} "
                 f"m{self.microbatches}x{self.microbatch_size} rc={self.recompute} zero{self.zero}"
-                + (" balanced" if self.balanced else ""))
+                + (f" unshard={self.unshard}" if self.unshard else "") + (" balanced" if self.balanced else ""))
 
     def settings(self) -> dict:
         """The run settings (config fields: pipegpt.dims.LAYOUT_FIELDS) that build this plan: virtual stages where

@@ -143,7 +143,8 @@ def format_text(res: SearchResult) -> str:
         L = r.layout
         sched = L.schedule + (f" v{L.virtual_stages}" if L.takes_virtual_stages else "")
         rows.append([i, L.mesh_name, L.world, sched,
-                     f"{L.microbatches} x {L.microbatch_size}", L.recompute, L.zero,
+                     f"{L.microbatches} x {L.microbatch_size}", L.recompute,
+                     f"{L.zero} ({L.unshard})" if L.unshard else L.zero,
                      "balanced" if L.balanced else "even", format_seconds(r.step_time), format_count(r.tokens_per_s),
                      "-" if r.mfu is None else f"{100 * r.mfu:.1f}%", f"{100 * r.bubble:.1f}%",
                      f"{format_bytes(r.peak_bytes)} (rank {r.peak_rank})"])
@@ -162,6 +163,7 @@ def format_text(res: SearchResult) -> str:
                   + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b["cp_comm"] else "")
                   + f", idle {format_seconds(b['idle'])}"
                   + (f"; gradient all-reduce exposed {format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
+                  + (f"; parameter gathers exposed {format_seconds(b['gathers'])}" if b.get("gathers") else "")
                   + f"; after the last action {format_seconds(b['after'])}",
                   f"  layers per stage {','.join(map(str, L.layers_per_stage))}",
                   f"  {L.command(r.model, precision)}"]
