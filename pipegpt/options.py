@@ -573,8 +573,8 @@ PLAN_OPTIONS = [
                        "default: both are weighed)."),
     click.option("--zero", "only_zero", type=click.Choice(["0", "1", "2", "3"]), default=None,
                   callback=lambda ctx, param, value: None if value is None else int(value),
-                  help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0 or 1, "
-                       "whichever is faster where both fit."),
+                  help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0-3 (3 "
+                       "under either --unshard policy), whichever is fastest where several fit."),
     click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print."),
     click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit)."),
     click.option("--try", "try_top", type=click.IntRange(min=1), default=None, metavar="K",

@@ -29,7 +29,11 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   over the links the placement uses (on the critical path every link is crossed about equally often).
 * data-parallel gradient all-reduce of each stage's fp32 gradients (1/tp of the sharded matrices), ring
   bandwidth term, tree latency term, at intra-node bandwidth only when the whole group is in one node:
-  the simulator's dp_comm (started when the stage's last backward ends, overlapping the rest).
+  the simulator's dp_comm (started when the stage's last backward ends, overlapping the rest); with ZeRO a
+  reduce-scatter (shard_collective_time: half the all-reduce's bytes).
+* ZeRO-3 under --unshard microbatch: an all-gather of a stage's parameters (in their dtype: fp32 under bf16
+  autocast) before each run of its compute actions, posted one run ahead: max(0, gather - the previous run's
+  compute) shows, the step's first gather in full (pipegpt.costs.stage_costs.exposed_gathers).
 * after the step's last action: AdamW over the rank's parameters (1/dp of them with ZeRO) at HBM speed
   (OPTIMIZER_BYTES_PER_PARAM: torch's per-tensor AdamW reads and writes each value about sixteen times,
   clipping included), or the host's per-tensor overhead if larger; with ZeRO, the updated shards all-gathered

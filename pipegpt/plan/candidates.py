@@ -29,7 +29,7 @@ class Request:
     exact_gpus: bool = False  # only layouts using every GPU
     only: tuple = (None, None, None, None)  # (dp, pp, tp, cp): only layouts with these (None: any)
     cp_comm: str | None = None  # how K/V travel with cp > 1 (None: both are weighed)
-    zero: int | None = None  # only this ZeRO level (None: 0 or 1, whichever is faster)
+    zero: int | None = None  # only this ZeRO level (None: 0-3, whichever is fastest and fits)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -53,8 +53,8 @@ class Mesh:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One plan to check and simulate, as the search queues it: its microbatches follow (batch / (dp x
-    microbatch_size)), its layer split too (the even one, or the balanced one), and ZeRO-1 is the faster
-    choice that fits."""
+    microbatch_size)), its layer split too (the even one, or the balanced one), and its ZeRO level (with
+    ZeRO-3's unshard policy) is the faster choice that fits."""
 
     sharding: Sharding  # its layout's (ZeRO still undecided: 0)
     pad_vocab: bool

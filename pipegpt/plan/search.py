@@ -16,12 +16,19 @@ What is searched, for a model, a global batch and a cluster:
   holds the whole sequence's K/V for a moment. With few kv heads (GQA) the gather is small and can win.
 * every schedule of the registry (pipegpt.schedule.SCHEDULES): interleaved-1f1b with v in {2, 4}, zbv and
   dualpipev with their 2 stages per rank; model stages <= n_layer. With pp = 1 only 1f1b (gradient
-  accumulation: the other schedules are the same work in another order, or need two ranks).
+  accumulation: the other schedules are the same work in another order, or need two ranks). FSDP per block:
+  where dp x cp > 1 and pp <= FSDP_MAX_PP, also interleaved-1f1b with v = 8, 16, ... and n_layer / pp (one
+  block per stage, at pp 1 too), under ZeRO-3's microbatch policy only (a rank gathers one or two small stages
+  at a time; at another level so many stages per rank only add work).
 * microbatch size: every divisor of the replica's batch (m = batch / (dp x size)), the schedule's own rules
   (ScheduleError) refusing what they refuse; at most MAX_ACTIONS actions per plan.
-* recomputation none / selective / full; ZeRO-1 on/off when dp x cp > 1; sequence parallelism when tp > 1 (in
-  this model it moves the same bytes as tensor parallelism without it and holds less, so it is taken
-  whenever validate_tp allows it, the other way otherwise); plan --zero N: only ZeRO level N;
+* recomputation none / selective / full; ZeRO 0-3 when dp x cp > 1, level 3 under --unshard step and, where a
+  rank holds more than two stages, microbatch (pipegpt.costs.memory: what each holds at the peak; a level's
+  time: the reduce-scatter instead of the all-reduce from level 1, the all-gather after the update at 1-2 and
+  3 step, the microbatch policy's gathers per group of compute, each hidden behind the group before it
+  (stage_costs.exposed_gathers)); the fastest that fits wins, ties going to the lower level; sequence
+  parallelism when tp > 1 (in this model it moves the same bytes as tensor parallelism without it and holds
+  less, so it is taken whenever validate_tp allows it, the other way otherwise); plan --zero N: only level N;
 * the layer split: even (what `pipegpt run` does without --layers-per-stage), or balanced by cost
   (pipegpt.costs.balance: embedding and head counted, for the schedule's placement) when that differs.
 
@@ -35,8 +42,8 @@ How it stays fast (branch and bound over two levels):
   last action -- the backward chain below it (less the W work that may fill it, for split-backward plans) or
   its smallest stage's gradient all-reduce -- max over ranks, plus the time after the step. For 1F1B, GPipe
   and interleaved 1F1B at uniform costs it equals the simulator's makespan, so few candidates get simulated.
-* memory before time: a family whose weights, gradients and optimizer state (at ZeRO-1's even share) plus
-  one microbatch per stage does not fit is dropped with all its larger microbatches; a popped candidate is
+* memory before time: a family whose weights, gradients and optimizer state (the least over its ZeRO
+  choices, at one microbatch) plus one microbatch per stage does not fit is dropped with all its larger microbatches; a popped candidate is
   checked against its held activations at the schedule's peak (live sets read once from the plan's action
   order, then one matrix-vector product per candidate) and then against pipegpt.costs.memory's full
   breakdown, before it is simulated.
