@@ -55,6 +55,7 @@ def explain(runner: Result, best: Result) -> str:
         "idle": rb["idle"] - bb["idle"],
         "dp_exposed": rb["dp_exposed"] - bb["dp_exposed"],
         "after": rb["after"] - bb["after"],
+        "gathers": rb.get("gathers", 0.0) - bb.get("gathers", 0.0),
     }
     reasons = []
     for part, delta in sorted(deltas.items(), key=lambda kv: -kv[1])[:2]:
@@ -76,6 +77,9 @@ def explain(runner: Result, best: Result) -> str:
         elif part == "cp_comm":
             reasons.append(f"context-parallel K/V transfers not hidden {format_seconds(rb['cp_comm'])} vs "
                            f"{format_seconds(bb['cp_comm'])}")
+        elif part == "gathers":
+            reasons.append(f"ZeRO-3 parameter gathers not hidden: {format_seconds(rb.get('gathers', 0.0))} vs "
+                           f"{format_seconds(bb.get('gathers', 0.0))}")
         elif part == "dp_exposed":
             reasons.append(f"gradient all-reduce not hidden: {format_seconds(rb['dp_exposed'])} vs "
                            f"{format_seconds(bb['dp_exposed'])}")
@@ -162,7 +166,8 @@ def format_text(res: SearchResult) -> str:
                   + (f", tensor-parallel collectives {format_seconds(b['tp_comm'])}" if b["tp_comm"] else "")
                   + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b["cp_comm"] else "")
                   + f", idle {format_seconds(b['idle'])}"
-                  + (f"; gradient all-reduce exposed {format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
+                  + (f"; gradient {'reduce-scatter' if L.zero else 'all-reduce'} exposed "
+                     f"{format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
                   + (f"; parameter gathers exposed {format_seconds(b['gathers'])}" if b.get("gathers") else "")
                   + f"; after the last action {format_seconds(b['after'])}",
                   f"  layers per stage {','.join(map(str, L.layers_per_stage))}",
