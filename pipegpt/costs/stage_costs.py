@@ -98,7 +98,8 @@ class StageCosts:
                    unshard: str = "step") -> float:
         """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO's all-gather of the
         parameters: after the update at ZeRO-1/2, at the stage's UNSHARD at ZeRO-3, once per step either way; both
-        over dp x cp; none with ZeRO-3's microbatch policy, whose gathers exposed_gathers charges), the tied embedding's gradient sum between the first and the last stage, and with tp > kv_heads
+        over dp x cp; none with ZeRO-3's microbatch policy, whose gathers exposed_gathers charges), the tied
+        embedding's gradient sum between the first and the last stage, and with tp > kv_heads
         (Llama; layers: blocks per stage) the replicated key/value heads' gradient sum over the tp group
         (pipegpt.tensor_parallel.layers.sum_replicated_kv_grads: one all-reduce of a [kv_heads, n] buffer)."""
         c, dp, pp, tp = self.cluster, memory_model.gradient_group(sharding), sharding.pp, sharding.tp

@@ -43,10 +43,10 @@ How it stays fast (branch and bound over two levels):
   its smallest stage's gradient all-reduce -- max over ranks, plus the time after the step. For 1F1B, GPipe
   and interleaved 1F1B at uniform costs it equals the simulator's makespan, so few candidates get simulated.
 * memory before time: a family whose weights, gradients and optimizer state (the least over its ZeRO
-  choices, at one microbatch) plus one microbatch per stage does not fit is dropped with all its larger microbatches; a popped candidate is
-  checked against its held activations at the schedule's peak (live sets read once from the plan's action
-  order, then one matrix-vector product per candidate) and then against pipegpt.costs.memory's full
-  breakdown, before it is simulated.
+  choices, at one microbatch) plus one microbatch per stage does not fit is dropped with all its larger
+  microbatches; a popped candidate is checked against its held activations at the schedule's peak (live sets
+  read once from the plan's action order, then one matrix-vector product per candidate) and then against
+  pipegpt.costs.memory's full breakdown, before it is simulated.
 * the simulator's results are cached by (schedule, p, m, v, costs normalised and rounded to 3 significant
   digits); the plans printed are simulated again with their exact costs.
 

@@ -133,8 +133,8 @@ def test_the_layout_maps_come_from_one_table():
     """What the five maps held before LAYOUT_FIELDS, now derived from it."""
     assert [f.name for f in LAYOUT_FIELDS if f.planned] == list(Layout(1, 1, 1, "1f1b", 1, 1, 1).settings())
     assert AUTO_LAYOUT_FIELDS == ("stages", "dp", "tp", "cp", "cp_comm", "schedule", "virtual_stages", "microbatches",
-                                  "microbatch_size", "recompute", "zero", "unshard", "sequence_parallel", "layers_per_stage",
-                                  "schedule_file")
+                                  "microbatch_size", "recompute", "zero", "unshard", "sequence_parallel",
+                                  "layers_per_stage", "schedule_file")
     assert LAYOUT_FLAGS == {"--stages", "-p", "--dp", "--tp", "--cp", "--cp-comm", "--microbatches", "-m", "--schedule", "-s",
                            "--virtual-stages", "-v", "--layers-per-stage", "--batch-size", "--max-live",
                            "--balance", "--layout"}
