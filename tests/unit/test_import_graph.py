@@ -11,6 +11,7 @@ from test_schedule_imports import find_cycle, module_graph
 LAYERS = [
     "pipegpt.arch",
     "pipegpt.dims",
+    "pipegpt.model_config",
     "pipegpt.config",
     "pipegpt.run_files",
     "pipegpt.schedule",
