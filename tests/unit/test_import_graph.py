@@ -34,6 +34,7 @@ LAYERS = [
     "pipegpt.infer",
     "pipegpt.tools",
     "pipegpt.options",
+    "pipegpt.command_options",
     "pipegpt.cli",
     "pipegpt.__main__",
 ]
