@@ -24,14 +24,20 @@ def convert_options(command):
     return _stacked(command, CONVERT)
 
 
-HELLASWAG = [
-    click.option("--file", "jsonl", required=True, type=click.Path(), metavar="FILE",
-                 help="HellaSwag jsonl (nanoGPT's hellaswag_val.jsonl): ctx, endings (4), label per line."),
-    click.option("--limit", type=click.IntRange(min=1), default=None, help="Score only the first N examples."),
+# what a command reading a checkpoint may override (sample, hellaswag)
+READING = [
     click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
                  help="Override the tokenizer the checkpoint remembers."),
     click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
                  help="auto: CUDA when a GPU is visible."),
+]
+
+
+HELLASWAG = [
+    click.option("--file", "jsonl", required=True, type=click.Path(), metavar="FILE",
+                 help="HellaSwag jsonl (nanoGPT's hellaswag_val.jsonl): ctx, endings (4), label per line."),
+    click.option("--limit", type=click.IntRange(min=1), default=None, help="Score only the first N examples."),
+    *READING,
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
 ]
 
@@ -68,10 +74,7 @@ SAMPLE = [
                  help="Softmax temperature; 0: always the most likely token (greedy)."),
     click.option("--top-k", type=int, default=200, show_default=True, help="Draw only from the k most likely tokens."),
     click.option("--seed", type=int, default=1337, show_default=True, help="Seed of the draws."),
-    click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
-                 help="Override the tokenizer the checkpoint remembers."),
-    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-                 help="auto: CUDA when a GPU is visible."),
+    *READING,
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt: prompt, text, new_tokens."),
 ]
 
