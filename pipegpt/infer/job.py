@@ -20,7 +20,7 @@ from pipegpt.engine.placement import local_world_size, resolve_device
 from pipegpt.infer.sampling import SamplingSettings
 from pipegpt.infer.worker import InferenceWorker
 from pipegpt.schedule import lower, schedule_spec, validate
-from pipegpt.schedule.inference import decode_plan
+from pipegpt.schedule.generators import decode_plan
 from pipegpt.state import checkpoint
 from pipegpt.train.progress import crowding
 
