@@ -84,7 +84,8 @@ class ParallelConfig:
                         choices=ZERO)
     unshard: str | None = setting(None, "With --zero 3: where the plan gathers a stage's parameters: once per step "
                                         "(before its first action, freed after its last; the default) or around "
-                                        "each run of its consecutive actions (least memory).", choices=UNSHARD)
+                                        "each run of its consecutive actions, prefetched one run ahead (two stages "
+                                        "gathered at most: least memory).", choices=UNSHARD)
     sequence_parallel: bool = setting(False, "With --tp: shard the LayerNorm/dropout regions along the sequence "
                                              "(Megatron SP).")
 
