@@ -4,8 +4,10 @@ It decides nothing about order: the lowered plan from pipegpt.schedule does.
 A REDUCE_GRAD launches the stage's gradient reduction on the `collectives`
 object it is given (the training role's train.grad_sync.PlanCollectives); it
 overlaps what follows, and the worker waits for it after the step. An UNSHARD
-gathers the stage's parameters there (ZeRO-3; its compute follows, so it is
-waited for), a RESHARD frees them.
+launches the gather of the stage's parameters there (ZeRO-3), a RESHARD frees
+them; before the stage's first compute after an UNSHARD (and before its first
+backward of the step) the runtime calls the collectives' ready(), which waits
+for the gather (so one the plan posts a compute ahead overlaps that compute).
 Each run of consecutive SEND/RECV actions is posted as one batch; receives are
 waited for before the next compute, sends at the release points the schedule
 computes (pipegpt.schedule.messages.release_points: where the receiver is known
@@ -48,6 +50,23 @@ def _ranks(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def ready_points(actions) -> dict[int, tuple[int, bool]]:
+    """Index -> (stage, backward) of each compute action before which the collectives' ready() runs: a stage's
+    first compute after each of its UNSHARDs, and its first backward (B, I or W) of the step."""
+    out, gathering, backed = {}, set(), set()
+    for i, a in enumerate(actions):
+        if a.kind is Kind.UNSHARD:
+            gathering.add(a.stage)
+        elif a.kind.is_compute:
+            backward = a.kind is not Kind.F and a.stage not in backed
+            if backward:
+                backed.add(a.stage)
+            if backward or a.stage in gathering:
+                gathering.discard(a.stage)
+                out[i] = (a.stage, backward)
+    return out
+
+
 def _outbox_key(send: Action) -> tuple[Kind, int, int]:
     """Where a SEND's tensor waits in the outbox: (F|B, sending stage, microbatch)."""
     return Kind.F if send.kind is Kind.SEND_F else Kind.B, send.stage, send.microbatch
@@ -64,6 +83,9 @@ class Collectives(Protocol):
 
     def reshard(self, stage: int) -> None:
         """Free the stage's gathered parameters."""
+
+    def ready(self, stage: int, backward: bool) -> None:
+        """The stage computes next: wait for its gathers; before its first backward, its gradient buffers."""
 
 
 class PipelineRuntime:
@@ -85,6 +107,10 @@ class PipelineRuntime:
             if self.run_collective[a.kind] is None:
                 raise ScheduleError(f"rank {rank}: the plan has {a}, and this rank's collectives do not run "
                                     f"{a.kind.value}")
+        self.ready = getattr(collectives, "ready", None)
+        if self.ready is None and any(a.kind is Kind.UNSHARD for a in self.collective_at.values()):
+            raise ScheduleError(f"rank {rank}: the plan gathers parameters, and this rank's collectives have no "
+                                f"ready() to wait for them before a compute")
         # Global rank that owns each stage in this rank's pipeline.
         self.owner = [pipeline_ranks[r] for r in plan.stage_to_rank]
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
@@ -101,6 +127,10 @@ class PipelineRuntime:
         self.marker = device_marker(torch.device(device))
         self.marks: list = []
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
+        # Index of a compute action -> the ready() call before it: (stage, backward, where the wait is).
+        self.ready_at = {} if self.ready is None else {
+            i: (s, backward, (i, self.names[i], (), f"its data-parallel peers (gathering stage {s}'s parameters)"))
+            for i, (s, backward) in ready_points(self.actions).items()}
         # A comm batch is posted, and marked, as one: its whereabouts name every peer in it, not its first action's.
         self.batch_at = {i: self._batch_whereabouts(i, end) for i, end in self.batch_end.items()}
         self.index_of = {a: i for i, a in enumerate(self.actions)}
@@ -204,6 +234,11 @@ class PipelineRuntime:
                 continue
             collective = self.collective_at.get(i)
             if collective is None:
+                ready = self.ready_at.get(i)
+                if ready is not None:
+                    self.now = ready[2]
+                    self.ready(ready[0], ready[1])
+                    self.now = at[i]
                 if self.before_compute is not None:
                     self.before_compute(actions[i])
                 self._compute(actions[i], inputs, targets, inbox, outbox, documents)

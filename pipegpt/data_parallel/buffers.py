@@ -107,13 +107,16 @@ class StageBuffers:
             p.grad = view
 
     def zero_grad(self) -> None:
-        """A step's gradients start at zero; ZeRO-2/3 allocate the buffer they freed at the last step's end."""
+        """A step's gradients start at zero; ZeRO-2/3 allocate theirs at the stage's first backward (need_grads)."""
         if self.grad_flat is not None:
             self.grad_flat.zero_()
-            return
-        self.grad_flat = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
-        if self.gathered:  # ZeRO-3 attaches them at the stage's gather
-            self._attach_grads()
+
+    def need_grads(self) -> None:
+        """ZeRO-2/3: the full gradient buffer, zeroed, from the stage's first backward of a step until reduced."""
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
+            if self.gathered:  # ZeRO-3 attaches them at the stage's gather
+                self._attach_grads()
 
     def free_grads(self) -> None:
         """ZeRO-2/3, once reduced: only the shard is kept."""

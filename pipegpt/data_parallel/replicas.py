@@ -9,8 +9,13 @@ and ZeRO's shards over the data-parallel group (dp x cp: context-parallel ranks 
     zero 3  as 2, and the parameters too: a stage's full parameters exist only between the plan's UNSHARD
             (all-gather) and RESHARD (free); the optimizer updates the shard in place
 
-Reductions run asynchronously where the plan puts them and are waited for in finish(), before clipping. Every
-member of the group runs the same plan, so they launch the same collectives in the same order.
+Reductions run asynchronously where the plan puts them and are waited for in finish(), before clipping; at
+zero >= 2 a stage's reduce-scatter is waited for at the rank's next REDUCE_GRAD instead, and its full gradient
+buffer freed there (allocated at the stage's first backward: ready()), so with one microbatch a rank holds
+two stages' full gradients at most. A gather (UNSHARD) runs asynchronously too: ready(), which the runtime
+calls before the stage's compute, waits for it, so a gather the plan posts ahead (a prefetch) overlaps the
+compute between. Every member of the group runs the same plan, so they launch the same collectives in the
+same order.
 """
 from __future__ import annotations
 
@@ -52,7 +57,9 @@ class DataParallel:
         self.users = {s: sorted({holder[id(p)].stage for p in ps if id(p) in holder})
                       for s, ps in params_of_stage.items()}
         self.unsharded: dict[int, set[int]] = {s: set() for s in self.buffers}  # buffer -> stages holding it
-        self.pending: list = []
+        self.pending: list = []  # zero 0/1: the step's reductions, waited for in finish()
+        self.reducing: dict[int, list] = {}  # zero >= 2: stage -> its reduce-scatters in flight
+        self.gathering: dict[int, list] = {}  # zero 3: buffer -> its all-gathers in flight, until ready()
         self.reduced: set[int] = set()
 
     # the plan's collectives
@@ -63,6 +70,12 @@ class DataParallel:
         buf = self.buffers.get(stage)
         if buf is None:
             return
+        if self.zero >= 2:
+            self._settle_reductions()  # the earlier stages' full gradients go before this one's reduction runs
+            if buf.grad_flat is None:
+                raise ValueError(f"rank {self.rank}: {stage}REDUCE_GRAD with no gradient buffer: the runtime "
+                                 f"called no ready({stage}) before the stage's backward")
+        works = []
         for k, b in enumerate(buf.layout.buckets):
             if self.zero:
                 bucket = buf.bucket_view(buf.grad_flat, b).div_(self.size)
@@ -70,23 +83,48 @@ class DataParallel:
             else:
                 bucket = buf.bucket_view(buf.grad_flat, b, padded=False).div_(self.size)
                 work = dist.all_reduce(bucket, group=self.group, async_op=True)
-            self.pending.append(work)
+            works.append(work)
+        if self.zero >= 2:
+            self.reducing[stage] = works
+        else:
+            self.pending += works
+
+    def _settle_reductions(self) -> None:
+        """Zero >= 2: wait for the reduce-scatters in flight and free those stages' full gradient buffers."""
+        for stage, works in self.reducing.items():
+            self._wait(works, f"gradient reduce-scatter of stage {stage}")
+            self.buffers[stage].free_grads()
+        self.reducing.clear()
 
     def unshard(self, stage: int) -> None:
-        """Gather the parameters the stage computes with (ZeRO-3), waiting for them: its compute follows."""
-        works = []
+        """Launch the gather of the parameters the stage computes with (ZeRO-3); ready() waits for it."""
         for s in self.users.get(stage, ()):
             holders = self.unsharded[s]
             if not holders and self.zero >= 3:
-                works += self._gather(self.buffers[s])
+                self.gathering[s] = self._gather(self.buffers[s])
             holders.add(stage)
-        self._wait(works, "parameter all-gather")
+
+    def ready(self, stage: int, backward: bool = False) -> None:
+        """The stage computes next (the runtime calls this before its first compute after an UNSHARD, and before
+        its first backward of a step): wait for the gathers of what it reads; before a backward, zero >= 2
+        allocate the full gradient buffers it adds into. Nothing pending, nothing to allocate: a dict lookup."""
+        if self.gathering:
+            for s in self.users.get(stage, ()):
+                works = self.gathering.pop(s, None)
+                if works:
+                    self._wait(works, f"parameter all-gather of stage {s}")
+        if backward and self.zero >= 2:
+            for s in self.users.get(stage, ()):
+                self.buffers[s].need_grads()
 
     def reshard(self, stage: int) -> None:
         for s in self.users.get(stage, ()):
             holders = self.unsharded[s]
             holders.discard(stage)
             if not holders and self.zero >= 3:
+                works = self.gathering.pop(s, None)
+                if works:  # gathered and freed with no compute between: the gather must not write a freed buffer
+                    self._wait(works, f"parameter all-gather of stage {s}")
                 self.buffers[s].reshard()
 
     def _gather(self, buf: StageBuffers, full: torch.Tensor | None = None) -> list:
@@ -116,6 +154,7 @@ class DataParallel:
                              f"gradients were not averaged over the data-parallel replicas")
         self._wait(self.pending, "data-parallel gradient reduction")
         self.pending = []
+        self._settle_reductions()
         for buf in self.buffers.values():
             buf.free_grads()
 
@@ -167,6 +206,7 @@ class DataParallel:
             self.users.setdefault(stage, []).append(s)
         try:
             self.unshard(stage)
+            self.ready(stage)
             yield
         finally:
             self.reshard(stage)

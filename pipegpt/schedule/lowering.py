@@ -302,10 +302,12 @@ def add_unshard_reshard(plan: Plan, policy: str = "step") -> Plan:
 
         step        gathered before the stage's first compute action of the step, freed after its last
                     (torchtitan's default under pipeline parallelism: microbatches do not gather again)
-        microbatch  gathered before each run of the stage's consecutive compute actions, freed after it (the
-                    least parameter memory where a rank holds several stages: interleaved and V schedules)
+        microbatch  gathered around each run of the stage's consecutive compute actions, the gather prefetched:
+                    posted before the run before it (its compute overlaps the gather), freed after its run; a
+                    stage freed and gathered again with no compute between stays gathered. A rank then holds
+                    two stages gathered at most (the least parameter memory where it holds three or more)
 
-    A gather goes before the run of messages that precedes its compute (a run of messages is one batch and is
+    A gather goes before the run of messages that precedes a compute (a run of messages is one batch and is
     never split), a free after the compute and the collectives right behind it (the stage's REDUCE_GRAD).
     A stage that already has its UNSHARD/RESHARD on its rank (a schedule file) keeps them where they stand.
     """
@@ -315,20 +317,42 @@ def add_unshard_reshard(plan: Plan, policy: str = "step") -> Plan:
     ranks = []
     for actions in plan.ranks:
         placed = {a.stage for a in actions if a.kind in sharding_kinds}
-        groups = [g for g in _compute_runs(actions, by_stage=policy == "step") if g[0] not in placed]
-        before, after = {}, {}
-        for stage, first, last in groups:
+        spans = []  # (stage, where its gather goes, where its free goes) per run
+        for stage, first, last in _compute_runs(actions, by_stage=policy == "step"):
             while first > 0 and actions[first - 1].kind.is_p2p:
                 first -= 1
             while last + 1 < len(actions) and actions[last + 1].kind.is_collective:
                 last += 1
-            before.setdefault(first, []).append(Action(stage, Kind.UNSHARD, NO_MICROBATCH))
-            after.setdefault(last, []).append(Action(stage, Kind.RESHARD, NO_MICROBATCH))
+            spans.append([stage, first, last])
+        if policy == "microbatch":
+            spans = _prefetched(spans, actions)
+        before, after = {}, {}
+        for stage, gather, free in spans:
+            if stage in placed:
+                continue
+            if gather is not None:
+                before.setdefault(gather, []).append(Action(stage, Kind.UNSHARD, NO_MICROBATCH))
+            if free is not None:
+                after.setdefault(free, []).append(Action(stage, Kind.RESHARD, NO_MICROBATCH))
         out = []
         for i, a in enumerate(actions):
             out += before.get(i, []) + [a] + after.get(i, [])
         ranks.append(out)
     return plan.with_ranks(ranks)
+
+
+def _prefetched(spans: list[list], actions) -> list[list]:
+    """Each run's gather moved to where the run before it gathers (the rank's first two runs gather at its start);
+    a free followed by the same stage's gather with no compute between: neither (None)."""
+    starts = [gather for _, gather, _ in spans]
+    last_of: dict[int, list] = {}  # stage -> its latest span
+    for k, span in enumerate(spans):
+        span[1] = starts[max(k - 1, 0)]
+        earlier = last_of.get(span[0])
+        if earlier is not None and not any(a.kind.is_compute for a in actions[earlier[2] + 1:span[1]]):
+            earlier[2] = span[1] = None
+        last_of[span[0]] = span
+    return spans
 
 
 def _compute_runs(actions, by_stage: bool) -> list[tuple[int, int, int]]:

@@ -54,7 +54,9 @@ class Costs:
     as add_reduce_grad places them: when the stage's last B/W ends), overlaps
     compute, and a rank's reductions run one after another. gather_comm[s] is
     the time to all-gather stage s's parameters (ZeRO-3), the cost of its
-    UNSHARD: the rank waits for it before its next compute action.
+    UNSHARD: it starts where the rank reaches it (after the gathers posted
+    before it), overlaps the compute that follows, and the stage's next compute
+    action waits for it (a gather posted a compute ahead is hidden by that compute).
     """
 
     forward: tuple
@@ -417,7 +419,9 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
         raise ScheduleError(f"costs are for {costs.num_stages} stages but plan {plan.name!r} has "
                             f"{plan.num_stages}; give one cost per stage")
     actions = plan.compute_only().ranks
-    gathers = _gathers_before(plan, costs)
+    launches, waits = _gathers(plan, costs)
+    gathered: dict[tuple[int, int], tuple[Action, Real]] = {}  # (rank, index of an UNSHARD) -> it, when done
+    channel: list[Real] = [0] * plan.num_ranks  # when each rank's gathers posted so far are done
     rank_of = plan.stage_to_rank
     ends: dict[Action, Real] = {}
     waiters: dict[Action, list[int]] = defaultdict(list)
@@ -435,9 +439,14 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
                 waiters[missing].append(r)
                 break
             start = free[r]
-            for unshard, duration in gathers.get(action, ()):  # the rank waits for its gathers, in plan order
-                events.append(Event(r, unshard, start, start + duration))
-                start += duration
+            for key, unshard, duration in launches.get(action, ()):  # posted where the rank reached them
+                channel[r] = max(channel[r], free[r]) + duration
+                gathered[key] = unshard, channel[r]
+            for key in waits.get(action, ()):  # its stage's gathers: the rank's wait for them is their event
+                unshard, done = gathered.pop(key)
+                if done > start:
+                    events.append(Event(r, unshard, start, done))
+                    start = done
             for d in deps:
                 available = ends[d]
                 if costs.comm and rank_of[d.stage] != r:
@@ -462,17 +471,25 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
                     stage_to_rank=tuple(plan.stage_to_rank), activation_bytes=costs.activation_bytes, meta=meta)
 
 
-def _gathers_before(plan: Plan, costs: Costs) -> dict[Action, list[tuple[Action, Real]]]:
-    """Each compute action's UNSHARDs since the rank's previous compute action, with their gather times."""
-    out: dict[Action, list[tuple[Action, Real]]] = {}
-    for actions in plan.ranks:
-        waiting: list[tuple[Action, Real]] = []
-        for a in actions:
+def _gathers(plan: Plan, costs: Costs) -> tuple[dict[Action, list], dict[Action, list]]:
+    """Per compute action, the UNSHARDs its rank posts just before it (since its previous compute action), as
+    ((rank, index), UNSHARD, gather time), and the UNSHARDs it waits for (its stage's since the stage's previous
+    compute action), as (rank, index)."""
+    launches: dict[Action, list] = {}
+    waits: dict[Action, list] = {}
+    for r, actions in enumerate(plan.ranks):
+        posted: list = []
+        pending: dict[int, list[tuple[int, int]]] = {}
+        for i, a in enumerate(actions):
             if a.kind is Kind.UNSHARD:
-                waiting.append((a, costs.gather_comm[a.stage]))
-            elif a.kind in COMPUTE_KINDS and waiting:
-                out[a], waiting = waiting, []
-    return out
+                posted.append(((r, i), a, costs.gather_comm[a.stage]))
+                pending.setdefault(a.stage, []).append((r, i))
+            elif a.kind in COMPUTE_KINDS:
+                if posted:
+                    launches[a], posted = posted, []
+                if a.stage in pending:
+                    waits[a] = pending.pop(a.stage)
+    return launches, waits
 
 
 def _gradient_sync_end(plan: Plan, ends: dict[Action, Real], costs: Costs) -> Real:

@@ -31,6 +31,9 @@ class GradSync:
     def reshard(self, stage: int) -> None:
         """The plan's RESHARD: the stage's parameters are not needed until its next UNSHARD."""
 
+    def ready(self, stage: int, backward: bool) -> None:
+        """The stage computes next (after an UNSHARD; before its first backward of the step): what it reads is there."""
+
     def reduce(self) -> None:
         """Complete what this parallelism sums or averages, in place, before clipping."""
 
@@ -72,6 +75,9 @@ class DataParallelSync(GradSync):
 
     def reshard(self, stage: int) -> None:
         self.dp.reshard(stage)
+
+    def ready(self, stage: int, backward: bool) -> None:
+        self.dp.ready(stage, backward)
 
     def reduce(self) -> None:
         self.dp.finish()
@@ -169,7 +175,7 @@ def not_owned(syncs: list[GradSync]) -> set[int]:
 
 class PlanCollectives:
     """What the runtime calls for the plan's collective actions: every sync hears of a stage's REDUCE_GRAD,
-    UNSHARD and RESHARD."""
+    UNSHARD and RESHARD, and of the runtime's ready() before the stage computes."""
 
     def __init__(self, syncs: list[GradSync] | None = None):
         self.syncs = syncs or []
@@ -185,3 +191,7 @@ class PlanCollectives:
     def reshard(self, stage: int) -> None:
         for sync in self.syncs:
             sync.reshard(stage)
+
+    def ready(self, stage: int, backward: bool) -> None:
+        for sync in self.syncs:
+            sync.ready(stage, backward)

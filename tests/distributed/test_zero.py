@@ -9,6 +9,8 @@ dp 4, tensor and sequence parallelism, Llama's grid).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,6 +46,18 @@ def test_both_unshard_policies_give_the_same_parameters(workers):
     assert loss_a == loss_b
     for (name, a), (_, b) in zip(params_a + grads_a, params_b + grads_b):
         assert torch.equal(a, b), name  # the same values gathered: the same arithmetic, bit for bit
+
+
+def test_fsdp_per_block_with_prefetch_matches_one_process(workers):
+    """pp 1, a stage per block (interleaved, v = layers), one microbatch, zero 3 over dp 2: FSDP per block. The
+    microbatch policy prefetches each gather one stage ahead (two stages gathered, two stages' full gradients at
+    most: tests/unit/test_data_parallel.py counts them). Without the prefetch (step: each stage gathered once)
+    the same parameters, bit for bit: test_both_unshard_policies_give_the_same_parameters."""
+    model = dataclasses.replace(base_config(1).model, n_layer=4)
+    cfg = zero_config(1, 3, model=model, schedule="interleaved-1f1b", virtual_stages=4, microbatches=1,
+                      unshard="microbatch")
+    check(cfg)
+    assert_matches(cfg, workers(cfg))
 
 
 def test_a_hand_written_schedule_file_with_gathers_trains_like_one_process(workers, tmp_path):

@@ -1,4 +1,5 @@
-"""ZeRO-3's UNSHARD/RESHARD as actions of the plan: the pass that places them by policy (step, microbatch),
+"""ZeRO-3's UNSHARD/RESHARD as actions of the plan: the pass that places them by policy (step, microbatch with
+its prefetch),
 validation (gathers and frees pair up; no compute on a sharded stage), schedule files that carry them, their
 cost in the simulator and their look in the renderers, and the driver's plan with and without --zero 3.
 (That such a plan trains like one process: tests/distributed/test_zero.py.)"""
@@ -35,16 +36,56 @@ def test_step_gathers_each_stage_once_around_all_its_actions():
         "1UNSHARD 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1REDUCE_GRAD 1RESHARD 1SEND_B2"]
 
 
+def most_gathered(actions) -> int:
+    """The most stages a rank holds gathered at once along its actions."""
+    gathered, most = set(), 0
+    for a in actions:
+        if a.kind is Kind.UNSHARD:
+            gathered.add(a.stage)
+        elif a.kind is Kind.RESHARD:
+            gathered.discard(a.stage)
+        most = max(most, len(gathered))
+    return most
+
+
 def test_microbatch_gathers_around_each_run_of_a_stages_actions():
-    plan = validate(add_unshard_reshard(lowered("zbv", 2, 2), "microbatch"))
-    assert sharding_of(plan.ranks[0], 0)[:7] == ["0UNSHARD", "0F0", "0F1", "0RESHARD", "0UNSHARD", "0I0", "0RESHARD"]
+    plan = validate(add_unshard_reshard(add_reduce_grad(lower(build_plan("interleaved-1f1b", 2, 4, 3))),
+                                        "microbatch"))
+    assert sharding_of(plan.ranks[0], 0)[:8] == ["0UNSHARD", "0F0", "0F1", "0RESHARD", "0UNSHARD", "0F2", "0F3",
+                                                 "0RESHARD"]
     for r, actions in enumerate(plan.ranks):
-        for s in plan.stages_of(r):
-            text = sharding_of(actions, s)
-            runs = text.count(f"{s}UNSHARD")
-            assert runs == text.count(f"{s}RESHARD") > 1
+        assert most_gathered(actions) == 2
+        runs = [sharding_of(actions, s).count(f"{s}UNSHARD") for s in plan.stages_of(r)]
+        assert runs == [sharding_of(actions, s).count(f"{s}RESHARD") for s in plan.stages_of(r)]
+        assert min(runs) >= 1 and sum(runs) >= 6  # the stage a rank computes most stays gathered; others go and come
     # one stage per rank: a single run, the same as step
     assert add_unshard_reshard(lowered("1f1b"), "microbatch") == add_unshard_reshard(lowered("1f1b"), "step")
+
+
+def test_microbatch_prefetches_each_gather_one_run_ahead():
+    """FSDP per block (pp 1, a stage per layer, one microbatch): each gather is posted before the stage before
+    it computes; a stage freed and gathered again with no compute between stays gathered (2 around 3F0 3B0)."""
+    plan = validate(add_unshard_reshard(add_reduce_grad(lower(build_plan("interleaved-1f1b", 1, 1, 4))),
+                                        "microbatch"))
+    assert plan.to_text() == ("0UNSHARD 1UNSHARD 0F0 0RESHARD 2UNSHARD 1F0 1RESHARD 3UNSHARD 2F0 3F0 3B0 3REDUCE_GRAD "
+                              "3RESHARD 1UNSHARD 2B0 2REDUCE_GRAD 2RESHARD 0UNSHARD 1B0 1REDUCE_GRAD 1RESHARD 0B0 "
+                              "0REDUCE_GRAD 0RESHARD\n")
+    for name in SCHEDULES:  # two stages gathered at most; each gather but a rank's first has a compute to hide it
+        if SCHEDULES[name].synthesized:
+            continue
+        for p, m, v in ((2, 4, None), (4, 8, None), (2, 4, 3), (1, 2, 4)):
+            try:
+                plan = validate(add_unshard_reshard(add_reduce_grad(lower(build_plan(name, p, m, v))), "microbatch"))
+            except ScheduleError:
+                continue
+            for actions in plan.ranks:
+                assert most_gathered(actions) <= 2, (name, p, m, v)
+                gathers = [i for i, a in enumerate(actions) if a.kind is Kind.UNSHARD]
+                for i in gathers[1:]:
+                    s = actions[i].stage
+                    ahead = next(k for k in range(i, len(actions)) if actions[k].kind.is_compute
+                                 and actions[k].stage == s)
+                    assert any(a.kind.is_compute for a in actions[i:ahead]), (name, p, m, v, i)
 
 
 @pytest.mark.parametrize("policy", ["step", "microbatch"])
@@ -109,17 +150,21 @@ def test_a_schedule_file_with_gathers_runs_and_one_computing_sharded_is_refused_
 
 
 def test_the_drivers_plan_gathers_with_zero_3_only():
-    cfg = TrainConfig.build(ModelConfig(n_layer=4), stages=2, microbatches=4, dp=2, schedule="zbv")
+    cfg = TrainConfig.build(ModelConfig(n_layer=6), stages=2, microbatches=4, dp=2, schedule="interleaved-1f1b",
+                            virtual_stages=3)
     assert "UNSHARD" not in make_plan(cfg.replace(zero=2)).to_text()
     step, micro = make_plan(cfg.replace(zero=3)), make_plan(cfg.replace(zero=3, unshard="microbatch"))
-    assert step.to_text().count("UNSHARD") == 4 and micro.to_text().count("UNSHARD") > 8
+    assert step.to_text().count("UNSHARD") == 6 and micro.to_text().count("UNSHARD") > 12
     assert without_unshard_reshard(step) == without_unshard_reshard(micro) == make_plan(cfg)
     evaluation = evaluation_plan(step)  # forward-only, gathered once per stage
-    assert evaluation.is_forward_only and evaluation.to_text().count("UNSHARD") == 4
+    assert evaluation.is_forward_only and evaluation.to_text().count("UNSHARD") == 6
+    # two stages a rank (a V): both stay gathered through the step under either policy, the gathers prefetched
+    v = TrainConfig.build(ModelConfig(n_layer=4), stages=2, microbatches=4, dp=2, schedule="zbv", zero=3)
+    assert make_plan(v.replace(unshard="microbatch")).to_text().count("UNSHARD") == 4
 
 
 def test_a_gather_holds_its_rank_up_in_the_simulator_and_is_drawn():
-    plan = add_unshard_reshard(lowered("zbv", 2, 4), "microbatch")
+    plan = add_unshard_reshard(lowered("zbv", 2, 4), "step")
     costs = Costs.uniform(4, F=1, B=2, W=1)
     free = simulate(plan, costs)
     assert free.makespan == simulate(lowered("zbv", 2, 4), costs).makespan  # gathers at no cost change nothing
@@ -171,3 +216,21 @@ def test_a_zero3_role_refuses_a_plan_that_never_gathers_a_stage():
     cfg = TrainConfig.build(ModelConfig(n_layer=2), stages=2, dp=2, zero=3)
     with pytest.raises(ScheduleError, match="rank 0: the plan has no 0UNSHARD, and --zero 3 shards stage 0's"):
         DataParallelSync(engine, cfg)
+
+
+def test_a_prefetched_gather_overlaps_the_compute_it_precedes_in_the_simulator():
+    """FSDP per block (pp 1, 4 stages, 1 microbatch; F=1, B=2, each gather 0.5): only the first gather holds
+    the rank up; each other runs during the compute it was posted before. The events are the waits."""
+    plan = validate(add_unshard_reshard(add_reduce_grad(lower(build_plan("interleaved-1f1b", 1, 1, 4))),
+                                        "microbatch"))
+    costs = Costs.uniform(4, F=1, B=2, W=1)
+    free = simulate(plan, costs)
+    charged = simulate(plan, Costs(costs.forward, costs.backward, costs.weight, gather_comm=(0.5,) * 4))
+    assert free.makespan == 12 and charged.makespan == 12.5
+    assert [(str(e.action), e.start, e.end) for e in charged.events if e.action.kind is Kind.UNSHARD] == [
+        ("0UNSHARD", 0, 0.5)]
+    # the same gathers, each right before its stage's compute: every one is waited for
+    unfetched = "0UNSHARD 0F0 0RESHARD 1UNSHARD 1F0 1RESHARD 2UNSHARD 2F0 3UNSHARD 3F0 3B0 3REDUCE_GRAD 3RESHARD " \
+                "2B0 2REDUCE_GRAD 2RESHARD 1UNSHARD 1B0 1REDUCE_GRAD 1RESHARD 0UNSHARD 0B0 0REDUCE_GRAD 0RESHARD"
+    serial = validate(plan.with_ranks([tuple(Action.parse(t) for t in unfetched.split())]))
+    assert simulate(serial, Costs(costs.forward, costs.backward, costs.weight, gather_comm=(0.5,) * 4)).makespan == 15
