@@ -80,7 +80,8 @@ class StageCosts:
         """ZeRO-3's microbatch policy: a gather per run of a stage's compute actions (groups: per rank, the
         runs' stages and F/B/I/W counts, pipegpt.plan.structure.compute_groups), each posted one run ahead so
         that it overlaps the previous run's compute; what it does not hide shows, the step's first in full.
-        The most any rank shows (exact at pp 1, where the rank is the step; added to the step above it)."""
+        The most any rank shows: at pp 1 what the simulator charges the plan's UNSHARDs (tests/unit/
+        test_plan_zero.py); above it a rank's whole wait, more than the simulator's where bubbles hide some."""
         import numpy as np
 
         F, B, W, TP, G = (np.asarray(x, dtype=np.float64) for x in (F, B, W, TP, gathers))
