@@ -214,6 +214,7 @@ class Job(ClusterJob):
             init_method = self.cluster.init_method
             if not self.cluster.is_driver:
                 self.cluster.close()  # serve the driver's requests until it shuts everyone down
+                self.cluster = None  # done: nothing left to close or kill here
                 return False
         else:
             self.cluster = LocalCluster(cfg.world_size, cfg.runtime.timeout_s, self.threads, group_port=self.port,
