@@ -14,6 +14,7 @@ import sys
 
 import click
 
+from pipegpt import command_options
 from pipegpt.config import ConfigError
 from pipegpt.options import MODEL_OPTIONS, config_options, model_options, plan_options
 from pipegpt.schedule.actions import ScheduleError
@@ -60,54 +61,7 @@ def main():
 # simulate: the pure-Python schedule package only (pipegpt.schedule.report does the work)
 
 @main.command()
-@click.option("--schedule", "-s", default=None, metavar="NAME",
-              help="Schedule name, a comma list, or 'all' to compare (default 1f1b).")
-@click.option("--stages", "-p", type=click.IntRange(min=1), default=None,
-              help="Pipeline ranks p (each holds one stage, or v for interleaved/V schedules).")
-@click.option("--microbatches", "-m", type=click.IntRange(min=1), default=None, help="Microbatches per step.")
-@click.option("--costs", "costs_spec", default=None, metavar="SPEC",
-              help="'F=1,B=2,W=1,comm=0.1' (act_bytes= too) or a .json file with per-stage lists. Numbers are "
-                   "per rank's share of the model: schedules with v stages per rank run each at 1/v. "
-                   "Default F=1,B=2,W=1,comm=0.")
-@click.option("--virtual-stages", "-v", type=click.IntRange(min=1), default=None,
-              help="Stages per rank for interleaved-1f1b (default 2) and auto (default 1).")
-@click.option("--schedule-file", type=click.Path(dir_okay=False), default=None,
-              help="Simulate a plan from a file (one line of actions per rank) instead of a generator.")
-@click.option("--trace", "trace_dir", type=click.Path(), default=None, metavar="RUN_DIR",
-              help="Measured beside predicted: calibrate costs from a run directory's trace.json, simulate "
-                   "its plan.txt with them, show both and the fidelity (predicted / measured).")
-@click.option("--trace-step", type=click.IntRange(min=1), default=None, metavar="N",
-              help="With --trace: read the run's traces/step-N.json (a step `pipegpt run --trace-steps` named) "
-                   "instead of trace.json (the last step).")
-@click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
-              help="Also write a picture: .svg, .html or .json (Chrome trace for Perfetto). With several "
-                   "schedules the name goes before the extension (out.1f1b.svg); with --trace, .html is one "
-                   "page with both timelines, .svg/.json two files (out.measured.svg, out.predicted.svg).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (a list with several schedules).")
-@click.option("--no-chart", is_flag=True, help="Leave out the ASCII chart.")
-@click.option("--width", type=click.IntRange(min=40), default=None, help="Chart width (default: the terminal's).")
-@click.option("--layer-costs", "layer_costs_spec", default=None, metavar="SPEC",
-              help="Per-layer forward costs instead of --costs: 'embed=0.1,block=1,head=3' (B=2,W=1 as multiples "
-                   "of F and comm= may follow) with --layers N, or a .json file with the same keys (\"blocks\": "
-                   "one cost per block). Each stage's F is its layers' sum, plus the embedding on the first and "
-                   "the head on the last.")
-@click.option("--layers", "n_layers", type=click.IntRange(min=1), default=None,
-              help="With --layer-costs: the number of blocks.")
-@click.option("--balance", type=click.Choice(["even", "cost"]), default=None,
-              help="With --layer-costs: split the layers evenly (as pipegpt run does by default) or by cost (as "
-                   "pipegpt run --balance cost does). Default even.")
-@click.option("--max-live", type=int, default=None, metavar="N",
-              help="For auto and auto-v: the most stage-microbatches' activations a rank may hold at once (the "
-                   "peak live column). Default 1F1B's memory: stages x stages per rank.")
-@click.option("--forward-only", is_flag=True,
-              help="The schedules' forwards alone: the plans evaluation runs (validation loss, HellaSwag).")
-@click.option("--decode-steps", type=click.IntRange(min=1), default=None, metavar="K",
-              help="Generation's plan: --microbatches prompt groups through --stages ranks, a prefill and K-1 "
-                   "decode steps, each group's next step waiting for its token; shows the steady state's bubble.")
-@click.option("--p2p-matching", type=click.Choice(["tag", "order"]), default=None,
-              help="How messages are matched: tag (gloo: a send leaves as soon as its output exists; the default) "
-                   "or order (NCCL: a send leaves at its SEND, a rank's batches run one after another and each "
-                   "completes together; the plan is lowered for the costs, as a run lowers it).")
+@command_options.simulate_options
 def simulate(**options):
     """Simulate pipeline schedules: ASCII chart, bubble %, makespan, peak live activations.
 
@@ -209,14 +163,7 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
 
 @main.command()
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False),
-              help="Directory for the shards and meta.json (created; must not hold prepared tokens already).")
-@click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default="bytes", show_default=True,
-              help="bytes (vocabulary 256, offline) or gpt2 (tiktoken BPE; documents start with token 50256).")
-@click.option("--val-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.01, show_default=True,
-              help="The tail of the input that becomes the val split (cut at a line start).")
-@click.option("--shard-tokens", type=click.IntRange(min=1), default=100_000_000, show_default=True,
-              help="Tokens per shard file.")
+@command_options.prepare_options
 def prepare(inputs, out, tokenizer, val_fraction, shard_tokens):
     """Tokenize text files into uint16 token shards (llm.c's format) with a train/val split.
 
@@ -243,17 +190,7 @@ def prepare(inputs, out, tokenizer, val_fraction, shard_tokens):
 # convert: GPT-2 in Hugging Face layout <-> a pipegpt checkpoint; sample: text from a checkpoint (torch inside)
 
 @main.command()
-@click.option("--from-hf", "from_hf", type=click.Path(), default=None,
-              help="Import: a Hugging Face GPT-2, Llama, Mistral or Qwen2 directory (config.json and model.safetensors "
-                   "or pytorch_model.bin, either sharded with its index).")
-@click.option("--out", type=click.Path(), default=None, help="Import: the checkpoint directory to create.")
-@click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
-              help="Import: the tokenizer the checkpoint remembers (default: the directory's tokenizer.json for Llama-family "
-                   "models, else bytes; gpt2 for GPT-2).")
-@click.option("--to-hf", "to_hf", type=click.Path(), default=None,
-              help="Export: the directory for config.json and model.safetensors.")
-@click.option("--checkpoint", "source", type=click.Path(), default=None,
-              help="Export: a checkpoint, or a run directory (its latest checkpoint).")
+@command_options.convert_options
 def convert(from_hf, out, tokenizer, to_hf, source):
     """GPT-2 or Llama/Mistral/Qwen2 weights in Hugging Face layout into a pipegpt checkpoint, or back.
 
@@ -310,23 +247,8 @@ def _on_workers(work):
 
 @main.command()
 @click.argument("path", type=click.Path())
-@click.option("--prompt", multiple=True, show_default="a newline",
-              help="The text to continue; repeat it for several prompts, generated together.")
-@click.option("--prompts-file", type=click.Path(), default=None, metavar="FILE",
-              help="Prompts to continue, one per line (blank lines skipped), instead of --prompt.")
-@click.option("--batch", type=click.IntRange(min=1), default=None,
-              help="Prompts generated together (default: all); the batches run one after another.")
-@click.option("--max-new-tokens", type=int, default=200, show_default=True, help="Tokens to generate.")
-@click.option("--temperature", type=float, default=0.8, show_default=True,
-              help="Softmax temperature; 0: always the most likely token (greedy).")
-@click.option("--top-k", type=int, default=200, show_default=True, help="Draw only from the k most likely tokens.")
-@click.option("--seed", type=int, default=1337, show_default=True, help="Seed of the draws.")
-@click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
-              help="Override the tokenizer the checkpoint remembers.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="auto: CUDA when a GPU is visible.")
 @layout_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt: prompt, text, new_tokens.")
+@command_options.sample_options
 def sample(path, prompt, prompts_file, batch, max_new_tokens, temperature, top_k, seed, tokenizer, device, stages,
            tp, dp, timeout_s, as_json):
     """Generate text from a checkpoint (or a run directory's latest), in one process or on workers.
@@ -365,15 +287,8 @@ def sample(path, prompt, prompts_file, batch, max_new_tokens, temperature, top_k
 
 @main.command()
 @click.argument("path", type=click.Path())
-@click.option("--file", "jsonl", required=True, type=click.Path(), metavar="FILE",
-              help="HellaSwag jsonl (nanoGPT's hellaswag_val.jsonl): ctx, endings (4), label per line.")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Score only the first N examples.")
-@click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
-              help="Override the tokenizer the checkpoint remembers.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="auto: CUDA when a GPU is visible.")
 @layout_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@command_options.hellaswag_options
 def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, as_json):
     """HellaSwag accuracy of a checkpoint (or a run directory's latest), nanoGPT's scoring, in one process or on
     workers (--stages/--tp/--dp: each holds a slice of the model, the examples flow through the stages).

@@ -14,135 +14,18 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pipegpt.arch import ARCHITECTURES, PRESET_SHAPES, Architecture
 from pipegpt.dims import ParallelDims, Sharding
-
-
-class ConfigError(ValueError):
-    """A configuration value is not valid (one-line, user-facing message)."""
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
-    if value < 1:
-        raise ConfigError(f"{name}={value} must be a positive integer (>= 1)")
-
-
-ARCHS = tuple(ARCHITECTURES)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a GPT: GPT-2 (learned positions, LayerNorm, GELU MLP, biases) or Llama (rotary positions,
-    RMSNorm, SwiGLU MLP, grouped-query attention, no biases). Defaults are the byte-level `tiny` preset.
-
-    arch-dependent fields: n_kv_head None means n_head (no grouping); ffn_hidden None means 4 x n_embd for
-    GPT-2 and Llama's rule (two thirds of 4 x n_embd, rounded up to a multiple of 256) for Llama. rope_theta,
-    norm_eps and qkv_bias (Qwen2's) matter to Llama only; GPT-2's LayerNorm eps is norm_eps too (1e-5).
-    """
-
-    vocab_size: int = 256
-    seq_len: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    pad_vocab_to: int = 1  # round the embedding/head rows up to a multiple of this (e.g. 64)
-    bias: bool = True
-    arch: str = "gpt2"
-    n_kv_head: int | None = None
-    ffn_hidden: int | None = None
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    qkv_bias: bool = False
-
-    @property
-    def padded_vocab_size(self) -> int:
-        m = self.pad_vocab_to
-        return -(-self.vocab_size // m) * m
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads: n_kv_head, or n_head when it is not set."""
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
-
-    @property
-    def ffn_width(self) -> int:
-        """The MLP's hidden width (ffn_hidden, or the architecture's rule)."""
-        if self.ffn_hidden is not None:
-            return self.ffn_hidden
-        return self.architecture.ffn_rule(self.n_embd)
-
-    @property
-    def architecture(self) -> Architecture:
-        """The description of arch (pipegpt.arch)."""
-        if self.arch not in ARCHITECTURES:
-            raise ConfigError(f"arch={self.arch!r} is not valid: use one of {', '.join(ARCHITECTURES)}")
-        return ARCHITECTURES[self.arch]
-
-    def validate(self) -> "ModelConfig":
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "pad_vocab_to"):
-            _check_positive_int(name, getattr(self, name))
-        arch = self.architecture
-        if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
-                f"use a multiple of {self.n_head} such as {nearest_multiples(self.n_embd, self.n_head)}"
-            )
-        for name in ("n_kv_head", "ffn_hidden"):
-            if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
-        if self.n_head % self.kv_heads:
-            divisors = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
-            raise ConfigError(f"n_kv_head={self.kv_heads} does not divide n_head={self.n_head}: "
-                              f"use one of {', '.join(map(str, divisors))}")
-        if self.kv_heads != self.n_head and not arch.grouped_kv:
-            grouped = ", ".join(a.name for a in ARCHITECTURES.values() if a.grouped_kv)
-            raise ConfigError(f"n_kv_head={self.kv_heads} (grouped-query attention) needs arch {grouped}, "
-                              f"not {self.arch}; {arch.title} has n_kv_head = n_head = {self.n_head}")
-        if arch.rotary and self.head_dim % 2:
-            raise ConfigError(f"head size n_embd/n_head = {self.head_dim} is odd: rotary embeddings need "
-                              f"an even head size")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
-                or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout={self.dropout!r} must be a number in [0, 1), e.g. 0.0 or 0.1")
-        for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ConfigError(f"{name}={value!r} must be a positive finite number, e.g. "
-                                  f"{'500000' if name == 'rope_theta' else '1e-5'}")
-        for name in ("tie_embeddings", "bias", "qkv_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        return self
-
-
-MODEL_PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**shape) for name, shape in PRESET_SHAPES.items()}
-
-
-def model_config(preset: str, **overrides) -> ModelConfig:
-    """The preset named `preset` with `overrides` applied (None values are ignored), validated."""
-    if preset not in MODEL_PRESETS:
-        raise ConfigError(f"unknown model preset {preset!r}: known presets are {', '.join(MODEL_PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    changes = {k: v for k, v in overrides.items() if v is not None}
-    unknown = sorted(set(changes) - fields)
-    if unknown:
-        raise ConfigError(
-            f"unknown model setting {', '.join(unknown)}: valid settings are {', '.join(sorted(fields))}"
-        )
-    return dataclasses.replace(MODEL_PRESETS[preset], **changes).validate()
+# The model's shape and its layout checks live one layer down; re-exported here, where most callers look.
+from pipegpt.model_config import (ARCHS, MODEL_PRESETS, ConfigError, ModelConfig, model_config,  # noqa: F401
+                                  nearest_multiples, validate_cp, validate_tp)
+from pipegpt.model_config import check_positive_int as _check_positive_int
 
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float64")
 RECOMPUTE = ("none", "full", "selective")
+ZERO = (0, 1, 2, 3)
+UNSHARD = ("step", "microbatch")
 TOKENIZERS = ("bytes", "gpt2")
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
@@ -196,7 +79,13 @@ class ParallelConfig:
     microbatch_size: int = setting(4, "Sequences per microbatch.")
     recompute: str = setting("none", "Activation recomputation: every block, or only the attention core.",
                              choices=RECOMPUTE)
-    zero: int = setting(0, "1: shard the optimizer state across data-parallel replicas (ZeRO-1).", choices=(0, 1))
+    zero: int = setting(0, "Shard over the data-parallel replicas (dp x cp): 1 the optimizer state (ZeRO-1), 2 also "
+                           "the gradients, 3 also the parameters, gathered by the plan's UNSHARD actions.",
+                        choices=ZERO)
+    unshard: str | None = setting(None, "With --zero 3: where the plan gathers a stage's parameters: once per step "
+                                        "(before its first action, freed after its last; the default) or around "
+                                        "each run of its consecutive actions, prefetched one run ahead (two stages "
+                                        "gathered at most: least memory).", choices=UNSHARD)
     sequence_parallel: bool = setting(False, "With --tp: shard the LayerNorm/dropout regions along the sequence "
                                              "(Megatron SP).")
 
@@ -416,8 +305,15 @@ class TrainConfig:
         if self.data.document_mask and self.data.tokenizer == "bytes":
             raise ConfigError("--document-mask finds documents by the end-of-text token, and the bytes tokenizer has "
                               "none: use --tokenizer gpt2 or a tokenizer.json with one")
-        if p.zero not in (0, 1):
-            raise ConfigError(f"zero={p.zero} is not supported: use 0 (off) or 1 (shard optimizer state)")
+        _check_choice("zero", p.zero, ZERO)
+        if p.zero >= 2 and p.dp * p.cp == 1:
+            raise ConfigError(f"--zero {p.zero} shards over the data-parallel replicas, and dp x cp = 1: nothing to "
+                              f"shard: give --dp 2 or more, or --zero 0")
+        if p.unshard is not None:
+            _check_choice("unshard", p.unshard, UNSHARD)
+            if p.zero < 3:
+                raise ConfigError(f"--unshard {p.unshard} places ZeRO-3's parameter gathers, and --zero is {p.zero}: "
+                                  f"give --zero 3 or leave --unshard out")
         for name in ("lr", "weight_decay", "grad_clip", "min_lr"):  # inf or nan would train on in nan
             value = getattr(o, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
@@ -558,81 +454,3 @@ def microbatch_size_for(batch_size: int, dp: int, microbatches: int) -> int:
                           f"equal microbatches: use a multiple of {per_step} such as "
                           f"{nearest_multiples(batch_size, per_step)}")
     return batch_size // per_step
-
-
-def nearest_multiples(n: int, k: int) -> str:
-    """The multiples of k either side of n, for a "use ..." suggestion: '24 or 32' (k alone when no positive
-    multiple lies below n)."""
-    lo = n // k * k
-    return f"{lo} or {lo + k}" if lo > 0 else f"{k}"
-
-
-def _near_divisors(n: int, k: int) -> str:
-    """The divisors of n nearest to k, below and above: 'tp=2 or tp=4'."""
-    below = max(d for d in range(1, k) if n % d == 0)
-    above = next((d for d in range(k + 1, n + 1) if n % d == 0), None)
-    return f"tp={below}" + (f" or tp={above}" if above else "")
-
-
-def validate_cp(config: ModelConfig, cp: int) -> None:
-    """`config` can run over `cp` context-parallel ranks: every sequence cuts into 2 x cp equal chunks (rank r
-    holds chunks r and 2cp-1-r), and attention has no dropout there (the ring computes it blockwise)."""
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ConfigError(f"cp={cp!r} must be an integer >= 1")
-    if cp == 1:
-        return
-    if config.seq_len % (2 * cp):
-        raise ConfigError(f"context parallelism cuts each sequence into 2 x cp = {2 * cp} chunks: seq_len="
-                          f"{config.seq_len} is not divisible by {2 * cp}; use seq_len="
-                          f"{nearest_multiples(config.seq_len, 2 * cp)}")
-    if config.dropout:
-        raise ConfigError(f"context parallelism computes attention blockwise, without dropout: dropout="
-                          f"{config.dropout} needs cp=1 (or use dropout=0)")
-
-
-def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False, cp: int = 1) -> None:
-    """Raise ConfigError (one line, naming the values and the nearest valid ones) unless
-    `config` can be split over `tp` tensor-parallel ranks: whole heads per rank, and key/value heads either
-    n_kv_head/tp per rank or, with tp a multiple of n_kv_head, one replicated over tp/n_kv_head ranks
-    (pipegpt.tensor_parallel.layout); the MLP width and the padded vocabulary divisible by tp."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tp={tp!r} must be an integer >= 1")
-    if tp == 1:
-        return
-    C = config.n_embd
-    if config.n_head % tp:
-        heads = [h for h in range(tp, C + 1, tp) if C % h == 0]  # multiples of tp dividing n_embd
-        lo = [h for h in heads if h < config.n_head]
-        hi = [h for h in heads if h > config.n_head]
-        alt = " or ".join(str(h) for h in (lo[-1:] + hi[:1]))
-        raise ConfigError(f"n_head={config.n_head} is not divisible by tp={tp} (each tp rank holds "
-                          f"n_head/tp heads): use {_near_divisors(config.n_head, tp)}"
-                          + (f", or n_head={alt} (with n_embd={C})" if alt else ""))
-    kv, width = config.kv_heads, config.ffn_width
-    valid = lambda: ", ".join(str(t) for t in range(1, config.n_head + 1)  # noqa: E731
-                              if config.n_head % t == 0 and (kv % t == 0 or t % kv == 0) and width % t == 0)
-    if kv % tp and tp % kv:
-        raise ConfigError(f"n_kv_head={kv} does not split over tp={tp}: each tp rank holds n_kv_head/tp key/value "
-                          f"heads, or one shared by tp/n_kv_head ranks (tp a multiple of n_kv_head); "
-                          f"use tp={valid()}")
-    if width % tp:  # GPT-2's 4*n_embd: implied by the n_head check; a Llama ffn_hidden may not divide
-        what = f"ffn_hidden={width}" if config.ffn_hidden is not None else f"the MLP width {width}"
-        raise ConfigError(f"{what} is not divisible by tp={tp} (each tp rank holds ffn_hidden/tp of the MLP's "
-                          f"columns): use tp={valid()}")
-    V, pad = config.padded_vocab_size, config.pad_vocab_to
-    if V % tp:
-        if 64 % tp == 0 and pad != 64:
-            fix = f"pass --pad-vocab (pad_vocab_to=64, padded vocab {-(-config.vocab_size // 64) * 64})"
-        else:
-            m = math.lcm(pad, tp)
-            fix = f"use pad_vocab_to={m} (padded vocab {-(-config.vocab_size // m) * m})"
-        raise ConfigError(f"padded vocab_size={V} (vocab_size={config.vocab_size}, pad_vocab_to={pad}) "
-                          f"is not divisible by tp={tp}: {fix}")
-    T = config.seq_len
-    if sequence_parallel and T % (tp * cp):
-        if cp > 1:
-            raise ConfigError(f"sequence parallelism cuts each context-parallel rank's seq_len/cp tokens over tp: "
-                              f"seq_len={T} is not divisible by cp x tp = {cp * tp}; use seq_len="
-                              f"{nearest_multiples(T, math.lcm(tp * cp, 2 * cp))}")
-        raise ConfigError(f"sequence parallelism needs seq_len divisible by tp: seq_len={T}, tp={tp}; "
-                          f"use seq_len={nearest_multiples(T, tp)}")

@@ -158,6 +158,7 @@ LAYOUT_FIELDS = (
     LayoutField("microbatch_size", "microbatch_size", auto=True),
     LayoutField("recompute", "recompute", auto=True),
     LayoutField("zero", "zero", auto=True),
+    LayoutField("unshard", "unshard", auto=True),
     LayoutField("sequence_parallel", "sequence_parallel", auto=True),
     LayoutField("layers_per_stage", "layers_per_stage", auto=True, shrink=True),
     LayoutField("schedule_file", auto=True),

@@ -46,7 +46,7 @@ def _option_kind(f) -> dict:
         kind["type"] = click.Choice([str(c) for c in meta["choices"]])
         if all(isinstance(c, int) for c in meta["choices"]):
             kind["callback"] = lambda ctx, param, value: int(value)
-        kind["default"] = str(f.default)
+        kind["default"] = None if f.default is None else str(f.default)
     elif f.type.startswith("tuple[int"):
         kind["callback"] = lambda ctx, param, value: int_tuple(value)
     else:
@@ -571,6 +571,10 @@ PLAN_OPTIONS = [
     click.option("--cp-comm", type=click.Choice(CP_COMM), default=None,
                   help="Only layouts whose keys and values travel this way with cp > 1 (as pipegpt run --cp-comm; "
                        "default: both are weighed)."),
+    click.option("--zero", "only_zero", type=click.Choice(["0", "1", "2", "3"]), default=None,
+                  callback=lambda ctx, param, value: None if value is None else int(value),
+                  help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0-3 (3 "
+                       "under either --unshard policy), whichever is fastest where several fit."),
     click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print."),
     click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit)."),
     click.option("--try", "try_top", type=click.IntRange(min=1), default=None, metavar="K",

@@ -3,7 +3,11 @@
 It decides nothing about order: the lowered plan from pipegpt.schedule does.
 A REDUCE_GRAD launches the stage's gradient reduction on the `collectives`
 object it is given (the training role's train.grad_sync.PlanCollectives); it
-overlaps what follows, and the worker waits for it after the step.
+overlaps what follows, and the worker waits for it after the step. An UNSHARD
+launches the gather of the stage's parameters there (ZeRO-3), a RESHARD frees
+them; before the stage's first compute after an UNSHARD (and before its first
+backward of the step) the runtime calls the collectives' ready(), which waits
+for the gather (so one the plan posts a compute ahead overlaps that compute).
 Each run of consecutive SEND/RECV actions is posted as one batch; receives are
 waited for before the next compute, sends at the release points the schedule
 computes (pipegpt.schedule.messages.release_points: where the receiver is known
@@ -46,6 +50,23 @@ def _ranks(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def ready_points(actions) -> dict[int, tuple[int, bool]]:
+    """Index -> (stage, backward) of each compute action before which the collectives' ready() runs: a stage's
+    first compute after each of its UNSHARDs, and its first backward (B, I or W) of the step."""
+    out, gathering, backed = {}, set(), set()
+    for i, a in enumerate(actions):
+        if a.kind is Kind.UNSHARD:
+            gathering.add(a.stage)
+        elif a.kind.is_compute:
+            backward = a.kind is not Kind.F and a.stage not in backed
+            if backward:
+                backed.add(a.stage)
+            if backward or a.stage in gathering:
+                gathering.discard(a.stage)
+                out[i] = (a.stage, backward)
+    return out
+
+
 def _outbox_key(send: Action) -> tuple[Kind, int, int]:
     """Where a SEND's tensor waits in the outbox: (F|B, sending stage, microbatch)."""
     return Kind.F if send.kind is Kind.SEND_F else Kind.B, send.stage, send.microbatch
@@ -64,6 +85,7 @@ class _Compute(NamedTuple):
     take: tuple[Kind, int, int] | None  # the inbox key of its input (F) or output gradient (B, I)
     cast: bool  # whether that tensor needs .to(dtype): a message in another dtype, or handed over on this rank
     hand: tuple | None  # where its result goes: (inbox key,) on this rank, else (outbox key, its SEND's fields)
+    ready: tuple | None  # (stage, backward, whereabouts) of the collectives' ready() before it (ZeRO-3), or None
 
 
 class _Collective(NamedTuple):
@@ -71,6 +93,7 @@ class _Collective(NamedTuple):
     action: Action
     where: tuple
     name: str
+    run: Callable[[int], None]  # the collectives' method for its kind
 
 
 class _Batch(NamedTuple):
@@ -91,6 +114,15 @@ class Collectives(Protocol):
     def reduce_grad(self, stage: int) -> None:
         """Launch the reduction of the stage's gradients over its replicas (asynchronous)."""
 
+    def unshard(self, stage: int) -> None:
+        """Gather the stage's parameters from its replicas' shards (done when it returns)."""
+
+    def reshard(self, stage: int) -> None:
+        """Free the stage's gathered parameters."""
+
+    def ready(self, stage: int, backward: bool) -> None:
+        """The stage computes next: wait for its gathers; before its first backward, its gradient buffers."""
+
 
 class PipelineRuntime:
     def __init__(self, plan: Plan, rank: int, stages: dict[int, Stage], p2p: PointToPoint,
@@ -101,14 +133,20 @@ class PipelineRuntime:
         self.names = [str(a) for a in self.actions]  # trace labels, formatted once, not per step
         self.batch_end = dict(comm_batches(self.actions))
         self.collective_at = {i: a for i, a in enumerate(self.actions) if a.kind in COLLECTIVE_KINDS}
+        self.collectives = collectives
+        self.run_collective = {kind: getattr(collectives, kind.value.lower(), None)
+                               for kind in (Kind.REDUCE_GRAD, Kind.UNSHARD, Kind.RESHARD)}
         for a in self.collective_at.values():
-            if a.kind is not Kind.REDUCE_GRAD:
-                raise ScheduleError(f"rank {rank}: the plan has {a}, and the runtime does not run "
-                                    f"{a.kind.value} yet")
             if collectives is None:
                 raise ScheduleError(f"rank {rank}: the plan has {a}, but this rank has no data-parallel "
                                     f"replicas to reduce its gradients with")
-        self.collectives = collectives
+            if self.run_collective[a.kind] is None:
+                raise ScheduleError(f"rank {rank}: the plan has {a}, and this rank's collectives do not run "
+                                    f"{a.kind.value}")
+        self.ready = getattr(collectives, "ready", None)
+        if self.ready is None and any(a.kind is Kind.UNSHARD for a in self.collective_at.values()):
+            raise ScheduleError(f"rank {rank}: the plan gathers parameters, and this rank's collectives have no "
+                                f"ready() to wait for them before a compute")
         # Global rank that owns each stage in this rank's pipeline.
         self.owner = [pipeline_ranks[r] for r in plan.stage_to_rank]
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
@@ -125,6 +163,10 @@ class PipelineRuntime:
         self.marker = device_marker(torch.device(device))
         self.marks: list = []
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
+        # Index of a compute action -> the ready() call before it: (stage, backward, where the wait is).
+        self.ready_at = {} if self.ready is None else {
+            i: (s, backward, (i, self.names[i], (), f"its data-parallel peers (gathering stage {s}'s parameters)"))
+            for i, (s, backward) in ready_points(self.actions).items()}
         # A comm batch is posted, and marked, as one: its whereabouts name every peer in it, not its first action's.
         self.batch_at = {i: self._batch_whereabouts(i, end) for i, end in self.batch_end.items()}
         self.index_of = {a: i for i, a in enumerate(self.actions)}
@@ -177,8 +219,11 @@ class PipelineRuntime:
     def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
         if a.kind.is_compute:
             return i, self.names[i], (), "nobody (computing)"
-        if a.kind.is_collective:  # launched, not waited for: the worker waits after the step
+        if a.kind is Kind.REDUCE_GRAD:  # launched, not waited for: the worker waits after the step
             return i, self.names[i], (), "nobody (launching a gradient reduction)"
+        if a.kind.is_collective:
+            what = "gathering" if a.kind is Kind.UNSHARD else "freeing"
+            return i, self.names[i], (), f"its data-parallel peers ({what} stage {a.stage}'s parameters)"
         receive, forward = a.kind in (Kind.RECV_F, Kind.RECV_B), a.kind in (Kind.SEND_F, Kind.RECV_B)
         peer = self.owner[a.stage + 1 if forward else a.stage - 1]
         return i, self.names[i], (peer,), (f"receive {a} from rank {peer}" if receive else f"send {a} to rank {peer}")
@@ -205,7 +250,7 @@ class PipelineRuntime:
                 i = end
                 continue
             if a.kind in COLLECTIVE_KINDS:
-                program.append(_Collective(i, a, self.at[i], self.names[i]))
+                program.append(_Collective(i, a, self.at[i], self.names[i], self.run_collective[a.kind]))
             else:
                 program.append(self._compute_entry(i, a))
             i += 1
@@ -228,7 +273,7 @@ class PipelineRuntime:
                 else:
                     send = self.send_of.get((kind, s, mb))
                     hand = ((kind, s, mb), None if send is None else self._send_fields(send))
-        return _Compute(i, a, self.at[i], self.names[i], a.kind, stage, mb, take, cast, hand)
+        return _Compute(i, a, self.at[i], self.names[i], a.kind, stage, mb, take, cast, hand, self.ready_at.get(i))
 
     def _batch(self, first: int, end: int) -> _Batch:
         sends, recvs = [], []
@@ -279,11 +324,15 @@ class PipelineRuntime:
                     events.extend((name, t0, t1) for name in entry.names)
             else:
                 if type(entry) is _Compute:
+                    if entry.ready is not None:
+                        self.now = entry.ready[2]
+                        self.ready(entry.ready[0], entry.ready[1])
+                        self.now = entry.where
                     if self.before_compute is not None:
                         self.before_compute(entry.action)
                     self._compute(entry, inputs, targets, inbox, outbox, documents)
                 else:
-                    self.collectives.reduce_grad(entry.action.stage)
+                    entry.run(entry.action.stage)
                 if record:
                     events.append((entry.name, t0, clock()))
             if self.marker is not None:

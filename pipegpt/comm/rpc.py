@@ -281,6 +281,32 @@ class Cluster:
         raise NotImplementedError
 
 
+class ClusterJob:
+    """A driver's hold on its workers (train.driver.Job, infer.job.InferenceJob). `with` kills them when the block
+    raises and shuts them down in order otherwise; close() may be called before that, once or more."""
+
+    cluster: Cluster | None = None
+
+    def close(self) -> None:
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            cluster.call("shutdown")
+            cluster.close()
+
+    def kill(self) -> None:
+        if self.cluster is not None:
+            self.cluster.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if kind is not None:
+            self.kill()
+        else:
+            self.close()
+
+
 class LocalCluster(Cluster):
     """One worker process per rank on this machine; this process is the driver.
 

@@ -2,7 +2,7 @@
 
 The planner never adds these up into a step time itself: they become a schedule.simulate.Costs (per-stage F,
 B, W, tp_comm, dp_comm and the message latency comm) and the simulator gives the makespan. Only what happens
-after the last gradient all-reduce (the optimizer step, ZeRO-1's parameter broadcast, the tied embedding's
+after the last gradient all-reduce (the optimizer step, ZeRO's parameter all-gather, the tied embedding's
 gradient sum) is added to it: it follows every pipeline action, so a sum is exact there.
 
 Analytical model (AnalyticalCosts), per microbatch of `mbs` sequences of T tokens, model width C, padded
@@ -29,11 +29,15 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   over the links the placement uses (on the critical path every link is crossed about equally often).
 * data-parallel gradient all-reduce of each stage's fp32 gradients (1/tp of the sharded matrices), ring
   bandwidth term, tree latency term, at intra-node bandwidth only when the whole group is in one node:
-  the simulator's dp_comm (started when the stage's last backward ends, overlapping the rest).
-* after the step's last action: AdamW over the rank's parameters (1/dp of them with ZeRO-1) at HBM speed
+  the simulator's dp_comm (started when the stage's last backward ends, overlapping the rest); with ZeRO a
+  reduce-scatter (shard_collective_time: half the all-reduce's bytes).
+* ZeRO-3 under --unshard microbatch: an all-gather of a stage's parameters (in their dtype: fp32 under bf16
+  autocast) before each run of its compute actions, posted one run ahead: max(0, gather - the previous run's
+  compute) shows, the step's first gather in full (pipegpt.costs.stage_costs.exposed_gathers).
+* after the step's last action: AdamW over the rank's parameters (1/dp of them with ZeRO) at HBM speed
   (OPTIMIZER_BYTES_PER_PARAM: torch's per-tensor AdamW reads and writes each value about sixteen times,
-  clipping included), or the host's per-tensor overhead if larger; with ZeRO-1, torch's
-  ZeroRedundancyOptimizer broadcasts the updated shards ((dp-1)/dp of the rank's parameters received);
+  clipping included), or the host's per-tensor overhead if larger; with ZeRO, the updated shards all-gathered
+  ((dp-1)/dp of the rank's parameters received; the gradients were reduce-scattered, half an all-reduce);
   the tied embedding's gradient summed between the first and the last stage; with tp > n_kv_head (Llama), the
   replicated key/value heads' gradients summed over the tp group (an all-reduce of kv_heads x one head's k
   and v gradients of the busiest rank's blocks).
@@ -262,13 +266,13 @@ class AnalyticalCosts:
         bw, lat = self._link(same_node)
         return allreduce_time(nbytes, n, bw, 0.0) + 2 * math.ceil(math.log2(n)) * lat
 
-    def broadcast_shards_time(self, nbytes: float, n: int, same_node: bool) -> float:
-        """ZeRO-1's parameter update: each of n ranks receives the (n-1)/n of nbytes the others own (torch's
-        ZeroRedundancyOptimizer broadcasts every rank's shard: n broadcasts, each a latency)."""
+    def shard_collective_time(self, nbytes: float, n: int, same_node: bool) -> float:
+        """A reduce-scatter or an all-gather of nbytes over n ranks (ZeRO's gradients and parameters): each rank
+        sends and receives the (n-1)/n of nbytes the others own, a latency per step of the ring."""
         if n <= 1:
             return 0.0
         bw, lat = self._link(same_node)
-        return (n - 1) / n * nbytes / bw + n * lat
+        return (n - 1) / n * nbytes / bw + (n - 1) * lat
 
     def message_time(self, nbytes: float, same_node: bool) -> float:
         c = self.cluster

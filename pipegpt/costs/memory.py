@@ -42,24 +42,28 @@ State (exact)
 -------------
 weights and gradients: 4 bytes per parameter (8 with fp64; bf16 autocast keeps fp32 master weights
 and fp32 .grad). AdamW: exp_avg and exp_avg_sq, 2 x the parameter bytes (the per-tensor `step` is a
-4-byte host scalar, left out). ZeRO-1 (torch's ZeroRedundancyOptimizer over the dp group) gives each
-dp rank the state of a subset of whole parameters: per parameter group (decay: matrices; no decay:
-vectors) largest first, each to the dp rank with the fewest elements so far. The model replays that
-greedy partition and reports the worst dp rank's share, not an even 1/dp split, which can be far
-off: whole tensors cannot be split, so for GPT-2 (124M, vocabulary padded to 64) the worst share
-over the even one is 1.00 / 1.24 / 2.48 at dp = 2 / 4 / 8 with one stage; with pp=4 a middle stage
-(3 blocks, 12 matrices of 0.6-2.4M) gives 1.00 / 1.11 / 1.33 and the first stage (wte's 38.6M
-and 3 blocks) 1.27 / 2.55 / 5.09; gpt2-medium with one stage 1.00 / 1.01 / 1.16.
+4-byte host scalar, left out). ZeRO (pipegpt.data_parallel) cuts each bucket of a stage's flat buffer
+into dp equal chunks, whatever the tensors' boundaries: each dp rank's shard is S = ceil(P/dp) of the rank's P
+parameters (a bucket's padding, under dp elements, left out). At the step's peak (between steps in brackets):
+
+    zero 0   weights P         gradients P             moments 2P
+    zero 1   weights P         gradients P + S         moments 2S   (the full buffer, and the reduced shard)
+    zero 2   weights P         gradients P + S  (S)    moments 2S   (the full buffer lives through the backward)
+    zero 3   weights S + P (S) gradients P + S  (S)    moments 2S   (--unshard step: the rank's stages gathered)
+
+With --unshard microbatch (zero 3) a stage is gathered around each run of its compute actions and the next run's
+gather is posted one run ahead, so at most two of the rank's stages are whole at once: weights S + the two
+largest stages. At zero >= 2 a stage's full gradient buffer is freed once its reduce-scatter (after the stage's
+last backward of the step) completes: with one microbatch per step at most two stages' full gradients coexist
+(S + the two largest), with several an interleaved order runs every stage's first backward before any stage's
+last, so all of them live through the step (P + S). A rank of one or two stages holds P either way.
 
 Activations, deferred bytes, workspace and the peaks: pipegpt.costs.activations (re-exported here).
 
 Rank totals
 -----------
-weights + gradients + optimizer + p2p buffers + activations + workspace, plus the data-parallel gradient
-copies: pipegpt's GradientAverager flattens every bucket of a stage's gradients (BUCKET_BYTES each,
-but ALL buckets stay pending until finish()), so dp > 1 costs a second copy of the rank's gradients;
-on a rank with one stage they are made after its last backward, when no activation is left, so the
-total takes the larger of the two (with several stages on a rank, their sum). p2p buffers: the most
+weights + gradients + optimizer + p2p buffers + activations + workspace (dp_buffers, once the gradient copies
+the data-parallel reductions made, is 0: they reduce the flat gradient buffer in place). p2p buffers: the most
 messages the runtime holds at once (pipegpt.schedule.messages.message_peaks of the lowered plan, b*S*h*c
 each, in the compute precision as --p2p-dtype's default; S = s/tp with sequence parallelism, else s): a tensor to send from its compute until the schedule
 shows its receiver has it (a later message the receiver posted after receiving it), a received gradient
@@ -123,53 +127,60 @@ class StateBytes:
         return asdict(self)
 
 
-def zero_partition(numels_by_group: Sequence[Sequence[int]], dp: int) -> list[int]:
-    """Elements each of dp ranks gets from torch's ZeroRedundancyOptimizer: per parameter group,
-    largest parameter first, each to the rank with the fewest elements so far (lowest index on ties)."""
-    sizes = [0] * dp
-    for group in numels_by_group:
-        for n in sorted(group, reverse=True):
-            r = min(range(dp), key=sizes.__getitem__)
-            sizes[r] += n
-    return sizes
-
-
 def gradient_group(sharding: Sharding) -> int:
-    """Ranks of a stage that average its gradients, and over which ZeRO-1 shards its optimizer state: dp x cp
+    """Ranks of a stage that average its gradients, and over which ZeRO shards its state: dp x cp
     (a context-parallel rank holds the same weights and its own tokens, like a replica)."""
     return sharding.dp * sharding.cp
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(model, stages, sharding: Sharding, precision) -> StateBytes:
+def _state_bytes(model, stages, sharding: Sharding, precision, between_steps: bool = False, unshard: str = "step",
+                 microbatches: int = 2) -> StateBytes:
     r, _ = _widths(precision)
     tp, dp, zero = sharding.tp, gradient_group(sharding), sharding.zero
-    shapes = []
     ends = {(embed, head) for _, embed, head in stages}
+    # a V-shape's head shares one tensor with the rank's wte (the worker ties them): counted once
     share_tied = model.tie_embeddings and any(e for e, _ in ends) and any(h for _, h in ends) \
         and not any(e and h for e, h in ends)
+    per_stage = []
     for layers, embed, head in stages:
-        for name, shape in stage_parameter_shapes(model, layers, embed, head, tp):
-            if share_tied and name == "lm_head.weight":  # one tensor with the rank's wte (the worker ties them)
-                continue
-            shapes.append(shape)
-    params = sum(_numel(s) for s in shapes)
-    if zero and dp > 1:
-        groups = [[_numel(s) for s in shapes if len(s) >= 2], [_numel(s) for s in shapes if len(s) < 2]]
-        mine = max(zero_partition(groups, dp))
+        per_stage.append(sum(_numel(shape) for name, shape in stage_parameter_shapes(model, layers, embed, head, tp)
+                             if not (share_tied and name == "lm_head.weight")))
+    params = sum(per_stage)
+    weights, gradients, optimizer = zero_state(per_stage, dp, zero, unshard, microbatches, between_steps)
+    return StateBytes(params, weights * r, gradients * r, optimizer * r)
+
+
+def zero_state(stage_params: Sequence[int], dp: int, zero: int, unshard: str = "step", microbatches: int = 2,
+               between_steps: bool = False) -> tuple[int, int, int]:
+    """(weights, gradients, AdamW moments) in elements of a rank whose stages hold stage_params, under ZeRO level
+    `zero` over dp ranks (see the module docstring's table)."""
+    params = sum(stage_params)
+    if not zero or dp == 1:
+        return params, params, 2 * params
+    shard = -(-params // dp)
+    two = sum(sorted(stage_params)[-2:])  # the two largest stages: what the microbatch policy keeps whole
+    if zero >= 3:
+        weights = shard + (0 if between_steps else two if unshard == "microbatch" else params)
     else:
-        mine = params
-    return StateBytes(params, params * r, params * r, 2 * mine * r)
+        weights = params
+    if zero >= 2:
+        gradients = shard + (0 if between_steps else two if microbatches == 1 else params)
+    else:
+        gradients = params + shard
+    return weights, gradients, 2 * shard
 
 
 def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
-                precision: str = "fp32") -> StateBytes:
+                precision: str = "fp32", between_steps: bool = False, unshard: str = "step",
+                microbatches: int = 2) -> StateBytes:
     """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
-    (layers: a count or a range), cut over sharding.tp, and over dp x cp with ZeRO-1 (sharding.zero).
-    See the module docstring."""
+    (layers: a count or a range), cut over sharding.tp, and over dp x cp by ZeRO (sharding.zero): at the
+    step's peak, or what stays between steps. unshard: ZeRO-3's gather policy (step or microbatch);
+    microbatches: per step (one lets ZeRO-2/3 free each stage's full gradients early). See the module docstring."""
     _check_positive("dp", sharding.dp)
     key = tuple((_count(layers), bool(embed), bool(head)) for layers, embed, head in stages)
-    return _state_bytes(model, key, sharding, precision)
+    return _state_bytes(model, key, sharding, precision, between_steps, unshard, min(microbatches, 2))
 
 
 # ---------------------------------------------------------------------------
@@ -187,7 +198,7 @@ class MemoryBreakdown:
     activations: int  # peak of held activations over the step
     workspace: int  # the most one action's transients add on top of the held level (an estimate)
     p2p_buffers: int
-    dp_buffers: int  # flattened gradient copies while the dp all-reduces run
+    dp_buffers: int  # gradient copies while the dp reductions run: none (they reduce the flat buffer in place)
     overlap_dp: bool = False  # dp_buffers coexist with activations (several stages on the rank)
 
     @property
@@ -218,7 +229,7 @@ def held_messages(plan: Plan, device: str = "cuda") -> tuple[int, ...]:
 def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, microbatch_size: int,
                 sharding: Sharding = Sharding(), recompute: str = "none", precision: str = "fp32",
                 device: str = "cuda", activations: Sequence[int] | None = None,
-                cp_comm: str = "ring") -> list[MemoryBreakdown]:
+                cp_comm: str = "ring", unshard: str = "step") -> list[MemoryBreakdown]:
     """The MemoryBreakdown of every pipeline rank of `plan` (every dp and tp replica of a pipeline
     rank needs the same; with ZeRO-1 the optimizer is the largest dp rank's share). sharding: tp (and
     sequence parallelism), dp and ZeRO; the pipeline is the plan's.
@@ -228,7 +239,7 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     rank's peak activation bytes if the caller has them (e.g. from a Timeline built with
     Costs(activation_bytes=saved); with I/W that misses what deferred_bytes adds); by default
     activation_peaks' held. workspace: activation_peaks' working less held (cp_comm: how K/V travel with
-    sharding.cp > 1, ring or allgather).
+    sharding.cp > 1, ring or allgather). unshard: ZeRO-3's gather policy (state_bytes).
     """
     counts = _layer_counts(model, plan, layers_per_stage)
     kw = dict(microbatch_size=microbatch_size, sharding=sharding, precision=precision)
@@ -244,12 +255,12 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     for rank in range(plan.num_ranks):
         mine = plan.stages_of(rank)
         state = state_bytes(model, [(counts[s], s == 0, s == last) for s in mine], sharding=sharding,
-                            precision=precision)
+                            precision=precision, unshard=unshard, microbatches=plan.num_microbatches)
         out.append(MemoryBreakdown(
             rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
             optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],
             p2p_buffers=message * messages[rank],
-            dp_buffers=state.gradients if gradient_group(sharding) > 1 else 0, overlap_dp=len(mine) > 1))
+            dp_buffers=0, overlap_dp=len(mine) > 1))
     return out
 
 

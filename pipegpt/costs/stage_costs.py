@@ -59,14 +59,48 @@ class StageCosts:
         return (worst * t_out + (links - worst) * t_in) / links
 
     def dp_comm(self, stage_params, sharding: Sharding):
-        """Each stage's gradient all-reduce over its dp x cp ranks (fp32 gradients, per tp rank)."""
+        """Each stage's gradient reduction over its dp x cp ranks (fp32 gradients, per tp rank): an all-reduce,
+        or with ZeRO (sharding.zero >= 1) a reduce-scatter, half its bytes."""
         inside = sharding.world_size <= self.cluster.gpus_per_node
         group = memory_model.gradient_group(sharding)
+        if sharding.zero:
+            return [self.cost.shard_collective_time(4 * n, group, inside) for n in stage_params]
         return [self.cost.group_allreduce_time(4 * n, group, inside) for n in stage_params]
 
-    def after_time(self, model, placement, stage_params, stage_tensors, sharding: Sharding, layers=()) -> float:
-        """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO-1's broadcast; both
-        over dp x cp), the tied embedding's gradient sum between the first and the last stage, and with tp > kv_heads
+    def gather_times(self, stage_params, sharding: Sharding):
+        """Each stage's ZeRO-3 parameter all-gather over its dp x cp ranks (the parameters in their own dtype:
+        fp32 under bf16 autocast, as pipegpt.data_parallel keeps them)."""
+        inside = sharding.world_size <= self.cluster.gpus_per_node
+        r, _ = memory_model._widths(self.precision)
+        group = memory_model.gradient_group(sharding)
+        return [self.cost.shard_collective_time(r * n, group, inside) for n in stage_params]
+
+    @staticmethod
+    def exposed_gathers(groups, F, B, W, TP, gathers) -> float:
+        """ZeRO-3's microbatch policy: a gather per run of a stage's compute actions (groups: per rank, the
+        runs' stages and F/B/I/W counts, pipegpt.plan.structure.compute_groups), each posted one run ahead so
+        that it overlaps the previous run's compute; what it does not hide shows, the step's first in full.
+        The most any rank shows: at pp 1 what the simulator charges the plan's UNSHARDs (tests/unit/
+        test_plan_zero.py); above it a rank's whole wait, more than the simulator's where bubbles hide some."""
+        import numpy as np
+
+        F, B, W, TP, G = (np.asarray(x, dtype=np.float64) for x in (F, B, W, TP, gathers))
+        per_kind = np.stack([F + TP, B + TP, B - W + TP, W], axis=1)  # the simulator's durations
+        worst = 0.0
+        for stages, counts in groups:
+            if not len(stages):
+                continue
+            busy = (counts * per_kind[stages]).sum(axis=1)
+            g = G[stages]
+            worst = max(worst, float(g[0] + np.maximum(0.0, g[1:] - busy[:-1]).sum()))
+        return worst
+
+    def after_time(self, model, placement, stage_params, stage_tensors, sharding: Sharding, layers=(),
+                   unshard: str = "step") -> float:
+        """After the last action and all-reduce: the slowest rank's optimizer step (+ ZeRO's all-gather of the
+        parameters: after the update at ZeRO-1/2, at the stage's UNSHARD at ZeRO-3, once per step either way; both
+        over dp x cp; none with ZeRO-3's microbatch policy, whose gathers exposed_gathers charges), the tied
+        embedding's gradient sum between the first and the last stage, and with tp > kv_heads
         (Llama; layers: blocks per stage) the replicated key/value heads' gradient sum over the tp group
         (pipegpt.tensor_parallel.layers.sum_replicated_kv_grads: one all-reduce of a [kv_heads, n] buffer)."""
         c, dp, pp, tp = self.cluster, memory_model.gradient_group(sharding), sharding.pp, sharding.tp
@@ -80,7 +114,8 @@ class StageCosts:
         for r in range(pp):
             if sharding.zero and dp > 1:
                 t = self.cost.optimizer_time(params[r] / dp, max(1, -(-tensors[r] // dp)))
-                t += self.cost.broadcast_shards_time(params[r] * 4, dp, inside)
+                if not (sharding.zero >= 3 and unshard == "microbatch"):
+                    t += self.cost.shard_collective_time(params[r] * 4, dp, inside)
             else:
                 t = self.cost.optimizer_time(params[r], tensors[r])
             worst = max(worst, t)

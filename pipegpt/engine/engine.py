@@ -87,7 +87,8 @@ class Engine:
         self.runtime = PipelineRuntime(plan, self.rank, self.stages, self.p2p, pipeline, shape, dtype, self.device,
                                        collectives=collectives, message_dtype=message_dtype)
         self.eval_runtime = eval_plan and PipelineRuntime(eval_plan, self.rank, self.stages, self.p2p, pipeline,
-                                                          shape, dtype, self.device, message_dtype=message_dtype)
+                                                          shape, dtype, self.device, collectives=collectives,
+                                                          message_dtype=message_dtype)
         # Dropout's streams: one per (pipeline rank, replica), shared by the tp ranks (pipegpt.state.rng).
         rng.seed_rank(cfg.runtime.seed, self.mesh.pp_index, self.mesh.dp_index, self.device)
 

@@ -1,4 +1,4 @@
-"""Generation's decode loop on one rank, walking its actions of a decode plan (pipegpt.schedule.inference).
+"""Generation's decode loop on one rank, walking its actions of a decode plan (pipegpt.schedule.generators).
 
 The prompts are cut into groups (of similar lengths, left-padded to the longest of the group). Every stage keeps a
 KVCache per group: keys and values of its own blocks only, with the model's kv heads (grouped-query attention
@@ -20,7 +20,7 @@ from pipegpt.comm.p2p import Message, PointToPoint
 from pipegpt.infer.sampling import SamplingSettings, next_tokens, prompt_generators
 from pipegpt.model.gpt import GPT, KVCache
 from pipegpt.schedule import Plan
-from pipegpt.schedule.inference import decode_position
+from pipegpt.schedule.generators import decode_position
 from pipegpt.tensor_parallel.collectives import gather_from_sequence
 
 
@@ -148,7 +148,7 @@ def generate_in_process(model: GPT, prompts: list[list[int]], settings: Sampling
                         first: int = 0) -> list[list[int]]:
     """The batched one-process sampler: every prompt in one group through the whole model (a decode plan of one
     stage), each prompt's new tokens as the pipeline would choose them; the prompts' indices start at `first`."""
-    from pipegpt.schedule.inference import decode_plan
+    from pipegpt.schedule.generators import decode_plan
 
     if settings.max_new_tokens == 0 or not prompts:
         return [[] for _ in prompts]

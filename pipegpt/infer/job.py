@@ -13,14 +13,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from pipegpt.comm.rpc import LocalCluster
+from pipegpt.comm.rpc import ClusterJob, LocalCluster
 from pipegpt.config import ConfigError, ModelConfig, TrainConfig
 from pipegpt.data.hellaswag import ENDINGS, combine_scores, count_correct
 from pipegpt.engine.placement import local_world_size, resolve_device
 from pipegpt.infer.sampling import SamplingSettings
 from pipegpt.infer.worker import InferenceWorker
 from pipegpt.schedule import lower, schedule_spec, validate
-from pipegpt.schedule.inference import decode_plan
+from pipegpt.schedule.generators import decode_plan
 from pipegpt.state import checkpoint
 from pipegpt.train.progress import crowding
 
@@ -50,7 +50,7 @@ def layout_config(model: ModelConfig, layout: Layout, device: str, timeout_s: fl
     return cfg.validate()
 
 
-class InferenceJob:
+class InferenceJob(ClusterJob):
     """Workers of a layout holding a checkpoint's model, from start to close."""
 
     def __init__(self, path, layout: Layout, device: str = "auto", timeout_s: float = 60.0,
@@ -139,21 +139,3 @@ class InferenceJob:
                 for i, tokens in (answer or {}).items():
                     new[i] = tokens
         return new, seconds
-
-    def close(self) -> None:
-        if self.cluster is not None:
-            self.cluster.call("shutdown")
-            self.cluster.close()
-
-    def kill(self) -> None:
-        if self.cluster is not None:
-            self.cluster.kill()
-
-    def __enter__(self) -> "InferenceJob":
-        return self
-
-    def __exit__(self, kind, error, tb) -> None:
-        if kind is not None:
-            self.kill()
-        else:
-            self.close()

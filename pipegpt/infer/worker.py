@@ -14,7 +14,7 @@ from pipegpt.engine.placement import name_process
 from pipegpt.infer.generation import PipelineLink, decode, make_groups
 from pipegpt.infer.sampling import SamplingSettings
 from pipegpt.schedule import Plan
-from pipegpt.schedule.inference import DECODE_GROUPS
+from pipegpt.schedule.generators import DECODE_GROUPS
 from pipegpt.state.checkpoint import CheckpointReader
 
 

@@ -29,6 +29,7 @@ class Request:
     exact_gpus: bool = False  # only layouts using every GPU
     only: tuple = (None, None, None, None)  # (dp, pp, tp, cp): only layouts with these (None: any)
     cp_comm: str | None = None  # how K/V travel with cp > 1 (None: both are weighed)
+    zero: int | None = None  # only this ZeRO level (None: 0-3, whichever is fastest and fits)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -52,8 +53,8 @@ class Mesh:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One plan to check and simulate, as the search queues it: its microbatches follow (batch / (dp x
-    microbatch_size)), its layer split too (the even one, or the balanced one), and ZeRO-1 is the faster
-    choice that fits."""
+    microbatch_size)), its layer split too (the even one, or the balanced one), and its ZeRO level (with
+    ZeRO-3's unshard policy) is the faster choice that fits."""
 
     sharding: Sharding  # its layout's (ZeRO still undecided: 0)
     pad_vocab: bool
@@ -64,6 +65,7 @@ class Candidate:
     recompute: str
     balanced: bool
     cp_comm: str = "ring"
+    per_block: bool = False  # weighed under ZeRO-3's microbatch policy only (FSDP per block)
 
     @property
     def dims(self) -> ParallelDims:
@@ -98,11 +100,16 @@ class Layout:
     pad_vocab: bool = False
     cp: int = 1
     cp_comm: str = "ring"  # how K/V travel with cp > 1
+    unshard: str | None = None  # ZeRO-3's gather policy when not the run's default (step): "microbatch"
 
     @property
     def sharding(self) -> Sharding:
         return Sharding(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
                         zero=self.zero)
+
+    @property
+    def unshard_policy(self) -> str:
+        return self.unshard or "step"
 
     @property
     def world(self) -> int:
@@ -126,7 +133,7 @@ class Layout:
         v = f" v{self.virtual_stages}" if self.takes_virtual_stages else ""
         return (f"{self.mesh_name} {self.schedule}{v} "
                 f"m{self.microbatches}x{self.microbatch_size} rc={self.recompute} zero{self.zero}"
-                + (" balanced" if self.balanced else ""))
+                + (f" unshard={self.unshard}" if self.unshard else "") + (" balanced" if self.balanced else ""))
 
     def settings(self) -> dict:
         """The run settings (config fields: pipegpt.dims.LAYOUT_FIELDS) that build this plan: virtual stages where
@@ -203,7 +210,7 @@ class Result:
     model: ModelConfig  # as the plan runs it (vocabulary padded where tp needs it)
     step_time: float
     makespan: float
-    after: float  # after the last action and the last all-reduce: optimizer, ZeRO-1 broadcast, tied sum
+    after: float  # after the last action and the last all-reduce: optimizer, ZeRO's all-gather, tied sum
     bubble: float  # the simulator's idle share of the ranks' time, up to the end of the gradient all-reduce
     tokens_per_s: float
     mfu: float | None
@@ -223,7 +230,8 @@ class Result:
             "dp": L.dp, "pp": L.pp, "tp": L.tp, "cp": L.cp, "cp_comm": L.cp_comm, "gpus": L.world,
             "schedule": L.schedule,
             "virtual_stages": L.virtual_stages, "microbatches": L.microbatches, "microbatch_size": L.microbatch_size,
-            "recompute": L.recompute, "zero": L.zero, "sequence_parallel": L.sequence_parallel,
+            "recompute": L.recompute, "zero": L.zero, "unshard": L.unshard_policy if L.zero >= 3 else None,
+            "sequence_parallel": L.sequence_parallel,
             "layers_per_stage": list(L.layers_per_stage), "layer_split": "balanced" if L.balanced else "even",
             "pad_vocab": L.pad_vocab,
             "step_time_s": self.step_time, "makespan_s": self.makespan, "after_s": self.after,

@@ -41,6 +41,7 @@ class PlanOptions:
     only_tp: int | None = None
     only_cp: int | None = None
     cp_comm: str | None = None  # None: the planner's (the ring)
+    only_zero: int | None = None
     top: int = 5
     explain: bool = False
     try_top: int | None = None
@@ -73,7 +74,8 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
         raise ConfigError(f"--cp-comm {opts.cp_comm!r} is not valid: use {' or '.join(CP_COMM)}")
     request = Request(model, batch_size, cluster, costs, top=opts.top, explain=opts.explain,
                       schedules=tuple(schedule_names(opts.schedules, synthesized=False)), exact_gpus=opts.all_gpus,
-                      only=(opts.only_dp, opts.only_pp, opts.only_tp, opts.only_cp), cp_comm=opts.cp_comm)
+                      only=(opts.only_dp, opts.only_pp, opts.only_tp, opts.only_cp), cp_comm=opts.cp_comm,
+                      zero=opts.only_zero)
     result = search(request)
     if not result.best:
         raise ConfigError(no_fit_message(result))

@@ -55,6 +55,7 @@ def explain(runner: Result, best: Result) -> str:
         "idle": rb["idle"] - bb["idle"],
         "dp_exposed": rb["dp_exposed"] - bb["dp_exposed"],
         "after": rb["after"] - bb["after"],
+        "gathers": rb.get("gathers", 0.0) - bb.get("gathers", 0.0),
     }
     reasons = []
     for part, delta in sorted(deltas.items(), key=lambda kv: -kv[1])[:2]:
@@ -76,11 +77,15 @@ def explain(runner: Result, best: Result) -> str:
         elif part == "cp_comm":
             reasons.append(f"context-parallel K/V transfers not hidden {format_seconds(rb['cp_comm'])} vs "
                            f"{format_seconds(bb['cp_comm'])}")
+        elif part == "gathers":
+            reasons.append(f"ZeRO-3 parameter gathers not hidden: {format_seconds(rb.get('gathers', 0.0))} vs "
+                           f"{format_seconds(bb.get('gathers', 0.0))}")
         elif part == "dp_exposed":
             reasons.append(f"gradient all-reduce not hidden: {format_seconds(rb['dp_exposed'])} vs "
                            f"{format_seconds(bb['dp_exposed'])}")
         else:
-            reasons.append(f"after the last action (optimizer{', ZeRO-1 broadcast' if runner.layout.zero else ''}) "
+            zero = f", ZeRO-{runner.layout.zero} all-gather" if runner.layout.zero else ""
+            reasons.append(f"after the last action (optimizer{zero}) "
                            f"{format_seconds(rb['after'])} vs {format_seconds(bb['after'])}")
     return f"{head}: " + "; ".join(reasons)
 
@@ -142,7 +147,8 @@ def format_text(res: SearchResult) -> str:
         L = r.layout
         sched = L.schedule + (f" v{L.virtual_stages}" if L.takes_virtual_stages else "")
         rows.append([i, L.mesh_name, L.world, sched,
-                     f"{L.microbatches} x {L.microbatch_size}", L.recompute, L.zero,
+                     f"{L.microbatches} x {L.microbatch_size}", L.recompute,
+                     f"{L.zero} ({L.unshard})" if L.unshard else L.zero,
                      "balanced" if L.balanced else "even", format_seconds(r.step_time), format_count(r.tokens_per_s),
                      "-" if r.mfu is None else f"{100 * r.mfu:.1f}%", f"{100 * r.bubble:.1f}%",
                      f"{format_bytes(r.peak_bytes)} (rank {r.peak_rank})"])
@@ -160,7 +166,9 @@ def format_text(res: SearchResult) -> str:
                   + (f", tensor-parallel collectives {format_seconds(b['tp_comm'])}" if b["tp_comm"] else "")
                   + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b["cp_comm"] else "")
                   + f", idle {format_seconds(b['idle'])}"
-                  + (f"; gradient all-reduce exposed {format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
+                  + (f"; gradient {'reduce-scatter' if L.zero else 'all-reduce'} exposed "
+                     f"{format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
+                  + (f"; parameter gathers exposed {format_seconds(b['gathers'])}" if b.get("gathers") else "")
                   + f"; after the last action {format_seconds(b['after'])}",
                   f"  layers per stage {','.join(map(str, L.layers_per_stage))}",
                   f"  {L.command(r.model, precision)}"]

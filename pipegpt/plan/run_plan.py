@@ -10,8 +10,8 @@ from dataclasses import replace
 from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.model.partition import partition_layers
 from pipegpt.costs.balance import stage_costs
-from pipegpt.schedule import (SCHEDULES, Plan, ScheduleError, add_reduce_grad, lower, schedule_spec, validate,
-                              without_reduce_grad)
+from pipegpt.schedule import (SCHEDULES, Kind, Plan, ScheduleError, add_reduce_grad, add_unshard_reshard, lower,
+                              schedule_spec, validate, without_reduce_grad, without_unshard_reshard)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 from pipegpt.schedule.simulate import Costs
 
@@ -19,11 +19,15 @@ from pipegpt.schedule.simulate import Costs
 def make_plan(cfg: TrainConfig) -> Plan:
     """The lowered, validated plan every worker executes: from the schedule registry or a schedule file; with
     data or context parallelism each stage's REDUCE_GRAD in it (where a schedule file has none: after the stage's
-    last B or W), with one replica and one cp rank none."""
+    last B or W), with one replica and one cp rank none; with --zero 3 each stage's UNSHARD/RESHARD by the
+    --unshard policy (where a schedule file has none), below it none."""
     plan = _pipeline_plan(cfg)
     try:
         averaged = cfg.parallel.dp * cfg.parallel.cp > 1  # gradients are averaged over dp x cp
-        return validate(add_reduce_grad(plan)) if averaged else without_reduce_grad(plan)
+        plan = validate(add_reduce_grad(plan)) if averaged else without_reduce_grad(plan)
+        if cfg.parallel.zero >= 3:
+            return validate(add_unshard_reshard(plan, cfg.parallel.unshard or "step"))
+        return without_unshard_reshard(plan)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
 
@@ -109,8 +113,11 @@ def synthesis_line(plan: Plan) -> str:
 
 
 def evaluation_plan(plan: Plan) -> Plan:
-    """The training plan's forwards alone, lowered: validation runs through the same runtime."""
-    return validate(lower(plan.compute_only().forward_only()))
+    """The training plan's forwards alone, lowered: validation runs through the same runtime (gathering each
+    stage's parameters once where the training plan gathers them: ZeRO-3)."""
+    forward = lower(plan.compute_only().forward_only())
+    sharded = any(a.kind is Kind.UNSHARD for acts in plan.ranks for a in acts)
+    return validate(add_unshard_reshard(forward) if sharded else forward)
 
 
 def check_layers_fill(cfg: TrainConfig, plan: Plan) -> None:

@@ -16,12 +16,19 @@ What is searched, for a model, a global batch and a cluster:
   holds the whole sequence's K/V for a moment. With few kv heads (GQA) the gather is small and can win.
 * every schedule of the registry (pipegpt.schedule.SCHEDULES): interleaved-1f1b with v in {2, 4}, zbv and
   dualpipev with their 2 stages per rank; model stages <= n_layer. With pp = 1 only 1f1b (gradient
-  accumulation: the other schedules are the same work in another order, or need two ranks).
+  accumulation: the other schedules are the same work in another order, or need two ranks). FSDP per block:
+  where dp x cp > 1 and pp <= FSDP_MAX_PP, also interleaved-1f1b with v = 8, 16, ... and n_layer / pp (one
+  block per stage, at pp 1 too), under ZeRO-3's microbatch policy only (a rank gathers one or two small stages
+  at a time; at another level so many stages per rank only add work).
 * microbatch size: every divisor of the replica's batch (m = batch / (dp x size)), the schedule's own rules
   (ScheduleError) refusing what they refuse; at most MAX_ACTIONS actions per plan.
-* recomputation none / selective / full; ZeRO-1 on/off when dp x cp > 1; sequence parallelism when tp > 1 (in
-  this model it moves the same bytes as tensor parallelism without it and holds less, so it is taken
-  whenever validate_tp allows it, the other way otherwise);
+* recomputation none / selective / full; ZeRO 0-3 when dp x cp > 1, level 3 under --unshard step and, where a
+  rank holds more than two stages, microbatch (pipegpt.costs.memory: what each holds at the peak; a level's
+  time: the reduce-scatter instead of the all-reduce from level 1, the all-gather after the update at 1-2 and
+  3 step, the microbatch policy's gathers per group of compute, each hidden behind the group before it
+  (stage_costs.exposed_gathers)); the fastest that fits wins, ties going to the lower level; sequence
+  parallelism when tp > 1 (in this model it moves the same bytes as tensor parallelism without it and holds
+  less, so it is taken whenever validate_tp allows it, the other way otherwise); plan --zero N: only level N;
 * the layer split: even (what `pipegpt run` does without --layers-per-stage), or balanced by cost
   (pipegpt.costs.balance: embedding and head counted, for the schedule's placement) when that differs.
 
@@ -35,11 +42,11 @@ How it stays fast (branch and bound over two levels):
   last action -- the backward chain below it (less the W work that may fill it, for split-backward plans) or
   its smallest stage's gradient all-reduce -- max over ranks, plus the time after the step. For 1F1B, GPipe
   and interleaved 1F1B at uniform costs it equals the simulator's makespan, so few candidates get simulated.
-* memory before time: a family whose weights, gradients and optimizer state (at ZeRO-1's even share) plus
-  one microbatch per stage does not fit is dropped with all its larger microbatches; a popped candidate is
-  checked against its held activations at the schedule's peak (live sets read once from the plan's action
-  order, then one matrix-vector product per candidate) and then against pipegpt.costs.memory's full
-  breakdown, before it is simulated.
+* memory before time: a family whose weights, gradients and optimizer state (the least over its ZeRO
+  choices, at one microbatch) plus one microbatch per stage does not fit is dropped with all its larger
+  microbatches; a popped candidate is checked against its held activations at the schedule's peak (live sets
+  read once from the plan's action order, then one matrix-vector product per candidate) and then against
+  pipegpt.costs.memory's full breakdown, before it is simulated.
 * the simulator's results are cached by (schedule, p, m, v, costs normalised and rounded to 3 significant
   digits); the plans printed are simulated again with their exact costs.
 
@@ -67,12 +74,13 @@ from .bounds import layout_lower_bound, makespan_lower_bound
 from .candidates import (MAX_ACTIONS, Candidate, Layout, Mesh, Refusal, Request, Result, SearchResult,
                          memory_parts)
 from pipegpt.costs.stage_costs import PER_SEQUENCE, StageCosts
-from .structure import held_peaks, splits_backward, stage_placement, structure
+from .structure import compute_groups, held_peaks, splits_backward, stage_placement, structure
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 # Fewer tokens per context-parallel rank are not searched (--cp still takes them): a ring step's attention
 # gets too small to hide its transfer and launches, and the search's time grows with every cp tried.
 MIN_CP_TOKENS = 2048
+FSDP_MAX_PP = 8  # pipeline ranks up to which FSDP per block (interleaved, many one-block stages per rank) is tried
 ROUND_DIGITS = 3
 
 
@@ -164,7 +172,8 @@ class Search:
                     for dp in _divisors(req.batch_size):
                         world = dp * pp * cp * tp
                         if world <= c.gpus and (not req.exact_gpus or world == c.gpus) and all(
-                                want is None or want == got for want, got in zip(req.only, (dp, pp, tp, cp))):
+                                want is None or want == got for want, got in zip(req.only, (dp, pp, tp, cp))) \
+                                and (not req.zero or dp * cp > 1):  # ZeRO shards over dp x cp
                             sh = Sharding(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=sp)
                             out += [Mesh(sh, m_tp, pad, name) for name in self.cp_comms(m_tp, sh)]
         return out
@@ -185,9 +194,12 @@ class Search:
             return CP_COMM
         return ("ring",)
 
-    def groups(self, pp):
-        """Placements to consider with pp ranks: (placement, v argument, model stages per rank, schedules),
-        each schedule as (name, splits its backward)."""
+    def groups(self, pp, sharded: bool = False):
+        """Placements to consider with pp ranks: (placement, v argument, model stages per rank, schedules,
+        per_block), each schedule as (name, splits its backward). sharded (dp x cp > 1, ZeRO-3 allowed): also
+        interleaved 1F1B with more stages per rank (8, 16, ... and one block per stage) at pp <= FSDP_MAX_PP,
+        per_block: weighed under ZeRO-3's microbatch policy only (FSDP per block: a rank gathers one or two
+        small stages at a time), the only setting in which so many stages per rank can pay."""
         out: dict = {}
         for name in self.req.schedules:
             spec = SCHEDULES[name]
@@ -197,8 +209,13 @@ class Search:
             for v, vs in options:
                 if pp * vs <= self.model.n_layer:
                     placement = stage_placement(name, pp, v)
-                    out.setdefault((placement, v, vs), []).append((name, splits_backward(name)))
-        return [(placement, v, vs, names) for (placement, v, vs), names in out.items()]
+                    out.setdefault((placement, v, vs, False), []).append((name, splits_backward(name)))
+        if sharded and pp <= FSDP_MAX_PP and "interleaved-1f1b" in self.req.schedules:
+            most = self.model.n_layer // pp
+            for v in sorted({1 << i for i in range(3, most.bit_length())} | {most}):
+                if v > 4:
+                    out[(stage_placement("interleaved-1f1b", pp, v), v, v, True)] = [("interleaved-1f1b", False)]
+        return [(placement, v, vs, names, per_block) for (placement, v, vs, per_block), names in out.items()]
 
     def _refuse(self, dims: ParallelDims, needs, parts, what):
         old = self.refusals.get(dims)
@@ -217,9 +234,12 @@ class Search:
         cs = self.stage_costs[mesh.cp_comm]
         cap, r_bytes = self.cluster.usable_bytes, 4
         b = self.req.batch_size // dp
-        zoned = _zero_choices(sh)
-        opt = 2 * r_bytes / memory_model.gradient_group(sh)  # AdamW state per parameter at ZeRO-1's even share
-        for placement, v, vs, schedules in self.groups(pp):
+        group = memory_model.gradient_group(sh)
+        for placement, v, vs, schedules, per_block in self.groups(pp, group > 1 and self.req.zero in (None, 3)):
+            zoned = _zero_choices(sh, self.req.zero, vs, per_block)
+            if not zoned:
+                continue
+            sharded = any(z for z, _ in zoned)
             S = len(placement)
             for balanced in (False, True):
                 for rc in RECOMPUTE_ORDER:
@@ -227,22 +247,24 @@ class Search:
                     if layers is None:
                         continue
                     params = cs.stage_params(m_tp, sh, layers)
-                    rank_params = [0] * pp
+                    per_rank = [[] for _ in range(pp)]
                     for s, r in enumerate(placement):
-                        rank_params[r] += params[s]
-                    static = [(2 * r_bytes + opt) * x for x in rank_params]
+                        per_rank[r].append(params[s])
+                    # the least state over the ZeRO choices (one microbatch: ZeRO-2/3's least gradients)
+                    parts = [min((memory_model.zero_state(x, group, z, u, 1) for z, u in zoned), key=sum)
+                             for x in per_rank]
+                    static = [r_bytes * sum(x) for x in parts]
                     if max(static) > cap:
                         r = max(range(pp), key=static.__getitem__)
-                        self._refuse(dims, static[r], {"weights": r_bytes * rank_params[r],
-                                                       "gradients": r_bytes * rank_params[r],
-                                                       "optimizer": opt * rank_params[r]},
-                                     "weights, gradients and optimizer state alone" + (" (ZeRO-1)" if len(zoned) > 1
-                                                                                       else ""))
+                        self._refuse(dims, static[r], dict(zip(("weights", "gradients", "optimizer"),
+                                                               (r_bytes * x for x in parts[r]))),
+                                     "weights, gradients and optimizer state alone" + (" (ZeRO)" if sharded else ""))
                         self.stats["memory_refused"] += 1
                         continue
-                    dpc = cs.dp_comm(params, sh)
+                    dpc = cs.dp_comm(params, sh._replace(zero=1) if sharded else sh)  # the least: a reduce-scatter
                     tensors = cs.stage_tensors(m_tp, layers)
-                    after = min(cs.after_time(m_tp, placement, params, tensors, z, layers) for z in zoned.values())
+                    after = min(cs.after_time(m_tp, placement, params, tensors, zs, layers, u)
+                                for (_, u), zs in zoned.items())
                     for mbs in _divisors(b):
                         m = b // mbs
                         if 3 * m * S > MAX_ACTIONS:
@@ -254,9 +276,10 @@ class Search:
                         if max(least) > cap:
                             r = max(range(pp), key=least.__getitem__)
                             self._refuse(dims, least[r], {
-                                "weights": r_bytes * rank_params[r], "gradients": r_bytes * rank_params[r],
-                                "optimizer": opt * rank_params[r], "activations": least[r] - static[r]},
-                                f"{rc} recomputation, {'ZeRO-1, ' if len(zoned) > 1 else ''}{mbs} sequence"
+                                **dict(zip(("weights", "gradients", "optimizer"), (r_bytes * x for x in parts[r]))),
+                                "activations": least[r] - static[r]},
+                                f"{rc} recomputation, {'ZeRO, ' if sharded else ''}"
+                                f"{mbs} sequence"
                                 f"{'s' if mbs > 1 else ''} per microbatch")
                             self.stats["memory_refused"] += 1
                             break  # larger microbatches hold more
@@ -268,7 +291,7 @@ class Search:
                                                                      split) + after
                             self.stats["candidates"] += 1
                             yield bounds[split], Candidate(sh, mesh.pad_vocab, name, v, vs, mbs, rc, balanced,
-                                                           mesh.cp_comm)
+                                                           mesh.cp_comm, per_block)
 
     def evaluate(self, cand: Candidate) -> _Eval | None:
         """Memory (exact), then the simulator; None when it does not fit or the schedule refuses."""
@@ -287,15 +310,15 @@ class Search:
             self.stats["schedule_refused"] += 1
             return None
         F, B, W, TP, saved, deferred, msg = cs.vectors(m_tp, sh, rc, mbs, layers)
-        zoned = _zero_choices(sh)
-        what = lambda z: (f"{schedule}, {rc} recomputation, {'ZeRO-1, ' if z else ''}{mbs} sequence"  # noqa: E731
+        zoned = _zero_choices(sh, self.req.zero, cand.virtual_stages, cand.per_block)
+        what = lambda z: (f"{schedule}, {rc} recomputation, {_zero_name(*z)}{mbs} sequence"  # noqa: E731
                           f"{'s' if mbs > 1 else ''} per microbatch")
         # A lower bound first (state + held activations, no walk over the plan), then the memory model.
         held = held_peaks(schedule, pp, m, v, saved, deferred)
         S = len(layers)
-        states = {z: [memory_model.state_bytes(m_tp, [(layers[s], s == 0, s == S - 1) for s in st.plan.stages_of(r)],
-                                               sharding=zs, precision=self.precision)
-                      for r in range(pp)] for z, zs in zoned.items()}
+        held_stages = [[(layers[s], s == 0, s == S - 1) for s in st.plan.stages_of(r)] for r in range(pp)]
+        states = {z: [memory_model.state_bytes(m_tp, x, sharding=zs, precision=self.precision, unshard=z[1],
+                                               microbatches=m) for x in held_stages] for z, zs in zoned.items()}
         least = {z: [x.weights + x.gradients + x.optimizer + h for x, h in zip(states[z], held)] for z in zoned}
         if min(max(least[z]) for z in zoned) > cap:
             self.stats["memory_refused"] += 1
@@ -305,9 +328,10 @@ class Search:
             self._refuse(cand.dims, least[z][r], {"weights": x.weights, "gradients": x.gradients,
                                                   "optimizer": x.optimizer, "activations": held[r]}, what(z))
             return None
-        base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, sharding=zoned[0], recompute=rc,
+        base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, sharding=sh, recompute=rc,
                                         precision=self.precision, cp_comm=cand.cp_comm)
-        mem = {z: [replace(x, optimizer=states[z][x.rank].optimizer) for x in base] for z in zoned}
+        mem = {z: [replace(x, weights=states[z][x.rank].weights, gradients=states[z][x.rank].gradients,
+                           optimizer=states[z][x.rank].optimizer) for x in base] for z in zoned}
         fits = [z for z, ranks in mem.items() if max(x.total for x in ranks) <= cap]
         if not fits:
             self.stats["memory_refused"] += 1
@@ -317,14 +341,24 @@ class Search:
             return None
         params = cs.stage_params(m_tp, sh, layers)
         comm = cs.message_time(msg, placement, sh)
-        dpc = cs.dp_comm(params, sh)
-        makespan, bubble = self.simulate(schedule, pp, m, v, F, B, W, TP, comm, dpc)
         tensors = cs.stage_tensors(m_tp, layers)
-        step, zero = min((makespan + cs.after_time(m_tp, placement, params, tensors, zoned[z], layers), z)
-                         for z in fits)
+        gathers = cs.gather_times(params, sh) if any(z == (3, "microbatch") for z in fits) else None
+        best = None
+        # the sharded levels first (a reduce-scatter, the least reduction): zero 0 is simulated only if it can win
+        for z in sorted(fits, key=lambda z: (not z[0], z)):
+            after = cs.after_time(m_tp, placement, params, tensors, zoned[z], layers, z[1])
+            if z == (3, "microbatch"):
+                after += cs.exposed_gathers(compute_groups(schedule, pp, m, v), F, B, W, TP, gathers)
+            if best is not None and not z[0] and best[3] + after >= best[0]:
+                continue  # its all-reduce makes a makespan no shorter than the reduce-scatter's
+            makespan, bubble = self.simulate(schedule, pp, m, v, F, B, W, TP, comm, cs.dp_comm(params, zoned[z]))
+            if best is None or (makespan + after, z) < best[:2]:
+                best = (makespan + after, z, bubble, makespan)
+        step, (zero, unshard), bubble, makespan = best
         layout = Layout(dp, pp, sh.tp, schedule, cand.virtual_stages, m, mbs, rc, zero, sh.sequence_parallel,
-                        tuple(layers), cand.balanced, cand.pad_vocab, sh.cp, cand.cp_comm)
-        return _Eval(step, layout, makespan, bubble, step - makespan, max(x.total for x in mem[zero]), m_tp)
+                        tuple(layers), cand.balanced, cand.pad_vocab, sh.cp, cand.cp_comm,
+                        "microbatch" if unshard == "microbatch" else None)
+        return _Eval(step, layout, makespan, bubble, step - makespan, max(x.total for x in mem[(zero, unshard)]), m_tp)
 
     def run(self) -> SearchResult:
         t0 = time.perf_counter()
@@ -428,10 +462,16 @@ class Search:
         timeline = simulate(st.plan, costs)
         makespan = float(timeline.makespan)
         tensors = cs.stage_tensors(model, layers)
-        after = cs.after_time(model, placement, params, tensors, sh, layers)
+        after = cs.after_time(model, placement, params, tensors, sh, layers, L.unshard_policy)
+        gathers = 0.0
+        if L.zero >= 3 and L.unshard_policy == "microbatch" and memory_model.gradient_group(sh) > 1:
+            gathers = cs.exposed_gathers(compute_groups(L.schedule, L.pp, L.microbatches, v), F, B, W, TP,
+                                         cs.gather_times(params, sh))
+            after += gathers
         step = makespan + after
         mem = memory_model.plan_memory(model, st.plan, layers, microbatch_size=L.microbatch_size, sharding=sh,
-                                       recompute=L.recompute, precision=self.precision, cp_comm=L.cp_comm)
+                                       recompute=L.recompute, precision=self.precision, cp_comm=L.cp_comm,
+                                       unshard=L.unshard_policy)
         memory = [memory_parts(x) for x in mem]
         peak_rank = max(range(len(memory)), key=lambda r: memory[r]["total"])
         tokens = self.req.batch_size * model.seq_len
@@ -453,8 +493,8 @@ class Search:
         tp_time -= 2 * blocks * (min(lc.comm_f, lc.comm_b) - min(lc.comm_f - cp_f, lc.comm_b - cp_b))
         end = float(timeline.end_time - timeline.start_time)
         breakdown = {"compute": float(busy[r]) - tp_time - cp_time, "recompute": rc_extra, "tp_comm": tp_time,
-                     "cp_comm": cp_time, "idle": end - float(busy[r]), "dp_exposed": makespan - end, "after": after,
-                     "rank": r}
+                     "cp_comm": cp_time, "idle": end - float(busy[r]), "dp_exposed": makespan - end,
+                     "after": after - gathers, "gathers": gathers, "rank": r}
         summary = timeline.summary()
         return Result(L, model, step, makespan, after, float(timeline.bubble_fraction), tokens / step, mfu, memory,
                       peak_rank, breakdown, costs, {k: summary[k] for k in ("bubble_fraction_per_rank",
@@ -498,9 +538,26 @@ def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False, cp: 
 
 
 @lru_cache(maxsize=None)
-def _zero_choices(sharding: Sharding) -> dict:
-    """{0: the layout without ZeRO-1, 1: with it (dp x cp > 1 only: it shards over both)}."""
-    return {z: sharding._replace(zero=z) for z in ((0, 1) if memory_model.gradient_group(sharding) > 1 else (0,))}
+def _zero_choices(sharding: Sharding, only: int | None = None, stages_per_rank: int = 1,
+                  per_block: bool = False) -> dict:
+    """{(ZeRO level, unshard policy): the sharding at that level}: levels 0-3 where dp x cp > 1 (ZeRO shards over
+    both), else 0; only `only` with plan --zero. Level 3 under both policies, microbatch only where a rank holds
+    more than two stages (with one or two its stages are all gathered at the peak either way); per_block
+    candidates (pipegpt.plan.search.Search.groups) only ZeRO-3 under the microbatch policy."""
+    sharded = memory_model.gradient_group(sharding) > 1
+    levels = (0, 1, 2, 3) if sharded else (0,)
+    if only is not None:
+        levels = (only,) if only in levels or not sharded and only == 0 else ()
+    out = {}
+    for z in levels:
+        for policy in (("step", "microbatch") if z == 3 and stages_per_rank > 2 else ("step",)):
+            if not per_block or (z, policy) == (3, "microbatch"):
+                out[(z, policy)] = sharding._replace(zero=z)
+    return out
+
+
+def _zero_name(zero: int, unshard: str) -> str:
+    return f"ZeRO-{zero}{' (unshard microbatch)' if unshard == 'microbatch' else ''}, " if zero else ""
 
 
 def _round(x: float) -> float:

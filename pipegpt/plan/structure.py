@@ -81,6 +81,28 @@ def held_peaks(schedule: str, p: int, m: int, v: int | None, saved, deferred) ->
     return out
 
 
+@lru_cache(maxsize=512)
+def compute_groups(schedule: str, p: int, m: int, v: int | None) -> tuple:
+    """Per rank, its runs of one stage's consecutive compute actions in order (the groups ZeRO-3's microbatch
+    policy gathers around: pipegpt.schedule.lowering.add_unshard_reshard) as (stages, counts): the run's stage
+    and a [runs x 4] matrix of its F, B, I and W counts."""
+    import numpy as np
+
+    kinds = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}
+    out = []
+    for actions in structure(schedule, p, m, v).plan.ranks:
+        stages, counts = [], []
+        for a in actions:
+            if a.kind not in kinds:
+                continue
+            if not stages or stages[-1] != a.stage:
+                stages.append(a.stage)
+                counts.append([0, 0, 0, 0])
+            counts[-1][kinds[a.kind]] += 1
+        out.append((np.array(stages, dtype=np.int64), np.array(counts, dtype=np.float64).reshape(-1, 4)))
+    return tuple(out)
+
+
 @lru_cache(maxsize=None)
 def stage_placement(schedule: str, p: int, v: int | None) -> tuple:
     """Stage -> rank: the schedule's placement, whatever the microbatches."""

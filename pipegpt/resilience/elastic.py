@@ -35,7 +35,7 @@ def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
     best = None
     for dp in sorted((d for d in range(1, p.dp + 1) if p.dp % d == 0), reverse=True):
         stages = min(ranks // (dp * p.cp * p.tp), cfg.model.n_layer)
-        if stages < 1:
+        if stages < 1 or (p.zero >= 2 and dp * p.cp == 1):  # ZeRO-2/3 need replicas to shard over
             continue
         microbatches = p.microbatches * p.dp // dp
         for schedule in dict.fromkeys((p.schedule, "1f1b")):

@@ -39,8 +39,8 @@ class Kind(str, enum.Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
     REDUCE_GRAD = "REDUCE_GRAD"  # launch the data-parallel reduction of the stage's gradients
-    UNSHARD = "UNSHARD"  # gather the stage's sharded parameters (ZeRO-3; validated, not run yet)
-    RESHARD = "RESHARD"  # free the gathered parameters again (ZeRO-3; validated, not run yet)
+    UNSHARD = "UNSHARD"  # gather the stage's sharded parameters (ZeRO-3)
+    RESHARD = "RESHARD"  # free the gathered parameters again (ZeRO-3)
 
     @property
     def category(self) -> Category:
@@ -172,7 +172,7 @@ class Plan:
 
     @property
     def is_forward_only(self) -> bool:
-        return all(a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F) for acts in self.ranks for a in acts)
+        return all(a.kind in _FORWARD_KINDS for acts in self.ranks for a in acts)
 
     def with_ranks(self, ranks) -> "Plan":
         return replace(self, ranks=tuple(tuple(acts) for acts in ranks))
@@ -183,6 +183,9 @@ class Plan:
 
     def as_strings(self) -> list[list[str]]:
         return [[str(a) for a in acts] for acts in self.ranks]
+
+
+_FORWARD_KINDS = frozenset({Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.UNSHARD, Kind.RESHARD})  # gathers serve forwards too
 
 
 class PlanError(ScheduleError):

@@ -262,3 +262,36 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Plan:
             weight()
         ranks.append(tuple(acts))
     return Plan("dualpipev", m, v_shape(p), tuple(ranks))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Generation's decode plans (forward only)
+#
+# Forward-only plans for inference, as data.
+#
+# Scoring (validation loss, HellaSwag) runs a training plan's forwards alone (Plan.forward_only, lowered as any plan).
+# Generation runs a decode plan: the prompts in G groups, each group one microbatch per step (mb = step x G + group):
+# step 0 is the prefill of the group's prompts, each later step one new token per prompt. A group's next step on the
+# first stage needs the token its last stage chose the step before; the plan's meta says so (decode_groups = G) and
+# validate.dependencies adds that edge, so validation, simulation and the pictures see the loop.
+#
+# With G >= stages every stage works on some group while the others decode: at zero message latency the steady
+# state has no bubble. With G < stages each rank idles 1 - G / stages of every step (a group's round trip through
+# the stages is the step's length, and a rank works G forwards of it).
+
+DECODE_GROUPS = "decode_groups"  # Plan.meta key: the groups of a decode plan (validate.dependencies reads it)
+
+
+def decode_plan(stages: int, groups: int, steps: int) -> Plan:
+    """Every rank one stage; each step every group once, in group order: F(s, k x groups + g)."""
+    for name, value in (("stages", stages), ("groups", groups), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name}={value!r} must be an integer >= 1")
+    ranks = tuple(tuple(F(s, k * groups + g) for k in range(steps) for g in range(groups)) for s in range(stages))
+    return Plan("decode", groups * steps, tuple(range(stages)), ranks,
+                meta={DECODE_GROUPS: groups, "decode_steps": steps})
+
+
+def decode_position(plan: Plan, microbatch: int) -> tuple[int, int]:
+    """(step, group) of a decode plan's microbatch."""
+    return divmod(microbatch, plan.meta[DECODE_GROUPS])

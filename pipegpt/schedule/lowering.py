@@ -13,14 +13,16 @@ blocking semantics, the order cannot deadlock.
 
 Collectives are inserted by passes of their own: add_reduce_grad puts a
 stage's data-parallel gradient reduction (1REDUCE_GRAD) right after the action
-that completes its gradients. lower() keeps a plan's collectives where they
-stand, after the compute action they followed, so the passes commute.
+that completes its gradients; add_unshard_reshard puts ZeRO-3's parameter
+gathers and frees (1UNSHARD, 1RESHARD) around a stage's compute by a policy.
+lower() keeps a plan's collectives where they stand, after the compute action
+they followed, so the passes commute.
 """
 from __future__ import annotations
 
 import heapq
 
-from .actions import COLLECTIVE_KINDS, REDUCE_GRAD, Action, Kind, Plan, PlanError
+from .actions import COLLECTIVE_KINDS, NO_MICROBATCH, REDUCE_GRAD, Action, Kind, Plan, PlanError, ScheduleError
 from .messages import peer, recvs_before, sends_after
 from .validate import dependencies
 
@@ -290,3 +292,92 @@ def without_reduce_grad(plan: Plan) -> Plan:
     if not any(a.kind is Kind.REDUCE_GRAD for acts in plan.ranks for a in acts):
         return plan
     return plan.with_ranks([[a for a in acts if a.kind is not Kind.REDUCE_GRAD] for acts in plan.ranks])
+
+
+UNSHARD_POLICIES = ("step", "microbatch")
+
+
+def add_unshard_reshard(plan: Plan, policy: str = "step") -> Plan:
+    """Insert ZeRO-3's parameter gathers (UNSHARD) and frees (RESHARD) into a lowered plan, per rank and stage:
+
+        step        gathered before the stage's first compute action of the step, freed after its last
+                    (torchtitan's default under pipeline parallelism: microbatches do not gather again)
+        microbatch  gathered around each run of the stage's consecutive compute actions, the gather prefetched:
+                    posted before the run before it (its compute overlaps the gather), freed after its run; a
+                    stage freed and gathered again with no compute between stays gathered. A rank then holds
+                    two stages gathered at most (the least parameter memory where it holds three or more)
+
+    A gather goes before the run of messages that precedes a compute (a run of messages is one batch and is
+    never split), a free after the compute and the collectives right behind it (the stage's REDUCE_GRAD).
+    A stage that already has its UNSHARD/RESHARD on its rank (a schedule file) keeps them where they stand.
+    """
+    if policy not in UNSHARD_POLICIES:
+        raise ScheduleError(f"unshard policy {policy!r} is not one of {', '.join(UNSHARD_POLICIES)}")
+    sharding_kinds = (Kind.UNSHARD, Kind.RESHARD)
+    ranks = []
+    for actions in plan.ranks:
+        placed = {a.stage for a in actions if a.kind in sharding_kinds}
+        spans = []  # (stage, where its gather goes, where its free goes) per run
+        for stage, first, last in _compute_runs(actions, by_stage=policy == "step"):
+            while first > 0 and actions[first - 1].kind.is_p2p:
+                first -= 1
+            while last + 1 < len(actions) and actions[last + 1].kind.is_collective:
+                last += 1
+            spans.append([stage, first, last])
+        if policy == "microbatch":
+            spans = _prefetched(spans, actions)
+        before, after = {}, {}
+        for stage, gather, free in spans:
+            if stage in placed:
+                continue
+            if gather is not None:
+                before.setdefault(gather, []).append(Action(stage, Kind.UNSHARD, NO_MICROBATCH))
+            if free is not None:
+                after.setdefault(free, []).append(Action(stage, Kind.RESHARD, NO_MICROBATCH))
+        out = []
+        for i, a in enumerate(actions):
+            out += before.get(i, []) + [a] + after.get(i, [])
+        ranks.append(out)
+    return plan.with_ranks(ranks)
+
+
+def _prefetched(spans: list[list], actions) -> list[list]:
+    """Each run's gather moved to where the run before it gathers (the rank's first two runs gather at its start);
+    a free followed by the same stage's gather with no compute between: neither (None)."""
+    starts = [gather for _, gather, _ in spans]
+    last_of: dict[int, list] = {}  # stage -> its latest span
+    for k, span in enumerate(spans):
+        span[1] = starts[max(k - 1, 0)]
+        earlier = last_of.get(span[0])
+        if earlier is not None and not any(a.kind.is_compute for a in actions[earlier[2] + 1:span[1]]):
+            earlier[2] = span[1] = None
+        last_of[span[0]] = span
+    return spans
+
+
+def _compute_runs(actions, by_stage: bool) -> list[tuple[int, int, int]]:
+    """(stage, index of its first compute action, index of its last) per run of a stage's consecutive compute
+    actions (messages and collectives between them do not break a run), or with by_stage one per stage."""
+    runs: list[list[int]] = []
+    for i, a in enumerate(actions):
+        if not a.kind.is_compute:
+            continue
+        if runs and actions[runs[-1][1]].stage == a.stage:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    if by_stage:
+        spans: dict[int, list[int]] = {}
+        for first, last in runs:
+            s = actions[first].stage
+            spans[s] = [spans[s][0], last] if s in spans else [first, last]
+        return sorted(((s, f, l) for s, (f, l) in spans.items()), key=lambda g: g[1])
+    return [(actions[first].stage, first, last) for first, last in runs]
+
+
+def without_unshard_reshard(plan: Plan) -> Plan:
+    """The plan with no UNSHARD/RESHARD: what runs when parameters are not sharded (--zero below 3)."""
+    kinds = (Kind.UNSHARD, Kind.RESHARD)
+    if not any(a.kind in kinds for acts in plan.ranks for a in acts):
+        return plan
+    return plan.with_ranks([[a for a in acts if a.kind not in kinds] for acts in plan.ranks])

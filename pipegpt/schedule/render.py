@@ -1,9 +1,9 @@
 """Draw a Timeline: ASCII Gantt for the terminal, SVG/HTML pictures, Chrome-trace JSON (Perfetto).
 
 All renderers take a Timeline, so a simulated plan and a measured run look
-the same. Only compute actions (F, B, I, W) are drawn as blocks; the Chrome
-trace keeps every event, messages and collectives (a measured REDUCE_GRAD's
-launch) included.
+the same. Compute actions (F, B, I, W) and ZeRO-3's parameter gathers (UNSHARD,
+which hold their rank up) are drawn as blocks; the Chrome trace keeps every
+event, messages and collectives (a measured REDUCE_GRAD's launch) included.
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from html import escape  # not xml.sax.saxutils: it imports urllib (30 ms of sta
 from .actions import Kind, ScheduleError
 from .simulate import Event, Timeline
 
-COLORS = {Kind.F: "#4e79a7", Kind.B: "#59a14f", Kind.I: "#f28e2b", Kind.W: "#b07aa1"}
-KIND_NAMES = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input grad", Kind.W: "weight grad"}
+COLORS = {Kind.F: "#4e79a7", Kind.B: "#59a14f", Kind.I: "#f28e2b", Kind.W: "#b07aa1", Kind.UNSHARD: "#e15759"}
+KIND_NAMES = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input grad", Kind.W: "weight grad",
+              Kind.UNSHARD: "parameter gather"}
 # Microseconds per time unit, for the Chrome trace.
 _US_PER = {"unit": 1000.0, "s": 1e6, "ms": 1000.0, "us": 1.0}
 # SVG sizes. The plot is about _PX_PER_ACTION wide per action of the busiest rank: counting actions rather
@@ -95,6 +96,8 @@ class _Look:
     def labels(self, event: Event) -> tuple[str, str]:
         """The full label and its short form (the kind letter), for a block too narrow for the full one."""
         a = event.action
+        if a.kind is Kind.UNSHARD:  # no microbatch: its stage, and "U"
+            return f"{a.stage}U", "U"
         if self.most > 2:
             return str(a), a.kind.value
         text = f"{a.kind.value}{a.microbatch}"
@@ -143,7 +146,7 @@ def _columns(events: list[Event], col, bar: int) -> list[tuple[int, int, Event]]
     """
     blocks, short = [], []
     for e in events:
-        if e.action.kind.is_compute and e.end > e.start:
+        if e.action.kind in COLORS and e.end > e.start:
             c0, c1 = col(e.start), col(e.end)
             (blocks if c1 > c0 else short).append((c0, c1, e))
     taken = {c for c0, c1, _ in blocks for c in range(c0, c1)}
@@ -299,7 +302,7 @@ def _svg(timeline: Timeline, span, plot_w: float) -> str:
         out.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end">{names[r]}</text>')
         out.append(f'<rect x="{left}" y="{y}" width="{idle_w}" height="{row_h}" fill="url(#idle)"/>')
         for e in timeline.events_of(r):
-            if not e.action.kind.is_compute:
+            if e.action.kind not in COLORS:
                 continue
             x0, w = x(e.start), float(e.end - e.start) * scale
             tip = f"rank {r}: {e.action} {_fmt(e.start - t0)}..{_fmt(e.end - t0)}"

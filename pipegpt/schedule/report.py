@@ -9,18 +9,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from numbers import Real
 from typing import Callable
 
 from pipegpt.config import ConfigError
 
 from . import render
-from .actions import Plan, ScheduleError
-from .inference import decode_plan, steady_state_bubble
+from .actions import Kind, Plan, ScheduleError
+from .generators import DECODE_GROUPS, decode_plan
 from .registry import schedule_names, schedule_spec
 from .render import human_bytes
 from .schedule_file import check_against_file, load_schedule_file
 from .matching import simulate_matching
-from .simulate import costs_for_plan
+from .simulate import _ratio, costs_for_plan
 
 DEFAULT_COSTS = "F=1,B=2,W=1,comm=0"
 
@@ -166,7 +167,7 @@ def _decode_job(opts: SimulateOptions) -> list[tuple[str, Callable]]:
 
 def decode_record(plan: Plan, timeline) -> dict:
     """What a decode plan adds to its record: the steady state's bubble (a decode step late in the loop)."""
-    if "decode_groups" not in plan.meta:
+    if DECODE_GROUPS not in plan.meta:
         return {}
     per_rank = steady_state_bubble(timeline, plan)
     return {"decode_groups": plan.meta["decode_groups"], "decode_steps": plan.meta["decode_steps"],
@@ -349,3 +350,27 @@ def _write_text(path: str, text: str) -> None:
             fh.write(text)
     except OSError as e:
         raise ScheduleError(f"cannot write {path}: {e.strerror}") from None
+
+
+def steady_state_bubble(timeline, plan: Plan) -> list[Real] | None:
+    """Per rank, the idle share of one decode step late in the loop (its steady state): from the rank's start of
+    step k's first group to its start of step k + 1's, k = steps - 2. None below 3 steps (step 0 is the prefill,
+    so no decode step is both entered and left inside the loop)."""
+    groups, steps = plan.meta.get(DECODE_GROUPS), plan.meta.get("decode_steps", 0)
+    if not groups or steps < 3:
+        return None
+    k = steps - 2
+    starts, busy = {}, [0] * timeline.num_ranks
+    for e in timeline.events:
+        if e.action.kind is not Kind.F:
+            continue
+        step, _ = divmod(e.action.microbatch, groups)
+        if step == k:
+            busy[e.rank] += e.end - e.start
+        if step in (k, k + 1):
+            starts[(e.rank, step)] = min(starts.get((e.rank, step), e.start), e.start)
+    bubbles = []
+    for r in range(timeline.num_ranks):
+        period = starts[(r, k + 1)] - starts[(r, k)]
+        bubbles.append(1 - _ratio(busy[r], period) if period else 0)
+    return bubbles

@@ -23,10 +23,10 @@ from .validate import dependencies, validate
 # Keys accepted by Costs.parse / Costs.from_json (lower case) and the field each fills.
 _KEYS = {"f": "forward", "b": "backward", "w": "weight", "comm": "comm",
          "act_bytes": "activation_bytes", "activation_bytes": "activation_bytes",
-         "tp_comm": "tp_comm", "dp_comm": "dp_comm"}
+         "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
 _SHOWN = {"forward": "F", "backward": "B", "weight": "W", "comm": "comm", "activation_bytes": "act_bytes",
-          "tp_comm": "tp_comm", "dp_comm": "dp_comm"}
-_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm"
+          "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
+_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm, gather_comm"
 
 
 def _check_number(name: str, value) -> None:
@@ -52,7 +52,11 @@ class Costs:
     gradients across data-parallel replicas, the cost of its REDUCE_GRAD: it
     starts where the plan's REDUCE_GRAD stands (a plan without them is charged
     as add_reduce_grad places them: when the stage's last B/W ends), overlaps
-    compute, and a rank's reductions run one after another.
+    compute, and a rank's reductions run one after another. gather_comm[s] is
+    the time to all-gather stage s's parameters (ZeRO-3), the cost of its
+    UNSHARD: it starts where the rank reaches it (after the gathers posted
+    before it), overlaps the compute that follows, and the stage's next compute
+    action waits for it (a gather posted a compute ahead is hidden by that compute).
     """
 
     forward: tuple
@@ -62,12 +66,13 @@ class Costs:
     activation_bytes: tuple | None = None
     tp_comm: tuple | None = None
     dp_comm: tuple | None = None
+    gather_comm: tuple | None = None
 
     def __post_init__(self):
-        for name in ("tp_comm", "dp_comm"):  # absent means free
+        for name in ("tp_comm", "dp_comm", "gather_comm"):  # absent means free
             if getattr(self, name) is None:
                 object.__setattr__(self, name, (0,) * len(self.forward))
-        for name in ("forward", "backward", "weight", "activation_bytes", "tp_comm", "dp_comm"):
+        for name in ("forward", "backward", "weight", "activation_bytes", "tp_comm", "dp_comm", "gather_comm"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
@@ -75,11 +80,11 @@ class Costs:
         if n < 1:
             raise ScheduleError("costs: need at least one stage")
         optional = ("activation_bytes",) if self.activation_bytes is not None else ()
-        for name in ("backward", "weight", "tp_comm", "dp_comm") + optional:
+        for name in ("backward", "weight", "tp_comm", "dp_comm", "gather_comm") + optional:
             if len(getattr(self, name)) != n:
                 raise ScheduleError(f"costs: {name} has {len(getattr(self, name))} values but forward has {n}; "
                                     f"give one per stage")
-        for name in ("forward", "backward", "weight", "tp_comm", "dp_comm") + optional:
+        for name in ("forward", "backward", "weight", "tp_comm", "dp_comm", "gather_comm") + optional:
             for s, value in enumerate(getattr(self, name)):
                 _check_number(f"{name}[{s}]", value)
         _check_number("comm", self.comm)
@@ -111,6 +116,7 @@ class Costs:
                        weight=tuple(x * factor for x in self.weight),
                        tp_comm=tuple(x * factor for x in self.tp_comm),
                        dp_comm=tuple(x * factor for x in self.dp_comm),
+                       gather_comm=tuple(x * factor for x in self.gather_comm),
                        activation_bytes=None if self.activation_bytes is None
                        else tuple(x * factor for x in self.activation_bytes))
 
@@ -118,7 +124,7 @@ class Costs:
         out = {"F": list(self.forward), "B": list(self.backward), "W": list(self.weight), "comm": self.comm}
         if self.activation_bytes is not None:
             out["act_bytes"] = list(self.activation_bytes)
-        for name in ("tp_comm", "dp_comm"):
+        for name in ("tp_comm", "dp_comm", "gather_comm"):
             if any(getattr(self, name)):
                 out[name] = list(getattr(self, name))
         return out
@@ -195,7 +201,7 @@ class Costs:
         backward = fields.get("backward", (2.0,) * num_stages)
         weight = fields.get("weight", tuple(b / 2 for b in backward))
         return cls(forward, backward, weight, fields.get("comm", 0), fields.get("activation_bytes"),
-                   fields.get("tp_comm"), fields.get("dp_comm"))
+                   fields.get("tp_comm"), fields.get("dp_comm"), fields.get("gather_comm"))
 
 
 def load_costs_json(path) -> dict:
@@ -413,6 +419,9 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
         raise ScheduleError(f"costs are for {costs.num_stages} stages but plan {plan.name!r} has "
                             f"{plan.num_stages}; give one cost per stage")
     actions = plan.compute_only().ranks
+    launches, waits = _gathers(plan, costs)
+    gathered: dict[tuple[int, int], tuple[Action, Real]] = {}  # (rank, index of an UNSHARD) -> it, when done
+    channel: list[Real] = [0] * plan.num_ranks  # when each rank's gathers posted so far are done
     rank_of = plan.stage_to_rank
     ends: dict[Action, Real] = {}
     waiters: dict[Action, list[int]] = defaultdict(list)
@@ -430,6 +439,14 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
                 waiters[missing].append(r)
                 break
             start = free[r]
+            for key, unshard, duration in launches.get(action, ()):  # posted where the rank reached them
+                channel[r] = max(channel[r], free[r]) + duration
+                gathered[key] = unshard, channel[r]
+            for key in waits.get(action, ()):  # its stage's gathers: the rank's wait for them is their event
+                unshard, done = gathered.pop(key)
+                if done > start:
+                    events.append(Event(r, unshard, start, done))
+                    start = done
             for d in deps:
                 available = ends[d]
                 if costs.comm and rank_of[d.stage] != r:
@@ -452,6 +469,27 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
         meta["step_end"] = _gradient_sync_end(plan, ends, costs)
     return Timeline(events, plan.num_ranks, schedule=plan.name, num_microbatches=plan.num_microbatches,
                     stage_to_rank=tuple(plan.stage_to_rank), activation_bytes=costs.activation_bytes, meta=meta)
+
+
+def _gathers(plan: Plan, costs: Costs) -> tuple[dict[Action, list], dict[Action, list]]:
+    """Per compute action, the UNSHARDs its rank posts just before it (since its previous compute action), as
+    ((rank, index), UNSHARD, gather time), and the UNSHARDs it waits for (its stage's since the stage's previous
+    compute action), as (rank, index)."""
+    launches: dict[Action, list] = {}
+    waits: dict[Action, list] = {}
+    for r, actions in enumerate(plan.ranks):
+        posted: list = []
+        pending: dict[int, list[tuple[int, int]]] = {}
+        for i, a in enumerate(actions):
+            if a.kind is Kind.UNSHARD:
+                posted.append(((r, i), a, costs.gather_comm[a.stage]))
+                pending.setdefault(a.stage, []).append((r, i))
+            elif a.kind in COMPUTE_KINDS:
+                if posted:
+                    launches[a], posted = posted, []
+                if a.stage in pending:
+                    waits[a] = pending.pop(a.stage)
+    return launches, waits
 
 
 def _gradient_sync_end(plan: Plan, ends: dict[Action, Real], costs: Costs) -> Real:

@@ -3,10 +3,12 @@
 Errors name the rank and the step and show the plan around it.
 
 Collectives are checked where a plan has them: a stage's REDUCE_GRAD comes once, after its last B or W on
-its rank, and a plan that reduces one stage's gradients reduces every stage's; UNSHARD comes before the
-stage's first compute action and RESHARD after its last, each once and never one without the other. They
-block nothing here: a collective is launched, not waited for, and every replica of a rank launches its
-collectives in the same order (the same plan), so they cannot deadlock with each other or with messages.
+its rank, and a plan that reduces one stage's gradients reduces every stage's. A stage with an UNSHARD is
+sharded until it (ZeRO-3): UNSHARD and RESHARD alternate, starting with an UNSHARD and ending with a RESHARD,
+and no compute action of the stage runs while it is sharded (whether a run shards every stage is the
+training role's to check: pipegpt.train.grad_sync). They block nothing here: a gather waits only for the
+stage's replicas, which run the same plan and so launch their collectives in the same order: they cannot
+deadlock with each other or with messages.
 """
 from __future__ import annotations
 
@@ -73,6 +75,8 @@ def _check_counts(plan: Plan) -> None:
     where: dict[Action, tuple[int, int]] = {}
     for r, actions in enumerate(plan.ranks):
         for k, a in enumerate(actions):
+            if a.kind in (Kind.UNSHARD, Kind.RESHARD):  # as often as a policy gathers: _check_collectives pairs them
+                continue
             if a in where:
                 raise PlanError(plan, r, k, f"{a} appears twice (first at rank {where[a][0]} step {where[a][1]})")
             where[a] = (r, k)
@@ -126,32 +130,55 @@ def _check_collectives(plan: Plan) -> None:
     """Each collective where the module docstring says (duplicates are _check_counts' to refuse)."""
     reduced = {a.stage for acts in plan.ranks for a in acts if a.kind is Kind.REDUCE_GRAD}
     for r, actions in enumerate(plan.ranks):
-        computes: dict[int, list[int]] = {}  # stage -> its compute actions' steps
         gradients: dict[int, int] = {}  # stage -> the step of its last B or W
         for k, a in enumerate(actions):
-            if a.kind.is_compute:
-                computes.setdefault(a.stage, []).append(k)
-                if a.kind is Kind.B or a.kind is Kind.W:
-                    gradients[a.stage] = k
-        index = {a: k for k, a in enumerate(actions) if a.kind in COLLECTIVE_KINDS}
-        for a, k in index.items():
-            s, steps = a.stage, computes.get(a.stage, [])
+            if a.kind is Kind.B or a.kind is Kind.W:
+                gradients[a.stage] = k
+        for k, a in enumerate(actions):
             # A plan with a REDUCE_GRAD is a training plan: _check_counts saw every stage's B or W.
-            if a.kind is Kind.REDUCE_GRAD and k < gradients[s]:
-                raise PlanError(plan, r, k, f"reduces stage {s}'s gradients before {actions[gradients[s]]}, "
-                                            f"its last gradient")
-            if a.kind is Kind.UNSHARD and steps and k > steps[0]:
-                raise PlanError(plan, r, k, f"gathers stage {s}'s parameters after {actions[steps[0]]} used them")
-            if a.kind is Kind.RESHARD and steps and k < steps[-1]:
-                raise PlanError(plan, r, k, f"frees stage {s}'s parameters before {actions[steps[-1]]} uses them")
-            partner = Kind.RESHARD if a.kind is Kind.UNSHARD else Kind.UNSHARD
-            if a.kind is not Kind.REDUCE_GRAD and Action(s, partner, NO_MICROBATCH) not in index:
-                raise PlanError(plan, r, k, f"has no {s}{partner.value} to go with it")
-        if reduced:
-            for s in plan.stages_of(r):
-                if s not in reduced:
-                    raise PlanError(plan, r, len(actions), f"missing {s}{Kind.REDUCE_GRAD.value}: the plan "
-                                                           f"reduces other stages' gradients")
+            if a.kind is Kind.REDUCE_GRAD and k < gradients[a.stage]:
+                last = actions[gradients[a.stage]]
+                raise PlanError(plan, r, k, f"reduces stage {a.stage}'s gradients before {last}, its last gradient")
+        for s in plan.stages_of(r):
+            _check_sharding(plan, r, s)
+            if reduced and s not in reduced:
+                raise PlanError(plan, r, len(actions), f"missing {s}{Kind.REDUCE_GRAD.value}: the plan "
+                                                       f"reduces other stages' gradients")
+
+
+def _check_sharding(plan: Plan, r: int, s: int) -> None:
+    """Stage s's UNSHARD/RESHARD on rank r alternate, and it computes only while gathered."""
+    actions = plan.ranks[r]
+    steps = [(k, a) for k, a in enumerate(actions) if a.stage == s and (a.kind.is_compute or a.kind in
+                                                                        (Kind.UNSHARD, Kind.RESHARD))]
+    if not any(a.kind in (Kind.UNSHARD, Kind.RESHARD) for _, a in steps):
+        return  # not sharded
+    gathered, unused = False, None  # unused: a compute that ran sharded, not yet explained
+    freed_at = None
+    for k, a in steps:
+        if a.kind is Kind.UNSHARD:
+            if gathered:
+                raise PlanError(plan, r, k, f"gathers stage {s}'s parameters again: no {s}RESHARD since the last")
+            if unused is not None:
+                if freed_at is not None:
+                    raise PlanError(plan, r, freed_at, f"frees stage {s}'s parameters before {unused} uses them")
+                raise PlanError(plan, r, k, f"gathers stage {s}'s parameters after {unused} used them")
+            gathered = True
+        elif a.kind is Kind.RESHARD:
+            if not gathered:
+                raise PlanError(plan, r, k, f"has no {s}{Kind.UNSHARD.value} to go with it")
+            gathered, freed_at = False, k
+        elif not gathered and unused is None:
+            unused = a
+    if unused is not None:
+        if freed_at is not None:
+            raise PlanError(plan, r, freed_at, f"frees stage {s}'s parameters before {unused} uses them")
+        first = next(k for k, a in steps if a == unused)
+        raise PlanError(plan, r, first, f"computes on stage {s} while its parameters are sharded (no {s}UNSHARD "
+                                        f"before it)")
+    if gathered:
+        last = max(k for k, a in steps if a.kind is Kind.UNSHARD)
+        raise PlanError(plan, r, last, f"has no {s}{Kind.RESHARD.value} to go with it")
 
 
 def _check_messages(plan: Plan) -> None:

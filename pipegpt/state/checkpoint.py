@@ -4,10 +4,12 @@
         manifest.json              step, model shape, config, tokenizer, the files; written last
         rank-00003.safetensors     what rank 3 owns: "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>",
                                    "rng/<rank>" (and "cuda_rng/<rank>" on a GPU: pipegpt.state.rng);
-                                   its metadata says which tensor-parallel shard each is
+                                   its metadata says which tensor-parallel shard each is, and for a
+                                   ZeRO shard's piece where it starts in that shard (flattened) and its shape
 
-Every rank writes only what it owns, in parallel (data-parallel replica 0 the parameters, each ZeRO-1
-shard its optimizer moments; a tp-replicated tensor once; the tied embedding once). A checkpoint is
+Every rank writes only what it owns, in parallel (data-parallel replica 0 the parameters, each ZeRO shard
+its pieces of the optimizer moments, and with ZeRO-3 of the parameters; a tp-replicated tensor once; the tied
+embedding once). A checkpoint is
 first written into `.tmp-step-...` and renamed into place by the driver once every rank has written
 and the manifest is down, so a crash or SIGKILL mid-save leaves the previous checkpoint the latest.
 Loading reads, for each name this rank now owns, the shards that cover it, whatever layout wrote
@@ -25,6 +27,7 @@ from pipegpt import run_files
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -111,9 +114,10 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> st
     return digest.hexdigest()
 
 
-def write_rank_file(directory: Path, rank: int, tensors: dict, shards: dict[str, list[int]]) -> tuple[str, str]:
-    """One rank's tensors (key -> tensor) with, per key, its tensor-parallel [tp_rank, tp_size];
-    returns (the file's name, its SHA-256) for the manifest."""
+def write_rank_file(directory: Path, rank: int, tensors: dict, shards: dict[str, list]) -> tuple[str, str]:
+    """One rank's tensors (key -> tensor) with, per key, its tensor-parallel [tp_rank, tp_size], or for a piece
+    of a ZeRO shard [tp_rank, tp_size, start, shape]: elements [start, start + numel) of that tp shard (of that
+    shape) flattened; returns (the file's name, its SHA-256) for the manifest."""
     path = Path(directory) / rank_file_name(rank)
     partial = path.with_suffix(".partial")
     sha256 = write_safetensors(partial, tensors, {"shards": json.dumps(shards)})
@@ -276,7 +280,8 @@ def check_tensors(checkpoint: Path, model) -> None:
                                       f"manifest or another model's files")
             for tp_rank, (file, tp_size) in sorted(reader.where[key].items()):
                 want = list(shard_tensor(name, p, tp_rank, tp_size, model.kv_heads).shape)
-                have = reader._files[file].get_slice(key).get_shape()
+                pieces = reader.pieces.get(key, {}).get(tp_rank)
+                have = pieces[0][2] if pieces else reader._files[file].get_slice(key).get_shape()
                 if list(have) != want:
                     raise CheckpointError(f"{checkpoint}: {key} is {list(have)} in {file}, but its manifest's model "
                                           f"needs {want}: a hand-edited manifest or a reshaped tensor")
@@ -310,6 +315,7 @@ class CheckpointReader:
         from safetensors import safe_open
 
         self.checkpoint, self.where = Path(checkpoint), {}
+        self.pieces: dict[str, dict[int, list]] = {}  # key -> tp rank -> [(file, start, shape)] (ZeRO shards)
         self._files = {}
         manifest = read_manifest(checkpoint, verify)
         # Llama's k and v shards are split by kv head (pipegpt.tensor_parallel.layout): their count comes from the
@@ -319,8 +325,10 @@ class CheckpointReader:
         for name in manifest["files"]:
             f = safe_open(str(self.checkpoint / name), framework="pt")
             self._files[name] = f
-            for key, (tp_rank, tp_size) in json.loads(f.metadata()["shards"]).items():
+            for key, (tp_rank, tp_size, *piece) in json.loads(f.metadata()["shards"]).items():
                 self.where.setdefault(key, {})[tp_rank] = (name, tp_size)
+                if piece:
+                    self.pieces.setdefault(key, {}).setdefault(tp_rank, []).append((name, piece[0], piece[1]))
 
     def has(self, key: str) -> bool:
         return key in self.where
@@ -335,7 +343,9 @@ class CheckpointReader:
         tp_size = next(iter(parts.values()))[1]
         if sorted(parts) != list(range(tp_size)):
             raise CheckpointError(f"{self.checkpoint}: {key} has shards {sorted(parts)} of {tp_size}")
-        shards = [self._files[parts[r][0]].get_tensor(key) for r in range(tp_size)]
+        pieces = self.pieces.get(key, {})
+        shards = [self._joined(key, pieces[r]) if r in pieces else self._files[parts[r][0]].get_tensor(key)
+                  for r in range(tp_size)]
         return shards[0] if tp_size == 1 else gather_full(name, shards, self.kv_heads)
 
     def shard(self, key: str, name: str, tp_rank: int, tp_size: int):
@@ -344,6 +354,19 @@ class CheckpointReader:
         from pipegpt.tensor_parallel import shard_tensor
 
         return shard_tensor(name, self.full(key, name), tp_rank, tp_size, self.kv_heads)
+    def _joined(self, key: str, pieces: list):
+        """A tp shard from the pieces ZeRO shards wrote of it, which must cover it end to end."""
+        import torch
+
+        shape, at, parts = pieces[0][2], 0, []
+        for file, start, _ in sorted(pieces, key=lambda piece: piece[1]):
+            if start != at:
+                raise CheckpointError(f"{self.checkpoint}: {key}'s pieces leave elements {at}..{start} out")
+            parts.append(self._files[file].get_tensor(key).reshape(-1))
+            at += parts[-1].numel()
+        if at != math.prod(shape):
+            raise CheckpointError(f"{self.checkpoint}: {key}'s pieces hold {at} of its {math.prod(shape)} elements")
+        return torch.cat(parts).view(shape)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Callable
 
 from pipegpt.state import checkpoint, snapshot
 from pipegpt.state.rng import grid_change_line
-from pipegpt.comm.rpc import LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
+from pipegpt.comm.rpc import ClusterJob, LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
 from pipegpt.engine.placement import (bind_this_process, local_world_size, resolve_device, torchrun_cores,
                                      under_torchrun, worker_cores)
@@ -174,7 +174,7 @@ def _hellaswag_rows(cfg: TrainConfig, had: tuple | None = None) -> tuple:
     return key, examples, render_all(examples, *key[1:], cfg.eval.hellaswag)
 
 
-class Job:
+class Job(ClusterJob):
     """A job's workers, from start to close: one actor per rank, steered over RPC."""
 
     def __init__(self, cfg: TrainConfig, port: int | None = None, threads_per_worker: int | None = None):
@@ -214,6 +214,7 @@ class Job:
             init_method = self.cluster.init_method
             if not self.cluster.is_driver:
                 self.cluster.close()  # serve the driver's requests until it shuts everyone down
+                self.cluster = None  # done: nothing left to close or kill here
                 return False
         else:
             self.cluster = LocalCluster(cfg.world_size, cfg.runtime.timeout_s, self.threads, group_port=self.port,
@@ -363,21 +364,6 @@ class Job:
 
     def call(self, method: str, *args) -> list:
         return self.cluster.call(method, *args)
-
-    def close(self) -> None:
-        self.cluster.call("shutdown")
-        self.cluster.close()
-
-    def kill(self) -> None:
-        if self.cluster is not None:
-            self.cluster.kill()
-
-    def __enter__(self) -> "Job":
-        return self
-
-    def __exit__(self, kind, error, tb) -> None:
-        if kind is not None:
-            self.kill()
 
 
 def checkpoint_due(cfg: TrainConfig, step: int) -> bool:

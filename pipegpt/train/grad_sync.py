@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from pipegpt.comm.data_parallel import GradientAverager, sum_in_buckets
+from pipegpt.comm.data_parallel import sum_in_buckets
 from pipegpt.config import TrainConfig
+from pipegpt.data_parallel import DataParallel
 from pipegpt.engine.engine import Engine
+from pipegpt.schedule import Kind, ScheduleError
 from pipegpt.tensor_parallel import REPLICATED, kv_replicas, tp_shard_spec
 from pipegpt.tensor_parallel.layers import replicated_kv_params, sequence_parallel_grad_params, sum_replicated_kv_grads
 
@@ -22,6 +24,15 @@ class GradSync:
 
     def reduce_grad(self, stage: int) -> None:
         """The plan's REDUCE_GRAD for a stage: its gradients on this rank are complete (its last B or W ran)."""
+
+    def unshard(self, stage: int) -> None:
+        """The plan's UNSHARD: the stage's parameters are needed from here (ZeRO-3 gathers them)."""
+
+    def reshard(self, stage: int) -> None:
+        """The plan's RESHARD: the stage's parameters are not needed until its next UNSHARD."""
+
+    def ready(self, stage: int, backward: bool) -> None:
+        """The stage computes next (after an UNSHARD; before its first backward of the step): what it reads is there."""
 
     def reduce(self) -> None:
         """Complete what this parallelism sums or averages, in place, before clipping."""
@@ -36,17 +47,40 @@ class GradSync:
 
 
 class DataParallelSync(GradSync):
-    """Replicas average their gradients, each stage's buckets started at the stage's REDUCE_GRAD (placed by the
-    plan right after the stage's last backward), so they overlap with the rest of the step. Replica 0 stores the parameters (optimizer state: see the role)."""
+    """Replicas (and cp ranks) average their gradients, each stage's buckets started at the stage's REDUCE_GRAD
+    (placed by the plan right after the stage's last backward), so they overlap with the rest of the step; with
+    ZeRO each rank keeps its shard (pipegpt.data_parallel). Replica 0 stores the parameters (with ZeRO-3 each
+    rank its shard; optimizer state: see the role)."""
 
-    def __init__(self, engine: Engine, timeout_s: float):
-        self.averager = GradientAverager(engine.params_by_stage(), engine.mesh.group("dp_cp"), engine.rank, timeout_s)
+    def __init__(self, engine: Engine, cfg: TrainConfig):
+        mesh = engine.mesh
+        if cfg.parallel.zero >= 3:  # a stage the plan never gathers would compute on empty parameters
+            actions = engine.plan.ranks[mesh.pp_index]
+            gathered = {a.stage for a in actions if a.kind is Kind.UNSHARD}
+            for s in sorted(engine.stages):
+                if s not in gathered:
+                    raise ScheduleError(f"rank {engine.rank}: the plan has no {s}UNSHARD, and --zero 3 shards "
+                                        f"stage {s}'s parameters")
+        self.dp = DataParallel(engine.params_by_stage(),
+                               {s: list(stage.module.parameters()) for s, stage in engine.stages.items()},
+                               mesh.group("dp_cp"), mesh.members["dp_cp"].index(engine.rank), cfg.parallel.zero,
+                               engine.rank, cfg.runtime.wait_timeout_s,
+                               alone=frozenset(id(p) for p in engine.tied_copies()))
 
     def reduce_grad(self, stage: int) -> None:
-        self.averager.reduce_grad(stage)
+        self.dp.reduce_grad(stage)
+
+    def unshard(self, stage: int) -> None:
+        self.dp.unshard(stage)
+
+    def reshard(self, stage: int) -> None:
+        self.dp.reshard(stage)
+
+    def ready(self, stage: int, backward: bool) -> None:
+        self.dp.ready(stage, backward)
 
     def reduce(self) -> None:
-        self.averager.finish()
+        self.dp.finish()
 
 
 class TensorParallelSync(GradSync):
@@ -54,16 +88,18 @@ class TensorParallelSync(GradSync):
     A kv head shared by tp/n_kv_head ranks got from each only its q heads' part: summed over them. Replicated
     values are counted and stored by tp rank 0, a shared kv head by the first rank of its group."""
 
-    def __init__(self, engine: Engine, cfg: TrainConfig):
+    def __init__(self, engine: Engine, cfg: TrainConfig, held=list):
         self.group = engine.mesh.group("tp")
         self.kv_heads, self.tp, self.tp_index = cfg.model.kv_heads, cfg.parallel.tp, engine.mesh.tp_index
         modules = [stage.module for stage in engine.stages.values()]
-        self.partial = [p for m in modules for p in sequence_parallel_grad_params(m)]
-        self.shared_kv = [p for m in modules for p in replicated_kv_params(m)]
+        # `held`: what holds these parameters' gradients on this rank (under ZeRO the pieces of its shard: tp
+        # peers' buffers have one layout, so their pieces line up and the sums act on them as on whole tensors)
+        self.partial = held(p for m in modules for p in sequence_parallel_grad_params(m))
+        self.shared_kv = held(p for m in modules for p in replicated_kv_params(m))
         # Replicated values live on tp rank 0 (a tied head's one-process name is wte.weight: split the same way).
         self.replicated = set() if self.tp_index == 0 else {
             id(p) for _, p in engine.named_params if tp_shard_spec(engine.full_names[id(p)]) == REPLICATED}
-        self.uncounted = self.replicated | ({id(p) for p in self.shared_kv}
+        self.uncounted = self.replicated | ({id(p) for m in modules for p in replicated_kv_params(m)}
                                             if self.tp_index % kv_replicas(self.kv_heads, self.tp) else set())
 
     def reduce(self) -> None:
@@ -83,13 +119,14 @@ class TiedEmbeddingSync(GradSync):
     """The tied embedding's two copies (first and last stage) on different ranks sum their gradients; the rank
     holding stage 0 counts and stores the value."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, held=list):
         self.copies, self.group = engine.tied_copies(), engine.mesh.group("embedding")
         self.first = 0 in engine.stages
+        self.holders = held(self.copies)  # under ZeRO each copy's pieces: alone in a bucket, they line up
 
     def reduce(self) -> None:
-        for copy in self.copies:
-            dist.all_reduce(copy.grad, group=self.group)
+        for holder in self.holders:
+            dist.all_reduce(holder.grad, group=self.group)
 
     def not_counted(self) -> set[int]:
         return set() if self.first else {id(p) for p in self.copies}
@@ -102,13 +139,30 @@ def make_syncs(engine: Engine, cfg: TrainConfig) -> list[GradSync]:
     """The syncs a built engine needs, in the order their sums run: data-parallel averages first (started during
     the step), then tensor parallelism's partial sums, then the tied embedding's copies."""
     syncs: list[GradSync] = []
+    held = list
     if engine.mesh.group("dp_cp") is not None:  # cp ranks average their gradients as replicas do
-        syncs.append(DataParallelSync(engine, cfg.runtime.wait_timeout_s))
+        syncs.append(DataParallelSync(engine, cfg))
+        held = gradient_holders(syncs[0].dp)
     if cfg.parallel.tp > 1:
-        syncs.append(TensorParallelSync(engine, cfg))
+        syncs.append(TensorParallelSync(engine, cfg, held))
     if engine.tied_copies():
-        syncs.append(TiedEmbeddingSync(engine))
+        syncs.append(TiedEmbeddingSync(engine, held))
     return syncs
+
+
+def gradient_holders(dp: DataParallel):
+    """params -> the tensors whose .grad is what the optimizer will read of them: the parameters themselves, or
+    under ZeRO their pieces in this rank's shard (once the reductions are done)."""
+    if not dp.zero:
+        return list
+    pieces: dict[int, list] = {}
+    for held in dp.pieces():
+        pieces.setdefault(id(held.param), []).append(held.value)
+    return lambda params: [piece for p in params for piece in pieces.get(id(p), ())]
+
+
+def data_parallel_of(syncs: list[GradSync]) -> DataParallel | None:
+    return next((s.dp for s in syncs if isinstance(s, DataParallelSync)), None)
 
 
 def not_counted(syncs: list[GradSync]) -> set[int]:
@@ -120,7 +174,8 @@ def not_owned(syncs: list[GradSync]) -> set[int]:
 
 
 class PlanCollectives:
-    """What the runtime calls for the plan's collective actions: every sync hears of a stage's REDUCE_GRAD."""
+    """What the runtime calls for the plan's collective actions: every sync hears of a stage's REDUCE_GRAD,
+    UNSHARD and RESHARD, and of the runtime's ready() before the stage computes."""
 
     def __init__(self, syncs: list[GradSync] | None = None):
         self.syncs = syncs or []
@@ -128,3 +183,15 @@ class PlanCollectives:
     def reduce_grad(self, stage: int) -> None:
         for sync in self.syncs:
             sync.reduce_grad(stage)
+
+    def unshard(self, stage: int) -> None:
+        for sync in self.syncs:
+            sync.unshard(stage)
+
+    def reshard(self, stage: int) -> None:
+        for sync in self.syncs:
+            sync.reshard(stage)
+
+    def ready(self, stage: int, backward: bool) -> None:
+        for sync in self.syncs:
+            sync.ready(stage, backward)

@@ -1,5 +1,5 @@
-"""The optimizer side of a step: parameter groups, AdamW (ZeRO-1 optionally), the learning-rate schedule,
-global-norm clipping."""
+"""The optimizer side of a step: parameter groups, AdamW (over a ZeRO shard's pieces too), the learning-rate
+schedule, global-norm clipping."""
 from __future__ import annotations
 
 import math
@@ -10,15 +10,16 @@ import torch.distributed as dist
 from pipegpt.config import OptimizerConfig
 
 
-def decays(p: torch.Tensor) -> bool:
-    """Matrices decay; biases and LayerNorm gains do not (as GPT-2 and nanoGPT)."""
-    return p.dim() >= 2
+def decays(p) -> bool:
+    """Matrices decay; biases and LayerNorm gains do not (as GPT-2 and nanoGPT). p: a tensor, or anything with
+    its shape (a ZeRO piece: pipegpt.data_parallel.HeldPiece, whose parameter may be resharded)."""
+    return len(p.shape) >= 2
 
 
 def adamw_kernel(params) -> dict[str, bool]:
     """How AdamW updates: fused (one kernel over all tensors, as nanoGPT on CUDA) where every parameter is a
     floating-point CUDA tensor; else foreach (on CPU the same per-tensor arithmetic as foreach=False, bit for
-    bit, which the one-process oracle compares against)."""
+    bit, which the one-process oracle compares against, so a ZeRO piece of a tensor steps as the tensor would)."""
     params = list(params)
     on_cuda = bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
     return {"fused": True} if on_cuda else {"foreach": True}
@@ -32,23 +33,18 @@ def step_tensor(step: int, p: torch.Tensor, group: dict) -> torch.Tensor:
     return torch.tensor(float(step))
 
 
-def make_optimizer(named_params: list[tuple[str, torch.Tensor]], optim: OptimizerConfig, zero_group=None):
-    """AdamW over two groups (decay, no decay), fused on CUDA (adamw_kernel). With zero_group (the
-    data-parallel group), torch's ZeroRedundancyOptimizer shards the optimizer state across the replicas (ZeRO-1)."""
+def make_optimizer(named_params: list[tuple[str, torch.Tensor]], optim: OptimizerConfig,
+                   decaying: set[int] | None = None):
+    """AdamW over two groups (decay, no decay), fused on CUDA (adamw_kernel). decaying: the ids of the tensors
+    that decay, where they are not the parameters themselves (ZeRO's 1-D pieces of a shard:
+    pipegpt.data_parallel); else by decays()."""
+    decay = (lambda p: id(p) in decaying) if decaying is not None else decays  # noqa: E731
     groups = [
-        {"params": [p for _, p in named_params if decays(p)], "weight_decay": optim.weight_decay},
-        {"params": [p for _, p in named_params if not decays(p)], "weight_decay": 0.0},
+        {"params": [p for _, p in named_params if decay(p)], "weight_decay": optim.weight_decay},
+        {"params": [p for _, p in named_params if not decay(p)], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    kernel = adamw_kernel(p for _, p in named_params)
-    if zero_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        # parameters_as_bucket_view: each rank's shard lives in one flat tensor, so the updated parameters go out
-        # in one broadcast per rank, not one per parameter.
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group,
-                                       parameters_as_bucket_view=True, lr=optim.lr, betas=optim.betas, **kernel)
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, **kernel)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, **adamw_kernel(p for _, p in named_params))
 
 
 def lr_at(step: int, optim: OptimizerConfig, total_steps: int) -> float:
@@ -72,8 +68,7 @@ def lr_at(step: int, optim: OptimizerConfig, total_steps: int) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Every parameter group's learning rate. ZeroRedundancyOptimizer copies its param_groups' settings into
-    its inner (sharded) optimizer at each step (torch's _sync_param_groups), so setting them here suffices."""
+    """Every parameter group's learning rate."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 

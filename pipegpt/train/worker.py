@@ -8,6 +8,7 @@ Activations never pass through here: the runtime sends them worker to worker.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import threading
@@ -32,9 +33,9 @@ from pipegpt.resilience.faults import FaultHook
 from pipegpt.runtime import OPTIMIZER_STEP
 from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint, rng, snapshot
-from pipegpt.tensor_parallel import REPLICATED, tp_shard_spec
-from pipegpt.train.grad_sync import PlanCollectives, make_syncs, not_counted, not_owned
-from pipegpt.train.optim import (clip_grads_, global_grad_norm, lr_at, make_optimizer, moments_overflow_at,
+from pipegpt.train import zero_state
+from pipegpt.train.grad_sync import PlanCollectives, data_parallel_of, make_syncs, not_counted, not_owned
+from pipegpt.train.optim import (clip_grads_, decays, global_grad_norm, lr_at, make_optimizer, moments_overflow_at,
                                   set_lr, step_tensor)
 
 __all__ = ["Worker", "actor_method", "first_nonfinite"]
@@ -77,7 +78,18 @@ class Worker(Role):
         self.uncounted, self.elsewhere = not_counted(self.syncs), not_owned(self.syncs)
         self.stages, self.named_params, self.full_names = engine.stages, engine.named_params, engine.full_names
         self.moments_limit = moments_overflow_at(engine.dtype)
-        self.optimizer = make_optimizer(self.named_params, cfg.optim, engine.mesh.group("dp_cp") if p.zero else None)
+        self.dp = data_parallel_of(self.syncs)
+        # What the optimizer steps: (name, tensor, its parameter): the parameters, or under ZeRO the pieces of
+        # this rank's shard (pipegpt.data_parallel), whose .grad holds the averaged gradient.
+        self.sharded = self.dp is not None and self.dp.zero > 0
+        self.pieces = self.dp.pieces() if self.sharded else []
+        self.trained = ([(self.full_names[id(h.param)], h.value, h.param) for h in self.pieces] if self.sharded
+                        else [(n, q, q) for n, q in self.named_params])
+        self.optimizer = make_optimizer([(n, t) for n, t, _ in self.trained], cfg.optim, decaying={
+            id(h.value) for h in self.pieces if decays(h)} if self.sharded else None)
+        # The gradient norm sums each value once: over one model replica, or over every rank when the
+        # replicas hold shards of it.
+        self.norm_group = dist.group.WORLD if self.sharded else engine.mesh.group("model")
         self.loader = self.val_loader = None
         # --document-mask: every stage's attention needs the documents' boundaries, so every rank reads the batch
         end_of_text = get_tokenizer(cfg.data.tokenizer).eot_token if cfg.data.document_mask else None
@@ -109,15 +121,18 @@ class Worker(Role):
         number, engine = step + 1, self.engine  # a fault names its step from 1, as the console and metrics do
         self.fault.at_step_start(number, engine)
         t0, cpu0 = time.perf_counter(), _process_cpu_s()
-        for _, p in self.named_params:
-            p.grad = None
+        if self.dp is not None:
+            self.dp.zero_grad()  # the flat gradient buffers (their views are the .grad autograd adds to)
+        else:
+            for _, p in self.named_params:
+                p.grad = None
         inputs, targets, documents = self._batch(self.loader, step)
         result = engine.train_step(inputs, targets, record=step in self.recorded_steps, documents=documents)
         runtime = engine.runtime
         runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping
         for sync in self.syncs:
             sync.reduce()
-        self.fault.after_gradients(number, result.losses, self.named_params)
+        self.fault.after_gradients(number, result.losses, [(n, t) for n, t, _ in self.trained])
         grad_norm, finite, nonfinite_stages = self._clip_gradients(
             loss_finite=all(math.isfinite(loss) for loss in result.losses))
         runtime.launched(runtime.now)
@@ -126,6 +141,8 @@ class Worker(Role):
             runtime.now = OPTIMIZER_STEP  # a GPU hung in the update is named so, not "finishing the step"
             set_lr(self.optimizer, lr)
             self.optimizer.step()
+            if self.dp is not None:
+                self.dp.after_update()
             runtime.launched(OPTIMIZER_STEP)
         engine.synchronize()
         engine.runtime.now = None
@@ -183,9 +200,9 @@ class Worker(Role):
         on every rank, since the losses' flags travel with the norm's all-reduce; replicas agree on the
         norm (their gradients were averaged) but not on their losses, hence one more all-reduce with dp."""
         mesh, skip = self.engine.mesh, self.uncounted
-        params = [p for _, p in self.named_params]
-        counted = [p for p in params if id(p) not in skip]
-        norm, bad_loss, mine_finite = global_grad_norm(counted, mesh.group("model"), self.device,
+        params = [t for _, t, _ in self.trained]
+        counted = [t for _, t, q in self.trained if id(q) not in skip]
+        norm, bad_loss, mine_finite = global_grad_norm(counted, self.norm_group, self.device,
                                                        flagged=not loss_finite)
         # A norm whose squares overflow the moments' dtype poisons Adam's state: not applied either.
         finite = norm < self.moments_limit and not bad_loss
@@ -199,22 +216,17 @@ class Worker(Role):
 
     def _nonfinite_stages(self, counted: list[torch.Tensor]) -> list[int]:
         """This rank's stages with a counted gradient that is not finite."""
-        ids = {id(p) for p in counted}
-        return [s for s in sorted(self.stages) if any(
-            id(p) in ids and p.grad is not None and not bool(torch.isfinite(p.grad).all())
-            for p in self.stages[s].module.parameters())]
-
-    @property
-    def _local_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer whose state this rank holds: under ZeRO, ZeroRedundancyOptimizer keeps this replica's
-        shard in an inner one."""
-        return getattr(self.optimizer, "optim", self.optimizer)
+        ids = {id(t) for t in counted}
+        bad = {id(q) for _, t, q in self.trained if id(t) in ids and t.grad is not None
+               and not bool(torch.isfinite(t.grad).all())}
+        return [s for s in sorted(self.stages) if any(id(p) in bad for p in self.stages[s].module.parameters())]
 
     @actor_method
     def save(self, directory: str, step: int) -> SavedFile:
         """Write what this rank owns of the checkpoint after `step` steps into `directory`; nothing when some
         value this rank holds is not finite (a checkpoint is never written from such a state)."""
-        bad = first_nonfinite(self.stages, self.full_names, self._local_optimizer.state)
+        bad = (zero_state.first_nonfinite(self) if self.sharded
+               else first_nonfinite(self.stages, self.full_names, self.optimizer.state))
         if bad is not None:
             return SavedFile(self.rank, nonfinite=bad)
         tensors, shards = self._checkpoint_tensors()
@@ -225,21 +237,19 @@ class Worker(Role):
 
     def _checkpoint_tensors(self) -> tuple[dict, dict]:
         """What this rank owns of a checkpoint (RNG streams, parameters, Adam moments) and each tensor's tp shard."""
-        optimizer, mesh, elsewhere = self._local_optimizer, self.engine.mesh, self.elsewhere
+        if self.sharded:
+            return zero_state.checkpoint_tensors(self)
+        optimizer, mesh, elsewhere = self.optimizer, self.engine.mesh, self.elsewhere
         shard = [mesh.tp_index, self.cfg.parallel.tp]
         tensors = rng.rng_state(self.rank, self.device)
-        # Replica 0 (dp and cp index 0: cp ranks hold the same weights) stores the parameters; under ZeRO each
-        # rank of the dp x cp group its optimizer shard.
-        first_replica = mesh.dp_index == 0 and mesh.cp_index == 0
-        if first_replica:
+        # Replica 0 (dp and cp index 0: cp ranks hold the same weights) stores the parameters and moments.
+        if mesh.dp_index == 0 and mesh.cp_index == 0:
             tensors.update({f"param/{self.full_names[id(p)]}": p for _, p in self.named_params
                             if id(p) not in elsewhere})
-        if first_replica or self.cfg.parallel.zero:
             for p, state in optimizer.state.items():
                 if id(p) not in elsewhere:
                     tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})
-        whole = lambda key: rng.is_rng_key(key) or tp_shard_spec(key.split("/", 1)[1]) == REPLICATED  # noqa: E731
-        return tensors, {key: [0, 1] if whole(key) else shard for key in tensors}
+        return tensors, {key: [0, 1] if zero_state.whole_tensor(key) else shard for key in tensors}
 
     @actor_method
     def snapshot(self, directory: str) -> float:
@@ -272,16 +282,20 @@ class Worker(Role):
             name = self.full_names[id(p)]
             return reader.shard(f"{key}/{name}", name, tp_rank, tp).to(p.device, p.dtype)
 
-        with torch.no_grad():
-            for _, p in self.named_params:
-                p.copy_(mine("param", p))
-        if weights_only:
-            return 0
-        optimizer = self._local_optimizer
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                optimizer.state[p] = {"step": step_tensor(step, p, group),  # on the GPU for fused AdamW
-                                      "exp_avg": mine("exp_avg", p), "exp_avg_sq": mine("exp_avg_sq", p)}
+        if self.sharded:
+            zero_state.load(self, mine, step, weights_only)
+            if weights_only:
+                return 0
+        else:
+            with torch.no_grad():
+                for _, p in self.named_params:
+                    p.copy_(mine("param", p))
+            if weights_only:
+                return 0
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    self.optimizer.state[p] = {"step": step_tensor(step, p, group),  # on the GPU for fused AdamW
+                                               "exp_avg": mine("exp_avg", p), "exp_avg_sq": mine("exp_avg_sq", p)}
         keys = [key for key in (f"rng/{self.rank}", f"cuda_rng/{self.rank}") if reader.has(key)]
         mesh = self.engine.mesh  # streams restored only under the same grid, else fresh (the driver says so)
         rng.resume_streams(manifest, self.cfg.parallel.dims, lambda: {key: reader.full(key, "") for key in keys},
@@ -291,10 +305,17 @@ class Worker(Role):
         return step
 
     @actor_method
+    def _whole(self):
+        return self.dp.whole() if self.dp is not None else contextlib.nullcontext()
+
+    @actor_method
     def named_optimizer_state(self) -> dict[str, torch.Tensor]:
-        """{"exp_avg/<name>": moment, ...} of this rank's parameters, by one-process name (for tests)."""
+        """{"exp_avg/<name>": moment, ...} of this rank's parameters, by one-process name (for tests; under ZeRO
+        gathered from the shards: a collective)."""
+        if self.sharded:
+            return zero_state.gathered_moments(self)
         return {f"{k}/{self.full_names[id(p)]}": state[k].detach().cpu().clone()
-                for p, state in self._local_optimizer.state.items() for k in ("exp_avg", "exp_avg_sq")}
+                for p, state in self.optimizer.state.items() for k in ("exp_avg", "exp_avg_sq")}
 
     @actor_method
     def describe(self) -> dict:
@@ -302,9 +323,16 @@ class Worker(Role):
 
     def _describe(self) -> dict:
         """describe()'s answer, for start() and build() too (a plain method, as _build)."""
-        state_bytes = sum(t.numel() * t.element_size() for state in self._local_optimizer.state.values()
+        state_bytes = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
                           for t in state.values() if torch.is_tensor(t))
-        return {**self.engine.describe(), "optimizer_state_bytes": state_bytes}
+        described = {**self.engine.describe(), "optimizer_state_bytes": state_bytes}
+        if self.dp is not None:  # what the flat buffers hold now, counted from their storages
+            described["held_bytes"] = {**self.dp.storage_bytes(), "optimizer": state_bytes}
+            if self.dp.zero >= 3:  # resharded parameters have no elements of their own: count the layout's
+                described["parameters"] = sum(sum(b.layout.numels) for b in self.dp.buffers.values())
+                described["parameter_bytes"] = sum(sum(b.layout.numels) * b.empty.element_size()
+                                                   for b in self.dp.buffers.values())
+        return described
 
     @actor_method
     def measure_layer_costs(self) -> dict[str, float]:
@@ -332,11 +360,16 @@ class Worker(Role):
 
     @actor_method
     def named_grads(self) -> dict[str, torch.Tensor]:
+        """The last step's gradients as the optimizer saw them (under ZeRO gathered from the shards: a collective)."""
+        if self.sharded:
+            grads = self.dp.full_grads()
+            return {n: grads[id(p)].cpu().clone() for n, p in self.named_params}
         return {n: p.grad.detach().cpu().clone() for n, p in self.named_params if p.grad is not None}
 
     @actor_method
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.named_params}
+        with self._whole():
+            return {n: p.detach().cpu().clone() for n, p in self.named_params}
 
 
 def first_nonfinite(stages: dict, full_names: dict, optimizer_state) -> tuple[int, str] | None:
@@ -347,7 +380,4 @@ def first_nonfinite(stages: dict, full_names: dict, optimizer_state) -> tuple[in
         for p in stages[s].module.parameters():
             moments = [(k, optimizer_state[p][k]) for k in ("exp_avg", "exp_avg_sq") if k in optimizer_state.get(p, {})]
             found += [(s, f"{k}/{full_names[id(p)]}", t) for k, t in [("param", p), *moments]]
-    if not found:
-        return None
-    finite = torch.stack([torch.isfinite(t).all() for _, _, t in found]).tolist()
-    return next(((s, key) for (s, key, _), ok in zip(found, finite) if not ok), None)
+    return zero_state.first_bad(found)

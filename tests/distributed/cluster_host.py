@@ -145,8 +145,16 @@ def _build(job, cfg):
     return job.build(cfg)
 
 
+def _described(job, cfg, steps: int):
+    """Every worker's describe() after building for cfg and taking `steps` steps."""
+    job.build(cfg)
+    for step in range(steps):
+        job.step(step)
+    return job.call("describe")
+
+
 COMMANDS = {"run": _run, "resume": _resume, "save": _save, "evaluate": _evaluate, "build": _build,
-            "hellaswag": _hellaswag}
+            "hellaswag": _hellaswag, "described": _described}
 
 
 class ChildHost:
@@ -207,4 +215,8 @@ class ClusterHost(ChildHost):
 
     def build(self, cfg) -> list[dict]:
         self.conn.send(("build", (cfg,)))
+        return self._answer(300)
+
+    def described(self, cfg, steps: int) -> list[dict]:
+        self.conn.send(("described", (cfg, steps)))
         return self._answer(300)

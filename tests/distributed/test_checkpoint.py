@@ -38,7 +38,9 @@ LAYOUTS = {"1f1b": ["--stages", "2", "--microbatches", "2"],
            "zb-h1": ["--stages", "2", "--microbatches", "3", "--schedule", "zb-h1"],
            "1f1b-dp2": ["--stages", "2", "--microbatches", "2", "--dp", "2"],
            "zb-h1-dp2-zero1": ["--stages", "2", "--microbatches", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-h1"],
-           "1f1b-cp2": ["--stages", "2", "--microbatches", "2", "--cp", "2"]}
+           "1f1b-cp2": ["--stages", "2", "--microbatches", "2", "--cp", "2"],
+           "zbv-dp2-zero3": ["--stages", "2", "--microbatches", "4", "--dp", "2", "--zero", "3", "--schedule", "zbv",
+                             "--unshard", "microbatch"]}
 
 
 # All slow: the dropout test resumes 1f1b-dp2 bit for bit in the default run, and a ZeRO-1 resume under another

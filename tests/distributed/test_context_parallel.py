@@ -33,6 +33,13 @@ def test_gpt2_cp2_matches_one_process(workers, comm):
     assert_matches_reordered(cfg, workers(cfg))
 
 
+def test_zero3_shards_over_cp_alone_and_matches_one_process(workers):
+    """dp 1 x cp 2: the cp ranks hold the same weights, so ZeRO-3 shards them over cp (dp_cp group)."""
+    cfg = cp_config(2, 2, microbatches=4, zero=3, unshard="microbatch", schedule="zb-h1")
+    check(cfg)
+    assert_matches_reordered(cfg, workers(cfg))
+
+
 @pytest.mark.parametrize("schedule,comm,model", [("zbv", "allgather", "gqa"),
                                                  pytest.param("1f1b", "ring", "mqa", marks=pytest.mark.slow),
                                                  pytest.param("auto", "ring", "gqa", marks=pytest.mark.slow),
@@ -47,7 +54,8 @@ def test_llama_cp2_pp2_matches_one_process(workers, schedule, comm, model):
 GRID = [(4, 1, 1, 1, "ring", {}), (4, 1, 1, 1, "allgather", {}),
         (2, 2, 1, 1, "ring", {"zero": 1}), (2, 1, 2, 1, "ring", {"sequence_parallel": True}),
         (2, 1, 2, 1, "allgather", {}), (2, 2, 1, 1, "allgather", {"recompute": "selective"}),
-        (2, 1, 1, 2, "ring", {"recompute": "full", "schedule": "zb-h1"})]
+        (2, 1, 1, 2, "ring", {"recompute": "full", "schedule": "zb-h1"}),
+        (2, 2, 1, 1, "allgather", {"zero": 2}), (2, 2, 1, 1, "ring", {"zero": 3, "unshard": "step"})]
 
 
 @pytest.mark.slow

@@ -235,6 +235,8 @@ def test_the_shrunk_layout_keeps_the_global_batch_and_uses_the_ranks_left():
     assert (one.cfg.parallel.dp, one.cfg.parallel.stages, one.cfg.parallel.microbatches) == (1, 1, 8)
     v = shrunk_layout(TrainConfig.build(model, stages=4, schedule="zbv", microbatches=8, device="cpu"), 3)
     assert v.cfg.parallel.schedule == "zbv" and v.cfg.parallel.stages == 3
+    sharded = cfg.replace(zero=3)  # ZeRO-3 keeps two replicas to shard over, or finds no layout
+    assert shrunk_layout(sharded, 7).cfg.parallel.dp == 2 and shrunk_layout(sharded, 1) is None
 
 
 def test_a_shrunk_layout_keeps_its_context_parallel_ranks():

@@ -245,9 +245,11 @@ def rank_modules(model: ModelConfig, stages: list[tuple[range, bool, bool]], dty
 
 
 def optimizer_state_bytes(modules: list[GPT], zero_group=None) -> dict:
-    """Step pipegpt's optimizer (AdamW, or ZeRO-1 over zero_group) once and count its real state."""
+    """Step pipegpt's optimizer (AdamW, or over this rank's ZeRO-1 shard of zero_group) once and count its real
+    state."""
     from pipegpt.config import OptimizerConfig
-    from pipegpt.train.optim import make_optimizer
+    from pipegpt.data_parallel import DataParallel
+    from pipegpt.train.optim import decays, make_optimizer
 
     seen, named = set(), []
     for m in modules:
@@ -255,18 +257,24 @@ def optimizer_state_bytes(modules: list[GPT], zero_group=None) -> dict:
             if id(p) not in seen:
                 seen.add(id(p))
                 named.append((name, p))
-    for _, p in named:
+    stepped, decaying = named, None
+    if zero_group is not None:  # one stage's flat buffers over the group, as the training role builds them
+        params = [p for _, p in named]
+        dp = DataParallel({0: params}, {0: params}, zero_group, torch.distributed.get_rank(zero_group), zero=1,
+                          rank=torch.distributed.get_rank(), timeout_s=60)
+        stepped = [(str(i), h.value) for i, h in enumerate(dp.pieces())]
+        decaying = {id(h.value) for h in dp.pieces() if decays(h)}
+    for _, p in stepped:
         p.grad = torch.ones_like(p)
-    optimizer = make_optimizer(named, OptimizerConfig(), zero_group)
+    optimizer = make_optimizer(stepped, OptimizerConfig(), decaying)
     optimizer.step()
-    inner = getattr(optimizer, "optim", optimizer)
-    moments = sum(t.numel() * t.element_size() for state in inner.state.values()
+    moments = sum(t.numel() * t.element_size() for state in optimizer.state.values()
                   for k, t in state.items() if k in ("exp_avg", "exp_avg_sq"))
-    steps = sum(1 for state in inner.state.values() if "step" in state)
+    steps = sum(1 for state in optimizer.state.values() if "step" in state)
     return {"parameters": sum(p.numel() for _, p in named),
             "weights": sum(p.numel() * p.element_size() for _, p in named),
-            "gradients": sum(p.grad.numel() * p.grad.element_size() for _, p in named),
-            "optimizer": moments, "step_tensors": steps, "tensors": len(named)}
+            "gradients": sum(p.grad.numel() * p.grad.element_size() for _, p in named if p.grad is not None),
+            "optimizer": moments, "step_tensors": steps, "tensors": len(stepped)}
 
 
 def tp_worker(tp_rank: int, tp: int, port: int, layouts: list[Layout], zero_cases: list, out_path: str) -> None:

@@ -19,7 +19,7 @@ RUN_OPTIONS = [
     "--pad-vocab", "--port", "--recompute", "--run-dir", "--schedule", "--schedule-file", "--seed", "--seq-len",
     "--sequence-parallel", "--stages", "--steps", "--threads-per-worker", "--timeout", "--tokenizer", "--tp",
     "--step-timeout",  # a whole step's deadline, apart from --timeout's for each wait in it
-    "--virtual-stages", "--vocab-size", "--weight-decay", "--zero", "-m", "-p", "-s", "-v",
+    "--virtual-stages", "--vocab-size", "--weight-decay", "--zero", "--unshard", "-m", "-p", "-s", "-v",
     # the nanoGPT/llm.c recipe: learning-rate schedule, precision, compilation, MFU
     "--warmup-steps", "--min-lr", "--lr-schedule", "--precision", "--compile", "--peak-tflops",
     # measured timelines of chosen steps, py-spy flame graphs
@@ -84,10 +84,17 @@ def test_build_routes_settings_to_their_sections():
     ({"tp": 3}, "n_head=4 is not divisible by tp=3"),
     ({"microbatches": 0}, "microbatches=0 must be a positive integer"),
     ({"recompute": "some"}, "recompute='some' is not one of none, full, selective"),
-    ({"zero": 2}, "zero=2 is not supported"),
+    ({"zero": 4}, "zero=4 is not one of 0, 1, 2, 3"),
+    ({"zero": 2}, "--zero 2 shards over the data-parallel replicas, and dp x cp = 1: nothing to shard"),
+    ({"zero": 3, "cp": 2}, None),  # cp ranks hold the same weights: ZeRO shards over dp x cp
+    ({"zero": 1, "dp": 2, "unshard": "step"}, "--unshard step places ZeRO-3's parameter gathers, and --zero is 1"),
+    ({"zero": 3, "dp": 2, "unshard": "layer"}, "unshard='layer' is not one of step, microbatch"),
     ({"schedule_file": "x.txt", "virtual_stages": 2}, "--virtual-stages does not apply to --schedule-file"),
 ])
 def test_cross_field_checks(settings, message):
+    if message is None:
+        TrainConfig.build(**settings).validate({})
+        return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         TrainConfig.build(**settings).validate({})
 

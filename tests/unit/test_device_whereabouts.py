@@ -120,6 +120,7 @@ def test_a_gpu_hung_in_the_optimizer_step_is_said_to_be_there(monkeypatch):
     worker.engine = engine = HungInTheUpdate(runtime)
     worker.rank, worker.cfg, worker.fault, worker.syncs, worker.loader = 1, TrainConfig(), FaultHook(None), [], None
     worker.recorded_steps, worker.named_params = frozenset(), list(runtime.stages[1].module.named_parameters())
+    worker.dp, worker.trained = None, [(n, p, p) for n, p in worker.named_params]  # no data parallelism
     worker._clip_gradients = lambda loss_finite: (1.0, True, [])
     worker.optimizer = SimpleNamespace(param_groups=[{}], step=lambda: setattr(engine, "hung", True))
     answer = worker.step(0)

@@ -11,6 +11,7 @@ from test_schedule_imports import find_cycle, module_graph
 LAYERS = [
     "pipegpt.arch",
     "pipegpt.dims",
+    "pipegpt.model_config",
     "pipegpt.config",
     "pipegpt.run_files",
     "pipegpt.schedule",
@@ -22,6 +23,7 @@ LAYERS = [
     "pipegpt.plan",
     "pipegpt.stages",
     "pipegpt.comm",
+    "pipegpt.data_parallel",
     "pipegpt.timing",
     "pipegpt.runtime",
     "pipegpt.state",
@@ -32,6 +34,7 @@ LAYERS = [
     "pipegpt.infer",
     "pipegpt.tools",
     "pipegpt.options",
+    "pipegpt.command_options",
     "pipegpt.cli",
     "pipegpt.__main__",
 ]

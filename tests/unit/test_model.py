@@ -356,8 +356,8 @@ def test_model_imports_no_process_code():
             "print(sorted(m for m in sys.modules if m.startswith('pipegpt') or m == 'tiktoken'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT)
-    assert set(eval(out.stdout)) <= {"pipegpt", "pipegpt.arch", "pipegpt.dims", "pipegpt.config", "pipegpt.model",
-                                     "pipegpt.model.gpt",
+    assert set(eval(out.stdout)) <= {"pipegpt", "pipegpt.arch", "pipegpt.dims", "pipegpt.model_config",
+                                     "pipegpt.config", "pipegpt.model", "pipegpt.model.gpt",
                                      "pipegpt.model.split_backward", "pipegpt.data", "pipegpt.data.tokenizers",
                                      "pipegpt.data.tokens", "pipegpt.data.loader"}
 

@@ -24,7 +24,7 @@ from pipegpt.dims import Sharding
 from pipegpt.model.gpt import GPT
 from pipegpt.costs.memory import (MemoryBreakdown, activation_bytes, deferred_bytes, memory_precision,
                                  parameter_count, peak_activation_bytes, plan_memory, rank_memory,
-                                 stage_activation_bytes, stage_parameter_shapes, state_bytes, zero_partition)
+                                 stage_activation_bytes, stage_parameter_shapes, state_bytes)
 from pipegpt.schedule import build_plan
 from pipegpt.schedule.simulate import Costs, simulate
 from pipegpt.stages import partition_layers
@@ -182,32 +182,15 @@ def test_state_bytes_match_the_real_optimizer(case, config, precision):
     assert bf16 == state_bytes(cfg, stages, precision="fp32")
 
 
-def test_zero_state_matches_torch(tp_measured):
-    """The two spawned processes as a dp group of 2: each holds exactly its greedy share."""
+def test_zero_state_matches_the_shards(tp_measured):
+    """The two spawned processes as a dp group of 2: each holds the moments of its chunk of the flat buffer,
+    half the parameters (the first rank the larger half), and the model counts the larger."""
     for i, (cfg, stages) in enumerate(ZERO_CASES):
-        shapes = [s for layers, e, h in stages for _, s in stage_parameter_shapes(cfg, len(layers), e, h)]
-        groups = [[torch.Size(s).numel() for s in shapes if len(s) >= 2],
-                  [torch.Size(s).numel() for s in shapes if len(s) < 2]]
-        shares = [4 * 2 * n for n in zero_partition(groups, 2)]
+        n = sum(torch.Size(s).numel() for layers, e, h in stages
+                for _, s in stage_parameter_shapes(cfg, len(layers), e, h))
+        shares = [4 * 2 * -(-n // 2), 4 * 2 * (n // 2)]
         assert [tp_measured[r]["zero"][i] for r in range(2)] == shares
         assert state_bytes(cfg, stages, sharding=Sharding(dp=2, zero=True)).optimizer == max(shares)
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.distributed.optim's torch.jit use
-@pytest.mark.parametrize("dp", [2, 3, 4, 8])
-def test_zero_partition_is_torchs(dp):
-    """The same greedy as ZeroRedundancyOptimizer._partition_parameters (run without a process group)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    stages = [(range(0, 3), True, False), (range(6, 8), False, True)]
-    params = list(dict.fromkeys(p for m in rank_modules(MODEL, stages) for p in m.parameters()))
-    zero = object.__new__(ZeroRedundancyOptimizer)  # only what the partition reads
-    zero.param_groups = [{"params": [p for p in params if p.dim() >= 2]},
-                         {"params": [p for p in params if p.dim() < 2]}]
-    zero.world_size, zero._partition_parameters_cache = dp, []
-    real = [sum(p.numel() for g in groups for p in g["params"]) for groups in zero._partition_parameters()]
-    groups = [[p.numel() for p in g["params"]] for g in zero.param_groups]
-    assert zero_partition(groups, dp) == real
 
 
 # ---------------------------------------------------------------------------
@@ -245,7 +228,7 @@ def test_rank_memory_breakdown():
         stages = [(counts[s], s == 0, s == plan.num_stages - 1) for s in plan.stages_of(rank)]
         state = state_bytes(gpt2, stages, sharding=Sharding(dp=4, tp=2, zero=True), precision="bf16")
         assert (row.weights, row.gradients, row.optimizer) == (state.weights, state.gradients, state.optimizer)
-        assert row.dp_buffers == row.gradients and row.overlap_dp  # V-shape: two stages per rank
+        assert row.dp_buffers == 0 and row.overlap_dp  # reduced in the flat buffer; V-shape: two stages per rank
         assert row.total == row.weights + row.gradients + row.optimizer + row.p2p_buffers + row.activations \
             + row.workspace + row.dp_buffers
         assert row.as_dict()["total"] == row.total
