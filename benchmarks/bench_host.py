@@ -11,9 +11,11 @@ step costs once (control, clip, optimizer). Both contenders are run as benchmark
 swapped from one round to the next, so the machine's drift hits both alike.
 
 A line fitted by least squares over m, step_time = a + b * m, splits the median step times into the cost of one
-microbatch (b) and of one step (a). Each round is fitted on its own; the table gives the fit of the medians over
-rounds and, in brackets, the range of the rounds' fits. `pipegpt / torch`: per m the median over rounds of the
-ratio of step times (each round's pair ran back to back), and the ratio of the two fits.
+microbatch (b) and of one step (a). Other processes only ever add time, so per (contender, m) the table takes the
+least disturbed round (the smallest of the runs' median step times) and fits those; in brackets, the range of
+each round's own fit. `pipegpt / torch`: pipegpt's figure over torch.pp's, per m and for the fits. The "CPU" rows
+are the CPU time of both worker processes (every thread: gloo's included) per step, fitted the same way: that is
+host work whatever the machine's load, where step times also carry the scheduler's delays.
 """
 from __future__ import annotations
 
@@ -94,12 +96,6 @@ def ratio(x: float, y: float) -> str:
     return f"{x / y:.2f}x" if x > 0 and y > 0 else "n/a"
 
 
-def round_pairs(results: dict, s: str, m: int, args, metric: str) -> list[tuple[float, float]]:
-    """(pipegpt's, torch.pp's) median step time of each round where both ran."""
-    return [(timed_median(p, args.warmup, "pipegpt", metric), timed_median(t, args.warmup, "torch", metric))
-            for p, t in zip(results[(s, "pipegpt", m)], results[(s, "torch", m)]) if p is not None and t is not None]
-
-
 def table(results: dict, schedules: list[str], args) -> list[list[str]]:
     ms = args.microbatches
     head = ["schedule", "contender"] + [f"m={m} ms" for m in ms] + ["per microbatch ms", "per step ms"]
@@ -109,7 +105,7 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
         return f"{1000 * x:.2f}"
 
     for s in schedules:
-        fitted: dict = {}
+        fitted, bests = {}, {}
         torch_name = f"torch.pp {bp.TORCH_SCHEDULES[s]}"
         contenders = [("pipegpt", "pipegpt", "step"), ("pipegpt (in workers)", "pipegpt", "workers")]
         if bp.TORCH_SCHEDULES[s]:
@@ -118,22 +114,21 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
         if bp.TORCH_SCHEDULES[s]:
             contenders.append((f"{torch_name} CPU", "torch", "cpu"))
         for label, kind, metric in contenders:
-            medians = []
+            best = []  # per m, the least disturbed round
             for m in ms:
                 runs = [r for r in results[(s, kind, m)] if r is not None]
-                medians.append(statistics.median(timed_median(r, args.warmup, kind, metric) for r in runs)
-                               if runs else float("nan"))
-            a, b = fitted[label] = fit(ms, medians)
+                best.append(min(timed_median(r, args.warmup, kind, metric) for r in runs) if runs else float("nan"))
+            bests[label] = best
+            a, b = fitted[label] = fit(ms, best)
             fits = rounds_fit(results, s, kind, ms, args, metric)
             spread = (lambda i: f" ({ms_(min(f[i] for f in fits))}-{ms_(max(f[i] for f in fits))})") if fits else \
                 (lambda i: "")
-            rows.append([s, label] + [f"{1000 * t:.1f}" for t in medians] + [ms_(b) + spread(1), ms_(a) + spread(0)])
+            rows.append([s, label] + [f"{1000 * t:.1f}" for t in best] + [ms_(b) + spread(1), ms_(a) + spread(0)])
         if bp.TORCH_SCHEDULES[s]:
             for label, torch_label, metric in (("pipegpt", torch_name, "step"),
                                                ("pipegpt (in workers)", torch_name, "workers"),
                                                ("pipegpt CPU", f"{torch_name} CPU", "cpu")):
-                ratios = [f"{statistics.median(p / t for p, t in pairs):.2f}x" if pairs else "-"
-                          for pairs in (round_pairs(results, s, m, args, metric) for m in ms)]
+                ratios = [ratio(p, t) for p, t in zip(bests[label], bests[torch_label])]
                 (a, b), (ta, tb) = fitted[label], fitted[torch_label]
                 rows.append([s, f"{label} / torch"] + ratios + [ratio(b, tb), ratio(a, ta)])
     return rows
@@ -178,9 +173,9 @@ def main(argv=None) -> int:
     from pipegpt.schedule.render import text_table
 
     print(text_table(table(results, schedules, args), right=set(range(2, 4 + len(args.microbatches))), rule=True))
-    print(f"\n(medians over rounds; per microbatch / per step: the least-squares line over m, step = a + b m, of those "
-          f"medians, and in brackets the range of each round's own fit; x / torch: the median over rounds of the "
-          f"round's ratio of step times, and the ratio of the fits. Total wall time {time.perf_counter() - t_start:.0f} s)")
+    print(f"\n(per m the least disturbed round's median step; per microbatch / per step: the least-squares line over m, "
+          f"step = a + b m, of those "
+          f"steps, and in brackets the range of each round's own fit; x / torch: pipegpt's over torch.pp's. Total wall time {time.perf_counter() - t_start:.0f} s)")
     print(bp._other_load(cpu_before, bp._cpu_accounting(), base["cores"]))
     return 0
 
