@@ -13,16 +13,23 @@ swapped from one round to the next, so the machine's drift hits both alike.
 A line fitted by least squares over m, step_time = a + b * m, splits the median step times into the cost of one
 microbatch (b) and of one step (a). Other processes only ever add time, so per (contender, m) the table takes the
 least disturbed round (the smallest of the runs' median step times) and fits those; in brackets, the range of
-each round's own fit. `pipegpt / torch`: pipegpt's figure over torch.pp's, per m and for the fits. The "CPU" rows
-are the CPU time of both worker processes (every thread: gloo's included) per step, fitted the same way: that is
-host work whatever the machine's load, where step times also carry the scheduler's delays.
+each round's own fit. `pipegpt / torch`: pipegpt's figure over torch.pp's, per m and for the fits.
+
+"host work" rows: each contender's step() alone on 2 fresh processes (pipegpt's PipelineRuntime with its Stages and
+gloo point-to-point, torch.pp's schedule with its PipelineStages; no RPC, optimizer or clip), the CPU time of the
+thread that runs it, summed over both ranks: the host's own work per step whatever the machine's load, where a step
+time also carries the scheduler's delays. (A process's CPU would not do: gloo's loop thread spins while the pair's
+lock is held elsewhere, so its CPU follows the step time.)
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +55,79 @@ def base_spec(args) -> dict:
     return base
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The host's own work: each contender's step() alone (no RPC, optimizer or clip), the CPU time of the thread
+# that runs it. Gloo's own threads are left out: they spin while a peer holds a pair's lock (gloo's loop
+# retries until it gets it), so their CPU follows the step time, not the work.
+
+def _host_worker(rank: int, world: int, port: int, who: str, spec: dict, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pipegpt.model.gpt import GPT
+    from pipegpt.stages import Stage, partition_layers
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cfg, m, last = bp.model_cfg(spec), spec["microbatches"], world - 1
+    module = GPT(cfg, layers=partition_layers(cfg.n_layer, world)[rank], embed=rank == 0, head=rank == last,
+                 init_seed=spec["seed"])
+    x, y = bp.sampler_for(spec).batch(0)
+    if who == "pipegpt":
+        from pipegpt.comm.p2p import PointToPoint
+        from pipegpt.runtime import PipelineRuntime
+        from pipegpt.schedule import build_plan, lower
+
+        runtime = PipelineRuntime(lower(build_plan(spec["schedule"], world, m)), rank, {rank: Stage(rank, world, module, m)},
+                                  PointToPoint(rank, 60.0, "cpu"), list(range(world)), (1, cfg.seq_len, cfg.n_embd),
+                                  torch.float32, "cpu")
+        xs, ys = list(x.split(1)), list(y.split(1))
+
+        def step():
+            runtime.step(xs if rank == 0 else None, ys if rank == last else None, record=False)
+    else:
+        import torch.nn.functional as F
+        from torch.distributed import pipelining
+
+        def loss_fn(logits, target):  # as bench_pipeline's torch.pp contender
+            return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), target.reshape(-1)) / m
+
+        stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"))
+        cls = getattr(pipelining, spec["torch_schedule"])
+        schedule = cls([stage] if cls.__name__ in bp.MULTI_STAGE else stage, n_microbatches=m, loss_fn=loss_fn,
+                       scale_grads=False)
+
+        def step():
+            schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+    cpu = []
+    for _ in range(spec["steps"]):
+        for p in module.parameters():
+            p.grad = None
+        dist.barrier()
+        c0 = time.thread_time()
+        step()
+        cpu.append(time.thread_time() - c0)
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, cpu)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"step_times": [sum(steps) for steps in zip(*per_rank)]}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_host_work(who: str, spec: dict, timeout: float) -> dict:
+    """_host_worker on 2 fresh processes (this file run as `_host WHO SPEC OUT`): per step, the summed CPU time
+    of both ranks' stepping threads, as "step_times"."""
+    with tempfile.TemporaryDirectory(prefix="bench-host-") as workdir:
+        spec_path, out_path = os.path.join(workdir, "spec.json"), os.path.join(workdir, "out.json")
+        Path(spec_path).write_text(json.dumps(spec))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_host", who, spec_path, out_path]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir)
+        if not os.path.exists(out_path):
+            raise RuntimeError(f"host work of {who} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return json.loads(Path(out_path).read_text())
+
+
 def measure(args, base: dict, schedules: list[str]) -> dict:
     """{(schedule, contender, m): [per-round result dict]}, contenders back to back, order swapped per round."""
     results: dict = {}
@@ -55,30 +135,32 @@ def measure(args, base: dict, schedules: list[str]) -> dict:
         for m in args.microbatches:
             for s in schedules:
                 spec = dict(base, microbatches=m, schedule=s, torch_schedule=bp.TORCH_SCHEDULES[s])
-                kinds = ["pipegpt", "torch"] if bp.TORCH_SCHEDULES[s] else ["pipegpt"]
+                kinds = ["pipegpt", "torch", "pipegpt host", "torch host"] if bp.TORCH_SCHEDULES[s] else \
+                    ["pipegpt", "pipegpt host"]
                 for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
                     try:
-                        r = bp.run_contender(kind, spec, args.timeout)
+                        if kind.endswith(" host"):
+                            r = run_host_work(kind.split()[0], spec, args.timeout)
+                        else:
+                            r = bp.run_contender(kind, spec, args.timeout)
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         print(f"  round {rnd + 1} {s} m={m} {kind} FAILED: {str(e).splitlines()[0]}",
                               file=sys.stderr, flush=True)
                         r = None
                     results.setdefault((s, kind, m), []).append(r)
                     if r is not None:
-                        print(f"  round {rnd + 1}/{args.rounds}  {s:<6} m={m:<4} {kind:<8} median step "
+                        print(f"  round {rnd + 1}/{args.rounds}  {s:<6} m={m:<4} {kind:<12} median step "
                               f"{1000 * timed_median(r, args.warmup, kind):7.1f} ms", file=sys.stderr, flush=True)
     return results
 
 
 def timed_median(result: dict, warmup: int, kind: str, metric: str = "step") -> float:
-    """Median over the timed steps of: "step" the step time as bench_pipeline reads it; "workers" the workers' own
-    time (pipegpt's less its RPC round trip, as torch.pp's workers time themselves); "cpu" the CPU time of every
-    worker process (all threads) summed over ranks."""
+    """Median over the timed steps of: "step" the step time as bench_pipeline reads it (a host-work kind: the
+    stepping threads' CPU time); "workers" the workers' own time (pipegpt's less its RPC round trip, as torch.pp's
+    workers time themselves)."""
     times = result["step_times"][warmup:]
     if metric == "workers" and kind == "pipegpt":
         times = [t - (c or 0.0) for t, c in zip(times, result["control_s"][warmup:])]
-    elif metric == "cpu":  # both report each rank's CPU time as a fraction of the step time
-        times = [t * sum(fractions) for t, fractions in zip(times, result["cpu_per_rank"][warmup:])]
     return statistics.median(times)
 
 
@@ -110,9 +192,9 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
         contenders = [("pipegpt", "pipegpt", "step"), ("pipegpt (in workers)", "pipegpt", "workers")]
         if bp.TORCH_SCHEDULES[s]:
             contenders.append((torch_name, "torch", "step"))
-        contenders.append(("pipegpt CPU", "pipegpt", "cpu"))
+        contenders.append(("pipegpt host work", "pipegpt host", "step"))
         if bp.TORCH_SCHEDULES[s]:
-            contenders.append((f"{torch_name} CPU", "torch", "cpu"))
+            contenders.append((f"{torch_name} host work", "torch host", "step"))
         for label, kind, metric in contenders:
             best = []  # per m, the least disturbed round
             for m in ms:
@@ -127,7 +209,7 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
         if bp.TORCH_SCHEDULES[s]:
             for label, torch_label, metric in (("pipegpt", torch_name, "step"),
                                                ("pipegpt (in workers)", torch_name, "workers"),
-                                               ("pipegpt CPU", f"{torch_name} CPU", "cpu")):
+                                               ("pipegpt host work", f"{torch_name} host work", "step")):
                 ratios = [ratio(p, t) for p, t in zip(bests[label], bests[torch_label])]
                 (a, b), (ta, tb) = fitted[label], fitted[torch_label]
                 rows.append([s, f"{label} / torch"] + ratios + [ratio(b, tb), ratio(a, ta)])
@@ -135,6 +217,18 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
 
 
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["_host"]:  # internal: one contender's host work, on 2 processes
+        import torch.multiprocessing as mp
+
+        from pipegpt.comm.rpc import free_port
+
+        who, spec_path, out_path = argv[1:4]
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        mp.spawn(_host_worker, args=(2, free_port(), who, json.loads(Path(spec_path).read_text()), out_path), nprocs=2,
+                 join=True)
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--microbatches", default="16,64,128", help="comma list of m (at least two) [16,64,128]")
