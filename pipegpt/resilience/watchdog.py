@@ -37,7 +37,8 @@ def stall_threshold(step_times: Sequence[float], factor: float = STALL_FACTOR, f
     """
     if not step_times:
         return None
-    timed = list(step_times[1:] if len(step_times) > warmup else step_times)[-recent:]
+    first = 1 if len(step_times) > warmup else 0
+    timed = step_times[max(first, len(step_times) - recent):]  # the recent ones only: no copy of the whole run
     return max(factor * statistics.median(timed), floor_s)
 
 
