@@ -282,7 +282,7 @@ class PipelineRuntime:
     def _sent_next(self, i: int, send: Action | None) -> bool:
         """Whether `send` is in the comm batch right after action i: posted there with that batch's receives,
         it leaves as early as an eager post would, and gloo moves the pair in one exchange (posted alone, a
-        send's handshake costs both ranks' gloo threads a round of their own: 1F1B's step measured ~20% longer)."""
+        send's handshake costs both ranks' gloo threads a round of their own, and the step waits on them)."""
         end = self.batch_end.get(i + 1)
         return send is not None and end is not None and i + 1 <= self.index_of[send] < end
 

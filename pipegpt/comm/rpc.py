@@ -119,8 +119,8 @@ def _invoke(method: str, args: tuple) -> Any:
 
 class ActorHandle:
     """A worker's actor, called by name through _invoke: `handle.rpc_async(timeout).method(*args)` is a future of
-    its answer. An RRef would do the same, but pickling one into every call costs both ends a fork's bookkeeping:
-    a no-op call to 2 workers took 1.07 ms through RRefs, 0.76 ms so (quiet 2-core machine, medians of 1,400)."""
+    its answer. An RRef would do the same, but pickling one into every call costs both ends a fork's bookkeeping,
+    a third of a call's round trip on a small job (benchmarks/README.md, bench_host.py)."""
 
     def __init__(self, worker: str):
         self.worker = worker
