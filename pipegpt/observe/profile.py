@@ -24,6 +24,9 @@ from pathlib import Path
 
 FORMATS = (("flamegraph", "svg"), ("speedscope", "speedscope.json"))  # py-spy --format, file suffix
 RATE_HZ = 100  # py-spy's default sampling rate
+# py-spy leaves out threads that wait; a rank that mostly waited through short profiled steps may give it none.
+NO_SAMPLES = ("py-spy took no sample of a running thread in the profiled steps (one every {interval_ms:g} ms): "
+              "profile more or longer steps (--trace-steps)")
 
 
 def output_paths(directory, rank: int) -> list[Path]:
@@ -128,7 +131,9 @@ class Profiler:
                 out = proc.communicate()[0] or b""
                 problem = problem or f"py-spy did not finish writing within {timeout_s:.0f}s"
             if proc.returncode != 0 and problem is None:
-                problem = f"py-spy exited with status {proc.returncode}: {_reason(out.decode(errors='replace'))}"
+                text = out.decode(errors="replace")
+                problem = (NO_SAMPLES.format(interval_ms=1000 / self.rate_hz) if "No stack counts found" in text
+                           else f"py-spy exited with status {proc.returncode}: {_reason(text)}")
         self.procs = []
         written = [str(p) for p in output_paths(self.directory, self.rank) if p.is_file() and p.stat().st_size]
         if problem is None and len(written) < len(FORMATS):
