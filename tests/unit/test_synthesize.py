@@ -294,15 +294,31 @@ def test_memory_bound_for_ranks_with_several_stages():
 
 
 @pytest.mark.slow
-def test_large_sizes_take_seconds_not_minutes():
-    import time
+def test_large_sizes_walk_a_bounded_number_of_actions(monkeypatch):
+    """Issue 32's targets (p 32 and 64 at m = 4p, unit costs) counted in actions the synthesizer walks, not in
+    seconds (a timed assertion fails on a loaded machine; benchmarks/bench_synthesize.py gives the seconds). The
+    search's budgets hold it near a few passes over the plan plus SEARCH_ACTIONS and SAMPLE_ACTIONS."""
+    from pipegpt.schedule.synthesis import synthesize as module
 
-    """Issue 32's targets at unit costs (about 0.05, 0.2, 0.2 and 0.9 s measured on one core)."""
-    for name, p, m, limit in (("auto", 32, 128, 1.0), ("auto-v", 32, 128, 1.0), ("auto", 64, 256, 5.0),
-                              ("auto-v", 64, 256, 5.0)):
-        start = time.process_time()
+    walked = {"actions": 0}
+    list_schedule, evaluate = module.list_schedule, module.evaluate
+
+    def counting_list_schedule(problem, *args, **kwargs):
+        walked["actions"] += sum(len(stages) for stages in problem.stages_of) * problem.m * 3
+        return list_schedule(problem, *args, **kwargs)
+
+    def counting_evaluate(problem, ranks):
+        walked["actions"] += sum(map(len, ranks))
+        return evaluate(problem, ranks)
+
+    monkeypatch.setattr(module, "list_schedule", counting_list_schedule)
+    monkeypatch.setattr(module, "evaluate", counting_evaluate)
+    for name, p, m in (("auto", 32, 128), ("auto-v", 32, 128), ("auto", 64, 256), ("auto-v", 64, 256)):
+        walked["actions"] = 0
         SCHEDULES[name].synthesize(p, m)
-        assert time.process_time() - start < limit, (name, p, m)
+        plan_actions = 3 * p * m  # F, B and W of every microbatch on every rank
+        budget = 8 * plan_actions + module.SEARCH_ACTIONS + module.SAMPLE_ACTIONS
+        assert plan_actions <= walked["actions"] <= budget, (name, p, m, walked["actions"], budget)
 
 
 def test_iterated_greedy_narrows_the_gap_at_p8_m32_with_latency():
