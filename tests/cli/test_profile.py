@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -186,9 +187,15 @@ def test_a_profile_window_without_a_sample_says_how_to_get_one(tmp_path, monkeyp
                    "while true; do sleep 0.05; done\n")
     exe.chmod(0o755)
     monkeypatch.setattr(profile, "find_py_spy", lambda: str(exe))
-    profiler = profile.Profiler(tmp_path / "profiles", rank=1)
-    assert profiler.start(timeout_s=10) is None
-    written, problem = profiler.stop(timeout_s=10)
+    # A shell cannot trap a signal ignored when it started, and pytest run in the background (`... &`) ignores
+    # SIGINT: with a handler here the stand-in starts with SIGINT's default. (py-spy itself installs its own.)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        profiler = profile.Profiler(tmp_path / "profiles", rank=1)
+        assert profiler.start(timeout_s=10) is None
+        written, problem = profiler.stop(timeout_s=10)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert written == []
     assert problem == ("py-spy took no sample of a running thread in the profiled steps (one every 10 ms): "
                        "profile more or longer steps (--trace-steps)")
