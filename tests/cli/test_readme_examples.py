@@ -132,6 +132,9 @@ def test_the_parse_check_can_fail():
         main.commands["sample"].make_context("sample", ["runs/a", "runs/b"])
 
 
+# 22 s: the slow set's run of every example covers these (the default suite keeps the parse check above, and
+# tests/distributed/test_checkpoint.py the resume and --init-from they show).
+@pytest.mark.slow
 def test_the_checkpoint_examples_run_in_order(tmp_path):
     commands = readme_block(CHECKPOINTS)
     assert len(commands) == 3 and "--init-from" in commands[2], commands
