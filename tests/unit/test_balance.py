@@ -7,7 +7,6 @@ import random
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -83,14 +82,13 @@ def test_even_split_kept_when_nothing_is_gained():
             assert balance_layers([1.0] * 8, 0.0, 0.0, where) == even_layers(8, len(where)), schedule
 
 
-def test_large_inputs_are_fast_and_exact():
-    t0 = time.perf_counter()
+def test_large_inputs_take_the_closed_forms_and_are_exact():
+    """100 layers on 32-64 ranks: the uniform and chain methods, not a search (their time: bench_planner.py)."""
     for schedule, ranks in (("1f1b", 64), ("interleaved-1f1b", 32), ("zbv", 32)):
         got = balance([0.7] * 100, 0.2, 5.0, placement(schedule, ranks))
         assert got.exact and got.method == "uniform" and sum(got.layers) == 100
     chain = balance([1 + (i % 3) / 10 for i in range(100)], 0.2, 5.0, placement("1f1b", 32))
     assert chain.method == "chain" and chain.exact
-    assert time.perf_counter() - t0 < 5
 
 
 def test_search_that_stops_early_says_so():

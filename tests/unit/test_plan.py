@@ -7,7 +7,8 @@
 * a plan said to fit is never refused by `pipegpt run`'s own checks: its printed command, parsed by the CLI
   itself, builds a TrainConfig that pipegpt.train.driver.check accepts (validate, plan, partition, ...).
 * bad input: one line, exit status 2.
-* speed: GPT-3 175B on 1,000 GPUs in well under a minute.
+* search work: GPT-3 175B on 1,000 GPUs simulates a handful of candidates (its seconds:
+  benchmarks/bench_planner.py).
 * slow (-m slow): predicted order of measured layouts (Spearman, costs calibrated from one run), and the
   planner's choice beside Megatron-LM's published configurations (Narayanan et al. 2021, Table 1).
 """
@@ -330,7 +331,9 @@ def test_units_and_presets():
 # speed
 
 
-def test_gpt3_on_1000_gpus_searches_in_under_a_minute():
+def test_gpt3_on_1000_gpus_simulates_a_handful_of_candidates():
+    """The bounds prune: of some twenty thousand candidates, a few are simulated (the search's seconds are
+    benchmarks/bench_planner.py's, about 3 s on one core; a timed assertion fails on a loaded machine)."""
     cluster = make_cluster(1000, 8, "a100-80gb")
     t0 = time.perf_counter()
     res = search(Request(GPT3, 1536, cluster, AnalyticalCosts(cluster), top=5))
@@ -338,7 +341,7 @@ def test_gpt3_on_1000_gpus_searches_in_under_a_minute():
     print(f"\nGPT-3 175B, 1000 x A100-80GB, batch 1536: {seconds:.1f} s; {res.stats}")
     best = res.best[0]
     print(best.layout.command(best.model, "bf16"))
-    assert seconds < 120  # generous: about 10 s on two shared cores
+    assert res.stats["candidates"] > 10_000 and res.stats["simulated"] <= 40 and res.stats["popped"] <= 2_000
     assert best.layout.world <= 1000 and best.peak_bytes <= cluster.memory_bytes
     assert best.layout.tp <= 8 and 0.2 < best.mfu < 0.5
 
