@@ -332,8 +332,8 @@ def test_units_and_presets():
 
 
 def test_gpt3_on_1000_gpus_simulates_a_handful_of_candidates():
-    """The bounds prune: of some twenty thousand candidates, a few are simulated (the search's seconds are
-    benchmarks/bench_planner.py's, about 3 s on one core; a timed assertion fails on a loaded machine)."""
+    """The bounds prune: of over ten thousand candidates, a few are simulated (the search's seconds are
+    benchmarks/bench_planner.py's; a timed assertion fails on a loaded machine)."""
     cluster = make_cluster(1000, 8, "a100-80gb")
     t0 = time.perf_counter()
     res = search(Request(GPT3, 1536, cluster, AnalyticalCosts(cluster), top=5))
