@@ -2,11 +2,16 @@
 default `tiny`); a model flag that disagrees with the checkpoint is one line, exit 2, before any worker starts."""
 from __future__ import annotations
 
+import pytest
+
 from helpers import assert_one_line_error, run_pipegpt
 
 ARGS = ["--stages", "2", "--microbatches", "2", "--microbatch-size", "2", "--steps", "2", "--threads-per-worker", "1"]
 
 
+# 8 s, two runs: slow. The default suite starts from a checkpoint's weights in tests/distributed/test_checkpoint.py
+# (test_init_from_starts_at_step_0_from_the_weights) and resumes a Llama checkpoint in test_llama_oracle.py.
+@pytest.mark.slow
 def test_init_from_a_llama_takes_its_shape(tmp_path):
     first = run_pipegpt("run", "--model", "tiny-llama", "--n-layer", "2", *ARGS, "--save-every", "2",
                         "--run-dir", tmp_path / "a", timeout=240)
