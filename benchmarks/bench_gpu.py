@@ -40,12 +40,20 @@ from pipegpt.stages import partition_layers  # noqa: E402
 PIPEGPT = [sys.executable, "-m", "pipegpt"]
 
 
+def _run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """The command's result; one past its time comes back as exit status 124 (a later part still runs)."""
+    try:
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return subprocess.CompletedProcess(command, 124, out, f"no end within {timeout_s:g} s (--timeout)")
+
+
 def smoke(timeout_s: float) -> dict:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/distributed/test_gpu_smoke.py"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout_s)
-    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/distributed/test_gpu_smoke.py"],
+                timeout_s)
+    summary = (proc.stdout.strip().splitlines() or [proc.stderr.strip() or "(no output)"])[-1]
     return {"exit": proc.returncode, "summary": summary, "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -59,7 +67,7 @@ def train(args, run_dir: Path) -> dict:
     if args.peak_tflops:
         command += ["--peak-tflops", str(args.peak_tflops)]
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    proc = _run(command, args.timeout)
     result = {"command": " ".join(command[3:]), "exit": proc.returncode, "seconds": round(time.perf_counter() - start, 1)}
     if proc.returncode != 0:
         result["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
