@@ -90,7 +90,9 @@ def _device_name(device: str) -> str:
 
 
 def predicted(run_dir: Path) -> dict:
-    """The planner's memory model on the run's own settings (config.json)."""
+    """The planner's memory model on the run's own settings (config.json). The run is one stage on one rank, so
+    no sharding, layer split or context parallelism enters (pipegpt.train.driver's host-memory check reads a
+    whole TrainConfig the same way)."""
     config = json.loads((run_dir / "config.json").read_text())
     model, parallel, runtime = ModelConfig(**config["model"]), config["parallel"], config["runtime"]
     plan = build_plan(parallel["schedule"], 1, parallel["microbatches"])
