@@ -36,6 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_pipeline as bp  # noqa: E402  (a sibling script: its contenders, run the same way here)
 
+CALLS = "pipegpt calls"  # pipegpt with --steps-per-call: one driver call for several steps
+
 TINY = {"model": "tiny", "n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "vocab_size": 256, "untied": True}
 
 
@@ -137,10 +139,15 @@ def measure(args, base: dict, schedules: list[str]) -> dict:
                 spec = dict(base, microbatches=m, schedule=s, torch_schedule=bp.TORCH_SCHEDULES[s])
                 kinds = ["pipegpt", "torch", "pipegpt host", "torch host"] if bp.TORCH_SCHEDULES[s] else \
                     ["pipegpt", "pipegpt host"]
+                if args.steps_per_call > 1:
+                    kinds.insert(1, CALLS)
                 for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
                     try:
                         if kind.endswith(" host"):
                             r = run_host_work(kind.split()[0], spec, args.timeout)
+                        elif kind == CALLS:
+                            r = bp.run_contender("pipegpt", dict(spec, steps_per_call=args.steps_per_call),
+                                                 args.timeout)
                         else:
                             r = bp.run_contender(kind, spec, args.timeout)
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -189,7 +196,10 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
     for s in schedules:
         fitted, bests = {}, {}
         torch_name = f"torch.pp {bp.TORCH_SCHEDULES[s]}"
+        calls = f"pipegpt, {args.steps_per_call} steps a call"
         contenders = [("pipegpt", "pipegpt", "step"), ("pipegpt (in workers)", "pipegpt", "workers")]
+        if args.steps_per_call > 1:
+            contenders.insert(1, (calls, CALLS, "step"))
         if bp.TORCH_SCHEDULES[s]:
             contenders.append((torch_name, "torch", "step"))
         contenders.append(("pipegpt host work", "pipegpt host", "step"))
@@ -208,6 +218,7 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
             rows.append([s, label] + [f"{1000 * t:.1f}" for t in best] + [ms_(b) + spread(1), ms_(a) + spread(0)])
         if bp.TORCH_SCHEDULES[s]:
             for label, torch_label, metric in (("pipegpt", torch_name, "step"),
+                                               *([(calls, torch_name, "step")] if args.steps_per_call > 1 else []),
                                                ("pipegpt (in workers)", torch_name, "workers"),
                                                ("pipegpt host work", f"{torch_name} host work", "step")):
                 ratios = [ratio(p, t) for p, t in zip(bests[label], bests[torch_label])]
@@ -237,6 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="steps per run [12]")
     ap.add_argument("--warmup", type=int, default=2, help="leading steps of each run left out [2]")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take [600]")
+    ap.add_argument("--steps-per-call", type=int, default=8,
+                    help="also run pipegpt with --steps-per-call N (1: leave that contender out) [8]")
     args = ap.parse_args(argv)
     try:
         args.microbatches = sorted({int(m) for m in args.microbatches.split(",") if m.strip()})

@@ -145,6 +145,11 @@ class RuntimeConfig:
                                                  "(default: 10 x --timeout; the first two steps get 3 times as "
                                                  "long). Each wait inside a step keeps --timeout.",
                                            flag="--step-timeout")
+    steps_per_call: int = setting(1, "Training steps the driver asks of the workers in one call: one RPC round "
+                                     "trip (about 1 ms on a CPU host) for them all, as Keras' steps_per_execution. "
+                                     "Worth it where a step takes a few ms; each step keeps its metrics row. A call "
+                                     "ends early where an evaluation, checkpoint, snapshot or profile is due, and the "
+                                     "first two steps run one a call.")
     threads_per_worker: int | None = setting(None, "Intra-op threads per worker (default: cores / ranks).")
     bind_cores: bool = setting(False, "Pin each worker on this machine to cores of its own (local rank r with t "
                                       "threads: the t cores from r x t among those this process may use), as "
@@ -293,6 +298,7 @@ class TrainConfig:
         for name in ("stages", "dp", "cp", "tp", "microbatches", "microbatch_size"):
             _check_positive_int(name, getattr(p, name))
         _check_positive_int("steps", r.steps)
+        _check_positive_int("steps_per_call", r.steps_per_call)
         for name, value in (("virtual_stages", p.virtual_stages), ("threads_per_worker", r.threads_per_worker)):
             if value is not None:  # None: the default (the schedule's, cores / ranks)
                 _check_positive_int(name, value)

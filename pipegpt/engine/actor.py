@@ -43,6 +43,7 @@ class Role:
         # Nothing here can fail: the work is in start(), whose failure the driver hears about.
         self.rank, self.cfg = rank, cfg
         self.engine = Engine(rank, init_method)
+        self.running_step: int | None = None
 
     @property
     def device(self) -> torch.device | None:
@@ -51,8 +52,9 @@ class Role:
     @actor_method(concurrent=True)
     def where(self) -> dict:
         """Which action this rank is on and which ranks it waits for (now: None between steps); answered
-        on an RPC thread while a call runs on the actor thread, for the driver's stall watchdog."""
-        return self.engine.where()
+        on an RPC thread while a call runs on the actor thread, for the driver's stall watchdog. step: the
+        training step (from 0) this rank runs or ran last, which a call of several steps needs."""
+        return {**self.engine.where(), "step": self.running_step}
 
     @actor_method
     def shutdown(self) -> None:

@@ -199,6 +199,7 @@ class Job(ClusterJob):
         self.clock_offsets: list[float] = []  # per rank, seconds that put its trace events on this process's clock
         self.say: Callable[[str], None] = lambda line: print(line, flush=True)  # the driver's notes (--balance cost)
         self.current_step: int | None = None  # the loop's index (from 0) of the step running or last run
+        self.current_count = 1  # steps in the call that runs it (--steps-per-call): a failure is inside those
         self.failed_at: float | None = None  # time.time() of the failure this attempt restarts after (--max-restarts)
         self.steps_lost: int | None = None  # the steps completed before that failure that this attempt does again
         self.hellaswag_data = _hellaswag_rows(cfg)  # tokenized once, checked before any worker starts
@@ -300,21 +301,42 @@ class Job(ClusterJob):
     def step(self, step: int) -> list[WorkerStep]:
         """One step on every rank, watched: one that runs far longer than the steps before it ends the job,
         naming the rank that holds the others up (pipegpt.resilience.watchdog), well before the communication timeout."""
-        threshold, t0 = stall_threshold(self.step_times), time.perf_counter()
-        self.current_step = step
-        first = len(self.step_times) < COMPILE_STEPS  # cold: these may warm up, or compile (--compile)
-        results = self.cluster.call("step", step, timeout_s=self.cfg.runtime.step_deadline_s(first),
-                                    limit_flag="--step-timeout", stall_after_s=threshold,
-                                    on_stall=lambda waited: self._stalled(step, waited, threshold))
-        self.step_times.append(time.perf_counter() - t0)
-        for r in results:
-            r.events = shift_events(r.events, self.clock_offsets[r.rank])
-        return results
+        return self.steps(step, 1)[0][0]
 
-    def _stalled(self, step: int, waited_s: float, threshold_s: float) -> None:
+    def steps(self, first: int, count: int) -> list[tuple[list[WorkerStep], float]]:
+        """Steps first .. first + count - 1 on every rank, in one call when count > 1 (--steps-per-call): per step,
+        every rank's answer and the seconds it is counted (a call's time shared out in proportion to the slowest
+        rank's time in each step). Watched as one step is, with count steps' threshold and deadline. Fewer come
+        back when a step's update was dropped and the run stops there (--on-nonfinite stop)."""
+        threshold = stall_threshold([t * count for t in self.step_times])
+        t0 = time.perf_counter()
+        self.current_step, self.current_count = first, count
+        cold = len(self.step_times) < COMPILE_STEPS  # these may warm up, or compile (--compile)
+        watch = dict(timeout_s=count * self.cfg.runtime.step_deadline_s(cold), limit_flag="--step-timeout",
+                     stall_after_s=threshold, on_stall=lambda waited: self._stalled(first, waited, threshold, count))
+        if count == 1:
+            per_rank = [[answer] for answer in self.cluster.call("step", first, **watch)]
+        else:
+            per_rank = self.cluster.call("steps", first, count, self.cfg.optim.on_nonfinite == "stop", **watch)
+        elapsed = time.perf_counter() - t0
+        if len({len(answers) for answers in per_rank}) != 1:  # they decide alike: a rank that did not is a bug
+            raise RuntimeError(f"steps {first + 1}.. came back uneven: {[len(a) for a in per_rank]} steps per rank")
+        per_step = [list(answers) for answers in zip(*per_rank)]
+        slowest = [max((r.compute_s or 0.0) for r in results) for results in per_step]
+        total = sum(slowest)
+        times = [elapsed * t / total if total > 0 else elapsed / len(per_step) for t in slowest]
+        self.step_times.extend(times)
+        for results in per_step:
+            for r in results:
+                r.events = shift_events(r.events, self.clock_offsets[r.rank])
+        return list(zip(per_step, times))
+
+    def _stalled(self, step: int, waited_s: float, threshold_s: float, count: int = 1) -> None:
         """Ask every rank where it is and raise naming the culprit, with the table as the report."""
         answers = self.cluster.ask("where", timeout_s=WHERE_TIMEOUT_S)
         rows = [answers.get(r, {"rank": r}) for r in range(self.cluster.world_size)]
+        # in a call of several steps, the earliest step a rank is inside is the one that stalled
+        step = min((row["step"] for row in rows if row.get("now") and row.get("step") is not None), default=step)
         # A rank's GPU position, where it reports one (CUDA: its host may be far ahead), is where it really is.
         at = {row["rank"]: row.get("device") or row["now"] for row in rows if row.get("now")}
         # a rank that did not answer waits for nobody: a sink
@@ -323,8 +345,9 @@ class Job(ClusterJob):
         culprit = find_culprit(waits, doing, {row["rank"]: row["now"][1] for row in rows if row.get("device")})
         if culprit is None:
             return  # every rank is between steps: their answers to step() are on their way
+        per_call = f" x {count} steps a call" if count > 1 else ""
         report = "\n".join([f"step {step + 1} stalled: running for {waited_s:.1f}s, past {threshold_s:.1f}s "
-                            f"(max({STALL_FACTOR:g} x the recent median step, {STALL_FLOOR_S:g}s)); "
+                            f"(max({STALL_FACTOR:g} x the recent median step{per_call}, {STALL_FLOOR_S:g}s)); "
                             f"where each rank is:", *format_table(rows)])
         if culprit.rank not in answers:
             raise WorkerFailure(culprit.rank, f"stopped answering (no answer to where() within "
@@ -392,14 +415,27 @@ def profiled_steps(cfg: TrainConfig, first_step: int) -> range:
     return range(traced[0], traced[-1] + 1) if traced else range(0)
 
 
+def call_length(cfg: TrainConfig, step: int, profiled: range, most: int) -> int:
+    """How many steps, from `step`, the driver's next call runs: up to `most` (--steps-per-call), ending with
+    the first step after which the driver has work (an evaluation, a checkpoint, a snapshot, a profile to start
+    or stop) and with the run's last step."""
+    for count in range(1, most + 1):
+        s = step + count - 1
+        if s >= cfg.runtime.steps - 1 or evaluation_due(cfg, s) or checkpoint_due(cfg, s) or snapshot_due(cfg, s) \
+                or (profiled and (s == profiled[-1] or s + 1 == profiled[0])):
+            return count
+    return most
+
+
 @contextmanager
-def profiling(job: Job, profiled: range, step: int, directory: Path):
-    """Around one step: py-spy starts on every worker before the first profiled step and stops after the last.
-    Not stopped when the step raises: the job is then killed, workers and their py-spy children with it."""
-    if profiled and step == profiled[0]:
+def profiling(job: Job, profiled: range, steps: range, directory: Path):
+    """Around one call's steps: py-spy starts on every worker before the first profiled step and stops after the
+    last (call_length makes them a call's first and last). Not stopped when the call raises: the job is then
+    killed, workers and their py-spy children with it."""
+    if profiled and profiled[0] in steps:
         _warn(problem_line(job.call("profile_start", str(directory.resolve())), "the run goes on without profiles"))
     yield
-    if profiled and step == profiled[-1]:
+    if profiled and profiled[-1] in steps:
         stopped = job.cluster.call("profile_stop", timeout_s=job.cfg.runtime.timeout_s + 60)
         _warn(problem_line([problem for _, problem in stopped], "no profile from it"))
 
@@ -431,54 +467,67 @@ def last_checkpoint(job: Job, run_dir: Path) -> str:
 
 
 def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda m: None) -> list[StepMetrics]:
-    """The training loop on a started job: a step, its metrics, an evaluation and a checkpoint when due; then the
-    last step's trace (trace.json). A step whose loss or gradient norm is not finite was not applied: it stops
-    the run (NonFiniteError) or, with --on-nonfinite skip, is counted and the run goes on."""
+    """The training loop on a started job: a call of one step or more (--steps-per-call), each step's metrics, an
+    evaluation and a checkpoint when due; then the last step's trace (trace.json). A step whose loss or gradient
+    norm is not finite was not applied: it stops the run (NonFiniteError) or, with --on-nonfinite skip, is
+    counted and the run goes on."""
     cfg, history, results = job.cfg, [], None
-    skipped = 0
     traced = set(cfg.runtime.traced_steps())
     profiled = profiled_steps(cfg, job.first_step)
-    for step in range(job.first_step, cfg.runtime.steps):
-        with profiling(job, profiled, step, log.run_dir / run_files.PROFILES):
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            results = job.step(step)
-            metrics = step_metrics(step + 1, results, cfg, time.perf_counter() - t0, time.process_time() - cpu0)
-        if step in traced:
-            log.trace(results, job.plan, step + 1)
-        if not all(r.applied for r in results):
-            metrics.nonfinite = nonfinite_cause(results, job.plan.num_stages - 1)
-            if cfg.optim.on_nonfinite == "stop":
-                log.step(metrics)  # the row says what was not finite
-                raise NonFiniteError(f"step {step + 1}: {metrics.nonfinite}; no update applied, "
-                                     f"last checkpoint: {last_checkpoint(job, log.run_dir)}")
-            skipped += 1
-            _warn(f"pipegpt: step {step + 1}: {metrics.nonfinite}; update skipped (--on-nonfinite skip)")
-        metrics.skipped_steps = skipped
-        if job.failed_at is not None and step == job.first_step:
-            metrics.recovery_s = time.time() - job.failed_at
-            metrics.steps_lost = job.steps_lost
-        if evaluation_due(cfg, step):
-            metrics.val_loss = job.evaluate()
-            if cfg.eval.hellaswag:
-                metrics.hellaswag_acc, metrics.hellaswag_acc_norm = job.hellaswag()
-        if checkpoint_due(cfg, step):
-            t0 = time.perf_counter()
-            try:
-                job.save(log.run_dir / run_files.CHECKPOINTS, step + 1)
-            except NonFiniteError as e:
-                log.step(metrics)
-                raise NonFiniteError(f"{e}, last checkpoint: {last_checkpoint(job, log.run_dir)}") from None
-            metrics.checkpoint_s = time.perf_counter() - t0
-        elif snapshot_due(cfg, step):
-            t0 = time.perf_counter()
-            job.snapshot(log.run_dir, step + 1)
-            metrics.snapshot_s = time.perf_counter() - t0
-        log.step(metrics)
-        history.append(metrics)
-        on_step(metrics)
+    step = job.first_step
+    while step < cfg.runtime.steps:
+        warm = len(job.step_times) >= COMPILE_STEPS  # the cold first steps run one a call, each with its deadline
+        count = call_length(cfg, step, profiled, cfg.runtime.steps_per_call if warm else 1)
+        with profiling(job, profiled, range(step, step + count), log.run_dir / run_files.PROFILES):
+            cpu0 = time.process_time()
+            done = job.steps(step, count)
+            cpu_per_s = (time.process_time() - cpu0) / max(sum(elapsed for _, elapsed in done), 1e-12)
+        for results, elapsed in done:
+            metrics = step_metrics(step + 1, results, cfg, elapsed, cpu_per_s * elapsed)
+            metrics.skipped_steps = history[-1].skipped_steps if history else 0
+            if step in traced:
+                log.trace(results, job.plan, step + 1)
+            _after_step(job, log, step, results, metrics)
+            history.append(metrics)
+            on_step(metrics)
+            step += 1
     if results is not None:
         log.trace(results, job.plan)
     return history
+
+
+def _after_step(job: Job, log: RunLog, step: int, results: list[WorkerStep], metrics: StepMetrics) -> None:
+    """What follows a step on the driver: its non-finite values said, an evaluation and a checkpoint or
+    snapshot when due, its metrics row."""
+    cfg = job.cfg
+    if not all(r.applied for r in results):
+        metrics.nonfinite = nonfinite_cause(results, job.plan.num_stages - 1)
+        if cfg.optim.on_nonfinite == "stop":
+            log.step(metrics)  # the row says what was not finite
+            raise NonFiniteError(f"step {step + 1}: {metrics.nonfinite}; no update applied, "
+                                 f"last checkpoint: {last_checkpoint(job, log.run_dir)}")
+        metrics.skipped_steps += 1
+        _warn(f"pipegpt: step {step + 1}: {metrics.nonfinite}; update skipped (--on-nonfinite skip)")
+    if job.failed_at is not None and step == job.first_step:
+        metrics.recovery_s = time.time() - job.failed_at
+        metrics.steps_lost = job.steps_lost
+    if evaluation_due(cfg, step):
+        metrics.val_loss = job.evaluate()
+        if cfg.eval.hellaswag:
+            metrics.hellaswag_acc, metrics.hellaswag_acc_norm = job.hellaswag()
+    if checkpoint_due(cfg, step):
+        t0 = time.perf_counter()
+        try:
+            job.save(log.run_dir / run_files.CHECKPOINTS, step + 1)
+        except NonFiniteError as e:
+            log.step(metrics)
+            raise NonFiniteError(f"{e}, last checkpoint: {last_checkpoint(job, log.run_dir)}") from None
+        metrics.checkpoint_s = time.perf_counter() - t0
+    elif snapshot_due(cfg, step):
+        t0 = time.perf_counter()
+        job.snapshot(log.run_dir, step + 1)
+        metrics.snapshot_s = time.perf_counter() - t0
+    log.step(metrics)
 
 
 def _warn(line: str | None) -> None:

@@ -54,8 +54,9 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
 
     failed_at = time.time()
     saved = checkpoint.complete_checkpoints(run_dir / run_files.CHECKPOINTS)
-    step = job.current_step
-    at = f" at step {step + 1}" if step is not None else " while starting"
+    step, in_call = job.current_step, getattr(job, "current_count", 1)
+    at = " while starting" if step is None else f" at step {step + 1}" if in_call == 1 else \
+        f" in steps {step + 1}-{step + in_call} (one call, --steps-per-call)"
     cfg = job.cfg
     device = resolve_device(cfg.runtime.device, cfg.world_size)
     ranks, device_env, checked = restart_devices(device, cfg.world_size, failure.rank if _lost(failure) else None,

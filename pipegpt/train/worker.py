@@ -2,7 +2,7 @@
 training step adds: the optimizer, the data loaders, one gradient sync per parallelism, checkpoints.
 
 The driver calls its methods over RPC; the methods marked @actor_method are the control plane's
-whole surface (start, build, step, measure_layer_costs, evaluate, hellaswag, save, load, where,
+whole surface (start, build, step, steps, measure_layer_costs, evaluate, hellaswag, save, load, where,
 profile_start/stop, describe, shutdown, and for tests named_grads, named_parameters, named_optimizer_state).
 Activations never pass through here: the runtime sends them worker to worker.
 """
@@ -118,6 +118,22 @@ class Worker(Role):
     def step(self, step: int) -> WorkerStep:
         """One training step: loader -> runtime -> finish gradients -> clip -> optimizer. A non-finite loss or
         gradient norm drops the update on every rank (the driver then stops the run, or counts the skip)."""
+        return self._step(step)
+
+    @actor_method
+    def steps(self, first: int, count: int, stop_on_nonfinite: bool) -> list[WorkerStep]:
+        """Steps first .. first + count - 1 in one call (--steps-per-call): one RPC round trip for them all.
+        With stop_on_nonfinite the call ends after a step whose update was dropped, on every rank alike (they
+        decide from the same all-reduced values), so the driver stops the run there as after step()."""
+        answers = []
+        for step in range(first, first + count):
+            answers.append(self._step(step))
+            if stop_on_nonfinite and not answers[-1].applied:
+                break
+        return answers
+
+    def _step(self, step: int) -> WorkerStep:
+        self.running_step = step  # where() says which step of a call of several is stuck
         number, engine = step + 1, self.engine  # a fault names its step from 1, as the console and metrics do
         self.fault.at_step_start(number, engine)
         t0, cpu0 = time.perf_counter(), _process_cpu_s()

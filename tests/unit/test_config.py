@@ -41,6 +41,8 @@ RUN_OPTIONS = [
     "--tie-embeddings",
     # each local worker pinned to cores of its own (DeepSpeed's --bind_cores_to_rank)
     "--bind-cores", "--no-bind-cores",
+    # several steps in one driver call: one RPC round trip for them (Keras' steps_per_execution)
+    "--steps-per-call",
 ]
 
 

@@ -60,7 +60,7 @@ def test_compile_gives_the_first_steps_their_own_timeout():
     class Cluster:
         def call(self, method, *args, **kwargs):
             calls.append(kwargs.get("timeout_s"))
-            return [types.SimpleNamespace(rank=0, events=[])]
+            return [types.SimpleNamespace(rank=0, events=[], compute_s=None)]
 
     # A step's deadline is its own (--step-timeout, default 10 x --timeout), not one wait's: the first steps get
     # three times as long, and under --compile at least the compile timeout.

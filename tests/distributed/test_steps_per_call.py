@@ -1,0 +1,97 @@
+"""--steps-per-call: several training steps in one driver call give the run one call's RPC round trip for them
+all, and change nothing else: the same losses, gradient norms, learning rates and validation losses as a call per
+step, a metrics row per step, evaluations, checkpoints and profiles after the steps they follow, a non-finite step
+stopping the run where it happened, a stuck rank named with the step it is stuck in."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pipegpt.config import TrainConfig
+from pipegpt.train.driver import call_length
+
+from helpers import PIPEGPT, clean_env, run_pipegpt
+from test_failures import Job
+
+FAST = ["--threads-per-worker", "1"]
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def calls(cfg: TrainConfig, first: int = 0, profiled: range = range(0)) -> list[int]:
+    """The lengths of the calls a run makes from `first`, warm from the start."""
+    lengths, step = [], first
+    while step < cfg.runtime.steps:
+        lengths.append(call_length(cfg, step, profiled, cfg.runtime.steps_per_call))
+        step += lengths[-1]
+    return lengths
+
+
+def test_a_call_ends_where_the_driver_has_work():
+    plain = TrainConfig.build(steps=10, steps_per_call=4)
+    assert calls(plain) == [4, 4, 2]  # the last call ends with the run
+    assert calls(plain, first=3) == [4, 3]  # a resumed run's calls count from its first step
+    assert calls(plain.replace(eval_every=3)) == [3, 3, 3, 1]  # evaluations after steps 3, 6, 9 and the last
+    assert calls(plain.replace(save_every=5)) == [4, 1, 4, 1]  # checkpoints after steps 5 and 10
+    assert calls(plain.replace(snapshot_every=2)) == [2, 2, 2, 2, 2]
+    # a profile over steps 3..5 (from 0) starts with a call and stops with one
+    assert calls(plain, profiled=range(3, 6)) == [3, 3, 4]
+    assert calls(plain.replace(steps_per_call=1)) == [1] * 10
+
+
+def test_steps_in_one_call_train_exactly_as_one_call_per_step(tmp_path):
+    """Both runs' every recorded figure that does not depend on the clock is the same, bit for bit."""
+    args = [*FAST, "--stages", "2", "--microbatches", "4", "--steps", "9", "--eval-every", "4", "--save-every", "6"]
+    runs = {}
+    for per_call in (1, 3):
+        run = tmp_path / f"per-call-{per_call}"
+        proc = run_pipegpt("run", *args, "--steps-per-call", per_call, "--run-dir", run, timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        runs[per_call] = rows(run)
+    keys = ("step", "loss", "grad_norm", "lr", "val_loss", "skipped_steps")
+    one, three = ([{k: r.get(k) for k in keys} for r in runs[n]] for n in (1, 3))
+    assert [r["step"] for r in one] == list(range(1, 10))
+    assert one == three
+    assert [r["step"] for r in runs[3] if r.get("checkpoint_s") is not None] == [6, 9]
+    assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in runs[3])
+
+
+def test_a_bad_steps_per_call_is_one_line(tmp_path):
+    proc = run_pipegpt("run", "--steps-per-call", "0", "--run-dir", tmp_path / "run")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "Error: steps_per_call=0 must be a positive integer (>= 1)"
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_inside_a_call_stops_the_run_there(tmp_path):
+    run = tmp_path / "run"
+    proc = run_pipegpt("run", *FAST, "--stages", "2", "--microbatches", "2", "--steps", "8", "--steps-per-call", "4",
+                       "--run-dir", run, env=clean_env(PIPEGPT_FAULT="nan-loss:1:4"), timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    # steps 3..6 are one call: it ends at step 4, where the update was dropped
+    assert proc.stderr.splitlines()[-1] == ("Error: step 4: the loss is nan on rank 1 (stage 1); no update applied, "
+                                            "last checkpoint: none")
+    assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_inside_a_call_is_named_with_its_step(tmp_path):
+    """Steps 3..6 are one call; rank 1 sticks in step 5, the call's third."""
+    job = Job([PIPEGPT, "run", *FAST, "--stages", "3", "--microbatches", "3", "--steps", "8", "--steps-per-call", "4",
+               "--timeout", "60", "--run-dir", str(tmp_path / "run")], env=clean_env(PIPEGPT_FAULT="stuck:1:5"))
+    try:
+        code = job.wait(60)
+        report = f"exit status {code}\nstdout:\n{job.stdout}\nstderr:\n{job.stderr}"
+        assert code == 1, report
+        lines = [line for line in job.stderr.splitlines() if line.strip()]
+        assert re.fullmatch(r"Error: rank 1 stalled: stuck in 1F0, .* \(step 5, \d+s\); all workers stopped",
+                            lines[-1]), report
+        assert any(line.startswith("step 5 stalled:") and "x 4 steps a call" in line for line in lines), report
+        assert job.exit_time - job.t0 < 50, report  # the watchdog's floor, not the 60 s timeout
+        assert not job.survivors(), report
+    finally:
+        job.kill_all()
