@@ -8,7 +8,10 @@ A tiny model (2 layers, n_embd 32, 2 heads, seq_len 16, vocabulary 256, untied e
 runtime's own work per action (Python, autograd's bookkeeping, the point-to-point post, the trace) plus what a
 step costs once (control, clip, optimizer). Both contenders are run as benchmarks/bench_pipeline.py runs them
 (its helpers, imported); in every round each (schedule, m) runs pipegpt and torch.pp back to back, the order
-swapped from one round to the next, so the machine's drift hits both alike.
+swapped from one round to the next, so the machine's drift hits both alike. pipegpt runs twice: a driver call per
+step, and --steps-per-call N (one call, one RPC round trip, for up to N steps). torch.pp's steps run free, one
+after another with no collective of the benchmark's own between them, each timed from its start to the next
+step's (the slowest rank's), as pipegpt's driver times its steps.
 
 A line fitted by least squares over m, step_time = a + b * m, splits the median step times into the cost of one
 microbatch (b) and of one step (a). Other processes only ever add time, so per (contender, m) the table takes the
@@ -136,7 +139,8 @@ def measure(args, base: dict, schedules: list[str]) -> dict:
     for rnd in range(args.rounds):
         for m in args.microbatches:
             for s in schedules:
-                spec = dict(base, microbatches=m, schedule=s, torch_schedule=bp.TORCH_SCHEDULES[s])
+                # torch.pp's steps free-running: timed start to start, as pipegpt's driver times its own
+                spec = dict(base, microbatches=m, schedule=s, torch_schedule=bp.TORCH_SCHEDULES[s], free_running=True)
                 kinds = ["pipegpt", "torch", "pipegpt host", "torch host"] if bp.TORCH_SCHEDULES[s] else \
                     ["pipegpt", "pipegpt host"]
                 if args.steps_per_call > 1:

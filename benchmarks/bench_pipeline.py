@@ -209,6 +209,9 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
         profile = cProfile.Profile()
     dist.barrier()
     cpu_s = []  # this process's CPU time per step, every thread
+    # free_running: steps one after another as a training loop runs them, each timed from its start to the next
+    # one's on its rank (the slowest rank's), with no collective of the benchmark's own between them
+    free_running, mine_timed = spec.get("free_running", False), []
     for step in range(spec["steps"]):
         if profile is not None and step == spec["warmup"]:
             profile.enable()
@@ -234,11 +237,16 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
             action_times["wait"].clear()
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         cpu_s.append(process_cpu_s() - cpu0)
+        loss = torch.tensor([float(sum(float(v) for v in step_losses)) if last in mine else 0.0], dtype=torch.float64)
+        if free_running:  # no collective between steps: gathered once the steps are done
+            mine_timed.append((t0, float(elapsed), float(loss)))
+            continue
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
         step_times.append(float(elapsed))
-        loss = torch.tensor([float(sum(float(v) for v in step_losses)) if last in mine else 0.0], dtype=torch.float64)
         dist.all_reduce(loss)  # only the last stage's rank contributes
         losses.append(float(loss))
+    if free_running:
+        step_times[:], losses[:] = _free_running_times(mine_timed, world)
     if profile is not None:
         profile.disable()
         profile.dump_stats(spec["cprofile"])
@@ -252,6 +260,18 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
                                               "action_times": actions, "cpu_per_rank": list(zip(*cpu_per_rank))}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _free_running_times(mine: list[tuple[float, float, float]], world: int) -> tuple[list[float], list[float]]:
+    """(step times, losses) from every rank's (start, span, loss) per step: a step lasts from its start to the
+    next one's (the last: its span), the slowest rank's; its loss is the ranks' sum (the last stage's)."""
+    import torch.distributed as dist
+
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    times = [max((steps[k + 1][0] - steps[k][0]) if k + 1 < len(steps) else steps[k][1] for steps in every)
+             for k in range(len(mine))]
+    return times, [sum(steps[k][2] for steps in every) for k in range(len(mine))]
 
 
 def run_torch(spec: dict, out_path: str) -> None:
