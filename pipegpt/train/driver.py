@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -466,6 +467,27 @@ def last_checkpoint(job: Job, run_dir: Path) -> str:
     return str(job.loaded[0]) if job.loaded and job.cfg.checkpoint.resume else "none"
 
 
+CALL_HINT_SHARE = 0.1  # a call's round trip from which a run of one step a call is told of --steps-per-call
+CALL_HINT_AFTER = 8  # warm steps it is judged on
+
+
+def steps_per_call_hint(history: list[StepMetrics]) -> str | None:
+    """A line when the driver's call takes a tenth of each step or more (tiny models, CPU): how many steps a
+    call (--steps-per-call) would bring it under 2%. Judged on the last CALL_HINT_AFTER steps after the cold
+    ones."""
+    if len(history) != COMPILE_STEPS + CALL_HINT_AFTER:
+        return None
+    recent = history[COMPILE_STEPS:]
+    if any(m.control_s is None for m in recent):
+        return None
+    control, step = (statistics.median(getattr(m, k) for m in recent) for k in ("control_s", "step_time_s"))
+    if control < CALL_HINT_SHARE * step:
+        return None
+    count = min(32, math.ceil(control / (0.02 * step)))
+    return (f"pipegpt: the driver's call takes {control * 1e3:.1f} ms of each {step * 1e3:.1f} ms step: "
+            f"--steps-per-call {count} asks for {count} steps a call (one round trip for them)")
+
+
 def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda m: None) -> list[StepMetrics]:
     """The training loop on a started job: a call of one step or more (--steps-per-call), each step's metrics, an
     evaluation and a checkpoint when due; then the last step's trace (trace.json). A step whose loss or gradient
@@ -491,6 +513,8 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
             history.append(metrics)
             on_step(metrics)
             step += 1
+            if cfg.runtime.steps_per_call == 1:
+                _warn(steps_per_call_hint(history))
     if results is not None:
         log.trace(results, job.plan)
     return history

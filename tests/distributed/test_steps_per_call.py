@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from pipegpt.config import TrainConfig
-from pipegpt.train.driver import call_length
+from pipegpt.config import COMPILE_STEPS, TrainConfig
+from pipegpt.observe.metrics import StepMetrics
+from pipegpt.train.driver import CALL_HINT_AFTER, call_length, steps_per_call_hint
 
 from helpers import PIPEGPT, clean_env, run_pipegpt
 from test_failures import Job
@@ -41,6 +42,19 @@ def test_a_call_ends_where_the_driver_has_work():
     # a profile over steps 3..5 (from 0) starts with a call and stops with one
     assert calls(plain, profiled=range(3, 6)) == [3, 3, 4]
     assert calls(plain.replace(steps_per_call=1)) == [1] * 10
+
+
+def test_a_run_whose_calls_cost_a_tenth_of_its_steps_is_told_of_the_option():
+    def history(control_s: float, step_s: float = 0.005, steps: int = COMPILE_STEPS + CALL_HINT_AFTER):
+        return [StepMetrics(s + 1, 1.0, step_s, 1.0, 1.0, [0], control_s=control_s) for s in range(steps)]
+
+    # 1 ms of a 5 ms step: 10 steps a call bring it to 2%
+    assert steps_per_call_hint(history(0.001)) == ("pipegpt: the driver's call takes 1.0 ms of each 5.0 ms step: "
+                                                   "--steps-per-call 10 asks for 10 steps a call (one round trip "
+                                                   "for them)")
+    assert steps_per_call_hint(history(0.0004)) is None  # 8%: not worth a line
+    assert "--steps-per-call 32 " in steps_per_call_hint(history(0.004))  # at most 32
+    assert steps_per_call_hint(history(0.001, steps=COMPILE_STEPS + CALL_HINT_AFTER + 1)) is None  # said once
 
 
 def test_steps_in_one_call_train_exactly_as_one_call_per_step(tmp_path):
