@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pipegpt.config import COMPILE_STEPS, TrainConfig
+from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
 from pipegpt.observe.metrics import StepMetrics
 from pipegpt.train.driver import CALL_HINT_AFTER, call_length, steps_per_call_hint
 
@@ -74,10 +74,12 @@ def test_steps_in_one_call_train_exactly_as_one_call_per_step(tmp_path):
     assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in runs[3])
 
 
-def test_a_bad_steps_per_call_is_one_line(tmp_path):
-    proc = run_pipegpt("run", "--steps-per-call", "0", "--run-dir", tmp_path / "run")
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "Error: steps_per_call=0 must be a positive integer (>= 1)"
+def test_a_bad_steps_per_call_is_refused():
+    for bad, said in ((0, "steps_per_call=0 must be a positive integer (>= 1)"),
+                      (2.5, "steps_per_call=2.5 must be an integer >= 1")):
+        with pytest.raises(ConfigError) as e:
+            TrainConfig.build(steps_per_call=bad).validate()
+        assert str(e.value) == said
 
 
 @pytest.mark.slow
