@@ -111,3 +111,20 @@ def test_a_stuck_rank_inside_a_call_is_named_with_its_step(tmp_path):
         assert not job.survivors(), report
     finally:
         job.kill_all()
+
+
+@pytest.mark.slow
+def test_a_worker_lost_inside_a_call_is_restarted_and_the_losses_go_on_bit_for_bit(tmp_path):
+    """Steps 5..8 are one call (step 4's checkpoint ends the one before); rank 1 exits in step 6."""
+    args = [*FAST, "--stages", "2", "--microbatches", "4", "--steps", "8", "--save-every", "4", "--steps-per-call", "4"]
+    reference = run_pipegpt("run", *args, "--run-dir", tmp_path / "reference", timeout=240)
+    assert reference.returncode == 0, reference.stderr
+    proc = run_pipegpt("run", *args, "--max-restarts", "1", "--run-dir", tmp_path / "run", timeout=300,
+                       env=clean_env(PIPEGPT_FAULT="exit:1:6"))
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("pipegpt: rank 1 failed")]
+    assert len(said) == 1 and said[0].startswith("pipegpt: rank 1 failed in steps 5-8 (one call, --steps-per-call) "
+                                                 "(process exited with code 13); restart 1 of 1"), proc.stderr
+    assert "step-00000004" in said[0], said
+    last = {r["step"]: r["loss"] for r in rows(tmp_path / "run")}  # a step done again: its last row
+    assert last == {r["step"]: r["loss"] for r in rows(tmp_path / "reference")}
