@@ -55,7 +55,7 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     failed_at = time.time()
     saved = checkpoint.complete_checkpoints(run_dir / run_files.CHECKPOINTS)
     # in a call of several steps the driver knows only the call's first: steps_lost counts from it (at least)
-    step, in_call = job.current_step, getattr(job, "current_count", 1)
+    step, in_call = job.current_step, job.current_count
     at = " while starting" if step is None else f" at step {step + 1}" if in_call == 1 else \
         f" in steps {step + 1}-{step + in_call} (one call, --steps-per-call)"
     cfg = job.cfg
