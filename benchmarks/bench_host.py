@@ -140,7 +140,8 @@ def measure(args, base: dict, schedules: list[str]) -> dict:
         for m in args.microbatches:
             for s in schedules:
                 # torch.pp's steps free-running: timed start to start, as pipegpt's driver times its own
-                spec = dict(base, microbatches=m, schedule=s, torch_schedule=bp.TORCH_SCHEDULES[s], free_running=True)
+                spec = dict(base, microbatches=m, schedule=s, torch_schedule=bp.TORCH_SCHEDULES[s], free_running=True,
+                            steps_per_call=1)
                 kinds = ["pipegpt", "torch", "pipegpt host", "torch host"] if bp.TORCH_SCHEDULES[s] else \
                     ["pipegpt", "pipegpt host"]
                 if args.steps_per_call > 1:

@@ -342,7 +342,7 @@ def pipegpt_command(spec: dict, run_dir: str) -> list[str]:
         cmd += ["--no-tie-embeddings"]
     if spec.get("bind_cores"):
         cmd += ["--bind-cores"]
-    if spec.get("steps_per_call", 1) > 1:
+    if "steps_per_call" in spec:  # else pipegpt's default (auto)
         cmd += ["--steps-per-call", str(spec["steps_per_call"])]
     v = virtual_stages_for(spec["schedule"], spec["virtual_stages"])
     if v:

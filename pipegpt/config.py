@@ -40,6 +40,11 @@ FIRST_STEPS_FACTOR = 3.0  # the first COMPILE_STEPS steps' deadline: communicato
 P2P_DTYPES = ("auto", "bf16", "fp32")
 
 
+def _check_steps_per_call(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"steps_per_call={value!r} must be a positive integer (>= 1) or auto")
+
+
 def setting(default, help: str = "", flag: str | None = None, short: str | None = None, choices=None):
     """A config field; with help text it is also a `pipegpt run` option (--name-with-dashes unless flag)."""
     return field(default=default, metadata={"help": help, "flag": flag, "short": short, "choices": choices})
@@ -145,11 +150,14 @@ class RuntimeConfig:
                                                  "(default: 10 x --timeout; the first two steps get 3 times as "
                                                  "long). Each wait inside a step keeps --timeout.",
                                            flag="--step-timeout")
-    steps_per_call: int = setting(1, "Training steps the driver asks of the workers in one call: one RPC round "
-                                     "trip (about 1 ms on a CPU host) for them all, as Keras' steps_per_execution. "
-                                     "Worth it where a step takes a few ms; each step keeps its metrics row. A call "
-                                     "ends early where an evaluation, checkpoint, snapshot or profile is due, and the "
-                                     "first two steps run one a call.")
+    steps_per_call: int | str = setting("auto", "Training steps the driver asks of the workers in one call: one RPC "
+                                                "round trip (about 1 ms on a CPU host) for them all, as Keras' "
+                                                "steps_per_execution. auto: one a call, and after 10 steps as many "
+                                                "as bring the round trip under 0.5% of the time, where it costs 2% "
+                                                "or more (steps of a few ms; GPU-sized steps stay at one), a call "
+                                                "lasting at most 0.5 s. Each step keeps its metrics row. A call ends "
+                                                "early where an evaluation, checkpoint, snapshot or profile is due, "
+                                                "and the first two steps run one a call.")
     threads_per_worker: int | None = setting(None, "Intra-op threads per worker (default: cores / ranks).")
     bind_cores: bool = setting(False, "Pin each worker on this machine to cores of its own (local rank r with t "
                                       "threads: the t cores from r x t among those this process may use), as "
@@ -298,7 +306,8 @@ class TrainConfig:
         for name in ("stages", "dp", "cp", "tp", "microbatches", "microbatch_size"):
             _check_positive_int(name, getattr(p, name))
         _check_positive_int("steps", r.steps)
-        _check_positive_int("steps_per_call", r.steps_per_call)
+        if r.steps_per_call != "auto":
+            _check_steps_per_call(r.steps_per_call)
         for name, value in (("virtual_stages", p.virtual_stages), ("threads_per_worker", r.threads_per_worker)):
             if value is not None:  # None: the default (the schedule's, cores / ranks)
                 _check_positive_int(name, value)

@@ -37,6 +37,13 @@ def int_tuple(value: str | None) -> tuple[int, ...] | None:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers such as 3,3,2,2") from None
 
 
+def _int_or_word(value):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return value
+
+
 def _option_kind(f) -> dict:
     """click's type and default for a config field (annotations are strings: `from __future__`)."""
     meta, kind = f.metadata, {"default": f.default, "show_default": f.default is not None}
@@ -49,6 +56,9 @@ def _option_kind(f) -> dict:
         kind["default"] = None if f.default is None else str(f.default)
     elif f.type.startswith("tuple[int"):
         kind["callback"] = lambda ctx, param, value: int_tuple(value)
+    elif f.type == "int | str":  # a count or a word (auto); the config's validate() refuses anything else
+        kind["callback"] = lambda ctx, param, value: _int_or_word(value)
+        kind["metavar"] = "N|AUTO"
     else:
         kind["type"] = {"int": int, "float": float, "str": str}[f.type.split(" |")[0]]
     return kind

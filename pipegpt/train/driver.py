@@ -467,25 +467,30 @@ def last_checkpoint(job: Job, run_dir: Path) -> str:
     return str(job.loaded[0]) if job.loaded and job.cfg.checkpoint.resume else "none"
 
 
-CALL_HINT_SHARE = 0.1  # a call's round trip from which a run of one step a call is told of --steps-per-call
-CALL_HINT_AFTER = 8  # warm steps it is judged on
+AUTO_CALL_SHARE = 0.02  # the round trip's share of a step from which --steps-per-call auto runs several a call
+AUTO_CALL_TARGET = 0.005  # the share it brings it to
+AUTO_CALL_MAX_S = 0.5  # the longest such a call grows: the log and the watchdog's view stay close to the steps
+MOST_STEPS_A_CALL = 32
+AUTO_JUDGED_ON = 8  # warm steps (after the cold COMPILE_STEPS) the round trip is judged on, once
 
 
-def steps_per_call_hint(history: list[StepMetrics]) -> str | None:
-    """A line when the driver's call takes a tenth of each step or more (tiny models, CPU): how many steps a
-    call (--steps-per-call) would bring it under 2%. Judged on the last CALL_HINT_AFTER steps after the cold
-    ones."""
-    if len(history) != COMPILE_STEPS + CALL_HINT_AFTER:
-        return None
+def auto_steps_per_call(history: list[StepMetrics]) -> tuple[int, str | None]:
+    """--steps-per-call auto's choice, made once on the warm steps of `history` (one a call so far): how many
+    steps a call from now on, and the line that says so when it is more than one. Where the driver's round
+    trip costs AUTO_CALL_SHARE of a step or more (steps of a few ms: tiny models, CPU), enough steps a call to
+    bring it under AUTO_CALL_TARGET, a call lasting at most AUTO_CALL_MAX_S; GPU-sized steps stay at one."""
     recent = history[COMPILE_STEPS:]
-    if any(m.control_s is None for m in recent):
-        return None
+    if not recent or any(m.control_s is None for m in recent):
+        return 1, None
     control, step = (statistics.median(getattr(m, k) for m in recent) for k in ("control_s", "step_time_s"))
-    if control < CALL_HINT_SHARE * step:
-        return None
-    count = min(32, math.ceil(control / (0.02 * step)))
-    return (f"pipegpt: the driver's call takes {control * 1e3:.1f} ms of each {step * 1e3:.1f} ms step: "
-            f"--steps-per-call {count} asks for {count} steps a call (one round trip for them)")
+    if control < AUTO_CALL_SHARE * step:
+        return 1, None
+    count = min(MOST_STEPS_A_CALL, math.ceil(round(control / (AUTO_CALL_TARGET * step), 6)),
+                max(1, math.floor(AUTO_CALL_MAX_S / step)))
+    if count == 1:
+        return 1, None
+    return count, (f"pipegpt: the driver's call takes {control * 1e3:.1f} ms of each {step * 1e3:.1f} ms step: "
+                   f"{count} steps a call from step {history[-1].step + 1} (--steps-per-call auto; 1: one a call)")
 
 
 def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda m: None) -> list[StepMetrics]:
@@ -494,12 +499,14 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
     norm is not finite was not applied: it stops the run (NonFiniteError) or, with --on-nonfinite skip, is
     counted and the run goes on."""
     cfg, history, results = job.cfg, [], None
+    auto = cfg.runtime.steps_per_call == "auto"
+    most = 1 if auto else cfg.runtime.steps_per_call
     traced = set(cfg.runtime.traced_steps())
     profiled = profiled_steps(cfg, job.first_step)
     step = job.first_step
     while step < cfg.runtime.steps:
         warm = len(job.step_times) >= COMPILE_STEPS  # the cold first steps run one a call, each with its deadline
-        count = call_length(cfg, step, profiled, cfg.runtime.steps_per_call if warm else 1)
+        count = call_length(cfg, step, profiled, most if warm else 1)
         with profiling(job, profiled, range(step, step + count), log.run_dir / run_files.PROFILES):
             cpu0 = time.process_time()
             done = job.steps(step, count)
@@ -513,8 +520,9 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
             history.append(metrics)
             on_step(metrics)
             step += 1
-            if cfg.runtime.steps_per_call == 1:
-                _warn(steps_per_call_hint(history))
+            if auto and len(history) == COMPILE_STEPS + AUTO_JUDGED_ON:
+                most, line = auto_steps_per_call(history)
+                _warn(line)
     if results is not None:
         log.trace(results, job.plan)
     return history

@@ -11,7 +11,8 @@ import pytest
 
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
 from pipegpt.observe.metrics import StepMetrics
-from pipegpt.train.driver import CALL_HINT_AFTER, call_length, steps_per_call_hint
+from pipegpt.engine.results import WorkerStep
+from pipegpt.train.driver import AUTO_JUDGED_ON, auto_steps_per_call, call_length, train
 
 from helpers import PIPEGPT, clean_env, run_pipegpt
 from test_failures import Job
@@ -44,17 +45,62 @@ def test_a_call_ends_where_the_driver_has_work():
     assert calls(plain.replace(steps_per_call=1)) == [1] * 10
 
 
-def test_a_run_whose_calls_cost_a_tenth_of_its_steps_is_told_of_the_option():
-    def history(control_s: float, step_s: float = 0.005, steps: int = COMPILE_STEPS + CALL_HINT_AFTER):
-        return [StepMetrics(s + 1, 1.0, step_s, 1.0, 1.0, [0], control_s=control_s) for s in range(steps)]
+def history(control_s: float, step_s: float = 0.005, steps: int = COMPILE_STEPS + AUTO_JUDGED_ON):
+    return [StepMetrics(s + 1, 1.0, step_s, 1.0, 1.0, [0], control_s=control_s) for s in range(steps)]
 
-    # 1 ms of a 5 ms step: 10 steps a call bring it to 2%
-    assert steps_per_call_hint(history(0.001)) == ("pipegpt: the driver's call takes 1.0 ms of each 5.0 ms step: "
-                                                   "--steps-per-call 10 asks for 10 steps a call (one round trip "
-                                                   "for them)")
-    assert steps_per_call_hint(history(0.0004)) is None  # 8%: not worth a line
-    assert "--steps-per-call 32 " in steps_per_call_hint(history(0.004))  # at most 32
-    assert steps_per_call_hint(history(0.001, steps=COMPILE_STEPS + CALL_HINT_AFTER + 1)) is None  # said once
+
+def test_auto_runs_enough_steps_a_call_to_make_the_round_trip_small():
+    # 1 ms of a 20 ms step (5%): 10 steps a call bring it to 0.5%
+    assert auto_steps_per_call(history(0.001, 0.020)) == (
+        10, "pipegpt: the driver's call takes 1.0 ms of each 20.0 ms step: 10 steps a call from step 11 "
+            "(--steps-per-call auto; 1: one a call)")
+    assert auto_steps_per_call(history(0.001, 0.060)) == (1, None)  # 1.7%: not worth it
+    assert auto_steps_per_call(history(0.004, 0.005))[0] == 32  # at most 32
+    assert auto_steps_per_call(history(0.010, 0.200))[0] == 2  # 5%, but a call lasts at most 0.5 s
+    assert auto_steps_per_call(history(None))[0] == 1  # not timed (answers built by hand)
+
+
+class _TimedJob:
+    """A stand-in for the driver's Job: steps whose driver-side time is `elapsed`, the workers' `compute`."""
+
+    def __init__(self, cfg, elapsed, compute):
+        self.cfg, self.elapsed, self.compute = cfg, elapsed, compute
+        self.first_step, self.step_times, self.failed_at, self.plan, self.counts = 0, [], None, None, []
+
+    def steps(self, first, count):
+        self.counts.append(count)
+        self.step_times += [self.elapsed] * count
+        answer = lambda: [WorkerStep(0, [1.0], 1.0, 1e-3, 0, "cpu", compute_s=self.compute)]  # noqa: E731
+        return [(answer(), self.elapsed) for _ in range(count)]
+
+
+class _Log:
+    def __init__(self, run_dir):
+        self.run_dir, self.rows = run_dir, []
+
+    def step(self, metrics):
+        self.rows.append(metrics.step)
+
+    def trace(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("compute, calls, said", [
+    (0.019, [1] * 10 + [10, 10, 5], True),  # 1 ms of each 20 ms step: 10 a call after 10 steps
+    (0.0198, [1] * 35, False),  # 0.2 ms: one a call
+])
+def test_auto_decides_once_after_ten_steps(tmp_path, capsys, compute, calls, said):
+    job = _TimedJob(TrainConfig.build(steps=35), 0.020, compute)
+    log = _Log(tmp_path)
+    train(job, log)
+    assert job.counts == calls and log.rows == list(range(1, 36))
+    assert ("10 steps a call from step 11" in capsys.readouterr().err) == said
+
+
+def test_a_given_count_is_kept_from_the_third_step(tmp_path):
+    job = _TimedJob(TrainConfig.build(steps=12, steps_per_call=4), 0.020, 0.019)
+    train(job, _Log(tmp_path))
+    assert job.counts == [1, 1, 4, 4, 2]
 
 
 def test_steps_in_one_call_train_exactly_as_one_call_per_step(tmp_path):
@@ -75,8 +121,9 @@ def test_steps_in_one_call_train_exactly_as_one_call_per_step(tmp_path):
 
 
 def test_a_bad_steps_per_call_is_refused():
-    for bad, said in ((0, "steps_per_call=0 must be a positive integer (>= 1)"),
-                      (2.5, "steps_per_call=2.5 must be an integer >= 1")):
+    for bad, said in ((0, "steps_per_call=0 must be a positive integer (>= 1) or auto"),
+                      (2.5, "steps_per_call=2.5 must be a positive integer (>= 1) or auto"),
+                      ("fast", "steps_per_call='fast' must be a positive integer (>= 1) or auto")):
         with pytest.raises(ConfigError) as e:
             TrainConfig.build(steps_per_call=bad).validate()
         assert str(e.value) == said
