@@ -9,7 +9,8 @@ runtime's own work per action (Python, autograd's bookkeeping, the point-to-poin
 step costs once (control, clip, optimizer). Both contenders are run as benchmarks/bench_pipeline.py runs them
 (its helpers, imported); in every round each (schedule, m) runs pipegpt and torch.pp back to back, the order
 swapped from one round to the next, so the machine's drift hits both alike. pipegpt runs twice: a driver call per
-step, and --steps-per-call N (one call, one RPC round trip, for up to N steps). torch.pp's steps run free, one
+step, and --steps-per-call N (one call, one RPC round trip, for up to N steps) or auto (pipegpt's default: N
+chosen once after 10 steps, from the round trip's share of a step). torch.pp's steps run free, one
 after another with no collective of the benchmark's own between them, each timed from its start to the next
 step's (the slowest rank's), as pipegpt's driver times its steps.
 
@@ -144,7 +145,7 @@ def measure(args, base: dict, schedules: list[str]) -> dict:
                             steps_per_call=1)
                 kinds = ["pipegpt", "torch", "pipegpt host", "torch host"] if bp.TORCH_SCHEDULES[s] else \
                     ["pipegpt", "pipegpt host"]
-                if args.steps_per_call > 1:
+                if args.steps_per_call != 1:
                     kinds.insert(1, CALLS)
                 for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
                     try:
@@ -203,7 +204,7 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
         torch_name = f"torch.pp {bp.TORCH_SCHEDULES[s]}"
         calls = f"pipegpt, {args.steps_per_call} steps a call"
         contenders = [("pipegpt", "pipegpt", "step"), ("pipegpt (in workers)", "pipegpt", "workers")]
-        if args.steps_per_call > 1:
+        if args.steps_per_call != 1:
             contenders.insert(1, (calls, CALLS, "step"))
         if bp.TORCH_SCHEDULES[s]:
             contenders.append((torch_name, "torch", "step"))
@@ -223,7 +224,7 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
             rows.append([s, label] + [f"{1000 * t:.1f}" for t in best] + [ms_(b) + spread(1), ms_(a) + spread(0)])
         if bp.TORCH_SCHEDULES[s]:
             for label, torch_label, metric in (("pipegpt", torch_name, "step"),
-                                               *([(calls, torch_name, "step")] if args.steps_per_call > 1 else []),
+                                               *([(calls, torch_name, "step")] if args.steps_per_call != 1 else []),
                                                ("pipegpt (in workers)", torch_name, "workers"),
                                                ("pipegpt host work", f"{torch_name} host work", "step")):
                 ratios = [ratio(p, t) for p, t in zip(bests[label], bests[torch_label])]
@@ -253,8 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="steps per run [12]")
     ap.add_argument("--warmup", type=int, default=2, help="leading steps of each run left out [2]")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take [600]")
-    ap.add_argument("--steps-per-call", type=int, default=8,
-                    help="also run pipegpt with --steps-per-call N (1: leave that contender out) [8]")
+    ap.add_argument("--steps-per-call", default="8",
+                    help="also run pipegpt with --steps-per-call N or auto (auto decides after 10 steps: give "
+                         "--warmup 10 or more; 1: leave that contender out) [8]")
     args = ap.parse_args(argv)
     try:
         args.microbatches = sorted({int(m) for m in args.microbatches.split(",") if m.strip()})
@@ -266,6 +268,15 @@ def main(argv=None) -> int:
     for s in schedules:
         if s not in bp.TORCH_SCHEDULES:
             ap.error(f"--schedules: unknown schedule {s!r}: one of {', '.join(bp.TORCH_SCHEDULES)}")
+    if args.steps_per_call != "auto":
+        try:
+            args.steps_per_call = int(args.steps_per_call)
+        except ValueError:
+            args.steps_per_call = 0
+        if args.steps_per_call < 1:
+            ap.error("--steps-per-call: a positive integer or auto")
+    elif args.warmup < 10:
+        ap.error(f"--steps-per-call auto decides after 10 steps: give --warmup 10 or more, not {args.warmup}")
     if args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
 

@@ -37,13 +37,6 @@ def int_tuple(value: str | None) -> tuple[int, ...] | None:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers such as 3,3,2,2") from None
 
 
-def _int_or_word(value):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return value
-
-
 def _option_kind(f) -> dict:
     """click's type and default for a config field (annotations are strings: `from __future__`)."""
     meta, kind = f.metadata, {"default": f.default, "show_default": f.default is not None}
@@ -57,7 +50,7 @@ def _option_kind(f) -> dict:
     elif f.type.startswith("tuple[int"):
         kind["callback"] = lambda ctx, param, value: int_tuple(value)
     elif f.type == "int | str":  # a count or a word (auto); the config's validate() refuses anything else
-        kind["callback"] = lambda ctx, param, value: _int_or_word(value)
+        kind["callback"] = lambda ctx, param, value: int(value) if value.lstrip("-").isdigit() else value
         kind["metavar"] = "N|AUTO"
     else:
         kind["type"] = {"int": int, "float": float, "str": str}[f.type.split(" |")[0]]
