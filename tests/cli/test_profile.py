@@ -138,6 +138,7 @@ def test_profile_without_py_spy_says_so_in_one_line_and_runs_on(tmp_path):
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2 and (run_dir / "trace.json").is_file()
 
 
+@pytest.mark.slow  # the lookup's order is test_py_spy_beside_the_interpreter_comes_before_path, in the default run
 def test_profile_finds_py_spy_beside_the_interpreter_when_path_lacks_it(tmp_path):
     """As the README runs it: .venv/bin/pipegpt, the virtualenv not activated."""
     if shutil.which("py-spy", path=str(BIN)) is None:
