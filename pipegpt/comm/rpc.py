@@ -529,6 +529,7 @@ class TorchrunCluster(Cluster):
         self.world_size, self.timeout_s = int(os.environ["WORLD_SIZE"]), timeout_s
         self.rank = int(os.environ["RANK"])
         bind_to_master_interface()  # before the agent and the process groups pick an address
+        gc.freeze()  # as a local worker does (_local_worker_main): torch's modules live as long as the process
         # torchrun's agent serves the store at MASTER_PORT and makes every rank its client
         # (TORCHELASTIC_USE_AGENT_STORE): RPC and the process groups rendezvous there, on this attempt's keys.
         self.init_method = attempt_init_method(timeout_s)
@@ -548,6 +549,7 @@ class TorchrunCluster(Cluster):
 
     def close(self) -> None:
         rpc.shutdown(graceful=True)
+        gc.freeze()  # the process ends soon: its last collection need not walk what it made (_local_worker_main)
 
     def kill(self) -> None:
         rpc.shutdown(graceful=False)
