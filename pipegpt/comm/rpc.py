@@ -97,14 +97,14 @@ def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: 
         os.sched_setaffinity(0, cores)
     quiet_torch_warnings()
     torch.set_num_threads(threads)
-    # torch's modules, imported by now, live as long as the process: frozen, no collection walks them again (the
-    # import of torch._dynamo that torch.optim's first step makes takes a quarter less, a full collection too).
+    # torch's modules, imported by now, live as long as the process: frozen, no collection walks them again (not
+    # during the import of torch._dynamo that torch.optim's first step makes, nor any full collection after).
     gc.freeze()
     rpc.init_rpc(f"worker{rank}", rank=rank + 1, world_size=world_size + 1,  # the driver is RPC rank 0
                  rpc_backend_options=_rpc_options(init_method, timeout_s))
     rpc.shutdown()  # serve requests until the driver shuts everyone down
-    # The process ends here. The interpreter's last collection would walk every object made since, torch._dynamo's
-    # among them, none of them garbage: about 0.5 s of a quiet 2-core machine that the driver's close() waits for.
+    # The process ends here: its last collection need not walk what was made since (torch._dynamo's modules among
+    # it, none of it garbage) while the driver's close() waits for this process to end.
     gc.freeze()
 
 
