@@ -40,11 +40,6 @@ FIRST_STEPS_FACTOR = 3.0  # the first COMPILE_STEPS steps' deadline: communicato
 P2P_DTYPES = ("auto", "bf16", "fp32")
 
 
-def _check_steps_per_call(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"steps_per_call={value!r} must be a positive integer (>= 1) or auto")
-
-
 def setting(default, help: str = "", flag: str | None = None, short: str | None = None, choices=None):
     """A config field; with help text it is also a `pipegpt run` option (--name-with-dashes unless flag)."""
     return field(default=default, metadata={"help": help, "flag": flag, "short": short, "choices": choices})
@@ -306,8 +301,9 @@ class TrainConfig:
         for name in ("stages", "dp", "cp", "tp", "microbatches", "microbatch_size"):
             _check_positive_int(name, getattr(p, name))
         _check_positive_int("steps", r.steps)
-        if r.steps_per_call != "auto":
-            _check_steps_per_call(r.steps_per_call)
+        per_call = r.steps_per_call
+        if per_call != "auto" and (isinstance(per_call, bool) or not isinstance(per_call, int) or per_call < 1):
+            raise ConfigError(f"steps_per_call={per_call!r} must be a positive integer (>= 1) or auto")
         for name, value in (("virtual_stages", p.virtual_stages), ("threads_per_worker", r.threads_per_worker)):
             if value is not None:  # None: the default (the schedule's, cores / ranks)
                 _check_positive_int(name, value)
