@@ -5,10 +5,13 @@ each stage's shape (its blocks, embedding, head) and each mode (training, evalua
 one limit (torch._dynamo.config.recompile_limit, 8), past which dynamo runs the code uncompiled, saying so only
 in a log warning. Four virtual stages trained and evaluated reach it. Each stage's compile is therefore its own
 region (torch.compile's isolate_recompiles): the limit counts one stage's graphs, and compiling costs what it
-did (one graph per stage and mode). Should a stage still reach the limit, the worker prints one line naming it.
+did (one graph per stage and mode). A torch without that option (2.11 has none) shares the limit instead: each
+stage compiled on a rank raises it by the limit's first value. Should a stage still reach the limit, the worker
+prints one line naming it.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 
@@ -42,4 +45,25 @@ def compile_stage(module: torch.nn.Module, rank: int, **options) -> None:
     for old in [f for f in logger.filters if isinstance(f, RecompileLimitLine)]:
         logger.removeFilter(old)
     logger.addFilter(RecompileLimitLine(rank))
-    module.compile(isolate_recompiles=True, **options)
+    isolating = isolating_option()
+    if not isolating:
+        _share_the_limit()
+    module.compile(**isolating, **options)
+
+
+def isolating_option() -> dict:
+    """isolate_recompiles=True where this torch's compile takes it, else nothing."""
+    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
+_shared_limit = {"stages": 0, "per_stage": None}  # this process's stages under one code object's limit
+
+
+def _share_the_limit() -> None:
+    """The recompile limit of the code object the stages share, raised to (stages compiled) x (its first value)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # the older name
+    if _shared_limit["per_stage"] is None:
+        _shared_limit["per_stage"] = getattr(config, name)
+    _shared_limit["stages"] += 1
+    setattr(config, name, max(getattr(config, name), _shared_limit["per_stage"] * _shared_limit["stages"]))
