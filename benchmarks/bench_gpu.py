@@ -5,7 +5,8 @@
     .venv/bin/python benchmarks/bench_gpu.py --device cpu --model tiny --microbatch-size 2 --steps 4   # dry run
 
 What it does, in order, each part timed and reported even when an earlier one failed:
-  1. `pytest tests/distributed/test_gpu_smoke.py` (the CUDA/NCCL control path on one rank): passed or the failures;
+  1. `pytest -m gpu` (every test that needs a GPU: the CUDA/NCCL control path on one rank in
+     tests/distributed/test_gpu_smoke.py, fused AdamW, the device's generators): passed or the failures;
   2. `pipegpt run --stages 1 --precision bf16 --model gpt2 --pad-vocab ...` as a user runs it (vocabulary padded
      to 50,304 as nanoGPT and llm.c do; the built-in corpus, so nothing is downloaded): per step tokens/s and MFU
      from metrics.jsonl (medians after --warmup steps; MFU against pipegpt's table of peaks, or --peak-tflops);
@@ -51,10 +52,10 @@ def _run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
 
 def smoke(timeout_s: float) -> dict:
     start = time.perf_counter()
-    proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/distributed/test_gpu_smoke.py"],
-                timeout_s)
+    proc = _run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "gpu", "tests"], timeout_s)
     summary = (proc.stdout.strip().splitlines() or [proc.stderr.strip() or "(no output)"])[-1]
-    return {"exit": proc.returncode, "summary": summary, "seconds": round(time.perf_counter() - start, 1)}
+    return {"exit": proc.returncode, "summary": summary, "seconds": round(time.perf_counter() - start, 1),
+            "output_tail": (proc.stdout + proc.stderr)[-6000:]}  # the failures, in --json
 
 
 def train(args, run_dir: Path) -> dict:

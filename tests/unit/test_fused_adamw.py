@@ -38,6 +38,7 @@ def test_a_resumed_step_goes_where_fused_keeps_it():
     assert step_tensor(7, p, {"fused": None, "foreach": True}).device.type == "cpu"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused AdamW runs on a GPU")
 def test_on_a_gpu_fused_adamw_matches_foreach_and_resumes():
     g = torch.Generator().manual_seed(0)

@@ -68,6 +68,7 @@ def test_a_cpu_rank_saves_no_device_state_and_a_cpu_checkpoint_leaves_the_device
     assert torch.equal(cuda.generator.get_state(), before)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_device_stream_resumes_exactly():
     gpu = torch.device("cuda", torch.cuda.current_device())

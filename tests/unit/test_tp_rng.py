@@ -73,6 +73,7 @@ def test_on_a_gpu_the_key_is_the_streams_point_reached_with_no_kernel_and_skippe
     assert tp_rng._key(FakeCudaGenerator(7, 12)) == keys[0]  # the same point of the stream: the same key
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's own generator")
 def test_on_a_gpu_each_tp_rank_draws_its_own_masks_and_recomputation_replays_them():
     gpu = torch.device("cuda", torch.cuda.current_device())
