@@ -7,15 +7,18 @@
 What it does, in order, each part timed and reported even when an earlier one failed:
   1. `pytest -m gpu` (every test that needs a GPU: the CUDA/NCCL control path on one rank in
      tests/distributed/test_gpu_smoke.py, fused AdamW, the device's generators): passed or the failures;
-  2. `pipegpt run --stages 1 --precision bf16 --model gpt2 --pad-vocab ...` as a user runs it (vocabulary padded
-     to 50,304 as nanoGPT and llm.c do; the built-in corpus, so nothing is downloaded): per step tokens/s and MFU
-     from metrics.jsonl (medians after --warmup steps; MFU against pipegpt's table of peaks, or --peak-tflops);
-  3. that run's model, plan and microbatch size through the planner's memory model (pipegpt.costs.memory, the
+  2. `pipegpt run --stages 1 --precision bf16 --model gpt2 --pad-vocab ...` as a user runs it, eager and then
+     with `--compile` (--compile off|on|both, both by default; vocabulary padded to 50,304 as nanoGPT and llm.c
+     do; the built-in corpus, so nothing is downloaded): per step tokens/s and MFU from metrics.jsonl (medians
+     after --warmup steps; MFU against pipegpt's table of peaks, or --peak-tflops);
+  3. each run's model, plan and microbatch size through the planner's memory model (pipegpt.costs.memory, the
      one `pipegpt plan` uses): predicted bytes beside the run's measured peak (max_memory_allocated on CUDA; on
      CPU the process's peak RSS, which also holds the interpreter and torch).
 The table prints on stdout and goes to --json as well (a device run's $OUT). On a lent machine (its python3
-holds PyTorch, click, tiktoken, safetensors and pytest; nothing else is needed):
+holds PyTorch, click, tiktoken, safetensors and pytest; the tests run the `pipegpt` console script, which the
+offline editable install puts beside that python3; about 4 minutes on an H200):
 
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu.py --json $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
 """
 from __future__ import annotations
@@ -58,12 +61,12 @@ def smoke(timeout_s: float) -> dict:
             "output_tail": (proc.stdout + proc.stderr)[-6000:]}  # the failures, in --json
 
 
-def train(args, run_dir: Path) -> dict:
+def train(args, run_dir: Path, compiled: bool) -> dict:
     command = [*PIPEGPT, "run", "--stages", "1", "--device", args.device, "--model", args.model,
                "--precision", args.precision, "--microbatches", str(args.microbatches),
                "--microbatch-size", str(args.microbatch_size), "--steps", str(args.steps), "--log-every", "1",
                "--pad-vocab", "--run-dir", str(run_dir)]
-    if args.compile:
+    if compiled:
         command.append("--compile")
     if args.peak_tflops:
         command += ["--peak-tflops", str(args.peak_tflops)]
@@ -114,7 +117,8 @@ def main(argv=None) -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="leading steps left out of the medians [5]")
-    ap.add_argument("--compile", action="store_true", help="pass --compile to the run")
+    ap.add_argument("--compile", nargs="?", const="on", default="both", choices=["off", "on", "both"],
+                    help="the run eager (off), with --compile (on) or one of each, eager first [both]")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU (default: its table)")
     ap.add_argument("--no-smoke", action="store_true", help="leave out the smoke suite")
     ap.add_argument("--timeout", type=float, default=420, help="seconds each part may take [420]")
@@ -123,11 +127,14 @@ def main(argv=None) -> None:
     out: dict = {}
     if not args.no_smoke:
         out["smoke"] = smoke(args.timeout)
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
-        out["train"] = train(args, run_dir)
-        if out["train"]["exit"] == 0:
-            out["memory"] = predicted(run_dir)
+    out["runs"] = []
+    for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir = Path(tmp) / "run"
+            run = {"compile": compiled, **train(args, run_dir, compiled)}
+            if run["exit"] == 0:
+                run["memory"] = predicted(run_dir)
+        out["runs"].append(run)
     _print(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
@@ -138,21 +145,27 @@ def _print(out: dict) -> None:
         s = out["smoke"]
         outcome = "FAILED" if s["exit"] != 0 else "passed" if "passed" in s["summary"] else "did not run"
         print(f"smoke suite: {outcome} ({s['summary']}; {s['seconds']} s)")
-    t = out["train"]
-    print(f"run: pipegpt {t['command']}")
-    if t["exit"] != 0:
-        print(f"  failed (exit {t['exit']}): {t['error']}")
-        return
-    mfu = "n/a (no peak known: --peak-tflops)" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
-    print("| device | tokens/s | step ms | MFU | measured peak GiB | predicted GiB | predicted / measured |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    m = out["memory"]
+        if s["exit"] != 0:
+            print(s["output_tail"])
     gib = 2 ** 30
-    print(f"| {t['device_name'] or '?'} | {t['tokens_per_s']:,.0f} | {t['step_ms']:.1f} | {mfu} | "
-          f"{t['measured_peak_bytes'] / gib:.2f} | {m['predicted_bytes'] / gib:.2f} | "
-          f"{m['predicted_bytes'] / t['measured_peak_bytes']:.2f} |")
-    parts = ", ".join(f"{k} {m[k] / gib:.2f}" for k in ("weights", "gradients", "optimizer", "activations", "workspace"))
-    print(f"predicted, GiB: {parts} (medians over {t['steps_timed']} steps)")
+    rows = []
+    for t in out["runs"]:
+        print(f"run: pipegpt {t['command']}")
+        if t["exit"] != 0:
+            print(f"  failed (exit {t['exit']}): {t['error']}")
+            continue
+        m = t["memory"]
+        mfu = "n/a (no peak known: --peak-tflops)" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
+        rows.append(f"| {t['device_name'] or '?'} | {'compiled' if t['compile'] else 'eager'} | "
+                    f"{t['tokens_per_s']:,.0f} | {t['step_ms']:.1f} | {mfu} | {t['measured_peak_bytes'] / gib:.2f} | "
+                    f"{m['predicted_bytes'] / gib:.2f} | {m['predicted_bytes'] / t['measured_peak_bytes']:.2f} |")
+        parts = ", ".join(f"{k} {m[k] / gib:.2f}" for k in ("weights", "gradients", "optimizer", "activations",
+                                                            "workspace"))
+        print(f"  predicted, GiB: {parts} (medians over {t['steps_timed']} steps)")
+    if rows:
+        print("| device | run | tokens/s | step ms | MFU | measured peak GiB | predicted GiB | predicted / measured |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(rows))
 
 
 if __name__ == "__main__":
