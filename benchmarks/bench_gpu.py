@@ -16,7 +16,7 @@ What it does, in order, each part timed and reported even when an earlier one fa
      CPU the process's peak RSS, which also holds the interpreter and torch).
 The table prints on stdout and goes to --json as well (a device run's $OUT). On a lent machine (its python3
 holds PyTorch, click, tiktoken, safetensors and pytest; the tests run the `pipegpt` console script, which the
-offline editable install puts beside that python3; about 4 minutes on an H200):
+offline editable install puts beside that python3; about 3 minutes on an H200):
 
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu.py --json $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
