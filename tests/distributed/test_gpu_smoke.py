@@ -1,4 +1,5 @@
-"""GPU smoke suite: the CUDA/NCCL path on one GPU. Skipped cleanly where CUDA is missing.
+"""GPU smoke suite: the CUDA/NCCL path on one GPU. Skipped cleanly where CUDA is missing (but for a check of
+its own child-process harness, which runs anywhere).
 
     python -m pytest tests/distributed/test_gpu_smoke.py -v
 
@@ -10,17 +11,19 @@ Multi-rank NCCL (real peers) needs two GPUs and is not covered here.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing as mp
 import os
+import queue as queues
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from pipegpt.config import ModelConfig, TrainConfig  # noqa: E402
 from pipegpt.data.loader import BatchSampler  # noqa: E402
@@ -52,6 +55,7 @@ def _reference_grads(cfg: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
+@needs_cuda
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
 def test_cuda_runtime_matches_the_float64_model(schedule):
     cfg = _config(schedule)
@@ -72,8 +76,10 @@ def test_cuda_runtime_matches_the_float64_model(schedule):
 # --------------------------------------------------------------------------------------------------------------
 # NCCL in a world of one rank, each check in a fresh process (a timed-out communicator is aborted).
 
-def _nccl_child(check: str, port: int, queue) -> None:
+def _nccl_child(check: str, port: int, queue, stack_after_s: float) -> None:
     import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(stack_after_s, exit=True)  # a hang shows where, before the test gives up
 
     from pipegpt.comm.p2p import CommError, Message, PointToPoint
     from pipegpt.tensor_parallel import collectives as tpc
@@ -120,6 +126,8 @@ def _nccl_child(check: str, port: int, queue) -> None:
                     queue.put(("ok", "settled: the receive that never came looked complete"))
                 except CommError as e:
                     queue.put(("ok", str(e)))
+        else:
+            raise ValueError(f"no check named {check!r}")
         queue.put(("done", None))
     except BaseException:  # noqa: BLE001 - reported to the test
         queue.put(("error", traceback.format_exc()))
@@ -135,10 +143,13 @@ def _in_child(check: str, timeout_s: float = 90):
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_nccl_child, args=(check, free_port(), queue))
+    proc = ctx.Process(target=_nccl_child, args=(check, free_port(), queue, timeout_s - 20))
     proc.start()
     try:
         status, value = queue.get(timeout=timeout_s)
+    except queues.Empty:
+        pytest.fail(f"the {check} check reported nothing in {timeout_s:g} s: its stack, dumped after "
+                    f"{timeout_s - 20:g} s, is in the captured stderr")
     finally:
         proc.join(timeout=10)
         if proc.is_alive():
@@ -147,17 +158,27 @@ def _in_child(check: str, timeout_s: float = 90):
     return value
 
 
+def test_a_check_that_fails_sends_its_traceback_to_the_test():
+    """The harness, on any machine: a failing child (no such check; off a GPU, no CUDA either) reports before its
+    os._exit, so the test sees the error instead of waiting on an empty queue."""
+    with pytest.raises(AssertionError, match="Traceback"):
+        _in_child("no such check", timeout_s=60)
+
+
+@needs_cuda
 def test_nccl_self_send_receive_in_mixed_batches():
     result = _in_child("p2p")
     assert result["got"] == result["want"]
 
 
+@needs_cuda
 def test_nccl_collectives_of_the_grid_in_a_world_of_one():
     result = _in_child("collectives")
     assert result == {"all_reduce_f64": [float(i) for i in range(8)], "reduce_scatter": [float(i) for i in range(8)],
                       "all_gather": [float(i) for i in range(8)]}
 
 
+@needs_cuda
 def test_a_receive_that_never_comes_ends_with_a_clear_error():
     """One GPU has no peer that could fail to send, so the receive is from the rank itself: NCCL either refuses it
     at once (2.28 checks that a batch's receives from itself have their sends) or it times out as a late peer's."""
@@ -169,6 +190,7 @@ def test_a_receive_that_never_comes_ends_with_a_clear_error():
 # --------------------------------------------------------------------------------------------------------------
 # The CLI on CUDA, as a user runs it
 
+@needs_cuda
 def test_pipegpt_run_on_cuda(tmp_path):
     proc = run_pipegpt("run", "--stages", "1", "--device", "cuda", "--steps", "5", "--run-dir", tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
