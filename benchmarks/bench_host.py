@@ -145,6 +145,8 @@ def measure(args, base: dict, schedules: list[str]) -> dict:
                             steps_per_call=1)
                 kinds = ["pipegpt", "torch", "pipegpt host", "torch host"] if bp.TORCH_SCHEDULES[s] else \
                     ["pipegpt", "pipegpt host"]
+                if not args.host_work:
+                    kinds = [k for k in kinds if not k.endswith(" host")]
                 if args.steps_per_call != 1:
                     kinds.insert(1, CALLS)
                 for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
@@ -208,9 +210,10 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
             contenders.insert(1, (calls, CALLS, "step"))
         if bp.TORCH_SCHEDULES[s]:
             contenders.append((torch_name, "torch", "step"))
-        contenders.append(("pipegpt host work", "pipegpt host", "step"))
-        if bp.TORCH_SCHEDULES[s]:
-            contenders.append((f"{torch_name} host work", "torch host", "step"))
+        if args.host_work:
+            contenders.append(("pipegpt host work", "pipegpt host", "step"))
+            if bp.TORCH_SCHEDULES[s]:
+                contenders.append((f"{torch_name} host work", "torch host", "step"))
         for label, kind, metric in contenders:
             best = []  # per m, the least disturbed round
             for m in ms:
@@ -226,7 +229,8 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
             for label, torch_label, metric in (("pipegpt", torch_name, "step"),
                                                *([(calls, torch_name, "step")] if args.steps_per_call != 1 else []),
                                                ("pipegpt (in workers)", torch_name, "workers"),
-                                               ("pipegpt host work", f"{torch_name} host work", "step")):
+                                               *([("pipegpt host work", f"{torch_name} host work", "step")]
+                                                 if args.host_work else [])):
                 ratios = [ratio(p, t) for p, t in zip(bests[label], bests[torch_label])]
                 (a, b), (ta, tb) = fitted[label], fitted[torch_label]
                 rows.append([s, f"{label} / torch"] + ratios + [ratio(b, tb), ratio(a, ta)])
@@ -257,6 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-call", default="8",
                     help="also run pipegpt with --steps-per-call N or auto (auto decides after 10 steps: give "
                          "--warmup 10 or more; 1: leave that contender out) [8]")
+    ap.add_argument("--no-host-work", dest="host_work", action="store_false",
+                    help="leave out the host-work rows (their runs take about 40%% of a round)")
     args = ap.parse_args(argv)
     try:
         args.microbatches = sorted({int(m) for m in args.microbatches.split(",") if m.strip()})
