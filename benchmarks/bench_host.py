@@ -193,7 +193,20 @@ def ratio(x: float, y: float) -> str:
     return f"{x / y:.2f}x" if x > 0 and y > 0 else "n/a"
 
 
-def table(results: dict, schedules: list[str], args) -> list[list[str]]:
+def paired(results: dict, s: str, kind: str, ms: list[int], args, metric: str = "step") -> list[str]:
+    """Per m, the median over rounds of pipegpt's run over torch.pp's run of the same round (back to back, so
+    the machine's drift between rounds cancels)."""
+    out = []
+    for m in ms:
+        pairs = [(p, t) for p, t in zip(results[(s, kind, m)], results[(s, "torch", m)]) if p and t]
+        ratios = [timed_median(p, args.warmup, kind, metric) / timed_median(t, args.warmup, "torch") for p, t in pairs]
+        out.append(f"{statistics.median(ratios):.2f}x" if ratios else "n/a")
+    return out
+
+
+def table(results: dict, schedules: list[str], args, pick=min) -> list[list[str]]:
+    """pick: how a (contender, m)'s rounds make its figure (min: the least disturbed; statistics.median), and
+    with median, rows of the paired ratios by round."""
     ms = args.microbatches
     head = ["schedule", "contender"] + [f"m={m} ms" for m in ms] + ["per microbatch ms", "per step ms"]
     rows = [head]
@@ -218,7 +231,7 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
             best = []  # per m, the least disturbed round
             for m in ms:
                 runs = [r for r in results[(s, kind, m)] if r is not None]
-                best.append(min(timed_median(r, args.warmup, kind, metric) for r in runs) if runs else float("nan"))
+                best.append(pick(timed_median(r, args.warmup, kind, metric) for r in runs) if runs else float("nan"))
             bests[label] = best
             a, b = fitted[label] = fit(ms, best)
             fits = rounds_fit(results, s, kind, ms, args, metric)
@@ -234,6 +247,9 @@ def table(results: dict, schedules: list[str], args) -> list[list[str]]:
                 ratios = [ratio(p, t) for p, t in zip(bests[label], bests[torch_label])]
                 (a, b), (ta, tb) = fitted[label], fitted[torch_label]
                 rows.append([s, f"{label} / torch"] + ratios + [ratio(b, tb), ratio(a, ta)])
+            if pick is not min:
+                for label, kind in (("pipegpt", "pipegpt"), *([(calls, CALLS)] if args.steps_per_call != 1 else [])):
+                    rows.append([s, f"{label} / torch, paired"] + paired(results, s, kind, ms, args) + ["", ""])
     return rows
 
 
@@ -301,10 +317,16 @@ def main(argv=None) -> int:
     print()
     from pipegpt.schedule.render import text_table
 
-    print(text_table(table(results, schedules, args), right=set(range(2, 4 + len(args.microbatches))), rule=True))
-    print(f"\n(per m the least disturbed round's median step; per microbatch / per step: the least-squares line over m, "
-          f"step = a + b m, of those "
-          f"steps, and in brackets the range of each round's own fit; x / torch: pipegpt's over torch.pp's. Total wall time {time.perf_counter() - t_start:.0f} s)")
+    right = set(range(2, 4 + len(args.microbatches)))
+    print(text_table(table(results, schedules, args), right=right, rule=True))
+    print("\n(per m the least disturbed round's median step; per microbatch / per step: the least-squares line over m, "
+          "step = a + b m, of those steps, and in brackets the range of each round's own fit; x / torch: pipegpt's "
+          "over torch.pp's)")
+    if args.rounds > 1:
+        print("\nThe same with, per m, the median over the rounds; paired: the median over rounds of pipegpt's run "
+              "over torch.pp's run of the same round (back to back, so drift between rounds cancels):\n")
+        print(text_table(table(results, schedules, args, pick=statistics.median), right=right, rule=True))
+    print(f"\nTotal wall time {time.perf_counter() - t_start:.0f} s")
     print(bp._other_load(cpu_before, bp._cpu_accounting(), base["cores"]))
     return 0
 
