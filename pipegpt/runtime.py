@@ -134,7 +134,7 @@ class PipelineRuntime:
         self.plan, self.rank, self.stages, self.p2p = plan, rank, stages, p2p
         self.actions = plan.ranks[pipeline_ranks.index(rank)]
         self.names = [str(a) for a in self.actions]  # trace labels, formatted once, not per step
-        self.batch_end = dict(comm_batches(self.actions))
+        self.batch_end = dict(comm_batches(self.actions, eager_sends=p2p.matches_by_tag))
         self.collective_at = {i: a for i, a in enumerate(self.actions) if a.kind in COLLECTIVE_KINDS}
         self.collectives = collectives
         self.run_collective = {kind: getattr(collectives, kind.value.lower(), None)

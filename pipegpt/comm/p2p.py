@@ -1,6 +1,8 @@
 """Batched non-blocking point-to-point between pipeline ranks, device-neutral, always bounded in time.
 
-A batch (one run of comm actions in the plan) is posted at once; receives
+A batch (pipegpt.schedule.messages.comm_batches: a run of comm actions in the
+plan, whose sends after its last receive go apart under order matching) is
+posted at once; receives
 are waited for before the next compute, sends where the schedule says their
 receiver has them (pipegpt.schedule.messages.release_points) or at the end of
 the step, so a send never stalls its rank.

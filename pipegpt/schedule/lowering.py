@@ -48,7 +48,9 @@ def lower(plan: Plan, costs=None) -> Plan:
     the compute that made it, unless the rank has sent or received since: then into that batch if it holds
     sends alone (or was posted at this moment), else after the compute that follows it, so that no compute
     waiting for a receive is held behind a send its receiver takes only later. A rank posting receives
-    with outputs still unsent weighs, per output, its consumer's wait (the costs' timeline says when it
+    with outputs still unsent puts each behind those receives, a batch of sends that no compute waits for
+    (messages.comm_batches), where its receiver reaches a boundary before this rank's next batch would
+    start: neither end waits. Otherwise it weighs its consumer's wait (the costs' timeline says when it
     needs it) against its own (its receiver is busy until its next boundary) and takes the shorter.
     """
     duration = (lambda a: _UNIT_COST[a.kind]) if costs is None else costs.duration
@@ -133,6 +135,9 @@ def lower(plan: Plan, costs=None) -> Plan:
             if running[dst] is None:
                 continue
             consumer, then = _consumer(recv, plan), busy_until[dst]
+            if then + comm <= after:  # a batch of its own behind the receives: no compute waits for it
+                match(r, send, comm_end[r], dst, recv, then)
+                continue
             # Each side: how much later than its latest start it goes (the step that much longer), then its wait.
             wait = (max(0, then - latest[following]) if following is not None else 0, then - now)
             starved_for = max(0, after - max(needed_at[consumer], then))

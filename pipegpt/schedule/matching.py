@@ -6,7 +6,8 @@
   What pipegpt.runtime and comm/p2p.py do there on a GPU, modelled action by action:
   * each comm batch is one batch_isend_irecv: one NCCL group, on the communicator of the whole pipeline
     group (a coalesced batch uses the device's communicator, not a per-pair one), so a rank's batches run
-    one after another on one NCCL stream;
+    one after another on one NCCL stream. A run of comm actions is one batch, or two where sends follow its
+    last receive (messages.comm_batches): those sends then hold no compute back;
   * a batch starts once the compute before it has ended (the NCCL stream waits for the compute stream when
     the batch is enqueued) and the rank's previous batch has completed;
   * a message moves once both of its batches have started (rendezvous: activations are larger than NCCL's

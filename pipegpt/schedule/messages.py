@@ -54,17 +54,36 @@ def peer(action: Action, plan: Plan) -> tuple[int, Action]:
     return plan.stage_to_rank[partner.stage], partner
 
 
-def comm_batches(actions) -> list[tuple[int, int]]:
+def comm_runs(actions) -> list[tuple[int, int]]:
     """Index ranges [start, end) of each maximal run of point-to-point actions in a rank's list (a collective,
     like a compute action, ends a run)."""
-    batches, start = [], None
+    runs, start = [], None
     for i, a in enumerate(list(actions) + [None]):
         is_p2p = a is not None and a.kind in P2P_KINDS
         if is_p2p and start is None:
             start = i
         elif not is_p2p and start is not None:
-            batches.append((start, i))
+            runs.append((start, i))
             start = None
+    return runs
+
+
+def comm_batches(actions, eager_sends: bool = False) -> list[tuple[int, int]]:
+    """Index ranges [start, end) of what the runtime posts as one batch. With messages matched by order (NCCL) a
+    run's sends after its last receive are a batch of their own, posted right behind it: a batch completes as
+    one, and the compute after a run waits for its receives, not for sends whose receivers take them later
+    (lowering puts a send there so that neither end waits). With eager sends (tag matching, gloo) a run is one
+    batch: its receives and the sends that sit there go in one exchange."""
+    runs = comm_runs(actions)
+    if eager_sends:
+        return runs
+    batches = []
+    for start, end in runs:
+        last_receive = max((i for i in range(start, end) if actions[i].kind in _RECVS), default=None)
+        if last_receive is None or last_receive == end - 1:
+            batches.append((start, end))
+        else:
+            batches += [(start, last_receive + 1), (last_receive + 1, end)]
     return batches
 
 
@@ -98,7 +117,7 @@ def _releases(plan: Plan, eager_sends: bool):
     send_f, send_b, recv_b = Kind.SEND_F, Kind.SEND_B, Kind.RECV_B
     for actions in ranks:
         mine = []
-        for start, end in comm_batches(actions):
+        for start, end in comm_batches(actions, eager_sends):
             needs, sends = [], []
             for a in actions[start:end]:
                 kind = a.kind

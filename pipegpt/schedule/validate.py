@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .actions import COLLECTIVE_KINDS, NO_MICROBATCH, Action, Kind, Plan, PlanError, ScheduleError
-from .messages import comm_batches, messages, peer
+from .messages import comm_batches, comm_runs, messages, peer
 
 
 def dependencies(action: Action, plan: Plan) -> list[Action]:
@@ -221,11 +221,25 @@ def _check_messages(plan: Plan) -> None:
 def check_deadlock_free(plan: Plan) -> None:
     """Execute the lowered plan with blocking point-to-point and prove every rank finishes.
 
-    Each maximal run of comm actions on a rank is posted together, and the rank
-    waits there until every message in it has met its partner. Compute never
-    blocks here because _check_order and _check_messages already hold.
+    Each comm batch on a rank (messages.comm_batches: a maximal run of comm actions, whose sends after
+    its last receive are a batch of their own, as NCCL's order matching posts them) is posted together,
+    and the rank waits there until every message in it has met its partner. Compute never blocks here
+    because _check_order and _check_messages already hold.
     """
-    batches = [comm_batches(acts) for acts in plan.ranks]
+    stuck = _first_deadlock(plan, comm_batches)
+    if stuck is not None:
+        r, at, waits = stuck
+        why = "deadlock with blocking point-to-point: " + "; ".join(waits)
+        if _first_deadlock(plan, comm_runs) is None:
+            why += (" (a run's sends after its last receive are posted as a batch of their own, behind it: "
+                    "put each such send before the receive its peer posts first)")
+        raise PlanError(plan, r, at, why)
+
+
+def _first_deadlock(plan: Plan, batches_of) -> tuple[int, int, list[str]] | None:
+    """(the first stuck rank, its step, what each stuck rank waits for) when the plan's batches, as batches_of
+    cuts a rank's actions, cannot all complete; None when they can."""
+    batches = [batches_of(acts) for acts in plan.ranks]
     batch_at = [{start: end for start, end in b} for b in batches]
     pos = [0] * plan.num_ranks
     posted: set[tuple[int, Action]] = set()
@@ -247,14 +261,15 @@ def check_deadlock_free(plan: Plan) -> None:
                 else:
                     break
     stuck = [r for r in range(plan.num_ranks) if pos[r] < len(plan.ranks[r])]
-    if stuck:
-        waits = []  # only on failure, so the linear .index() lookups below are fine
-        for r in stuck:
-            end = batch_at[r][pos[r]]
-            for a in plan.ranks[r][pos[r]:end]:
-                pr, pa = peer(a, plan)
-                if (pr, pa) not in posted:
-                    waits.append(f"rank {r} ({a}) waits for rank {pr} to post {pa} "
-                                 f"(its step {plan.ranks[pr].index(pa)}, it is at step {pos[pr]})")
-                    break
-        raise PlanError(plan, stuck[0], pos[stuck[0]], "deadlock with blocking point-to-point: " + "; ".join(waits))
+    if not stuck:
+        return None
+    waits = []  # only on failure, so the linear .index() lookups below are fine
+    for r in stuck:
+        end = batch_at[r][pos[r]]
+        for a in plan.ranks[r][pos[r]:end]:
+            pr, pa = peer(a, plan)
+            if (pr, pa) not in posted:
+                waits.append(f"rank {r} ({a}) waits for rank {pr} to post {pa} "
+                             f"(its step {plan.ranks[pr].index(pa)}, it is at step {pos[pr]})")
+                break
+    return stuck[0], pos[stuck[0]], waits

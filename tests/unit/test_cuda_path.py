@@ -356,7 +356,7 @@ def test_on_gloo_each_forward_output_is_posted_before_the_next_compute(monkeypat
 
 
 def test_on_gloo_a_send_whose_send_follows_its_compute_goes_with_that_batch(monkeypatch):
-    """1F1B's rank 0 runs F1 then the batch 0RECV_B0 0SEND_F1: F1's output goes in one post with that receive
+    """1F1B's rank 0 runs F2 then the batch 0RECV_B1 0SEND_F2: F2's output goes in one post with that receive
     (one gloo exchange), not alone before it (a handshake of its own for both ranks' gloo threads)."""
     from pipegpt.config import MODEL_PRESETS
     from pipegpt.model.gpt import GPT
@@ -372,7 +372,7 @@ def test_on_gloo_a_send_whose_send_follows_its_compute_goes_with_that_batch(monk
     cfg, m = MODEL_PRESETS["tiny"], 4
     stage = Stage(0, 2, GPT(cfg, layers=range(0, 1), embed=True, head=False, init_seed=0), m)
     monkeypatch.setattr(stage, "backward", lambda mb, grad, split=False: None)
-    plan = lower(build_plan("1f1b", 2, m))  # rank 0: F0 SEND_F0 F1 RECV_B0 SEND_F1 B0 F2 RECV_B1 SEND_F2 B1 ...
+    plan = lower(build_plan("1f1b", 2, m))  # rank 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 F2 RECV_B1 SEND_F2 B1 ...
     runtime = PipelineRuntime(plan, 0, {0: stage}, PointToPoint(0, 5, "cpu"), [0, 1], (1, cfg.seq_len, cfg.n_embd),
                               torch.float32, "cpu")
     runtime.step([torch.zeros(1, cfg.seq_len, dtype=torch.long)] * m, None, record=False)
@@ -380,6 +380,37 @@ def test_on_gloo_a_send_whose_send_follows_its_compute_goes_with_that_batch(monk
     backward = lambda mb: ("recv", (mb * 2 + 1) * 2 + 1)  # noqa: E731 - stage 1's gradient
     # F0 (warm-up) goes as soon as made; each later forward with the receive of the backward that follows it
     assert posts == [[forward(0)], *[[backward(mb - 1), forward(mb)] for mb in (1, 2, 3)], [backward(3)]], posts
+
+
+@pytest.mark.parametrize("device_type,matching", [("cuda", "auto"), ("cpu", "order")])
+def test_on_nccl_the_sends_behind_a_run_s_receives_are_a_batch_of_their_own(monkeypatch, device_type, matching):
+    """1F1B's rank 0 runs F2 then 0RECV_B1 0SEND_F2 (and so on): matched by order, the receive is posted alone
+    and F2's output right behind it, in a batch of its own (one NCCL group each, one after the other on the
+    stream), so B1 waits for its gradient, not for stage 1 taking F2's output; on gloo (the test above) they go
+    in one post. 0SEND_F1 0RECV_B0, a send before the receive, stays one batch."""
+    from pipegpt.config import MODEL_PRESETS
+    from pipegpt.model.gpt import GPT
+    from pipegpt.runtime import PipelineRuntime
+    from pipegpt.schedule import build_plan, lower
+    from pipegpt.stages import Stage
+
+    posts = []
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (
+        posts.append([("send" if op.op is dist.isend else "recv", op.tag) for op in ops]), [BatchWork(ops)])[1])
+    cfg, m = MODEL_PRESETS["tiny"], 4
+    stage = Stage(0, 2, GPT(cfg, layers=range(0, 1), embed=True, head=False, init_seed=0), m)
+    monkeypatch.setattr(stage, "backward", lambda mb, grad, split=False: None)
+    p2p = PointToPoint(0, 5, device_type, matching=matching)
+    p2p.host_waits = True  # the stand-in's Works complete when waited for, on either path
+    runtime = PipelineRuntime(lower(build_plan("1f1b", 2, m)), 0, {0: stage}, p2p, [0, 1],
+                              (1, cfg.seq_len, cfg.n_embd), torch.float32, "cpu")
+    runtime.step([torch.zeros(1, cfg.seq_len, dtype=torch.long)] * m, None, record=False)
+    forward = lambda mb: ("send", mb * 4)  # noqa: E731 - tag (mb * 2 stages + stage 0) * 2
+    backward = lambda mb: ("recv", (mb * 2 + 1) * 2 + 1)  # noqa: E731 - stage 1's gradient
+    assert posts == [[forward(0)], [forward(1), backward(0)], *[p for mb in (2, 3) for p in ([backward(mb - 1)],
+                                                                                           [forward(mb)])],
+                     [backward(3)]], posts
 
 
 @pytest.mark.parametrize("device_type,matching", [("cuda", "auto"), ("cpu", "order")])
