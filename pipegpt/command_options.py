@@ -131,7 +131,8 @@ SIMULATE = [
     click.option("--p2p-matching", type=click.Choice(["tag", "order"]), default=None,
                  help="How messages are matched: tag (gloo: a send leaves as soon as its output exists; the default) "
                       "or order (NCCL: a send leaves at its SEND, a rank's batches run one after another and each "
-                      "completes together; the plan is lowered for the costs, as a run lowers it)."),
+                      "completes together, a run's sends after its last receive a batch of their own; the plan is "
+                      "lowered for the costs, as a run lowers it)."),
 ]
 
 

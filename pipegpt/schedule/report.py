@@ -281,7 +281,7 @@ def summary_text(rec: dict) -> str:
             lines.append(f"order             {rec['chosen_from']}'s (no synthesized order was faster)")
     if rec.get("p2p_matching") == "order":
         lines.append("messages          matched by order (NCCL): each send leaves at its SEND, a batch completes "
-                     "together")
+                     "together, a run's sends after its last receive are a batch of their own")
     if "layers_per_stage" in rec:
         lines.append(f"layers per stage  {','.join(map(str, rec['layers_per_stage']))}  (balance {rec['balance']})")
     return "\n".join(lines)
