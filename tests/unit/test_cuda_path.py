@@ -408,9 +408,8 @@ def test_on_nccl_the_sends_behind_a_run_s_receives_are_a_batch_of_their_own(monk
     runtime.step([torch.zeros(1, cfg.seq_len, dtype=torch.long)] * m, None, record=False)
     forward = lambda mb: ("send", mb * 4)  # noqa: E731 - tag (mb * 2 stages + stage 0) * 2
     backward = lambda mb: ("recv", (mb * 2 + 1) * 2 + 1)  # noqa: E731 - stage 1's gradient
-    assert posts == [[forward(0)], [forward(1), backward(0)], *[p for mb in (2, 3) for p in ([backward(mb - 1)],
-                                                                                           [forward(mb)])],
-                     [backward(3)]], posts
+    steady = [batch for mb in (2, 3) for batch in ([backward(mb - 1)], [forward(mb)])]
+    assert posts == [[forward(0)], [forward(1), backward(0)], *steady, [backward(3)]], posts
 
 
 @pytest.mark.parametrize("device_type,matching", [("cuda", "auto"), ("cpu", "order")])

@@ -201,9 +201,10 @@ def test_a_run_s_sends_after_its_last_receive_are_a_batch_of_their_own():
 
 
 def test_a_written_plan_whose_trailing_sends_cross_is_refused_saying_where_to_put_them():
-    """Each rank receives first and then sends to the other in one run: as one batch each that completes, but a
-    run's trailing sends go behind its receives (NCCL), so each rank waits for a send the other posts only after
-    its own receive. The plan is refused, and the message says what to change; with the sends first it runs."""
+    """Each rank receives first and then sends to the other in one run. Posted as one batch, each run would
+    complete; but a run's trailing sends go behind its receives (NCCL), so each rank waits for a send the other
+    posts only after its own receive. The plan is refused with a message that says what to change; with rank
+    0's send first it runs."""
     crossing = ("0F0 0SEND_F0 0F1 0RECV_B0 0SEND_F1 0B0 0RECV_B1 0B1\n"
                 "1RECV_F0 1F0 1B0 1RECV_F1 1SEND_B0 1F1 1B1 1SEND_B1")
     with pytest.raises(ScheduleError, match="deadlock.*sends after its last receive are posted as a batch of their"):
