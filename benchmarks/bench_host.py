@@ -228,7 +228,7 @@ def table(results: dict, schedules: list[str], args, pick=min) -> list[list[str]
             if bp.TORCH_SCHEDULES[s]:
                 contenders.append((f"{torch_name} host work", "torch host", "step"))
         for label, kind, metric in contenders:
-            best = []  # per m, the least disturbed round
+            best = []  # per m, the figure pick makes of its rounds
             for m in ms:
                 runs = [r for r in results[(s, kind, m)] if r is not None]
                 best.append(pick(timed_median(r, args.warmup, kind, metric) for r in runs) if runs else float("nan"))
