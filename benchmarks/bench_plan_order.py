@@ -1,0 +1,95 @@
+"""Does the calibrated planner order layouts as they measure? Predicted beside measured step time, and Spearman.
+
+    .venv/bin/python benchmarks/bench_plan_order.py                # 8 layouts, 2 rounds (about 2 minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_plan_order.py --rounds 4
+
+One small model (4 layers, 256 wide, sequence 128), a fixed global batch of 16 sequences, 8 layouts: pp 1 and 2,
+gpipe / 1f1b / zb-h1, 4 and 8 microbatches. Each is a `pipegpt run` of --steps steps with one thread per worker
+(pp 2 uses both cores of a 2-core machine, pp 1 one: more ranks than cores is a case the simulator does not model).
+Rounds alternate the order of the layouts; a layout's measured time is the median of its steps after the first of
+each run. Costs are calibrated from the first round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`), and each
+layout is predicted by the planner's own evaluate_layout. Measure on a quiet machine: this was a slow test once,
+and a busy CI machine's 16% between two layouts that cost the same (gpipe and 1f1b at m 8) broke its rank order.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+FLAGS = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "128"]
+BATCH = 16
+LAYOUTS = [(1, "1f1b", 4), (1, "1f1b", 8), (2, "gpipe", 4), (2, "1f1b", 4), (2, "zb-h1", 4),
+           (2, "gpipe", 8), (2, "1f1b", 8), (2, "zb-h1", 8)]
+
+
+def ranks(values) -> list[float]:
+    """Ranks from 0, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            out[order[t]] = (i + j) / 2
+        i = j + 1
+    return out
+
+
+def spearman(a, b) -> float:
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int) -> list[float]:
+    subprocess.run([sys.executable, "-m", "pipegpt", "run", *FLAGS, "--stages", str(pp), "--schedule", schedule,
+                    "--microbatches", str(m), "--microbatch-size", str(BATCH // m), "--steps", str(steps),
+                    "--threads-per-worker", "1", "--run-dir", str(run_dir), "--log-every", "100"],
+                   check=True, capture_output=True, cwd=ROOT, timeout=600)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_time_s"] for r in rows[1:]]  # step 0 warms up
+
+
+def main(argv=None) -> int:
+    from pipegpt.config import ModelConfig
+    from pipegpt.costs.cost import calibrate_costs
+    from pipegpt.costs.devices import make_cluster
+    from pipegpt.plan.candidates import Layout, Request
+    from pipegpt.plan.search import evaluate_layout
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first left out)")
+    args = ap.parse_args(argv)
+    model = ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256)
+    measured = {x: [] for x in LAYOUTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.rounds):
+            for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
+                measured[(pp, s, m)] += measure(Path(tmp) / f"{pp}-{s}-{m}-{k}", pp, s, m, args.steps)
+        cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
+        costs = calibrate_costs(str(Path(tmp) / "2-1f1b-8-0"), cluster)
+    predicted = [evaluate_layout(Request(model, BATCH, cluster, costs),
+                                 Layout(1, pp, 1, s, 1, m, BATCH // m)).step_time for pp, s, m in LAYOUTS]
+    observed = [statistics.median(measured[x]) for x in LAYOUTS]
+    print(costs.describe())
+    print(f"{'layout':16} {'predicted ms':>12} {'measured ms':>11} {'measured/predicted':>18}")
+    for (pp, s, m), p, o in zip(LAYOUTS, predicted, observed):
+        print(f"{f'pp{pp} {s} m{m}':16} {p * 1e3:12.1f} {o * 1e3:11.1f} {o / p:18.2f}")
+    print(f"Spearman (predicted, measured): {spearman(predicted, observed):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
