@@ -249,11 +249,14 @@ def test_full_matrix(workers, matching, schedule, p, m, recompute, tie):
 
 
 # The dp x pp x tp grid. Tensor-parallel gradients are gathered to full shape (tensor_parallel.gather_full).
-# Slow: tp alone (pp x tp covers it) and dp x interleaved (dp is in test_data_parallel_matches).
+# Slow: tp alone (pp x tp covers it), dp x interleaved (dp is in test_data_parallel_matches) and dp x tp with
+# sequence parallelism (test_zero's test_tensor_and_sequence_parallel_zero3_matches_one_process runs it, float64).
 # pp x tp stays in the default run as zb-h1 with sequence parallelism; tp without it as test_tensor_parallel's cases
 GRIDS = [pytest.param(1, 1, 2, "1f1b", False, marks=pytest.mark.slow),
          pytest.param(1, 2, 2, "1f1b", False, marks=pytest.mark.slow), (1, 2, 2, "zb-h1", True),
-         pytest.param(2, 2, 1, "interleaved-1f1b", False, marks=pytest.mark.slow), (2, 1, 2, "1f1b", True), pytest.param(1, 2, 2, "auto-v", False, marks=pytest.mark.slow),
+         pytest.param(2, 2, 1, "interleaved-1f1b", False, marks=pytest.mark.slow),
+         pytest.param(2, 1, 2, "1f1b", True, marks=pytest.mark.slow),
+         pytest.param(1, 2, 2, "auto-v", False, marks=pytest.mark.slow),
          pytest.param(2, 2, 1, "auto", False, marks=pytest.mark.slow)]
 
 
