@@ -2,10 +2,10 @@
 
 A batch (pipegpt.schedule.messages.comm_batches: a run of comm actions in the
 plan, whose sends after its last receive go apart under order matching) is
-posted at once; receives
-are waited for before the next compute, sends where the schedule says their
-receiver has them (pipegpt.schedule.messages.release_points) or at the end of
-the step, so a send never stalls its rank.
+posted at once; receives are waited for before the next compute, sends where
+the schedule says their receiver has them
+(pipegpt.schedule.messages.release_points) or at the end of the step, so a
+send never stalls its rank.
 
 Two behaviours, chosen apart from the device (`matching`):
 - "tag" (gloo): messages are matched by tag, so a send may be posted as soon as
