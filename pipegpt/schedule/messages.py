@@ -11,7 +11,10 @@ from .actions import P2P_KINDS, Action, Kind, Plan
 
 
 def sends_after(action: Action, plan: Plan) -> list[Action]:
-    """The SEND a compute action's output needs when its consumer stage lives on another rank."""
+    """The SEND a compute action's output needs when its consumer stage lives on another rank (a composite:
+    its parts', in order)."""
+    if action.kind is Kind.OVERLAP:
+        return [send for part in action.parts for send in sends_after(part, plan)]
     s, mb, owner = action.stage, action.microbatch, plan.stage_to_rank[action.stage]
     if action.kind is Kind.F and s + 1 < plan.num_stages and plan.stage_to_rank[s + 1] != owner:
         return [Action(s, Kind.SEND_F, mb)]
@@ -21,7 +24,10 @@ def sends_after(action: Action, plan: Plan) -> list[Action]:
 
 
 def recvs_before(action: Action, plan: Plan) -> list[Action]:
-    """The RECV a compute action needs when its input comes from a stage on another rank."""
+    """The RECV a compute action needs when its input comes from a stage on another rank (a composite: its
+    parts', in order)."""
+    if action.kind is Kind.OVERLAP:
+        return [recv for part in action.parts for recv in recvs_before(part, plan)]
     s, mb, owner = action.stage, action.microbatch, plan.stage_to_rank[action.stage]
     if action.kind is Kind.F and s > 0 and plan.stage_to_rank[s - 1] != owner:
         return [Action(s, Kind.RECV_F, mb)]

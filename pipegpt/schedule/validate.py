@@ -9,6 +9,10 @@ and no compute action of the stage runs while it is sharded (whether a run shard
 training role's to check: pipegpt.train.grad_sync). They block nothing here: a gather waits only for the
 stage's replicas, which run the same plan and so launch their collectives in the same order: they cannot
 deadlock with each other or with messages.
+
+A composite (actions.Composite) is checked as its parts in order: each part's dependencies, counts and
+messages as if the parts stood one after the other where the composite stands (errors then count steps
+with the parts apart).
 """
 from __future__ import annotations
 
@@ -19,7 +23,11 @@ from .messages import comm_batches, comm_runs, messages, peer
 
 
 def dependencies(action: Action, plan: Plan) -> list[Action]:
-    """Compute actions that must finish before this compute action may start."""
+    """Compute actions that must finish before this compute action may start (a composite: its parts', but
+    those on each other)."""
+    if action.kind is Kind.OVERLAP:
+        deps = [d for part in action.parts for d in dependencies(part, plan)]
+        return [d for d in dict.fromkeys(deps) if d not in action.parts]
     s, mb, last = action.stage, action.microbatch, plan.num_stages - 1
     if action.kind is Kind.F:
         if s > 0:
@@ -38,6 +46,9 @@ def dependencies(action: Action, plan: Plan) -> list[Action]:
 
 def validate(plan: Plan) -> Plan:
     """Raise PlanError/ScheduleError if the plan is not executable; return it unchanged otherwise."""
+    if plan.has_composites:
+        validate(plan.flattened())
+        return plan
     has_collectives = _check_shape(plan)
     _check_counts(plan)
     _check_order(plan.compute_only())
