@@ -95,3 +95,13 @@ def test_a_parts_communication_hides_under_the_other_parts_compute(monkeypatch):
         == [(0, 1.0), (1.0, 3.5)]
     tag, order, fast, _ = _times(_plan(), Costs.uniform(2))
     assert tag == order == fast == 22.5
+
+
+def test_a_schedule_file_holds_composites():
+    from pipegpt.schedule.schedule_file import dump_schedule_text, parse_schedule_text
+
+    plan = parse_schedule_text(f"{RANK0}\n{RANK1}\n")
+    assert plan.ranks == _plan().ranks and plan.num_microbatches == 4
+    assert parse_schedule_text(dump_schedule_text(plan)).ranks == plan.ranks
+    with pytest.raises(ScheduleError, match="bad token '\\(1F1'"):
+        parse_schedule_text(f"{RANK0}\n1F0 (1F1\n")

@@ -39,6 +39,8 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
                 spans = _composite(problem, acts[k], start_free, needs, ends, waiters, r)
                 if spans is None:
                     break
+                # The live level and span as below, per part: repeated, not shared, since a call or a loop per
+                # action costs the hot path below more than this copy does.
                 for (kind, index), (start, end) in spans:
                     when = start if kind == F_ else end if kind != I_ else None
                     if when is not None:
