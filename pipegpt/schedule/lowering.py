@@ -26,6 +26,7 @@ import heapq
 from .actions import (COLLECTIVE_KINDS, NO_MICROBATCH, REDUCE_GRAD, Action, Kind, Plan, PlanError, ScheduleError,
                       parts_of)
 from .messages import peer, recvs_before, sends_after
+from .timing_rule import hop
 from .validate import dependencies
 
 
@@ -206,8 +207,8 @@ def _consumer(recv: Action, plan: Plan) -> Action:
 
 def _eager_window(plan: Plan, duration, comm) -> tuple[dict[Action, float], dict[Action, float]]:
     """When each compute action of a plan without messages starts if every message leaves as soon as it is
-    made (simulate()'s timeline, which lowering cannot import: simulate imports lowering), and the latest it
-    may start without making the step longer."""
+    made (simulate()'s timeline, by the same timing rule: lowering cannot import simulate, which imports
+    lowering), and the latest it may start without making the step longer."""
     rank_of, starts, ends, order = plan.stage_to_rank, {}, {}, []
     pos, free, todo = [0] * plan.num_ranks, [0] * plan.num_ranks, list(range(plan.num_ranks))
     waiters: dict[Action, list[int]] = {}
@@ -222,7 +223,7 @@ def _eager_window(plan: Plan, duration, comm) -> tuple[dict[Action, float], dict
             if missing is not None:
                 waiters.setdefault(missing, []).append(r)
                 break
-            gaps = [(d, comm if rank_of[d.stage] != r else 0) for d in deps]  # timing_rule.hop's rule
+            gaps = [(d, hop(comm, rank_of[d.stage], r)) for d in deps]
             if pos[r]:
                 gaps.append((actions[pos[r] - 1], 0))
             for d, gap in gaps:

@@ -220,7 +220,7 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
                     start = done
             for d in deps:
                 available = ends[d]
-                latency = hop(costs, rank_of[d.stage], r)
+                latency = hop(costs.comm, rank_of[d.stage], r)
                 if latency:
                     available = available + latency
                 if available > start:

@@ -80,16 +80,16 @@ def action_times(costs: "Costs", kinds) -> list[list[Real]]:
     return [[compute_time(costs, kind, s) for s in range(costs.num_stages)] for kind in kinds]
 
 
-def hop(costs: "Costs", from_rank: int, to_rank: int) -> Real:
+def hop(comm: Real, from_rank: int, to_rank: int) -> Real:
     """What a message adds between its producer's end and its consumer's start: the latency between two
-    ranks, nothing on one rank."""
-    return costs.comm if from_rank != to_rank else 0
+    ranks (costs.comm), nothing on one rank."""
+    return comm if from_rank != to_rank else 0
 
 
 def hops(costs: "Costs", stage_to_rank) -> list[Real]:
     """hop between stage s and s + 1 (either way), by s; 0 after the last stage."""
     n = len(stage_to_rank)
-    return [hop(costs, stage_to_rank[s], stage_to_rank[s + 1]) if s + 1 < n else 0 for s in range(n)]
+    return [hop(costs.comm, stage_to_rank[s], stage_to_rank[s + 1]) if s + 1 < n else 0 for s in range(n)]
 
 
 def queued(channel_free: Real, at: Real, took: Real) -> Real:
