@@ -12,13 +12,14 @@ deadlock with each other or with messages.
 
 A composite (actions.Composite) is checked as its parts in order: each part's dependencies, counts and
 messages as if the parts stood one after the other where the composite stands (errors then count steps
-with the parts apart).
+with the parts apart). And as one action: a pair starts once, so what either part needs from outside it
+must be there before it (a part may need the other, which runs first).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .actions import COLLECTIVE_KINDS, NO_MICROBATCH, Action, Kind, Plan, PlanError, ScheduleError
+from .actions import COLLECTIVE_KINDS, NO_MICROBATCH, Action, Kind, Plan, PlanError, ScheduleError, parts_of
 from .messages import comm_batches, comm_runs, messages, peer
 
 
@@ -48,6 +49,7 @@ def validate(plan: Plan) -> Plan:
     """Raise PlanError/ScheduleError if the plan is not executable; return it unchanged otherwise."""
     if plan.has_composites:
         validate(plan.flattened())
+        _check_order(plan.compute_only())
         return plan
     has_collectives = _check_shape(plan)
     _check_counts(plan)
@@ -113,13 +115,13 @@ def _check_order(plan: Plan) -> None:
     """Run the plan on dependencies alone; a rank that can never proceed is an error."""
     done: set[Action] = set()
     pos = [0] * plan.num_ranks
-    where = {a: (r, k) for r, acts in enumerate(plan.ranks) for k, a in enumerate(acts)}
+    where = {p: (r, k) for r, acts in enumerate(plan.ranks) for k, a in enumerate(acts) for p in parts_of(a)}
     progress = True
     while progress:
         progress = False
         for r, actions in enumerate(plan.ranks):
             while pos[r] < len(actions) and all(d in done for d in dependencies(actions[pos[r]], plan)):
-                done.add(actions[pos[r]])
+                done.update(parts_of(actions[pos[r]]))
                 pos[r] += 1
                 progress = True
     stuck = [r for r in range(plan.num_ranks) if pos[r] < len(plan.ranks[r])]

@@ -105,3 +105,49 @@ def test_a_schedule_file_holds_composites():
     assert parse_schedule_text(dump_schedule_text(plan)).ranks == plan.ranks
     with pytest.raises(ScheduleError, match="bad token '\\(1F1'"):
         parse_schedule_text(f"{RANK0}\n1F0 (1F1\n")
+
+
+def test_a_pair_waiting_for_what_its_own_first_part_feeds_is_a_circular_wait():
+    """Rank 0's pair (0F1;0B0) needs 1B0, which rank 1 runs after 1F1, which needs 0F1 from the pair: with the
+    parts one after the other the plan runs; as one action the pair would wait for itself through rank 1."""
+    plan = _plan("1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3", "0F0 (0F1;0B0) 0F2 0F3 0B1 0B2 0B3")
+    assert validate(plan.flattened())
+    with pytest.raises(ScheduleError, match="circular wait"):
+        validate(plan)
+    assert validate(_plan("1F0 1F1 (1B0;1B1) 1F2 1B2 1F3 1B3", "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3"))
+
+
+def _paired(plan: Plan) -> Plan:
+    """The plan with each forward and the backward right after it (two microbatches) as a composite, where the
+    pair as one action still validates."""
+    for r in range(plan.num_ranks):
+        k = 0
+        while k + 1 < len(plan.ranks[r]):
+            first, second = plan.ranks[r][k], plan.ranks[r][k + 1]
+            if first.kind is Kind.F and second.kind in (Kind.B, Kind.I) and first.microbatch != second.microbatch:
+                ranks = list(plan.ranks)
+                ranks[r] = ranks[r][:k] + (Composite.of(first, second),) + ranks[r][k + 2:]
+                try:
+                    plan = validate(plan.with_ranks(ranks))
+                except ScheduleError:
+                    pass
+            k += 1
+    return plan
+
+
+@pytest.mark.parametrize("name,ranks,microbatches", [("dualpipev", 4, 8), ("1f1b", 4, 8), ("zbv", 3, 6),
+                                                     ("interleaved-1f1b", 2, 4)])
+def test_pairs_in_real_schedules_are_timed_alike(name, ranks, microbatches):
+    from pipegpt.schedule.registry import schedule_spec
+
+    spec = schedule_spec(name)
+    n = spec.num_stages(ranks)
+    costs = Costs(tuple(1 + 0.1 * s for s in range(n)), tuple(2.2 + 0.05 * s for s in range(n)), (0.9,) * n,
+                  comm=0.15, dp_comm=(0.5,) * n)
+    plan = _paired(spec.build(ranks, microbatches))
+    pairs = sum(a.kind is Kind.OVERLAP for acts in plan.ranks for a in acts)
+    assert pairs >= ranks - 1
+    tag, order, fast, _ = _times(plan, costs)
+    assert tag == fast and order >= tag - 1e-9
+    lowered = validate(lower(plan, costs))
+    assert [a for acts in lowered.compute_only().ranks for a in acts] == [a for acts in plan.ranks for a in acts]
