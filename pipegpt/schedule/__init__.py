@@ -6,5 +6,5 @@ from .registry import SCHEDULES, ScheduleSpec, build_plan, schedule_spec
 from .validate import validate
 
 __all__ = ["Action", "Composite", "Kind", "Plan", "PlanError", "ScheduleError", "SCHEDULES", "ScheduleSpec",
-           "add_reduce_grad", "add_unshard_reshard", "build_plan", "last_gradient_actions", "lower", "schedule_spec", "validate",
-           "without_reduce_grad", "without_unshard_reshard"]
+           "add_reduce_grad", "add_unshard_reshard", "build_plan", "last_gradient_actions", "lower", "schedule_spec",
+           "validate", "without_reduce_grad", "without_unshard_reshard"]

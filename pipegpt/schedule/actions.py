@@ -227,7 +227,7 @@ class Plan:
     def forward_only(self) -> "Plan":
         """The plan's forwards alone, in its order (for evaluation): each rank's F order already
         respects every F dependency, so dropping the backwards leaves a valid plan to lower."""
-        return replace(self.with_ranks([[a for a in acts if a.kind is Kind.F] for acts in self.ranks]),
+        return replace(self.with_ranks([[a for a in flattened(acts) if a.kind is Kind.F] for acts in self.ranks]),
                        name=f"{self.name}-forward")
 
     @property
