@@ -58,7 +58,7 @@ def main():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# simulate: the pure-Python schedule package only (pipegpt.schedule.report does the work)
+# simulate: the pure-Python schedule package only (pipegpt.observe.simulate_report does the work)
 
 @main.command()
 @command_options.simulate_options
@@ -78,7 +78,7 @@ def simulate(**options):
     """
     # The planner reads --layer-costs; pipegpt.schedule sits below it, so the reader is handed in.
     from pipegpt.costs.balance import parse_layer_costs
-    from pipegpt.schedule.report import SimulateOptions, simulate_command
+    from pipegpt.observe.simulate_report import SimulateOptions, simulate_command
 
     out = options["out"]
     if out is not None and os.path.splitext(out)[1].lower() not in (".svg", ".html", ".htm", ".json"):

@@ -1,2 +1,2 @@
-"""What a run shows of itself: metrics and the run's files (metrics), plots, py-spy profiles, and every rank's
-clock on the driver's time line (clocks). Import the submodules."""
+"""What a run shows of itself: metrics and the run's files (metrics), plots, py-spy profiles, every rank's
+clock on the driver's time line (clocks), and `pipegpt simulate`'s report (simulate_report). Import the submodules."""

@@ -3,8 +3,10 @@
 An action names a stage (a slice of layers), a kind and a microbatch, and
 prints as "2F0" (stage 2, forward, microbatch 0) or "1SEND_B3". A collective
 acts on a stage's whole step, not on one microbatch: it prints without one,
-"1REDUCE_GRAD", and holds NO_MICROBATCH (-1). A Plan holds, for every rank,
-its ordered list of actions, plus where each stage lives.
+"1REDUCE_GRAD", and holds NO_MICROBATCH (-1). A composite runs two compute
+actions of one rank as one, "(0F3;0B1)" (DualPipe's overlapped forward and
+backward). A Plan holds, for every rank, its ordered list of actions, plus
+where each stage lives.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class Kind(str, enum.Enum):
     REDUCE_GRAD = "REDUCE_GRAD"  # launch the data-parallel reduction of the stage's gradients
     UNSHARD = "UNSHARD"  # gather the stage's sharded parameters (ZeRO-3)
     RESHARD = "RESHARD"  # free the gathered parameters again (ZeRO-3)
+    OVERLAP = "OVERLAP"  # a Composite: two compute actions run as one
 
     @property
     def category(self) -> Category:
@@ -59,7 +62,7 @@ class Kind(str, enum.Enum):
         return self in COLLECTIVE_KINDS
 
 
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP})
 P2P_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 COLLECTIVE_KINDS = frozenset({Kind.REDUCE_GRAD, Kind.UNSHARD, Kind.RESHARD})
 CATEGORY = {**dict.fromkeys(COMPUTE_KINDS, Category.COMPUTE), **dict.fromkeys(P2P_KINDS, Category.P2P),
@@ -67,6 +70,7 @@ CATEGORY = {**dict.fromkeys(COMPUTE_KINDS, Category.COMPUTE), **dict.fromkeys(P2
 NO_MICROBATCH = -1  # a collective's microbatch: it acts on the stage's whole step
 # Longest names first so that "SEND_F" is not read as "S" + ... by the regex.
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNSHARD|RESHARD|F|B|I|W)(\d*)$")
+_PART_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})  # what a composite's parts may be
 
 
 class Action(NamedTuple):
@@ -85,8 +89,11 @@ class Action(NamedTuple):
         return f"Action({self})"
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
-        match = _ACTION_RE.match(text.strip())
+    def parse(cls, text: str) -> "Action | Composite":
+        text = text.strip()
+        if text.startswith("("):
+            return Composite.parse(text)
+        match = _ACTION_RE.match(text)
         if match:
             stage, kind, microbatch = int(match.group(1)), Kind(match.group(2)), match.group(3)
             if kind in COLLECTIVE_KINDS and not microbatch:
@@ -95,9 +102,62 @@ class Action(NamedTuple):
                 return cls(stage, kind, int(microbatch))
         raise ScheduleError(
             f"bad action {text!r}: expected <stage><kind><microbatch> such as '2F0' or '1SEND_B3', "
-            f"kind one of {', '.join(k.value for k in Kind if k not in COLLECTIVE_KINDS)}, or <stage><collective> "
+            f"kind one of {', '.join(k.value for k in Kind if k not in COLLECTIVE_KINDS and k is not Kind.OVERLAP)}, "
+            f"or <stage><collective> "
             f"such as '1REDUCE_GRAD', collective one of {', '.join(k.value for k in Kind if k in COLLECTIVE_KINDS)}"
         )
+
+
+class Composite(NamedTuple):
+    """Two compute actions of two microbatches on one rank, run as one action: DualPipe's overlapped forward
+    and backward, or a combined 1F1B. Prints "(0F3;0B1)" (torch.distributed.pipelining's _Action with
+    sub_actions). `parts` are ordinary Actions: a runtime runs them interleaved, and where it cannot, in
+    order; the validator checks each part's dependencies as if they ran in order, lowering puts every
+    message of a part before (receives) or after (sends) the composite, and the timing rule
+    (timing_rule.composite_spans) charges it by its parts."""
+
+    parts: tuple[Action, ...]
+    kind = Kind.OVERLAP  # not a field: every composite has it
+    microbatch = NO_MICROBATCH  # its parts hold theirs
+
+    @property
+    def stage(self) -> int:
+        """Its first part's stage: the rank's, like every part's (where a caller needs one stage)."""
+        return self.parts[0].stage
+
+    def __str__(self) -> str:
+        return "(" + ";".join(map(str, self.parts)) + ")"
+
+    def __repr__(self) -> str:
+        return f"Composite({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> "Composite":
+        text = text.strip()
+        if not (text.startswith("(") and text.endswith(")")):
+            raise ScheduleError(f"bad composite {text!r}: expected (<action>;<action>) such as '(0F3;0B1)'")
+        return cls.of(*(Action.parse(part) for part in text[1:-1].split(";")))
+
+    @classmethod
+    def of(cls, *parts: Action) -> "Composite":
+        """A composite of these parts: two compute actions (F, B, I or W) of two microbatches."""
+        if len(parts) != 2 or any(not isinstance(p, Action) or p.kind not in _PART_KINDS for p in parts):
+            shown = ";".join(map(str, parts))
+            raise ScheduleError(f"bad composite ({shown}): it pairs two compute actions (F, B, I or W), "
+                                f"such as '(0F3;0B1)'")
+        if parts[0].microbatch == parts[1].microbatch:
+            raise ScheduleError(f"bad composite ({parts[0]};{parts[1]}): its parts are of two microbatches")
+        return cls(tuple(parts))
+
+
+def parts_of(action) -> tuple[Action, ...]:
+    """A composite's parts, or the action itself."""
+    return action.parts if action.kind is Kind.OVERLAP else (action,)
+
+
+def flattened(actions) -> list[Action]:
+    """A rank's actions with each composite replaced by its parts, in order."""
+    return [p for a in actions for p in parts_of(a)]
 
 
 def F(stage: int, mb: int) -> Action:
@@ -154,7 +214,7 @@ class Plan:
     @cached_property
     def split_pairs(self) -> frozenset[tuple[int, int]]:
         """(stage, microbatch) pairs whose backward is split into I and W."""
-        return frozenset((a.stage, a.microbatch) for acts in self.ranks for a in acts if a.kind is Kind.I)
+        return frozenset((a.stage, a.microbatch) for acts in self.ranks for a in flattened(acts) if a.kind is Kind.I)
 
     def backward_of(self, stage: int, mb: int) -> Action:
         """The action that produces a stage's input gradient: I where the plan splits, else B."""
@@ -167,12 +227,20 @@ class Plan:
     def forward_only(self) -> "Plan":
         """The plan's forwards alone, in its order (for evaluation): each rank's F order already
         respects every F dependency, so dropping the backwards leaves a valid plan to lower."""
-        return replace(self.with_ranks([[a for a in acts if a.kind is Kind.F] for acts in self.ranks]),
+        return replace(self.with_ranks([[a for a in flattened(acts) if a.kind is Kind.F] for acts in self.ranks]),
                        name=f"{self.name}-forward")
 
     @property
     def is_forward_only(self) -> bool:
         return all(a.kind in _FORWARD_KINDS for acts in self.ranks for a in acts)
+
+    @property
+    def has_composites(self) -> bool:
+        return any(a.kind is Kind.OVERLAP for acts in self.ranks for a in acts)
+
+    def flattened(self) -> "Plan":
+        """The plan with each composite replaced by its parts, in order."""
+        return self.with_ranks([flattened(acts) for acts in self.ranks]) if self.has_composites else self
 
     def with_ranks(self, ranks) -> "Plan":
         return replace(self, ranks=tuple(tuple(acts) for acts in ranks))

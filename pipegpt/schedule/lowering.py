@@ -16,19 +16,26 @@ stage's data-parallel gradient reduction (1REDUCE_GRAD) right after the action
 that completes its gradients; add_unshard_reshard puts ZeRO-3's parameter
 gathers and frees (1UNSHARD, 1RESHARD) around a stage's compute by a policy.
 lower() keeps a plan's collectives where they stand, after the compute action
-they followed, so the passes commute.
+they followed, so the passes commute. A composite pair stays whole: its parts'
+receives go before it, their sends after it.
 """
 from __future__ import annotations
 
 import heapq
 
-from .actions import COLLECTIVE_KINDS, NO_MICROBATCH, REDUCE_GRAD, Action, Kind, Plan, PlanError, ScheduleError
+from .actions import (COLLECTIVE_KINDS, NO_MICROBATCH, REDUCE_GRAD, Action, Kind, Plan, PlanError, ScheduleError,
+                      parts_of)
 from .messages import peer, recvs_before, sends_after
+from .timing_rule import hop
 from .validate import dependencies
 
 
 # Costs when none are given: one unit per forward, two per full backward, every stage alike.
 _UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
+
+
+def _unit_duration(action) -> int:
+    return sum(_UNIT_COST[part.kind] for part in parts_of(action))
 
 
 def lower(plan: Plan, costs=None) -> Plan:
@@ -43,7 +50,7 @@ def lower(plan: Plan, costs=None) -> Plan:
     of ranks sees its messages in the same order at both ends (NCCL matches point-to-point by order).
 
     Where the SEND goes matters under order matching (NCCL), where a send leaves at its SEND and a rank's
-    batches run one after another (schedule/matching.py): one put where the consumer asked for it, after
+    batches run one after another (schedule/simulate.py, simulate_order): one put where the consumer asked for it, after
     whatever its rank was computing then, makes the consumer wait for that compute. So it goes just after
     the compute that made it, unless the rank has sent or received since: then into that batch if it holds
     sends alone (or was posted at this moment), else after the compute that follows it, so that no compute
@@ -53,7 +60,7 @@ def lower(plan: Plan, costs=None) -> Plan:
     start: neither end waits. Otherwise it weighs its consumer's wait (the costs' timeline says when it
     needs it) against its own (its receiver is busy until its next boundary) and takes the shorter.
     """
-    duration = (lambda a: _UNIT_COST[a.kind]) if costs is None else costs.duration
+    duration = _unit_duration if costs is None else costs.duration
     comm = 0 if costs is None else getattr(costs, "comm", 0)
     collectives = _collectives_by_anchor(plan)
     plan = plan.compute_only()
@@ -200,8 +207,8 @@ def _consumer(recv: Action, plan: Plan) -> Action:
 
 def _eager_window(plan: Plan, duration, comm) -> tuple[dict[Action, float], dict[Action, float]]:
     """When each compute action of a plan without messages starts if every message leaves as soon as it is
-    made (simulate()'s timeline, which lowering cannot import: simulate imports lowering), and the latest it
-    may start without making the step longer."""
+    made (simulate()'s timeline, by the same timing rule: lowering cannot import simulate, which imports
+    lowering), and the latest it may start without making the step longer."""
     rank_of, starts, ends, order = plan.stage_to_rank, {}, {}, []
     pos, free, todo = [0] * plan.num_ranks, [0] * plan.num_ranks, list(range(plan.num_ranks))
     waiters: dict[Action, list[int]] = {}
@@ -216,7 +223,7 @@ def _eager_window(plan: Plan, duration, comm) -> tuple[dict[Action, float], dict
             if missing is not None:
                 waiters.setdefault(missing, []).append(r)
                 break
-            gaps = [(d, comm if rank_of[d.stage] != r else 0) for d in deps]
+            gaps = [(d, hop(comm, rank_of[d.stage], r)) for d in deps]
             if pos[r]:
                 gaps.append((actions[pos[r] - 1], 0))
             for d, gap in gaps:
@@ -225,12 +232,21 @@ def _eager_window(plan: Plan, duration, comm) -> tuple[dict[Action, float], dict
             ends[action] = free[r] = starts[action] + duration(action)
             order.append(action)
             pos[r] += 1
-            todo.extend(waiters.pop(action, ()))
+            for part in parts_of(action):  # a composite's parts: its outputs, there at its end
+                starts[part], ends[part] = starts[action], ends[action]
+                todo.extend(waiters.pop(part, ()))
     span, latest = max(ends.values(), default=0), {}
     for action in reversed(order):
-        finish = min([span] + [latest[n] - gap for n, gap in later.get(action, ())])
-        latest[action] = finish - duration(action)
+        names = _names(action)
+        finish = min([span] + [latest[n] - gap for name in names for n, gap in later.get(name, ())])
+        for name in names:
+            latest[name] = finish - duration(action)
     return starts, latest
+
+
+def _names(action) -> tuple:
+    """What a compute action is known by: itself, and a composite its parts too."""
+    return (action,) if action.kind is not Kind.OVERLAP else (action,) + action.parts
 
 
 def _collectives_by_anchor(plan: Plan) -> list[dict[Action | None, list[Action]]] | None:
@@ -261,7 +277,7 @@ def _put_back(actions: list[Action], anchors: dict[Action | None, list[Action]])
 
 def last_gradient_actions(actions) -> dict[int, int]:
     """Per stage, the index of the action after which its weight gradients are complete (last B or W)."""
-    return {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+    return {p.stage: i for i, a in enumerate(actions) for p in parts_of(a) if p.kind in (Kind.B, Kind.W)}
 
 
 def add_reduce_grad(plan: Plan) -> Plan:

@@ -7,11 +7,14 @@ types alone, so none of those has to import another to get it.
 """
 from __future__ import annotations
 
-from .actions import P2P_KINDS, Action, Kind, Plan
+from .actions import P2P_KINDS, Action, Kind, Plan, flattened, parts_of
 
 
 def sends_after(action: Action, plan: Plan) -> list[Action]:
-    """The SEND a compute action's output needs when its consumer stage lives on another rank."""
+    """The SEND a compute action's output needs when its consumer stage lives on another rank (a composite:
+    its parts', in order)."""
+    if action.kind is Kind.OVERLAP:
+        return [send for part in action.parts for send in sends_after(part, plan)]
     s, mb, owner = action.stage, action.microbatch, plan.stage_to_rank[action.stage]
     if action.kind is Kind.F and s + 1 < plan.num_stages and plan.stage_to_rank[s + 1] != owner:
         return [Action(s, Kind.SEND_F, mb)]
@@ -21,7 +24,10 @@ def sends_after(action: Action, plan: Plan) -> list[Action]:
 
 
 def recvs_before(action: Action, plan: Plan) -> list[Action]:
-    """The RECV a compute action needs when its input comes from a stage on another rank."""
+    """The RECV a compute action needs when its input comes from a stage on another rank (a composite: its
+    parts', in order)."""
+    if action.kind is Kind.OVERLAP:
+        return [recv for part in action.parts for recv in recvs_before(part, plan)]
     s, mb, owner = action.stage, action.microbatch, plan.stage_to_rank[action.stage]
     if action.kind is Kind.F and s > 0 and plan.stage_to_rank[s - 1] != owner:
         return [Action(s, Kind.RECV_F, mb)]
@@ -142,15 +148,16 @@ def _releases(plan: Plan, eager_sends: bool):
         batches.append(mine)
     if eager_sends:  # posted right after the compute that made the tensor
         for actions in ranks:
-            for i, a in enumerate(actions):
-                if a.kind is Kind.F:
-                    k = ids.get((a.stage, a.microbatch, False))
-                elif a.kind is Kind.B or a.kind is Kind.I:
-                    k = ids.get((a.stage, a.microbatch, True))
-                else:
-                    continue
-                if k is not None:
-                    post_at[k] = i + 1
+            for i, action in enumerate(actions):
+                for a in parts_of(action):  # a composite's sends after it
+                    if a.kind is Kind.F:
+                        k = ids.get((a.stage, a.microbatch, False))
+                    elif a.kind is Kind.B or a.kind is Kind.I:
+                        k = ids.get((a.stage, a.microbatch, True))
+                    else:
+                        continue
+                    if k is not None:
+                        post_at[k] = i + 1
     posts = [sorted((post_at[k], k) for _, _, _, sends in mine for k in sends) for mine in batches]
 
     clock = [[0] * n for _ in range(n)]  # per rank, the furthest position it knows each rank has passed
@@ -210,7 +217,7 @@ def message_peaks(plan: Plan, eager_sends: bool = False) -> list[int]:
         after = {s: s < last and owner[s + 1] != r for s in plan.stages_of(r)}  # the next stage is remote
         level = peak = i = 0
         for start, end, needs, _ in batches[r] + [(len(actions), len(actions), (), ())]:
-            for a in actions[i:start]:
+            for a in flattened(actions[i:start]):
                 if a.kind is Kind.F:  # its received input is the stage's now; its output goes on
                     level += after[a.stage] - before[a.stage]
                     peak = max(peak, level)

@@ -21,11 +21,12 @@ from __future__ import annotations
 import os
 import re
 
-from .actions import Action, Plan, ScheduleError
+from .actions import Action, Plan, ScheduleError, flattened
 from .validate import PlanError, validate
 
 _HEADER_RE = re.compile(r"^#\s*(stages|stage_to_rank|name)\s*:\s*(.*)$", re.IGNORECASE)
 _SPLIT_RE = re.compile(r"[\s,;]+")
+_TOKEN_RE = re.compile(r"\([^()]*\)?|[^\s,;]+")  # a composite "(0F3;0B1)" is one token: its ";" splits nothing
 
 
 def load_schedule_file(path) -> Plan:
@@ -73,7 +74,7 @@ def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str
             stage_to_rank = tuple(int(t) for t in numbers)
             continue
         line = line.split("#", 1)[0]
-        tokens = [t for t in _SPLIT_RE.split(line) if t]
+        tokens = _TOKEN_RE.findall(line)
         if not tokens:
             continue
         actions = []
@@ -91,7 +92,7 @@ def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str
     if stage_to_rank is None:
         owner: dict[int, int] = {}
         for r, actions in enumerate(rows):
-            for a in actions:
+            for a in flattened(actions):
                 owner.setdefault(a.stage, r)
         missing = [s for s in range(max(owner) + 1) if s not in owner]
         if missing:
@@ -99,7 +100,7 @@ def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str
                                 f"{max(owner)} (or give '# stages: ...' with the rank of each stage)")
         stage_to_rank = tuple(owner[s] for s in range(len(owner)))
         for r, actions in enumerate(rows):
-            other = next((a for a in actions if owner[a.stage] != r), None)
+            other = next((a for a in flattened(actions) if owner[a.stage] != r), None)
             if other is not None:
                 raise ScheduleError(f"{source}:{row_lines[r]}: {other} is on rank {r}, but stage {other.stage} is "
                                     f"already on rank {owner[other.stage]} (line {row_lines[owner[other.stage]]}); "
@@ -107,7 +108,7 @@ def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str
     elif max(stage_to_rank) + 1 != len(rows):
         raise ScheduleError(f"{source}: '# stages:' places stages on {max(stage_to_rank) + 1} ranks but the file "
                             f"has {len(rows)} rank lines")
-    num_microbatches = 1 + max(a.microbatch for actions in rows for a in actions)
+    num_microbatches = 1 + max(a.microbatch for actions in rows for a in flattened(actions))
     plan = Plan(plan_name, num_microbatches, stage_to_rank, tuple(map(tuple, rows)), meta={"source": source})
     try:
         return validate(plan)

@@ -1,256 +1,29 @@
 """Simulate a plan: per-stage costs in, a Timeline of when every action ran out.
 
 Costs are plain data (per-stage F, B, W seconds or units, one comm latency),
-so a calibration step can fill them from a measured run. A Timeline is just
+so a calibration step can fill them from a measured run; how an action is
+charged against them is the timing rule's (timing_rule.py). A Timeline is just
 events (rank, action, start, end) plus a little metadata; the runtime's
 measured traces build the same type, so every metric and renderer works on
 both.
+
+Messages matched by tag (gloo) are simulate()'s model; matched by order (NCCL), simulate_order()'s, below.
 """
 from __future__ import annotations
 
-import json
-import math
-import os
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from fractions import Fraction
 from numbers import Real
 
-from .actions import COMPUTE_KINDS, Action, Kind, Plan, ScheduleError
-from .lowering import last_gradient_actions
+from .actions import COMPUTE_KINDS, Action, Kind, Plan, ScheduleError, parts_of
+from .lowering import last_gradient_actions, lower
+from .messages import comm_batches, peer, release_points
+from .timing_rule import Costs, costs_for_plan, hop, load_costs_json, queued, spans_of
 from .validate import dependencies, validate
 
-# Keys accepted by Costs.parse / Costs.from_json (lower case) and the field each fills.
-_KEYS = {"f": "forward", "b": "backward", "w": "weight", "comm": "comm",
-         "act_bytes": "activation_bytes", "activation_bytes": "activation_bytes",
-         "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
-_SHOWN = {"forward": "F", "backward": "B", "weight": "W", "comm": "comm", "activation_bytes": "act_bytes",
-          "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
-_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm, gather_comm"
-
-
-def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise ScheduleError(f"costs: {name}={value!r} must be a number >= 0")
-    if math.isnan(value) or math.isinf(value) or value < 0:
-        raise ScheduleError(f"costs: {name}={value!r} must be a finite number >= 0")
-
-
-@dataclass(frozen=True)
-class Costs:
-    """How long each action takes, per stage, and how long a message between ranks takes.
-
-    forward[s], backward[s] (the full B) and weight[s] (the W part of B when a
-    plan splits it; I then costs backward[s] - weight[s]) are in any time unit.
-    comm is the latency of one point-to-point message between two ranks;
-    messages between stages on the same rank are free. activation_bytes[s],
-    when given, is what one microbatch's saved activations take on stage s.
-
-    The other parallel axes: tp_comm[s] is the time stage s spends in its
-    tensor-parallel all-reduces for one microbatch's forward; its backward (B or
-    I) makes as many, W none. dp_comm[s] is the time to all-reduce stage s's
-    gradients across data-parallel replicas, the cost of its REDUCE_GRAD: it
-    starts where the plan's REDUCE_GRAD stands (a plan without them is charged
-    as add_reduce_grad places them: when the stage's last B/W ends), overlaps
-    compute, and a rank's reductions run one after another. gather_comm[s] is
-    the time to all-gather stage s's parameters (ZeRO-3), the cost of its
-    UNSHARD: it starts where the rank reaches it (after the gathers posted
-    before it), overlaps the compute that follows, and the stage's next compute
-    action waits for it (a gather posted a compute ahead is hidden by that compute).
-    """
-
-    forward: tuple
-    backward: tuple
-    weight: tuple
-    comm: Real = 0
-    activation_bytes: tuple | None = None
-    tp_comm: tuple | None = None
-    dp_comm: tuple | None = None
-    gather_comm: tuple | None = None
-
-    def __post_init__(self):
-        for name in ("tp_comm", "dp_comm", "gather_comm"):  # absent means free
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, (0,) * len(self.forward))
-        for name in ("forward", "backward", "weight", "activation_bytes", "tp_comm", "dp_comm", "gather_comm"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, tuple):
-                object.__setattr__(self, name, tuple(value))
-        n = len(self.forward)
-        if n < 1:
-            raise ScheduleError("costs: need at least one stage")
-        optional = ("activation_bytes",) if self.activation_bytes is not None else ()
-        for name in ("backward", "weight", "tp_comm", "dp_comm", "gather_comm") + optional:
-            if len(getattr(self, name)) != n:
-                raise ScheduleError(f"costs: {name} has {len(getattr(self, name))} values but forward has {n}; "
-                                    f"give one per stage")
-        for name in ("forward", "backward", "weight", "tp_comm", "dp_comm", "gather_comm") + optional:
-            for s, value in enumerate(getattr(self, name)):
-                _check_number(f"{name}[{s}]", value)
-        _check_number("comm", self.comm)
-        for s, (b, w) in enumerate(zip(self.backward, self.weight)):
-            if w > b:
-                raise ScheduleError(f"costs: W={w} > B={b} on stage {s}; W is the weight-gradient part of B, "
-                                    f"so 0 <= W <= B")
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.forward)
-
-    def duration(self, action: Action) -> Real:
-        s, kind = action.stage, action.kind
-        if kind is Kind.F:
-            return self.forward[s] + self.tp_comm[s]
-        if kind is Kind.B:
-            return self.backward[s] + self.tp_comm[s]
-        if kind is Kind.I:
-            return self.backward[s] - self.weight[s] + self.tp_comm[s]
-        if kind is Kind.W:
-            return self.weight[s]
-        return 0
-
-    def scaled(self, factor: Real) -> "Costs":
-        """Compute costs and activation bytes times factor (comm unchanged): a stage holding 1/v of the layers."""
-        return replace(self, forward=tuple(x * factor for x in self.forward),
-                       backward=tuple(x * factor for x in self.backward),
-                       weight=tuple(x * factor for x in self.weight),
-                       tp_comm=tuple(x * factor for x in self.tp_comm),
-                       dp_comm=tuple(x * factor for x in self.dp_comm),
-                       gather_comm=tuple(x * factor for x in self.gather_comm),
-                       activation_bytes=None if self.activation_bytes is None
-                       else tuple(x * factor for x in self.activation_bytes))
-
-    def as_dict(self) -> dict:
-        out = {"F": list(self.forward), "B": list(self.backward), "W": list(self.weight), "comm": self.comm}
-        if self.activation_bytes is not None:
-            out["act_bytes"] = list(self.activation_bytes)
-        for name in ("tp_comm", "dp_comm", "gather_comm"):
-            if any(getattr(self, name)):
-                out[name] = list(getattr(self, name))
-        return out
-
-    @classmethod
-    def uniform(cls, num_stages: int, F: Real = 1.0, B: Real = 2.0, W: Real | None = None, comm: Real = 0,
-                activation_bytes: Real | None = None) -> "Costs":
-        """The same F, B, W on every stage; W defaults to B/2 (I and W then cost the same)."""
-        if num_stages < 1:
-            raise ScheduleError(f"costs: num_stages={num_stages} must be at least 1")
-        for name, value in (("F", F), ("B", B), ("comm", comm)):
-            _check_number(name, value)
-        W = B / 2 if W is None else W
-        return cls((F,) * num_stages, (B,) * num_stages, (W,) * num_stages, comm,
-                   None if activation_bytes is None else (activation_bytes,) * num_stages)
-
-    @classmethod
-    def parse(cls, text: str, num_stages: int) -> "Costs":
-        """Read "F=1,B=2,W=1,comm=0.1" (keys case-insensitive; act_bytes= too); the same values on every stage."""
-        values = {}
-        for item in text.replace(";", ",").split(","):
-            if not item.strip():
-                continue
-            key, sep, raw = item.partition("=")
-            key = key.strip().lower()
-            if not sep or not raw.strip():
-                raise ScheduleError(f"costs: {item.strip()!r} is not KEY=VALUE; write e.g. 'F=1,B=2,W=1,comm=0.1'")
-            if key in values:
-                raise ScheduleError(f"costs: {key!r} given twice in {text!r}")
-            values[key] = _parse_number(_SHOWN.get(_KEYS.get(key), key), raw.strip())
-        return cls._from_mapping(values, num_stages)
-
-    @classmethod
-    def from_json(cls, source, num_stages: int) -> "Costs":
-        """Read costs from a JSON file path or an already-loaded dict.
-
-        Each of F, B, W, act_bytes is a number (every stage) or a list with one
-        number per stage; comm is a number. E.g. {"F": [1.2, 1, 1, 1.5], "B": 2, "comm": 0.1}.
-        """
-        data = load_costs_json(source) if isinstance(source, (str, os.PathLike)) else source
-        if not isinstance(data, dict):
-            raise ScheduleError(f"costs: expected a JSON object with keys {_VALID_KEYS}, got {type(data).__name__}")
-        lowered = {str(k).lower(): v for k, v in data.items()}
-        if len(lowered) != len(data):
-            raise ScheduleError(f"costs: a key is given twice (keys are case-insensitive): {', '.join(map(str, data))}")
-        return cls._from_mapping(lowered, num_stages)
-
-    @classmethod
-    def _from_mapping(cls, values: dict, num_stages: int) -> "Costs":
-        fields = {}
-        for key, value in values.items():
-            if key not in _KEYS:
-                raise ScheduleError(f"costs: unknown key {key!r}; valid keys: {_VALID_KEYS}")
-            name = _KEYS[key]
-            shown = _SHOWN[name]
-            if name in fields:
-                raise ScheduleError(f"costs: {shown} given twice")
-            if isinstance(value, (list, tuple)):
-                if name == "comm":
-                    raise ScheduleError(f"costs: comm must be one number (the latency of any message between ranks), "
-                                        f"got a list")
-                if len(value) != num_stages:
-                    raise ScheduleError(f"costs: {shown} has {len(value)} values but the plan has {num_stages} stages; "
-                                        f"give {num_stages} values or one number")
-                for s, x in enumerate(value):
-                    _check_number(f"{shown}[{s}]", x)
-                fields[name] = tuple(value)
-            else:
-                _check_number(shown, value)
-                fields[name] = value if name == "comm" else (value,) * num_stages
-        if num_stages < 1:
-            raise ScheduleError(f"costs: num_stages={num_stages} must be at least 1")
-        forward = fields.get("forward", (1.0,) * num_stages)
-        backward = fields.get("backward", (2.0,) * num_stages)
-        weight = fields.get("weight", tuple(b / 2 for b in backward))
-        return cls(forward, backward, weight, fields.get("comm", 0), fields.get("activation_bytes"),
-                   fields.get("tp_comm"), fields.get("dp_comm"), fields.get("gather_comm"))
-
-
-def load_costs_json(path) -> dict:
-    """The raw dict of a costs JSON file (Costs.from_json checks it)."""
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except OSError as e:
-        raise ScheduleError(f"costs: cannot read {os.fspath(path)}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ScheduleError(f"costs: {os.fspath(path)} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ScheduleError(f"costs: {os.fspath(path)} must hold a JSON object with keys {_VALID_KEYS}")
-    return data
-
-
-def costs_for_plan(spec: str | None, plan: Plan) -> Costs:
-    """Costs for this plan from `simulate --costs` text or a .json path.
-
-    Numbers are for one rank's share of the model (a 1F1B stage): a plan with
-    v stages per rank (interleaved, zbv, dualpipev) runs each stage at 1/v of
-    them, so every schedule does the same total work and makespans compare.
-    Per-stage lists (JSON) are taken as they are, one value per stage of the plan.
-    """
-    factor = Fraction(plan.num_ranks, plan.num_stages)
-    factor = 1 if factor == 1 else float(factor)
-    spec = spec or ""
-    if spec.lower().endswith(".json") or (spec and os.path.isfile(spec)):
-        data = load_costs_json(spec)
-        scaled = {k: (v if isinstance(v, list) or str(k).lower() == "comm" or isinstance(v, bool)
-                      or not isinstance(v, (int, float)) else v * factor)
-                  for k, v in data.items()}
-        return Costs.from_json(scaled, plan.num_stages)
-    costs = Costs.parse(spec, plan.num_stages)
-    return costs if factor == 1 else costs.scaled(factor)
-
-
-def _parse_number(key: str, raw: str) -> Real:
-    try:
-        return int(raw)
-    except ValueError:
-        pass
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ScheduleError(f"costs: {key}={raw!r} is not a number") from None
-    _check_number(key, value)
-    return value
-
+__all__ = ["Costs", "Event", "MATCHINGS", "Timeline", "costs_for_plan", "load_costs_json", "simulate",
+           "simulate_matching", "simulate_order", "simulate_unchecked"]
 
 @dataclass
 class Event:
@@ -415,9 +188,7 @@ def simulate(plan: Plan, costs: Costs) -> Timeline:
 def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
     """simulate() without validating first, for a caller that trusts the plan's counts (the synthesizer's
     local search: a reordering that deadlocks still raises ScheduleError, naming where it stuck)."""
-    if costs.num_stages != plan.num_stages:
-        raise ScheduleError(f"costs are for {costs.num_stages} stages but plan {plan.name!r} has "
-                            f"{plan.num_stages}; give one cost per stage")
+    _check_stages(plan, costs)
     actions = plan.compute_only().ranks
     launches, waits = _gathers(plan, costs)
     gathered: dict[tuple[int, int], tuple[Action, Real]] = {}  # (rank, index of an UNSHARD) -> it, when done
@@ -439,8 +210,8 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
                 waiters[missing].append(r)
                 break
             start = free[r]
-            for key, unshard, duration in launches.get(action, ()):  # posted where the rank reached them
-                channel[r] = max(channel[r], free[r]) + duration
+            for key, unshard, took in launches.get(action, ()):  # posted where the rank reached them
+                channel[r] = queued(channel[r], free[r], took)
                 gathered[key] = unshard, channel[r]
             for key in waits.get(action, ()):  # its stage's gathers: the rank's wait for them is their event
                 unshard, done = gathered.pop(key)
@@ -449,16 +220,15 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
                     start = done
             for d in deps:
                 available = ends[d]
-                if costs.comm and rank_of[d.stage] != r:
-                    available = available + costs.comm
+                latency = hop(costs.comm, rank_of[d.stage], r)
+                if latency:
+                    available = available + latency
                 if available > start:
                     start = available
-            end = start + costs.duration(action)
-            ends[action] = end
-            free[r] = end
-            events.append(Event(r, action, start, end))
+            free[r] = _charge(r, action, start, costs, events, ends)
             pos[r] += 1
-            todo.extend(waiters.pop(action, ()))
+            for part in parts_of(action):
+                todo.extend(waiters.pop(part, ()))
     stuck = [r for r in range(plan.num_ranks) if pos[r] < len(actions[r])]
     if stuck:  # validate() proves this cannot happen; kept so a validator bug cannot pass silently
         r = stuck[0]
@@ -471,9 +241,31 @@ def simulate_unchecked(plan: Plan, costs: Costs) -> Timeline:
                     stage_to_rank=tuple(plan.stage_to_rank), activation_bytes=costs.activation_bytes, meta=meta)
 
 
+def _check_stages(plan: Plan, costs: Costs) -> None:
+    if costs.num_stages != plan.num_stages:
+        raise ScheduleError(f"costs are for {costs.num_stages} stages but plan {plan.name!r} has "
+                            f"{plan.num_stages}; give one cost per stage")
+
+
+def _charge(rank: int, action, start: Real, costs: Costs, events: list[Event], ends: dict) -> Real:
+    """Run a compute action from `start` on its rank's compute line, by the timing rule: its events (a composite's,
+    one per part), when its outputs are ready (ends; a composite's parts' at its end); returns its end."""
+    if action.kind is Kind.OVERLAP:
+        spans = spans_of(costs, action, start)
+        end = spans[-1][1]
+        for part, (begin, finish) in zip(action.parts, spans):
+            events.append(Event(rank, part, begin, finish))
+            ends[part] = end
+    else:
+        end = start + costs.duration(action)
+        events.append(Event(rank, action, start, end))
+    ends[action] = end
+    return end
+
+
 def _gathers(plan: Plan, costs: Costs) -> tuple[dict[Action, list], dict[Action, list]]:
     """Per compute action, the UNSHARDs its rank posts just before it (since its previous compute action), as
-    ((rank, index), UNSHARD, gather time), and the UNSHARDs it waits for (its stage's since the stage's previous
+    ((rank, index), UNSHARD, gather time), and the UNSHARDs it waits for (its stages' since their previous
     compute action), as (rank, index)."""
     launches: dict[Action, list] = {}
     waits: dict[Action, list] = {}
@@ -487,8 +279,9 @@ def _gathers(plan: Plan, costs: Costs) -> tuple[dict[Action, list], dict[Action,
             elif a.kind in COMPUTE_KINDS:
                 if posted:
                     launches[a], posted = posted, []
-                if a.stage in pending:
-                    waits[a] = pending.pop(a.stage)
+                keys = [key for stage in dict.fromkeys(p.stage for p in parts_of(a)) for key in pending.pop(stage, ())]
+                if keys:
+                    waits[a] = keys
     return launches, waits
 
 
@@ -496,7 +289,8 @@ def _gradient_sync_end(plan: Plan, ends: dict[Action, Real], costs: Costs) -> Re
     """When the last data-parallel gradient reduction ends. A REDUCE_GRAD is launched where it stands: once
     its rank has finished the compute action before it; launching takes no compute time (the reduction is
     asynchronous), and it then takes dp_comm[stage] on its rank's one reduction channel, after the reductions
-    launched before it. A rank without REDUCE_GRAD launches where add_reduce_grad would put them."""
+    launched before it (timing_rule.queued). A rank without REDUCE_GRAD launches where add_reduce_grad would
+    put them."""
     end = 0
     for actions in plan.ranks:
         placed = [i for i, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD]
@@ -507,7 +301,7 @@ def _gradient_sync_end(plan: Plan, ends: dict[Action, Real], costs: Costs) -> Re
             launches = [(ends[actions[i]], s) for s, i in sorted(after.items(), key=lambda item: item[1])]
         channel = 0
         for at, stage in launches:
-            channel = max(channel, at) + costs.dp_comm[stage]
+            channel = queued(channel, at, costs.dp_comm[stage])
         end = max(end, channel)
     return end
 
@@ -518,3 +312,130 @@ def _reached(actions, i: int, ends: dict[Action, Real]) -> Real:
         if actions[k].kind in COMPUTE_KINDS:
             return ends[actions[k]]
     return 0
+
+
+# Messages matched by tag or by order.
+
+MATCHINGS = ("tag", "order")
+_SENDS = (Kind.SEND_F, Kind.SEND_B)
+
+
+def simulate_matching(plan: Plan, costs: Costs, matching: str = "tag") -> Timeline:
+    """The plan simulated under a matching of point-to-point messages; a plan without its messages is lowered
+    first, for these costs, as a run lowers it. "tag" (gloo): a send goes out as soon as its tensor exists,
+    whatever its SEND's place, so a message is ready costs.comm after the compute that made it (simulate(),
+    the model every other caller uses). "order" (NCCL): simulate_order()."""
+    if matching not in MATCHINGS:
+        raise ScheduleError(f"p2p matching {matching!r} is not one of {', '.join(MATCHINGS)}")
+    if matching == "tag":
+        return simulate(plan, costs)
+    return simulate_order(plan if plan.is_lowered else lower(plan, costs), costs)
+
+
+def simulate_order(plan: Plan, costs: Costs) -> Timeline:
+    """The lowered plan run with messages matched by order (NCCL): a send goes out where its SEND stands.
+    What pipegpt.runtime and comm/p2p.py do there on a GPU, modelled action by action:
+    * each comm batch is one batch_isend_irecv: one NCCL group, on the communicator of the whole pipeline
+      group (a coalesced batch uses the device's communicator, not a per-pair one), so a rank's batches run
+      one after another on one NCCL stream. A run of comm actions is one batch, or two where sends follow its
+      last receive (messages.comm_batches): those sends then hold no compute back;
+    * a batch starts once the compute before it has ended (the NCCL stream waits for the compute stream when
+      the batch is enqueued) and the rank's previous batch has completed;
+    * a message moves once both of its batches have started (rendezvous: activations are larger than NCCL's
+      buffers), and takes costs.comm; a batch completes when all its messages have moved, together (NCCL
+      hands back one Work for the batch);
+    * the compute after a batch waits for it when it holds a receive (the runtime's wait on the receive waits
+      for the batch), and for the batch of every send released there (release points; the same Work). A
+      batch of sends alone is not waited for: the host and the compute stream go on;
+    * the step ends when every batch has completed (settle()).
+    On CPU "order" runs with gloo (the CUDA control path): a receive's wait blocks the host and gloo's sends
+    run beside each other, so CPU times sit between the two models.
+    """
+    _check_stages(plan, costs)
+    ranks, n = plan.ranks, plan.num_ranks
+    # Batches by number: bounds, rank; each message's two batches; per batch start, what its compute waits for.
+    bounds: list[list[tuple[int, int]]] = [comm_batches(acts) for acts in ranks]
+    batch_id: list[dict[int, int]] = []  # per rank: first index of a batch -> its number
+    owner: list[int] = []
+    where: dict = {}  # (rank, comm action) -> its batch
+    for r, mine in enumerate(bounds):
+        ids = {}
+        for start, end in mine:
+            ids[start] = len(owner)
+            for a in ranks[r][start:end]:
+                where[(r, a)] = len(owner)
+            owner.append(r)
+        batch_id.append(ids)
+    partners: list[list[int]] = [[] for _ in owner]
+    for (r, a), b in where.items():
+        q, other = peer(a, plan)
+        if (q, other) not in where:
+            raise ScheduleError(f"rank {r}: {a} has no {other} on rank {q} (validate the plan)")
+        partners[b].append(where[(q, other)])
+    releases = release_points(plan, eager_sends=False)
+    waits: list[list[int]] = []  # per batch: the batches the compute after it waits for
+    for r, mine in enumerate(bounds):
+        for start, end in mine:
+            b = batch_id[r][start]
+            receives = any(a.kind not in _SENDS for a in ranks[r][start:end])
+            waits.append(([b] if receives else []) + [where[(r, s)] for s in releases[r].get(start, ())])
+    started: list[Real | None] = [None] * len(owner)
+    completed: list[Real | None] = [None] * len(owner)
+    batch_end = [dict(mine) for mine in bounds]
+
+    pos, compute_free = [0] * n, [0] * n
+    stream_free: list[Real | None] = [0] * n  # end of the rank's last batch; None while it is not known
+    pending: list[list[int]] = [[] for _ in range(n)]  # batches the next compute waits for
+    ends: dict = {}
+    events: list[Event] = []
+    todo = list(range(n))
+
+    def complete(b: int) -> None:  # once it and every partner have started
+        if completed[b] is None and all(started[p] is not None for p in partners[b]):
+            completed[b] = max(max(started[b], started[p]) + costs.comm for p in partners[b])
+            r = owner[b]
+            if stream_free[r] is None and batch_at[r] == b:
+                stream_free[r] = completed[b]
+            todo.append(r)
+
+    batch_at: list[int | None] = [None] * n  # the rank's last started batch
+    while todo:
+        r = todo.pop()
+        actions = ranks[r]
+        while pos[r] < len(actions):
+            i, a = pos[r], actions[pos[r]]
+            if a.kind in COMPUTE_KINDS:
+                if any(completed[b] is None for b in pending[r]):
+                    break
+                start = max([compute_free[r]] + [completed[b] for b in pending[r]])
+                pending[r] = []
+                compute_free[r] = _charge(r, a, start, costs, events, ends)
+                pos[r] += 1
+            elif i in batch_id[r]:
+                if stream_free[r] is None:
+                    break
+                b = batch_id[r][i]
+                started[b] = max(compute_free[r], stream_free[r])
+                stream_free[r], batch_at[r] = None, b
+                pending[r] += waits[b]
+                pos[r] = batch_end[r][i]
+                complete(b)
+                for p in partners[b]:
+                    if started[p] is not None:
+                        complete(p)
+            else:  # a collective: launched, not waited for
+                pos[r] += 1
+    stuck = [r for r in range(n) if pos[r] < len(ranks[r]) or stream_free[r] is None]
+    if stuck:
+        r = stuck[0]
+        at = ranks[r][pos[r]] if pos[r] < len(ranks[r]) else "the end of the step"
+        raise ScheduleError(f"rank {r} step {pos[r]} ({at}): deadlocks with messages matched by order")
+    events.sort(key=lambda e: e.rank)  # stable: each rank keeps its plan order
+    meta = {**plan.meta, "costs": costs.as_dict(), "p2p_matching": "order"}
+    step_end = max(completed, default=0)
+    if any(costs.dp_comm):
+        step_end = max(step_end, _gradient_sync_end(plan, ends, costs))
+    if step_end > max((e.end for e in events), default=0):
+        meta["step_end"] = step_end
+    return Timeline(events, n, schedule=plan.name, num_microbatches=plan.num_microbatches,
+                    stage_to_rank=tuple(plan.stage_to_rank), activation_bytes=costs.activation_bytes, meta=meta)

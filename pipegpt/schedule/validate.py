@@ -9,17 +9,26 @@ and no compute action of the stage runs while it is sharded (whether a run shard
 training role's to check: pipegpt.train.grad_sync). They block nothing here: a gather waits only for the
 stage's replicas, which run the same plan and so launch their collectives in the same order: they cannot
 deadlock with each other or with messages.
+
+A composite (actions.Composite) is checked as its parts in order: each part's dependencies, counts and
+messages as if the parts stood one after the other where the composite stands (errors then count steps
+with the parts apart). And as one action: a pair starts once, so what either part needs from outside it
+must be there before it (a part may need the other, which runs first).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .actions import COLLECTIVE_KINDS, NO_MICROBATCH, Action, Kind, Plan, PlanError, ScheduleError
+from .actions import COLLECTIVE_KINDS, NO_MICROBATCH, Action, Kind, Plan, PlanError, ScheduleError, parts_of
 from .messages import comm_batches, comm_runs, messages, peer
 
 
 def dependencies(action: Action, plan: Plan) -> list[Action]:
-    """Compute actions that must finish before this compute action may start."""
+    """Compute actions that must finish before this compute action may start (a composite: its parts', but
+    those on each other)."""
+    if action.kind is Kind.OVERLAP:
+        deps = [d for part in action.parts for d in dependencies(part, plan)]
+        return [d for d in dict.fromkeys(deps) if d not in action.parts]
     s, mb, last = action.stage, action.microbatch, plan.num_stages - 1
     if action.kind is Kind.F:
         if s > 0:
@@ -38,6 +47,10 @@ def dependencies(action: Action, plan: Plan) -> list[Action]:
 
 def validate(plan: Plan) -> Plan:
     """Raise PlanError/ScheduleError if the plan is not executable; return it unchanged otherwise."""
+    if plan.has_composites:
+        validate(plan.flattened())
+        _check_order(plan.compute_only())
+        return plan
     has_collectives = _check_shape(plan)
     _check_counts(plan)
     _check_order(plan.compute_only())
@@ -102,13 +115,13 @@ def _check_order(plan: Plan) -> None:
     """Run the plan on dependencies alone; a rank that can never proceed is an error."""
     done: set[Action] = set()
     pos = [0] * plan.num_ranks
-    where = {a: (r, k) for r, acts in enumerate(plan.ranks) for k, a in enumerate(acts)}
+    where = {p: (r, k) for r, acts in enumerate(plan.ranks) for k, a in enumerate(acts) for p in parts_of(a)}
     progress = True
     while progress:
         progress = False
         for r, actions in enumerate(plan.ranks):
             while pos[r] < len(actions) and all(d in done for d in dependencies(actions[pos[r]], plan)):
-                done.add(actions[pos[r]])
+                done.update(parts_of(actions[pos[r]]))
                 pos[r] += 1
                 progress = True
     stuck = [r for r in range(plan.num_ranks) if pos[r] < len(plan.ranks[r])]

@@ -12,7 +12,7 @@ from helpers import assert_one_line_error, invoke
 from pipegpt.schedule import Plan, PlanError, lower, schedule_spec, validate
 from pipegpt.schedule.actions import F
 from pipegpt.schedule.generators import decode_plan, decode_position
-from pipegpt.schedule.report import steady_state_bubble
+from pipegpt.observe.simulate_report import steady_state_bubble
 from pipegpt.schedule.simulate import Costs, simulate
 from pipegpt.schedule.validate import dependencies
 

@@ -8,7 +8,7 @@ Costs are integers, so times are exact. The matrix: every schedule at p 2..8, m 
 import pytest
 
 from pipegpt.schedule import SCHEDULES, Action, Kind, Plan, ScheduleError, build_plan, lower, validate
-from pipegpt.schedule.matching import simulate_matching, simulate_order
+from pipegpt.schedule.simulate import simulate_matching, simulate_order
 from pipegpt.schedule.messages import comm_batches, comm_runs
 from pipegpt.schedule.schedule_file import parse_schedule_text
 from pipegpt.schedule.simulate import Costs, simulate
@@ -219,7 +219,7 @@ def test_a_send_behind_the_receives_makes_neither_end_wait(monkeypatch):
     would wait for rank 1; after 2B0, rank 1 would wait for 2B0. As a batch of its own behind the receive, it
     leaves when rank 1 is ready and no compute waits: order costs what tag costs (the lowering that put it
     after 2B0 cost 26). Posted with that receive as one batch, the same plan would cost 28.5."""
-    import pipegpt.schedule.matching as matching
+    import pipegpt.schedule.simulate as matching
 
     costs = _costs("dualpipev", 4, 0)
     plan = SCHEDULES["dualpipev"].build(4, 8, None, costs)

@@ -1,11 +1,13 @@
 """simulate() for the synthesizer's candidates: the same makespan and peak live, on integer-coded plans.
 
 A candidate is a list per rank of list_scheduler codes. evaluate() computes what simulate(plan, costs)
-would say of its makespan and max(peak_live_microbatches_per_rank), to the last bit (the same sums in
-the same order), without building events or validating: a plan that cannot run gives None.
+would say of its makespan and max(peak_live_microbatches_per_rank), to the last bit, without building
+events or validating: a plan that cannot run gives None. Both charge every action by the timing rule
+(timing_rule.py: the same durations, latencies, channels and composite spans, summed in the same order).
 """
 from __future__ import annotations
 
+from ..timing_rule import queued, spans_of
 from .list_scheduler import B_, F_, I_, W_, Problem
 
 
@@ -33,6 +35,30 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
         while k < len(acts):
             rest, mb = divmod(acts[k], m)
             kind, s = divmod(rest, n)
+            if kind > B_:  # a composite pair: rare, so out of this loop
+                spans = _composite(problem, acts[k], start_free, needs, ends, waiters, r)
+                if spans is None:
+                    break
+                # The live level and span as below, per part: repeated, not shared, since a call or a loop per
+                # action costs the hot path below more than this copy does.
+                for (kind, index), (start, end) in spans:
+                    when = start if kind == F_ else end if kind != I_ else None
+                    if when is not None:
+                        if level_at[r] is not None and when != level_at[r] and level[r] > peak[r]:
+                            peak[r] = level[r]
+                        level_at[r] = when
+                        level[r] += 1 if kind == F_ else -1
+                    if first_start is None or start < first_start:
+                        first_start = start
+                    if last_end is None or end > last_end:
+                        last_end = end
+                start_free = end
+                k += 1
+                for (_, index), _ in spans:
+                    woken = waiters.pop(index, None)
+                    if woken:
+                        todo.extend(woken)
+                continue
             index = (kind if kind != B_ else I_) * nm + s * m + mb
             start = start_free
             for offset, latency in needs[kind][s]:
@@ -80,12 +106,45 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
     return step_end - first_start, max(peak)
 
 
+def _composite(problem: Problem, code: int, start, needs, ends: list, waiters: dict, r: int):
+    """A composite pair's parts as ((kind, index in ends), (start, end)), timed by the timing rule from `start`
+    (its rank free) once every part's dependencies but those on each other have ended (their ends set
+    to the pair's end); None where one has not (the rank then waits for it)."""
+    n, m = problem.n, problem.m
+    codes = problem.composites[code - problem.composite_base]
+    parts = []
+    for part in codes:
+        rest, mb = divmod(part, m)
+        kind, s = divmod(rest, n)
+        parts.append((kind, s, (kind if kind != B_ else I_) * n * m + s * m + mb))
+    own = {index for _, _, index in parts}
+    for kind, s, index in parts:
+        for offset, latency in needs[kind][s]:
+            if index + offset in own:
+                continue
+            a = ends[index + offset]
+            if a is None:
+                waiters.setdefault(index + offset, []).append(r)
+                return None
+            if latency:
+                a = a + latency
+            if a > start:
+                start = a
+    spans = spans_of(problem.costs, problem.action(code), start)
+    for _, _, index in parts:
+        ends[index] = spans[-1][1]
+    return [((kind, index), span) for (kind, _, index), span in zip(parts, spans)]
+
+
 def _gradient_sync_end(problem: Problem, ranks, ends):
     """simulate._gradient_sync_end on codes: each stage's all-reduce starts when its last B/W ends, one at a
     time per rank, stages taken by (time, rank) and, at equal keys, in the order the simulator meets them."""
     n, m = problem.n, problem.m
     ready: dict[int, tuple] = {}
+    base, composites = problem.composite_base, problem.composites
     for r, acts in enumerate(ranks):
+        if composites:  # their parts
+            acts = [c for a in acts for c in (composites[a - base] if a >= base else (a,))]
         for code in acts:
             rest, mb = divmod(code, m)
             kind, s = divmod(rest, n)
@@ -94,5 +153,5 @@ def _gradient_sync_end(problem: Problem, ranks, ends):
                 ready[s] = max(ready.get(s, (end, r)), (end, r))
     channel_free = [0] * problem.num_ranks
     for stage, (at, rank) in sorted(ready.items(), key=lambda item: item[1]):
-        channel_free[rank] = max(channel_free[rank], at) + problem.costs.dp_comm[stage]
+        channel_free[rank] = queued(channel_free[rank], at, problem.costs.dp_comm[stage])
     return max(channel_free)

@@ -1,8 +1,9 @@
 """The synthesizer's list scheduler and its compact plans: actions as integers, times in flat lists.
 
 An action is the code (kind * stages + stage) * microbatches + microbatch, kind F=0, I=1, W=2, B=3, so
-that a few dozen variants of a 100,000-action schedule take seconds, not minutes. Problem holds what
-every variant and every evaluation of one synthesis shares.
+that a few dozen variants of a 100,000-action schedule take seconds, not minutes; a composite pair is
+4 * stages * microbatches + its number in Problem.composites. Problem holds what every variant and every
+evaluation of one synthesis shares, its times read from the timing rule (timing_rule.py).
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 from numbers import Real
 
-from ..actions import Action, Kind, Plan
-from ..simulate import Costs
+from ..actions import Action, Composite, Kind, Plan
+from ..timing_rule import Costs, action_times, hops
 
 KINDS = (Kind.F, Kind.I, Kind.W, Kind.B)
 F_, I_, W_, B_ = range(4)
@@ -41,15 +42,25 @@ class Problem:
         n = self.n = len(stage_to_rank)
         self.num_ranks = max(stage_to_rank) + 1
         self.stages_of = [[s for s in range(n) if stage_to_rank[s] == r] for r in range(self.num_ranks)]
-        # duration[kind][stage], each the simulator's own value for that action
-        self.duration = [[costs.duration(Action(s, kind, 0)) for s in range(n)] for kind in KINDS]
-        # what a message from stage s to s + 1 (or back) adds: the latency between ranks, 0 on one rank
-        self.hop = [costs.comm if s + 1 < n and stage_to_rank[s] != stage_to_rank[s + 1] else 0 for s in range(n)]
+        # duration[kind][stage] and hop[s] (a message between stage s and s + 1): the timing rule's own values
+        self.duration = action_times(costs, KINDS)
+        self.hop = hops(costs, stage_to_rank)
+        self.composite_base = len(KINDS) * n * self.m  # codes from here on are composites
+        self.composites: list[tuple[int, ...]] = []  # each composite's parts, as codes
+        self._composite_codes: dict[tuple[int, ...], int] = {}
 
-    def code(self, action: Action) -> int:
+    def code(self, action: Action | Composite) -> int:
+        if action.kind is Kind.OVERLAP:
+            parts = tuple(map(self.code, action.parts))
+            if parts not in self._composite_codes:
+                self._composite_codes[parts] = self.composite_base + len(self.composites)
+                self.composites.append(parts)
+            return self._composite_codes[parts]
         return (KINDS.index(action.kind) * self.n + action.stage) * self.m + action.microbatch
 
-    def action(self, code: int) -> Action:
+    def action(self, code: int) -> Action | Composite:
+        if code >= self.composite_base:
+            return Composite(tuple(map(self.action, self.composites[code - self.composite_base])))
         rest, mb = divmod(code, self.m)
         kind, stage = divmod(rest, self.n)
         return Action(stage, KINDS[kind], mb)

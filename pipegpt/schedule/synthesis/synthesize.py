@@ -22,7 +22,7 @@ from numbers import Real
 from ..actions import Action, Kind, Plan, ScheduleError
 from .fast_simulate import evaluate
 from .list_scheduler import Problem, Variant, list_schedule
-from ..simulate import Costs
+from ..timing_rule import Costs, hops
 
 # Simulations the local search may spend after the list scheduler (a count, not seconds, so that every
 # process that synthesizes the same inputs gets the same plan); it stops earlier once a pass over
@@ -95,7 +95,7 @@ def lower_bound(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Co
     fwd = [d(Action(s, Kind.F, 0)) for s in range(n)]
     inp = [d(Action(s, Kind.I, 0)) for s in range(n)]
     wgt = [d(Action(s, Kind.W, 0)) for s in range(n)]
-    hop = [costs.comm if s + 1 < n and stage_to_rank[s] != stage_to_rank[s + 1] else 0 for s in range(n)]
+    hop = hops(costs, stage_to_rank)
     arrive = [0] * n  # when microbatch 0's input can reach stage s
     for s in range(1, n):
         arrive[s] = arrive[s - 1] + fwd[s - 1] + hop[s - 1]

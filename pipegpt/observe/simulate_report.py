@@ -14,14 +14,13 @@ from typing import Callable
 
 from pipegpt.config import ConfigError
 
-from . import render
-from .actions import Kind, Plan, ScheduleError
-from .generators import DECODE_GROUPS, decode_plan
-from .registry import schedule_names, schedule_spec
-from .render import human_bytes
-from .schedule_file import check_against_file, load_schedule_file
-from .matching import simulate_matching
-from .simulate import _ratio, costs_for_plan
+from pipegpt.schedule import render
+from pipegpt.schedule.actions import Kind, Plan, ScheduleError
+from pipegpt.schedule.generators import DECODE_GROUPS, decode_plan
+from pipegpt.schedule.registry import schedule_names, schedule_spec
+from pipegpt.schedule.render import human_bytes
+from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
+from pipegpt.schedule.simulate import _ratio, costs_for_plan, simulate_matching
 
 DEFAULT_COSTS = "F=1,B=2,W=1,comm=0"
 
@@ -48,7 +47,7 @@ class SimulateOptions:
     max_live: int | None = None
     forward_only: bool = False
     decode_steps: int | None = None
-    p2p_matching: str | None = None  # "tag" (None) or "order": how messages are matched (schedule/matching.py)
+    p2p_matching: str | None = None  # "tag" (None) or "order": how messages are matched (schedule/simulate.py)
 
 
 def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Callable) -> None:
@@ -310,7 +309,7 @@ def table(records: list[dict]) -> str:
 
 def simulate_trace(opts: SimulateOptions, echo: Callable) -> None:
     """`simulate --trace RUN_DIR`: the run's measured timeline beside its plan simulated with calibrated costs."""
-    from .calibrate import compare, comparison_text  # only --trace reads a run
+    from pipegpt.schedule.calibrate import compare, comparison_text  # only --trace reads a run
 
     run_dir, out = opts.trace_dir, opts.out
     comparison = compare(run_dir, opts.trace_step)

@@ -1,0 +1,166 @@
+"""A composite action (two compute actions of one rank run as one, DualPipe's overlapped F and B): it prints and
+parses back, validates as its parts in order, lowers whole, and every engine times it by the one timing rule."""
+from __future__ import annotations
+
+import pytest
+
+from pipegpt.schedule import timing_rule
+from pipegpt.schedule.actions import Action, Composite, Kind, Plan, ScheduleError
+from pipegpt.schedule.lowering import lower
+from pipegpt.schedule.simulate import Costs, simulate, simulate_order
+from pipegpt.schedule.synthesis.fast_simulate import evaluate
+from pipegpt.schedule.synthesis.list_scheduler import Problem
+from pipegpt.schedule.validate import validate
+
+# 1F1B on two ranks, four microbatches, the last stage's steady state as composite pairs.
+RANK0 = "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+RANK1 = "1F0 (1F1;1B0) (1F2;1B1) (1F3;1B2) 1B3"
+
+
+def _plan(rank1: str = RANK1, rank0: str = RANK0) -> Plan:
+    ranks = [tuple(Action.parse(t) for t in line.split()) for line in (rank0, rank1)]
+    return Plan("toy-composite", 4, (0, 1), tuple(ranks))
+
+
+def test_a_composite_prints_and_parses_back():
+    pair = Action.parse("(1F1;1B0)")
+    assert isinstance(pair, Composite) and pair.kind is Kind.OVERLAP and pair.kind.is_compute
+    assert pair.parts == (Action(1, Kind.F, 1), Action(1, Kind.B, 0))
+    assert str(pair) == "(1F1;1B0)" and Action.parse(str(pair)) == pair
+    assert _plan().to_text() == f"{RANK0}\n{RANK1}\n"
+
+
+@pytest.mark.parametrize("text", ["(1F1)", "(1F1;1B0;1F2)", "(1F1;1B1)", "(1F1;1SEND_F1)", "(1F1;(1F2;1B0))",
+                                  "1F1;1B0)"])
+def test_a_bad_composite_is_refused(text):
+    with pytest.raises(ScheduleError, match="composite|bad action"):
+        Action.parse(text)
+
+
+def test_validate_checks_the_parts_as_if_in_order():
+    assert validate(_plan()) is not None
+    with pytest.raises(ScheduleError, match="1F1"):  # its F comes after the B that needs it
+        validate(_plan("1F0 (1B1;1F1) (1F2;1B0) (1F3;1B2) 1B3"))
+    with pytest.raises(ScheduleError, match="belongs to rank"):
+        validate(_plan("1F0 (1F1;1B0) (1F2;1B1) (1F3;1B2) 1B3", "0F0 (0F1;1B3) 0B0 0F2 0B1 0F3 0B2 0B3"))
+
+
+def test_lowering_keeps_a_composite_whole_with_its_parts_messages_around_it():
+    costs = Costs.uniform(2, comm=0.5)
+    lowered = validate(lower(_plan(), costs))
+    rank1 = [str(a) for a in lowered.ranks[1]]
+    at = rank1.index("(1F1;1B0)")
+    assert "1RECV_F1" in rank1[:at] and rank1.index("1SEND_B0") > at
+    assert [a for a in rank1 if not a.startswith("1SEND") and not a.startswith("1RECV")] == RANK1.split()
+
+
+def _times(plan: Plan, costs: Costs):
+    """Makespan by simulate (tag), simulate_order (lowered for these costs), and the synthesizer's simulator."""
+    tag = simulate(plan, costs)
+    order = simulate_order(lower(plan, costs), costs)
+    problem = Problem(plan.stage_to_rank, plan.num_microbatches, costs)
+    fast, peak = evaluate(problem, problem.encode(plan))
+    assert problem.decode(problem.encode(plan)) == plan.ranks
+    assert peak == max(tag.peak_live_microbatches_per_rank)
+    return tag.makespan, order.makespan, fast, tag
+
+
+@pytest.mark.parametrize("costs", [Costs.uniform(2), Costs((1.3, 0.7), (2.9, 1.1), (1.0, 0.5), comm=0),
+                                   Costs((1.3, 0.7), (2.9, 1.1), (1.0, 0.5), comm=0.25, dp_comm=(3, 1))],
+                         ids=["unit", "uneven", "latency"])
+def test_a_composite_action_is_timed_by_every_engine_alike(costs):
+    tag, order, fast, timeline = _times(_plan(), costs)
+    assert tag == fast  # to the bit
+    if not costs.comm:
+        assert order == tag
+    # No communication inside the parts: a pair costs the sum of its parts, back to back.
+    pair = [e for e in timeline.events if e.rank == 1][1:3]
+    assert [str(e.action) for e in pair] == ["1F1", "1B0"]
+    assert pair[0].end == pair[1].start
+    assert pair[1].end - pair[0].start == pytest.approx(costs.duration(Action(1, Kind.F, 1))
+                                                        + costs.duration(Action(1, Kind.B, 0)))
+
+
+def test_unit_costs_give_the_pairs_makespan_in_every_engine():
+    """By hand (F 1, B 2): rank 1's pairs run [2, 5], [8, 11], [14, 17], each waiting for rank 0's next forward,
+    which waits for the backward its pair sent back; rank 0's last two backwards end at 21."""
+    assert _times(_plan(), Costs.uniform(2))[:3] == (21.0, 21.0, 21.0)
+
+
+def test_a_parts_communication_hides_under_the_other_parts_compute(monkeypatch):
+    """The overlap is one number, timing_rule.part_comm: with a forward's all-to-all of 2.5 under a backward of 2,
+    the backward's slot grows to 2.5 (three pairs: 1.5 later), in every engine."""
+    monkeypatch.setattr(timing_rule, "part_comm", lambda costs, part: 2.5 if part.kind is Kind.F else 0)
+    assert timing_rule.spans_of(Costs.uniform(2), Composite.of(Action(1, Kind.F, 1), Action(1, Kind.B, 0)), 0) \
+        == [(0, 1.0), (1.0, 3.5)]
+    tag, order, fast, _ = _times(_plan(), Costs.uniform(2))
+    assert tag == order == fast == 22.5
+
+
+def test_a_schedule_file_holds_composites():
+    from pipegpt.schedule.schedule_file import dump_schedule_text, parse_schedule_text
+
+    plan = parse_schedule_text(f"{RANK0}\n{RANK1}\n")
+    assert plan.ranks == _plan().ranks and plan.num_microbatches == 4
+    assert parse_schedule_text(dump_schedule_text(plan)).ranks == plan.ranks
+    with pytest.raises(ScheduleError, match="bad token '\\(1F1'"):
+        parse_schedule_text(f"{RANK0}\n1F0 (1F1\n")
+
+
+def test_a_pair_waiting_for_what_its_own_first_part_feeds_is_a_circular_wait():
+    """Rank 0's pair (0F1;0B0) needs 1B0, which rank 1 runs after 1F1, which needs 0F1 from the pair: with the
+    parts one after the other the plan runs; as one action the pair would wait for itself through rank 1."""
+    plan = _plan("1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3", "0F0 (0F1;0B0) 0F2 0F3 0B1 0B2 0B3")
+    assert validate(plan.flattened())
+    with pytest.raises(ScheduleError, match="circular wait"):
+        validate(plan)
+    assert validate(_plan("1F0 1F1 (1B0;1B1) 1F2 1B2 1F3 1B3", "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3"))
+
+
+def _paired(plan: Plan) -> Plan:
+    """The plan with each forward and the backward right after it (two microbatches) as a composite, where the
+    pair as one action still validates."""
+    for r in range(plan.num_ranks):
+        k = 0
+        while k + 1 < len(plan.ranks[r]):
+            first, second = plan.ranks[r][k], plan.ranks[r][k + 1]
+            if first.kind is Kind.F and second.kind in (Kind.B, Kind.I) and first.microbatch != second.microbatch:
+                ranks = list(plan.ranks)
+                ranks[r] = ranks[r][:k] + (Composite.of(first, second),) + ranks[r][k + 2:]
+                try:
+                    plan = validate(plan.with_ranks(ranks))
+                except ScheduleError:
+                    pass
+            k += 1
+    return plan
+
+
+@pytest.mark.parametrize("name,ranks,microbatches", [("dualpipev", 4, 8), ("1f1b", 4, 8), ("zbv", 3, 6),
+                                                     ("interleaved-1f1b", 2, 4)])
+def test_pairs_in_real_schedules_are_timed_alike(name, ranks, microbatches):
+    from pipegpt.schedule.registry import schedule_spec
+
+    spec = schedule_spec(name)
+    n = spec.num_stages(ranks)
+    costs = Costs(tuple(1 + 0.1 * s for s in range(n)), tuple(2.2 + 0.05 * s for s in range(n)), (0.9,) * n,
+                  comm=0.15, dp_comm=(0.5,) * n)
+    plan = _paired(spec.build(ranks, microbatches))
+    pairs = sum(a.kind is Kind.OVERLAP for acts in plan.ranks for a in acts)
+    assert pairs >= ranks - 1
+    tag, order, fast, _ = _times(plan, costs)
+    assert tag == fast and order >= tag - 1e-9
+    lowered = validate(lower(plan, costs))
+    assert [a for acts in lowered.compute_only().ranks for a in acts] == [a for acts in plan.ranks for a in acts]
+
+
+def test_message_memory_and_evaluation_read_a_pairs_parts():
+    """The message buffers a rank holds (messages.message_peaks) count a pair's parts as the same plan with the
+    parts apart does: zbv's paired plan holds 4 on rank 2, not 6."""
+    from pipegpt.schedule.messages import message_peaks
+    from pipegpt.schedule.registry import schedule_spec
+
+    plan = _paired(schedule_spec("zbv").build(3, 6))
+    lowered = lower(plan, Costs.uniform(plan.num_stages, comm=0.3))
+    assert message_peaks(lowered) == message_peaks(lowered.flattened()) == [6, 6, 4]
+    assert message_peaks(lowered, True) == message_peaks(lowered.flattened(), True) == [6, 7, 4]
+    assert validate(_plan().forward_only()).ranks[1] == tuple(Action(1, Kind.F, mb) for mb in range(4))
