@@ -14,7 +14,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pipegpt.dims import ParallelDims, Sharding
+from pipegpt.dims import AXIS_FIELDS, ParallelDims, Sharding
 # The model's shape and its layout checks live one layer down; re-exported here, where most callers look.
 from pipegpt.model_config import (ARCHS, MODEL_PRESETS, ConfigError, ModelConfig, model_config,  # noqa: F401
                                   nearest_multiples, validate_cp, validate_tp)
@@ -91,12 +91,11 @@ class ParallelConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, pp=self.stages, cp=self.cp, tp=self.tp)
+        return ParallelDims(**{axis: getattr(self, name) for axis, name in AXIS_FIELDS.items()})
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(dp=self.dp, pp=self.stages, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
-                        zero=self.zero)
+        return Sharding(*self.dims.sizes, sequence_parallel=self.sequence_parallel, zero=self.zero)
 
 
 @dataclass(frozen=True)
@@ -317,7 +316,7 @@ class TrainConfig:
             raise ConfigError("--document-mask finds documents by the end-of-text token, and the bytes tokenizer has "
                               "none: use --tokenizer gpt2 or a tokenizer.json with one")
         _check_choice("zero", p.zero, ZERO)
-        if p.zero >= 2 and p.dp * p.cp == 1:
+        if p.zero >= 2 and p.dims.replicas == 1:
             raise ConfigError(f"--zero {p.zero} shards over the data-parallel replicas, and dp x cp = 1: nothing to "
                               f"shard: give --dp 2 or more, or --zero 0")
         if p.unshard is not None:

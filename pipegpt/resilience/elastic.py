@@ -34,8 +34,9 @@ def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
     old = _predicted(cfg)
     best = None
     for dp in sorted((d for d in range(1, p.dp + 1) if p.dp % d == 0), reverse=True):
-        stages = min(ranks // (dp * p.cp * p.tp), cfg.model.n_layer)
-        if stages < 1 or (p.zero >= 2 and dp * p.cp == 1):  # ZeRO-2/3 need replicas to shard over
+        stage = p.dims._replace(dp=dp, pp=1)  # the ranks of one pipeline position, over every replica
+        stages = min(ranks // stage.world_size, cfg.model.n_layer)
+        if stages < 1 or (p.zero >= 2 and stage.replicas == 1):  # ZeRO-2/3 need replicas to shard over
             continue
         microbatches = p.microbatches * p.dp // dp
         for schedule in dict.fromkeys((p.schedule, "1f1b")):
