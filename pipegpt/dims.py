@@ -114,6 +114,11 @@ class _Axes:
         shards over them."""
         return self.span(GROUP_AXES[REPLICAS])
 
+    @property
+    def replica_size(self) -> int:
+        """Ranks one copy of the model is cut over: every axis but dp (pp x cp x tp)."""
+        return self.world_size // self.dp
+
     def carve(self, carving: Carve):
         """This layout with one more axis carved out of others (the world and every rank number unchanged)."""
         over = tuple(a for a in AXES if a in carving.over)
@@ -180,8 +185,9 @@ class _Axes:
         for c in self.carved:
             if named & {c.name, c.complement}:
                 if named & set(c.over):
-                    raise ValueError(f"{' x '.join(a for a in self.axis_names if a in named)}: {c.name} and {c.complement} cut "
-                                     f"{' x '.join(c.over)} another way; a group spans one cut or the other")
+                    spans = " x ".join(a for a in self.axis_names if a in named)
+                    raise ValueError(f"{spans}: {c.name} and {c.complement} cut {' x '.join(c.over)} another way; a "
+                                     f"group spans one cut or the other")
                 out = [a for a in out if a not in c.over] + [c.complement, c.name]
         return out
 

@@ -182,7 +182,7 @@ def test_cp_is_searched_in_powers_of_two_down_to_2048_tokens_a_rank():
     llama8k = MODEL_PRESETS["llama3-8b"]
     assert ask(llama8k).cp_choices(tp=1) == [1, 2, 4]  # 2,048 tokens a rank at cp 4
     assert ask(replace(llama8k, seq_len=1 << 20)).cp_choices(tp=8) == [1, 2, 4, 8]  # cp x tp <= 64 GPUs
-    assert ask(llama8k, only=(None, None, None, 16)).cp_choices(tp=1) == [16]  # --cp: taken as given
+    assert ask(llama8k, only={"cp": 16}).cp_choices(tp=1) == [16]  # --cp: taken as given
     assert ask(MODEL_PRESETS["gpt2"]).cp_choices(tp=1) == [1]  # 1,024 tokens: no cp searched
 
 
