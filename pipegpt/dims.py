@@ -39,6 +39,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 AXES = ("dp", "pp", "cp", "tp")  # rank order, the first slowest; a new axis: its name here, then its table rows
 Coords = namedtuple("Coords", AXES)
+NAMED_AT_ONE = ("dp", "pp", "tp")  # a layout's label shows these at size 1 too (labels read as before cp came)
 
 
 class Carve(NamedTuple):
@@ -118,6 +119,14 @@ class _Axes:
     def replica_size(self) -> int:
         """Ranks one copy of the model is cut over: every axis but dp (pp x cp x tp)."""
         return self.world_size // self.dp
+
+    def label(self, details: Mapping[str, str | None] | None = None, spaced: bool = False) -> str:
+        """The axes in rank order as reports name them, dp, pp and tp always, a later axis only where it cuts:
+        dp2 pp4 cp2(ring) tp8, spaced dp 2 x pp 4 x cp 2 (ring) x tp 8 (details: a word after an axis's size)."""
+        details = details or {}
+        return (" x " if spaced else " ").join(
+            f"{axis}{' ' * spaced}{size}" + (f"{' ' * spaced}({details[axis]})" if details.get(axis) else "")
+            for axis, size in zip(AXES, self.sizes) if size > 1 or axis in NAMED_AT_ONE)
 
     def carve(self, carving: Carve):
         """This layout with one more axis carved out of others (the world and every rank number unchanged)."""

@@ -245,15 +245,12 @@ class Result:
 
 # The order a plan's JSON lists the axes in: Layout's (dp pp tp, then cp, which came later).
 LAYOUT_AXES = tuple(f.name for f in fields(Layout) if f.name in AXES)
-NAMED_AT_ONE = ("dp", "pp", "tp")  # a layout's name shows these at size 1 too, a later axis only where it cuts
 
 
 def mesh_name(dims: ParallelDims | Sharding, details: Mapping[str, str | None] | None = None) -> str:
     """A layout's axes as the report names them, in rank order: dp2 pp4 cp2 tp8, or with details {"cp": "ring"}
-    (how K/V travel) dp2 pp4 cp2(ring) tp8 (cp only when > 1)."""
-    details = details or {}
-    return " ".join(f"{axis}{size}" + (f"({details[axis]})" if details.get(axis) else "")
-                    for axis, size in zip(AXES, dims.sizes) if size > 1 or axis in NAMED_AT_ONE)
+    (how K/V travel) dp2 pp4 cp2(ring) tp8 (cp only when > 1): pipegpt.dims's label."""
+    return dims.label(details)
 
 
 def memory_parts(x) -> dict:

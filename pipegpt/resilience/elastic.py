@@ -22,8 +22,7 @@ class Shrunk:
 
 def layout_text(cfg: TrainConfig) -> str:
     p = cfg.parallel
-    cp = f" x cp {p.cp}" if p.cp > 1 else ""
-    return f"dp {p.dp} x pp {p.stages}{cp} x tp {p.tp}, {p.schedule}, {p.microbatches} microbatches"
+    return f"{p.dims.label(spaced=True)}, {p.schedule}, {p.microbatches} microbatches"
 
 
 def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:

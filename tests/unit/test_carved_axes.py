@@ -117,3 +117,11 @@ def test_carvings_that_do_not_fit_are_refused():
         dims.members(0, ("ep",))
     with pytest.raises(ValueError, match="unknown axes"):
         dims.index(0, "ep")
+
+
+def test_a_layouts_label_names_its_axes_in_rank_order():
+    dims = ParallelDims(dp=2, pp=4, cp=2, tp=8)
+    assert dims.label() == "dp2 pp4 cp2 tp8" and dims.label({"cp": "ring"}) == "dp2 pp4 cp2(ring) tp8"
+    assert dims.label({"cp": "ring"}, spaced=True) == "dp 2 x pp 4 x cp 2 (ring) x tp 8"
+    assert ParallelDims(pp=2).label({"cp": "ring"}) == "dp1 pp2 tp1"  # cp only where it cuts
+    assert dims.carve(expert_axes(4)).label() == dims.label()  # a carving renames no rank
