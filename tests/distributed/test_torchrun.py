@@ -121,6 +121,7 @@ def test_torchrun_two_ranks(tmp_path):
     _torchrun(tmp_path, 2, "--stages", "2", "--microbatches", "2")
 
 
+@pytest.mark.slow  # 4 ranks, ~25 s on 2 cores; tests/unit/test_stages_from_world.py checks the arithmetic
 def test_torchrun_without_stages_counts_cp_among_a_stages_ranks(tmp_path):
     """4 processes, --cp 2, no --stages: 4 / (dp x cp x tp) = 2 stages (it asked for 4 when cp was left out)."""
     _torchrun(tmp_path, 4, "--cp", "2", "--microbatches", "2")
