@@ -283,7 +283,7 @@ class LayoutField(NamedTuple):
     shrink: bool = False  # a restart on fewer ranks (train/elastic) sets it anew: its old flag goes
 
 
-# Every layout setting once, in the order a command line spells them (pipegpt.plan's Layout.run_args).
+# Every layout setting once, in the order a command line spells them (pipegpt.planner's Layout.run_args).
 LAYOUT_FIELDS = (
     LayoutField("stages", "pp", auto=True, shrink=True),
     LayoutField("dp", "dp", auto=True, shrink=True),

@@ -228,10 +228,10 @@ AUTO_LAYOUT_FIELDS = tuple(f.name for f in LAYOUT_FIELDS if f.auto)
 
 def auto_layout(model: ModelConfig, global_batch: int, settings: dict, say: Callable[[str], None],
                 env=os.environ) -> dict:
-    """--layout auto: the planner's layout (pipegpt.plan.auto) for this run's ranks: torchrun's WORLD_SIZE, else
+    """--layout auto: the planner's layout (pipegpt.planner.auto) for this run's ranks: torchrun's WORLD_SIZE, else
     the GPUs here, else a rank per core (at most 8). The global batch stays; its split may change."""
     from pipegpt.config import under_torchrun
-    from pipegpt.plan.auto import choose_layout
+    from pipegpt.planner.auto import choose_layout
 
     import torch
 

@@ -62,7 +62,7 @@ def _predicted(cfg: TrainConfig) -> float:
     """One replica's simulated step at the run's measured (or estimated) per-layer costs: a relative time."""
     from pipegpt.schedule.simulate import simulate
     from pipegpt.model.partition import partition_layers
-    from pipegpt.plan.run_plan import estimated_layer_costs, make_plan, stage_costs_for
+    from pipegpt.planner.run_plan import estimated_layer_costs, make_plan, stage_costs_for
 
     plan = make_plan(cfg)
     m = cfg.model

@@ -1,5 +1,5 @@
 """The planner with context parallelism: what a cp rank holds and spends (pipegpt.costs, against sums done by
-hand), and what the search makes of it (pipegpt.plan: cp explored, --cp and --cp-comm, the JSON, the node)."""
+hand), and what the search makes of it (pipegpt.planner: cp explored, --cp and --cp-comm, the JSON, the node)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ from pipegpt.costs import memory as memory_model
 from pipegpt.costs.cost import AnalyticalCosts, Shape
 from pipegpt.costs.devices import make_cluster
 from pipegpt.dims import ParallelDims, Sharding
-from pipegpt.plan.candidates import Layout, Request
-from pipegpt.plan.search import Search, search
+from pipegpt.planner.candidates import Layout, Request
+from pipegpt.planner.search import Search, search
 from pipegpt.schedule import build_plan
 
 LLAMA = replace(MODEL_PRESETS["tiny-llama"], seq_len=256)  # 4 layers, width 128, 4 heads (2 kv) of 32, MLP 352

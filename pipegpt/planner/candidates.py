@@ -1,6 +1,6 @@
 """What the planner is asked, what it weighs and what it answers: the request, the layouts and candidates it
-searches, a plan with its predictions, and a layout refused for memory. Pure data: pipegpt.plan.search fills
-them, pipegpt.plan.report prints them."""
+searches, a plan with its predictions, and a layout refused for memory. Pure data: pipegpt.planner.search fills
+them, pipegpt.planner.report prints them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
@@ -41,7 +41,7 @@ class Request:
 class LayoutChoice:
     """A layout the search expands: its axes (pipegpt.dims), with what that tp asks of the model."""
 
-    sharding: Sharding  # sequence parallelism taken whenever validate_tp allows it (see pipegpt.plan.search)
+    sharding: Sharding  # sequence parallelism taken whenever validate_tp allows it (see pipegpt.planner.search)
     model: ModelConfig  # as it runs on this tp (vocabulary padded to 64 where tp needs it)
     pad_vocab: bool  # model is the request's with its vocabulary padded
     cp_comm: str = "ring"  # how K/V travel with cp > 1

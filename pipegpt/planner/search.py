@@ -567,7 +567,7 @@ def _zero_choices(sharding: Sharding, only: int | None = None, stages_per_rank: 
     """{(ZeRO level, unshard policy): the sharding at that level}: levels 0-3 where dp x cp > 1 (ZeRO shards over
     both), else 0; only `only` with plan --zero. Level 3 under both policies, microbatch only where a rank holds
     more than two stages (with one or two its stages are all gathered at the peak either way); per_block
-    candidates (pipegpt.plan.search.Search.groups) only ZeRO-3 under the microbatch policy."""
+    candidates (pipegpt.planner.search.Search.groups) only ZeRO-3 under the microbatch policy."""
     sharded = memory_model.gradient_group(sharding) > 1
     levels = (0, 1, 2, 3) if sharded else (0,)
     if only is not None:

@@ -16,10 +16,10 @@ Pure Python (no torch): `pipegpt plan` answers in seconds on a laptop.
     run_plan.py     a run's plan from its config (schedule, lowering costs, the evaluation plan)
 
     from pipegpt.config import MODEL_PRESETS
-    from pipegpt.plan.candidates import Request
+    from pipegpt.planner.candidates import Request
     from pipegpt.costs.cost import AnalyticalCosts
     from pipegpt.costs.devices import make_cluster
-    from pipegpt.plan.search import search
+    from pipegpt.planner.search import search
     cluster = make_cluster(8, 8, "h100")
     result = search(Request(MODEL_PRESETS["gpt2"], 512, cluster, AnalyticalCosts(cluster)))
     result.best[0].layout.command(result.best[0].model, "bf16")   # the `pipegpt run ...` that runs it
