@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     from pipegpt.config import ModelConfig
     from pipegpt.costs.cost import calibrate_costs
     from pipegpt.costs.devices import make_cluster
-    from pipegpt.plan.candidates import Layout, Request
-    from pipegpt.plan.search import evaluate_layout
+    from pipegpt.planner.candidates import Layout, Request
+    from pipegpt.planner.search import evaluate_layout
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)

@@ -27,8 +27,8 @@ from pipegpt.costs.cost import AnalyticalCosts  # noqa: E402
 from pipegpt.costs.devices import make_cluster  # noqa: E402
 from pipegpt.costs.memory import plan_memory  # noqa: E402
 from pipegpt.dims import Sharding  # noqa: E402
-from pipegpt.plan.candidates import Request  # noqa: E402
-from pipegpt.plan.search import search  # noqa: E402
+from pipegpt.planner.candidates import Request  # noqa: E402
+from pipegpt.planner.search import search  # noqa: E402
 from pipegpt.schedule import SCHEDULES, build_plan  # noqa: E402
 from pipegpt.stages import partition_layers  # noqa: E402
 

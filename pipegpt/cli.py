@@ -312,7 +312,7 @@ def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, 
 
 
 # --------------------------------------------------------------------------------------------------------------
-# plan: choose the layout before spending GPU time (pure Python: pipegpt.plan imports no torch)
+# plan: choose the layout before spending GPU time (pure Python: pipegpt.planner imports no torch)
 
 @main.command()
 @model_options
@@ -332,7 +332,7 @@ def plan(**options):
                  --batch-size 16 --calibrate runs/<time>
     """
     from pipegpt.options import model_from_options
-    from pipegpt.plan.command import PlanOptions, plan_command
+    from pipegpt.planner.command import PlanOptions, plan_command
 
     model = model_from_options(options)
     click.echo(plan_command(model, PlanOptions(**{k: v for k, v in options.items() if k not in MODEL_OPTIONS})))

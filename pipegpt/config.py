@@ -14,7 +14,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pipegpt.dims import ParallelDims, Sharding
+from pipegpt.dims import AXES, AXIS_FIELDS, ParallelDims, Sharding
 # The model's shape and its layout checks live one layer down; re-exported here, where most callers look.
 from pipegpt.model_config import (ARCHS, MODEL_PRESETS, ConfigError, ModelConfig, model_config,  # noqa: F401
                                   nearest_multiples, validate_cp, validate_tp)
@@ -91,12 +91,11 @@ class ParallelConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, pp=self.stages, cp=self.cp, tp=self.tp)
+        return ParallelDims(**{axis: getattr(self, name) for axis, name in AXIS_FIELDS.items()})
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(dp=self.dp, pp=self.stages, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
-                        zero=self.zero)
+        return Sharding(*self.dims.sizes, sequence_parallel=self.sequence_parallel, zero=self.zero)
 
 
 @dataclass(frozen=True)
@@ -317,7 +316,7 @@ class TrainConfig:
             raise ConfigError("--document-mask finds documents by the end-of-text token, and the bytes tokenizer has "
                               "none: use --tokenizer gpt2 or a tokenizer.json with one")
         _check_choice("zero", p.zero, ZERO)
-        if p.zero >= 2 and p.dp * p.cp == 1:
+        if p.zero >= 2 and p.dims.replicas == 1:
             raise ConfigError(f"--zero {p.zero} shards over the data-parallel replicas, and dp x cp = 1: nothing to "
                               f"shard: give --dp 2 or more, or --zero 0")
         if p.unshard is not None:
@@ -379,7 +378,7 @@ class TrainConfig:
                                   f"--max-restarts N too")
             if not 1 <= c.min_ranks <= self.world_size:
                 raise ConfigError(f"min_ranks={c.min_ranks} must be between 1 and this job's {self.world_size} ranks "
-                                  f"(dp x pp x cp x tp)")
+                                  f"({' x '.join(AXES)})")
         if isinstance(c.snapshot_every, bool) or not isinstance(c.snapshot_every, int) or c.snapshot_every < 0:
             raise ConfigError(f"snapshot_every={c.snapshot_every!r} must be an integer >= 0")
         if c.snapshot_every and not c.max_restarts:
@@ -398,8 +397,8 @@ class TrainConfig:
         if p.schedule_file is not None and p.virtual_stages is not None:
             raise ConfigError("--virtual-stages does not apply to --schedule-file (the file fixes the stages)")
         if env is not None and under_torchrun(env) and int(env["WORLD_SIZE"]) != self.world_size:
-            raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but dp x pp x cp x tp = "
-                              f"{p.dp} x {p.stages} x {p.cp} x {p.tp} = {self.world_size}")
+            raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but {' x '.join(AXES)} = "
+                              f"{' x '.join(map(str, p.dims.sizes))} = {self.world_size}")
         local = env.get("LOCAL_WORLD_SIZE") if env is not None and under_torchrun(env) else None
         if local is not None and int(local) % p.tp:
             # tp ranks are consecutive (pipegpt.comm.mesh): a group crossing nodes would run its collectives

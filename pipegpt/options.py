@@ -228,10 +228,10 @@ AUTO_LAYOUT_FIELDS = tuple(f.name for f in LAYOUT_FIELDS if f.auto)
 
 def auto_layout(model: ModelConfig, global_batch: int, settings: dict, say: Callable[[str], None],
                 env=os.environ) -> dict:
-    """--layout auto: the planner's layout (pipegpt.plan.auto) for this run's ranks: torchrun's WORLD_SIZE, else
+    """--layout auto: the planner's layout (pipegpt.planner.auto) for this run's ranks: torchrun's WORLD_SIZE, else
     the GPUs here, else a rank per core (at most 8). The global batch stays; its split may change."""
     from pipegpt.config import under_torchrun
-    from pipegpt.plan.auto import choose_layout
+    from pipegpt.planner.auto import choose_layout
 
     import torch
 
@@ -252,16 +252,18 @@ def auto_layout(model: ModelConfig, global_batch: int, settings: dict, say: Call
 # --config FILE: TOML or JSON, in a run's config.json sections or flat by setting name
 
 def _stages_from_world(ctx: click.Context, settings: dict, env=os.environ) -> None:
-    """Under torchrun without --stages, every process is a worker: stages = WORLD_SIZE / (dp x tp)."""
+    """Under torchrun without --stages, every process is a worker: stages = WORLD_SIZE / (dp x cp x tp)."""
     from pipegpt.config import under_torchrun
+    from pipegpt.dims import AXES, AXIS_FIELDS, ParallelDims
 
     if given(ctx, "stages") or not under_torchrun(env) or not env.get("WORLD_SIZE", "").isdigit():
         return
-    world, dp, tp = int(env["WORLD_SIZE"]), settings["dp"] or 1, settings["tp"] or 1
-    if world % (dp * tp):
-        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of --dp {dp} x --tp {tp}: give --stages, or a dp "
-                          f"and tp that divide it")
-    settings["stages"] = world // (dp * tp)
+    world = int(env["WORLD_SIZE"])
+    stage = ParallelDims(**{axis: settings[name] or 1 for axis, name in AXIS_FIELDS.items() if axis != "pp"})
+    if world % stage.world_size:  # the ranks of one pipeline position: every axis but pp
+        sizes = " x ".join(f"--{AXIS_FIELDS[axis]} {n}" for axis, n in zip(AXES, stage.sizes) if axis != "pp")
+        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of {sizes}: give --stages, or sizes that divide it")
+    settings["stages"] = world // stage.world_size
 
 
 def read_config_file(path: str) -> dict:

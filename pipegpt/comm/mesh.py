@@ -1,4 +1,5 @@
-"""The process groups of a layout: the only place that creates them, each from GROUP_AXES (which axes it spans).
+"""The process groups of a layout: the only place that creates them, each from pipegpt.dims.GROUP_AXES (which
+axes it spans, carved ones too).
 
 Where a rank sits (rank order, coordinates, the members of a group) is pipegpt.dims.ParallelDims's: tp fastest,
 so tensor-parallel peers sit on one machine.
@@ -12,19 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipegpt.dims import Coords, ParallelDims
-
-# Every process group by name: the axes it spans (one group per position on the other axes).
-GROUP_AXES = {
-    "dp": ("dp",),  # the replicas of one layout position: what a loss is averaged over
-    "dp_cp": ("dp", "cp"),  # gradient averaging and ZeRO-1's shards: cp ranks hold the same weights, as replicas
-    "cp": ("cp",),  # one stage's context-parallel ranks: K/V travel among them
-    "tp": ("tp",),
-    "pp": ("pp",),
-    "model": ("pp", "tp"),  # one model replica: what a gradient norm sums over
-    "embedding": ("pp",),  # the tied embedding's copies: only the pipeline positions holding one (init_mesh)
-}
-
+from pipegpt.dims import GROUP_AXES, Coords, ParallelDims
 
 @dataclass
 class Mesh:
@@ -39,21 +28,16 @@ class Mesh:
     def coords(self) -> Coords:
         return self.dims.coords(self.rank)
 
-    @property
-    def dp_index(self) -> int:
-        return self.coords.dp
+    def index(self, axis: str) -> int:
+        """This rank's position along any axis of the layout (a carved one too)."""
+        return self.dims.index(self.rank, axis)
 
-    @property
-    def pp_index(self) -> int:
-        return self.coords.pp
-
-    @property
-    def cp_index(self) -> int:
-        return self.coords.cp
-
-    @property
-    def tp_index(self) -> int:
-        return self.coords.tp
+    def __getattr__(self, name: str) -> int:
+        """dp_index, pp_index, cp_index, tp_index, and ep_index where the layout carves ep: index(axis)."""
+        dims, axis = self.__dict__.get("dims"), name.removesuffix("_index")
+        if dims is not None and axis != name and axis in dims.axis_names:
+            return dims.index(self.rank, axis)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def group(self, name: str):
         return self.groups.get(name)
@@ -104,10 +88,11 @@ def init_mesh(dims: ParallelDims, rank: int, device: torch.device, init_method: 
 
 def group_members(dims: ParallelDims, embedding_pp_indices: tuple[int, ...] = ()) -> dict[str, list[list[int]]]:
     """Every process group's ranks, by name, in the order every rank creates them: GROUP_AXES over the layout;
-    the embedding's only where two pipeline positions hold a copy."""
+    a carved axis's groups only where the layout carves it; the embedding's only where two pipeline positions hold
+    a copy."""
     out = {}
     for name, axes in GROUP_AXES.items():
         at = {"pp": embedding_pp_indices} if name == "embedding" else None
-        if at is None or len(set(embedding_pp_indices)) > 1:
+        if set(axes) <= set(dims.axis_names) and (at is None or len(set(embedding_pp_indices)) > 1):
             out[name] = dims.groups(axes, at)
     return out

@@ -78,7 +78,7 @@ class StageCosts:
     @staticmethod
     def exposed_gathers(groups, F, B, W, TP, gathers) -> float:
         """ZeRO-3's microbatch policy: a gather per run of a stage's compute actions (groups: per rank, the
-        runs' stages and F/B/I/W counts, pipegpt.plan.structure.compute_groups), each posted one run ahead so
+        runs' stages and F/B/I/W counts, pipegpt.planner.structure.compute_groups), each posted one run ahead so
         that it overlaps the previous run's compute; what it does not hide shows, the step's first in full.
         The most any rank shows: at pp 1 what the simulator charges the plan's UNSHARDs (tests/unit/
         test_plan_zero.py); above it a rank's whole wait, more than the simulator's where bubbles hide some."""

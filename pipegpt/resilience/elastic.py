@@ -22,8 +22,7 @@ class Shrunk:
 
 def layout_text(cfg: TrainConfig) -> str:
     p = cfg.parallel
-    cp = f" x cp {p.cp}" if p.cp > 1 else ""
-    return f"dp {p.dp} x pp {p.stages}{cp} x tp {p.tp}, {p.schedule}, {p.microbatches} microbatches"
+    return f"{p.dims.label(spaced=True)}, {p.schedule}, {p.microbatches} microbatches"
 
 
 def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
@@ -34,8 +33,9 @@ def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
     old = _predicted(cfg)
     best = None
     for dp in sorted((d for d in range(1, p.dp + 1) if p.dp % d == 0), reverse=True):
-        stages = min(ranks // (dp * p.cp * p.tp), cfg.model.n_layer)
-        if stages < 1 or (p.zero >= 2 and dp * p.cp == 1):  # ZeRO-2/3 need replicas to shard over
+        stage = p.dims._replace(dp=dp, pp=1)  # the ranks of one pipeline position, over every replica
+        stages = min(ranks // stage.world_size, cfg.model.n_layer)
+        if stages < 1 or (p.zero >= 2 and stage.replicas == 1):  # ZeRO-2/3 need replicas to shard over
             continue
         microbatches = p.microbatches * p.dp // dp
         for schedule in dict.fromkeys((p.schedule, "1f1b")):
@@ -62,7 +62,7 @@ def _predicted(cfg: TrainConfig) -> float:
     """One replica's simulated step at the run's measured (or estimated) per-layer costs: a relative time."""
     from pipegpt.schedule.simulate import simulate
     from pipegpt.model.partition import partition_layers
-    from pipegpt.plan.run_plan import estimated_layer_costs, make_plan, stage_costs_for
+    from pipegpt.planner.run_plan import estimated_layer_costs, make_plan, stage_costs_for
 
     plan = make_plan(cfg)
     m = cfg.model

@@ -32,7 +32,7 @@ from pipegpt.observe.profile import problem_line
 from pipegpt.observe.clocks import measure_offsets, shift_events
 from pipegpt.engine.results import WorkerStep
 from pipegpt.model.partition import partition_layers
-from pipegpt.plan.run_plan import check_layers_fill, evaluation_plan, make_plan, synthesis_line
+from pipegpt.planner.run_plan import check_layers_fill, evaluation_plan, make_plan, synthesis_line
 from pipegpt.schedule import Plan, schedule_spec
 from pipegpt.resilience.faults import check_faults
 from pipegpt.resilience.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold

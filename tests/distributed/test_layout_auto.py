@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_one_line_error, invoke, run_pipegpt
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig
 from pipegpt.options import auto_layout
-from pipegpt.plan.auto import choose_layout
+from pipegpt.planner.auto import choose_layout
 
 TINY = ModelConfig()
 

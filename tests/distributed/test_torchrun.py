@@ -6,6 +6,7 @@ the process tree rather than one process group.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -76,12 +77,13 @@ class TorchrunHang(AssertionError):
     """The job neither finished nor failed within LIMIT_S (the known bug; any other failure is a new one)."""
 
 
-def test_torchrun_two_ranks(tmp_path):
+def _torchrun(tmp_path, ranks: int, *args: str) -> str:
+    """`torchrun --nproc-per-node ranks -m pipegpt run ARGS` for STEPS steps, watched: a hang is stopped and named
+    (TorchrunHang), a failure shows its output. Returns stdout."""
     run_dir = tmp_path / "run"
     env = clean_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "pipegpt", "run", "--stages", "2", "--microbatches", "2", "--steps", str(STEPS),
-           "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           "-m", "pipegpt", "run", *args, "--steps", str(STEPS), "--run-dir", str(run_dir)]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -103,7 +105,7 @@ def test_torchrun_two_ranks(tmp_path):
         _kill({**seen, proc.pid: " ".join(cmd) + " "} if proc.poll() is None else seen)
         proc.wait(timeout=10)
     stdout, stderr = proc.communicate(timeout=10)  # every holder of the pipes is gone now
-    print(f"\ntorchrun 2 ranks, {STEPS} steps: {'hung, stopped after' if hung else 'exited in'} {seconds:.1f}s")
+    print(f"\ntorchrun {ranks} ranks, {STEPS} steps: {'hung, stopped after' if hung else 'exited in'} {seconds:.1f}s")
     report = f"stdout:\n{stdout}\nstderr (tail):\n{stderr[-3000:]}"
     if hung:
         raise TorchrunHang(f"no exit within {LIMIT_S:.0f}s\n{report}")
@@ -112,3 +114,16 @@ def test_torchrun_two_ranks(tmp_path):
     assert len(lines) == STEPS, report
     assert "done: loss" in stdout, report
     assert (run_dir / "trace.json").is_file()
+    return stdout
+
+
+def test_torchrun_two_ranks(tmp_path):
+    _torchrun(tmp_path, 2, "--stages", "2", "--microbatches", "2")
+
+
+@pytest.mark.slow  # 4 ranks, ~25 s on 2 cores; tests/unit/test_stages_from_world.py checks the arithmetic
+def test_torchrun_without_stages_counts_cp_among_a_stages_ranks(tmp_path):
+    """4 processes, --cp 2, no --stages: 4 / (dp x cp x tp) = 2 stages (it asked for 4 when cp was left out)."""
+    _torchrun(tmp_path, 4, "--cp", "2", "--microbatches", "2")
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["parallel"]["stages"], config["parallel"]["cp"]) == (2, 2)

@@ -84,8 +84,8 @@ def test_schedule_loads_no_torch():
 def test_plan_loads_no_torch():
     """The planner (memory model, balance, search) is arithmetic on shapes and plans: `pipegpt plan`
     answers without loading torch, and nothing it imports needs torch either."""
-    mods = submodules("pipegpt.plan") + submodules("pipegpt.costs")
-    assert {"pipegpt.plan", "pipegpt.costs.memory"} <= set(mods)
+    mods = submodules("pipegpt.planner") + submodules("pipegpt.costs")
+    assert {"pipegpt.planner", "pipegpt.costs.memory"} <= set(mods)
     check(mods, ("pipegpt.model.gpt", "pipegpt.stages", "pipegpt.comm", "pipegpt.tensor_parallel.layers",
                  "pipegpt.tensor_parallel.collectives", "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"),
           forbid_torch=True)
@@ -169,4 +169,4 @@ def test_the_engine_serves_any_role_it_loads_no_training():
     mods = submodules("pipegpt.engine")
     assert {"pipegpt.engine.engine", "pipegpt.engine.actor"} <= set(mods)
     check(mods, ("pipegpt.train", "pipegpt.data", "pipegpt.observe", "pipegpt.resilience", "pipegpt.state.checkpoint",
-                 "pipegpt.state.snapshot", "pipegpt.plan", "pipegpt.costs"))
+                 "pipegpt.state.snapshot", "pipegpt.planner", "pipegpt.costs"))

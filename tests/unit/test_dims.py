@@ -11,8 +11,8 @@ from pipegpt.comm.mesh import GROUP_AXES, group_members
 from pipegpt.config import TrainConfig, option_flags
 from pipegpt.dims import AXES, LAYOUT_FIELDS, ParallelDims, Sharding
 from pipegpt.options import AUTO_LAYOUT_FIELDS
-from pipegpt.plan.auto import AutoLayout
-from pipegpt.plan.candidates import Layout
+from pipegpt.planner.auto import AutoLayout
+from pipegpt.planner.candidates import Layout
 from pipegpt.train.restart import LAYOUT_FLAGS
 
 SHAPES = [(1, 1, 1, 1), (2, 3, 1, 2), (1, 4, 1, 1), (3, 1, 1, 4), (2, 2, 2, 2), (3, 1, 2, 4), (1, 4, 3, 1),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipegpt.schedule import SCHEDULES, ScheduleError, build_plan, lower, validate
-from pipegpt.plan.run_plan import evaluation_plan
+from pipegpt.planner.run_plan import evaluation_plan
 
 
 @pytest.mark.parametrize("name,p,m", [(n, p, m) for n in SCHEDULES for p, m in ((2, 4), (4, 8))])

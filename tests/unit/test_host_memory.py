@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pipegpt.config import MODEL_PRESETS, ConfigError, TrainConfig
-from pipegpt.plan.run_plan import make_plan
+from pipegpt.planner.run_plan import make_plan
 from pipegpt.train.driver import PROCESS_BYTES, _check_host_memory
 
 

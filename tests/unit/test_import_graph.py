@@ -20,7 +20,7 @@ LAYERS = [
     "pipegpt.context_parallel",
     "pipegpt.data",
     "pipegpt.costs",
-    "pipegpt.plan",
+    "pipegpt.planner",
     "pipegpt.stages",
     "pipegpt.comm",
     "pipegpt.data_parallel",

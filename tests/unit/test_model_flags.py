@@ -144,6 +144,6 @@ def test_resume_takes_the_checkpoints_llama_shape(monkeypatch):
     model_config("tiny", n_layer=2, tie_embeddings=False),
 ])
 def test_the_planners_run_command_builds_the_same_model(model):
-    from pipegpt.plan.candidates import model_args
+    from pipegpt.planner.candidates import model_args
 
     assert _model(*model_args(model)) == model

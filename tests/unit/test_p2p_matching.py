@@ -235,7 +235,7 @@ def test_a_send_behind_the_receives_makes_neither_end_wait(monkeypatch):
 
 def test_a_runs_plan_is_lowered_for_its_measured_costs():
     from pipegpt.config import ModelConfig, TrainConfig
-    from pipegpt.plan.run_plan import lowering_costs, make_plan
+    from pipegpt.planner.run_plan import lowering_costs, make_plan
 
     model = ModelConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
     cfg = TrainConfig.build(model, stages=2, microbatches=4, schedule="1f1b")

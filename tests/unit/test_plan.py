@@ -28,12 +28,12 @@ import pytest
 from helpers import ROOT, assert_one_line_error, invoke, run_pipegpt
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig
 from pipegpt.costs import memory as memory_model
-from pipegpt.plan.bounds import makespan_lower_bound
-from pipegpt.plan.candidates import Layout, Request
+from pipegpt.planner.bounds import makespan_lower_bound
+from pipegpt.planner.candidates import Layout, Request
 from pipegpt.costs.cost import AnalyticalCosts, Piece
 from pipegpt.costs.devices import DEVICES, GiB, make_cluster, parse_bytes, parse_rate
-from pipegpt.plan.search import Search, evaluate_layout, search
-from pipegpt.plan.structure import held_peaks, structure
+from pipegpt.planner.search import Search, evaluate_layout, search
+from pipegpt.planner.structure import held_peaks, structure
 from pipegpt.schedule import SCHEDULES, build_plan
 from pipegpt.schedule.simulate import Costs, simulate
 
@@ -407,8 +407,8 @@ def test_try_runs_the_top_plans_and_sets_measured_beside_predicted(tmp_path):
 
 
 def test_try_keeps_the_ranked_table_and_refuses_a_used_directory(tmp_path, monkeypatch):
-    import pipegpt.plan.command as command
-    from pipegpt.plan.trial import trials_dir
+    import pipegpt.planner.command as command
+    from pipegpt.planner.trial import trials_dir
 
     fake = lambda best, precision, steps, device, root: [  # noqa: E731
         {"plan": 1, "command": "pipegpt run ...", "run_dir": str(root / "plan-1"), "predicted_step_s": 1.0,
@@ -429,7 +429,7 @@ def test_try_keeps_the_ranked_table_and_refuses_a_used_directory(tmp_path, monke
 
 def test_layout_auto_on_cpu_names_cpu_ranks_not_a_custom_gpu():
     from pipegpt.config import MODEL_PRESETS
-    from pipegpt.plan.auto import choose_layout
+    from pipegpt.planner.auto import choose_layout
 
     chosen = choose_layout(MODEL_PRESETS["tiny"], 16, 2, 2, "fp32", device_name="cpu")
     assert chosen.cluster.startswith("2 x CPU rank (nominal)") and "GPU" not in chosen.cluster, chosen.cluster

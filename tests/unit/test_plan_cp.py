@@ -1,5 +1,5 @@
 """The planner with context parallelism: what a cp rank holds and spends (pipegpt.costs, against sums done by
-hand), and what the search makes of it (pipegpt.plan: cp explored, --cp and --cp-comm, the JSON, the node)."""
+hand), and what the search makes of it (pipegpt.planner: cp explored, --cp and --cp-comm, the JSON, the node)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ from pipegpt.costs import memory as memory_model
 from pipegpt.costs.cost import AnalyticalCosts, Shape
 from pipegpt.costs.devices import make_cluster
 from pipegpt.dims import ParallelDims, Sharding
-from pipegpt.plan.candidates import Layout, Request
-from pipegpt.plan.search import Search, search
+from pipegpt.planner.candidates import Layout, Request
+from pipegpt.planner.search import Search, search
 from pipegpt.schedule import build_plan
 
 LLAMA = replace(MODEL_PRESETS["tiny-llama"], seq_len=256)  # 4 layers, width 128, 4 heads (2 kv) of 32, MLP 352
@@ -182,7 +182,7 @@ def test_cp_is_searched_in_powers_of_two_down_to_2048_tokens_a_rank():
     llama8k = MODEL_PRESETS["llama3-8b"]
     assert ask(llama8k).cp_choices(tp=1) == [1, 2, 4]  # 2,048 tokens a rank at cp 4
     assert ask(replace(llama8k, seq_len=1 << 20)).cp_choices(tp=8) == [1, 2, 4, 8]  # cp x tp <= 64 GPUs
-    assert ask(llama8k, only=(None, None, None, 16)).cp_choices(tp=1) == [16]  # --cp: taken as given
+    assert ask(llama8k, only={"cp": 16}).cp_choices(tp=1) == [16]  # --cp: taken as given
     assert ask(MODEL_PRESETS["gpt2"]).cp_choices(tp=1) == [1]  # 1,024 tokens: no cp searched
 
 

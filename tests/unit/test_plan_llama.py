@@ -22,12 +22,12 @@ from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.model.flops import flops_per_token, matmul_parameters
 from pipegpt.costs import memory as memory_model
-from pipegpt.plan.candidates import Request
+from pipegpt.planner.candidates import Request
 from pipegpt.costs.cost import AnalyticalCosts, head_flops_fwd, layer_flops_fwd
 from pipegpt.costs.devices import make_cluster
 from pipegpt.costs.memory import (activation_bytes, memory_precision, parameter_count, plan_memory,
                                  stage_parameter_shapes)
-from pipegpt.plan.search import Search, search
+from pipegpt.planner.search import Search, search
 from pipegpt.costs.stage_costs import StageCosts
 from pipegpt.schedule import build_plan
 from pipegpt.stages import partition_layers

@@ -3,10 +3,10 @@ import pytest
 
 from helpers import invoke
 from pipegpt.config import ConfigError, ModelConfig
-from pipegpt.plan.candidates import Request
+from pipegpt.planner.candidates import Request
 from pipegpt.costs.cost import AnalyticalCosts
 from pipegpt.costs.devices import GiB, default_reserve, make_cluster
-from pipegpt.plan.search import search
+from pipegpt.planner.search import search
 
 MODEL = ModelConfig(vocab_size=256, seq_len=64, n_layer=8, n_head=4, n_embd=128)
 

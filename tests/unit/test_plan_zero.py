@@ -13,9 +13,9 @@ from pipegpt.costs.devices import make_cluster
 from pipegpt.costs.memory import parameter_count, plan_memory, state_bytes
 from pipegpt.costs.stage_costs import StageCosts
 from pipegpt.dims import Sharding
-from pipegpt.plan.candidates import Layout, Request
-from pipegpt.plan.search import evaluate_layout, search
-from pipegpt.plan.structure import compute_groups
+from pipegpt.planner.candidates import Layout, Request
+from pipegpt.planner.search import evaluate_layout, search
+from pipegpt.planner.structure import compute_groups
 from pipegpt.schedule import build_plan
 from pipegpt.schedule.lowering import add_unshard_reshard
 from pipegpt.schedule.simulate import Costs, simulate

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pipegpt.config import ConfigError, ModelConfig, TrainConfig
-from pipegpt.plan.run_plan import evaluation_plan, make_plan
+from pipegpt.planner.run_plan import evaluation_plan, make_plan
 from pipegpt.schedule import (SCHEDULES, Action, Kind, ScheduleError, add_reduce_grad, add_unshard_reshard, build_plan,
                               lower, validate, without_unshard_reshard)
 from pipegpt.schedule.render import ascii_gantt, to_svg

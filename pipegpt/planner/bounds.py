@@ -1,4 +1,4 @@
-"""Lower bounds the search prunes with (pipegpt.plan.search's docstring says how): a layout's, below every
+"""Lower bounds the search prunes with (pipegpt.planner.search's docstring says how): a layout's, below every
 plan of it, and a candidate's, below the simulator's makespan for any schedule on its placement. A bound
 that overestimated would drop the best plan unseen; tests/unit/test_plan.py checks both against the
 simulator."""

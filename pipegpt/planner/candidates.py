@@ -1,12 +1,13 @@
 """What the planner is asked, what it weighs and what it answers: the request, the layouts and candidates it
-searches, a plan with its predictions, and a layout refused for memory. Pure data: pipegpt.plan.search fills
-them, pipegpt.plan.report prints them."""
+searches, a plan with its predictions, and a layout refused for memory. Pure data: pipegpt.planner.search fills
+them, pipegpt.planner.report prints them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Mapping
 
 from pipegpt.config import ConfigError, ModelConfig, option_flags
-from pipegpt.dims import LAYOUT_FIELDS, ParallelDims, Sharding
+from pipegpt.dims import AXES, LAYOUT_FIELDS, ParallelDims, Sharding
 from pipegpt.schedule import SCHEDULES
 from pipegpt.schedule.simulate import Costs
 
@@ -27,7 +28,7 @@ class Request:
     # auto and auto-v when named: all would synthesize a plan per (p, m), too slow at thousands of microbatches
     schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized)
     exact_gpus: bool = False  # only layouts using every GPU
-    only: tuple = (None, None, None, None)  # (dp, pp, tp, cp): only layouts with these (None: any)
+    only: Mapping[str, int] = field(default_factory=dict)  # axis (pipegpt.dims.AXES) -> its only size searched
     cp_comm: str | None = None  # how K/V travel with cp > 1 (None: both are weighed)
     zero: int | None = None  # only this ZeRO level (None: 0-3, whichever is fastest and fits)
 
@@ -37,10 +38,10 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Mesh:
-    """A layout the search expands: dp x pp x cp x tp, with what that tp asks of the model."""
+class LayoutChoice:
+    """A layout the search expands: its axes (pipegpt.dims), with what that tp asks of the model."""
 
-    sharding: Sharding  # sequence parallelism taken whenever validate_tp allows it (see pipegpt.plan.search)
+    sharding: Sharding  # sequence parallelism taken whenever validate_tp allows it (see pipegpt.planner.search)
     model: ModelConfig  # as it runs on this tp (vocabulary padded to 64 where tp needs it)
     pad_vocab: bool  # model is the request's with its vocabulary padded
     cp_comm: str = "ring"  # how K/V travel with cp > 1
@@ -104,7 +105,7 @@ class Layout:
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
+        return Sharding(*(getattr(self, axis) for axis in AXES), sequence_parallel=self.sequence_parallel,
                         zero=self.zero)
 
     @property
@@ -113,13 +114,13 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
+        return self.sharding.world_size
 
     @property
     def mesh_name(self) -> str:
         """dp4 pp16 cp16(ring) tp8 sp (cp and how K/V travel only when cp > 1)."""
         sp = " sp" if self.sequence_parallel else ""
-        return mesh_name(self.dp, self.pp, self.tp, self.cp, self.cp_comm) + sp
+        return mesh_name(self.sharding, {"cp": self.cp_comm}) + sp
 
     @property
     def stages(self) -> int:
@@ -227,7 +228,7 @@ class Result:
     def as_dict(self, precision: str) -> dict:
         L = self.layout
         return {
-            "dp": L.dp, "pp": L.pp, "tp": L.tp, "cp": L.cp, "cp_comm": L.cp_comm, "gpus": L.world,
+            **{axis: getattr(L, axis) for axis in LAYOUT_AXES}, "cp_comm": L.cp_comm, "gpus": L.world,
             "schedule": L.schedule,
             "virtual_stages": L.virtual_stages, "microbatches": L.microbatches, "microbatch_size": L.microbatch_size,
             "recompute": L.recompute, "zero": L.zero, "unshard": L.unshard_policy if L.zero >= 3 else None,
@@ -242,11 +243,14 @@ class Result:
         }
 
 
-def mesh_name(dp: int, pp: int, tp: int, cp: int = 1, cp_comm: str | None = None) -> str:
-    """A layout's axes as the report names them, in rank order: dp2 pp4 cp2 tp8, or with cp_comm dp2 pp4
-    cp2(ring) tp8 (cp only when > 1)."""
-    cp_part = f" cp{cp}" + (f"({cp_comm})" if cp_comm else "") if cp > 1 else ""
-    return f"dp{dp} pp{pp}{cp_part} tp{tp}"
+# The order a plan's JSON lists the axes in: Layout's (dp pp tp, then cp, which came later).
+LAYOUT_AXES = tuple(f.name for f in fields(Layout) if f.name in AXES)
+
+
+def mesh_name(dims: ParallelDims | Sharding, details: Mapping[str, str | None] | None = None) -> str:
+    """A layout's axes as the report names them, in rank order: dp2 pp4 cp2 tp8, or with details {"cp": "ring"}
+    (how K/V travel) dp2 pp4 cp2(ring) tp8 (cp only when > 1): pipegpt.dims's label."""
+    return dims.label(details)
 
 
 def memory_parts(x) -> dict:
@@ -260,22 +264,19 @@ def memory_parts(x) -> dict:
 class Refusal:
     """A layout that cannot fit, with what its leanest variant needs."""
 
-    dp: int
-    pp: int
-    tp: int
+    dims: ParallelDims
     needs: float
     parts: dict
     what: str  # the variant measured (recompute, zero, microbatch size)
-    cp: int = 1
 
     @property
     def name(self) -> str:
-        return mesh_name(self.dp, self.pp, self.tp, self.cp)
+        return mesh_name(self.dims)
 
     @property
     def model_parallel(self) -> int:
         """Ranks one copy of the model is cut over: pp x cp x tp."""
-        return self.pp * self.cp * self.tp
+        return self.dims.replica_size
 
     def dominant(self) -> str:
         parts = {k: v for k, v in self.parts.items() if k != "total"}

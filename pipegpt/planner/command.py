@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 
 from pipegpt.config import CP_COMM, ConfigError, ModelConfig, nearest_multiples, validate_cp
+from pipegpt.dims import AXES
 from pipegpt.schedule.registry import schedule_names
 
 from .candidates import Request
@@ -36,7 +37,7 @@ class PlanOptions:
     calibrate_dir: str | None = None
     schedules: str = "all"
     all_gpus: bool = False
-    only_dp: int | None = None
+    only_dp: int | None = None  # only_<axis> (pipegpt.dims.AXES): only layouts of that size along it
     only_pp: int | None = None
     only_tp: int | None = None
     only_cp: int | None = None
@@ -74,7 +75,8 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
         raise ConfigError(f"--cp-comm {opts.cp_comm!r} is not valid: use {' or '.join(CP_COMM)}")
     request = Request(model, batch_size, cluster, costs, top=opts.top, explain=opts.explain,
                       schedules=tuple(schedule_names(opts.schedules, synthesized=False)), exact_gpus=opts.all_gpus,
-                      only=(opts.only_dp, opts.only_pp, opts.only_tp, opts.only_cp), cp_comm=opts.cp_comm,
+                      only={axis: getattr(opts, f"only_{axis}") for axis in AXES
+                            if getattr(opts, f"only_{axis}") is not None}, cp_comm=opts.cp_comm,
                       zero=opts.only_zero)
     result = search(request)
     if not result.best:

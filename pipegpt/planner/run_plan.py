@@ -23,7 +23,7 @@ def make_plan(cfg: TrainConfig) -> Plan:
     --unshard policy (where a schedule file has none), below it none."""
     plan = _pipeline_plan(cfg)
     try:
-        averaged = cfg.parallel.dp * cfg.parallel.cp > 1  # gradients are averaged over dp x cp
+        averaged = cfg.parallel.dims.replicas > 1  # gradients are averaged over dp x cp
         plan = validate(add_reduce_grad(plan)) if averaged else without_reduce_grad(plan)
         if cfg.parallel.zero >= 3:
             return validate(add_unshard_reshard(plan, cfg.parallel.unshard or "step"))

@@ -59,7 +59,7 @@ def trials_text(best: list, tried: list[dict], steps: int) -> str:
     rows = [["#", "plan", "predicted", "measured", "measured/predicted", "run directory"]]
     for r, t in zip(best, tried):
         layout = r.layout
-        mesh = mesh_name(layout.dp, layout.pp, layout.tp, layout.cp, layout.cp_comm)
+        mesh = mesh_name(layout.sharding, {"cp": layout.cp_comm})
         rows.append([str(t["plan"]), f"{mesh} {layout.schedule} "
                      f"m{layout.microbatches}x{layout.microbatch_size} rc={layout.recompute}",
                      f"{r.step_time * 1e3:.1f} ms", f"{t['measured_step_s'] * 1e3:.1f} ms",

@@ -63,7 +63,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipegpt.config import CP_COMM, ConfigError, ModelConfig, validate_cp, validate_tp
-from pipegpt.dims import ParallelDims, Sharding
+from pipegpt.dims import AXES, ParallelDims, Sharding
 from pipegpt.model.flops import flops_per_token
 from pipegpt.schedule import SCHEDULES, ScheduleError
 from pipegpt.schedule.simulate import Costs, simulate
@@ -71,7 +71,7 @@ from pipegpt.schedule.simulate import Costs, simulate
 from pipegpt.costs import memory as memory_model
 from pipegpt.costs.balance import even_layers
 from .bounds import layout_lower_bound, makespan_lower_bound
-from .candidates import (MAX_ACTIONS, Candidate, Layout, Mesh, Refusal, Request, Result, SearchResult,
+from .candidates import (MAX_ACTIONS, Candidate, Layout, LayoutChoice, Refusal, Request, Result, SearchResult,
                          memory_parts)
 from pipegpt.costs.stage_costs import PER_SEQUENCE, StageCosts
 from .structure import compute_groups, held_peaks, splits_backward, stage_placement, structure
@@ -108,6 +108,7 @@ class Search:
         self.stats = {"layouts": 0, "candidates": 0, "memory_refused": 0, "schedule_refused": 0,
                       "simulated": 0, "cache_hits": 0, "popped": 0, "seconds": 0.0}
         self.refusals: dict = {}  # ParallelDims -> Refusal with the least memory seen
+        self._tp_models: dict = {}  # tp -> tp_model's answer
 
     # --- simulation ----------------------------------------------------------------------------------
     def simulate(self, schedule, p, m, v, F, B, W, TP, comm, dpc):
@@ -129,10 +130,23 @@ class Search:
         return out[0] * scale, out[1]
 
     # --- enumeration ---------------------------------------------------------------------------------
-    def cp_choices(self, tp: int) -> list[int]:
+    def tp_choices(self, **faster: int) -> list[int]:
+        """Divisors of a node's GPUs that the model splits over (padding its vocabulary where that is what tp needs)."""
+        g = self.cluster.gpus_per_node
+        return [t for t in range(1, g + 1) if g % t == 0 and self.tp_model(t) is not None]
+
+    def tp_model(self, tp: int) -> tuple[ModelConfig, bool] | None:
+        """(the model as it runs on tp, whether its vocabulary is padded), or None where it does not split."""
+        if tp not in self._tp_models:
+            model, padded = self.model, replace(self.model, pad_vocab_to=64)
+            self._tp_models[tp] = (model, False) if _passes(_check_tp, model, tp) else (padded, True) if (
+                model.pad_vocab_to == 1 and not 64 % tp and _passes(_check_tp, padded, tp)) else None
+        return self._tp_models[tp]
+
+    def cp_choices(self, tp: int, **faster: int) -> list[int]:
         """Context-parallel sizes to consider with tp: --cp's, else 1, 2, 4, ... while validate_cp allows them,
         cp x tp GPUs exist and a rank keeps at least MIN_CP_TOKENS of a sequence."""
-        given = self.req.only[3] if len(self.req.only) > 3 else None
+        given = self.req.only.get("cp")
         out = []
         for cp in ([given] if given is not None else (1 << i for i in range(self.cluster.gpus.bit_length()))):
             if cp * tp > self.cluster.gpus or (given is None and cp > 1 and self.model.seq_len // cp < MIN_CP_TOKENS):
@@ -144,38 +158,38 @@ class Search:
             out.append(cp)
         return out
 
-    def layouts(self) -> list[Mesh]:
-        """The dp x pp x cp x tp layouts to consider, each with its sequence parallelism and model as run."""
-        req, model, c = self.req, self.model, self.cluster
-        out = []
-        for tp in (t for t in range(1, c.gpus_per_node + 1) if c.gpus_per_node % t == 0):
-            m_tp, pad = model, False
-            try:
-                _check_tp(model, tp)
-            except ConfigError:
-                if model.pad_vocab_to != 1 or 64 % tp:
-                    continue
-                m_tp, pad = replace(model, pad_vocab_to=64), True
-                try:
-                    _check_tp(m_tp, tp)
-                except ConfigError:
-                    continue
-            for cp in self.cp_choices(tp):
-                sp = False
-                if tp > 1:
-                    try:
-                        _check_tp(m_tp, tp, True, cp)
-                        sp = True
-                    except ConfigError:
-                        pass
-                for pp in range(1, min(model.n_layer, c.gpus // (tp * cp)) + 1):
-                    for dp in _divisors(req.batch_size):
-                        world = dp * pp * cp * tp
-                        if world <= c.gpus and (not req.exact_gpus or world == c.gpus) and all(
-                                want is None or want == got for want, got in zip(req.only, (dp, pp, tp, cp))) \
-                                and (not req.zero or dp * cp > 1):  # ZeRO shards over dp x cp
-                            sh = Sharding(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=sp)
-                            out += [Mesh(sh, m_tp, pad, name) for name in self.cp_comms(m_tp, sh)]
+    def pp_choices(self, **faster: int) -> range:
+        """Up to one stage per layer, on the GPUs the faster axes leave."""
+        return range(1, min(self.model.n_layer, self.cluster.gpus // math.prod(faster.values())) + 1)
+
+    def dp_choices(self, **faster: int) -> tuple:
+        return _divisors(self.req.batch_size)
+
+    def _sizes(self, axes: tuple, chosen: dict):
+        """Every choice of sizes along `axes` after `chosen` (each axis's from its <axis>_choices, given the sizes
+        chosen before it), the first chosen first."""
+        if not axes:
+            yield chosen
+            return
+        for size in getattr(self, f"{axes[0]}_choices")(**chosen):
+            yield from self._sizes(axes[1:], {**chosen, axes[0]: size})
+
+    def layouts(self) -> list[LayoutChoice]:
+        """The layouts to consider, each with its sequence parallelism and model as run: the axes chosen from the
+        fastest (tp, whose choices bound the others') to the slowest, in rank order's reverse."""
+        req, c = self.req, self.cluster
+        out, sp = [], {}
+        for sizes in self._sizes(tuple(reversed(AXES)), {}):
+            sh = Sharding(**sizes)
+            if sh.world_size > c.gpus or (req.exact_gpus and sh.world_size != c.gpus) or any(
+                    req.only.get(axis) not in (None, size) for axis, size in sizes.items()) \
+                    or (req.zero and sh.replicas == 1):  # ZeRO shards over dp x cp
+                continue
+            m_tp, pad = self.tp_model(sh.tp)
+            if (sh.tp, sh.cp) not in sp:  # taken whenever validate_tp allows it (see the module docstring)
+                sp[sh.tp, sh.cp] = sh.tp > 1 and _passes(_check_tp, m_tp, sh.tp, True, sh.cp)
+            sh = sh._replace(sequence_parallel=sp[sh.tp, sh.cp])
+            out += [LayoutChoice(sh, m_tp, pad, name) for name in self.cp_comms(m_tp, sh)]
         return out
 
     def cp_comms(self, model: ModelConfig, sharding: Sharding) -> tuple:
@@ -220,14 +234,14 @@ class Search:
     def _refuse(self, dims: ParallelDims, needs, parts, what):
         old = self.refusals.get(dims)
         if old is None or needs < old.needs:
-            self.refusals[dims] = Refusal(dims.dp, dims.pp, dims.tp, needs, parts, what, dims.cp)
+            self.refusals[dims] = Refusal(dims, needs, parts, what)
 
-    def layout_bound(self, mesh: Mesh) -> float:
+    def layout_bound(self, mesh: LayoutChoice) -> float:
         """A lower bound on any plan of the layout (bounds.layout_lower_bound)."""
         P = self.stage_costs[mesh.cp_comm].pieces(mesh.model, mesh.sharding, "none", PER_SEQUENCE)
         return layout_lower_bound(P, mesh.model.n_layer, self.req.batch_size // mesh.sharding.dp, mesh.sharding.pp)
 
-    def expand(self, mesh: Mesh):
+    def expand(self, mesh: LayoutChoice):
         """The layout's candidates with their lower bounds: (bound, Candidate)."""
         sh, dims, m_tp = mesh.sharding, mesh.dims, mesh.model
         dp, pp = sh.dp, sh.pp
@@ -355,9 +369,11 @@ class Search:
             if best is None or (makespan + after, z) < best[:2]:
                 best = (makespan + after, z, bubble, makespan)
         step, (zero, unshard), bubble, makespan = best
-        layout = Layout(dp, pp, sh.tp, schedule, cand.virtual_stages, m, mbs, rc, zero, sh.sequence_parallel,
-                        tuple(layers), cand.balanced, cand.pad_vocab, sh.cp, cand.cp_comm,
-                        "microbatch" if unshard == "microbatch" else None)
+        layout = Layout(**dict(zip(AXES, sh.sizes)), schedule=schedule, virtual_stages=cand.virtual_stages,
+                        microbatches=m, microbatch_size=mbs, recompute=rc, zero=zero,
+                        sequence_parallel=sh.sequence_parallel, layers_per_stage=tuple(layers), balanced=cand.balanced,
+                        pad_vocab=cand.pad_vocab, cp_comm=cand.cp_comm,
+                        unshard="microbatch" if unshard == "microbatch" else None)
         return _Eval(step, layout, makespan, bubble, step - makespan, max(x.total for x in mem[(zero, unshard)]), m_tp)
 
     def run(self) -> SearchResult:
@@ -368,7 +384,7 @@ class Search:
         heap = [(self.layout_bound(x), i, "layout", x) for i, x in enumerate(layouts)]
         heapq.heapify(heap)
         counter = len(heap)
-        top: dict = {}  # (dp, pp, cp, tp, schedule, v) -> its best _Eval: one plan per layout and schedule is shown
+        top: dict = {}  # (axes' sizes, schedule, v) -> its best _Eval: one plan per layout and schedule is shown
         by_schedule: dict = {}
         fitted: dict = {}  # a candidate's family (Candidate.family) -> True once one fits
         k = max(1, req.top)
@@ -412,7 +428,7 @@ class Search:
                 continue
             fitted[family] = True
             L = ev.layout
-            slot = (L.dp, L.pp, L.cp, L.tp, L.schedule, L.virtual_stages)
+            slot = (L.sharding.sizes, L.schedule, L.virtual_stages)
             if slot not in top or _order(ev) < _order(top[slot]):
                 top[slot] = ev
                 steps = sorted(e.step for e in top.values())
@@ -433,9 +449,9 @@ class Search:
                     runners[s] = "no plan with it fits"
         # Refused for sure: every candidate of the layout was refused (or none passed the static check).
         if req.explain and best:
-            limit = best[0].layout.pp * best[0].layout.cp * best[0].layout.tp
+            limit = best[0].layout.sharding.replica_size
             for mesh in layouts:
-                if mesh.dims not in done and mesh.sharding.pp * mesh.sharding.cp * mesh.sharding.tp < limit:
+                if mesh.dims not in done and mesh.sharding.replica_size < limit:
                     done.add(mesh.dims)
                     pushed[mesh.dims] = sum(1 for _ in self.expand(mesh))
                     refused[mesh.dims] = 0
@@ -530,6 +546,14 @@ def evaluate_layout(req: Request, layout: Layout) -> Result:
     return s.finish(_Eval(0.0, layout, 0.0, 0.0, 0.0, 0.0, model))
 
 
+def _passes(check, *args) -> bool:
+    try:
+        check(*args)
+    except ConfigError:
+        return False
+    return True
+
+
 def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False, cp: int = 1) -> None:
     """ConfigError unless the model splits over tp: pipegpt.config.validate_tp, and the key/value heads and the
     MLP width the memory model's shapes assume (kv heads split or replicated; Llama's ffn_hidden divisible)."""
@@ -543,7 +567,7 @@ def _zero_choices(sharding: Sharding, only: int | None = None, stages_per_rank: 
     """{(ZeRO level, unshard policy): the sharding at that level}: levels 0-3 where dp x cp > 1 (ZeRO shards over
     both), else 0; only `only` with plan --zero. Level 3 under both policies, microbatch only where a rank holds
     more than two stages (with one or two its stages are all gathered at the peak either way); per_block
-    candidates (pipegpt.plan.search.Search.groups) only ZeRO-3 under the microbatch policy."""
+    candidates (pipegpt.planner.search.Search.groups) only ZeRO-3 under the microbatch policy."""
     sharded = memory_model.gradient_group(sharding) > 1
     levels = (0, 1, 2, 3) if sharded else (0,)
     if only is not None:

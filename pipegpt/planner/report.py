@@ -7,7 +7,7 @@ from pipegpt.config import ModelConfig
 from pipegpt.model.flops import flops_per_token
 
 from pipegpt.costs import memory as memory_model
-from .candidates import MAX_ACTIONS, Refusal, Result, SearchResult
+from .candidates import LAYOUT_AXES, MAX_ACTIONS, Refusal, Result, SearchResult
 from pipegpt.costs.devices import format_bytes
 
 
@@ -185,16 +185,16 @@ def format_text(res: SearchResult) -> str:
                 lines.append(f"  best {s}: {r.layout.short()}: {explain(r, best)}")
             else:
                 lines.append(f"  {s}: {r}")
-        cut = best.layout.pp * best.layout.cp * best.layout.tp
+        cut = best.layout.sharding.replica_size
         lighter = sorted((x for x in res.refusals if x.model_parallel < cut),
                          key=lambda x: (-x.model_parallel, x.needs))
         if lighter:
             lines.append("  less model parallelism does not fit (the nearest layouts):")
             seen = set()
             for x in lighter:
-                if (x.pp, x.cp, x.tp) in seen:
+                if x.dims._replace(dp=1) in seen:  # one line per model cut
                     continue
-                seen.add((x.pp, x.cp, x.tp))
+                seen.add(x.dims._replace(dp=1))
                 lines.append("    " + refusal_line(x, c.usable_bytes))
                 if len(seen) == 4:
                     break
@@ -211,7 +211,7 @@ def as_json(res: SearchResult) -> dict:
         "plans": [r.as_dict(c.precision) for r in res.best],
         "runners": {s: (r.as_dict(c.precision) if isinstance(r, Result) else r) for s, r in res.runners.items()},
         "why": ({f"#{i}": explain(r, res.best[0]) for i, r in enumerate(res.best[1:], 2)} if res.best else {}),
-        "refused": [{"dp": r.dp, "pp": r.pp, "tp": r.tp, "cp": r.cp, "needs_bytes": r.needs, "parts": r.parts,
+        "refused": [{**{axis: getattr(r.dims, axis) for axis in LAYOUT_AXES}, "needs_bytes": r.needs, "parts": r.parts,
                      "variant": r.what} for r in res.refusals[:20]],
     }
 

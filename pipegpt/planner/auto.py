@@ -41,8 +41,8 @@ class AutoLayout:
     def text(self) -> str:
         lay = self.layout
         v = f" v{lay.virtual_stages}" if lay.takes_virtual_stages else ""
-        cp = f" x cp {lay.cp} ({lay.cp_comm})" if lay.cp > 1 else ""
-        return (f"dp {lay.dp} x pp {lay.pp}{cp} x tp {lay.tp}, {lay.schedule}{v}, {lay.microbatches} microbatches of "
+        axes = lay.sharding.label({"cp": lay.cp_comm}, spaced=True)
+        return (f"{axes}, {lay.schedule}{v}, {lay.microbatches} microbatches of "
                 f"{lay.microbatch_size}, recompute {lay.recompute}, zero {lay.zero}; predicted step "
                 f"{self.step_s * 1e3:.1f} ms on {self.cluster}")
 
