@@ -316,7 +316,7 @@ class TrainConfig:
             raise ConfigError("--document-mask finds documents by the end-of-text token, and the bytes tokenizer has "
                               "none: use --tokenizer gpt2 or a tokenizer.json with one")
         _check_choice("zero", p.zero, ZERO)
-        if p.zero >= 2 and p.dims.replicas == 1:
+        if p.zero >= 1 and p.dims.replicas == 1:
             raise ConfigError(f"--zero {p.zero} shards over the data-parallel replicas, and dp x cp = 1: nothing to "
                               f"shard: give --dp 2 or more, or --zero 0")
         if p.unshard is not None:

@@ -27,9 +27,21 @@ def make_plan(cfg: TrainConfig) -> Plan:
         plan = validate(add_reduce_grad(plan)) if averaged else without_reduce_grad(plan)
         if cfg.parallel.zero >= 3:
             return validate(add_unshard_reshard(plan, cfg.parallel.unshard or "step"))
+        _refuse_file_gathers(plan, cfg)
         return without_unshard_reshard(plan)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
+
+
+def _refuse_file_gathers(plan: Plan, cfg: TrainConfig) -> None:
+    """A schedule file's UNSHARD/RESHARD below --zero 3 would be dropped unseen: the user wrote them for a reason."""
+    if cfg.parallel.schedule_file is None:
+        return
+    gathers = [str(a) for acts in plan.ranks for a in acts if a.kind in (Kind.UNSHARD, Kind.RESHARD)]
+    if gathers:
+        raise ConfigError(f"schedule file {cfg.parallel.schedule_file} gathers parameters ({gathers[0]}), and --zero "
+                          f"is {cfg.parallel.zero}: UNSHARD and RESHARD are ZeRO-3's; give --zero 3, or remove them "
+                          f"from the file")
 
 
 def _pipeline_plan(cfg: TrainConfig) -> Plan:

@@ -111,15 +111,15 @@ def test_bf16_zero3_equals_zero0(workers):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
 
 
-# zero 1 at dp 1 -> zero 3 at dp 2 is slow (6 s): the default set reshards out of zero 3, and into ZeRO sharding in
+# zero 0 at dp 1 -> zero 3 at dp 2 is slow (6 s): the default set reshards out of zero 3, and into ZeRO sharding in
 # tests/distributed/test_checkpoint.py (dp2-zero1).
 @pytest.mark.parametrize("direction", ["out-of-zero3", pytest.param("into-zero3", marks=pytest.mark.slow)])
 def test_a_zero3_checkpoint_resumes_in_one_replica_and_back(workers, tmp_path, direction):
-    """Saved by zero 3 at dp 2 x pp 2 (each rank its pieces), resumed by zero 1 at dp 1 (the same global batch:
+    """Saved by zero 3 at dp 2 x pp 2 (each rank its pieces), resumed at dp 1 (zero 0) (the same global batch:
     twice the microbatches): every parameter and moment as saved, and the next step's loss within 1e-5; and the
     other way round."""
     three = zero_config(2, 3, microbatches=2)
-    one = zero_config(2, 1, dp=1, microbatches=4)
+    one = zero_config(2, 0, dp=1, microbatches=4)  # zero 1 at dp 1 is refused
     saver, loader = (three, one) if direction == "out-of-zero3" else (one, three)
     path, next_loss = workers(saver).save(saver, tmp_path / f"zero{saver.parallel.zero}", 2)
     params, moments, loss = workers(loader).resume(loader, path)

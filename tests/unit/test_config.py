@@ -88,6 +88,7 @@ def test_build_routes_settings_to_their_sections():
     ({"recompute": "some"}, "recompute='some' is not one of none, full, selective"),
     ({"zero": 4}, "zero=4 is not one of 0, 1, 2, 3"),
     ({"zero": 2}, "--zero 2 shards over the data-parallel replicas, and dp x cp = 1: nothing to shard"),
+    ({"zero": 1}, "--zero 1 shards over the data-parallel replicas, and dp x cp = 1: nothing to shard"),  # was accepted, doing nothing
     ({"zero": 3, "cp": 2}, None),  # cp ranks hold the same weights: ZeRO shards over dp x cp
     ({"zero": 1, "dp": 2, "unshard": "step"}, "--unshard step places ZeRO-3's parameter gathers, and --zero is 1"),
     ({"zero": 3, "dp": 2, "unshard": "layer"}, "unshard='layer' is not one of step, microbatch"),

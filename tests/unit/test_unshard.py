@@ -141,7 +141,8 @@ def test_a_schedule_file_with_gathers_runs_and_one_computing_sharded_is_refused_
     cfg = TrainConfig.build(ModelConfig(n_layer=2), stages=2, microbatches=2, dp=2, zero=3, schedule_file=str(good))
     made = make_plan(cfg.replace(stages=None, microbatches=None))
     assert sharding_of(made.ranks[1], 1) == sharding_of(plan.ranks[1], 1)  # kept where the file put them
-    assert make_plan(cfg.replace(stages=None, microbatches=None, zero=1)).to_text().count("UNSHARD") == 0
+    with pytest.raises(ConfigError, match=r"gathers parameters \(0UNSHARD\), and --zero is 1: .*give --zero 3"):
+        make_plan(cfg.replace(stages=None, microbatches=None, zero=1))  # dropped unseen before
     bad = tmp_path / "bad.txt"
     bad.write_text("# a hand-written plan\n0UNSHARD 0F0 0F1 0B0 0B1 0RESHARD\n1UNSHARD 1F0 1RESHARD 1B0 1F1 1B1\n")
     with pytest.raises(ScheduleError, match=r"bad.txt:3: rank 1 step 2 \(1RESHARD\): frees stage 1's parameters "
