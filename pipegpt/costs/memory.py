@@ -80,7 +80,7 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from pipegpt.arch import kv_local_heads, stage_shapes  # noqa: F401 (kv_local_heads: for callers of this module)
+from pipegpt.arch import kv_local_heads, stage_ranges, stage_shapes, uniform  # noqa: F401 (kv_local_heads: callers')
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.schedule.actions import Plan
@@ -88,7 +88,7 @@ from pipegpt.schedule.lowering import lower
 from pipegpt.schedule.messages import message_peaks
 
 from .activations import (BOOL, INT64, MEMORY_PRECISIONS, Workspace, _check, _check_positive, _check_tp,  # noqa: F401
-                          _count, _widths, activation_bytes, activation_peaks, check_tp_shapes, deferred_bytes,
+                          _count, _mix, _widths, activation_bytes, activation_peaks, check_tp_shapes, deferred_bytes,
                           memory_precision, peak_activation_bytes, stage_activation_bytes, workspace_bytes)
 
 
@@ -101,7 +101,14 @@ def stage_parameter_shapes(model: ModelConfig, layers: int, embed: bool, head: b
     """(name, shape) of every parameter one tp rank of the slice holds, in GPT.named_parameters order
     (block names without their index). A tied lm_head in a slice that holds the embedding is wte."""
     _check_tp(model, tp)
-    return stage_shapes(model, _count(layers), embed, head, tp)
+    return stage_shapes(model, layers, embed, head, tp)
+
+
+def _layers_key(model: ModelConfig, layers):
+    """A slice's layers as the caches above key them: a count where every layer is alike (a range and its
+    length are one slice), else the range (a count there raises: it does not say which layers)."""
+    _mix(model, layers)
+    return _count(layers) if uniform(model) else layers
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -113,7 +120,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def parameter_count(model: ModelConfig, layers, embed: bool, head: bool, tp: int = 1) -> int:
     """Parameters one tp rank of the slice (layers: a count or a range) holds; see the module docstring."""
-    return sum(_numel(shape) for _, shape in stage_parameter_shapes(model, _count(layers), embed, head, tp))
+    return sum(_numel(shape) for _, shape in stage_parameter_shapes(model, _layers_key(model, layers), embed, head,
+                                                                    tp))
 
 
 @dataclass(frozen=True)
@@ -179,7 +187,7 @@ def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Shardi
     step's peak, or what stays between steps. unshard: ZeRO-3's gather policy (step or microbatch);
     microbatches: per step (one lets ZeRO-2/3 free each stage's full gradients early). See the module docstring."""
     _check_positive("dp", sharding.dp)
-    key = tuple((_count(layers), bool(embed), bool(head)) for layers, embed, head in stages)
+    key = tuple((_layers_key(model, layers), bool(embed), bool(head)) for layers, embed, head in stages)
     return _state_bytes(model, key, sharding, precision, between_steps, unshard, min(microbatches, 2))
 
 
@@ -241,7 +249,8 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     activation_peaks' held. workspace: activation_peaks' working less held (cp_comm: how K/V travel with
     sharding.cp > 1, ring or allgather). unshard: ZeRO-3's gather policy (state_bytes).
     """
-    counts = _layer_counts(model, plan, layers_per_stage)
+    _layer_counts(model, plan, layers_per_stage)
+    counts = stage_ranges(layers_per_stage)  # which layers each stage holds: their kinds count
     kw = dict(microbatch_size=microbatch_size, sharding=sharding, precision=precision)
     saved, deferred, workspace = stage_activation_bytes(model, counts, recompute=recompute, device=device,
                                                         cp_comm=cp_comm, **kw)
