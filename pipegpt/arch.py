@@ -101,6 +101,11 @@ class LayerKind:
     title: str
     block_model: Callable = lambda model: model
 
+    @property
+    def piece(self) -> str:
+        """Its block among measured costs (pipegpt.stages.measure, --balance cost): "block" (dense), "block.<kind>"."""
+        return "block" if self.name == "dense" else f"block.{self.name}"
+
 
 DENSE = LayerKind("dense", "dense")
 LAYER_KINDS: dict[str, LayerKind] = {DENSE.name: DENSE}

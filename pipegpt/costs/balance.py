@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
-from pipegpt.arch import DENSE, LayerKind, layer_kinds
+from pipegpt.arch import layer_kinds
 from pipegpt.config import ConfigError
 from pipegpt.schedule.simulate import Costs
 
@@ -432,15 +432,10 @@ class LayerCosts:
                      tuple(f * self.weight for f in forward), self.comm), split
 
 
-def block_piece(kind: LayerKind) -> str:
-    """A layer kind's block among the measured pieces (pipegpt.stages.measure): "block" (dense), "block.<kind>"."""
-    return "block" if kind is DENSE else f"block.{kind.name}"
-
-
 def per_layer_costs(model, measured: dict) -> list[float]:
-    """Each of the model's layers' cost from what was measured per layer kind (block_piece's names), for
+    """Each of the model's layers' cost from what was measured per layer kind (LayerKind.piece's names), for
     balance_layers: [measured["block"]] x n_layer where every layer is dense."""
-    return [measured[block_piece(kind)] for kind in layer_kinds(model)]
+    return [measured[kind.piece] for kind in layer_kinds(model)]
 
 
 _LAYER_KEYS = {"embed": "embed", "block": "block", "blocks": "blocks", "head": "head", "b": "backward",

@@ -83,6 +83,7 @@ from typing import Sequence
 from pipegpt.arch import kv_local_heads, stage_ranges, stage_shapes, uniform  # noqa: F401 (kv_local_heads: callers')
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
+from pipegpt.parallelisms import stage_parallelism
 from pipegpt.schedule.actions import Plan
 from pipegpt.schedule.lowering import lower
 from pipegpt.schedule.messages import message_peaks
@@ -137,8 +138,9 @@ class StateBytes:
 
 def gradient_group(sharding: Sharding) -> int:
     """Ranks of a stage that average its gradients, and over which ZeRO shards its state: dp x cp
-    (a context-parallel rank holds the same weights and its own tokens, like a replica)."""
-    return sharding.dp * sharding.cp
+    (a context-parallel rank holds the same weights and its own tokens, like a replica), as the stage's
+    parallelisms say (pipegpt.parallelisms: what the engine and the gradient syncs apply)."""
+    return stage_parallelism(sharding).gradient_ranks
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,7 +8,7 @@ spread +-15%, so their median moved from process to process across the near-tie 
 head's 6,2 against 7,1) and the split flipped; the least is steady, and near what the piece costs in a run.
 Blocks of one kind have one shape, so one block of each kind (the first of the model's layers of that kind) stands
 for all of that kind (pipegpt.arch.layer_kinds; pipegpt.costs.balance.per_layer_costs spreads them over the
-layers): "block" is the dense kind's, "block.<kind>" another's (block_piece). The head's grows with the
+layers): "block" is the dense kind's, "block.<kind>" another's (LayerKind.piece). The head's grows with the
 vocabulary. The random state is left as it was (fork_rng), so a run's dropout does not depend on whether it was balanced.
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 
 from pipegpt.arch import layer_kinds
 from pipegpt.config import ModelConfig
-from pipegpt.costs.balance import block_piece
 from pipegpt.model.gpt import GPT
 from pipegpt.stages.stage import Stage
 
@@ -41,7 +40,7 @@ def measure_layer_costs(model: ModelConfig, microbatch_size: int, device: torch.
         grad = torch.ones(B, T, C, device=device, dtype=dtype)
         first = {}
         for i, kind in enumerate(layer_kinds(model)):
-            first.setdefault(block_piece(kind), i)
+            first.setdefault(kind.piece, i)
         slices = {"embed": (0, dict(layers=range(0), embed=True, head=False)),
                   **{piece: (1, dict(layers=range(i, i + 1), embed=False, head=False)) for piece, i in first.items()},
                   "head": (2, dict(layers=range(0), embed=False, head=True))}
