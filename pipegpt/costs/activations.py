@@ -139,7 +139,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from pipegpt.arch import ROW, block_linears, kv_local_heads, layer_mix
+from pipegpt.arch import ROW, block_linears, kv_local_heads, layer_mix, stage_ranges
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
 from pipegpt.dims import Sharding
 from pipegpt.schedule.actions import Kind, Plan
@@ -308,7 +308,8 @@ def _block_weights(model: ModelConfig, tp: int) -> int:
 def activation_bytes(model: ModelConfig, layers, *, microbatch_size: int, sharding: Sharding = Sharding(),
                      recompute: str = "none", precision: str = "fp32", embed: bool = False, head: bool = False,
                      device: str = "cuda") -> int:
-    """Bytes one stage (layers: a count or a range; embed: it is the first, head: the last) keeps per
+    """Bytes one stage (layers: a count or a range, a range where the model's layers differ; embed: it is the
+    first, head: the last) keeps per
     microbatch in flight, from the end of its forward to its backward (B or I). `device` matters only
     with dropout > 0 (see the module docstring for every term)."""
     return _activation_bytes(model, _mix(model, layers), microbatch_size, sharding, recompute, precision,
@@ -357,6 +358,7 @@ def stage_activation_bytes(model: ModelConfig, layers_per_stage: Sequence, **kwa
     Costs(activation_bytes=saved) and activation_peaks. kwargs: those of activation_bytes, without
     layers, embed and head; and workspace_bytes' cp_comm."""
     last = len(layers_per_stage) - 1
+    layers_per_stage = stage_ranges(layers_per_stage)  # which layers: their kinds count
     cp_comm = kwargs.pop("cp_comm", "ring")
     deferred_kwargs = {k: v for k, v in kwargs.items() if k not in ("recompute", "device")}
     saved = tuple(activation_bytes(model, n, embed=s == 0, head=s == last, **kwargs)

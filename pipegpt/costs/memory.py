@@ -16,7 +16,13 @@ against pipegpt's real modules and a measured replay (tests/unit/test_plan_memor
 
 Context parallelism: a cp rank holds its stage's whole weights and L = seq_len/cp tokens of every sequence
 (pipegpt.costs.activations); gradients are averaged, and ZeRO-1 shards the optimizer state, over the dp x cp
-ranks of a stage (gradient_group), so the data-parallel gradient copy exists whenever dp x cp > 1.
+ranks of a stage (gradient_group, read from pipegpt.parallelisms), so the data-parallel gradient copy exists
+whenever dp x cp > 1.
+
+Layer kinds: every per-block term (parameters, activations, deferred bytes; a workspace's largest block) is each
+layer's at its kind's block shape (pipegpt.arch.layer_kinds), summed over the slice's layers: a slice is then a
+range of layers (plan_memory makes ranges of a split's counts); a count stands for one only where every layer is
+alike.
 
 A planner calls plan_memory (or rank_memory) per candidate layout: everything that depends only on
 shapes is cached, and the peaks walk each rank's actions once (well under a millisecond per call for
@@ -120,7 +126,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def parameter_count(model: ModelConfig, layers, embed: bool, head: bool, tp: int = 1) -> int:
-    """Parameters one tp rank of the slice (layers: a count or a range) holds; see the module docstring."""
+    """Parameters one tp rank of the slice (layers: a count or a range, a range where the model's layers differ)
+    holds; see the module docstring."""
     return sum(_numel(shape) for _, shape in stage_parameter_shapes(model, _layers_key(model, layers), embed, head,
                                                                     tp))
 
@@ -185,9 +192,9 @@ def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Shardi
                 precision: str = "fp32", between_steps: bool = False, unshard: str = "step",
                 microbatches: int = 2) -> StateBytes:
     """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
-    (layers: a count or a range), cut over sharding.tp, and over dp x cp by ZeRO (sharding.zero): at the
-    step's peak, or what stays between steps. unshard: ZeRO-3's gather policy (step or microbatch);
-    microbatches: per step (one lets ZeRO-2/3 free each stage's full gradients early). See the module docstring."""
+    (layers: a count or a range, a range where the model's layers differ), cut over sharding.tp, and over
+    dp x cp by ZeRO (sharding.zero): at the step's peak, or what stays between steps. unshard: ZeRO-3's gather
+    policy (step or microbatch); microbatches: per step (one lets ZeRO-2/3 free each stage's full gradients early). See the module docstring."""
     _check_positive("dp", sharding.dp)
     key = tuple((_layers_key(model, layers), bool(embed), bool(head)) for layers, embed, head in stages)
     return _state_bytes(model, key, sharding, precision, between_steps, unshard, min(microbatches, 2))

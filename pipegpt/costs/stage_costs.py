@@ -2,10 +2,11 @@
 (pipegpt.costs.memory): F, B, W and tensor-parallel time, held and deferred activation bytes, parameters,
 one message's time, the gradient all-reduce and what follows the last action; and the layer split.
 
-Everything per stage is a sum over its layers, each its kind's (pipegpt.arch.layer_kinds: one kind, dense, for
-every model today), plus a fixed part for the embedding and the head, so each quantity is computed once per
-(model, layer kind, the way a rank's tensors are cut, recompute, microbatch size) and composed for any split. A candidate's layout comes as one pipegpt.dims.Sharding. One StageCosts serves one
-search: its caches hold for one cluster, one cost model and one cp_comm (how K/V travel with cp > 1)."""
+Everything per stage is a sum over its layers, each its kind's (pipegpt.arch.layer_kinds: one kind, dense, for every
+model today), plus a fixed part for the embedding and the head, so each quantity is computed once per (model, layer
+kind, the way a rank's tensors are cut, recompute, microbatch size) and composed for any split. A candidate's layout
+comes as one pipegpt.dims.Sharding. One StageCosts serves one search: its caches hold for one cluster, one cost
+model and one cp_comm (how K/V travel with cp > 1)."""
 from __future__ import annotations
 
 from pipegpt.arch import block_shapes, embedding_shapes, head_shapes, layer_kinds, layer_mix, stage_ranges

@@ -7,9 +7,9 @@ runs; the least sample is the cost. Interference on a shared machine only adds t
 spread +-15%, so their median moved from process to process across the near-tie between two splits (the heavy
 head's 6,2 against 7,1) and the split flipped; the least is steady, and near what the piece costs in a run.
 Blocks of one kind have one shape, so one block of each kind (the first of the model's layers of that kind) stands
-for all of that kind (pipegpt.arch.layer_kinds; pipegpt.costs.balance.per_layer_costs spreads them over the
-layers): "block" is the dense kind's, "block.<kind>" another's (LayerKind.piece). The head's grows with the
-vocabulary. The random state is left as it was (fork_rng), so a run's dropout does not depend on whether it was balanced.
+for all of that kind (pipegpt.arch.layer_kinds; pipegpt.costs.balance.per_layer_costs spreads them over the layers):
+"block" is the dense kind's, "block.<kind>" another's (LayerKind.piece). The head's grows with the vocabulary. The
+random state is left as it was (fork_rng), so a run's dropout does not depend on whether it was balanced.
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def measure_layer_costs(model: ModelConfig, microbatch_size: int, device: torch.
                         recompute: str = "none", autocast_dtype: torch.dtype | None = None, repeats: int = 15,
                         warmup: int = 3, seed: int = 0) -> dict[str, float]:
     """{"embed": s, "block": s, "head": s} (and "block.<kind>" for each other layer kind): least seconds of one
-    microbatch's forward + backward of each piece; "<piece>_forward" and "<piece>_weight": the forward's share and the weight gradients' (the schedule
-    synthesizer's F and W; the backward is timed as its two halves, the input gradient then the weights')."""
+    microbatch's forward + backward of each piece; "<piece>_forward" and "<piece>_weight": the forward's share and
+    the weight gradients' (the schedule synthesizer's F and W; the backward is timed as its two halves, the input
+    gradient then the weights')."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)

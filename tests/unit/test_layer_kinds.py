@@ -36,7 +36,7 @@ def mixed(monkeypatch):
     monkeypatch.setitem(arch.LAYER_KINDS, WIDE.name, WIDE)
     monkeypatch.setitem(arch.ARCHITECTURES, "toymix", dataclasses.replace(arch.GPT2, name="toymix"))
     monkeypatch.setitem(arch.LAYER_RULES, "toymix",
-                        lambda model: ("dense",) * (model.n_layer // 2) + ("wide",) * (model.n_layer - model.n_layer // 2))
+                        lambda model: ("dense",) * (model.n_layer // 2) + ("wide",) * -(-model.n_layer // 2))
     return ModelConfig(vocab_size=V, seq_len=T, n_layer=4, n_head=4, n_embd=C, arch="toymix").validate()
 
 
@@ -128,6 +128,7 @@ def test_the_planners_memory_counts_each_layer(mixed):
     assert [r.parameters for r in ranks] == [EMBED + 2 * DENSE_BLOCK + WIDE_BLOCK, WIDE_BLOCK + HEAD + V * C]
     assert [r.weights for r in ranks] == [4 * r.parameters for r in ranks]
     saved, _, _ = memory.stage_activation_bytes(mixed, [range(0, 3), range(3, 4)], microbatch_size=1)
+    assert memory.stage_activation_bytes(mixed, [3, 1], microbatch_size=1)[0] == saved  # a split's counts
     dense_act, wide_act = 526_336, 788_480
     assert saved[1] - memory.activation_bytes(mixed, range(4, 4), microbatch_size=1, head=True) == wide_act
     assert saved[0] - memory.activation_bytes(mixed, range(0), microbatch_size=1, embed=True) == \
