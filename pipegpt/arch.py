@@ -11,6 +11,12 @@ architecture is one more ARCHITECTURES entry plus the modules it needs.
 Functions take a ModelConfig (`model`) and, for shapes, the tensor-parallel degree tp: shapes are one tp
 rank's, as pipegpt.tensor_parallel shards them (column-parallel rows, row-parallel columns and the
 vocabulary divided by tp; key/value rows by whole kv head; norms, wpe and row-parallel biases whole).
+
+Layer kinds: a model's layers are a sequence of kinds (layer_kinds), each a LAYER_KINDS entry that says at which
+shape its block is built (LayerKind.block_model: the ModelConfig its block reads). Today's architectures are all
+"dense" (the block above, at the model's own shape). Everything that counts one block (its linears and shapes
+here; FLOPs, memory and time in pipegpt.model.flops and pipegpt.costs; the torch block in pipegpt.model.gpt and
+its tensor-parallel shards) counts it at its kind's block model, and a stage sums its layers (layer_mix).
 """
 from __future__ import annotations
 
@@ -85,6 +91,73 @@ LLAMA = Architecture(
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (GPT2, LLAMA)}
 
 
+@dataclass(frozen=True, eq=False)  # one object per kind: compared and hashed by identity, quickly
+class LayerKind:
+    """One kind of layer: its name and the ModelConfig its block is built at (dense: the model's own; a kind with
+    a wider MLP: the model with another ffn_hidden). A kind whose block differs in more than its sizes (experts)
+    adds its modules where pipegpt.model builds a block and its linears where block_linears lists them."""
+
+    name: str
+    title: str
+    block_model: Callable = lambda model: model
+
+    @property
+    def piece(self) -> str:
+        """Its block among measured costs (pipegpt.stages.measure, --balance cost): "block" (dense), "block.<kind>"."""
+        return "block" if self.name == "dense" else f"block.{self.name}"
+
+
+DENSE = LayerKind("dense", "dense")
+LAYER_KINDS: dict[str, LayerKind] = {DENSE.name: DENSE}
+# Which kind each layer of a model is, by architecture (absent: every layer dense).
+LAYER_RULES: dict[str, Callable] = {}
+
+
+@functools.lru_cache(maxsize=1024)
+def layer_kinds(model) -> tuple[LayerKind, ...]:
+    """The kind of each of the model's n_layer layers."""
+    rule = LAYER_RULES.get(model.arch)
+    if rule is None:
+        return (DENSE,) * model.n_layer
+    names = tuple(rule(model))
+    if len(names) != model.n_layer or any(n not in LAYER_KINDS for n in names):
+        raise ValueError(f"{model.arch}'s layer rule gave {names!r}: want n_layer={model.n_layer} names of "
+                         f"{', '.join(LAYER_KINDS)}")
+    return tuple(LAYER_KINDS[n] for n in names)
+
+
+@functools.lru_cache(maxsize=1024)
+def uniform(model) -> bool:
+    """Every layer of the model is of one kind."""
+    return len(set(layer_kinds(model))) <= 1
+
+
+@functools.lru_cache(maxsize=8192)
+def layer_mix(model, layers) -> tuple[tuple[LayerKind, int], ...]:
+    """(kind, how many) of a slice's layers, kinds in the order they first appear. layers: a range of the model's
+    layers, or a count (only where every layer is alike: a count does not say which layers a slice holds)."""
+    if isinstance(layers, int):
+        if layers and not uniform(model):
+            raise ValueError(f"{model.arch}'s layers differ: give the slice's layers as a range, not a count "
+                             f"({layers})")
+        return ((layer_kinds(model)[0] if model.n_layer else DENSE, layers),) if layers else ()
+    kinds = layer_kinds(model)
+    counts: dict[LayerKind, int] = {}
+    for i in layers:
+        counts[kinds[i]] = counts.get(kinds[i], 0) + 1
+    return tuple(counts.items())
+
+
+def stage_ranges(layers_per_stage) -> list[range]:
+    """Each stage's range of layers from the stages' counts (or ranges, kept)."""
+    out, start = [], 0
+    for n in layers_per_stage:
+        r = n if isinstance(n, range) else range(start, start + n)
+        out.append(r)
+        start = r.stop
+    return out
+
+
 def kv_local_heads(model, tp: int) -> int:
     """Key/value heads one tp rank holds: kv_heads/tp, or one (shared by tp/kv_heads ranks) when tp > kv_heads."""
     return max(1, model.kv_heads // tp)
@@ -102,8 +175,9 @@ class Linear:
 
 
 @functools.lru_cache(maxsize=1024)
-def block_linears(model, tp: int = 1) -> tuple[Linear, ...]:
-    """The block's linears in the model's order (attention's, then the MLP's)."""
+def block_linears(model, tp: int = 1, kind: LayerKind = DENSE) -> tuple[Linear, ...]:
+    """The block's linears in the model's order (attention's, then the MLP's), at kind's block model."""
+    model = kind.block_model(model)
     arch = ARCHITECTURES[model.arch]
     h, F = model.n_embd, model.ffn_width
     qkv_bias = model.qkv_bias if arch.own_qkv_bias else model.bias
@@ -134,9 +208,10 @@ def _linear(lin: Linear) -> list[tuple[str, tuple[int, ...]]]:
 
 
 @functools.lru_cache(maxsize=1024)
-def block_shapes(model, tp: int = 1) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def block_shapes(model, tp: int = 1, kind: LayerKind = DENSE) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name within the block, shape) of one block's parameters, in GPT.named_parameters order."""
-    linears = block_linears(model, tp)
+    linears = block_linears(model, tp, kind)
+    model = kind.block_model(model)
     out = _norm(model, "ln1")
     out += [p for lin in linears if lin.name.startswith("attn.") for p in _linear(lin)]
     out += _norm(model, "ln2")
@@ -159,18 +234,24 @@ def head_shapes(model, tp: int = 1, lm_head: bool = True) -> tuple[tuple[str, tu
                                          if lm_head else []))
 
 
-def stage_shapes(model, layers: int, embed: bool, head: bool, tp: int = 1) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, shape) of every parameter one tp rank of a slice of `layers` blocks holds, in GPT.named_parameters
-    order (block names without their index). A tied lm_head in a slice that holds the embedding is wte."""
-    return ((embedding_shapes(model, tp) if embed else ()) + block_shapes(model, tp) * layers
+def stage_shapes(model, layers, embed: bool, head: bool, tp: int = 1) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of every parameter one tp rank of a slice holds (layers: a range, or a count where every
+    layer is alike), in GPT.named_parameters order (block names without their index). A tied lm_head in a slice
+    that holds the embedding is wte."""
+    if isinstance(layers, int):
+        blocks = block_shapes(model, tp, *(kind for kind, _ in layer_mix(model, layers))) * layers
+    else:
+        kinds = layer_kinds(model)
+        blocks = tuple(p for i in layers for p in block_shapes(model, tp, kinds[i]))
+    return ((embedding_shapes(model, tp) if embed else ()) + blocks
             + (head_shapes(model, tp, not (embed and model.tie_embeddings)) if head else ()))
 
 
 def named_shapes(model) -> dict[str, tuple[int, ...]]:
     """{one-process name: shape} of the whole model's parameters."""
-    block = block_shapes(model)
     out = dict(embedding_shapes(model))
-    out.update((f"blocks.{i}.{name}", shape) for i in range(model.n_layer) for name, shape in block)
+    out.update((f"blocks.{i}.{name}", shape) for i, kind in enumerate(layer_kinds(model))
+               for name, shape in block_shapes(model, 1, kind))
     out.update(head_shapes(model, lm_head=not model.tie_embeddings))
     return out
 
@@ -180,14 +261,14 @@ def hf_names(model) -> list[tuple[str, str, bool]]:
     of the architecture's hf_top, its blocks' hf_block, then an untied lm_head."""
     arch = ARCHITECTURES[model.arch]
     top = dict(embedding_shapes(model) + head_shapes(model, lm_head=False))
-    block = dict(block_shapes(model))
 
     def tensors(names, ours, theirs, prefix=""):
         return [(f"{theirs}.{n[len(ours) + 1:]}", f"{prefix}{n}", n.endswith(".weight") and ours in arch.hf_transposed)
                 for n in names if n.startswith(ours + ".")]
 
     out = [t for ours, theirs in arch.hf_top for t in tensors(top, ours, theirs)]
-    for i in range(model.n_layer):
+    for i, kind in enumerate(layer_kinds(model)):
+        block = dict(block_shapes(model, 1, kind))
         out += [(arch.hf_block_prefix.format(i=i) + hf, name, t) for ours, theirs in arch.hf_block
                 for hf, name, t in tensors(block, ours, theirs, f"blocks.{i}.")]
     if not model.tie_embeddings:

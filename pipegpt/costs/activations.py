@@ -139,7 +139,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from pipegpt.arch import ROW, block_linears, kv_local_heads
+from pipegpt.arch import ROW, block_linears, kv_local_heads, layer_mix, stage_ranges
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
 from pipegpt.dims import Sharding
 from pipegpt.schedule.actions import Kind, Plan
@@ -171,6 +171,14 @@ def _widths(precision: str) -> tuple[int, int]:
 
 def _count(layers) -> int:
     return layers if isinstance(layers, int) else len(layers)
+
+
+def _mix(model: ModelConfig, layers) -> tuple:
+    """A slice's (layer kind, count) pairs (pipegpt.arch.layer_mix), as a ConfigError where a count is ambiguous."""
+    try:
+        return layer_mix(model, layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
@@ -209,52 +217,64 @@ def _check(model, sharding: Sharding, recompute, device, microbatch_size=1):
         raise ConfigError(f"device={device!r} is not valid: use cuda or cpu")
 
 
-@functools.lru_cache(maxsize=8192)
-def _activation_bytes(model, layers, b, sharding: Sharding, recompute, precision, embed, head, device) -> int:
-    _check(model, sharding, recompute, device, b)
+def _locals(model, b, sharding: Sharding, precision, device):
+    """What the terms below share: widths, token counts and the norms' statistics of one microbatch of b."""
     r, c = _widths(precision)
     s = model.seq_len // sharding.cp  # the tokens a rank holds of each sequence
-    h, a, V, Vp = model.n_embd, model.n_head, model.vocab_size, model.padded_vocab_size
-    tp, sp = sharding.tp, sharding.splits_sequence
     S = sharding.tokens_per_rank(model.seq_len)  # the sequence a tp rank holds in the replicated regions
-    N, Ns, bs, bS = b * s * h, b * S * h, b * s, b * S
+    N, Ns, bs, bS = b * s * model.n_embd, b * S * model.n_embd, b * s, b * S
+    # a norm's statistics: LayerNorm's mean and rstd; RMSNorm's rstd (and on CPU, composite, x * rstd)
+    norm_stats = (bS * r + (Ns * r if device == "cpu" else 0)) if model.architecture.norm == "rms" else 2 * bS * r
+    return r, c, s, N, Ns, bs, norm_stats
+
+
+@functools.lru_cache(maxsize=8192)
+def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device) -> int:
+    """What one block (at its kind's block model) keeps per microbatch in flight."""
+    r, c, s, N, Ns, bs, norm_stats = _locals(model, b, sharding, precision, device)
+    a, tp, sp = model.n_head, sharding.tp, sharding.splits_sequence
     drop = model.dropout > 0
     # Where dropout > 0 puts its masks: 1 byte (CUDA's native_dropout) or the tensor's dtype (CPU).
-    mask_c, mask_r = (1, 1) if device == "cuda" else (c, r)
+    mask_c = 1 if device == "cuda" else c
     math_attention = drop and device == "cpu"  # CPU SDPA has no dropout in its flash kernel
     arch, F = model.architecture, model.ffn_width
-    # a norm's statistics: LayerNorm's mean and rstd; RMSNorm's rstd (and on CPU, composite, x * rstd)
-    norm_stats = (bS * r + (Ns * r if device == "cpu" else 0)) if arch.norm == "rms" else 2 * bS * r
+    if recompute == "full":
+        return Ns * r  # the block's input, kept by the checkpoint
+    # SDPA keeps q, k and v (GPT-2's: views of the qkv output; grouped-query attention repeats k and v to
+    # the q heads before the kernel); selective recomputation's checkpoint keeps its inputs, k and v as
+    # the kv heads give them
+    kv = kv_local_heads(model, tp) * model.head_dim
+    attention_inputs = N // tp + (2 * b * s * kv if recompute == "selective" else 2 * N // tp)
+    layer = (2 * Ns * r  # ln1, ln2 inputs
+             + 2 * norm_stats  # their statistics
+             + _linear_inputs(model, precision, sp) * N * c  # the column-parallel linears' inputs
+             + attention_inputs * c  # q and k (after rotation), v
+             + N // tp * c  # the attention output = the proj input
+             + arch.mlp_saved * b * s * (F // tp) * c)  # the MLP's intermediates
+    if arch.rotary and c != 4:
+        layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call
+    if precision == "bf16":
+        layer += _block_weights(model, tp) * 2  # each microbatch's bf16 casts of the block's weights
+    if math_attention:
+        if recompute != "selective":  # softmax output, its dropout mask, the dropout output
+            layer += 3 * b * (a // tp) * s * s * c
+    elif recompute != "selective":
+        layer += b * (a // tp) * s * r  # SDPA's logsumexp
+    if drop:
+        layer += 2 * Ns * mask_c  # the attention and MLP residual dropouts' masks
+    return layer
 
+
+@functools.lru_cache(maxsize=8192)
+def _activation_bytes(model, mix, b, sharding: Sharding, recompute, precision, embed, head, device) -> int:
+    _check(model, sharding, recompute, device, b)
+    r, c, s, N, Ns, bs, norm_stats = _locals(model, b, sharding, precision, device)
+    h, V, Vp, tp = model.n_embd, model.vocab_size, model.padded_vocab_size, sharding.tp
+    drop, arch = model.dropout > 0, model.architecture
+    mask_r = 1 if device == "cuda" else r
     total = 0
-    n = _count(layers)
-    if n:
-        if recompute == "full":
-            layer = Ns * r  # the block's input, kept by the checkpoint
-        else:
-            # SDPA keeps q, k and v (GPT-2's: views of the qkv output; grouped-query attention repeats k and v to
-            # the q heads before the kernel); selective recomputation's checkpoint keeps its inputs, k and v as
-            # the kv heads give them
-            kv = kv_local_heads(model, tp) * model.head_dim
-            attention_inputs = N // tp + (2 * b * s * kv if recompute == "selective" else 2 * N // tp)
-            layer = (2 * Ns * r  # ln1, ln2 inputs
-                     + 2 * norm_stats  # their statistics
-                     + _linear_inputs(model, precision, sp) * N * c  # the column-parallel linears' inputs
-                     + attention_inputs * c  # q and k (after rotation), v
-                     + N // tp * c  # the attention output = the proj input
-                     + arch.mlp_saved * b * s * (F // tp) * c)  # the MLP's intermediates
-            if arch.rotary and c != 4:
-                layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call
-            if precision == "bf16":
-                layer += _block_weights(model, tp) * 2  # each microbatch's bf16 casts of the block's weights
-            if math_attention:
-                if recompute != "selective":  # softmax output, its dropout mask, the dropout output
-                    layer += 3 * b * (a // tp) * s * s * c
-            elif recompute != "selective":
-                layer += b * (a // tp) * s * r  # SDPA's logsumexp
-            if drop:
-                layer += 2 * Ns * mask_c  # the attention and MLP residual dropouts' masks
-        total += n * layer
+    for kind, n in mix:  # each kind's blocks at its block model
+        total += n * _layer_bytes(kind.block_model(model), b, sharding, recompute, precision, device)
     if embed:
         total += bs * INT64 + (0 if arch.rotary else s * INT64)  # tokens (Stage.inputs), wpe's positions
         if tp > 1:
@@ -288,17 +308,18 @@ def _block_weights(model: ModelConfig, tp: int) -> int:
 def activation_bytes(model: ModelConfig, layers, *, microbatch_size: int, sharding: Sharding = Sharding(),
                      recompute: str = "none", precision: str = "fp32", embed: bool = False, head: bool = False,
                      device: str = "cuda") -> int:
-    """Bytes one stage (layers: a count or a range; embed: it is the first, head: the last) keeps per
+    """Bytes one stage (layers: a count or a range, a range where the model's layers differ; embed: it is the
+    first, head: the last) keeps per
     microbatch in flight, from the end of its forward to its backward (B or I). `device` matters only
     with dropout > 0 (see the module docstring for every term)."""
-    return _activation_bytes(model, _count(layers), microbatch_size, sharding, recompute, precision, bool(embed),
-                             bool(head), device)
+    return _activation_bytes(model, _mix(model, layers), microbatch_size, sharding, recompute, precision,
+                             bool(embed), bool(head), device)
 
 
-@functools.lru_cache(maxsize=8192)
-def _deferred_bytes(model, layers, b, sharding: Sharding, precision, embed, head) -> int:
-    r, c = _widths(precision)
-    s, h, Vp = model.seq_len // sharding.cp, model.n_embd, model.padded_vocab_size
+def _deferred_layer(model, b, sharding: Sharding, precision) -> int:
+    """What one block (at its kind's block model) keeps between its I and its W."""
+    _, c = _widths(precision)
+    s, h = model.seq_len // sharding.cp, model.n_embd
     tp, sp = sharding.tp, sharding.splits_sequence
     N, Ns = b * s * h, sharding.tokens_per_rank(model.seq_len, b) * h
     # each linear's input and output gradient: the column-parallel ones' inputs (the norms' outputs, shared or
@@ -307,7 +328,15 @@ def _deferred_bytes(model, layers, b, sharding: Sharding, precision, embed, head
     layer = (_linear_inputs(model, precision, sp) * N + b * s * widths) * c
     if sp and model.bias:
         layer += 2 * Ns * c  # the row-parallel biases' gradients (after the reduce-scatter)
-    total = _count(layers) * layer
+    return layer
+
+
+@functools.lru_cache(maxsize=8192)
+def _deferred_bytes(model, mix, b, sharding: Sharding, precision, embed, head) -> int:
+    r, c = _widths(precision)
+    s, h, Vp, tp = model.seq_len // sharding.cp, model.n_embd, model.padded_vocab_size, sharding.tp
+    N, Ns = b * s * h, sharding.tokens_per_rank(model.seq_len, b) * h
+    total = sum(n * _deferred_layer(kind.block_model(model), b, sharding, precision) for kind, n in mix)
     if head:
         total += N * c + b * s * (Vp // tp) * c  # lm_head's input and the logits' gradient
     if not embed:
@@ -320,7 +349,7 @@ def deferred_bytes(model: ModelConfig, layers, *, microbatch_size: int, sharding
     """Bytes a stage keeps per microbatch between its I (input-gradient half of the backward) and its
     W (the deferred weight gradients), whatever the recomputation (see the module docstring)."""
     _check_tp(model, sharding.tp, sharding.sequence_parallel)
-    return _deferred_bytes(model, _count(layers), microbatch_size, sharding, precision, bool(embed), bool(head))
+    return _deferred_bytes(model, _mix(model, layers), microbatch_size, sharding, precision, bool(embed), bool(head))
 
 
 def stage_activation_bytes(model: ModelConfig, layers_per_stage: Sequence, **kwargs) -> tuple[tuple, tuple, tuple]:
@@ -329,6 +358,7 @@ def stage_activation_bytes(model: ModelConfig, layers_per_stage: Sequence, **kwa
     Costs(activation_bytes=saved) and activation_peaks. kwargs: those of activation_bytes, without
     layers, embed and head; and workspace_bytes' cp_comm."""
     last = len(layers_per_stage) - 1
+    layers_per_stage = stage_ranges(layers_per_stage)  # which layers: their kinds count
     cp_comm = kwargs.pop("cp_comm", "ring")
     deferred_kwargs = {k: v for k, v in kwargs.items() if k not in ("recompute", "device")}
     saved = tuple(activation_bytes(model, n, embed=s == 0, head=s == last, **kwargs)
@@ -350,35 +380,44 @@ class Workspace:
     weight: int  # a W, or the weight gradients of a B: on top of the level before it
 
 
+def _block_workspace(model, b, sharding: Sharding, recompute, precision, device, cp_comm) -> tuple[int, int, int]:
+    """One block's (at its kind's block model) forward, backward and weight transients."""
+    r, c = _widths(precision)
+    tp, cp = sharding.tp, sharding.cp
+    s, h, a = model.seq_len // cp, model.n_embd, model.n_head
+    N = b * s * h  # a hidden state (gathered)
+    # forward: the block's temporaries; under full recomputation nothing is kept, so fc and GeLU
+    # outputs are transient too. backward: the gradients of about one block; under full
+    # recomputation that block's recomputed activations as well.
+    F = model.ffn_width
+    mlp = model.architecture.mlp_saved * b * s * (F // tp) * c  # the MLP's intermediates
+    forward = mlp + 2 * N * r if recompute == "full" else 2 * N * r
+    backward = model.architecture.mlp_matrices * b * s * F * r
+    if recompute == "full":
+        backward += _layer_bytes(model, b, sharding, "none", precision, device)
+    if model.dropout > 0 and device == "cpu":  # SDPA's math path: the s^2 gradients
+        backward += 2 * b * (a // tp) * s * s * r
+        if recompute == "selective":  # and the recomputed softmax, mask and dropout output
+            backward += 3 * b * (a // tp) * s * s * c
+    if cp > 1:  # K/V blocks in flight (see the module docstring)
+        kv_block = b * s * 2 * kv_local_heads(model, tp) * model.head_dim * c
+        forward += kv_block * (cp if cp_comm == "allgather" else 2)
+        backward += kv_block * (2 * cp if cp_comm == "allgather" else 4)
+    widest = F * h // tp
+    return forward, backward, widest * (r + (2 if precision == "bf16" else 0))  # the largest weight's gradient
+
+
 @functools.lru_cache(maxsize=8192)
-def _workspace(model, layers, b, sharding: Sharding, recompute, precision, embed, head, device,
+def _workspace(model, mix, b, sharding: Sharding, recompute, precision, embed, head, device,
                cp_comm="ring") -> Workspace:
     r, c = _widths(precision)
     tp, cp = sharding.tp, sharding.cp
-    s, h, a, Vp = model.seq_len // cp, model.n_embd, model.n_head, model.padded_vocab_size
-    N, L = b * s * h, b * s * (Vp // tp) * r  # a hidden state (gathered), the logits in the loss's dtype
-    n = _count(layers)
+    s, h, Vp = model.seq_len // cp, model.n_embd, model.padded_vocab_size
+    L = b * s * (Vp // tp) * r  # the logits in the loss's dtype
     forward = backward = weight = 0
-    if n:
-        # forward: the block's temporaries; under full recomputation nothing is kept, so fc and GeLU
-        # outputs are transient too. backward: the gradients of about one block; under full
-        # recomputation that block's recomputed activations as well.
-        F = model.ffn_width
-        mlp = model.architecture.mlp_saved * b * s * (F // tp) * c  # the MLP's intermediates
-        forward = mlp + 2 * N * r if recompute == "full" else 2 * N * r
-        backward = model.architecture.mlp_matrices * b * s * F * r
-        if recompute == "full":
-            backward += _activation_bytes(model, 1, b, sharding, "none", precision, False, False, device)
-        if model.dropout > 0 and device == "cpu":  # SDPA's math path: the s^2 gradients
-            backward += 2 * b * (a // tp) * s * s * r
-            if recompute == "selective":  # and the recomputed softmax, mask and dropout output
-                backward += 3 * b * (a // tp) * s * s * c
-        if cp > 1:  # K/V blocks in flight (see the module docstring)
-            kv_block = b * s * 2 * kv_local_heads(model, tp) * model.head_dim * c
-            forward += kv_block * (cp if cp_comm == "allgather" else 2)
-            backward += kv_block * (2 * cp if cp_comm == "allgather" else 4)
-        widest = F * h // tp
-        weight = widest * (r + (2 if precision == "bf16" else 0))  # the largest block weight's gradient
+    for kind, _ in mix:  # the largest block of the slice's kinds
+        f, bw, w = _block_workspace(kind.block_model(model), b, sharding, recompute, precision, device, cp_comm)
+        forward, backward, weight = max(forward, f), max(backward, bw), max(weight, w)
     if head:
         # forward: the logits (and their fp32 copy under bf16) next to the saved softmax; backward:
         # the logits' gradient and its padded (tp=1) or bf16 (tp>1) copy; the head weight's gradient
@@ -399,7 +438,7 @@ def workspace_bytes(model: ModelConfig, layers, *, microbatch_size: int, shardin
     gradient, the weight gradients before they accumulate, context parallelism's K/V blocks in flight
     (cp_comm: ring or allgather). Checked as a bound of the replay's per-op peak, not exact."""
     _check(model, sharding, recompute, device, microbatch_size)
-    return _workspace(model, _count(layers), microbatch_size, sharding, recompute, precision, bool(embed),
+    return _workspace(model, _mix(model, layers), microbatch_size, sharding, recompute, precision, bool(embed),
                       bool(head), device, cp_comm)
 
 

@@ -54,6 +54,7 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
+from pipegpt.arch import layer_kinds
 from pipegpt.config import ConfigError
 from pipegpt.schedule.simulate import Costs
 
@@ -429,6 +430,12 @@ class LayerCosts:
         forward = self.stage_forward(split)
         return Costs(tuple(forward), tuple(f * self.backward for f in forward),
                      tuple(f * self.weight for f in forward), self.comm), split
+
+
+def per_layer_costs(model, measured: dict) -> list[float]:
+    """Each of the model's layers' cost from what was measured per layer kind (LayerKind.piece's names), for
+    balance_layers: [measured["block"]] x n_layer where every layer is dense."""
+    return [measured[kind.piece] for kind in layer_kinds(model)]
 
 
 _LAYER_KEYS = {"embed": "embed", "block": "block", "blocks": "blocks", "head": "head", "b": "backward",

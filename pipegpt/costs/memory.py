@@ -16,7 +16,13 @@ against pipegpt's real modules and a measured replay (tests/unit/test_plan_memor
 
 Context parallelism: a cp rank holds its stage's whole weights and L = seq_len/cp tokens of every sequence
 (pipegpt.costs.activations); gradients are averaged, and ZeRO-1 shards the optimizer state, over the dp x cp
-ranks of a stage (gradient_group), so the data-parallel gradient copy exists whenever dp x cp > 1.
+ranks of a stage (gradient_group, read from pipegpt.parallelisms), so the data-parallel gradient copy exists
+whenever dp x cp > 1.
+
+Layer kinds: every per-block term (parameters, activations, deferred bytes; a workspace's largest block) is each
+layer's at its kind's block shape (pipegpt.arch.layer_kinds), summed over the slice's layers: a slice is then a
+range of layers (plan_memory makes ranges of a split's counts); a count stands for one only where every layer is
+alike.
 
 A planner calls plan_memory (or rank_memory) per candidate layout: everything that depends only on
 shapes is cached, and the peaks walk each rank's actions once (well under a millisecond per call for
@@ -80,15 +86,16 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from pipegpt.arch import kv_local_heads, stage_shapes  # noqa: F401 (kv_local_heads: for callers of this module)
+from pipegpt.arch import kv_local_heads, stage_ranges, stage_shapes, uniform  # noqa: F401 (kv_local_heads: callers')
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
+from pipegpt.parallelisms import stage_parallelism
 from pipegpt.schedule.actions import Plan
 from pipegpt.schedule.lowering import lower
 from pipegpt.schedule.messages import message_peaks
 
 from .activations import (BOOL, INT64, MEMORY_PRECISIONS, Workspace, _check, _check_positive, _check_tp,  # noqa: F401
-                          _count, _widths, activation_bytes, activation_peaks, check_tp_shapes, deferred_bytes,
+                          _count, _mix, _widths, activation_bytes, activation_peaks, check_tp_shapes, deferred_bytes,
                           memory_precision, peak_activation_bytes, stage_activation_bytes, workspace_bytes)
 
 
@@ -101,7 +108,14 @@ def stage_parameter_shapes(model: ModelConfig, layers: int, embed: bool, head: b
     """(name, shape) of every parameter one tp rank of the slice holds, in GPT.named_parameters order
     (block names without their index). A tied lm_head in a slice that holds the embedding is wte."""
     _check_tp(model, tp)
-    return stage_shapes(model, _count(layers), embed, head, tp)
+    return stage_shapes(model, layers, embed, head, tp)
+
+
+def _layers_key(model: ModelConfig, layers):
+    """A slice's layers as the caches above key them: a count where every layer is alike (a range and its
+    length are one slice), else the range (a count there raises: it does not say which layers)."""
+    _mix(model, layers)
+    return _count(layers) if uniform(model) else layers
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -112,8 +126,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def parameter_count(model: ModelConfig, layers, embed: bool, head: bool, tp: int = 1) -> int:
-    """Parameters one tp rank of the slice (layers: a count or a range) holds; see the module docstring."""
-    return sum(_numel(shape) for _, shape in stage_parameter_shapes(model, _count(layers), embed, head, tp))
+    """Parameters one tp rank of the slice (layers: a count or a range, a range where the model's layers differ)
+    holds; see the module docstring."""
+    return sum(_numel(shape) for _, shape in stage_parameter_shapes(model, _layers_key(model, layers), embed, head,
+                                                                    tp))
 
 
 @dataclass(frozen=True)
@@ -129,8 +145,9 @@ class StateBytes:
 
 def gradient_group(sharding: Sharding) -> int:
     """Ranks of a stage that average its gradients, and over which ZeRO shards its state: dp x cp
-    (a context-parallel rank holds the same weights and its own tokens, like a replica)."""
-    return sharding.dp * sharding.cp
+    (a context-parallel rank holds the same weights and its own tokens, like a replica), as the stage's
+    parallelisms say (pipegpt.parallelisms: what the engine and the gradient syncs apply)."""
+    return stage_parallelism(sharding).gradient_ranks
 
 
 @functools.lru_cache(maxsize=4096)
@@ -175,11 +192,11 @@ def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Shardi
                 precision: str = "fp32", between_steps: bool = False, unshard: str = "step",
                 microbatches: int = 2) -> StateBytes:
     """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
-    (layers: a count or a range), cut over sharding.tp, and over dp x cp by ZeRO (sharding.zero): at the
-    step's peak, or what stays between steps. unshard: ZeRO-3's gather policy (step or microbatch);
-    microbatches: per step (one lets ZeRO-2/3 free each stage's full gradients early). See the module docstring."""
+    (layers: a count or a range, a range where the model's layers differ), cut over sharding.tp, and over
+    dp x cp by ZeRO (sharding.zero): at the step's peak, or what stays between steps. unshard: ZeRO-3's gather
+    policy (step or microbatch); microbatches: per step (one lets ZeRO-2/3 free each stage's full gradients early). See the module docstring."""
     _check_positive("dp", sharding.dp)
-    key = tuple((_count(layers), bool(embed), bool(head)) for layers, embed, head in stages)
+    key = tuple((_layers_key(model, layers), bool(embed), bool(head)) for layers, embed, head in stages)
     return _state_bytes(model, key, sharding, precision, between_steps, unshard, min(microbatches, 2))
 
 
@@ -241,7 +258,8 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     activation_peaks' held. workspace: activation_peaks' working less held (cp_comm: how K/V travel with
     sharding.cp > 1, ring or allgather). unshard: ZeRO-3's gather policy (state_bytes).
     """
-    counts = _layer_counts(model, plan, layers_per_stage)
+    _layer_counts(model, plan, layers_per_stage)
+    counts = stage_ranges(layers_per_stage)  # which layers each stage holds: their kinds count
     kw = dict(microbatch_size=microbatch_size, sharding=sharding, precision=precision)
     saved, deferred, workspace = stage_activation_bytes(model, counts, recompute=recompute, device=device,
                                                         cp_comm=cp_comm, **kw)

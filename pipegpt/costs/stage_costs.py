@@ -2,13 +2,14 @@
 (pipegpt.costs.memory): F, B, W and tensor-parallel time, held and deferred activation bytes, parameters,
 one message's time, the gradient all-reduce and what follows the last action; and the layer split.
 
-Everything per stage is linear in the stage's block count plus a fixed part for the embedding and the head,
-so each quantity is computed once per (model, the way a rank's tensors are cut, recompute, microbatch size)
-and composed for any split. A candidate's layout comes as one pipegpt.dims.Sharding. One StageCosts serves one
-search: its caches hold for one cluster, one cost model and one cp_comm (how K/V travel with cp > 1)."""
+Everything per stage is a sum over its layers, each its kind's (pipegpt.arch.layer_kinds: one kind, dense, for every
+model today), plus a fixed part for the embedding and the head, so each quantity is computed once per (model, layer
+kind, the way a rank's tensors are cut, recompute, microbatch size) and composed for any split. A candidate's layout
+comes as one pipegpt.dims.Sharding. One StageCosts serves one search: its caches hold for one cluster, one cost
+model and one cp_comm (how K/V travel with cp > 1)."""
 from __future__ import annotations
 
-from pipegpt.arch import block_shapes, embedding_shapes, head_shapes
+from pipegpt.arch import block_shapes, embedding_shapes, head_shapes, layer_kinds, layer_mix, stage_ranges
 from pipegpt.config import ModelConfig
 from pipegpt.dims import Sharding
 
@@ -29,6 +30,7 @@ class StageCosts:
         self._crossings: dict = {}
         self._linear: dict = {}
         self._params: dict = {}
+        self._kind_pieces: dict = {}
 
     def pieces(self, model: ModelConfig, sharding: Sharding, recompute: str, mbs: int):
         key = (model.padded_vocab_size, sharding.tensor_cut, recompute, mbs)
@@ -37,6 +39,22 @@ class StageCosts:
             shape = Shape(sharding.tensor_cut, recompute, mbs, self.cp_comm)
             hit = self._pieces[key] = self.cost.pieces(model, shape)
         return hit
+
+    def layer_pieces(self, model: ModelConfig, sharding: Sharding, recompute: str, mbs: int) -> dict:
+        """{layer kind: one block of it (a cost.Piece)} for the model's kinds; a kind's block costs what a model
+        of its block shape's does."""
+        out = {}
+        for kind in dict.fromkeys(layer_kinds(model)):
+            block = kind.block_model(model)
+            if block is model:
+                out[kind] = self.pieces(model, sharding, recompute, mbs).layer
+                continue
+            key = (kind, model.padded_vocab_size, sharding.tensor_cut, recompute, mbs)
+            if key not in self._kind_pieces:
+                shape = Shape(sharding.tensor_cut, recompute, mbs, self.cp_comm)
+                self._kind_pieces[key] = self.cost.pieces(block, shape).layer
+            out[kind] = self._kind_pieces[key]
+        return out
 
     def message_time(self, nbytes, placement, sharding: Sharding) -> float:
         """The mean time of one message over the placement's links between ranks, in the slowest replica."""
@@ -136,36 +154,32 @@ class StageCosts:
     def stage_tensors(model, layers):
         """Each stage's parameter tensors (the optimizer's per-tensor work)."""
         S = len(layers)
-        per_layer, embed, head = (len(shapes) for shapes in (block_shapes(model), embedding_shapes(model),
-                                                             head_shapes(model)))  # the head's lm_head counted
-        return [n * per_layer + (embed if s == 0 else 0) + (head if s == S - 1 else 0) for s, n in enumerate(layers)]
+        embed, head = len(embedding_shapes(model)), len(head_shapes(model))  # the head's lm_head counted
+        return [sum(n * len(block_shapes(model, 1, kind)) for kind, n in layer_mix(model, r))
+                + (embed if s == 0 else 0) + (head if s == S - 1 else 0) for s, r in enumerate(stage_ranges(layers))]
 
     def linear(self, model, sharding: Sharding, rc, mbs):
-        """Per-stage quantities as (per block, {(embed, head): the stage's fixed part}): parameters, saved and
-        deferred activation bytes, and F, B, W, tp_comm -- all linear in the stage's block count."""
+        """Per-stage quantities as ({layer kind: per block}, {(embed, head): the stage's fixed part}): saved and
+        deferred activation bytes, and F, B, W, tp_comm; and one message's bytes."""
         cut = sharding.tensor_cut
         key = (model.padded_vocab_size, cut, rc, mbs)
         hit = self._linear.get(key)
         if hit is not None:
             return hit
-        ends = [(False, False), (True, False), (False, True), (True, True)]
-
-        def lin(fn):
-            base = {eh: fn(0, *eh) for eh in ends}
-            return fn(1, False, False) - base[(False, False)], base
-
         kw = dict(microbatch_size=mbs, sharding=cut, precision=self.precision)
-        act = lin(lambda n, e, h: memory_model.activation_bytes(model, n, recompute=rc, embed=e, head=h, **kw))
-        dfr = lin(lambda n, e, h: memory_model.deferred_bytes(model, n, embed=e, head=h, **kw))
+        act = _per_layer(model, lambda r, e, h: memory_model.activation_bytes(model, r, recompute=rc, embed=e,
+                                                                              head=h, **kw))
+        dfr = _per_layer(model, lambda r, e, h: memory_model.deferred_bytes(model, r, embed=e, head=h, **kw))
         P = self.pieces(model, cut, rc, mbs)
 
         def piece_parts(piece):
             sym = min(piece.comm_f, piece.comm_b)
             return (piece.f + piece.comm_f - sym, piece.b + piece.comm_b - sym, piece.w, sym)
 
-        layer, embed, head = piece_parts(P.layer), piece_parts(P.embed), piece_parts(P.head)
-        vec = (layer, {(e, h): tuple((embed[i] if e else 0.0) + (head[i] if h else 0.0) for i in range(4))
-                       for e, h in ends})
+        per = {kind: piece_parts(piece) for kind, piece in self.layer_pieces(model, cut, rc, mbs).items()}
+        embed, head = piece_parts(P.embed), piece_parts(P.head)
+        vec = (per, {(e, h): tuple((embed[i] if e else 0.0) + (head[i] if h else 0.0) for i in range(4))
+                     for e, h in ENDS})
         hit = self._linear[key] = (act, dfr, vec, P.message_bytes)
         return hit
 
@@ -174,31 +188,30 @@ class StageCosts:
         key = (model.padded_vocab_size, tp)
         hit = self._params.get(key)
         if hit is None:
-            base = {(e, h): memory_model.parameter_count(model, 0, e, h, tp)
-                    for e in (False, True) for h in (False, True)}
-            hit = self._params[key] = (memory_model.parameter_count(model, 1, False, False, tp), base)
+            hit = self._params[key] = _per_layer(model, lambda r, e, h: memory_model.parameter_count(model, r, e, h,
+                                                                                                     tp))
         return hit
 
     @staticmethod
-    def compose(lin, layers):
+    def compose(model, lin, layers):
+        """Each stage's quantity: its layers' (per kind) plus its fixed part."""
         per, base = lin
         S = len(layers)
-        return [n * per + base[(s == 0, s == S - 1)] for s, n in enumerate(layers)]
+        return [x + base[(s == 0, s == S - 1)] for s, x in enumerate(_sum_layers(model, per, layers))]
 
     def stage_params(self, model, sharding: Sharding, layers):
         """Each stage's parameter count (per tp rank)."""
-        return self.compose(self.params_linear(model, sharding), layers)
+        return self.compose(model, self.params_linear(model, sharding), layers)
 
     def vectors(self, model, sharding: Sharding, rc, mbs, layers):
         """Per stage F, B, W, tp_comm, saved and deferred activation bytes; one message's bytes."""
-        act, dfr, (layer, base), msg = self.linear(model, sharding, rc, mbs)
+        act, dfr, (per, base), msg = self.linear(model, sharding, rc, mbs)
         S = len(layers)
         ends = [base[(s == 0, s == S - 1)] for s in range(S)]
-        F = [n * layer[0] + e[0] for n, e in zip(layers, ends)]
-        B = [n * layer[1] + e[1] for n, e in zip(layers, ends)]
-        W = [min(n * layer[2] + e[2], b) for n, e, b in zip(layers, ends, B)]
-        TP = [n * layer[3] + e[3] for n, e in zip(layers, ends)]
-        return F, B, W, TP, self.compose(act, layers), self.compose(dfr, layers), msg
+        F, B, W, TP = ([x + e[i] for x, e in zip(_sum_layers(model, {k: v[i] for k, v in per.items()}, layers), ends)]
+                       for i in range(4))
+        W = [min(w, b) for w, b in zip(W, B)]
+        return F, B, W, TP, self.compose(model, act, layers), self.compose(model, dfr, layers), msg
 
     def split(self, model, sharding: Sharding, rc, placement, balanced):
         """The even split, or the one balanced by cost (None when that is the even one). Costs per sequence
@@ -210,10 +223,33 @@ class StageCosts:
             return None if balanced else even
         P = self.pieces(model, sharding, rc, PER_SEQUENCE)
         cost = lambda piece: piece.f + piece.b + piece.comm_f + piece.comm_b  # noqa: E731
-        unit = cost(P.layer)
-        key = (placement, model.n_layer, round(cost(P.embed) / unit, 2), round(cost(P.head) / unit, 2))
+        kinds, per = layer_kinds(model), self.layer_pieces(model, sharding, rc, PER_SEQUENCE)
+        unit = cost(per[kinds[0]])  # the first layer's: 1 for every layer of a model whose layers are alike
+        blocks = tuple(round(cost(per[kind]) / unit, 2) for kind in kinds)
+        key = (placement, model.n_layer, round(cost(P.embed) / unit, 2), round(cost(P.head) / unit, 2), blocks)
         hit = self._splits.get(key)
         if hit is None:
-            layers = tuple(balance_layers([1.0] * model.n_layer, key[2], key[3], placement))
+            layers = tuple(balance_layers(list(blocks), key[2], key[3], placement))
             hit = self._splits[key] = (None if layers == even else layers,)
         return hit[0]
+
+
+ENDS = [(False, False), (True, False), (False, True), (True, True)]  # (holds the embedding, holds the head)
+
+
+def _per_layer(model, fn):
+    """fn(layers, embed, head) of a slice as ({layer kind: one block's}, {(embed, head): no block's}): a kind's
+    block is its first layer's, alone in a slice."""
+    base = {eh: fn(range(0), *eh) for eh in ENDS}
+    first = {}
+    for i, kind in enumerate(layer_kinds(model)):
+        first.setdefault(kind, i)
+    return {kind: fn(range(i, i + 1), False, False) - base[(False, False)] for kind, i in first.items()}, base
+
+
+def _sum_layers(model, per: dict, layers) -> list:
+    """Each stage's sum of per (a value per layer kind) over its layers (layers: the stages' counts or ranges)."""
+    if len(per) == 1:  # every layer alike (the planner's hot path): n blocks
+        (one,) = per.values()
+        return [(n if isinstance(n, int) else len(n)) * one for n in layers]
+    return [sum(n * per[kind] for kind, n in layer_mix(model, r)) for r in stage_ranges(layers)]

@@ -14,16 +14,15 @@ import torch
 from pipegpt.comm.mesh import init_mesh
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.config import TrainConfig
-from pipegpt.context_parallel.layers import shard_for_cp
-from pipegpt.engine.compiling import compile_stage
+from pipegpt.engine.parallelize import Parallelized, parallelize
 from pipegpt.engine.placement import cuda_device_index, resolve_device
 from pipegpt.model.gpt import GPT
 from pipegpt.model.partition import partition_layers
+from pipegpt.parallelisms import stage_parallelism
 from pipegpt.runtime import PipelineRuntime, StepResult
 from pipegpt.schedule import Plan, last_gradient_actions
 from pipegpt.stages import Stage
 from pipegpt.state import rng
-from pipegpt.tensor_parallel.layers import shard_for_tp
 
 
 class Engine:
@@ -32,6 +31,7 @@ class Engine:
         self.device: torch.device | None = None
         self.mesh = None
         self.stages: dict[int, Stage] = {}
+        self.parallelized: dict[int, Parallelized] = {}  # what parallelize did to each stage
         self.runtime = self.eval_runtime = None
 
     def start(self, cfg: TrainConfig) -> None:
@@ -60,17 +60,17 @@ class Engine:
         self.p2p = PointToPoint(self.rank, cfg.runtime.wait_timeout_s, self.device.type, cfg.runtime.p2p_matching)
         ranges = partition_layers(cfg.model.n_layer, plan.num_stages, p.layers_per_stage)
         self.dtype = dtype = getattr(torch, cfg.runtime.dtype)
-        self.stages = {}
+        self.stages, self.parallelized = {}, {}
+        # Every stage's parallelisms, one description (pipegpt.parallelisms) applied by one step.
+        self.parallelism = stage_parallelism(p.sharding, cfg.model.kv_heads, p.recompute, p.cp_comm,
+                                             cfg.runtime.compile)
         for s in plan.stages_of(self.mesh.pp_index):
             module = GPT(cfg.model, layers=ranges[s], embed=s == 0, head=s == last,
                          recompute=p.recompute, init_seed=cfg.runtime.seed)
-            if p.tp > 1:
-                shard_for_tp(module, self.mesh.tp_index, p.tp, self.mesh.group("tp"), p.sequence_parallel)
-            shard_for_cp(module, self.mesh.cp_index, p.cp, self.mesh.group("cp"), p.cp_comm,
-                         cfg.runtime.wait_timeout_s)
-            module = module.to(self.device, dtype)  # fp32 master weights under bf16 autocast too
-            if cfg.runtime.compile:  # in place, each stage on its own (dynamo's limit counts per stage)
-                compile_stage(module, self.rank)
+            self.parallelized[s] = done = parallelize(module, self.parallelism, self.mesh, device=self.device,
+                                                      dtype=dtype, rank=self.rank,
+                                                      timeout_s=cfg.runtime.wait_timeout_s)
+            module = done.module
             self.stages[s] = Stage(s, plan.num_stages, module, plan.num_microbatches,
                                    torch.bfloat16 if cfg.runtime.precision == "bf16" else None)
         if self.stages.keys() >= {0, last} and last != 0 and cfg.model.tie_embeddings:

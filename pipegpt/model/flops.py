@@ -14,26 +14,27 @@ from __future__ import annotations
 
 import math
 
-from pipegpt.arch import block_linears, block_shapes, head_shapes
+from pipegpt.arch import DENSE, LayerKind, block_linears, block_shapes, head_shapes, layer_kinds
 from pipegpt.config import ModelConfig
 
 
-def block_matmul_weights(model: ModelConfig) -> int:
+def block_matmul_weights(model: ModelConfig, kind: LayerKind = DENSE) -> int:
     """Elements of one block's weight matrices (the FLOPs of its matmuls are 2 x this per token forward)."""
-    return sum(lin.rows * lin.cols for lin in block_linears(model))
+    return sum(lin.rows * lin.cols for lin in block_linears(model, 1, kind))
 
 
-def block_parameters(model: ModelConfig) -> int:
+def block_parameters(model: ModelConfig, kind: LayerKind = DENSE) -> int:
     """Parameters of one block: its weight matrices, norms and biases."""
-    return sum(math.prod(shape) for _, shape in block_shapes(model))
+    return sum(math.prod(shape) for _, shape in block_shapes(model, 1, kind))
 
 
 def matmul_parameters(model: ModelConfig) -> int:
     """N of nanoGPT's FLOPs estimate: every parameter but the position embedding, the LM head (the padded
     vocabulary's rows) counted once, tied or not (an untied token embedding is a lookup, not a matmul)."""
-    C, L, V = model.n_embd, model.n_layer, model.padded_vocab_size
+    C, V = model.n_embd, model.padded_vocab_size
     norm = sum(math.prod(shape) for _, shape in head_shapes(model, lm_head=False))  # ln_f
-    return L * block_parameters(model) + norm + V * C
+    kinds = layer_kinds(model)
+    return sum(kinds.count(kind) * block_parameters(model, kind) for kind in dict.fromkeys(kinds)) + norm + V * C
 
 
 def flops_per_token(model: ModelConfig) -> int:
@@ -43,4 +44,6 @@ def flops_per_token(model: ModelConfig) -> int:
     counted: MFU counts the model's FLOPs, not the hardware's. Llama's smaller K/V projections, its three
     SwiGLU matrices and its missing position embedding enter through N; norms, rotary and SiLU are
     elementwise (their parameters are in N, as nanoGPT counts LayerNorm's)."""
-    return 6 * matmul_parameters(model) + 12 * model.n_layer * model.n_head * model.head_dim * model.seq_len
+    kinds = layer_kinds(model)
+    heads = sum(kinds.count(kind) * kind.block_model(model).n_embd for kind in dict.fromkeys(kinds))  # H x Q
+    return 6 * matmul_parameters(model) + 12 * heads * model.seq_len

@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from pipegpt.arch import layer_kinds
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.model.split_backward import SplitLinear
 
@@ -323,7 +324,9 @@ class GPT(nn.Module):
             if not self.rotary:  # rotary positions have no parameters
                 self.wpe = nn.Embedding(config.seq_len, C)
             self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(config, recompute == "selective", i) for i in layers})
+        kinds = layer_kinds(config)  # each block at its kind's shape (pipegpt.arch)
+        self.blocks = nn.ModuleDict({str(i): Block(kinds[i].block_model(config), recompute == "selective", i)
+                                     for i in layers})
         if head:
             self.ln_f = make_norm(config)
             self.lm_head = SplitLinear(C, V, bias=False)

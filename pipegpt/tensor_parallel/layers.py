@@ -64,7 +64,7 @@ import torch.distributed
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipegpt.arch import ROW, block_linears, kv_local_heads
+from pipegpt.arch import ROW, block_linears, kv_local_heads, layer_kinds
 from pipegpt.config import ConfigError
 from pipegpt.model.gpt import GPT
 from pipegpt.model.split_backward import SplitLinear, add_bias, split_linear
@@ -229,9 +229,9 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
         return swap(ShardedDropout(old.p, tp_rank), old, "")
 
     kv_local = kv_local_heads(config, tp_size)  # kv heads of this rank: kv/tp, or one shared (tp a multiple of kv)
-    linears = block_linears(config, tp_size)  # each one's split and its shape on this rank
+    kinds = layer_kinds(config)
     for i, block in module.blocks.items():
-        for lin in linears:
+        for lin in block_linears(config, tp_size, kinds[int(i)]):  # each one's split and its shape on this rank
             owner, _, leaf = lin.name.rpartition(".")
             parent, name = block.get_submodule(owner), f"blocks.{i}.{lin.name}"
             old = getattr(parent, leaf)

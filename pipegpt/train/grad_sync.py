@@ -14,8 +14,7 @@ from pipegpt.config import TrainConfig
 from pipegpt.data_parallel import DataParallel
 from pipegpt.engine.engine import Engine
 from pipegpt.schedule import Kind, ScheduleError
-from pipegpt.tensor_parallel import REPLICATED, kv_replicas, tp_shard_spec
-from pipegpt.tensor_parallel.layers import replicated_kv_params, sequence_parallel_grad_params, sum_replicated_kv_grads
+from pipegpt.tensor_parallel.layers import sum_replicated_kv_grads
 
 
 class GradSync:
@@ -88,19 +87,20 @@ class TensorParallelSync(GradSync):
     A kv head shared by tp/n_kv_head ranks got from each only its q heads' part: summed over them. Replicated
     values are counted and stored by tp rank 0, a shared kv head by the first rank of its group."""
 
-    def __init__(self, engine: Engine, cfg: TrainConfig, held=list):
-        self.group = engine.mesh.group("tp")
-        self.kv_heads, self.tp, self.tp_index = cfg.model.kv_heads, cfg.parallel.tp, engine.mesh.tp_index
-        modules = [stage.module for stage in engine.stages.values()]
+    def __init__(self, engine: Engine, held=list):
+        self.group, layout = engine.mesh.group("tp"), engine.parallelism
+        self.kv_heads, self.tp, self.tp_index = layout.kv_heads, layout.tp, engine.mesh.tp_index
+        stages = engine.parallelized.values()
         # `held`: what holds these parameters' gradients on this rank (under ZeRO the pieces of its shard: tp
         # peers' buffers have one layout, so their pieces line up and the sums act on them as on whole tensors)
-        self.partial = held(p for m in modules for p in sequence_parallel_grad_params(m))
-        self.shared_kv = held(p for m in modules for p in replicated_kv_params(m))
-        # Replicated values live on tp rank 0 (a tied head's one-process name is wte.weight: split the same way).
-        self.replicated = set() if self.tp_index == 0 else {
-            id(p) for _, p in engine.named_params if tp_shard_spec(engine.full_names[id(p)]) == REPLICATED}
-        self.uncounted = self.replicated | ({id(p) for m in modules for p in replicated_kv_params(m)}
-                                            if self.tp_index % kv_replicas(self.kv_heads, self.tp) else set())
+        self.partial = held(p for stage in stages for p in stage.partial_params())
+        self.shared_kv = held(p for stage in stages for p in stage.shared_kv_params())
+        # By one-process name (a tied head's is wte.weight: split the same way): replicated values are stored by
+        # tp rank 0, a shared kv head counted by the first rank of its group.
+        names = [(id(p), engine.full_names[id(p)]) for _, p in engine.named_params]
+        self.replicated = {i for i, name in names if not layout.owned(name, self.tp_index)}
+        self.uncounted = self.replicated | {id(p) for stage in stages for name, p in stage.module.named_parameters()
+                                            if not layout.counted(name, self.tp_index)}
 
     def reduce(self) -> None:
         if self.partial:
@@ -136,15 +136,17 @@ class TiedEmbeddingSync(GradSync):
 
 
 def make_syncs(engine: Engine, cfg: TrainConfig) -> list[GradSync]:
-    """The syncs a built engine needs, in the order their sums run: data-parallel averages first (started during
-    the step), then tensor parallelism's partial sums, then the tied embedding's copies."""
+    """The syncs a built engine needs, in the order their sums run (engine.parallelism.reductions: data-parallel
+    averages first, started during the step, then tensor parallelism's partial sums), then the tied embedding's
+    copies (a pipeline's, not a stage's: it depends on the placement)."""
     syncs: list[GradSync] = []
     held = list
-    if engine.mesh.group("dp_cp") is not None:  # cp ranks average their gradients as replicas do
+    layout = engine.parallelism
+    if layout.gradient_ranks > 1:  # cp ranks average their gradients as replicas do
         syncs.append(DataParallelSync(engine, cfg))
         held = gradient_holders(syncs[0].dp)
-    if cfg.parallel.tp > 1:
-        syncs.append(TensorParallelSync(engine, cfg, held))
+    if layout.tp > 1:  # its sums (layout.reductions' tp ones), and who counts and stores replicated values
+        syncs.append(TensorParallelSync(engine, held))
     if engine.tied_copies():
         syncs.append(TiedEmbeddingSync(engine, held))
     return syncs

@@ -18,6 +18,7 @@ LAYERS = [
     "pipegpt.model",
     "pipegpt.tensor_parallel",
     "pipegpt.context_parallel",
+    "pipegpt.parallelisms",
     "pipegpt.data",
     "pipegpt.costs",
     "pipegpt.planner",

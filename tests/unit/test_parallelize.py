@@ -1,0 +1,85 @@
+"""One description of a stage's parallelisms (pipegpt.parallelisms) and one step that applies it
+(pipegpt.engine.parallelize): the gradient sums it lists, the parameters each sum takes (the same as the tensor-parallel
+layers' own lists), who owns and counts what, and the planner's gradient group, all read from it."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipegpt.config import ModelConfig
+from pipegpt.costs import memory
+from pipegpt.dims import Sharding
+from pipegpt.engine.parallelize import Parallelized, parallelize
+from pipegpt.model.gpt import GPT
+from pipegpt.parallelisms import ORDER, stage_parallelism
+from pipegpt.tensor_parallel.layers import TPLayout, replicated_kv_params, sequence_parallel_grad_params
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LLAMA = ModelConfig(arch="llama", vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                    ffn_hidden=48, bias=False, tie_embeddings=False)
+
+
+def test_the_order_is_torchtitans():
+    assert ORDER == ("tp", "ep", "cp", "recompute", "compile", "dp")
+
+
+@pytest.mark.parametrize("sharding, kv_heads, sums", [
+    (Sharding(), 4, []),
+    (Sharding(dp=2), 4, [("gradients", "dp_cp")]),
+    (Sharding(cp=2), 4, [("gradients", "dp_cp")]),
+    (Sharding(tp=2), 4, []),  # tp alone: every gradient whole on its rank
+    (Sharding(dp=2, tp=2, sequence_parallel=True), 4, [("gradients", "dp_cp"), ("partial", "tp")]),
+    (Sharding(tp=4, sequence_parallel=True), 2, [("partial", "tp"), ("shared kv", "tp")]),
+    (Sharding(tp=4), 2, [("shared kv", "tp")]),
+])
+def test_the_sums_a_layout_needs(sharding, kv_heads, sums):
+    layout = stage_parallelism(sharding, kv_heads)
+    assert [(r.name, r.group) for r in layout.reductions] == sums
+    assert layout.gradient_ranks == sharding.dp * sharding.cp
+
+
+def test_the_planner_reads_the_same_gradient_group():
+    for sharding in (Sharding(dp=2, cp=3), Sharding(dp=4, tp=2), Sharding(cp=2, pp=4)):
+        assert memory.gradient_group(sharding) == stage_parallelism(sharding).gradient_ranks \
+            == sharding.dp * sharding.cp
+
+
+@pytest.mark.parametrize("tp, sp", [(2, True), (4, False), (4, True)])
+def test_the_parameters_each_sum_takes_are_the_tp_layers(tp, sp):
+    """The description's rules pick, by name, what tensor_parallel.layers' own lists pick on a slice."""
+    module = GPT(LLAMA, init_seed=0)
+    module.tensor_parallel = TPLayout(0, tp, sp)  # the lists read only this (no group needed)
+    layout = stage_parallelism(Sharding(tp=tp, sequence_parallel=sp), LLAMA.kv_heads)
+    names = {id(p): n for n, p in module.named_parameters()}
+    record = Parallelized(module, layout)
+    assert [names[id(p)] for p in record.partial_params()] == [names[id(p)] for p in
+                                                               sequence_parallel_grad_params(module)]
+    assert [names[id(p)] for p in record.shared_kv_params()] == [names[id(p)] for p in replicated_kv_params(module)]
+    assert bool(record.partial_params()) == sp
+    assert len(record.shared_kv_params()) == (4 if tp == 4 else 0)  # attn.k, attn.v weights of two blocks
+
+
+def test_who_owns_and_counts_what():
+    layout = stage_parallelism(Sharding(tp=4), kv_heads=2)  # each kv head shared by two tp ranks
+    assert layout.owned("blocks.0.ln1.weight", 0) and not layout.owned("blocks.0.ln1.weight", 1)
+    assert layout.owned("blocks.0.attn.q.weight", 3) and layout.counted("blocks.0.attn.q.weight", 3)
+    assert [layout.counted("blocks.1.attn.k.weight", r) for r in range(4)] == [True, False, True, False]
+    assert [layout.owned("blocks.1.attn.k.weight", r) for r in range(4)] == [True] * 4
+    alone = stage_parallelism(Sharding(dp=2))
+    assert alone.owned("blocks.0.ln1.weight", 0) and alone.counted("blocks.0.attn.k.weight", 0)
+
+
+def test_parallelize_places_and_records_a_stage():
+    module = GPT(LLAMA, layers=range(1), embed=True, head=False, init_seed=0)
+    mesh = SimpleNamespace(tp_index=0, cp_index=0, group=lambda name: None)
+    layout = stage_parallelism(Sharding(dp=2), LLAMA.kv_heads)
+    done = parallelize(module, layout, mesh, device=torch.device("cpu"), dtype=torch.float64)
+    assert done.module is module and done.layout is layout and done.tp_rank == 0
+    assert {p.dtype for p in module.parameters()} == {torch.float64}
+    assert module.context_parallel is None and getattr(module, "tensor_parallel", None) is None
+    with pytest.raises(ValueError, match="recompute"):
+        parallelize(GPT(LLAMA, init_seed=0), stage_parallelism(Sharding(), recompute="full"), mesh,
+                    device=torch.device("cpu"), dtype=torch.float32)
