@@ -20,6 +20,7 @@ its tensor-parallel shards) counts it at its kind's block model, and a stage sum
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -107,16 +108,31 @@ class LayerKind:
         return "block" if self.name == "dense" else f"block.{self.name}"
 
 
+def _active_dense(model):
+    """An MoE block's costs: a dense SwiGLU block as wide as a token's active experts (top-k and shared), the
+    router's linear added by block_linears; its parameters are block_shapes' (every expert)."""
+    active = (model.experts_per_token + model.n_shared_experts) * model.expert_width
+    return dataclasses.replace(model, ffn_hidden=active, expert_hidden=model.expert_width)
+
+
+def _moe_layers(model) -> list[str]:
+    """All but the first first_dense_layers, and of those every moe_every-th (the first of them MoE)."""
+    first = model.first_dense_layers
+    return ["moe" if i >= first and (i - first) % model.moe_every == 0 else "dense" for i in range(model.n_layer)]
+
+
 DENSE = LayerKind("dense", "dense")
-LAYER_KINDS: dict[str, LayerKind] = {DENSE.name: DENSE}
-# Which kind each layer of a model is, by architecture (absent: every layer dense).
-LAYER_RULES: dict[str, Callable] = {}
+MOE = LayerKind("moe", "mixture of experts", _active_dense)
+LAYER_KINDS: dict[str, LayerKind] = {DENSE.name: DENSE, MOE.name: MOE}
+# Which kind each layer of a model is, by architecture (absent: every layer dense); a model with experts follows
+# the "moe" rule whatever its architecture.
+LAYER_RULES: dict[str, Callable] = {"moe": _moe_layers}
 
 
 @functools.lru_cache(maxsize=1024)
 def layer_kinds(model) -> tuple[LayerKind, ...]:
     """The kind of each of the model's n_layer layers."""
-    rule = LAYER_RULES.get(model.arch)
+    rule = LAYER_RULES["moe"] if getattr(model, "n_experts", 0) else LAYER_RULES.get(model.arch)
     if rule is None:
         return (DENSE,) * model.n_layer
     names = tuple(rule(model))
@@ -189,7 +205,8 @@ def block_linears(model, tp: int = 1, kind: LayerKind = DENSE) -> tuple[Linear, 
                      Linear("attn.v", kv, h, qkv_bias, KV)]
     inputs = [Linear(n, F // tp, h, model.bias, COLUMN) for n in (("mlp.gate", "mlp.up") if arch.gated_mlp
                                                                   else ("mlp.fc",))]
-    return (*attention, Linear("attn.proj", h, h // tp, model.bias, ROW), *inputs,
+    router = [Linear("mlp.router", model.n_experts, h, False, COLUMN)] if kind is MOE else []
+    return (*attention, Linear("attn.proj", h, h // tp, model.bias, ROW), *router, *inputs,
             Linear("mlp.proj", h, F // tp, model.bias, ROW))
 
 
@@ -211,12 +228,23 @@ def _linear(lin: Linear) -> list[tuple[str, tuple[int, ...]]]:
 def block_shapes(model, tp: int = 1, kind: LayerKind = DENSE) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name within the block, shape) of one block's parameters, in GPT.named_parameters order."""
     linears = block_linears(model, tp, kind)
-    model = kind.block_model(model)
     out = _norm(model, "ln1")
     out += [p for lin in linears if lin.name.startswith("attn.") for p in _linear(lin)]
     out += _norm(model, "ln2")
+    if kind is MOE:
+        return tuple(out + _moe_shapes(model))
     out += [p for lin in linears if lin.name.startswith("mlp.") for p in _linear(lin)]
     return tuple(out)
+
+
+def _moe_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
+    """pipegpt.model.moe.MoE's parameters: the stacked experts, the router, the shared experts' SwiGLU."""
+    E, C, H, S = model.n_experts, model.n_embd, model.expert_width, model.n_shared_experts * model.expert_width
+    out = [("mlp.experts_gate", (E, H, C)), ("mlp.experts_up", (E, H, C)), ("mlp.experts_proj", (E, C, H)),
+           ("mlp.router.weight", (E, C))]
+    if S:
+        out += [("mlp.shared.gate.weight", (S, C)), ("mlp.shared.up.weight", (S, C)), ("mlp.shared.proj.weight", (C, S))]
+    return out
 
 
 @functools.lru_cache(maxsize=1024)
@@ -297,4 +325,14 @@ PRESET_SHAPES: dict[str, dict] = {
         ffn_hidden=28672, rope_theta=500000.0, **_LLAMA),
     "llama3-405b": dict(vocab_size=128256, seq_len=8192, n_layer=126, n_head=128, n_kv_head=8,
         n_embd=16384, ffn_hidden=53248, rope_theta=500000.0, **_LLAMA),
+    # Mixtures of experts (pipegpt.model.moe). OLMoE's per-head q/k RMSNorm is not built yet (docs/moe.md).
+    "tiny-moe": dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn_hidden=352,
+        n_experts=8, n_experts_per_token=2, n_shared_experts=1, expert_hidden=96, router_aux_loss_coef=0.01,
+        **_LLAMA),
+    "mixtral-8x7b": dict(vocab_size=32000, seq_len=32768, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+        ffn_hidden=14336, rope_theta=1e6, n_experts=8, n_experts_per_token=2, expert_hidden=14336,
+        router_aux_loss_coef=0.02, **_LLAMA),
+    "olmoe-1b-7b": dict(vocab_size=50304, seq_len=4096, n_layer=16, n_head=16, n_embd=2048, ffn_hidden=1024,
+        rope_theta=10000.0, n_experts=64, n_experts_per_token=8, expert_hidden=1024, norm_topk_prob=False,
+        router_aux_loss_coef=0.01, **_LLAMA),
 }

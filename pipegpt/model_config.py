@@ -52,6 +52,19 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     qkv_bias: bool = False
+    # Mixture of experts (pipegpt.model.moe; Hugging Face's names where they have one). n_experts 0: dense.
+    n_experts: int = 0
+    n_experts_per_token: int | None = None  # top-k; None: 2
+    n_shared_experts: int = 0
+    expert_hidden: int | None = None  # each expert's width; None: ffn_width
+    moe_every: int = 1  # every k-th layer (counted from first_dense_layers) is MoE
+    first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace
+    router_score: str = "softmax"
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    router_bias_update_rate: float = 0.0
+    moe_capacity_factor: float = 0.0  # 0: dropless
 
     @property
     def padded_vocab_size(self) -> int:
@@ -73,6 +86,14 @@ class ModelConfig:
         if self.ffn_hidden is not None:
             return self.ffn_hidden
         return self.architecture.ffn_rule(self.n_embd)
+
+    @property
+    def experts_per_token(self) -> int:
+        return 2 if self.n_experts_per_token is None else self.n_experts_per_token
+
+    @property
+    def expert_width(self) -> int:
+        return self.ffn_width if self.expert_hidden is None else self.expert_hidden
 
     @property
     def architecture(self) -> Architecture:
@@ -115,8 +136,44 @@ class ModelConfig:
         for name in ("tie_embeddings", "bias", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        self._validate_experts()
         return self
 
+    def _validate_experts(self) -> None:
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ConfigError(f"n_experts={self.n_experts!r} must be an integer >= 0 (0: a dense model)")
+        if not self.n_experts:
+            router = [f.name for f in dataclasses.fields(self) if f.name in _MOE_FIELDS
+                      and getattr(self, f.name) != f.default]
+            if router:
+                raise ConfigError(f"{', '.join(router)} set on a model without experts: give n_experts too")
+            return
+        if not self.architecture.gated_mlp:
+            raise ConfigError(f"experts are SwiGLU: n_experts={self.n_experts} needs arch llama, not {self.arch}")
+        for name in ("n_experts_per_token", "expert_hidden", "moe_every"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        for name in ("n_shared_experts", "first_dense_layers"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) \
+                    or getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be an integer >= 0")
+        if self.experts_per_token > self.n_experts:
+            raise ConfigError(f"n_experts_per_token={self.experts_per_token} is above n_experts={self.n_experts}: "
+                              f"use at most {self.n_experts}")
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise ConfigError(f"router_score={self.router_score!r} is not valid: use softmax or sigmoid")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate", "moe_capacity_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(f"{name}={value!r} must be a finite number >= 0"
+                                  + (" (0: dropless)" if name == "moe_capacity_factor" else ""))
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"norm_topk_prob={self.norm_topk_prob!r} must be True or False")
+
+
+_MOE_FIELDS = ("n_experts_per_token", "n_shared_experts", "expert_hidden", "moe_every", "first_dense_layers",
+               "router_score", "norm_topk_prob", "router_aux_loss_coef", "router_z_loss_coef",
+               "router_bias_update_rate", "moe_capacity_factor")
 
 MODEL_PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**shape) for name, shape in PRESET_SHAPES.items()}
 

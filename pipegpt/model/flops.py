@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from pipegpt.arch import DENSE, LayerKind, block_linears, block_shapes, head_shapes, layer_kinds
+from pipegpt.arch import DENSE, MOE, LayerKind, block_linears, block_shapes, head_shapes, layer_kinds
 from pipegpt.config import ModelConfig
 
 
@@ -34,7 +34,15 @@ def matmul_parameters(model: ModelConfig) -> int:
     C, V = model.n_embd, model.padded_vocab_size
     norm = sum(math.prod(shape) for _, shape in head_shapes(model, lm_head=False))  # ln_f
     kinds = layer_kinds(model)
-    return sum(kinds.count(kind) * block_parameters(model, kind) for kind in dict.fromkeys(kinds)) + norm + V * C
+    return sum(kinds.count(kind) * active_block_parameters(model, kind) for kind in dict.fromkeys(kinds)) + norm + V * C
+
+
+def active_block_parameters(model: ModelConfig, kind: LayerKind = DENSE) -> int:
+    """The parameters a token meets in one block: all of them, but of an MoE block's experts only its top-k
+    and the shared ones (a dense block as wide as those, and the router)."""
+    if kind is not MOE:
+        return block_parameters(model, kind)
+    return block_parameters(kind.block_model(model)) + model.n_experts * model.n_embd
 
 
 def flops_per_token(model: ModelConfig) -> int:

@@ -44,8 +44,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from pipegpt.arch import layer_kinds
+from pipegpt.arch import MOE, layer_kinds
 from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.model.moe import MoE
 from pipegpt.model.split_backward import SplitLinear
 
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -260,12 +261,12 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, selective: bool = False, layer: int = 0):
+    def __init__(self, config: ModelConfig, selective: bool = False, layer: int = 0, experts: bool = False):
         super().__init__()
         self.ln1 = make_norm(config)
         self.attn = CausalSelfAttention(config, selective, layer)
         self.ln2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if experts else MLP(config)
 
     def forward(self, x, cache: KVCache | None = None, documents: Documents | None = None):
         x = x + self.attn(self.ln1(x), cache, documents)
@@ -325,7 +326,8 @@ class GPT(nn.Module):
                 self.wpe = nn.Embedding(config.seq_len, C)
             self.drop = nn.Dropout(config.dropout)
         kinds = layer_kinds(config)  # each block at its kind's shape (pipegpt.arch)
-        self.blocks = nn.ModuleDict({str(i): Block(kinds[i].block_model(config), recompute == "selective", i)
+        self.blocks = nn.ModuleDict({str(i): Block(kinds[i].block_model(config), recompute == "selective", i,
+                                                   kinds[i] is MOE)
                                      for i in layers})
         if head:
             self.ln_f = make_norm(config)
@@ -357,7 +359,8 @@ class GPT(nn.Module):
             if name.endswith("bias"):
                 p.zero_()
                 continue
-            std = resid_std if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else 0.02
+            std = resid_std if name.endswith(("attn.proj.weight", "mlp.proj.weight", "mlp.experts_proj",
+                                              "mlp.shared.proj.weight")) else 0.02
             g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(tied.get(name, name).encode())) % 2**63)
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
 

@@ -1,0 +1,199 @@
+"""A mixture-of-experts feed-forward: the `moe` layer kind's MLP (pipegpt.arch).
+
+    router       a linear C -> E (mlp.router.weight); scores softmax or sigmoid of its logits; each token goes to
+                 its top-k experts by score (plus, for selection only, the load-balancing bias), weighted by its
+                 scores there (renormalised to sum to 1 with norm_topk_prob)
+    experts      E SwiGLU experts of width expert_hidden, stacked: mlp.experts_gate and mlp.experts_up [E, H, C],
+                 mlp.experts_proj [E, C, H]
+    shared       n_shared_experts always-active SwiGLU experts as one of width n_shared x H (mlp.shared.*)
+    capacity     moe_capacity_factor 0: dropless; else each expert takes at most ceil(factor x N x k / E) of a
+                 call's N tokens' assignments, in token order, and drops (counts) the rest
+
+Load balancing:
+    aux loss     router_aux_loss_coef x E x sum_i f_i P_i (Switch / Mixtral; f_i: the share of the N tokens sent to
+                 expert i, P_i its mean score), plus router_z_loss_coef x mean(logsumexp(logits)^2). Neither is
+                 added to the returned loss: `inject_aux_loss` passes the hidden state through and gives the aux
+                 loss gradient `aux_loss_scale` in backward (Megatron's MoEAuxLossAutoScaler), so every pipeline
+                 stage's layers add theirs to that stage's backward, scaled as the stage scales its loss.
+    bias         expert_bias (a buffer: checkpointed, not trained), added to the scores for selection only;
+                 `end_step` moves it by rate x sign(mean load - load) after each optimizer step (DeepSeek-V3).
+
+`expert_outputs` is the one place that chooses how experts are computed: torch._grouped_mm on a CUDA device that
+has it (bf16), else a loop over each expert's contiguous tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipegpt.model.split_backward import SplitLinear
+
+
+def use_grouped_mm(x: torch.Tensor) -> bool:
+    """Whether expert_outputs runs as one grouped matmul: CUDA bf16 where torch has _grouped_mm (sm90 and up)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def expert_outputs(x: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor, proj: torch.Tensor,
+                   grouped: bool | None = None) -> torch.Tensor:
+    """Each expert's SwiGLU of its tokens: x [sum(counts), C] sorted by expert (counts[e] rows for expert e),
+    gate and up [E, H, C], proj [E, C, H] -> [sum(counts), C]. grouped: force the path (None: use_grouped_mm)."""
+    if grouped is None:
+        grouped = use_grouped_mm(x)
+    if grouped:
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        w = [t.to(x.dtype) for t in (gate, up, proj)]
+        hidden = (F.silu(torch._grouped_mm(x, w[0].transpose(1, 2), offs=offs))
+                  * torch._grouped_mm(x, w[1].transpose(1, 2), offs=offs))
+        return torch._grouped_mm(hidden, w[2].transpose(1, 2), offs=offs)
+    outs = [F.linear(F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e]), proj[e])
+            for e, xe in enumerate(x.split(counts)) if counts[e]]
+    return torch.cat(outs) if outs else x.new_zeros(0, proj.size(1))
+
+
+class _InjectAuxLoss(torch.autograd.Function):
+    """Identity on the hidden state; in backward, gives the aux loss the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, hidden, aux, scale):
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+def inject_aux_loss(hidden: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    return _InjectAuxLoss.apply(hidden, aux, scale)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, C: int, hidden: int):
+        super().__init__()
+        self.gate, self.up = SplitLinear(C, hidden, bias=False), SplitLinear(C, hidden, bias=False)
+        self.proj = SplitLinear(hidden, C, bias=False)
+
+    def forward(self, x):
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        C, E, H = config.n_embd, config.n_experts, config.expert_hidden
+        self.n_experts, self.top_k = E, config.n_experts_per_token
+        self.score, self.normalise = config.router_score, config.norm_topk_prob
+        self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
+        self.capacity_factor = config.moe_capacity_factor
+        self.router = SplitLinear(C, E, bias=False)
+        self.experts_gate = nn.Parameter(torch.empty(E, H, C))
+        self.experts_up = nn.Parameter(torch.empty(E, H, C))
+        self.experts_proj = nn.Parameter(torch.empty(E, C, H))
+        self.shared = SwiGLU(C, config.n_shared_experts * H) if config.n_shared_experts else None
+        self.drop = nn.Dropout(config.dropout)
+        self.register_buffer("expert_bias", torch.zeros(E))
+        # Since the last end_step: assignments each expert took, assignments dropped, the aux losses' sum and calls
+        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.aux_sum, self.calls = 0.0, 0
+        self.aux_loss_scale = 1.0  # the gradient each call's aux loss gets: the stage's loss scale (1/microbatches)
+
+    def route(self, x: torch.Tensor):
+        """x [N, C] -> logits [N, E], scores [N, E], chosen experts [N, k], their weights [N, k]."""
+        logits = self.router(x)
+        logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits  # routing in fp32
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        chosen = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if self.normalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, scores, chosen, weights
+
+    def kept(self, chosen: torch.Tensor) -> torch.Tensor:
+        """[N, k] which assignments their experts take: all (dropless), or each expert's first `capacity` in
+        token order."""
+        if not self.capacity_factor:
+            return torch.ones_like(chosen, dtype=torch.bool)
+        N, k = chosen.shape
+        capacity = math.ceil(self.capacity_factor * N * k / self.n_experts)
+        onehot = F.one_hot(chosen.reshape(-1), self.n_experts)  # in token order, a token's k slots together
+        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its expert's queue
+        return (place < capacity).view(N, k)
+
+    def aux_loss(self, logits, scores, chosen) -> torch.Tensor:
+        N, E = scores.shape
+        aux = logits.new_zeros(())
+        if self.aux_coef:
+            share = torch.bincount(chosen.reshape(-1), minlength=E).to(scores.dtype) / N
+            probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+            aux = aux + self.aux_coef * E * (share * probs.mean(0)).sum()
+        if self.z_coef:
+            aux = aux + self.z_coef * logits.logsumexp(-1).square().mean()
+        return aux
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, scores, chosen, weights = self.route(x)
+        keep = self.kept(chosen)
+        flat_expert = chosen.reshape(-1)[keep.reshape(-1)]
+        flat_token = torch.arange(x.size(0), device=x.device).repeat_interleave(self.top_k)[keep.reshape(-1)]
+        order = flat_expert.argsort(stable=True)
+        counts = torch.bincount(flat_expert, minlength=self.n_experts)
+        tokens = flat_token[order]
+        y = expert_outputs(x[tokens], counts.tolist(), self.experts_gate, self.experts_up, self.experts_proj)
+        y = y * weights.reshape(-1)[keep.reshape(-1)][order, None].to(y.dtype)
+        out = torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        out = self.drop(out.view(shape))
+        if self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+                self.dropped += (~keep).sum()
+            aux = self.aux_loss(logits, scores, chosen)
+            if aux.requires_grad:
+                self.aux_sum, self.calls = self.aux_sum + aux.detach(), self.calls + 1
+                out = inject_aux_loss(out, aux, self.aux_loss_scale)
+        return out
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
+    """Every MoE layer of module gives its aux loss the gradient `scale` (the one its loss's backward starts
+    from: 1/microbatches on a pipeline stage)."""
+    for layer in moe_layers(module):
+        layer.aux_loss_scale = scale
+
+
+@torch.no_grad()
+def end_step(module: nn.Module, rate: float, all_reduce=None) -> dict:
+    """After an optimizer step: each MoE layer's loads since the last step (summed over replicas by
+    all_reduce(tensor), if given) move its expert bias by rate x sign(mean - load), and are forgotten.
+    Returns this module's stats: aux_loss (the sum over layers of each layer's mean aux loss per call),
+    moe_imbalance (the worst layer's max / mean load) and moe_dropped (assignments dropped)."""
+    stats = {"aux_loss": 0.0, "moe_imbalance": 0.0, "moe_dropped": 0.0}
+    for layer in moe_layers(module):
+        load = layer.tokens_per_expert.clone()
+        if all_reduce is not None:
+            all_reduce(load)
+        if rate and load.sum() > 0:
+            layer.expert_bias += rate * torch.sign(load.mean() - load)
+        mean = float(load.mean())
+        stats["moe_imbalance"] = max(stats["moe_imbalance"], float(load.max()) / mean if mean else 0.0)
+        stats["moe_dropped"] += float(layer.dropped)
+        stats["aux_loss"] += float(layer.aux_sum) / layer.calls if layer.calls else 0.0
+        layer.tokens_per_expert.zero_()
+        layer.dropped.zero_()
+        layer.aux_sum, layer.calls = 0.0, 0
+    return stats
