@@ -16,6 +16,7 @@ import torch
 from torch.autograd import Variable
 
 from pipegpt.model.gpt import GPT, Documents
+from pipegpt.model.moe import set_aux_loss_scale
 from pipegpt.model.split_backward import defer_weight_grads
 
 
@@ -26,6 +27,7 @@ class Stage:
         self.autocast_dtype = autocast_dtype
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.num_microbatches = num_microbatches
+        set_aux_loss_scale(module, 1 / num_microbatches)  # the MoE aux losses' gradient: as the loss's (below)
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pending_weight_grads: dict[int, list] = {}

@@ -153,7 +153,12 @@ def _described(job, cfg, steps: int):
     return job.call("describe")
 
 
-COMMANDS = {"run": _run, "resume": _resume, "save": _save, "evaluate": _evaluate, "build": _build,
+def _buffers(job, cfg):
+    """The MoE router biases now (after the last run), by one-process name."""
+    return _one_process_tensors(job.call("named_buffers"), cfg)
+
+
+COMMANDS = {"buffers": _buffers, "run": _run, "resume": _resume, "save": _save, "evaluate": _evaluate, "build": _build,
             "hellaswag": _hellaswag, "described": _described}
 
 
@@ -193,6 +198,10 @@ class ClusterHost(ChildHost):
 
     def run(self, cfg, steps: int):
         self.conn.send(("run", (cfg, steps)))
+        return self._answer(300)
+
+    def buffers(self, cfg):
+        self.conn.send(("buffers", (cfg,)))
         return self._answer(300)
 
     def resume(self, cfg, path):

@@ -1,0 +1,112 @@
+"""The mixture-of-experts oracle: a tiny MoE (4 experts, top-2, a shared expert) trained in a pipeline equals the
+same model in one process. Loss and every named gradient (router included) after one step in fp32; parameters
+after 3 AdamW steps and the router bias after its updates (exactly) in float64.
+
+The one-process model accumulates over the pipeline's microbatches in step 0 too: the aux loss is a product of
+per-call means (f_i P_i), so one call on the whole batch is another objective than the mean of the microbatches'.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipegpt.config import ConfigError, ModelConfig, TrainConfig
+from pipegpt.data.loader import BatchSampler
+from pipegpt.data.tokenizers import get_tokenizer
+from pipegpt.data.tokens import builtin_tokens
+from pipegpt.model.gpt import build_reference_model
+from pipegpt.model.moe import end_step, set_aux_loss_scale
+from pipegpt.train.driver import check
+from pipegpt.train.optim import lr_at, make_optimizer, set_lr
+
+from helpers import one_thread
+from test_pipeline_oracle import ATOL, NOISE, RTOL, workers  # noqa: F401 (a fixture)
+
+MOE = ModelConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64,
+                  arch="llama", bias=False, tie_embeddings=False, n_experts=4, n_experts_per_token=2,
+                  n_shared_experts=1, expert_hidden=32, first_dense_layers=1, router_aux_loss_coef=0.01,
+                  router_bias_update_rate=1e-3)
+
+
+def moe_config(p: int, model: ModelConfig = MOE, **changes) -> TrainConfig:
+    cfg = TrainConfig.build(model, stages=p, microbatches=2 * p, microbatch_size=2, device="cpu", seed=7,
+                            lr=1e-3, timeout_s=60)
+    return cfg.replace(**changes)
+
+
+def reference(cfg: TrainConfig, steps: int):
+    """Step 0's mean loss and (clipped) gradients, the parameters and router biases after `steps` AdamW steps, and
+    the largest |gradient| each element saw; every step accumulated over the dp x m microbatches."""
+    with one_thread():
+        model = build_reference_model(cfg.model, cfg.runtime.seed).to(getattr(torch, cfg.runtime.dtype))
+        named = list(model.named_parameters())
+        optimizer = make_optimizer(named, cfg.optim)
+        sampler = BatchSampler(builtin_tokens(get_tokenizer(cfg.data.tokenizer)), cfg.batch_size,
+                               cfg.model.seq_len, cfg.runtime.seed)
+        signal = {n: torch.zeros_like(p) for n, p in named}
+        loss0 = grads0 = None
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            x, y = sampler.batch(step)
+            chunks = list(zip(x.split(cfg.parallel.microbatch_size), y.split(cfg.parallel.microbatch_size)))
+            set_aux_loss_scale(model, 1 / len(chunks))
+            losses = []
+            for xm, ym in chunks:
+                loss = model(xm, ym)
+                (loss / len(chunks)).backward()
+                losses.append(loss.item())
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            if step == 0:
+                loss0, grads0 = sum(losses) / len(losses), {n: p.grad.clone() for n, p in named}
+            for n, p in named:
+                signal[n] = torch.maximum(signal[n], p.grad.abs())
+            set_lr(optimizer, lr_at(step, cfg.optim, cfg.runtime.steps))
+            optimizer.step()
+            end_step(model, cfg.model.router_bias_update_rate)
+        biases = {n: b.clone() for n, b in model.state_dict().items() if n.endswith("expert_bias")}
+        return loss0, grads0, {n: p.detach().clone() for n, p in named}, signal, biases
+
+
+def assert_moe_matches(cfg: TrainConfig, host, steps: int) -> None:
+    ref_loss, ref_grads, ref_params, signal, ref_biases = reference(cfg, steps)
+    loss, grads, params = host.run(cfg, steps)
+    assert loss == pytest.approx(ref_loss, rel=RTOL)
+    assert {n for n, _ in grads} == set(ref_grads), "every parameter must get a gradient somewhere"
+    assert any("mlp.router" in n for n in ref_grads) and any("experts_proj" in n for n in ref_grads)
+    for name, grad in grads:
+        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")
+    if cfg.runtime.dtype == "float64":
+        for name, value in params:
+            real = signal[name] > NOISE
+            torch.testing.assert_close(value[real], ref_params[name][real], rtol=1e-9, atol=cfg.optim.lr * 1e-6,
+                                       msg=lambda m: f"param {name}: {m}")
+    biases = dict(host.buffers(cfg))
+    assert set(biases) == set(ref_biases) == {f"blocks.{i}.mlp.expert_bias" for i in (1, 2, 3)}
+    for name, bias in biases.items():
+        assert torch.equal(bias, ref_biases[name]), f"{name}: {bias} != {ref_biases[name]}"
+    if steps > 1 and cfg.model.router_bias_update_rate:
+        assert any(b.abs().sum() > 0 for b in biases.values()), "the bias never moved"
+
+
+CASES = [(1, 2, "1f1b", 0, MOE), (1, 2, "zb-h1", 0, MOE),
+         (1, 2, "1f1b", 0, dataclasses.replace(MOE, router_aux_loss_coef=0.0, router_z_loss_coef=1e-3)),
+         (2, 2, "1f1b", 1, MOE), (2, 2, "zb-h1", 3, MOE)]
+
+
+@pytest.mark.parametrize("dp, p, schedule, zero, model", CASES,
+                         ids=["1f1b", "zb-h1", "no-aux-z-loss", "dp2-zero1", "dp2-zb-h1-zero3"])
+def test_moe_pipeline_matches_one_process(workers, dp, p, schedule, zero, model):  # noqa: F811
+    cfg = moe_config(p, model, dp=dp, schedule=schedule, zero=zero)
+    check(cfg)
+    host = workers(cfg)
+    assert_moe_matches(cfg, host, steps=1)
+    assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
+
+
+@pytest.mark.parametrize("changes, layout", [(dict(tp=2), "tp=2"), (dict(cp=2), "cp=2")])
+def test_moe_layouts_not_yet_supported_are_refused(changes, layout):
+    with pytest.raises(ConfigError, match=f"mixture of experts with {layout} is not supported yet"):
+        moe_config(2, **changes).validate({})
