@@ -45,6 +45,10 @@ _SPECS = (  # (name suffix, spec), first match wins; names are one-process names
     ("attn.proj.weight", DIM1), ("mlp.proj.weight", DIM1),
     ("attn.proj.bias", REPLICATED), ("mlp.proj.bias", REPLICATED),
     ("wte.weight", DIM0), ("lm_head.weight", DIM0), ("wpe.weight", REPLICATED),
+    # MoE (pipegpt.model.moe): not tensor-parallel yet (tp > 1 is refused with experts), whole on every rank
+    ("mlp.experts_gate", REPLICATED), ("mlp.experts_up", REPLICATED), ("mlp.experts_proj", REPLICATED),
+    ("mlp.router.weight", REPLICATED), ("mlp.expert_bias", REPLICATED), ("mlp.shared.gate.weight", REPLICATED),
+    ("mlp.shared.up.weight", REPLICATED), ("mlp.shared.proj.weight", REPLICATED),
 )
 
 

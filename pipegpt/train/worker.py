@@ -263,8 +263,19 @@ class Worker(Role):
 
     def _checkpoint_tensors(self) -> tuple[dict, dict]:
         """What this rank owns of a checkpoint (RNG streams, parameters, Adam moments) and each tensor's tp shard."""
-        if self.sharded:
-            return zero_state.checkpoint_tensors(self)
+        tensors, shards = zero_state.checkpoint_tensors(self) if self.sharded else self._owned_tensors()
+        mesh = self.engine.mesh
+        if mesh.dp_index == 0 and mesh.cp_index == 0:  # the MoE router biases: state, stored as parameters are
+            biases = {f"param/{n}": b for n, b in self._router_biases().items()}
+            tensors.update(biases)
+            shards.update({key: [0, 1] for key in biases})
+        return tensors, shards
+
+    def _router_biases(self) -> dict[str, torch.Tensor]:
+        return {n: b for _, stage in sorted(self.stages.items())
+                for n, b in stage.module.state_dict(keep_vars=True).items() if n.endswith("expert_bias")}
+
+    def _owned_tensors(self) -> tuple[dict, dict]:
         optimizer, mesh, elsewhere = self.optimizer, self.engine.mesh, self.elsewhere
         shard = [mesh.tp_index, self.cfg.parallel.tp]
         tensors = rng.rng_state(self.rank, self.device)
@@ -311,17 +322,20 @@ class Worker(Role):
         if self.sharded:
             zero_state.load(self, mine, step, weights_only)
             if weights_only:
+                self._load_router_biases(reader)
                 return 0
         else:
             with torch.no_grad():
                 for _, p in self.named_params:
                     p.copy_(mine("param", p))
             if weights_only:
+                self._load_router_biases(reader)
                 return 0
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
                     self.optimizer.state[p] = {"step": step_tensor(step, p, group),  # on the GPU for fused AdamW
                                                "exp_avg": mine("exp_avg", p), "exp_avg_sq": mine("exp_avg_sq", p)}
+        self._load_router_biases(reader)
         keys = [key for key in (f"rng/{self.rank}", f"cuda_rng/{self.rank}") if reader.has(key)]
         mesh = self.engine.mesh  # streams restored only under the same grid, else fresh (the driver says so)
         rng.resume_streams(manifest, self.cfg.parallel.dims, lambda: {key: reader.full(key, "") for key in keys},
@@ -329,6 +343,12 @@ class Worker(Role):
         if self.loader is not None:
             self.loader.load_state_dict({"step": step})
         return step
+
+    @torch.no_grad()
+    def _load_router_biases(self, reader) -> None:
+        for name, bias in self._router_biases().items():
+            if reader.has(f"param/{name}"):
+                bias.copy_(reader.full(f"param/{name}", name))
 
     @actor_method
     def _whole(self):

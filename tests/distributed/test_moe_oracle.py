@@ -110,3 +110,20 @@ def test_moe_pipeline_matches_one_process(workers, dp, p, schedule, zero, model)
 def test_moe_layouts_not_yet_supported_are_refused(changes, layout):
     with pytest.raises(ConfigError, match=f"mixture of experts with {layout} is not supported yet"):
         moe_config(2, **changes).validate({})
+
+
+def test_the_router_bias_is_checkpointed_and_restored(workers, tmp_path):  # noqa: F811
+    """Saved after 2 steps it is the one-process bias after 2; resumed (a fresh build: biases at 0 until loaded)
+    and stepped once, the one-process bias after 3. float64: no rounding flips a routing choice."""
+    from pipegpt.state.checkpoint import read_weights
+
+    cfg = moe_config(2, dtype="float64", steps=3)
+    host = workers(cfg)
+    path, _ = host.save(cfg, tmp_path, 2)
+    saved = {n: t for n, t in read_weights(path).items() if n.endswith("expert_bias")}
+    after_two, after_three = reference(cfg, 2)[4], reference(cfg, 3)[4]
+    assert set(saved) == set(after_two) and all(torch.equal(saved[n], after_two[n]) for n in saved)
+    assert any(b.abs().sum() > 0 for b in saved.values())
+    host.resume(cfg, path)
+    assert all(torch.equal(b, after_three[n]) for n, b in host.buffers(cfg))
+    assert not all(torch.equal(after_two[n], after_three[n]) for n in saved)  # the resumed step moved it
