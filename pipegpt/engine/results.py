@@ -25,6 +25,8 @@ class WorkerStep:
     applied: bool = True
     # on such a step, this rank's stages whose gradients (its share of the norm) were not finite
     nonfinite_stages: list[int] = field(default_factory=list)
+    # this rank's MoE layers' figures of the step (pipegpt.model.moe.end_step); empty without experts
+    moe: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -180,10 +180,13 @@ def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
 def end_step(module: nn.Module, rate: float, all_reduce=None) -> dict:
     """After an optimizer step: each MoE layer's loads since the last step (summed over replicas by
     all_reduce(tensor), if given) move its expert bias by rate x sign(mean - load), and are forgotten.
-    Returns this module's stats: aux_loss (the sum over layers of each layer's mean aux loss per call),
+    Returns this module's stats ({} without MoE layers): aux_loss (the sum over layers of each layer's mean aux loss per call),
     moe_imbalance (the worst layer's max / mean load) and moe_dropped (assignments dropped)."""
+    layers = moe_layers(module)
+    if not layers:
+        return {}
     stats = {"aux_loss": 0.0, "moe_imbalance": 0.0, "moe_dropped": 0.0}
-    for layer in moe_layers(module):
+    for layer in layers:
         load = layer.tokens_per_expert.clone()
         if all_reduce is not None:
             all_reduce(load)
@@ -197,3 +200,14 @@ def end_step(module: nn.Module, rate: float, all_reduce=None) -> dict:
         layer.dropped.zero_()
         layer.aux_sum, layer.calls = 0.0, 0
     return stats
+
+
+def merge_stats(stats: list[dict], replicas: int = 1) -> dict:
+    """Several modules' (or ranks') end_step stats as one: aux losses summed over the layers, averaged over
+    `replicas` (data-parallel copies that saw other tokens); the worst imbalance; dropped assignments summed."""
+    stats = [s for s in stats if s]
+    if not stats:
+        return {}
+    return {"aux_loss": sum(s["aux_loss"] for s in stats) / replicas,
+            "moe_imbalance": max(s["moe_imbalance"] for s in stats),
+            "moe_dropped": sum(s["moe_dropped"] for s in stats)}

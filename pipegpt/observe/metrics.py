@@ -8,11 +8,12 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipegpt.config import TrainConfig
 from pipegpt.model.flops import flops_per_token
+from pipegpt.model.moe import merge_stats
 from pipegpt.costs.devices import device_peak_tflops
 from pipegpt.observe.plot import write_plot
 from pipegpt.engine.results import WorkerStep
@@ -49,6 +50,10 @@ class StepMetrics:
     #                                  failure to this step's end
     steps_lost: int | None = None  # on that step too: the steps completed before the failure that were done again
     #                                (the failed step's index minus the resumed checkpoint's or snapshot's step)
+    # With experts: aux_loss (the MoE layers' aux losses, summed over layers, averaged over microbatches and
+    # replicas), moe_imbalance (the worst layer's max / mean tokens per expert), moe_dropped (assignments over
+    # capacity); in a row as their own keys, absent without experts
+    moe: dict = field(default_factory=dict)
 
 
 def json_line(row: dict) -> str:
@@ -75,7 +80,8 @@ def step_metrics(step: int, results: list[WorkerStep], cfg: TrainConfig, elapsed
                        control_s=_control_s(results, elapsed),
                        cpu_per_rank=None if any(r.cpu_s is None for r in results) else
                        [r.cpu_s / elapsed for r in results],
-                       driver_cpu=None if driver_cpu_s is None else driver_cpu_s / elapsed)
+                       driver_cpu=None if driver_cpu_s is None else driver_cpu_s / elapsed,
+                       moe=merge_stats([r.moe for r in results], cfg.parallel.dims.replicas))
 
 
 def _control_s(results: list[WorkerStep], elapsed: float) -> float | None:
@@ -153,6 +159,7 @@ class RunLog:
     def step(self, metrics: StepMetrics) -> None:
         row = asdict(metrics)
         row = {"step": row.pop("step"), "attempt": self.attempt, **row}
+        row.update(row.pop("moe"))
         data = memoryview((json_line(row) + "\n").encode())
         with run_files.writing(self.run_dir / run_files.METRICS):  # a torn row is cut as the next attempt opens
             while data:
@@ -221,7 +228,9 @@ def tensorboard_scalars(metrics: StepMetrics) -> list[tuple[str, float]]:
     """Every number of a metrics row as (tag, value): evaluations under eval/, the rest under train/, a value per
     rank as train/NAME/rankR. Absent (None) and non-finite values are left out, as TensorBoard cannot plot them."""
     out = []
-    for name, value in asdict(metrics).items():
+    row = asdict(metrics)
+    row.update(row.pop("moe"))
+    for name, value in row.items():
         if name == "step" or isinstance(value, bool):
             continue
         group = "eval" if name in EVAL_METRICS else "train"

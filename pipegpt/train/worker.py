@@ -27,7 +27,7 @@ from pipegpt.engine.actor import Role, actor_method
 from pipegpt.engine.placement import name_process
 from pipegpt.engine.results import SavedFile, WorkerStep
 from pipegpt.model.gpt import Documents
-from pipegpt.model.moe import end_step as end_moe_step
+from pipegpt.model.moe import end_step as end_moe_step, merge_stats
 from pipegpt.observe.clocks import clock_reading
 from pipegpt.observe.profile import Profiler
 from pipegpt.resilience.faults import FaultHook
@@ -161,21 +161,21 @@ class Worker(Role):
             if self.dp is not None:
                 self.dp.after_update()
             runtime.launched(OPTIMIZER_STEP)
-        self._end_moe_step(finite)
+        moe = self._end_moe_step(finite)
         engine.synchronize()
         engine.runtime.now = None
         return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,
                           peak_memory=engine.peak_memory(), device_name=engine.device_name, events=result.events,
                           compute_s=time.perf_counter() - t0, cpu_s=_process_cpu_s() - cpu0, applied=finite,
-                          nonfinite_stages=nonfinite_stages)
+                          nonfinite_stages=nonfinite_stages, moe=moe)
 
-    def _end_moe_step(self, applied: bool) -> list[dict]:
+    def _end_moe_step(self, applied: bool) -> dict:
         """The MoE layers' loads of the step, summed over the replicas that saw other tokens, move their
         router bias (DeepSeek-V3's, after an applied update only) and are forgotten (pipegpt.model.moe)."""
         rate = self.cfg.model.router_bias_update_rate if applied else 0.0
         group = self.engine.mesh.group("dp_cp")
         reduce = None if group is None else (lambda t: dist.all_reduce(t, group=group))
-        return [end_moe_step(stage.module, rate, reduce) for _, stage in sorted(self.stages.items())]
+        return merge_stats([end_moe_step(stage.module, rate, reduce) for _, stage in sorted(self.stages.items())])
 
     @actor_method
     def evaluate(self, batches: int) -> dict:

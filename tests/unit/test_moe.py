@@ -199,3 +199,18 @@ def test_presets():
     assert (tiny.n_experts, tiny.experts_per_token, tiny.n_shared_experts) == (8, 2, 1)
     assert dataclasses.replace(tiny, n_experts=0, n_experts_per_token=None, n_shared_experts=0, expert_hidden=None,
                                router_aux_loss_coef=0.0).validate()
+
+
+def test_stats_merge_over_ranks_and_reach_the_metrics():
+    from pipegpt.model.moe import merge_stats
+    from pipegpt.observe.metrics import StepMetrics, tensorboard_scalars
+
+    ranks = [{"aux_loss": 0.3, "moe_imbalance": 1.5, "moe_dropped": 2.0}, {},  # a dense-only stage reports none
+             {"aux_loss": 0.1, "moe_imbalance": 2.5, "moe_dropped": 1.0}]
+    merged = merge_stats(ranks, replicas=2)
+    assert merged == {"aux_loss": pytest.approx(0.2), "moe_imbalance": 2.5, "moe_dropped": 3.0}
+    assert merge_stats([{}, {}]) == {}
+    scalars = dict(tensorboard_scalars(StepMetrics(1, 4.0, 1.0, 100.0, 1.0, [0], moe=merged)))
+    assert scalars["train/moe_imbalance"] == 2.5 and "train/moe" not in scalars
+    assert not any("moe" in tag or "aux" in tag for tag, _ in tensorboard_scalars(
+        StepMetrics(1, 4.0, 1.0, 100.0, 1.0, [0])))
