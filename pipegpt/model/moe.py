@@ -32,9 +32,16 @@ import torch.nn.functional as F
 from pipegpt.model.split_backward import SplitLinear
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's where it is on (bf16 training), else x's."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def use_grouped_mm(x: torch.Tensor) -> bool:
     """Whether expert_outputs runs as one grouped matmul: CUDA bf16 where torch has _grouped_mm (sm90 and up)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    return (x.is_cuda and compute_dtype(x) == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
@@ -46,7 +53,8 @@ def expert_outputs(x: torch.Tensor, counts: list[int], gate: torch.Tensor, up: t
         grouped = use_grouped_mm(x)
     if grouped:
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        w = [t.to(x.dtype) for t in (gate, up, proj)]
+        dtype = compute_dtype(x)
+        x, w = x.to(dtype), [t.to(dtype) for t in (gate, up, proj)]
         hidden = (F.silu(torch._grouped_mm(x, w[0].transpose(1, 2), offs=offs))
                   * torch._grouped_mm(x, w[1].transpose(1, 2), offs=offs))
         return torch._grouped_mm(hidden, w[2].transpose(1, 2), offs=offs)

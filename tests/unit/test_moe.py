@@ -214,3 +214,20 @@ def test_stats_merge_over_ranks_and_reach_the_metrics():
     assert scalars["train/moe_imbalance"] == 2.5 and "train/moe" not in scalars
     assert not any("moe" in tag or "aux" in tag for tag, _ in tensorboard_scalars(
         StepMetrics(1, 4.0, 1.0, 100.0, 1.0, [0])))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_matmul_equals_the_loop(dtype):
+    """Both paths of expert_outputs (torch._grouped_mm runs on CPU too in recent torch), forward and gradients,
+    with an expert that gets no token."""
+    torch.manual_seed(0)
+    weights = [torch.randn(*shape, dtype=dtype, requires_grad=True) for shape in ((3, H, C), (3, H, C), (3, C, H))]
+    x = torch.randn(5, C, dtype=dtype, requires_grad=True)
+    weight = torch.randn(5, C, dtype=dtype)
+    outs = [expert_outputs(x, [2, 0, 3], *weights, grouped=grouped) for grouped in (True, False)]
+    grads = [torch.autograd.grad((out * weight).sum(), (x, *weights)) for out in outs]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5 if dtype == torch.float32 else 1e-2)
+        assert b.abs().max() > 1  # real gradients
