@@ -16,7 +16,8 @@ import click
 
 from pipegpt import command_options
 from pipegpt.config import ConfigError
-from pipegpt.options import MODEL_OPTIONS, config_options, model_options, plan_options
+from pipegpt.options import config_options
+from pipegpt.shape_options import MODEL_OPTIONS, model_options
 from pipegpt.schedule.actions import ScheduleError
 from pipegpt.state.checkpoint import CheckpointError
 
@@ -141,7 +142,8 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
     """
     from pipegpt.arch import ARCHITECTURES
     from pipegpt.config import MODEL_PRESETS
-    from pipegpt.options import given, resume_auto, train_config
+    from pipegpt.options import resume_auto, train_config
+    from pipegpt.saved_settings import given
     from pipegpt.train.launch import launch
 
     continuing = False
@@ -199,7 +201,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
     pipegpt run --init-from ckpt/gpt2 --model gpt2 --tokenizer gpt2 ...
     pipegpt convert --to-hf exported/ --checkpoint runs/my-run  # GPT2LMHeadModel.from_pretrained("exported/")
     """
-    from pipegpt.options import model_flags
+    from pipegpt.shape_options import model_flags
     from pipegpt.tools.convert import convert_command
 
     for line in convert_command(from_hf, out, tokenizer, to_hf, source, model_flags):
@@ -316,7 +318,7 @@ def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, 
 
 @main.command()
 @model_options
-@plan_options
+@command_options.plan_options
 def plan(**options):
     """Choose dp x pp x tp, schedule, microbatches and recomputation; predict step time and memory.
 
@@ -331,7 +333,7 @@ def plan(**options):
     pipegpt plan --model tiny --gpus 2 --gpu-memory 8GiB --gpu-tflops 1 --intra-node-gbps 80 \\
                  --batch-size 16 --calibrate runs/<time>
     """
-    from pipegpt.options import model_from_options
+    from pipegpt.shape_options import model_from_options
     from pipegpt.plan.command import PlanOptions, plan_command
 
     model = model_from_options(options)

@@ -1,8 +1,10 @@
-"""The options of the commands around a run (simulate, prepare, convert, sample, hellaswag), declared apart
+"""The options of the commands around a run (simulate, plan, prepare, convert, sample, hellaswag), declared apart
 from their commands (pipegpt.cli) so that cli.py reads as the list of commands. torch-free, like cli.py."""
 from __future__ import annotations
 
 import click
+
+from pipegpt.config import CP_COMM
 
 
 CONVERT = [
@@ -144,3 +146,67 @@ def _stacked(command, options: list):
     for option in reversed(options):
         command = option(command)
     return command
+
+
+# `pipegpt plan`'s own options (its model options are pipegpt.shape_options'), applied in this order
+PLAN_OPTIONS = [
+    click.option("--batch-size", type=int, default=None, help="Sequences per step, all replicas together."),
+    click.option("--batch-tokens", type=int, default=None, help="Tokens per step (a multiple of seq_len)."),
+    click.option("--gpus", type=int, required=True, help="GPUs available (a plan may use fewer)."),
+    click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's node, 8)."),
+    click.option("--device", default=None, metavar="PRESET",
+                  help="GPU preset: h100, h100-pcie, h200, a100-80gb, a100-40gb, l4, a10g, v100 (datasheet peak and "
+                       "memory, links of the usual DGX/HGX node); the options below override it."),
+    click.option("--gpu-memory", default=None, metavar="SIZE", help="Memory per GPU: 80GiB, 40GB, 81920MiB."),
+    click.option("--reserve", default=None, metavar="SIZE",
+                  help="Memory per GPU no plan may use: the CUDA context, NCCL buffers, fragmentation (default: 2GiB, "
+                       "or a tenth of a smaller GPU; 0 fills the whole memory)."),
+    click.option("--gpu-tflops", type=float, default=None, help="Peak dense TFLOPS per GPU at --precision."),
+    click.option("--intra-node-gbps", default=None, metavar="RATE",
+                  help="Bandwidth per GPU and direction inside a node: Gbit/s, or with a unit (450GB/s)."),
+    click.option("--inter-node-gbps", default=None, metavar="RATE",
+                  help="Bandwidth per GPU and direction between nodes: Gbit/s, or with a unit (50GB/s)."),
+    click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+                  help="What the plan runs with (pipegpt run --precision)."),
+    click.option("--efficiency", type=float, default=None,
+                  help="Achieved / peak matmul FLOP/s of the analytical model (default 0.5)."),
+    click.option("--layer-overhead-us", type=float, default=None,
+                  help="Least host time of one block's forward, microseconds (default 100; backward twice)."),
+    click.option("--calibrate", "calibrate_dir", type=click.Path(), default=None, metavar="RUN_DIR",
+                  help="Scale compute to a run's measured F/B/W (its trace.json) instead of --efficiency."),
+    click.option("--schedule", "-s", "schedules", default="all", show_default=True,
+                  help="Schedules to consider: a comma list or 'all' (every generated one; name auto or auto-v to add "
+                       "them, written for unit costs here and for the measured ones by pipegpt run)."),
+    click.option("--all-gpus", is_flag=True, help="Only layouts that use every GPU (dp x pp x cp x tp = --gpus)."),
+    click.option("--dp", "only_dp", type=click.IntRange(min=1), default=None,
+                  help="Only layouts with this many data-parallel replicas (as pipegpt run --dp)."),
+    click.option("--stages", "-p", "only_pp", type=click.IntRange(min=1), default=None,
+                  help="Only layouts with this many pipeline ranks (as pipegpt run --stages)."),
+    click.option("--tp", "only_tp", type=click.IntRange(min=1), default=None,
+                  help="Only layouts with this many tensor-parallel ranks (as pipegpt run --tp)."),
+    click.option("--cp", "only_cp", type=click.IntRange(min=1), default=None,
+                  help="Only layouts with this many context-parallel ranks (as pipegpt run --cp; default: 1, 2, 4, ... "
+                       "while the GPUs allow and a rank keeps 2048 tokens or more)."),
+    click.option("--cp-comm", type=click.Choice(CP_COMM), default=None,
+                  help="Only layouts whose keys and values travel this way with cp > 1 (as pipegpt run --cp-comm; "
+                       "default: both are weighed)."),
+    click.option("--zero", "only_zero", type=click.Choice(["0", "1", "2", "3"]), default=None,
+                  callback=lambda ctx, param, value: None if value is None else int(value),
+                  help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0-3 (3 "
+                       "under either --unshard policy), whichever is fastest where several fit."),
+    click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print."),
+    click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit)."),
+    click.option("--try", "try_top", type=click.IntRange(min=1), default=None, metavar="K",
+                  help="Run the top K plans here for --try-steps steps each (pipegpt run, device as --try-device) and "
+                       "print measured step time beside predicted."),
+    click.option("--try-steps", type=click.IntRange(min=2), default=5, show_default=True,
+                  help="Steps per tried plan; the first (warm-up) is left out of the median."),
+    click.option("--try-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
+    click.option("--try-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+                  help="Where the tried runs keep their directories, DIR/plan-K (default: a new runs/plan-try-<time>)."),
+    click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
+]
+
+
+def plan_options(command):
+    return _stacked(command, PLAN_OPTIONS)

@@ -33,6 +33,8 @@ LAYERS = [
     "pipegpt.train",
     "pipegpt.infer",
     "pipegpt.tools",
+    "pipegpt.shape_options",
+    "pipegpt.saved_settings",
     "pipegpt.options",
     "pipegpt.command_options",
     "pipegpt.cli",
