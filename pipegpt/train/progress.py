@@ -10,7 +10,7 @@ from typing import Callable
 
 from pipegpt import run_files
 from pipegpt.config import TrainConfig
-from pipegpt.schedule.calibrate import read_metrics
+from pipegpt.run_files import read_metrics
 
 
 def crowding(cfg: TrainConfig, device: str) -> str | None:
