@@ -16,8 +16,8 @@ import click
 
 from pipegpt import command_options
 from pipegpt.config import ConfigError
+from pipegpt.command_options import MODEL_OPTIONS, model_options
 from pipegpt.options import config_options
-from pipegpt.shape_options import MODEL_OPTIONS, model_options
 from pipegpt.schedule.actions import ScheduleError
 from pipegpt.state.checkpoint import CheckpointError
 
@@ -142,8 +142,7 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
     """
     from pipegpt.arch import ARCHITECTURES
     from pipegpt.config import MODEL_PRESETS
-    from pipegpt.options import resume_auto, train_config
-    from pipegpt.saved_settings import given
+    from pipegpt.options import given, resume_auto, train_config
     from pipegpt.train.launch import launch
 
     continuing = False
@@ -201,7 +200,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
     pipegpt run --init-from ckpt/gpt2 --model gpt2 --tokenizer gpt2 ...
     pipegpt convert --to-hf exported/ --checkpoint runs/my-run  # GPT2LMHeadModel.from_pretrained("exported/")
     """
-    from pipegpt.shape_options import model_flags
+    from pipegpt.command_options import model_flags
     from pipegpt.tools.convert import convert_command
 
     for line in convert_command(from_hf, out, tokenizer, to_hf, source, model_flags):
@@ -320,7 +319,7 @@ def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, 
 @model_options
 @command_options.plan_options
 def plan(**options):
-    """Choose dp x pp x tp, schedule, microbatches and recomputation; predict step time and memory.
+    """Choose dp x pp x cp x tp, schedule, microbatches, recomputation and ZeRO 0-3; predict step time and memory.
 
     Every candidate's step is simulated (pipegpt simulate's simulator) with per-stage costs from FLOPs at a
     device efficiency, collectives and messages from bytes and bandwidths (or costs calibrated from a run),
@@ -333,7 +332,7 @@ def plan(**options):
     pipegpt plan --model tiny --gpus 2 --gpu-memory 8GiB --gpu-tflops 1 --intra-node-gbps 80 \\
                  --batch-size 16 --calibrate runs/<time>
     """
-    from pipegpt.shape_options import model_from_options
+    from pipegpt.command_options import model_from_options
     from pipegpt.plan.command import PlanOptions, plan_command
 
     model = model_from_options(options)

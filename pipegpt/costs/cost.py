@@ -64,9 +64,10 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
 
 Calibrated model (CalibratedCosts, `pipegpt plan --calibrate RUN_DIR`): the same shapes, with the compute
 of F, B and W each scaled by (measured / analytical) over the stages of a run's trace
-(pipegpt.costs.calibrated reads the run, pipegpt.schedule.calibrate calibrates it), the message latency the run measured, no host floor (the measurement has it),
-and what the run spent after its last action (step time - trace span) scaled by parameters per rank.
-Collectives stay analytical (a trace shows no separate collective times).
+(pipegpt.costs.calibrated reads the run, pipegpt.schedule.calibrate calibrates it), the message latency the
+run measured, no host floor (the measurement has it), and what the run spent after its last action (step
+time - trace span) scaled by parameters per rank. Collectives stay analytical (a trace shows no separate
+collective times).
 """
 from __future__ import annotations
 

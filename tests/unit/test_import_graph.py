@@ -33,10 +33,8 @@ LAYERS = [
     "pipegpt.train",
     "pipegpt.infer",
     "pipegpt.tools",
-    "pipegpt.shape_options",
-    "pipegpt.saved_settings",
-    "pipegpt.options",
     "pipegpt.command_options",
+    "pipegpt.options",
     "pipegpt.cli",
     "pipegpt.__main__",
 ]
