@@ -279,7 +279,6 @@ class Job(ClusterJob):
         return self.cluster.call(method, *args)
 
 
-
 def run_job(job: Job, run_dir: Path, on_step: Callable[[StepMetrics], None] = lambda m: None
             ) -> list[StepMetrics] | None:
     """Start (or join, under torchrun) the job's workers, train, and write metrics and the last step's trace.
