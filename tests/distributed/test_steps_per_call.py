@@ -12,7 +12,7 @@ import pytest
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
 from pipegpt.observe.metrics import StepMetrics
 from pipegpt.engine.results import WorkerStep
-from pipegpt.train.driver import AUTO_JUDGED_ON, auto_steps_per_call, call_length, train
+from pipegpt.train.loop import AUTO_JUDGED_ON, auto_steps_per_call, call_length, train
 
 from helpers import PIPEGPT, clean_env, run_pipegpt
 from test_failures import Job

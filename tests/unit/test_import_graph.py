@@ -34,8 +34,8 @@ LAYERS = [
     "pipegpt.train",
     "pipegpt.infer",
     "pipegpt.tools",
-    "pipegpt.options",
     "pipegpt.command_options",
+    "pipegpt.options",
     "pipegpt.cli",
     "pipegpt.__main__",
 ]

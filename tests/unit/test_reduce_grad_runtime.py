@@ -15,7 +15,7 @@ from pipegpt.runtime import PipelineRuntime
 from pipegpt.schedule import Action, Kind, ScheduleError, add_reduce_grad, build_plan, lower
 from pipegpt.schedule.schedule_file import dump_schedule_text
 from pipegpt.stages import Stage
-from pipegpt.train.driver import make_plan
+from pipegpt.planner.run_plan import make_plan
 
 MODEL = ModelConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, n_embd=16)
 
