@@ -46,7 +46,7 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
             metrics = step_metrics(step + 1, results, cfg, elapsed, cpu_per_s * elapsed)
             if step in traced:
                 log.trace(results, job.plan, step + 1)
-            after_step(job, log, step, results, metrics, history[-1].skipped_steps if history else 0)
+            after_step(job, log, step, results, metrics, history)
             history.append(metrics)
             on_step(metrics)
             step += 1
@@ -59,11 +59,11 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
 
 
 def after_step(job: Job, log: RunLog, step: int, results: list[WorkerStep], metrics: StepMetrics,
-               skipped_before: int) -> None:
+               history: list[StepMetrics]) -> None:
     """What follows a step on the driver: its non-finite values said, an evaluation and a checkpoint or
-    snapshot when due, its metrics row."""
+    snapshot when due (no checkpoint of a skipped step), its metrics row."""
     cfg = job.cfg
-    check_applied(job, log, step, results, metrics, skipped_before)
+    check_applied(job, log, step, results, metrics, history)
     if job.failed_at is not None and step == job.first_step:
         metrics.recovery_s = time.time() - job.failed_at
         metrics.steps_lost = job.steps_lost
@@ -71,7 +71,10 @@ def after_step(job: Job, log: RunLog, step: int, results: list[WorkerStep], metr
         metrics.val_loss = job.evaluate()
         if cfg.eval.hellaswag:
             metrics.hellaswag_acc, metrics.hellaswag_acc_norm = job.hellaswag()
-    if checkpoint_due(cfg, step):
+    if checkpoint_due(cfg, step) and metrics.nonfinite:
+        warn(f"pipegpt: no checkpoint after step {step + 1}: its update was skipped; last checkpoint: "
+             f"{last_checkpoint(job, log.run_dir)}")
+    elif checkpoint_due(cfg, step):
         t0 = time.perf_counter()
         save_finite(job, log, step, metrics)
         metrics.checkpoint_s = time.perf_counter() - t0
@@ -194,11 +197,12 @@ def last_checkpoint(job: Job, run_dir: Path) -> str:
 
 
 def check_applied(job: Job, log: RunLog, step: int, results: list[WorkerStep], metrics: StepMetrics,
-                  skipped_before: int) -> None:
+                  history: list[StepMetrics]) -> None:
     """The run's count of skipped steps in the step's metrics; a step that some rank did not apply (no rank then
     applies it) says where its values stopped being finite, and stops the run there (--on-nonfinite stop: its
-    metrics row written, NonFiniteError) or is counted and the run goes on (skip)."""
-    metrics.skipped_steps = skipped_before
+    metrics row written, NonFiniteError) or is counted and the run goes on (skip), up to --max-skipped-steps in a
+    row: a run that skips every step would otherwise end "successfully" with nothing learned."""
+    metrics.skipped_steps = history[-1].skipped_steps if history else 0
     if all(r.applied for r in results):
         return
     metrics.nonfinite = nonfinite_cause(results, job.plan.num_stages - 1)
@@ -208,6 +212,12 @@ def check_applied(job: Job, log: RunLog, step: int, results: list[WorkerStep], m
                              f"last checkpoint: {last_checkpoint(job, log.run_dir)}")
     metrics.skipped_steps += 1
     warn(f"pipegpt: step {step + 1}: {metrics.nonfinite}; update skipped (--on-nonfinite skip)")
+    in_a_row = 1 + next((i for i, m in enumerate(reversed(history)) if not m.nonfinite), len(history))
+    most = job.cfg.optim.max_skipped_steps
+    if most and in_a_row >= most:
+        log.step(metrics)
+        raise NonFiniteError(f"step {step + 1}: {in_a_row} steps in a row skipped (--max-skipped-steps {most}); "
+                             f"stopping, last checkpoint: {last_checkpoint(job, log.run_dir)}")
 
 
 def save_finite(job: Job, log: RunLog, step: int, metrics: StepMetrics) -> None:
