@@ -52,7 +52,8 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
             step += 1
             if auto and len(history) == COMPILE_STEPS + AUTO_JUDGED_ON:
                 most, line = auto_steps_per_call(history)
-                warn(line)
+                if step < cfg.runtime.steps:  # not said of steps that will never run
+                    warn(line)
     if results is not None:
         log.trace(results, job.plan)
     return history

@@ -97,6 +97,14 @@ def test_auto_decides_once_after_ten_steps(tmp_path, capsys, compute, calls, sai
     assert ("10 steps a call from step 11" in capsys.readouterr().err) == said
 
 
+def test_a_run_that_ends_at_the_judgement_says_nothing_of_later_calls(tmp_path, capsys):
+    """A run resumed for its last 10 steps (100 -> 110) used to print "10 steps a call from step 111"."""
+    job = _TimedJob(TrainConfig.build(steps=10), 0.020, 0.019)
+    train(job, _Log(tmp_path))
+    assert job.counts == [1] * 10
+    assert "steps a call" not in capsys.readouterr().err
+
+
 def test_a_given_count_is_kept_from_the_third_step(tmp_path):
     job = _TimedJob(TrainConfig.build(steps=12, steps_per_call=4), 0.020, 0.019)
     train(job, _Log(tmp_path))
