@@ -19,9 +19,9 @@ from pipegpt.engine.placement import cuda_device_index, resolve_device
 from pipegpt.model.gpt import GPT
 from pipegpt.model.partition import partition_layers
 from pipegpt.parallelisms import stage_parallelism
-from pipegpt.runtime import PipelineRuntime, StepResult
 from pipegpt.schedule import Plan, last_gradient_actions
 from pipegpt.stages import Stage
+from pipegpt.stages.runtime import PipelineRuntime, StepResult
 from pipegpt.state import rng
 
 

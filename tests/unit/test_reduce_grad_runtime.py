@@ -11,7 +11,7 @@ from pipegpt.data_parallel.shard_ops import NATIVE
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.config import ModelConfig, TrainConfig
 from pipegpt.model.gpt import GPT
-from pipegpt.runtime import PipelineRuntime
+from pipegpt.stages.runtime import PipelineRuntime
 from pipegpt.schedule import Action, Kind, ScheduleError, add_reduce_grad, build_plan, lower
 from pipegpt.schedule.schedule_file import dump_schedule_text
 from pipegpt.stages import Stage

@@ -32,8 +32,8 @@ import torch
 from pipegpt.comm.p2p import Message, PointToPoint
 from pipegpt.schedule.actions import COLLECTIVE_KINDS, Action, Kind, Plan, ScheduleError
 from pipegpt.schedule.messages import comm_batches, release_points
-from pipegpt.stages import Stage
-from pipegpt.timing import clock_for, device_marker
+from pipegpt.stages.stage import Stage
+from pipegpt.stages.timing import clock_for, device_marker
 
 DEVICE_QUERY_S = 1.0  # how long where() waits for the device's marks: a query can block while the host synchronises
 DEVICE_UNKNOWN = (None, "unknown action", (), f"unknown (its device marks did not answer within {DEVICE_QUERY_S:g}s)")
@@ -44,7 +44,7 @@ OPTIMIZER_STEP = (None, "optimizer step", (), "nobody (updating the parameters)"
 class StepResult:
     losses: list[float]  # per microbatch, on the rank holding the last stage
     # (action, start_s, end_s) on time.perf_counter()'s time line, which on Linux is one clock for
-    # every process of the machine, so ranks' events line up in one timeline (pipegpt.timing).
+    # every process of the machine, so ranks' events line up in one timeline (pipegpt.stages.timing).
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
 
