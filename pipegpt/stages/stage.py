@@ -106,6 +106,8 @@ class Stage:
         return tuple(name for name, _ in self.layer_pieces())
 
     def layer_pieces(self) -> tuple[tuple[str, Piece], ...]:
+        """(name, piece) in forward order. Pieces call the model's own parts (GPT.embedding, block_forward,
+        head_forward), uncompiled: --compile compiles the module's whole call, the whole-stage piece."""
         if self._layers is None:
             m, pieces = self.module, []
             if m.embed:

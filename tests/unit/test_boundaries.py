@@ -87,7 +87,8 @@ def test_plan_loads_no_torch():
     mods = submodules("pipegpt.planner") + submodules("pipegpt.costs")
     assert {"pipegpt.planner", "pipegpt.costs.memory"} <= set(mods)
     check(mods, ("pipegpt.model.gpt", "pipegpt.stages", "pipegpt.comm", "pipegpt.tensor_parallel.layers",
-                 "pipegpt.tensor_parallel.collectives", "pipegpt.stages.runtime", "pipegpt.train.worker", "pipegpt.train.driver"),
+                 "pipegpt.tensor_parallel.collectives", "pipegpt.stages.runtime", "pipegpt.train.worker",
+                 "pipegpt.train.driver"),
           forbid_torch=True)
 
 
@@ -147,7 +148,8 @@ def test_comm_loads_no_tensor_parallel_schedule_stages_model_runtime():
     mods = submodules("pipegpt.comm")
     assert {"pipegpt.comm.mesh", "pipegpt.comm.p2p", "pipegpt.comm.rpc"} <= set(mods)
     check(mods, ("pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.stages", "pipegpt.model.gpt",
-                 "pipegpt.model.split_backward", "pipegpt.stages.runtime", "pipegpt.train.worker", "pipegpt.train.driver"))
+                 "pipegpt.model.split_backward", "pipegpt.stages.runtime", "pipegpt.train.worker",
+                 "pipegpt.train.driver"))
 
 
 def test_cli_import_loads_no_torch():

@@ -148,7 +148,8 @@ def test_a_collectives_whereabouts_name_its_groups_peers():
     assert runtime.at[-2][2:] == ((), "nobody (launching a gradient reduction)")
     assert runtime.ready_at[1][2][2:] == runtime.at[0][2:]  # the wait before 0F0 is the gather's
     # Without the members (a test's runtime), the group is named as before.
-    assert one_rank(plan, stage, Gathers()).at[0][2:] == ((), "its data-parallel peers (gathering stage 0's parameters)")
+    unnamed = one_rank(plan, stage, Gathers())
+    assert unnamed.at[0][2:] == ((), "its data-parallel peers (gathering stage 0's parameters)")
 
 
 def test_a_collective_over_another_group_is_named_by_that_group(monkeypatch):
