@@ -2,7 +2,7 @@
 
 It decides nothing about order: the lowered plan from pipegpt.schedule does.
 A collective action runs by its kind's row in COLLECTIVE_RUNS: the `collectives` method that runs it and the
-process group it acts on (by its name in pipegpt.comm.mesh), which refusals and the watchdog's labels name.
+process group it acts on (by its name in pipegpt.dims.GROUP_AXES), which refusals and the watchdog's labels name.
 A REDUCE_GRAD launches the stage's gradient reduction on the `collectives`
 object it is given (the training role's train.grad_sync.PlanCollectives); it
 overlaps what follows, and the worker waits for it after the step. An UNSHARD
@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from pipegpt.comm.p2p import Message, PointToPoint
+from pipegpt.dims import REPLICAS
 from pipegpt.schedule.actions import COLLECTIVE_KINDS, Action, Kind, Plan, ScheduleError
 from pipegpt.schedule.messages import comm_batches, release_points
 from pipegpt.stages.stage import Stage
@@ -117,7 +118,7 @@ class CollectiveKind(NamedTuple):
     """How the runtime runs one kind of collective action, and what it says of a rank inside one."""
 
     method: str  # the collectives' method that runs it: method(stage)
-    group: str  # the process group it acts on, by its name in pipegpt.comm.mesh.GROUP_AXES
+    group: str  # the process group it acts on, by its name in pipegpt.dims.GROUP_AXES
     purpose: str  # what the rank would do with the group, for a refusal ("to reduce its gradients with")
     doing: str  # what a rank in it does, for the watchdog ("gathering stage {stage}'s parameters")
     waits_for_group: bool  # False: launched, waited for after the step; True: the rank may wait for its peers
@@ -125,15 +126,15 @@ class CollectiveKind(NamedTuple):
 
 # Every collective kind of the schedule (pipegpt.schedule.actions.COLLECTIVE_KINDS), by kind: a new one is a row.
 COLLECTIVE_RUNS = {
-    Kind.REDUCE_GRAD: CollectiveKind("reduce_grad", "dp_cp", "to reduce its gradients with",
+    Kind.REDUCE_GRAD: CollectiveKind("reduce_grad", REPLICAS, "to reduce its gradients with",
                                      "launching a gradient reduction", False),
-    Kind.UNSHARD: CollectiveKind("unshard", "dp_cp", "to gather its parameters from",
+    Kind.UNSHARD: CollectiveKind("unshard", REPLICAS, "to gather its parameters from",
                                  "gathering stage {stage}'s parameters", True),
-    Kind.RESHARD: CollectiveKind("reshard", "dp_cp", "to free its parameters with",
+    Kind.RESHARD: CollectiveKind("reshard", REPLICAS, "to free its parameters with",
                                  "freeing stage {stage}'s parameters", True),
 }
 
-# A group's ranks in words, by its name in pipegpt.comm.mesh.GROUP_AXES: (who they are, what each one is to another).
+# A group's ranks in words, by its name in pipegpt.dims.GROUP_AXES: (who they are, what each one is to another).
 GROUP_WORDS = {
     "dp": ("data-parallel", "replicas"),
     "dp_cp": ("data-parallel", "replicas"),  # cp ranks hold the same weights: replicas to the gradients' average
@@ -142,6 +143,8 @@ GROUP_WORDS = {
     "pp": ("pipeline", "peers"),
     "model": ("model-replica", "peers"),
     "embedding": ("tied-embedding", "peers"),
+    "ep": ("expert-parallel", "peers"),
+    "edp": ("expert data-parallel", "replicas"),
 }
 
 

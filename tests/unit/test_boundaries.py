@@ -113,7 +113,7 @@ def test_the_runtime_meets_schedule_stages_and_comm_and_nothing_of_a_role():
     found = loaded(RUNTIME)
     assert {"pipegpt.schedule.actions", "pipegpt.stages.stage", "pipegpt.comm.p2p"} <= set(found["pipegpt"]), found
     check([RUNTIME], ("pipegpt.tensor_parallel", "pipegpt.data_parallel", "pipegpt.engine", "pipegpt.train",
-                      "pipegpt.infer", "pipegpt.plan", "pipegpt.costs"))
+                      "pipegpt.infer", "pipegpt.planner", "pipegpt.costs"))
 
 
 def test_model_loads_no_comm_tensor_parallel_schedule_stages_runtime():

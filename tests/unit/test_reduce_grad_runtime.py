@@ -125,7 +125,7 @@ class Gathers:
 
 
 def test_every_collective_kind_has_a_row_naming_a_group_of_the_mesh():
-    from pipegpt.comm.mesh import GROUP_AXES
+    from pipegpt.dims import GROUP_AXES
     from pipegpt.schedule.actions import COLLECTIVE_KINDS
     from pipegpt.stages.runtime import COLLECTIVE_RUNS, GROUP_WORDS
 
