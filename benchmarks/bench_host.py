@@ -81,7 +81,7 @@ def _host_worker(rank: int, world: int, port: int, who: str, spec: dict, out_pat
     x, y = bp.sampler_for(spec).batch(0)
     if who == "pipegpt":
         from pipegpt.comm.p2p import PointToPoint
-        from pipegpt.runtime import PipelineRuntime
+        from pipegpt.stages.runtime import PipelineRuntime
         from pipegpt.schedule import build_plan, lower
 
         runtime = PipelineRuntime(lower(build_plan(spec["schedule"], world, m)), rank, {rank: Stage(rank, world, module, m)},

@@ -63,7 +63,7 @@ def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int) -> list[f
 
 def main(argv=None) -> int:
     from pipegpt.config import ModelConfig
-    from pipegpt.costs.cost import calibrate_costs
+    from pipegpt.costs.calibrated import calibrate_costs
     from pipegpt.costs.devices import make_cluster
     from pipegpt.planner.candidates import Layout, Request
     from pipegpt.planner.search import evaluate_layout

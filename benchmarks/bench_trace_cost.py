@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
 
 def recording_ns_per_action(n: int = 1_000_000) -> float:
     """Nanoseconds per action of exactly what recording adds in PipelineRuntime.step on CPU."""
-    from pipegpt.timing import HostClock
+    from pipegpt.stages.timing import HostClock
 
     clock, name = HostClock().mark, "0F1"
     best = float("inf")
@@ -64,7 +64,7 @@ def main() -> None:
     from pipegpt.comm.p2p import PointToPoint
     from pipegpt.config import ModelConfig
     from pipegpt.model.gpt import GPT
-    from pipegpt.runtime import PipelineRuntime
+    from pipegpt.stages.runtime import PipelineRuntime
     from pipegpt.schedule import build_plan, lower
     from pipegpt.stages import Stage
 

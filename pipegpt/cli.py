@@ -16,7 +16,7 @@ import click
 
 from pipegpt import command_options
 from pipegpt.config import ConfigError
-from pipegpt.options import MODEL_OPTIONS, config_options, model_options, plan_options
+from pipegpt.options import config_options
 from pipegpt.schedule.actions import ScheduleError
 from pipegpt.state.checkpoint import CheckpointError
 
@@ -116,7 +116,7 @@ def plot(run_dirs, out, title):
 @config_options
 @click.option("--batch-size", type=int, default=None,
               help="Sequences per step in all (sets the microbatch size: batch / (dp x microbatches)).")
-@model_options
+@command_options.model_options
 @click.option("--run-dir", type=click.Path(), default=None,
               help="The run's directory: metrics.jsonl, checkpoints, traces (default: runs/<time>; with --resume, "
                    "the checkpoint's run). One run per directory: continue one with --resume.")
@@ -199,10 +199,9 @@ def convert(from_hf, out, tokenizer, to_hf, source):
     pipegpt run --init-from ckpt/gpt2 --model gpt2 --tokenizer gpt2 ...
     pipegpt convert --to-hf exported/ --checkpoint runs/my-run  # GPT2LMHeadModel.from_pretrained("exported/")
     """
-    from pipegpt.options import model_flags
     from pipegpt.tools.convert import convert_command
 
-    for line in convert_command(from_hf, out, tokenizer, to_hf, source, model_flags):
+    for line in convert_command(from_hf, out, tokenizer, to_hf, source, command_options.model_flags):
         click.echo(line)
 
 
@@ -315,10 +314,10 @@ def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, 
 # plan: choose the layout before spending GPU time (pure Python: pipegpt.planner imports no torch)
 
 @main.command()
-@model_options
-@plan_options
+@command_options.model_options
+@command_options.plan_options
 def plan(**options):
-    """Choose dp x pp x tp, schedule, microbatches and recomputation; predict step time and memory.
+    """Choose dp x pp x cp x tp, schedule, microbatches, recomputation and ZeRO 0-3; predict step time and memory.
 
     Every candidate's step is simulated (pipegpt simulate's simulator) with per-stage costs from FLOPs at a
     device efficiency, collectives and messages from bytes and bandwidths (or costs calibrated from a run),
@@ -331,11 +330,11 @@ def plan(**options):
     pipegpt plan --model tiny --gpus 2 --gpu-memory 8GiB --gpu-tflops 1 --intra-node-gbps 80 \\
                  --batch-size 16 --calibrate runs/<time>
     """
-    from pipegpt.options import model_from_options
     from pipegpt.planner.command import PlanOptions, plan_command
 
-    model = model_from_options(options)
-    click.echo(plan_command(model, PlanOptions(**{k: v for k, v in options.items() if k not in MODEL_OPTIONS})))
+    model = command_options.model_from_options(options)
+    plan_settings = {k: v for k, v in options.items() if k not in command_options.MODEL_OPTIONS}
+    click.echo(plan_command(model, PlanOptions(**plan_settings)))
 
 
 if __name__ == "__main__":

@@ -114,6 +114,8 @@ class OptimizerConfig:
     on_nonfinite: str = setting("stop", "A non-finite loss or gradient norm: stop the run before the update is "
                                         "applied (no checkpoint from it), or skip that step's update and go on "
                                         "(counted in metrics.jsonl as skipped_steps).", choices=ON_NONFINITE)
+    max_skipped_steps: int = setting(5, "With --on-nonfinite skip: stop the run (exit 1, its last checkpoint kept) "
+                                        "once this many steps in a row were skipped (0: never stop).")
 
     @property
     def final_lr(self) -> float:
@@ -329,6 +331,8 @@ class TrainConfig:
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise ConfigError(f"{name}={value!r} must be a finite number ({'> 0' if name == 'lr' else '>= 0'})")
         _check_choice("on_nonfinite", o.on_nonfinite, ON_NONFINITE)
+        if o.max_skipped_steps < 0:
+            raise ConfigError(f"--max-skipped-steps {o.max_skipped_steps} must be 0 (never stop) or more")
         for name, value in (("lr", o.lr), ("timeout_s", r.timeout_s)):
             if not value > 0:
                 raise ConfigError(f"{name}={value} must be > 0")

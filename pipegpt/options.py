@@ -1,7 +1,7 @@
-"""Command-line options made from the configuration, and the configuration made from them.
+"""`pipegpt run`'s options made from the configuration, and the configuration made from them.
 
-`pipegpt run` has one option per config field with help text, so pipegpt.config holds every default once;
-`run` and `plan` share the model's shape options. Torch-free, like pipegpt.config.
+`pipegpt run` has one option per config field with help text, so pipegpt.config holds every default once; the
+model's shape options (`run` and `plan` share them) are pipegpt.command_options'. Torch-free, like pipegpt.config.
 """
 from __future__ import annotations
 
@@ -13,18 +13,12 @@ import click
 from click.core import ParameterSource
 
 from pipegpt.arch import ARCHITECTURES, GPT2
-from pipegpt.config import (ARCHS, CP_COMM, MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig,
-                            canonical_tokenizer, microbatch_size_for, model_config, option_flags)
+from pipegpt.command_options import MODEL_OPTIONS, check_arch_flags, model_from_options, shown_value, tie_from_flags
+from pipegpt.config import (MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, canonical_tokenizer,
+                            microbatch_size_for, option_flags)
 from pipegpt.dims import LAYOUT_FIELDS
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
 from pipegpt import run_files
-
-MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
-                 "tie_embeddings", "dropout", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "qkv_bias")
-# settings of an architectural property (pipegpt.arch): given for an architecture without it, they are refused
-# (GPT-2 has no grouping, rotary positions or q/k/v biases of their own)
-ARCH_SPECIFIC = {"n_kv_head": ("--n-kv-head", "grouped_kv"), "rope_theta": ("--rope-theta", "rotary"),
-                 "qkv_bias": ("--qkv-bias", "own_qkv_bias")}
 
 
 def int_tuple(value: str | None) -> tuple[int, ...] | None:
@@ -68,95 +62,6 @@ def config_options(command):
                 names = [flag, *short]
                 command = click.option(*names, f.name, help=f.metadata["help"], **_option_kind(f))(command)
     return command
-
-
-def model_options(command):
-    """The model's shape: a preset and the settings that override it (their names: MODEL_OPTIONS)."""
-    for option in reversed([
-        click.option("--model", "preset", default="tiny", show_default=True,
-                     help=f"{', '.join(MODEL_PRESETS)} (--arch llama alone: tiny-llama)."),
-        click.option("--arch", type=click.Choice(list(ARCHS)), default=None,
-                     help="gpt2 or llama (rotary, RMSNorm, SwiGLU, grouped-query attention); default: the preset's."),
-        click.option("--n-layer", type=int, default=None), click.option("--n-embd", type=int, default=None),
-        click.option("--n-head", type=int, default=None), click.option("--seq-len", type=int, default=None),
-        click.option("--vocab-size", type=int, default=None),
-        click.option("--pad-vocab", is_flag=True,
-                     help="Pad the vocabulary to a multiple of 64 (padded logits are never predicted)."),
-        click.option("--no-tie-embeddings", is_flag=True, help="Separate LM-head weight instead of the token embedding."),
-        click.option("--tie-embeddings", is_flag=True, default=None,
-                     help="The LM head is the token embedding (default: the preset's; Llama presets mostly untie)."),
-        click.option("--n-kv-head", type=int, default=None,
-                     help="Llama: key/value heads (grouped-query attention; must divide --n-head; default n_head)."),
-        click.option("--ffn-hidden", type=int, default=None,
-                     help="The MLP's hidden width (default: 4 x n_embd for GPT-2; Llama: 8/3 x n_embd rounded up to a "
-                          "multiple of 256)."),
-        click.option("--rope-theta", type=float, default=None, help="Llama: rotary base (default 10000)."),
-        click.option("--norm-eps", type=float, default=None, help="LayerNorm/RMSNorm epsilon (default 1e-5)."),
-        click.option("--qkv-bias/--no-qkv-bias", default=None, help="Llama: biases on q, k, v only (Qwen2)."),
-        click.option("--dropout", type=float, default=None,
-                     help="Dropout probability of the embedding, attention and residual branches (default: the "
-                          "preset's, 0.0; fine-tuning often uses 0.1)."),
-    ]):
-        command = option(command)
-    return command
-
-
-def model_from_options(options: dict, vocab_size: int | None = None) -> ModelConfig:
-    """The model model_options describe: the preset with the shape given overriding it (vocab_size: the
-    default when --vocab-size is not given)."""
-    o = {name: options.get(name) for name in MODEL_OPTIONS}
-    preset = o["preset"] or "tiny"
-    if o["arch"] in ARCHITECTURES and preset == "tiny":  # --arch alone: its own small preset (GPT-2's is tiny)
-        preset = ARCHITECTURES[o["arch"]].default_preset
-    arch = MODEL_PRESETS[preset].arch if preset in MODEL_PRESETS else None
-    if o["arch"] is not None and arch is not None and o["arch"] != arch:
-        raise ConfigError(f"--arch {o['arch']} does not match --model {preset} (a {arch} preset): leave out --arch "
-                          f"or name a {o['arch']} preset")
-    check_arch_flags(o, o["arch"] or arch)
-    return model_config(preset, n_layer=o["n_layer"], n_embd=o["n_embd"], n_head=o["n_head"],
-                        seq_len=o["seq_len"], vocab_size=vocab_size if o["vocab_size"] is None else o["vocab_size"],
-                        tie_embeddings=_tie(o), pad_vocab_to=64 if o["pad_vocab"] else None, dropout=o["dropout"],
-                        n_kv_head=o["n_kv_head"], ffn_hidden=o["ffn_hidden"], rope_theta=o["rope_theta"],
-                        norm_eps=o["norm_eps"], qkv_bias=o["qkv_bias"])
-
-
-def _tie(o: dict) -> bool | None:
-    """tie_embeddings from --tie-embeddings / --no-tie-embeddings (None: neither given)."""
-    if o.get("no_tie_embeddings") and o.get("tie_embeddings"):
-        raise ConfigError("give either --tie-embeddings or --no-tie-embeddings, not both")
-    return False if o.get("no_tie_embeddings") else (True if o.get("tie_embeddings") else None)
-
-
-def check_arch_flags(o: dict, arch: str | None) -> None:
-    """Refuse a setting of a property the architecture lacks (a Llama-only one given for a GPT-2); its default
-    value (what GPT-2 has: a run's config.json holds them all) passes."""
-    described, defaults = ARCHITECTURES.get(arch, GPT2), ModelConfig()
-    for name, (flag, needs) in ARCH_SPECIFIC.items():
-        if not getattr(described, needs) and o.get(name) is not None and o[name] != getattr(defaults, name):
-            having = [a.name for a in ARCHITECTURES.values() if getattr(a, needs)]
-            raise ConfigError(f"{flag} {_shown(o[name])} applies to --arch {' or '.join(having)} only (this model "
-                              f"is {arch or 'gpt2'}): leave it out or give --arch {having[0]}")
-
-
-def model_flags(model: ModelConfig, tokenizer: str) -> str:
-    """The `pipegpt run` model flags that build exactly this model (as --init-from requires)."""
-    preset = next((name for name, m in MODEL_PRESETS.items() if m == model), None)
-    if preset is not None:
-        flags = f"--model {preset}"
-    else:
-        flags = (f"--n-layer {model.n_layer} --n-embd {model.n_embd} --n-head {model.n_head} "
-                 f"--seq-len {model.seq_len} --vocab-size {model.vocab_size}")
-        arch = model.architecture
-        if arch is not GPT2:  # its shape in full: `--arch NAME` alone starts from that architecture's own preset
-            flags = f"--arch {arch.name} {flags}" + (f" --n-kv-head {model.kv_heads}" if arch.grouped_kv else "")
-            flags += f" --ffn-hidden {model.ffn_width}" + (f" --rope-theta {model.rope_theta}" if arch.rotary else "")
-            flags += f" --norm-eps {model.norm_eps}" + (" --qkv-bias" if arch.own_qkv_bias and model.qkv_bias else "")
-            flags += " --tie-embeddings" if model.tie_embeddings else " --no-tie-embeddings"
-        else:
-            flags += "" if model.ffn_hidden is None else f" --ffn-hidden {model.ffn_hidden}"
-            flags += "" if model.norm_eps == 1e-5 else f" --norm-eps {model.norm_eps}"
-            flags += "" if model.tie_embeddings else " --no-tie-embeddings"
-    return f"{flags} --tokenizer {tokenizer}"
 
 
 def train_config(ctx: click.Context, batch_size: int | None, options: dict,
@@ -435,13 +340,13 @@ def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: st
         flags = {name: f"--model {options['preset']}" for name in known}
     else:
         changes = {name: options[name] for name in _SAME_NAME if given(ctx, name) and options[name] is not None}
-        flags = {name: f"--{name.replace('_', '-')} {_shown(value)}" for name, value in changes.items()}
+        flags = {name: f"--{name.replace('_', '-')} {shown_value(value)}" for name, value in changes.items()}
         if changes.get("qkv_bias") is False:
             flags["qkv_bias"] = "--no-qkv-bias"
         if given(ctx, "pad_vocab") and options["pad_vocab"]:
             changes["pad_vocab_to"], flags["pad_vocab_to"] = 64, "--pad-vocab"
-        tie = _tie({name: options.get(name) if given(ctx, name) else None
-                    for name in ("tie_embeddings", "no_tie_embeddings")})
+        tie = tie_from_flags({name: options.get(name) if given(ctx, name) else None
+                              for name in ("tie_embeddings", "no_tie_embeddings")})
         if tie is not None:
             changes["tie_embeddings"] = tie
             flags["tie_embeddings"] = "--tie-embeddings" if tie else "--no-tie-embeddings"
@@ -455,7 +360,7 @@ def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: st
         raise ConfigError(f"{where}: checkpoint of another model: "
                           f"{', '.join(f'{k}={getattr(theirs, k)!r} (this run: {getattr(model, k)!r})' for k in diff)}"
                           f"; {flags.get(name, 'the options given')} disagrees with its {name} "
-                          f"{_shown(getattr(theirs, name))}: leave it out to take the checkpoint's")
+                          f"{shown_value(getattr(theirs, name))}: leave it out to take the checkpoint's")
     return model.validate()
 
 
@@ -481,16 +386,6 @@ MODEL_FLAGS = {"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head
                "rope_theta": "--rope-theta", "norm_eps": "--norm-eps", "qkv_bias": "--qkv-bias"}
 
 
-def _shown(value) -> str:
-    if value is None:
-        return "default"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, (list, tuple)):
-        return ",".join(map(str, value))
-    return str(value)
-
-
 def resume_changes(ctx: click.Context, cfg: TrainConfig, saved: dict) -> list[str]:
     """One line per option whose value differs from the saved run's: `--stages 4 -> 2`, and what follows from
     those given (`--virtual-stages 2 -> default (follows the options given)`)."""
@@ -503,7 +398,7 @@ def resume_changes(ctx: click.Context, cfg: TrainConfig, saved: dict) -> list[st
         why = "" if given(ctx, key) or key in MODEL_FLAGS else " (follows the options given)"
         if key == "microbatch_size" and given(ctx, "batch_size"):
             why = " (from --batch-size)"
-        lines.append(f"{flag} {_shown(old)} -> {_shown(new)}{why}")
+        lines.append(f"{flag} {shown_value(old)} -> {shown_value(new)}{why}")
     return lines
 
 
@@ -532,69 +427,3 @@ def _from_schedule_file(ctx: click.Context, settings: dict) -> None:
              for name in ("stages", "microbatches")}
     check_against_file(plan, path, given["stages"], given["microbatches"])
     settings.update(schedule=plan.name, stages=plan.num_ranks, microbatches=plan.num_microbatches)
-
-
-# `pipegpt plan`'s own options (its model options are model_options'), applied in this order
-PLAN_OPTIONS = [
-    click.option("--batch-size", type=int, default=None, help="Sequences per step, all replicas together."),
-    click.option("--batch-tokens", type=int, default=None, help="Tokens per step (a multiple of seq_len)."),
-    click.option("--gpus", type=int, required=True, help="GPUs available (a plan may use fewer)."),
-    click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's node, 8)."),
-    click.option("--device", default=None, metavar="PRESET",
-                  help="GPU preset: h100, h100-pcie, h200, a100-80gb, a100-40gb, l4, a10g, v100 (datasheet peak and "
-                       "memory, links of the usual DGX/HGX node); the options below override it."),
-    click.option("--gpu-memory", default=None, metavar="SIZE", help="Memory per GPU: 80GiB, 40GB, 81920MiB."),
-    click.option("--reserve", default=None, metavar="SIZE",
-                  help="Memory per GPU no plan may use: the CUDA context, NCCL buffers, fragmentation (default: 2GiB, "
-                       "or a tenth of a smaller GPU; 0 fills the whole memory)."),
-    click.option("--gpu-tflops", type=float, default=None, help="Peak dense TFLOPS per GPU at --precision."),
-    click.option("--intra-node-gbps", default=None, metavar="RATE",
-                  help="Bandwidth per GPU and direction inside a node: Gbit/s, or with a unit (450GB/s)."),
-    click.option("--inter-node-gbps", default=None, metavar="RATE",
-                  help="Bandwidth per GPU and direction between nodes: Gbit/s, or with a unit (50GB/s)."),
-    click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-                  help="What the plan runs with (pipegpt run --precision)."),
-    click.option("--efficiency", type=float, default=None,
-                  help="Achieved / peak matmul FLOP/s of the analytical model (default 0.5)."),
-    click.option("--layer-overhead-us", type=float, default=None,
-                  help="Least host time of one block's forward, microseconds (default 100; backward twice)."),
-    click.option("--calibrate", "calibrate_dir", type=click.Path(), default=None, metavar="RUN_DIR",
-                  help="Scale compute to a run's measured F/B/W (its trace.json) instead of --efficiency."),
-    click.option("--schedule", "-s", "schedules", default="all", show_default=True,
-                  help="Schedules to consider: a comma list or 'all' (every generated one; name auto or auto-v to add "
-                       "them, written for unit costs here and for the measured ones by pipegpt run)."),
-    click.option("--all-gpus", is_flag=True, help="Only layouts that use every GPU (dp x pp x cp x tp = --gpus)."),
-    click.option("--dp", "only_dp", type=click.IntRange(min=1), default=None,
-                  help="Only layouts with this many data-parallel replicas (as pipegpt run --dp)."),
-    click.option("--stages", "-p", "only_pp", type=click.IntRange(min=1), default=None,
-                  help="Only layouts with this many pipeline ranks (as pipegpt run --stages)."),
-    click.option("--tp", "only_tp", type=click.IntRange(min=1), default=None,
-                  help="Only layouts with this many tensor-parallel ranks (as pipegpt run --tp)."),
-    click.option("--cp", "only_cp", type=click.IntRange(min=1), default=None,
-                  help="Only layouts with this many context-parallel ranks (as pipegpt run --cp; default: 1, 2, 4, ... "
-                       "while the GPUs allow and a rank keeps 2048 tokens or more)."),
-    click.option("--cp-comm", type=click.Choice(CP_COMM), default=None,
-                  help="Only layouts whose keys and values travel this way with cp > 1 (as pipegpt run --cp-comm; "
-                       "default: both are weighed)."),
-    click.option("--zero", "only_zero", type=click.Choice(["0", "1", "2", "3"]), default=None,
-                  callback=lambda ctx, param, value: None if value is None else int(value),
-                  help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0-3 (3 "
-                       "under either --unshard policy), whichever is fastest where several fit."),
-    click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to print."),
-    click.option("--explain", is_flag=True, help="Also say why the runners-up lost (and what does not fit)."),
-    click.option("--try", "try_top", type=click.IntRange(min=1), default=None, metavar="K",
-                  help="Run the top K plans here for --try-steps steps each (pipegpt run, device as --try-device) and "
-                       "print measured step time beside predicted."),
-    click.option("--try-steps", type=click.IntRange(min=2), default=5, show_default=True,
-                  help="Steps per tried plan; the first (warm-up) is left out of the median."),
-    click.option("--try-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
-    click.option("--try-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-                  help="Where the tried runs keep their directories, DIR/plan-K (default: a new runs/plan-try-<time>)."),
-    click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
-]
-
-
-def plan_options(command):
-    for option in reversed(PLAN_OPTIONS):
-        command = option(command)
-    return command

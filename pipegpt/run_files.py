@@ -13,13 +13,16 @@ from here (torch-free, so the simulator's --trace and the planner read runs with
                                    (pipegpt.state.snapshot)
 
 One process owns the directory while it runs: the driver, holding a lock on the directory itself
-(pipegpt.state.owner).
+(pipegpt.state.owner). Its readers are here too (read_metrics, read_measured_run): what reads a run's files
+(the simulator's --trace, the planner's --calibrate, the summary, plots) gets their parsed contents.
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 CONFIG, PLAN, METRICS, TRACE, PLOT = "config.json", "plan.txt", "metrics.jsonl", "trace.json", "plot.svg"
 CONFIGS, TRACES, PROFILES, CHECKPOINTS = "configs", "traces", "profiles", "checkpoints"
@@ -92,3 +95,95 @@ def write_whole(path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reading a run directory
+
+class RunReadError(ValueError):
+    """A run directory, or one of its files, that cannot be read: its str is one line naming it."""
+
+
+def read_json(path, what: str):
+    """A JSON file's contents; a file that is missing or not JSON is one line naming it (RunReadError)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as e:
+        raise RunReadError(f"cannot read {what} {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunReadError(f"{path} is not valid JSON ({e})") from None
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """A run directory's metrics.jsonl rows as the run went, one per step in step order ([] without the file).
+
+    Every row names the attempt that wrote it (`attempt`: 1 for the fresh run, +1 per resume). A resume goes
+    on from its checkpoint, so an attempt's first row replaces the rows of the steps from there on that
+    earlier attempts wrote (an interrupted attempt's steps past the checkpoint): each step's last row, and no
+    stale row after it. Rows marked "abandoned" (steps a later attempt did again: pipegpt.observe.metrics) and
+    a line cut short by a crash are skipped."""
+    path = os.path.join(os.fspath(run_dir), METRICS)
+    if not os.path.isfile(path):
+        return []
+    kept: dict[int, dict] = {}
+    attempt = None
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                step = int(row["step"])
+            except (ValueError, TypeError, KeyError):
+                continue
+            if row.get("abandoned"):
+                continue
+            if row.get("attempt", 1) != attempt:
+                attempt = row.get("attempt", 1)
+                kept = {s: r for s, r in kept.items() if s < step}
+            kept[step] = row
+    return [kept[s] for s in sorted(kept)]
+
+
+def traced_steps(run_dir) -> list[int]:
+    """The steps a run directory holds traces/step-N.json of, sorted."""
+    try:
+        names = os.listdir(os.path.join(os.fspath(run_dir), TRACES))
+    except OSError:
+        return []
+    return sorted(int(n[5:-5]) for n in names if n.startswith("step-") and n.endswith(".json") and n[5:-5].isdigit())
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A run directory's record of one measured step: where the lowered plan every rank ran is (plan.txt, a
+    schedule file: pipegpt.schedule.schedule_file reads it), the step's Chrome trace (trace.json: the last step;
+    traces/step-N.json) and the run's settings (config.json; None where there is none)."""
+
+    run_dir: str
+    plan_path: str
+    trace_path: str
+    trace: object
+    config: dict | None
+
+
+def read_measured_run(run_dir, step: int | None = None) -> MeasuredRun:
+    """trace.json (with a step, traces/step-N.json) and config.json of a run directory, read, and its plan.txt
+    found; what is missing is one line saying what a `pipegpt run` leaves there (RunReadError)."""
+    run_dir = os.fspath(run_dir)
+    if not os.path.isdir(run_dir):
+        raise RunReadError(f"--trace {run_dir}: no such run directory (give the directory a `pipegpt run` "
+                           f"wrote, holding {PLAN} and {TRACE})")
+    for name in (PLAN, TRACE) if step is None else (PLAN,):
+        if not os.path.isfile(os.path.join(run_dir, name)):
+            raise RunReadError(f"--trace {run_dir}: no {name} in it (a `pipegpt run` writes {PLAN} at the "
+                               f"start and {TRACE} after the last step)")
+    trace = os.path.join(run_dir, TRACE)
+    if step is not None:
+        trace = os.path.join(run_dir, TRACES, f"step-{step}.json")
+        if not os.path.isfile(trace):
+            steps = traced_steps(run_dir)
+            raise RunReadError(f"{run_dir} has no trace of step {step}; traced steps: "
+                               f"{', '.join(map(str, steps)) or 'none'}")
+    config_path = os.path.join(run_dir, CONFIG)
+    config = read_json(config_path, "config") if os.path.isfile(config_path) else None
+    return MeasuredRun(run_dir, os.path.join(run_dir, PLAN), trace, read_json(trace, "trace"), config)

@@ -64,22 +64,20 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
 
 Calibrated model (CalibratedCosts, `pipegpt plan --calibrate RUN_DIR`): the same shapes, with the compute
 of F, B and W each scaled by (measured / analytical) over the stages of a run's trace
-(pipegpt.schedule.calibrate), the message latency the run measured, no host floor (the measurement has it),
-and what the run spent after its last action (step time - trace span) scaled by parameters per rank.
-Collectives stay analytical (a trace shows no separate collective times).
+(pipegpt.costs.calibrated reads the run, pipegpt.schedule.calibrate calibrates it), the message latency the
+run measured, no host floor (the measurement has it), and what the run spent after its last action (step
+time - trace span) scaled by parameters per rank. Collectives stay analytical (a trace shows no separate
+collective times).
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, field
 
 from pipegpt.arch import kv_local_heads
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.model.flops import block_matmul_weights
-from pipegpt import run_files
 
 from .devices import Cluster
 
@@ -325,7 +323,7 @@ class CalibratedCosts(AnalyticalCosts):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# calibration from a run directory
+# calibration from a run's numbers (pipegpt.costs.calibrated reads and calibrates the run)
 
 
 @dataclass
@@ -342,47 +340,14 @@ class RunShape:
     extra: dict = field(default_factory=dict)
 
 
-def _run_shape(run_dir: str, plan) -> RunShape:
-    path = os.path.join(run_dir, run_files.CONFIG)
-    try:
-        with open(path) as fh:
-            cfg = json.load(fh)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--calibrate {run_dir}: cannot read its config.json ({e})") from None
-    fields = {f for f in ModelConfig.__dataclass_fields__}
-    model = ModelConfig(**{k: v for k, v in cfg.get("model", {}).items() if k in fields})
-    par = cfg.get("parallel", {})
-    layers = par.get("layers_per_stage")
-    if layers is None:
-        from .balance import even_layers
-
-        layers = even_layers(model.n_layer, plan.num_stages)
-    from pipegpt.schedule.calibrate import read_metrics
-
-    rows = read_metrics(run_dir)  # each step's row from the attempt that went on (a resumed run has several)
-    step_time = float(rows[-1]["step_time_s"]) if rows else None  # trace.json is the last step's
-    sharding = Sharding(tp=int(par.get("tp", 1)), sequence_parallel=bool(par.get("sequence_parallel", False)))
-    return RunShape(model, sharding, str(par.get("recompute", "none")), int(par.get("microbatch_size", 1)),
-                    tuple(layers), tuple(plan.stage_to_rank), step_time,
-                    {"precision": cfg.get("runtime", {}).get("precision")})
-
-
-def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
-    """CalibratedCosts from a `pipegpt run` directory (its plan.txt, trace.json, config.json, metrics.jsonl)."""
-    from pipegpt.schedule import ScheduleError
-    from pipegpt.schedule.calibrate import calibrate, load_run
-
-    from . import memory as memory_model
-
-    try:
-        plan, measured = load_run(run_dir)
-    except ScheduleError as e:
-        raise ConfigError(f"--calibrate: {e}") from None
-    run = _run_shape(run_dir, plan)
+def fit_calibrated_costs(cluster: Cluster, run: RunShape, measured, makespan: float, params_per_rank: list,
+                         source: str) -> CalibratedCosts:
+    """CalibratedCosts for a run of this shape whose trace calibrated to `measured` (a schedule.simulate.Costs:
+    per-stage F, B, W and the message latency) over a step span of `makespan`: F, B and W each scaled to their
+    sums over the stages, and what the step spent after its last action per parameter of the busiest rank."""
     unit = AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0)
-    shape = Shape(run.sharding, run.recompute, run.mbs)
-    layer, embed, head = unit.compute(run.model, shape)
-    S = plan.num_stages
+    layer, embed, head = unit.compute(run.model, Shape(run.sharding, run.recompute, run.mbs))
+    S = len(run.layers)
     predicted = {"f": [], "b": [], "w": []}
     for s, n in enumerate(run.layers):
         for kind in predicted:
@@ -390,21 +355,14 @@ def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
             x += getattr(embed, kind) if s == 0 else 0.0
             x += getattr(head, kind) if s == S - 1 else 0.0
             predicted[kind].append(x)
-    cal = calibrate(plan, measured).costs
-    measured_of = {"f": cal.forward, "b": cal.backward, "w": cal.weight}
+    measured_of = {"f": measured.forward, "b": measured.backward, "w": measured.weight}
     scale = {k: sum(measured_of[k]) / sum(predicted[k]) if sum(predicted[k]) > 0 else 1.0 for k in predicted}
     notes = []
     after = 0.0
     if run.step_time_s is not None:
-        after = max(0.0, run.step_time_s - float(measured.makespan))
+        after = max(0.0, run.step_time_s - float(makespan))
     else:
         notes.append("no metrics.jsonl: nothing after the last action is counted")
-    params = [0] * plan.num_ranks
-    for s, n in enumerate(run.layers):
-        params[plan.stage_to_rank[s]] += memory_model.parameter_count(run.model, n, s == 0, s == S - 1,
-                                                                      run.sharding.tp)
-    per_param = after / max(params) if max(params) else 0.0
-    return CalibratedCosts(cluster, scale["f"], scale["b"], scale["w"], float(cal.comm), per_param,
-                           source=os.fspath(run_dir), notes=tuple(notes))
-
-
+    per_param = after / max(params_per_rank) if max(params_per_rank) else 0.0
+    return CalibratedCosts(cluster, scale["f"], scale["b"], scale["w"], float(measured.comm), per_param,
+                           source=source, notes=tuple(notes))

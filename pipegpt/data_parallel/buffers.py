@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pipegpt.comm.data_parallel import BUCKET_BYTES
+from pipegpt.data_parallel.buckets import BUCKET_BYTES
 from pipegpt.data_parallel.layout import FlatLayout, Piece
 
 

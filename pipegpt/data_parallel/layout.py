@@ -1,7 +1,7 @@
 """Where each parameter of a stage lives in its flat buffers, and which elements each data-parallel rank owns.
 
 Torch-free arithmetic over element counts. A stage's parameters are laid end to end in buckets (about
-bucket_bytes each: pipegpt.comm.data_parallel.BUCKET_BYTES; a tensor named `alone` in a bucket of its own);
+bucket_bytes each: pipegpt.data_parallel.buckets.BUCKET_BYTES; a tensor named `alone` in a bucket of its own);
 each bucket is padded to a multiple of the shard count and cut into that many equal chunks, chunk i owned
 by rank i of the group (ZeRO's shard). One
 reduce-scatter or all-gather per bucket then moves whole chunks, and the chunk boundaries of equal-shaped

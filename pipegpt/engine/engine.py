@@ -19,9 +19,9 @@ from pipegpt.engine.placement import cuda_device_index, resolve_device
 from pipegpt.model.gpt import GPT
 from pipegpt.model.partition import partition_layers
 from pipegpt.parallelisms import stage_parallelism
-from pipegpt.runtime import PipelineRuntime, StepResult
 from pipegpt.schedule import Plan, last_gradient_actions
 from pipegpt.stages import Stage
+from pipegpt.stages.runtime import PipelineRuntime, StepResult
 from pipegpt.state import rng
 
 
@@ -85,10 +85,11 @@ class Engine:
         shape, pipeline = (p.microbatch_size, seq, cfg.model.n_embd), self.mesh.members["pp"]
         message_dtype = getattr(torch, cfg.runtime.message_dtype)
         self.runtime = PipelineRuntime(plan, self.rank, self.stages, self.p2p, pipeline, shape, dtype, self.device,
-                                       collectives=collectives, message_dtype=message_dtype)
+                                       collectives=collectives, message_dtype=message_dtype,
+                                       group_members=self.mesh.members)
         self.eval_runtime = eval_plan and PipelineRuntime(eval_plan, self.rank, self.stages, self.p2p, pipeline,
                                                           shape, dtype, self.device, collectives=collectives,
-                                                          message_dtype=message_dtype)
+                                                          message_dtype=message_dtype, group_members=self.mesh.members)
         # Dropout's streams: one per (pipeline rank, replica), shared by the tp ranks (pipegpt.state.rng).
         rng.seed_rank(cfg.runtime.seed, self.mesh.pp_index, self.mesh.dp_index, self.device)
 

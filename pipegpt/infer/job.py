@@ -1,6 +1,7 @@
-"""Inference's driver: workers started on this machine in a layout (dp x pp x tp), a checkpoint's model loaded into
-them slice by slice, then HellaSwag scored or text generated there. Nothing of the model comes to this process:
-the workers answer per-candidate loss sums (HellaSwag) or the tokens they chose (generation).
+"""Inference's driver: workers started on this machine in a layout (dp x pp x tp; pipegpt.infer.settings), a
+checkpoint's model loaded into them slice by slice, then HellaSwag scored or text generated there. Nothing of the
+model comes to this process: the workers answer per-candidate loss sums (HellaSwag) or the tokens they chose
+(generation).
 
     with InferenceJob(path, Layout(stages=2, tp=2)) as job:
         job.start()
@@ -10,44 +11,19 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from pipegpt.comm.rpc import ClusterJob, LocalCluster
-from pipegpt.config import ConfigError, ModelConfig, TrainConfig
-from pipegpt.data.hellaswag import ENDINGS, combine_scores, count_correct
+from pipegpt.config import ConfigError
+from pipegpt.data.hellaswag import combine_scores, count_correct
 from pipegpt.engine.placement import local_world_size, resolve_device
 from pipegpt.infer.sampling import SamplingSettings
+from pipegpt.infer.settings import InferenceSettings, Layout
 from pipegpt.infer.worker import InferenceWorker
+from pipegpt.observe.crowding import crowding
 from pipegpt.schedule import lower, schedule_spec, validate
 from pipegpt.schedule.generators import decode_plan
 from pipegpt.state import checkpoint
-from pipegpt.train.progress import crowding
-
-
-@dataclass(frozen=True)
-class Layout:
-    stages: int = 1
-    tp: int = 1
-    dp: int = 1
-
-    def describe(self) -> str:
-        return f"{self.stages} stage{'s' * (self.stages > 1)} x tp {self.tp} x dp {self.dp}"
-
-
-def layout_config(model: ModelConfig, layout: Layout, device: str, timeout_s: float,
-                  microbatches: int | None = None) -> TrainConfig:
-    """The run settings of an inference layout (checked: tp against the heads, stages against the layers)."""
-    for name, value in (("stages", layout.stages), ("tp", layout.tp), ("dp", layout.dp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"--{name} {value!r} must be an integer >= 1")
-    if layout.stages > model.n_layer:
-        raise ConfigError(f"--stages {layout.stages} is more than the model's {model.n_layer} layers: use at most "
-                          f"{model.n_layer} (every stage holds at least one block)")
-    cfg = TrainConfig.build(model, stages=layout.stages, tp=layout.tp, dp=layout.dp,
-                            microbatches=microbatches or 2 * layout.stages, microbatch_size=ENDINGS, device=device,
-                            timeout_s=timeout_s)
-    return cfg.validate()
 
 
 class InferenceJob(ClusterJob):
@@ -59,31 +35,33 @@ class InferenceJob(ClusterJob):
         self.layout, self.timeout_s, self.microbatches, self.requested_device = layout, timeout_s, microbatches, device
         self.threads = threads_per_worker  # intra-op threads of each worker (default: this machine's cores / ranks)
         self._check(path)
-        self.device = resolve_device(self.cfg.runtime.device, self.cfg.world_size)
+        self.device = resolve_device(self.settings.device, self.settings.world_size)
         if self.device == "cuda":
             import torch
 
-            have, local = torch.cuda.device_count(), local_world_size(self.cfg.world_size)
+            have, local = torch.cuda.device_count(), local_world_size(self.settings.world_size)
             if have < local:
                 raise ConfigError(f"device=cuda needs one GPU per rank ({local}), but {have} are visible: use "
                                   f"--device cpu or fewer ranks")
         warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
-        crowded = crowding(self.cfg, self.device)
+        crowded = crowding(self.settings, self.device)
         if crowded:
             warn(crowded)
         self.cluster = None
 
     def _check(self, path) -> None:
         """Read and check a checkpoint (every file's checksum, its tensors' shapes) and its model against the
-        layout: the settings and the evaluation plan of a build."""
+        layout: the settings, the engine's config and the evaluation plan of a build."""
         self.found = checkpoint.resolve(path)
         self.manifest = checkpoint.read_manifest(self.found)
         self.model = checkpoint.model_config(self.found, self.manifest)
         checkpoint.check_tensors(self.found, self.model)
-        self.cfg = layout_config(self.model, self.layout, self.requested_device, self.timeout_s, self.microbatches)
+        self.settings = InferenceSettings(self.model, self.layout, self.requested_device, self.timeout_s,
+                                          self.microbatches).validate()
+        self.cfg = self.settings.engine_config()  # what each rank's engine is built from
         # the evaluation plan: a step of the forward-only plan carries one HellaSwag example per microbatch
-        p = self.cfg.parallel
-        self.plan = validate(lower(schedule_spec("gpipe").build(p.stages, p.microbatches, None).forward_only()))
+        stages, microbatches = self.layout.stages, self.settings.step_microbatches
+        self.plan = validate(lower(schedule_spec("gpipe").build(stages, microbatches, None).forward_only()))
 
     def load(self, path) -> list[dict]:
         """Another checkpoint (any model the layout fits) into the started workers: stages rebuilt, slices loaded."""
@@ -100,7 +78,7 @@ class InferenceJob(ClusterJob):
         # TensorPipe reports each connection a stopping job closes; failures reach us as WorkerFailure.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         warnings.filterwarnings("ignore", category=UserWarning)
-        world = self.cfg.world_size
+        world = self.settings.world_size
         threads = self.threads or max(1, (os.cpu_count() or 1) // world)
         self.cluster = LocalCluster(world, self.timeout_s, threads)
         self.cluster.spawn(InferenceWorker, lambda r: (r, self.cfg, self.cluster.group_init_method))
@@ -114,7 +92,7 @@ class InferenceJob(ClusterJob):
 
     def scores(self, rendered: list) -> dict[int, list[list[float]]]:
         """Every example's per-candidate [sum of its ending tokens' losses, their count], from the workers."""
-        steps = -(-len(rendered) // (self.cfg.parallel.microbatches * self.layout.dp))
+        steps = -(-len(rendered) // (self.settings.step_microbatches * self.layout.dp))
         return combine_scores(self.cluster.call("hellaswag", rendered, timeout_s=self.timeout_s * (steps + 2)))
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings,

@@ -382,31 +382,47 @@ class GPT(nn.Module):
         x = self.hidden(x, cache, documents)
         if not self.head:
             return x
-        return self.head_output(self.lm_head(self.ln_f(x)), targets, reduction=reduction)
+        return self.head_forward(x, targets, reduction)
 
     def hidden(self, x: torch.Tensor, cache: KVCache | None = None,
                documents: Documents | None = None) -> torch.Tensor:
         """forward() up to the head: the embedding (if held) and the blocks; a cache advances past x."""
         T = x.size(1)
         if self.embed:
-            start = cache.length if cache is not None else 0
-            if start + T - (cache.least_pad if cache is not None else 0) > self.config.seq_len:
-                raise ValueError(f"sequence length {start + T} exceeds seq_len={self.config.seq_len}")
-            x = self.wte(x)
-            if not self.rotary:
-                positions = token_positions(T, self.context_parallel, documents, x.device)
-                if positions is None and cache is not None:
-                    positions = cache.positions(T, x.device)
-                x = x + self.wpe(torch.arange(start, start + T, device=x.device) if positions is None else positions)
-            x = self.drop(x)
+            x = self.embedding(x, cache, documents)
         for block in self.blocks.values():
-            if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, None, documents, use_reentrant=False)
-            else:
-                x = block(x, cache, documents)
+            x = self.block_forward(block, x, cache, documents)
         if cache is not None:
             cache.length += T
         return x
+
+    # forward() in its pieces (pipegpt.stages.stage runs a stage one piece at a time with them).
+    def embedding(self, x: torch.Tensor, cache: KVCache | None = None,
+                  documents: Documents | None = None) -> torch.Tensor:
+        """Tokens -> the residual stream: token (and learned position) embeddings, then dropout."""
+        T = x.size(1)
+        start = cache.length if cache is not None else 0
+        if start + T - (cache.least_pad if cache is not None else 0) > self.config.seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds seq_len={self.config.seq_len}")
+        x = self.wte(x)
+        if not self.rotary:
+            positions = token_positions(T, self.context_parallel, documents, x.device)
+            if positions is None and cache is not None:
+                positions = cache.positions(T, x.device)
+            x = x + self.wpe(torch.arange(start, start + T, device=x.device) if positions is None else positions)
+        return self.drop(x)
+
+    def block_forward(self, block: Block, x: torch.Tensor, cache: KVCache | None = None,
+                      documents: Documents | None = None) -> torch.Tensor:
+        """One of the slice's blocks; under --recompute full its activations are recomputed in backward."""
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(block, x, None, documents, use_reentrant=False)
+        return block(x, cache, documents)
+
+    def head_forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                     reduction: str = "mean") -> torch.Tensor:
+        """The residual stream -> logits, or the loss with targets (see head_output)."""
+        return self.head_output(self.lm_head(self.ln_f(x)), targets, reduction=reduction)
 
 
 def build_reference_model(config: ModelConfig, seed: int, recompute: str = "none") -> GPT:

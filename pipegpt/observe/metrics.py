@@ -127,7 +127,7 @@ class RunLog:
     or start again there (--resume auto without a checkpoint, a restart) the next (a resume into a new
     directory is attempt 2). Every metrics.jsonl row names its attempt; the rows of the steps after
     `first_step` (where this attempt goes on from) that earlier attempts wrote are marked "abandoned" as it
-    opens, and readers skip them (pipegpt.schedule.calibrate.read_metrics). Each attempt's config is kept as
+    opens, and readers skip them (pipegpt.run_files.read_metrics). Each attempt's config is kept as
     configs/attempt-N.json; config.json and plan.txt are the latest attempt's, the layout trace.json was
     measured in. Each is written whole or not at all (a full disk leaves no empty file)."""
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from html import escape  # as render.py: not xml.sax.saxutils (it imports urllib)
 from pathlib import Path
 
-from pipegpt.schedule.calibrate import METRICS_FILE, read_metrics
+from pipegpt.run_files import METRICS as METRICS_FILE, read_metrics
 from pipegpt.schedule.render import _nice_step
 from pipegpt import run_files
 

@@ -10,7 +10,8 @@ from pipegpt.dims import AXES
 from pipegpt.schedule.registry import schedule_names
 
 from .candidates import Request
-from pipegpt.costs.cost import DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, AnalyticalCosts, calibrate_costs
+from pipegpt.costs.calibrated import calibrate_costs
+from pipegpt.costs.cost import DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, AnalyticalCosts
 from pipegpt.costs.devices import make_cluster
 from .report import as_json, format_text, no_fit_message
 from .search import search

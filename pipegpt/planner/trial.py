@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from pipegpt.config import ConfigError
-from pipegpt.schedule.calibrate import read_metrics
+from pipegpt.run_files import read_metrics
 from pipegpt.schedule.render import text_table
 
 from .candidates import mesh_name

@@ -12,7 +12,7 @@ the step's gradients are final, after the data-parallel average).
 lose is exit, but the rank's device counts as gone for good: a restart goes on without it (--min-ranks).
 gpu-stuck rehearses the CUDA form of stuck on any device: the rank's host launches every action of STEP
 and then waits at the step's end (as it would in settle()), while its "GPU" never finishes the first
-compute action (the runtime's per-action device marks are stood in for: pipegpt.timing.device_marker).
+compute action (the runtime's per-action device marks are stood in for: pipegpt.stages.timing.device_marker).
 """
 from __future__ import annotations
 

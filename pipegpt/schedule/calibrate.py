@@ -2,9 +2,10 @@
 
 A `pipegpt run` leaves in its run directory plan.txt (the lowered plan every rank ran, in the
 schedule-file format), trace.json (the last step's measured per-action timeline, a Chrome trace; the steps
-`--trace-steps` named also as traces/step-N.json, which `--trace-step N` reads) and config.json. This
-module reads them without torch, fills a Costs from the measured durations, simulates the same plan with it
-and compares the two timelines: fidelity = predicted makespan / measured step span.
+`--trace-steps` named also as traces/step-N.json, which `--trace-step N` reads) and config.json.
+pipegpt.run_files reads them; this module turns them into a measured timeline, fills a Costs from the measured
+durations, simulates the same plan with it and compares the two timelines: fidelity = predicted makespan /
+measured step span.
 
 How the costs are calibrated (the simulator's meaning of each, measured where it can be seen):
 
@@ -38,8 +39,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from pipegpt.run_files import CONFIG as CONFIG_FILE, METRICS as METRICS_FILE, PLAN as PLAN_FILE
-from pipegpt.run_files import TRACE as TRACE_FILE, TRACES as TRACES_DIR
+from pipegpt.run_files import MeasuredRun, RunReadError, read_json, read_measured_run
 
 from .actions import Action, Kind, Plan, ScheduleError
 from .messages import peer
@@ -111,17 +111,7 @@ class Comparison:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# reading a run directory
-
-
-def _read_json(path: str, what: str):
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except OSError as e:
-        raise ScheduleError(f"cannot read {what} {path}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ScheduleError(f"{path} is not valid JSON ({e})") from None
+# a run's files as a measured timeline (pipegpt.run_files reads them)
 
 
 def pipeline_global_ranks(config: dict | None, num_ranks: int) -> tuple[int, ...]:
@@ -141,15 +131,24 @@ def pipeline_global_ranks(config: dict | None, num_ranks: int) -> tuple[int, ...
 
 
 def read_trace(path, plan: Plan, global_ranks: tuple[int, ...] | None = None) -> Timeline:
-    """A Chrome trace (trace.json of a run, or `simulate --out x.json`) as a Timeline of `plan`'s ranks.
+    """A Chrome trace file (trace.json of a run, or `simulate --out x.json`) as a Timeline of `plan`'s ranks
+    (trace_timeline)."""
+    path = os.fspath(path)
+    try:
+        data = read_json(path, "trace")
+    except RunReadError as e:
+        raise ScheduleError(str(e)) from None
+    return trace_timeline(data, plan, global_ranks, path)
+
+
+def trace_timeline(data, plan: Plan, global_ranks: tuple[int, ...] | None = None, path: str = "trace") -> Timeline:
+    """A Chrome trace's contents as a Timeline of `plan`'s ranks (`path` names it in errors).
 
     "X" events whose pid is global_ranks[r] become events of pipeline rank r (global_ranks defaults to
     0..ranks-1); the action comes from args.action. Times are in the trace's otherData.time_unit ("s"
     for a measured run). The events must be the plan's: per rank, exactly its compute actions, and
     comm actions only among its own.
     """
-    path = os.fspath(path)
-    data = _read_json(path, "trace")
     raw = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(raw, list):
         raise ScheduleError(f"{path}: expected a Chrome trace (an object with a 'traceEvents' list)")
@@ -201,67 +200,28 @@ def _check_matches(events: list[Event], plan: Plan, path: str, global_ranks) -> 
                                 f"{plan.num_microbatches} microbatches): on {where[r]} {problem}")
 
 
-def read_metrics(run_dir) -> list[dict]:
-    """A run directory's metrics.jsonl rows as the run went, one per step in step order ([] without the file).
-
-    Every row names the attempt that wrote it (`attempt`: 1 for the fresh run, +1 per resume). A resume goes
-    on from its checkpoint, so an attempt's first row replaces the rows of the steps from there on that
-    earlier attempts wrote (an interrupted attempt's steps past the checkpoint): each step's last row, and no
-    stale row after it. Rows marked "abandoned" (steps a later attempt did again: pipegpt.observe.metrics) and
-    a line cut short by a crash are skipped."""
-    path = os.path.join(os.fspath(run_dir), METRICS_FILE)
-    if not os.path.isfile(path):
-        return []
-    kept: dict[int, dict] = {}
-    attempt = None
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-                step = int(row["step"])
-            except (ValueError, TypeError, KeyError):
-                continue
-            if row.get("abandoned"):
-                continue
-            if row.get("attempt", 1) != attempt:
-                attempt = row.get("attempt", 1)
-                kept = {s: r for s, r in kept.items() if s < step}
-            kept[step] = row
-    return [kept[s] for s in sorted(kept)]
-
-
-def traced_steps(run_dir) -> list[int]:
-    """The steps a run directory holds traces/step-N.json of, sorted."""
-    try:
-        names = os.listdir(os.path.join(os.fspath(run_dir), TRACES_DIR))
-    except OSError:
-        return []
-    return sorted(int(n[5:-5]) for n in names if n.startswith("step-") and n.endswith(".json") and n[5:-5].isdigit())
+def measured_run(plan: Plan, run: MeasuredRun) -> Timeline:
+    """A run's measured step as a timeline of its plan's ranks (plan.txt's, parsed; config.json, when there,
+    says which processes to read)."""
+    return trace_timeline(run.trace, plan, pipeline_global_ranks(run.config, plan.num_ranks), run.trace_path)
 
 
 def load_run(run_dir, step: int | None = None) -> tuple[Plan, Timeline]:
-    """plan.txt and trace.json of a run directory (config.json, when there, says which processes to read);
-    with a step, traces/step-N.json instead of trace.json."""
-    run_dir = os.fspath(run_dir)
-    if not os.path.isdir(run_dir):
-        raise ScheduleError(f"--trace {run_dir}: no such run directory (give the directory a `pipegpt run` "
-                            f"wrote, holding {PLAN_FILE} and {TRACE_FILE})")
-    for name in (PLAN_FILE, TRACE_FILE) if step is None else (PLAN_FILE,):
-        if not os.path.isfile(os.path.join(run_dir, name)):
-            raise ScheduleError(f"--trace {run_dir}: no {name} in it (a `pipegpt run` writes {PLAN_FILE} at the "
-                                f"start and {TRACE_FILE} after the last step)")
-    trace = os.path.join(run_dir, TRACE_FILE)
-    if step is not None:
-        trace = os.path.join(run_dir, TRACES_DIR, f"step-{step}.json")
-        if not os.path.isfile(trace):
-            steps = traced_steps(run_dir)
-            raise ScheduleError(f"{run_dir} has no trace of step {step}; traced steps: "
-                                f"{', '.join(map(str, steps)) or 'none'}")
-    plan = load_schedule_file(os.path.join(run_dir, PLAN_FILE))
-    config_path = os.path.join(run_dir, CONFIG_FILE)
-    config = _read_json(config_path, "config") if os.path.isfile(config_path) else None
-    global_ranks = pipeline_global_ranks(config, plan.num_ranks)
-    return plan, read_trace(trace, plan, global_ranks)
+    """plan.txt and trace.json of a run directory (with a step, traces/step-N.json instead of trace.json): the
+    plan and its measured timeline."""
+    try:
+        run = read_measured_run(run_dir, step)
+    except RunReadError as e:
+        raise ScheduleError(str(e)) from None
+    plan = load_schedule_file(run.plan_path)
+    return plan, measured_run(plan, run)
+
+
+def calibrate_run(plan: Plan, run: MeasuredRun) -> tuple[Timeline, Calibration]:
+    """A run's measured timeline of `plan` (its plan.txt's) and the costs calibrated from it (the planner's
+    --calibrate)."""
+    measured = measured_run(plan, run)
+    return measured, calibrate(plan, measured)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -270,6 +230,7 @@ def load_run(run_dir, step: int | None = None) -> tuple[Plan, Timeline]:
 
 def calibrate(plan: Plan, measured: Timeline) -> Calibration:
     """Per-stage F, B, W and one comm latency from a measured timeline of `plan` (see the module docstring)."""
+    waits = comm_samples(plan, measured)
     durations: dict[tuple[Kind, int], list] = defaultdict(list)
     for e in measured.compute_events():
         durations[(e.action.kind, e.action.stage)].append(e.end - e.start)
@@ -287,7 +248,6 @@ def calibrate(plan: Plan, measured: Timeline) -> Calibration:
         weight.append(min(max(w, 0), backward[-1]) if w is not None else backward[-1] / 2)
     samples = {k.value: [len(durations.get((k, s), ())) for s in range(plan.num_stages)]
                for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
-    waits = comm_samples(plan, measured)
     samples["comm"] = len(waits)
     comm = max(statistics.median(waits), 0) if waits else 0
     return Calibration(Costs(tuple(forward), tuple(backward), tuple(weight), comm), samples)

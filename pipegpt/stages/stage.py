@@ -1,7 +1,15 @@
-"""A Stage runs forward and backward of one microbatch on one slice of the model.
+"""A Stage runs forward and backward of one microbatch on one slice of the model, whole or piece by piece.
 
-It keeps, per microbatch in flight, only what backward needs: the input
-(a leaf that collects the input gradient) and the output's autograd graph.
+It keeps, per microbatch in flight, only what backward needs: per piece its input (a leaf that collects the
+input gradient; the stage's first input on the first stage is the tokens) and its output's autograd graph.
+
+Pieces: the whole-stage actions run the slice as one piece, the module's own call (compiled under --compile).
+forward_pieces and backward_pieces run it one named piece at a time (the embedding, each block, the head with
+the loss), with a detached-with-grad input at each seam as between two stages, so something else can run
+between two pieces: a composite action runs two microbatches' pieces in turns (interleave). Both go through
+the same walk (_forward_walk, _backward_walk): a whole-stage action is that walk over one piece, and a backward
+walks whichever pieces its forward ran. No context (autocast, deferred weight gradients) stays open between
+two pieces, so interleaved walks do not see each other's.
 
 Mixed precision: with autocast_dtype (torch.bfloat16), the forward runs under torch.autocast (a
 recomputation under checkpoint inherits it) while parameters stay in their own dtype (fp32 master
@@ -12,12 +20,62 @@ Backward runs outside autocast, as torch recommends.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable, Generator
+
 import torch
 from torch.autograd import Variable
 
 from pipegpt.model.gpt import GPT, Documents
 from pipegpt.model.moe import set_aux_loss_scale
 from pipegpt.model.split_backward import defer_weight_grads
+
+WHOLE = "stage"  # the one piece of a whole-stage action: the module's own call
+
+# piece(x, targets, documents, reduction) -> its output; targets and reduction matter to the head only
+Piece = Callable[[torch.Tensor, "torch.Tensor | None", "Documents | None", str], torch.Tensor]
+
+
+class PieceRun:
+    """One action's work on one microbatch, a piece per step(): step() runs the next piece and says whether one
+    is left; once none is, `result` holds what the whole action returns."""
+
+    __slots__ = ("_walk", "result", "done")
+
+    def __init__(self, walk: Generator):
+        self._walk, self.result, self.done = walk, None, False
+
+    def step(self) -> bool:
+        try:
+            next(self._walk)
+            return True
+        except StopIteration as end:
+            self.result, self.done = end.value, True
+            return False
+
+    def finish(self):
+        """Run the pieces left; the action's result."""
+        if not self.done:
+            self.result, self.done = _finish(self._walk), True
+        return self.result
+
+
+def _finish(walk: Generator):
+    """Run a walk to its end; what it returns (a whole-stage action: its one piece, no PieceRun around it)."""
+    try:
+        while True:
+            next(walk)
+    except StopIteration as end:
+        return end.value
+
+
+def interleave(*runs: PieceRun) -> list:
+    """Run the runs' pieces in turns (one piece of each, in the order given) until every one is done: two
+    microbatches' actions as one composite action. Returns their results, in the order given."""
+    live = list(runs)
+    while live:
+        live = [run for run in live if run.step()]
+    return [run.result for run in runs]
 
 
 class Stage:
@@ -28,44 +86,85 @@ class Stage:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.num_microbatches = num_microbatches
         set_aux_loss_scale(module, 1 / num_microbatches)  # the MoE aux losses' gradient: as the loss's (below)
-        self.inputs: dict[int, torch.Tensor] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pending_weight_grads: dict[int, list] = {}
+        # Per microbatch in flight, per piece in forward order: (its input, its output with the graph behind it).
+        self.seams: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.pending_weight_grads: dict[int, list[list]] = {}  # per microbatch, per piece run: its W closures
         self.losses: list[torch.Tensor] = []
         self._empty: torch.Tensor | None = None  # what a released output holds (release_output)
         self._ones: torch.Tensor | None = None  # the loss's gradient (_ones_like)
+        self._whole: tuple[tuple[str, Piece], ...] = ((WHOLE, self._call_module),)
+        self._layers: tuple[tuple[str, Piece], ...] | None = None  # made at first use: after tp/cp/compile
         # Scoring (HellaSwag): the last stage reports per sequence the sum of its targets' losses and their count
         # [rows, 2], not the microbatch's mean loss.
         self.per_row = False
+
+    @property
+    def inputs(self) -> dict[int, torch.Tensor]:
+        """The stage's input per microbatch in flight."""
+        return {mb: seams[0][0] for mb, seams in self.seams.items() if seams}
+
+    def piece_names(self) -> tuple[str, ...]:
+        """The slice's pieces in forward order: "embedding", "block.<layer>" for each block, "head"."""
+        return tuple(name for name, _ in self.layer_pieces())
+
+    def layer_pieces(self) -> tuple[tuple[str, Piece], ...]:
+        """(name, piece) in forward order. Pieces call the model's own parts (GPT.embedding, block_forward,
+        head_forward), uncompiled: --compile compiles the module's whole call, the whole-stage piece."""
+        if self._layers is None:
+            m, pieces = self.module, []
+            if m.embed:
+                pieces.append(("embedding", lambda x, targets, documents, reduction: m.embedding(x, None, documents)))
+            for layer, block in m.blocks.items():
+                pieces.append((f"block.{layer}", functools.partial(_block_piece, m.block_forward, block)))
+            if m.head:
+                pieces.append(("head", lambda x, targets, documents, reduction: m.head_forward(x, targets, reduction)))
+            self._layers = tuple(pieces)
+        return self._layers
+
+    def _call_module(self, x, targets, documents, reduction):
+        return self.module(x, targets, documents=documents, reduction=reduction)
 
     def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None,
                 documents: Documents | None = None) -> torch.Tensor:
         """Returns the output to pass on (detached), or on the last stage the microbatch loss.
         documents: the microbatch's document boundaries (--document-mask), on every stage."""
+        return _finish(self._forward_walk(mb, x, targets, documents, self._whole))
+
+    def forward_pieces(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None,
+                       documents: Documents | None = None) -> PieceRun:
+        """forward() one piece (piece_names) per step of the run returned; its result is forward()'s."""
+        return PieceRun(self._forward_walk(mb, x, targets, documents, self.layer_pieces()))
+
+    def _forward_walk(self, mb, x, targets, documents, pieces) -> Generator[None, None, torch.Tensor]:
         if not self.is_first:
             x = x.detach().requires_grad_()
-        self.inputs[mb] = x
-        if self.autocast_dtype is None:
-            return self._forward(mb, x, targets, documents)
-        with torch.autocast(x.device.type, dtype=self.autocast_dtype):
-            return self._forward(mb, x, targets, documents)
+        seams = self.seams[mb] = []
+        reduction = "none" if self.is_last and self.per_row else "mean"
+        last = len(pieces) - 1
+        for i, (_, piece) in enumerate(pieces):
+            if i:
+                yield
+                x = out.detach().requires_grad_()
+            if self.autocast_dtype is None:
+                out = piece(x, targets if i == last else None, documents, reduction)
+            else:
+                with torch.autocast(x.device.type, dtype=self.autocast_dtype):
+                    out = piece(x, targets if i == last else None, documents, reduction)
+            seams.append((x, out))
+        return self._finish_forward(seams, out, targets)
 
-    def _forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None,
-                 documents: Documents | None) -> torch.Tensor:
+    def _finish_forward(self, seams: list, out: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         if self.is_last and self.per_row:
-            losses = self.module(x, targets, documents=documents, reduction="none").float()
+            losses = out.float()
             rows = torch.stack((losses.sum(dim=-1), (targets != -1).sum(dim=-1).to(losses.dtype)), dim=-1)
             self.losses.append(rows)
             return rows
         if self.is_last:
-            loss = self.module(x, targets, documents=documents)
-            detached = loss.detach()
+            detached = out.detach()
             self.losses.append(detached)
             # Microbatches are equal-sized, so the mean of their mean losses is the batch's mean loss.
-            self.outputs[mb] = loss / self.num_microbatches
+            seams[-1] = (seams[-1][0], out / self.num_microbatches)
             return detached
-        out = self.module(x, documents=documents)
-        self.outputs[mb] = out
         return out.detach()
 
     def release_output(self, mb: int) -> None:
@@ -74,8 +173,9 @@ class Stage:
 
         Safe because every stage ends in a residual add, whose backward does not read its output.
         """
-        out = self.outputs.get(mb)
-        if out is not None:
+        seams = self.seams.get(mb)
+        if seams:
+            out = seams[-1][1]
             empty = self._empty
             if empty is None or empty.dtype != out.dtype or empty.device != out.device:
                 empty = self._empty = torch.empty(0, dtype=out.dtype, device=out.device)
@@ -83,14 +183,27 @@ class Stage:
 
     def backward(self, mb: int, grad_output: torch.Tensor | None, split: bool = False) -> torch.Tensor | None:
         """Full backward (B), or with split=True only the input gradient (I), keeping W for later."""
-        out, x = self.outputs.pop(mb), self.inputs.pop(mb)
-        grads = (self._ones_like(out),) if self.is_last else (grad_output,)
-        if split:
-            with defer_weight_grads() as pending:
+        return _finish(self._backward_walk(mb, grad_output, split))
+
+    def backward_pieces(self, mb: int, grad_output: torch.Tensor | None, split: bool = False) -> PieceRun:
+        """backward() one piece per step of the run returned, last piece first; its result is backward()'s."""
+        return PieceRun(self._backward_walk(mb, grad_output, split))
+
+    def _backward_walk(self, mb, grad, split) -> Generator[None, None, torch.Tensor | None]:
+        seams = self.seams.pop(mb)
+        pending = self.pending_weight_grads.setdefault(mb, []) if split else None
+        for i in range(len(seams) - 1, -1, -1):
+            x, out = seams[i]
+            grads = (self._ones_like(out),) if self.is_last and i == len(seams) - 1 else (grad,)
+            if split:
+                with defer_weight_grads() as deferred:
+                    _run_backward(out, grads)
+                pending.append(deferred)
+            else:
                 _run_backward(out, grads)
-            self.pending_weight_grads[mb] = pending
-        else:
-            _run_backward(out, grads)
+            if i:
+                grad = x.grad
+                yield
         return None if self.is_first else x.grad
 
     def _ones_like(self, loss: torch.Tensor) -> torch.Tensor:
@@ -102,17 +215,30 @@ class Stage:
         return ones
 
     def backward_weight(self, mb: int) -> None:
-        for accumulate in self.pending_weight_grads.pop(mb):
-            accumulate()
+        _finish(self._weight_walk(mb))
+
+    def weight_pieces(self, mb: int) -> PieceRun:
+        """backward_weight() one piece per step, in the order of the I pieces that deferred them."""
+        return PieceRun(self._weight_walk(mb))
+
+    def _weight_walk(self, mb) -> Generator[None, None, None]:
+        for i, deferred in enumerate(self.pending_weight_grads.pop(mb)):
+            if i:
+                yield
+            for accumulate in deferred:
+                accumulate()
 
     def discard(self) -> None:
         """Forget every microbatch in flight (after an evaluation pass: forwards with no backward)."""
-        self.inputs.clear()
-        self.outputs.clear()
+        self.seams.clear()
 
     def pop_losses(self) -> list[torch.Tensor]:
         losses, self.losses = self.losses, []
         return losses
+
+
+def _block_piece(block_forward, block, x, targets, documents, reduction):
+    return block_forward(block, x, None, documents)
 
 
 def _run_backward(out: torch.Tensor, grads) -> None:

@@ -157,11 +157,12 @@ class Generation:
 
 
 def check_room(prompts: list[list[int]], max_new_tokens: int, seq_len: int) -> None:
-    """On workers the KV caches hold seq_len positions: a prompt and its new tokens must fit in them."""
+    """On workers the KV caches hold seq_len positions: a prompt and its new tokens but the last (chosen, never fed
+    back) must fit in them."""
     i, longest = max(enumerate(prompts), key=lambda p: len(p[1]))
-    if len(longest) + max_new_tokens > seq_len:
-        room = seq_len - len(longest)
-        use = f"--max-new-tokens {room} or less" if room > 0 else "a prompt shorter than seq_len"
+    if max_new_tokens and len(longest) + max_new_tokens - 1 > seq_len:
+        room = seq_len - len(longest) + 1
+        use = f"--max-new-tokens {room} or less" if room > 0 else f"a prompt of at most seq_len={seq_len} tokens"
         raise SampleError(f"--max-new-tokens {max_new_tokens} is past the context: prompt {i + 1} has "
                           f"{len(longest)} tokens, and the KV caches hold seq_len={seq_len} positions: use {use} "
                           f"(one process, without --stages, --tp or --dp, crops the context instead)")

@@ -1,22 +1,18 @@
-"""The driver: checks a job, builds its plan once, owns the workers' lives and runs the training loop.
+"""The driver: a job's workers from start to close, and where a job starts.
 
-    job = Job(cfg)            # refuses a bad config or schedule before any process starts
+    job = Job(cfg)            # refuses a bad config or schedule before any process starts (train/preflight.py)
     with job:                 # start (or join, under torchrun) the workers; kill them all on any error
         job.start()
         results = job.step(0)
 
-`train()` is the loop: one control message per step; checkpoints, evaluation and profiling hook in
-between steps, where the loop says so.
+`run_job` starts a job and runs the training loop on it (train/loop.py: one control message per call of one
+step or more; checkpoints, evaluation and profiling hook in between steps, where the loop says so).
 """
 from __future__ import annotations
 
-import math
 import os
 import shutil
-import statistics
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -25,110 +21,16 @@ from pipegpt.state import checkpoint, snapshot
 from pipegpt.state.rng import grid_change_line
 from pipegpt.comm.rpc import ClusterJob, LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
-from pipegpt.engine.placement import (bind_this_process, local_world_size, resolve_device, torchrun_cores,
-                                     under_torchrun, worker_cores)
-from pipegpt.observe.metrics import RunLog, StepMetrics, step_metrics
-from pipegpt.observe.profile import problem_line
+from pipegpt.engine.placement import bind_this_process, resolve_device, torchrun_cores, under_torchrun, worker_cores
+from pipegpt.observe.metrics import RunLog, StepMetrics
 from pipegpt.observe.clocks import measure_offsets, shift_events
 from pipegpt.engine.results import WorkerStep
-from pipegpt.model.partition import partition_layers
-from pipegpt.planner.run_plan import check_layers_fill, evaluation_plan, make_plan, synthesis_line
-from pipegpt.schedule import Plan, schedule_spec
-from pipegpt.resilience.faults import check_faults
+from pipegpt.planner.run_plan import evaluation_plan, synthesis_line
+from pipegpt.schedule import schedule_spec
 from pipegpt.resilience.watchdog import STALL_FACTOR, STALL_FLOOR_S, WHERE_TIMEOUT_S, find_culprit, format_table, stall_threshold
+from pipegpt.train.loop import NonFiniteError, train, warn
+from pipegpt.train.preflight import check, check_host_memory, hellaswag_rows, start_from
 from pipegpt.train.worker import Worker
-from pipegpt import run_files
-
-
-def check(cfg: TrainConfig) -> Plan:
-    """Everything that can be refused before a worker starts; returns the plan."""
-    import torch
-
-    from pipegpt.data.tokenizers import get_tokenizer
-    from pipegpt.data.tokens import builtin_tokens, open_tokens
-
-    cfg.validate(os.environ)
-    try:
-        check_faults(cfg.world_size, cfg.runtime.steps)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.data.data is not None:  # headers, sizes, token ids below the vocabulary, enough tokens, the tokenizer
-        m = cfg.model
-        open_tokens(cfg.data.data, "train", vocab_size=m.vocab_size, seq_len=m.seq_len, tokenizer=cfg.data.tokenizer)
-        open_tokens(cfg.data.data, "val", vocab_size=m.vocab_size, tokenizer=cfg.data.tokenizer)
-    else:  # the built-in corpus is tokenized by each worker: gpt2 offline fails here, in one line
-        top = int(builtin_tokens(get_tokenizer(cfg.data.tokenizer)).max())
-        if top >= cfg.model.vocab_size:
-            raise ConfigError(f"the built-in corpus holds token id {top} (tokenizer {cfg.data.tokenizer}), not below "
-                              f"vocab_size={cfg.model.vocab_size}: give --vocab-size {top + 1} or more")
-    if cfg.data.document_mask and get_tokenizer(cfg.data.tokenizer).eot_token is None:
-        raise ConfigError(f"--document-mask finds documents by the end-of-text token, and tokenizer "
-                          f"{cfg.data.tokenizer} has none: use one with <|endoftext|>, <|end_of_text|> or </s>")
-    start_from(cfg)
-    if cfg.eval.hellaswag:
-        from pipegpt.data.hellaswag import read_examples
-
-        if not cfg.eval.eval_every:
-            raise ConfigError("--hellaswag scores the model at evaluation steps: give --eval-every N too")
-        read_examples(cfg.eval.hellaswag)  # a bad file is refused before any worker starts
-    plan = make_plan(cfg)
-    check_layers_fill(cfg, plan)
-    partition_layers(cfg.model.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)
-    if resolve_device(cfg.runtime.device, cfg.world_size) == "cuda":
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        local = local_world_size(cfg.world_size)
-        if have < local:
-            raise ConfigError(f"device=cuda needs one GPU per rank on this machine ({local}), "
-                              f"but {have} are visible: use --device cpu or fewer ranks")
-    return plan
-
-
-PROCESS_BYTES = 400 * 2**20  # a worker's own footprint before its model: the interpreter, torch, gloo, RPC
-
-
-def _check_host_memory(cfg: TrainConfig, plan: Plan, meminfo: str = "/proc/meminfo") -> None:
-    """On CPU, the planner's estimate of what this machine's ranks hold (weights, gradients, optimizer state,
-    activations, message buffers; pipegpt.costs.memory) against the memory it has available: a job larger than
-    the machine is one line now, not a worker killed by the kernel a minute or two later."""
-    from pipegpt.costs.activations import memory_precision
-    from pipegpt.costs.memory import plan_memory
-
-    try:
-        with open(meminfo) as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return  # not Linux: nothing to compare with
-    p, m = cfg.parallel, cfg.model
-    ranks = plan_memory(m, plan, partition_layers(m.n_layer, plan.num_stages, p.layers_per_stage),
-                        microbatch_size=p.microbatch_size, sharding=p.sharding, recompute=p.recompute,
-                        precision=memory_precision(cfg.runtime.precision, cfg.runtime.dtype), device="cpu")
-    local = local_world_size(cfg.world_size)
-    per_replica = sum(r.total for r in ranks) * p.tp * p.cp  # every tp and cp rank of a pipeline rank holds as much
-    need = (per_replica * p.dp if local == cfg.world_size else max(r.total for r in ranks) * local) \
-        + PROCESS_BYTES * local
-    if need > available:
-        raise ConfigError(f"this job needs about {need / 2**30:.1f} GiB of host memory on this machine ({local} "
-                          f"rank{'s' * (local > 1)}: weights, gradients, optimizer state, activations), and "
-                          f"{available / 2**30:.1f} GiB is available: use a smaller model (--model, --n-layer), "
-                          f"fewer ranks here, or more machines")
-
-
-def start_from(cfg: TrainConfig) -> Path | None:
-    """The checkpoint --resume or --init-from names, checked whole and of this model's shape (None: neither)."""
-    path = cfg.checkpoint.resume or cfg.checkpoint.init_from
-    if path is None:
-        return None
-    try:
-        found = checkpoint.resolve(path)
-        manifest = checkpoint.read_manifest(found)
-        checkpoint.check_compatible(manifest, asdict(cfg.model), found)
-        checkpoint.check_tensors(found, cfg.model)
-        if cfg.checkpoint.resume and not manifest.get("optimizer", True):
-            raise checkpoint.CheckpointError(f"{found}: holds weights only (no optimizer state, no step): "
-                                             f"start from it with --init-from")
-    except checkpoint.CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    return found
 
 
 def resumed_step(cfg: TrainConfig) -> int:
@@ -161,19 +63,6 @@ def learning_rate_jump(cfg: TrainConfig) -> str | None:
             f"schedule: step {step + 1} runs at lr {after:.3g}, not the {before:.3g} the run was heading for")
 
 
-def _hellaswag_rows(cfg: TrainConfig, had: tuple | None = None) -> tuple:
-    """(what they depend on, --hellaswag's examples, their candidates' tokens): a token id the model cannot take
-    is refused now. `had`: an earlier answer, kept when it still holds."""
-    key = (cfg.eval.hellaswag, cfg.data.tokenizer, cfg.model.seq_len, cfg.model.vocab_size)
-    if had is not None and had[0] == key:
-        return had
-    if not cfg.eval.hellaswag:
-        return key, None, None
-    from pipegpt.data.hellaswag import read_examples, render_all
-
-    examples = read_examples(cfg.eval.hellaswag)
-    return key, examples, render_all(examples, *key[1:], cfg.eval.hellaswag)
-
 
 class Job(ClusterJob):
     """A job's workers, from start to close: one actor per rank, steered over RPC."""
@@ -181,7 +70,7 @@ class Job(ClusterJob):
     def __init__(self, cfg: TrainConfig, port: int | None = None, threads_per_worker: int | None = None):
         self.cfg, self.plan = cfg, check(cfg)
         if resolve_device(cfg.runtime.device, cfg.world_size) == "cpu":  # this machine's, not the config's limit
-            _check_host_memory(cfg, self.plan)
+            check_host_memory(cfg, self.plan)
         self.eval_plan = evaluation_plan(self.plan)
         if port is not None and not under_torchrun() and not port_is_free(port):
             raise ConfigError(f"port {port} is in use: choose a free port or leave --port out")
@@ -203,7 +92,7 @@ class Job(ClusterJob):
         self.current_count = 1  # steps in the call that runs it (--steps-per-call): a failure is inside those
         self.failed_at: float | None = None  # time.time() of the failure this attempt restarts after (--max-restarts)
         self.steps_lost: int | None = None  # the steps completed before that failure that this attempt does again
-        self.hellaswag_data = _hellaswag_rows(cfg)  # tokenized once, checked before any worker starts
+        self.hellaswag_data = hellaswag_rows(cfg)  # tokenized once, checked before any worker starts
 
     def start(self) -> bool:
         """Start the workers and build them for the plan. Under torchrun every process calls this; the
@@ -237,7 +126,7 @@ class Job(ClusterJob):
             steps = self.cluster.call("load", str(source), cfg.checkpoint.resume is None)
             self.first_step, self.loaded = steps[0], (source, time.perf_counter() - t0)
             if cfg.checkpoint.resume:
-                _warn(grid_change_line(checkpoint.read_manifest(source, verify=False), cfg.parallel.dims,
+                warn(grid_change_line(checkpoint.read_manifest(source, verify=False), cfg.parallel.dims,
                                        cfg.model.dropout))
         return True
 
@@ -362,7 +251,7 @@ class Job(ClusterJob):
         self.cfg, self.plan = cfg, check(cfg)
         self.step_times = []  # another config, other step times
         self.eval_plan = evaluation_plan(self.plan)
-        self.hellaswag_data = _hellaswag_rows(cfg, self.hellaswag_data)
+        self.hellaswag_data = hellaswag_rows(cfg, self.hellaswag_data)
         return self.cluster.call("build", cfg, self.plan, self.eval_plan)
 
     def hellaswag(self) -> tuple[float, float]:
@@ -388,183 +277,6 @@ class Job(ClusterJob):
 
     def call(self, method: str, *args) -> list:
         return self.cluster.call(method, *args)
-
-
-def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
-    """Whether a checkpoint is saved after `step`: every --save-every steps, and after the last."""
-    return _every(cfg.checkpoint.save_every, step, cfg.runtime.steps)
-
-
-def snapshot_due(cfg: TrainConfig, step: int) -> bool:
-    """Whether the state after `step` is snapshotted: every --snapshot-every steps, but not the last step's."""
-    every = cfg.checkpoint.snapshot_every
-    return bool(every) and (step + 1) % every == 0 and step < cfg.runtime.steps - 1
-
-
-def evaluation_due(cfg: TrainConfig, step: int) -> bool:
-    """Whether the model is evaluated after `step`: every --eval-every steps, and after the last."""
-    return _every(cfg.eval.eval_every, step, cfg.runtime.steps)
-
-
-def _every(every: int | None, step: int, steps: int) -> bool:
-    return bool(every) and ((step + 1) % every == 0 or step == steps - 1)
-
-
-def profiled_steps(cfg: TrainConfig, first_step: int) -> range:
-    """The steps --profile samples: from the first traced step this run takes to the last (empty: none)."""
-    traced = sorted(s for s in cfg.runtime.traced_steps() if s >= first_step) if cfg.runtime.profile else []
-    return range(traced[0], traced[-1] + 1) if traced else range(0)
-
-
-def call_length(cfg: TrainConfig, step: int, profiled: range, most: int) -> int:
-    """How many steps, from `step`, the driver's next call runs: up to `most` (--steps-per-call), ending with
-    the first step after which the driver has work (an evaluation, a checkpoint, a snapshot, a profile to start
-    or stop) and with the run's last step."""
-    for count in range(1, most + 1):
-        s = step + count - 1
-        if s >= cfg.runtime.steps - 1 or evaluation_due(cfg, s) or checkpoint_due(cfg, s) or snapshot_due(cfg, s) \
-                or (profiled and (s == profiled[-1] or s + 1 == profiled[0])):
-            return count
-    return most
-
-
-@contextmanager
-def profiling(job: Job, profiled: range, steps: range, directory: Path):
-    """Around one call's steps: py-spy starts on every worker before the first profiled step and stops after the
-    last (call_length makes them a call's first and last). Not stopped when the call raises: the job is then
-    killed, workers and their py-spy children with it."""
-    if profiled and profiled[0] in steps:
-        _warn(problem_line(job.call("profile_start", str(directory.resolve())), "the run goes on without profiles"))
-    yield
-    if profiled and profiled[-1] in steps:
-        stopped = job.cluster.call("profile_stop", timeout_s=job.cfg.runtime.timeout_s + 60)
-        _warn(problem_line([problem for _, problem in stopped], "no profile from it"))
-
-
-class NonFiniteError(RuntimeError):
-    """A non-finite loss, gradient norm or saved value stopped the run before it was applied or saved (one line)."""
-
-
-def nonfinite_cause(results: list[WorkerStep], last_stage: int) -> str:
-    """Where a step's non-finite values appeared first: the loss (on the last stage's ranks), else the gradients
-    of the latest stage, since the backward runs from the last stage to the first."""
-    for r in results:
-        loss = next((x for x in r.losses if not math.isfinite(x)), None)
-        if loss is not None:
-            return f"the loss is {loss} on rank {r.rank} (stage {last_stage})"
-    norm = results[0].grad_norm
-    first = min(((-s, r.rank) for r in results for s in r.nonfinite_stages), default=None)
-    if math.isfinite(norm):  # finite, but its squares would overflow the optimizer's second moment
-        return f"the gradient norm is {norm:.4g}, too large for the optimizer's squared-gradient moment"
-    return f"the gradient norm is {norm}" + (f" (first on rank {first[1]}, stage {-first[0]})" if first else "")
-
-
-def last_checkpoint(job: Job, run_dir: Path) -> str:
-    """The checkpoint a resume of the run would start from: the run's latest, else the one it resumed from."""
-    saved = checkpoint.complete_checkpoints(run_dir / run_files.CHECKPOINTS)
-    if saved:
-        return str(saved[-1])
-    return str(job.loaded[0]) if job.loaded and job.cfg.checkpoint.resume else "none"
-
-
-AUTO_CALL_SHARE = 0.02  # the round trip's share of a step from which --steps-per-call auto runs several a call
-AUTO_CALL_TARGET = 0.005  # the share it brings it to
-AUTO_CALL_MAX_S = 0.5  # the longest such a call grows: the log and the watchdog's view stay close to the steps
-MOST_STEPS_A_CALL = 32
-AUTO_JUDGED_ON = 8  # warm steps (after the cold COMPILE_STEPS) the round trip is judged on, once
-
-
-def auto_steps_per_call(history: list[StepMetrics]) -> tuple[int, str | None]:
-    """--steps-per-call auto's choice, made once on the warm steps of `history` (one a call so far): how many
-    steps a call from now on, and the line that says so when it is more than one. Where the driver's round
-    trip costs AUTO_CALL_SHARE of a step or more (steps of a few ms: tiny models, CPU), enough steps a call to
-    bring it under AUTO_CALL_TARGET, a call lasting at most AUTO_CALL_MAX_S; GPU-sized steps stay at one."""
-    recent = history[COMPILE_STEPS:]
-    if not recent or any(m.control_s is None for m in recent):
-        return 1, None
-    control, step = (statistics.median(getattr(m, k) for m in recent) for k in ("control_s", "step_time_s"))
-    if control < AUTO_CALL_SHARE * step:
-        return 1, None
-    count = min(MOST_STEPS_A_CALL, math.ceil(round(control / (AUTO_CALL_TARGET * step), 6)),
-                max(1, math.floor(AUTO_CALL_MAX_S / step)))
-    if count == 1:
-        return 1, None
-    return count, (f"pipegpt: the driver's call takes {control * 1e3:.1f} ms of each {step * 1e3:.1f} ms step: "
-                   f"{count} steps a call from step {history[-1].step + 1} (--steps-per-call auto; 1: one a call)")
-
-
-def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda m: None) -> list[StepMetrics]:
-    """The training loop on a started job: a call of one step or more (--steps-per-call), each step's metrics, an
-    evaluation and a checkpoint when due; then the last step's trace (trace.json). A step whose loss or gradient
-    norm is not finite was not applied: it stops the run (NonFiniteError) or, with --on-nonfinite skip, is
-    counted and the run goes on."""
-    cfg, history, results = job.cfg, [], None
-    auto = cfg.runtime.steps_per_call == "auto"
-    most = 1 if auto else cfg.runtime.steps_per_call
-    traced = set(cfg.runtime.traced_steps())
-    profiled = profiled_steps(cfg, job.first_step)
-    step = job.first_step
-    while step < cfg.runtime.steps:
-        warm = len(job.step_times) >= COMPILE_STEPS  # the cold first steps run one a call, each with its deadline
-        count = call_length(cfg, step, profiled, most if warm else 1)
-        with profiling(job, profiled, range(step, step + count), log.run_dir / run_files.PROFILES):
-            cpu0 = time.process_time()
-            done = job.steps(step, count)
-            cpu_per_s = (time.process_time() - cpu0) / max(sum(elapsed for _, elapsed in done), 1e-12)
-        for results, elapsed in done:
-            metrics = step_metrics(step + 1, results, cfg, elapsed, cpu_per_s * elapsed)
-            metrics.skipped_steps = history[-1].skipped_steps if history else 0
-            if step in traced:
-                log.trace(results, job.plan, step + 1)
-            _after_step(job, log, step, results, metrics)
-            history.append(metrics)
-            on_step(metrics)
-            step += 1
-            if auto and len(history) == COMPILE_STEPS + AUTO_JUDGED_ON:
-                most, line = auto_steps_per_call(history)
-                _warn(line)
-    if results is not None:
-        log.trace(results, job.plan)
-    return history
-
-
-def _after_step(job: Job, log: RunLog, step: int, results: list[WorkerStep], metrics: StepMetrics) -> None:
-    """What follows a step on the driver: its non-finite values said, an evaluation and a checkpoint or
-    snapshot when due, its metrics row."""
-    cfg = job.cfg
-    if not all(r.applied for r in results):
-        metrics.nonfinite = nonfinite_cause(results, job.plan.num_stages - 1)
-        if cfg.optim.on_nonfinite == "stop":
-            log.step(metrics)  # the row says what was not finite
-            raise NonFiniteError(f"step {step + 1}: {metrics.nonfinite}; no update applied, "
-                                 f"last checkpoint: {last_checkpoint(job, log.run_dir)}")
-        metrics.skipped_steps += 1
-        _warn(f"pipegpt: step {step + 1}: {metrics.nonfinite}; update skipped (--on-nonfinite skip)")
-    if job.failed_at is not None and step == job.first_step:
-        metrics.recovery_s = time.time() - job.failed_at
-        metrics.steps_lost = job.steps_lost
-    if evaluation_due(cfg, step):
-        metrics.val_loss = job.evaluate()
-        if cfg.eval.hellaswag:
-            metrics.hellaswag_acc, metrics.hellaswag_acc_norm = job.hellaswag()
-    if checkpoint_due(cfg, step):
-        t0 = time.perf_counter()
-        try:
-            job.save(log.run_dir / run_files.CHECKPOINTS, step + 1)
-        except NonFiniteError as e:
-            log.step(metrics)
-            raise NonFiniteError(f"{e}, last checkpoint: {last_checkpoint(job, log.run_dir)}") from None
-        metrics.checkpoint_s = time.perf_counter() - t0
-    elif snapshot_due(cfg, step):
-        t0 = time.perf_counter()
-        job.snapshot(log.run_dir, step + 1)
-        metrics.snapshot_s = time.perf_counter() - t0
-    log.step(metrics)
-
-
-def _warn(line: str | None) -> None:
-    if line:
-        print(line, file=sys.stderr, flush=True)
 
 
 def run_job(job: Job, run_dir: Path, on_step: Callable[[StepMetrics], None] = lambda m: None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from pipegpt.comm.data_parallel import sum_in_buckets
+from pipegpt.data_parallel.buckets import sum_in_buckets
 from pipegpt.config import TrainConfig
 from pipegpt.data_parallel import DataParallel
 from pipegpt.engine.engine import Engine

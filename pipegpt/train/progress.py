@@ -1,8 +1,7 @@
-"""What `pipegpt run` prints as it goes: the crowding and vocabulary warnings, progress lines (elapsed, ETA) and
-the summary."""
+"""What `pipegpt run` prints as it goes: the crowding (pipegpt.observe.crowding: inference prints it too) and
+vocabulary warnings, progress lines (elapsed, ETA) and the summary."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
@@ -10,21 +9,8 @@ from typing import Callable
 
 from pipegpt import run_files
 from pipegpt.config import TrainConfig
-from pipegpt.schedule.calibrate import read_metrics
-
-
-def crowding(cfg: TrainConfig, device: str) -> str | None:
-    """A warning when more worker processes than CPU cores start here on CPU: they take turns on the cores."""
-    from pipegpt.engine.placement import local_world_size
-
-    if device != "cpu":
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = local_world_size(cfg.world_size)
-    if workers <= cores:
-        return None
-    return (f"pipegpt: warning: {workers} worker processes on {cores} CPU cores: they take turns, so each step "
-            f"is slower than on {workers} cores (dp x pp x cp x tp = {cfg.world_size})")
+from pipegpt.observe.crowding import crowding  # noqa: F401  (launch.py takes it from here with the rest)
+from pipegpt.run_files import read_metrics
 
 
 def unused_vocabulary(cfg: TrainConfig) -> str | None:

@@ -31,7 +31,7 @@ from pipegpt.model.moe import end_step as end_moe_step, merge_stats
 from pipegpt.observe.clocks import clock_reading
 from pipegpt.observe.profile import Profiler
 from pipegpt.resilience.faults import FaultHook
-from pipegpt.runtime import OPTIMIZER_STEP
+from pipegpt.stages.runtime import OPTIMIZER_STEP
 from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint, rng, snapshot
 from pipegpt.train import zero_state

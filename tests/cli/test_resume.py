@@ -144,7 +144,7 @@ def test_resuming_an_older_checkpoint_moves_the_later_ones_off_the_line(run_copy
     """History is a line: from step 2 of a run that saved 2 and 4, the later checkpoint moves aside, so the latest
     and --keep follow the branch that runs (--keep 2 would otherwise have pruned step 2 and kept the old 4), and
     the old branch's metrics rows are marked abandoned."""
-    from pipegpt.schedule.calibrate import read_metrics
+    from pipegpt.run_files import read_metrics
     from pipegpt.state.checkpoint import resolve
 
     proc = _ok(run_pipegpt("run", "--resume", run_copy / "checkpoints" / "step-00000002", "--steps", "3",

@@ -135,10 +135,11 @@ def test_several_prompts_in_one_process_each_equal_a_loop_of_their_own(ckpt, tmp
 def test_a_layout_or_prompts_that_cannot_run_are_refused_before_any_worker_starts(ckpt, tmp_path, no_workers):
     path, _ = ckpt
     assert_one_line_error(cli(path, "--stages", 3), "--stages 3", "2 layers", "at most 2")
-    assert_one_line_error(cli(path, "--stages", 2, "--prompt", PROMPT, "--max-new-tokens", 8),
-                          "--max-new-tokens 8 is past the context", "9 tokens", "seq_len=16", "--max-new-tokens 7")
-    assert_one_line_error(cli(path, "--tp", 2, "--prompt", "x" * 16, "--max-new-tokens", 1),
-                          "prompt 1 has 16 tokens", "a prompt shorter than seq_len")
+    # 9 + 8 tokens: the 8th new one is never fed back, so 16 positions hold them (refused one token early before)
+    assert_one_line_error(cli(path, "--stages", 2, "--prompt", PROMPT, "--max-new-tokens", 9),
+                          "--max-new-tokens 9 is past the context", "9 tokens", "seq_len=16", "--max-new-tokens 8")
+    assert_one_line_error(cli(path, "--tp", 2, "--prompt", "x" * 17, "--max-new-tokens", 1),
+                          "prompt 1 has 17 tokens", "a prompt of at most seq_len=16 tokens")
     (tmp_path / "empty.txt").write_text("\n  \n")
     assert_one_line_error(cli(path, "--prompts-file", tmp_path / "empty.txt"), "empty.txt", "holds no prompts")
     assert_one_line_error(cli(path, "--prompts-file", tmp_path / "nowhere.txt"), "nowhere.txt", "no such file")
@@ -161,6 +162,17 @@ def test_more_ranks_than_cores_is_a_warning(ckpt):
     said.clear()
     InferenceJob(path, Layout(stages=1), device="cpu", warn=said.append)
     assert not said
+
+
+def test_on_workers_a_full_context_samples_what_one_process_does(ckpt):
+    """9 prompt tokens and 8 new ones fill seq_len=16 (the last one is never fed back): workers give them all."""
+    path, _ = ckpt
+    args = ["sample", path, "--prompt", PROMPT, "--max-new-tokens", 8, "--temperature", 0, "--device", "cpu", "--json"]
+    one = cli(*args[1:])
+    assert one.exit_code == 0, one.output
+    proc = run_pipegpt(*args, "--stages", 2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == one.stdout and len(json.loads(proc.stdout)["new_tokens"]) == 8
 
 
 @pytest.mark.slow  # three jobs of workers

@@ -3,7 +3,7 @@
 On CUDA a host runs ahead of its GPU: waits only order streams, so a slow kernel leaves every host in the step's
 settle(), and the hosts alone look like a deadlock cycle. `PIPEGPT_FAULT=gpu-stuck:1:4` rehearses that on CPU:
 rank 1's host runs step 4 to its end and then never returns from settle(), while its device marks (CUDA events on a GPU,
-pipegpt.timing.device_marker) say its "GPU" never finished its first compute action. The watchdog must name
+pipegpt.stages.timing.device_marker) say its "GPU" never finished its first compute action. The watchdog must name
 rank 1 and say its GPU is busy in 1F0.
 """
 from __future__ import annotations

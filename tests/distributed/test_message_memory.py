@@ -38,7 +38,7 @@ def _peak_message_bytes(rank: int, matching: str, schedule: str, m: int) -> int:
 
     from pipegpt.comm.p2p import PointToPoint
     from pipegpt.model.gpt import GPT
-    from pipegpt.runtime import PipelineRuntime
+    from pipegpt.stages.runtime import PipelineRuntime
     from pipegpt.stages import Stage, partition_layers
 
     plan = lower(build_plan(schedule, P, m))

@@ -120,12 +120,33 @@ def test_skip_never_applies_an_update_whose_squares_overflow_the_moments(tmp_pat
     run_dir = tmp_path / "run"
     proc = pipegpt_run(run_dir, "--stages", "2", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len",
                        "32", "--vocab-size", "256", "--lr", "1e4", "--grad-clip", "0", "--on-nonfinite", "skip",
-                       "--steps", "4", "--save-every", "4")
+                       "--steps", "4", "--save-every", "1", "--keep", "0")
     assert proc.returncode == 0, report(proc)
     assert "too large for the optimizer's squared-gradient moment; update skipped" in proc.stderr, report(proc)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["skipped_steps"] >= 1
+    # a skipped step's weights are an earlier step's: it writes no checkpoint, an applied one does
+    saved_steps = [int(p.name.split("-")[1]) for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")]
+    assert saved_steps == [r["step"] for r in rows if r["nonfinite"] is None], report(proc)
     saved = checkpoint.resolve(run_dir)
     for path in sorted(saved.glob("rank-*.safetensors")):
         for key, value in load_file(path).items():
             assert torch.isfinite(value).all(), key
+
+
+def test_skipping_every_step_stops_after_max_skipped_steps(tmp_path):
+    """--lr 1e30 without clipping: every step from 2 on is skipped. It used to end with exit 0 ("loss 5.5 -> nan")
+    and a checkpoint of useless weights; now the run stops after --max-skipped-steps in a row, exit 1, naming the
+    last checkpoint, and writes none of a skipped step."""
+    run_dir = tmp_path / "run"
+    proc = pipegpt_run(run_dir, "--stages", "1", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len",
+                       "32", "--vocab-size", "256", "--lr", "1e30", "--grad-clip", "0", "--on-nonfinite", "skip",
+                       "--max-skipped-steps", "2", "--steps", "8", "--save-every", "1", "--keep", "0",
+                       "--microbatches", "2")
+    assert proc.returncode == 1, report(proc)
+    last = stopped_line(proc)
+    assert "steps in a row skipped (--max-skipped-steps 2); stopping, last checkpoint: " in last, report(proc)
+    assert last.endswith("step-00000001"), report(proc)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite"] is None for r in rows] == [True, False, False], report(proc)
+    assert [p.name for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == ["step-00000001"]

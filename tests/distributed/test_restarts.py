@@ -77,7 +77,7 @@ def test_a_dead_runs_snapshots_are_never_taken_by_a_later_run(tmp_path):
     --resume auto: no checkpoint, so the run starts again) restarts from its own state, never from the dead
     run's snapshot (which would take that run's step and settings: "nothing to do", 2 steps of 6 trained);
     it removes them, and its rows are a new attempt's."""
-    from pipegpt.schedule.calibrate import read_metrics
+    from pipegpt.run_files import read_metrics
     from pipegpt.state.snapshot import snapshot_root
 
     run_dir = tmp_path / "run"

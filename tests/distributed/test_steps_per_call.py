@@ -12,7 +12,7 @@ import pytest
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
 from pipegpt.observe.metrics import StepMetrics
 from pipegpt.engine.results import WorkerStep
-from pipegpt.train.driver import AUTO_JUDGED_ON, auto_steps_per_call, call_length, train
+from pipegpt.train.loop import AUTO_JUDGED_ON, auto_steps_per_call, call_length, train
 
 from helpers import PIPEGPT, clean_env, run_pipegpt
 from test_failures import Job
@@ -95,6 +95,14 @@ def test_auto_decides_once_after_ten_steps(tmp_path, capsys, compute, calls, sai
     train(job, log)
     assert job.counts == calls and log.rows == list(range(1, 36))
     assert ("10 steps a call from step 11" in capsys.readouterr().err) == said
+
+
+def test_a_run_that_ends_at_the_judgement_says_nothing_of_later_calls(tmp_path, capsys):
+    """A run resumed for its last 10 steps (100 -> 110) used to print "10 steps a call from step 111"."""
+    job = _TimedJob(TrainConfig.build(steps=10), 0.020, 0.019)
+    train(job, _Log(tmp_path))
+    assert job.counts == [1] * 10
+    assert "steps a call" not in capsys.readouterr().err
 
 
 def test_a_given_count_is_kept_from_the_third_step(tmp_path):

@@ -68,7 +68,7 @@ def config(case_settings: dict, model: str, schedule_file: str | None = None) ->
 def draw(seed: int, check=None) -> Case:
     """The case of this seed: the first draw that `check(cfg)` accepts (default: pipegpt.train's check)."""
     if check is None:
-        from pipegpt.train.driver import check
+        from pipegpt.train.preflight import check
     rng = random.Random(seed)
     for tried in range(1, 200):
         model = rng.choice(sorted(MODELS))

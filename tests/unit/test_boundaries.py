@@ -87,25 +87,43 @@ def test_plan_loads_no_torch():
     mods = submodules("pipegpt.planner") + submodules("pipegpt.costs")
     assert {"pipegpt.planner", "pipegpt.costs.memory"} <= set(mods)
     check(mods, ("pipegpt.model.gpt", "pipegpt.stages", "pipegpt.comm", "pipegpt.tensor_parallel.layers",
-                 "pipegpt.tensor_parallel.collectives", "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"),
+                 "pipegpt.tensor_parallel.collectives", "pipegpt.stages.runtime", "pipegpt.train.worker",
+                 "pipegpt.train.driver"),
           forbid_torch=True)
 
 
+# The pipeline's execution side shares the stages' folder: the runtime meets the schedule, the stages and comm; the
+# Stage (a slice of the model, its forward and backward in pieces) meets none of them, so it is built, measured
+# (--balance cost) and tested alone. The boundary is the Stage's modules, not the folder's.
+RUNTIME = "pipegpt.stages.runtime"
+
+
+def stage_modules() -> list[str]:
+    return [m for m in submodules("pipegpt.stages") if m != RUNTIME]
+
+
 def test_stages_load_no_comm_tensor_parallel_schedule_runtime():
-    mods = submodules("pipegpt.stages")
+    mods = stage_modules()
     assert "pipegpt.stages" in mods and "pipegpt.stages.stage" in mods
-    check(mods, ("pipegpt.comm", "pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.runtime",
+    check(mods, ("pipegpt.comm", "pipegpt.tensor_parallel", "pipegpt.schedule", RUNTIME,
                  "pipegpt.train.worker", "pipegpt.train.driver"))
+
+
+def test_the_runtime_meets_schedule_stages_and_comm_and_nothing_of_a_role():
+    found = loaded(RUNTIME)
+    assert {"pipegpt.schedule.actions", "pipegpt.stages.stage", "pipegpt.comm.p2p"} <= set(found["pipegpt"]), found
+    check([RUNTIME], ("pipegpt.tensor_parallel", "pipegpt.data_parallel", "pipegpt.engine", "pipegpt.train",
+                      "pipegpt.infer", "pipegpt.planner", "pipegpt.costs"))
 
 
 def test_model_loads_no_comm_tensor_parallel_schedule_stages_runtime():
     check(["pipegpt.model.gpt"], ("pipegpt.comm", "pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.stages",
-                              "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"))
+                              "pipegpt.stages.runtime", "pipegpt.train.worker", "pipegpt.train.driver"))
 
 
 def test_split_backward_loads_no_model_comm_tensor_parallel_schedule_or_stages():
     check(["pipegpt.model.split_backward"], ("pipegpt.model.gpt", "pipegpt.comm", "pipegpt.tensor_parallel",
-                                       "pipegpt.schedule", "pipegpt.stages", "pipegpt.runtime",
+                                       "pipegpt.schedule", "pipegpt.stages", "pipegpt.stages.runtime",
                                        "pipegpt.train.worker", "pipegpt.train.driver"))
 
 
@@ -113,7 +131,7 @@ def test_tensor_parallel_loads_no_comm_schedule_stages_runtime():
     mods = submodules("pipegpt.tensor_parallel")
     assert {"pipegpt.tensor_parallel.layout", "pipegpt.tensor_parallel.collectives",
             "pipegpt.tensor_parallel.layers"} <= set(mods)
-    check(mods, ("pipegpt.comm", "pipegpt.schedule", "pipegpt.stages", "pipegpt.runtime",
+    check(mods, ("pipegpt.comm", "pipegpt.schedule", "pipegpt.stages", "pipegpt.stages.runtime",
                  "pipegpt.train.worker", "pipegpt.train.driver"))
 
 
@@ -123,14 +141,15 @@ def test_tensor_parallel_layout_loads_no_torch_model_or_collectives():
     for mods in (["pipegpt.tensor_parallel.layout"], ["pipegpt.tensor_parallel"]):
         check(mods, ("pipegpt.tensor_parallel.collectives", "pipegpt.tensor_parallel.layers", "pipegpt.model.gpt",
                      "pipegpt.model.split_backward", "pipegpt.comm", "pipegpt.stages", "pipegpt.schedule",
-                     "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"), forbid_torch=True)
+                     "pipegpt.stages.runtime", "pipegpt.train.worker", "pipegpt.train.driver"), forbid_torch=True)
 
 
 def test_comm_loads_no_tensor_parallel_schedule_stages_model_runtime():
     mods = submodules("pipegpt.comm")
     assert {"pipegpt.comm.mesh", "pipegpt.comm.p2p", "pipegpt.comm.rpc"} <= set(mods)
     check(mods, ("pipegpt.tensor_parallel", "pipegpt.schedule", "pipegpt.stages", "pipegpt.model.gpt",
-                 "pipegpt.model.split_backward", "pipegpt.runtime", "pipegpt.train.worker", "pipegpt.train.driver"))
+                 "pipegpt.model.split_backward", "pipegpt.stages.runtime", "pipegpt.train.worker",
+                 "pipegpt.train.driver"))
 
 
 def test_cli_import_loads_no_torch():
@@ -139,13 +158,13 @@ def test_cli_import_loads_no_torch():
     assert not [t for t in found["third_party"] if t.startswith("torch")], found
     # Nor anything that needs torch.
     assert not [n for n in found["pipegpt"] if _under(n, ("pipegpt.model.gpt", "pipegpt.stages", "pipegpt.comm",
-                                                          "pipegpt.runtime", "pipegpt.train.worker",
+                                                          "pipegpt.stages.runtime", "pipegpt.train.worker",
                                                           "pipegpt.train.driver"))], found
 
 
 def test_the_probe_sees_torch():
     """The probe can fail: importing a torch-using module does show torch and the pipegpt modules."""
-    found = loaded(*submodules("pipegpt.stages"))  # what the stages test above imports
+    found = loaded(*stage_modules())  # what the stages test above imports
     assert "torch" in found["third_party"]
     assert {"pipegpt.model.gpt", "pipegpt.stages.stage"} <= set(found["pipegpt"])
 

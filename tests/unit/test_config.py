@@ -27,7 +27,7 @@ RUN_OPTIONS = [
     # cost-balanced stages (the split from measured embedding/block/head costs)
     "--balance",
     # what a non-finite loss or gradient norm does: stop before the update, or skip it
-    "--on-nonfinite",
+    "--on-nonfinite", "--max-skipped-steps",
     # --resume restores a run's settings: its on/off ones can be turned off; a fresh run into a used directory
     "--no-compile", "--no-profile", "--no-sequence-parallel", "--overwrite",
     # dropout (per-rank streams, restored on resume): fine-tuning uses 0.1

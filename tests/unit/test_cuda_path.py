@@ -325,7 +325,7 @@ def _first_stage_log(monkeypatch, device_type: str, matching: str = "auto") -> l
     zeros at once)."""
     from pipegpt.config import MODEL_PRESETS
     from pipegpt.model.gpt import GPT
-    from pipegpt.runtime import PipelineRuntime
+    from pipegpt.stages.runtime import PipelineRuntime
     from pipegpt.schedule import Action, build_plan, lower, validate
     from pipegpt.stages import Stage
 
@@ -360,7 +360,7 @@ def test_on_gloo_a_send_whose_send_follows_its_compute_goes_with_that_batch(monk
     (one gloo exchange), not alone before it (a handshake of its own for both ranks' gloo threads)."""
     from pipegpt.config import MODEL_PRESETS
     from pipegpt.model.gpt import GPT
-    from pipegpt.runtime import PipelineRuntime
+    from pipegpt.stages.runtime import PipelineRuntime
     from pipegpt.schedule import build_plan, lower
     from pipegpt.stages import Stage
 
@@ -390,7 +390,7 @@ def test_on_nccl_the_sends_behind_a_run_s_receives_are_a_batch_of_their_own(monk
     in one post. 0SEND_F1 0RECV_B0, a send before the receive, stays one batch."""
     from pipegpt.config import MODEL_PRESETS
     from pipegpt.model.gpt import GPT
-    from pipegpt.runtime import PipelineRuntime
+    from pipegpt.stages.runtime import PipelineRuntime
     from pipegpt.schedule import build_plan, lower
     from pipegpt.stages import Stage
 

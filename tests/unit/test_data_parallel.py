@@ -119,7 +119,7 @@ def _zero3_step(rank: int) -> dict:
     from pipegpt.config import ModelConfig
     from pipegpt.data_parallel import DataParallel
     from pipegpt.model.gpt import GPT
-    from pipegpt.runtime import PipelineRuntime
+    from pipegpt.stages.runtime import PipelineRuntime
     from pipegpt.schedule import add_reduce_grad, add_unshard_reshard, validate
     from pipegpt.schedule.schedule_file import parse_schedule_text
     from pipegpt.stages import Stage
@@ -191,7 +191,7 @@ def _prefetch_step(rank: int) -> dict:
     from pipegpt.config import ModelConfig
     from pipegpt.data_parallel import DataParallel
     from pipegpt.model.gpt import GPT
-    from pipegpt.runtime import PipelineRuntime
+    from pipegpt.stages.runtime import PipelineRuntime
     from pipegpt.schedule import add_reduce_grad, add_unshard_reshard, build_plan, lower, validate
     from pipegpt.stages import Stage
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.config import ModelConfig
 from pipegpt.model.gpt import GPT
-from pipegpt.runtime import DEVICE_QUERY_S, DEVICE_UNKNOWN, PipelineRuntime
+from pipegpt.stages.runtime import DEVICE_QUERY_S, DEVICE_UNKNOWN, PipelineRuntime
 from pipegpt.schedule import build_plan, lower
 from pipegpt.stages import Stage
 
@@ -112,7 +112,7 @@ class HungInTheUpdate:
 def test_a_gpu_hung_in_the_optimizer_step_is_said_to_be_there(monkeypatch):
     from pipegpt.config import TrainConfig
     from pipegpt.resilience.faults import FaultHook
-    from pipegpt.runtime import OPTIMIZER_STEP
+    from pipegpt.stages.runtime import OPTIMIZER_STEP
     from pipegpt.train.worker import Worker
 
     runtime = middle_rank(monkeypatch, [])

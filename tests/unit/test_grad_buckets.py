@@ -1,10 +1,10 @@
 """Sequence parallelism's replicated gradients are summed over tp in buckets: one all-reduce per bucket, not one
-per tensor (pipegpt.comm.data_parallel.sum_in_buckets; the oracle checks the sums in a real run)."""
+per tensor (pipegpt.buckets.buckets.sum_in_buckets; the oracle checks the sums in a real run)."""
 from __future__ import annotations
 
 import torch
 
-from pipegpt.comm import data_parallel
+from pipegpt.data_parallel import buckets
 
 
 def test_one_all_reduce_per_bucket(monkeypatch):
@@ -14,11 +14,11 @@ def test_one_all_reduce_per_bucket(monkeypatch):
         calls.append(flat.numel())
         flat.mul_(2)
 
-    monkeypatch.setattr(data_parallel.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(buckets.dist, "all_reduce", all_reduce)
     grads = [torch.full((n,), float(n)) for n in (3, 5, 7, 2)]
     want = [2 * g for g in grads]
-    data_parallel.sum_in_buckets(grads, group="tp")
+    buckets.sum_in_buckets(grads, group="tp")
     assert calls == [17] and all(torch.equal(g, w) for g, w in zip(grads, want))
     calls.clear()
-    data_parallel.sum_in_buckets(grads, group="tp", bucket_bytes=4 * 8)  # a bucket closes at >= 8 values
+    buckets.sum_in_buckets(grads, group="tp", bucket_bytes=4 * 8)  # a bucket closes at >= 8 values
     assert calls == [8, 9] and all(torch.equal(g, 2 * w) for g, w in zip(grads, want))

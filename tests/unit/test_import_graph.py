@@ -18,15 +18,14 @@ LAYERS = [
     "pipegpt.model",
     "pipegpt.tensor_parallel",
     "pipegpt.context_parallel",
+    "pipegpt.expert_parallel",
     "pipegpt.parallelisms",
     "pipegpt.data",
     "pipegpt.costs",
     "pipegpt.planner",
-    "pipegpt.stages",
     "pipegpt.comm",
     "pipegpt.data_parallel",
-    "pipegpt.timing",
-    "pipegpt.runtime",
+    "pipegpt.stages",
     "pipegpt.state",
     "pipegpt.engine",
     "pipegpt.observe",
@@ -34,8 +33,8 @@ LAYERS = [
     "pipegpt.train",
     "pipegpt.infer",
     "pipegpt.tools",
-    "pipegpt.options",
     "pipegpt.command_options",
+    "pipegpt.options",
     "pipegpt.cli",
     "pipegpt.__main__",
 ]
@@ -70,7 +69,7 @@ def test_the_order_is_the_one_documented():
 
 def test_the_check_can_fail():
     """An upward edge is reported: the layer of a module is looked up, not assumed."""
-    assert layer_of("pipegpt.train.worker") > layer_of("pipegpt.runtime") > layer_of("pipegpt.schedule.actions")
+    assert layer_of("pipegpt.train.worker") > layer_of("pipegpt.stages.runtime") > layer_of("pipegpt.schedule.actions")
     graph = {"pipegpt.schedule.actions": {"pipegpt.train.worker"}}
     upward = [b for a, t in graph.items() for b in t if layer_of(b) > layer_of(a)]
     assert upward == ["pipegpt.train.worker"]

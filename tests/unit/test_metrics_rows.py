@@ -1,11 +1,11 @@
 """metrics.jsonl across attempts: every row names its attempt, and readers take the rows of the attempt that
 went on (each step's last; an interrupted attempt's steps past the checkpoint a resume went on from are
-dropped): pipegpt.schedule.calibrate.read_metrics, which `plan --calibrate` (pipegpt.costs.cost) reads."""
+dropped): pipegpt.run_files.read_metrics, which `plan --calibrate` (pipegpt.costs.calibrated) reads."""
 from __future__ import annotations
 
 import json
 
-from pipegpt.schedule.calibrate import read_metrics
+from pipegpt.run_files import read_metrics
 
 
 def _write(run_dir, rows, tail: str = ""):
@@ -32,14 +32,15 @@ def test_rows_without_attempts_take_each_steps_last(tmp_path):
 def test_calibration_reads_the_last_step_of_the_lineage(tmp_path, monkeypatch):
     """plan --calibrate takes the step time of trace.json's step: the last row of the attempt that went on,
     not the last line of the file."""
-    from pipegpt.costs import cost
+    from pipegpt.costs import calibrated
     from pipegpt.schedule import build_plan, lower
 
     plan = lower(build_plan("1f1b", 2, 2))
-    (tmp_path / "config.json").write_text(json.dumps({"model": {}, "parallel": {"tp": 1}}))
+    config = {"model": {}, "parallel": {"tp": 1}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     _write(tmp_path, [{"step": 0, "attempt": 1, "step_time_s": 1.0}, {"step": 1, "attempt": 1, "step_time_s": 9.0},
                       {"step": 1, "attempt": 2, "step_time_s": 2.0}, {"step": 0, "attempt": 3, "step_time_s": 7.0}])
-    assert cost._run_shape(str(tmp_path), plan).step_time_s == 7.0
+    assert calibrated.run_shape(str(tmp_path), config, plan).step_time_s == 7.0
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -7,13 +7,13 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import assert_one_line_error, invoke
-from pipegpt import options as opts
+from pipegpt import command_options, options as opts
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig, model_config
 
 
 @click.command()
 @opts.config_options
-@opts.model_options
+@command_options.model_options
 @click.option("--config", "config_file", default=None)
 @click.pass_context
 def _build(ctx, config_file, **options):
@@ -71,7 +71,7 @@ def test_the_cli_shows_a_bad_kv_head_count_in_one_line():
     ModelConfig(n_layer=2, n_embd=64, ffn_hidden=100, norm_eps=1e-6, tie_embeddings=False),
 ])
 def test_model_flags_build_the_same_model(model):
-    flags = opts.model_flags(model, "bytes").split()
+    flags = command_options.model_flags(model, "bytes").split()
     assert flags[-2:] == ["--tokenizer", "bytes"]
     built = _model(*flags[:-2])
     assert built == model or (model.ffn_hidden is None and built.ffn_width == model.ffn_width

@@ -34,7 +34,7 @@ def _answer(rank, losses=(), stages=(), norm=math.nan):
 
 
 def test_the_cause_names_the_loss_first_then_the_latest_stage_with_bad_gradients():
-    from pipegpt.train.driver import nonfinite_cause
+    from pipegpt.train.loop import nonfinite_cause
 
     # the loss: on the last stage's first rank that saw it (dp 2: ranks 1 and 3 hold stage 1)
     results = [_answer(0, stages=[0]), _answer(1, [2.0, math.inf], [1]), _answer(2), _answer(3, [math.nan])]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.config import MODEL_PRESETS
 from pipegpt.model.gpt import GPT
-from pipegpt.runtime import PipelineRuntime
+from pipegpt.stages.runtime import PipelineRuntime
 from pipegpt.schedule import build_plan, lower
 from pipegpt.stages import Stage
 

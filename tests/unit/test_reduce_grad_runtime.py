@@ -11,11 +11,11 @@ from pipegpt.data_parallel.shard_ops import NATIVE
 from pipegpt.comm.p2p import PointToPoint
 from pipegpt.config import ModelConfig, TrainConfig
 from pipegpt.model.gpt import GPT
-from pipegpt.runtime import PipelineRuntime
+from pipegpt.stages.runtime import PipelineRuntime
 from pipegpt.schedule import Action, Kind, ScheduleError, add_reduce_grad, build_plan, lower
 from pipegpt.schedule.schedule_file import dump_schedule_text
 from pipegpt.stages import Stage
-from pipegpt.train.driver import make_plan
+from pipegpt.planner.run_plan import make_plan
 
 MODEL = ModelConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, n_embd=16)
 
@@ -113,3 +113,55 @@ def test_a_schedule_file_replays_with_or_without_reductions(tmp_path):
     late.write_text(dump_schedule_text(written).replace("1REDUCE_GRAD 1SEND_B3", "1SEND_B3 1REDUCE_GRAD"))
     plan = make_plan(cfg.replace(schedule_file=str(late), stages=None, microbatches=None, dp=2))
     assert plan.ranks[1][-2:] == (Action.parse("1SEND_B3"), Action.parse("1REDUCE_GRAD"))
+
+
+class Gathers:
+    """Collectives for ZeRO-3's actions that do nothing."""
+
+    def reduce_grad(self, stage: int) -> None: ...
+    def unshard(self, stage: int) -> None: ...
+    def reshard(self, stage: int) -> None: ...
+    def ready(self, stage: int, backward: bool) -> None: ...
+
+
+def test_every_collective_kind_has_a_row_naming_a_group_of_the_mesh():
+    from pipegpt.dims import GROUP_AXES
+    from pipegpt.schedule.actions import COLLECTIVE_KINDS
+    from pipegpt.stages.runtime import COLLECTIVE_RUNS, GROUP_WORDS
+
+    assert set(COLLECTIVE_RUNS) == set(COLLECTIVE_KINDS)
+    assert {run.group for run in COLLECTIVE_RUNS.values()} <= set(GROUP_AXES) and set(GROUP_WORDS) == set(GROUP_AXES)
+    assert all(callable(getattr(Gathers(), run.method)) for run in COLLECTIVE_RUNS.values())
+
+
+def gathering_plan(plan):
+    return plan.with_ranks([(Action.parse("0UNSHARD"),) + plan.ranks[0] + (Action.parse("0RESHARD"),)])
+
+
+def test_a_collectives_whereabouts_name_its_groups_peers():
+    plan = gathering_plan(add_reduce_grad(build_plan("1f1b", 1, 2)))
+    stage = whole_model(plan)
+    runtime = PipelineRuntime(plan, 0, {0: stage}, PointToPoint(0, 5.0, "cpu"), [0], (1, MODEL.seq_len, MODEL.n_embd),
+                              torch.float32, "cpu", collectives=Gathers(), group_members={"dp_cp": [0, 2, 4]})
+    assert runtime.at[0][2:] == ((2, 4), "its data-parallel peers, ranks 2, 4 (gathering stage 0's parameters)")
+    assert runtime.at[-1][2:] == ((2, 4), "its data-parallel peers, ranks 2, 4 (freeing stage 0's parameters)")
+    assert runtime.at[-2][2:] == ((), "nobody (launching a gradient reduction)")
+    assert runtime.ready_at[1][2][2:] == runtime.at[0][2:]  # the wait before 0F0 is the gather's
+    # Without the members (a test's runtime), the group is named as before.
+    unnamed = one_rank(plan, stage, Gathers())
+    assert unnamed.at[0][2:] == ((), "its data-parallel peers (gathering stage 0's parameters)")
+
+
+def test_a_collective_over_another_group_is_named_by_that_group(monkeypatch):
+    from pipegpt.stages import runtime as runtime_module
+
+    monkeypatch.setitem(runtime_module.COLLECTIVE_RUNS, Kind.UNSHARD,
+                        runtime_module.COLLECTIVE_RUNS[Kind.UNSHARD]._replace(group="tp"))
+    plan = gathering_plan(build_plan("1f1b", 1, 2))
+    stage = whole_model(plan)
+    runtime = PipelineRuntime(plan, 1, {0: stage}, PointToPoint(1, 5.0, "cpu"), [1], (1, MODEL.seq_len, MODEL.n_embd),
+                              torch.float32, "cpu", collectives=Gathers(), group_members={"tp": [0, 1], "dp_cp": [1]})
+    assert runtime.at[0][2:] == ((0,), "its tensor-parallel peers, rank 0 (gathering stage 0's parameters)")
+    assert runtime.at[-1][2:] == ((), "its data-parallel peers (freeing stage 0's parameters)")
+    with pytest.raises(ScheduleError, match="no tensor-parallel peers to gather its parameters from"):
+        one_rank(plan, stage)

@@ -1,5 +1,5 @@
 """Bucketed sums: one collective per bucket of tensors, not one per tensor (the latency of a collective is paid
-per call). The bucket size is also the flat buffers' (pipegpt.data_parallel, where data parallelism lives)."""
+per call). The bucket size is also the flat buffers' (buffers.py)."""
 from __future__ import annotations
 
 import torch

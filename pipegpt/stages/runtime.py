@@ -1,6 +1,8 @@
 """The runtime walks plan.ranks[rank] and dispatches each action to a Stage, to comm or to a collective.
 
 It decides nothing about order: the lowered plan from pipegpt.schedule does.
+A collective action runs by its kind's row in COLLECTIVE_RUNS: the `collectives` method that runs it and the
+process group it acts on (by its name in pipegpt.dims.GROUP_AXES), which refusals and the watchdog's labels name.
 A REDUCE_GRAD launches the stage's gradient reduction on the `collectives`
 object it is given (the training role's train.grad_sync.PlanCollectives); it
 overlaps what follows, and the worker waits for it after the step. An UNSHARD
@@ -30,10 +32,11 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from pipegpt.comm.p2p import Message, PointToPoint
+from pipegpt.dims import REPLICAS
 from pipegpt.schedule.actions import COLLECTIVE_KINDS, Action, Kind, Plan, ScheduleError
 from pipegpt.schedule.messages import comm_batches, release_points
-from pipegpt.stages import Stage
-from pipegpt.timing import clock_for, device_marker
+from pipegpt.stages.stage import Stage
+from pipegpt.stages.timing import clock_for, device_marker
 
 DEVICE_QUERY_S = 1.0  # how long where() waits for the device's marks: a query can block while the host synchronises
 DEVICE_UNKNOWN = (None, "unknown action", (), f"unknown (its device marks did not answer within {DEVICE_QUERY_S:g}s)")
@@ -44,7 +47,7 @@ OPTIMIZER_STEP = (None, "optimizer step", (), "nobody (updating the parameters)"
 class StepResult:
     losses: list[float]  # per microbatch, on the rank holding the last stage
     # (action, start_s, end_s) on time.perf_counter()'s time line, which on Linux is one clock for
-    # every process of the machine, so ranks' events line up in one timeline (pipegpt.timing).
+    # every process of the machine, so ranks' events line up in one timeline (pipegpt.stages.timing).
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
 
@@ -111,6 +114,40 @@ class _Batch(NamedTuple):
     releases: tuple  # (SEND, whereabouts): the sends to wait for and drop once the receives are in
 
 
+class CollectiveKind(NamedTuple):
+    """How the runtime runs one kind of collective action, and what it says of a rank inside one."""
+
+    method: str  # the collectives' method that runs it: method(stage)
+    group: str  # the process group it acts on, by its name in pipegpt.dims.GROUP_AXES
+    purpose: str  # what the rank would do with the group, for a refusal ("to reduce its gradients with")
+    doing: str  # what a rank in it does, for the watchdog ("gathering stage {stage}'s parameters")
+    waits_for_group: bool  # False: launched, waited for after the step; True: the rank may wait for its peers
+
+
+# Every collective kind of the schedule (pipegpt.schedule.actions.COLLECTIVE_KINDS), by kind: a new one is a row.
+COLLECTIVE_RUNS = {
+    Kind.REDUCE_GRAD: CollectiveKind("reduce_grad", REPLICAS, "to reduce its gradients with",
+                                     "launching a gradient reduction", False),
+    Kind.UNSHARD: CollectiveKind("unshard", REPLICAS, "to gather its parameters from",
+                                 "gathering stage {stage}'s parameters", True),
+    Kind.RESHARD: CollectiveKind("reshard", REPLICAS, "to free its parameters with",
+                                 "freeing stage {stage}'s parameters", True),
+}
+
+# A group's ranks in words, by its name in pipegpt.dims.GROUP_AXES: (who they are, what each one is to another).
+GROUP_WORDS = {
+    "dp": ("data-parallel", "replicas"),
+    "dp_cp": ("data-parallel", "replicas"),  # cp ranks hold the same weights: replicas to the gradients' average
+    "cp": ("context-parallel", "peers"),
+    "tp": ("tensor-parallel", "peers"),
+    "pp": ("pipeline", "peers"),
+    "model": ("model-replica", "peers"),
+    "embedding": ("tied-embedding", "peers"),
+    "ep": ("expert-parallel", "peers"),
+    "edp": ("expert data-parallel", "replicas"),
+}
+
+
 class Collectives(Protocol):
     """What runs a plan's collective actions on this rank."""
 
@@ -130,19 +167,24 @@ class Collectives(Protocol):
 class PipelineRuntime:
     def __init__(self, plan: Plan, rank: int, stages: dict[int, Stage], p2p: PointToPoint,
                  pipeline_ranks: list[int], activation_shape: tuple[int, ...], dtype, device,
-                 collectives: Collectives | None = None, message_dtype=None):
+                 collectives: Collectives | None = None, message_dtype=None,
+                 group_members: dict[str, list[int]] | None = None):
+        """group_members: the ranks of each of this rank's groups by name (comm.mesh.Mesh.members), whom a
+        collective action waits for (the watchdog's edges); without them its whereabouts name the group only."""
         self.plan, self.rank, self.stages, self.p2p = plan, rank, stages, p2p
         self.actions = plan.ranks[pipeline_ranks.index(rank)]
         self.names = [str(a) for a in self.actions]  # trace labels, formatted once, not per step
         self.batch_end = dict(comm_batches(self.actions, eager_sends=p2p.matches_by_tag))
         self.collective_at = {i: a for i, a in enumerate(self.actions) if a.kind in COLLECTIVE_KINDS}
         self.collectives = collectives
-        self.run_collective = {kind: getattr(collectives, kind.value.lower(), None)
-                               for kind in (Kind.REDUCE_GRAD, Kind.UNSHARD, Kind.RESHARD)}
+        self.group_members = group_members or {}
+        self.run_collective = {kind: getattr(collectives, run.method, None) for kind, run in COLLECTIVE_RUNS.items()}
         for a in self.collective_at.values():
+            run = COLLECTIVE_RUNS[a.kind]
             if collectives is None:
-                raise ScheduleError(f"rank {rank}: the plan has {a}, but this rank has no data-parallel "
-                                    f"replicas to reduce its gradients with")
+                who, members = GROUP_WORDS[run.group]
+                raise ScheduleError(f"rank {rank}: the plan has {a}, but this rank has no {who} {members} "
+                                    f"{run.purpose}")
             if self.run_collective[a.kind] is None:
                 raise ScheduleError(f"rank {rank}: the plan has {a}, and this rank's collectives do not run "
                                     f"{a.kind.value}")
@@ -168,7 +210,7 @@ class PipelineRuntime:
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
         # Index of a compute action -> the ready() call before it: (stage, backward, where the wait is).
         self.ready_at = {} if self.ready is None else {
-            i: (s, backward, (i, self.names[i], (), f"its data-parallel peers (gathering stage {s}'s parameters)"))
+            i: (s, backward, (i, self.names[i], *self._in_group(COLLECTIVE_RUNS[Kind.UNSHARD], s)))
             for i, (s, backward) in ready_points(self.actions).items()}
         # A comm batch is posted, and marked, as one: its whereabouts name every peer in it, not its first action's.
         self.batch_at = {i: self._batch_whereabouts(i, end) for i, end in self.batch_end.items()}
@@ -222,14 +264,22 @@ class PipelineRuntime:
     def _whereabouts(self, i: int, a: Action) -> tuple[int, str, tuple[int, ...], str]:
         if a.kind.is_compute:
             return i, self.names[i], (), "nobody (computing)"
-        if a.kind is Kind.REDUCE_GRAD:  # launched, not waited for: the worker waits after the step
-            return i, self.names[i], (), "nobody (launching a gradient reduction)"
         if a.kind.is_collective:
-            what = "gathering" if a.kind is Kind.UNSHARD else "freeing"
-            return i, self.names[i], (), f"its data-parallel peers ({what} stage {a.stage}'s parameters)"
+            return (i, self.names[i], *self._in_group(COLLECTIVE_RUNS[a.kind], a.stage))
         receive, forward = a.kind in (Kind.RECV_F, Kind.RECV_B), a.kind in (Kind.SEND_F, Kind.RECV_B)
         peer = self.owner[a.stage + 1 if forward else a.stage - 1]
         return i, self.names[i], (peer,), (f"receive {a} from rank {peer}" if receive else f"send {a} to rank {peer}")
+
+    def _in_group(self, run: CollectiveKind, stage: int) -> tuple[tuple[int, ...], str]:
+        """Whom a rank inside a collective of this kind waits for, and what it waits for: the group's other ranks
+        (where the runtime knows them) named as the group's, or nobody for one it only launches."""
+        doing = run.doing.format(stage=stage)
+        if not run.waits_for_group:  # launched, not waited for: the worker waits after the step
+            return (), f"nobody ({doing})"
+        who, _ = GROUP_WORDS[run.group]
+        peers = tuple(r for r in self.group_members.get(run.group, ()) if r != self.rank)
+        named = f", {_ranks(peers)}" if peers else ""
+        return peers, f"its {who} peers{named} ({doing})"
 
     def _batch_whereabouts(self, start: int, end: int) -> tuple[int, str, tuple[int, ...], str]:
         """A comm batch's whereabouts: its actions, every peer and what it exchanges with each."""
