@@ -91,15 +91,15 @@ def assert_moe_matches(cfg: TrainConfig, host, steps: int) -> None:
         assert any(b.abs().sum() > 0 for b in biases.values()), "the bias never moved"
 
 
-CASES = [(1, 2, "1f1b", 0, MOE), (1, 2, "zb-h1", 0, MOE),
-         (1, 2, "1f1b", 0, dataclasses.replace(MOE, router_aux_loss_coef=0.0, router_z_loss_coef=1e-3)),
-         (2, 2, "1f1b", 1, MOE), (2, 2, "zb-h1", 3, MOE)]
+CASES = [(1, 2, "1f1b", 0, MOE, "none"), (1, 2, "zb-h1", 0, MOE, "none"),
+         (1, 2, "1f1b", 0, dataclasses.replace(MOE, router_aux_loss_coef=0.0, router_z_loss_coef=1e-3), "none"),
+         (2, 2, "1f1b", 1, MOE, "none"), (2, 2, "zb-h1", 3, MOE, "none"), (1, 2, "zb-h1", 0, MOE, "full")]
 
 
-@pytest.mark.parametrize("dp, p, schedule, zero, model", CASES,
-                         ids=["1f1b", "zb-h1", "no-aux-z-loss", "dp2-zero1", "dp2-zb-h1-zero3"])
-def test_moe_pipeline_matches_one_process(workers, dp, p, schedule, zero, model):  # noqa: F811
-    cfg = moe_config(p, model, dp=dp, schedule=schedule, zero=zero)
+@pytest.mark.parametrize("dp, p, schedule, zero, model, recompute", CASES,
+                         ids=["1f1b", "zb-h1", "no-aux-z-loss", "dp2-zero1", "dp2-zb-h1-zero3", "zb-h1-recompute"])
+def test_moe_pipeline_matches_one_process(workers, dp, p, schedule, zero, model, recompute):  # noqa: F811
+    cfg = moe_config(p, model, dp=dp, schedule=schedule, zero=zero, recompute=recompute)
     check(cfg)
     host = workers(cfg)
     assert_moe_matches(cfg, host, steps=1)

@@ -231,3 +231,16 @@ def test_the_grouped_matmul_equals_the_loop(dtype):
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5 if dtype == torch.float32 else 1e-2)
         assert b.abs().max() > 1  # real gradients
+
+
+def test_the_planners_memory_counts_every_expert():
+    """Stage parameters (what the planner's memory sizes) are the built slices' own, experts and all."""
+    from pipegpt.costs import memory
+
+    model = dataclasses.replace(model_config("tiny-moe"), first_dense_layers=1)
+    for layers, embed, head in ((range(0, 2), True, False), (range(2, 4), False, True)):
+        built = GPT(model, layers=layers, embed=embed, head=head, init_seed=0).num_parameters()
+        assert memory.parameter_count(model, layers, embed, head) == built
+    experts = 3 * 8 * 96 * 128  # 8 experts of width 96 at C = 128: gate, up, proj
+    assert memory.parameter_count(model, range(1, 2), False, False) - \
+        memory.parameter_count(model, range(0, 1), False, False) == experts + 8 * 128 + 3 * 96 * 128 - 3 * 352 * 128
