@@ -9,8 +9,26 @@ import click
 from pipegpt.arch import ARCHITECTURES, GPT2
 from pipegpt.config import ARCHS, CP_COMM, MODEL_PRESETS, ConfigError, ModelConfig, model_config
 
+# The mixture-of-experts settings (docs/moe.md): each option sets the ModelConfig field of its name (--n-experts:
+# n_experts), its type and help here.
+EXPERT_OPTIONS = {
+    "n_experts": (int, "Routed experts per MoE layer (default: the preset's; 0: a dense model)."),
+    "n_experts_per_token": (int, "Experts each token goes to (top-k; default 2)."),
+    "n_shared_experts": (int, "Always-active experts (Qwen2-MoE's, DeepSeek's; default 0)."),
+    "expert_hidden": (int, "Each expert's SwiGLU width (default: --ffn-hidden)."),
+    "moe_every": (int, "Every k-th layer (from --first-dense-layers on) is MoE (default 1: all)."),
+    "first_dense_layers": (int, "The first k layers stay dense (DeepSeek's first_k_dense_replace; default 0)."),
+    "router_score": (click.Choice(["softmax", "sigmoid"]), "The router's scores (default softmax)."),
+    "router_aux_loss_coef": (float, "Load-balancing aux loss (Switch/Mixtral) coefficient (default 0)."),
+    "router_z_loss_coef": (float, "Router z-loss coefficient (default 0)."),
+    "router_bias_update_rate": (float, "DeepSeek-V3's aux-loss-free balancing: the router bias's step after each "
+                                       "update (default 0: off)."),
+    "moe_capacity_factor": (float, "Each expert's capacity as a multiple of its even share of a call's tokens; the "
+                                   "overflow is dropped and counted (default 0: dropless)."),
+}
 MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
-                 "tie_embeddings", "dropout", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "qkv_bias")
+                 "tie_embeddings", "dropout", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "qkv_bias",
+                 *EXPERT_OPTIONS)
 # settings of an architectural property (pipegpt.arch): given for an architecture without it, they are refused
 # (GPT-2 has no grouping, rotary positions or q/k/v biases of their own)
 ARCH_SPECIFIC = {"n_kv_head": ("--n-kv-head", "grouped_kv"), "rope_theta": ("--rope-theta", "rotary"),
@@ -44,6 +62,8 @@ def model_options(command):
         click.option("--dropout", type=float, default=None,
                      help="Dropout probability of the embedding, attention and residual branches (default: the "
                           "preset's, 0.0; fine-tuning often uses 0.1)."),
+        *[click.option(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
+          for name, (kind, text) in EXPERT_OPTIONS.items()],
     ]):
         command = option(command)
     return command
@@ -66,7 +86,7 @@ def model_from_options(options: dict, vocab_size: int | None = None) -> ModelCon
                         tie_embeddings=tie_from_flags(o), pad_vocab_to=64 if o["pad_vocab"] else None,
                         dropout=o["dropout"],
                         n_kv_head=o["n_kv_head"], ffn_hidden=o["ffn_hidden"], rope_theta=o["rope_theta"],
-                        norm_eps=o["norm_eps"], qkv_bias=o["qkv_bias"])
+                        norm_eps=o["norm_eps"], qkv_bias=o["qkv_bias"], **{name: o[name] for name in EXPERT_OPTIONS})
 
 
 def tie_from_flags(o: dict) -> bool | None:
@@ -105,6 +125,10 @@ def model_flags(model: ModelConfig, tokenizer: str) -> str:
             flags += "" if model.ffn_hidden is None else f" --ffn-hidden {model.ffn_hidden}"
             flags += "" if model.norm_eps == 1e-5 else f" --norm-eps {model.norm_eps}"
             flags += "" if model.tie_embeddings else " --no-tie-embeddings"
+        if model.n_experts:  # the settings that differ from a dense model's defaults
+            defaults = ModelConfig()
+            flags += "".join(f" --{name.replace('_', '-')} {getattr(model, name)}" for name in EXPERT_OPTIONS
+                             if getattr(model, name) != getattr(defaults, name))
     return f"{flags} --tokenizer {tokenizer}"
 
 

@@ -13,7 +13,8 @@ import click
 from click.core import ParameterSource
 
 from pipegpt.arch import ARCHITECTURES, GPT2
-from pipegpt.command_options import MODEL_OPTIONS, check_arch_flags, model_from_options, shown_value, tie_from_flags
+from pipegpt.command_options import (EXPERT_OPTIONS, MODEL_OPTIONS, check_arch_flags, model_from_options, shown_value,
+                                     tie_from_flags)
 from pipegpt.config import (MODEL_PRESETS, SECTIONS, ConfigError, ModelConfig, TrainConfig, canonical_tokenizer,
                             microbatch_size_for, option_flags)
 from pipegpt.dims import LAYOUT_FIELDS
@@ -235,7 +236,7 @@ def _file_model_options(ctx: click.Context, options: dict, model: dict, path: st
     filled = dict(options)
     as_options = {k: v for k, v in model.items() if k in ("preset", "n_layer", "n_embd", "n_head", "seq_len",
                                                         "vocab_size", "dropout", "arch", "n_kv_head", "ffn_hidden",
-                                                        "rope_theta", "norm_eps", "qkv_bias")}
+                                                        "rope_theta", "norm_eps", "qkv_bias", *EXPERT_OPTIONS)}
     if "pad_vocab_to" in model:
         as_options["pad_vocab"] = model["pad_vocab_to"] not in (None, 1)
     if "tie_embeddings" in model and not (given(ctx, "tie_embeddings") or given(ctx, "no_tie_embeddings")):
@@ -325,7 +326,7 @@ def _restore(ctx: click.Context, settings: dict, saved: dict, from_file: bool = 
 
 # model options that set the field of the same name
 _SAME_NAME = ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dropout", "arch", "n_kv_head", "ffn_hidden",
-              "rope_theta", "norm_eps", "qkv_bias")
+              "rope_theta", "norm_eps", "qkv_bias", *EXPERT_OPTIONS)
 
 
 def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: str,
@@ -383,7 +384,8 @@ def _fit_split(ctx: click.Context, settings: dict, saved: dict, model: ModelConf
 MODEL_FLAGS = {"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head", "seq_len": "--seq-len",
                "vocab_size": "--vocab-size", "pad_vocab_to": "--pad-vocab", "tie_embeddings": "--no-tie-embeddings",
                "dropout": "--dropout", "arch": "--arch", "n_kv_head": "--n-kv-head", "ffn_hidden": "--ffn-hidden",
-               "rope_theta": "--rope-theta", "norm_eps": "--norm-eps", "qkv_bias": "--qkv-bias"}
+               "rope_theta": "--rope-theta", "norm_eps": "--norm-eps", "qkv_bias": "--qkv-bias",
+               **{name: f"--{name.replace('_', '-')}" for name in EXPERT_OPTIONS}}
 
 
 def resume_changes(ctx: click.Context, cfg: TrainConfig, saved: dict) -> list[str]:

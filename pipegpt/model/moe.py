@@ -95,8 +95,8 @@ class SwiGLU(nn.Module):
 class MoE(nn.Module):
     def __init__(self, config):
         super().__init__()
-        C, E, H = config.n_embd, config.n_experts, config.expert_hidden
-        self.n_experts, self.top_k = E, config.n_experts_per_token
+        C, E, H = config.n_embd, config.n_experts, config.expert_width
+        self.n_experts, self.top_k = E, config.experts_per_token
         self.score, self.normalise = config.router_score, config.norm_topk_prob
         self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
         self.capacity_factor = config.moe_capacity_factor

@@ -244,3 +244,10 @@ def test_the_planners_memory_counts_every_expert():
     experts = 3 * 8 * 96 * 128  # 8 experts of width 96 at C = 128: gate, up, proj
     assert memory.parameter_count(model, range(1, 2), False, False) - \
         memory.parameter_count(model, range(0, 1), False, False) == experts + 8 * 128 + 3 * 96 * 128 - 3 * 352 * 128
+
+
+def test_unset_top_k_and_width_take_their_defaults():
+    model = _config(n_experts_per_token=None, expert_hidden=None, ffn_hidden=24)
+    layer = GPT(model, init_seed=0).blocks["0"].mlp
+    assert (layer.top_k, tuple(layer.experts_gate.shape)) == (2, (E, 24, C))
+    assert layer(torch.randn(3, C)).shape == (3, C)
