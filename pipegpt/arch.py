@@ -243,7 +243,8 @@ def _moe_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
     out = [("mlp.experts_gate", (E, H, C)), ("mlp.experts_up", (E, H, C)), ("mlp.experts_proj", (E, C, H)),
            ("mlp.router.weight", (E, C))]
     if S:
-        out += [("mlp.shared.gate.weight", (S, C)), ("mlp.shared.up.weight", (S, C)), ("mlp.shared.proj.weight", (C, S))]
+        out += [("mlp.shared.gate.weight", (S, C)), ("mlp.shared.up.weight", (S, C)),
+                ("mlp.shared.proj.weight", (C, S))]
     return out
 
 

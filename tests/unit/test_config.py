@@ -43,6 +43,10 @@ RUN_OPTIONS = [
     "--bind-cores", "--no-bind-cores",
     # several steps in one driver call: one RPC round trip for them (Keras' steps_per_execution)
     "--steps-per-call",
+    # mixtures of experts (issue 45): each sets the ModelConfig field of its name
+    "--n-experts", "--n-experts-per-token", "--n-shared-experts", "--expert-hidden", "--moe-every",
+    "--first-dense-layers", "--router-score", "--router-aux-loss-coef", "--router-z-loss-coef",
+    "--router-bias-update-rate", "--moe-capacity-factor",
 ]
 
 
