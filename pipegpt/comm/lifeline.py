@@ -21,7 +21,6 @@ Torch-free on purpose: this module is what the spawned process imports to run it
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import importlib
 import os
@@ -36,8 +35,9 @@ WATCH_EVERY_S = 0.5
 
 @functools.lru_cache(maxsize=None)
 def _libc() -> ctypes.CDLL:
-    # Kept: find_library runs `ldconfig -p`; the preload server's forked workers reuse the server's handle.
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    # The symbols the interpreter already has (libc's among them): find_library("c") would run `ldconfig -p`
+    # in a subprocess, a child of every worker (and of the preload server) for a few milliseconds.
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def parent_death_signal(sig: int = signal.SIGKILL) -> bool:

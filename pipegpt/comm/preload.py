@@ -55,7 +55,7 @@ LATE_NAMES = frozenset({"TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "SPT_NOENV", "
                         "CUDA_VISIBLE_DEVICES", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD"})
 LATE_PREFIXES = ("PIPEGPT_", "NCCL_")
 POLL_S = 0.05
-STREAMS = (0, 1, 2)
+STREAMS = (1, 2)  # stdout, stderr; a worker's stdin is /dev/null, as a spawned one's
 
 
 def read_late(name: str) -> bool:
@@ -208,14 +208,21 @@ def serve(conn, modules: tuple[str, ...]) -> None:
     start_env = dict(os.environ)
     refusal = _preload(modules)
     gc.freeze()  # what was imported is never collected: no collection walks (and copies) the forked pages
+    exits: dict[int, int] = {}  # a descriptor readable once the worker exits (pidfd) -> its pid
+    polled = False  # no pidfd here (Linux before 5.3): look for exits every POLL_S
     while True:
         try:
-            if conn.poll(POLL_S):
+            ready = multiprocessing.connection.wait([conn, *exits], timeout=POLL_S if polled else None)
+            if conn in ready:
                 message = conn.recv()
                 with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
                     fds = reduction.recvfds(s, len(message[-1])) if message[-1] else []
-                _fork(conn, message, fds, refusal or _env_refusal(start_env, message[4]))
-            _report_exits(conn)
+                for pid in _fork(conn, message, fds, refusal or _env_refusal(start_env, message[4])):
+                    try:
+                        exits[os.pidfd_open(pid)] = pid
+                    except (AttributeError, OSError):
+                        polled = True
+            _report_exits(conn, exits)
         except (EOFError, OSError):
             return  # the driver is gone or done: the workers die with this process
 
@@ -253,7 +260,8 @@ def _env_refusal(start_env: dict[str, str], env: dict[str, str]) -> str | None:
     return f"the environment changed since the preload server started ({', '.join(changed)})" if changed else None
 
 
-def _fork(conn, message: tuple, fds: list[int], refusal: str | None) -> None:
+def _fork(conn, message: tuple, fds: list[int], refusal: str | None) -> list[int]:
+    """The workers a request asks for, forked (their pids), or none and the refusal sent."""
     _, target, args_per_worker, names, env, cwd, cores, streams = message
     pids = []
     if refusal is None:
@@ -266,6 +274,7 @@ def _fork(conn, message: tuple, fds: list[int], refusal: str | None) -> None:
     for fd in fds:
         os.close(fd)
     conn.send(("refused", refusal) if refusal else ("forked", pids))
+    return pids
 
 
 def _become_worker(conn, server_pid: int, streams: dict[int, int], env: dict[str, str], cwd: str, cores: list[int],
@@ -276,37 +285,30 @@ def _become_worker(conn, server_pid: int, streams: dict[int, int], env: dict[str
         conn.close()
         bind_to_parent(server_pid)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for fd in STREAMS:
-            if fd in streams:
-                os.dup2(streams.pop(fd), fd)
-            else:
-                os.close(fd)
-        for fd in streams.values():
-            os.close(fd)
+        for fd, received in streams.items():
+            os.dup2(received, fd)
+            os.close(received)
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
         os.sched_setaffinity(0, cores)
-        multiprocessing.current_process().name = name
-        module, function = target.split(":")
-        getattr(importlib.import_module(module), function)(*args)
-        code = 0
-    except SystemExit as e:  # as a spawned process's exit status would be
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    except BaseException:  # noqa: BLE001 - printed as multiprocessing prints a target's exception
+        # multiprocessing's own start of a forked child (as its fork start method runs it): stdin closed, its
+        # after-fork hooks, the exit code and a failure's traceback as a spawned worker's. Not the interpreter's
+        # exit handlers, which a fork start skips too (they would tear down torch's registrations one by one).
+        code = multiprocessing.Process(target=_run_named, args=(target, *args), name=name)._bootstrap()
+    except BaseException:  # noqa: BLE001 - the worker's setup failed: said, and the exit code tells the driver
         traceback.print_exc()
     finally:
-        try:
-            import atexit
-
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        os._exit(code)
 
 
-def _report_exits(conn) -> None:
+def _run_named(target: str, *args) -> None:
+    module, function = target.split(":")
+    getattr(importlib.import_module(module), function)(*args)
+
+
+def _report_exits(conn, exits: dict[int, int]) -> None:
+    """Reap the workers that exited and tell the driver their exit codes."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -314,4 +316,7 @@ def _report_exits(conn) -> None:
             return
         if pid == 0:
             return
+        for fd in [fd for fd, watched in exits.items() if watched == pid]:
+            os.close(fd)
+            del exits[fd]
         conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))

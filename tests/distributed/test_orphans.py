@@ -128,8 +128,10 @@ def test_killing_the_driver_while_workers_start_leaves_no_process(tmp_path, afte
 
 
 def _forked_workers(pid: int) -> list[int]:
-    """The driver's grandchildren: workers forked by its preload server (pipegpt.comm.preload)."""
-    return [grandchild for child in _children(pid) for grandchild in _children(child)]
+    """The driver's grandchildren that are workers forked by its preload server (pipegpt.comm.preload): the
+    server's command line, or their title."""
+    return [grandchild for child in _children(pid) for grandchild in _children(child)
+            if _is_worker(grandchild) or proc_cmdline(grandchild).startswith("pipegpt: rank")]
 
 
 @pytest.mark.parametrize("after_s", [0.0, 0.3], ids=["at-fork", "while-joining"])
