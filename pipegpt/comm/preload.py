@@ -12,10 +12,11 @@ the server's death kills the workers). The server reaps its workers and reports 
 which cannot wait for processes that are not its children (ForkedWorker: multiprocessing.Process's view).
 
 What a spawned worker would have received from the driver at its start, a forked one receives with its fork
-request: the environment (replaced whole), the working directory, the CPU affinity and the standard streams.
+request: the environment (replaced whole), the working directory, the CPU affinity, stdout and stderr.
 A variable read while torch is imported (TORCH_CPP_LOG_LEVEL, OMP_NUM_THREADS, ...) cannot change after the
 fact: a request whose environment differs from the server's in anything but the variables read later
-(read_late) is refused, and LocalCluster spawns its workers as before. Refused too: a server that found the
+(read_late) is refused, and LocalCluster spawns its workers as before (LocalCluster.start_method says which
+and why). Refused too: a server that found the
 CUDA driver loaded after its imports (forking after CUDA is initialised is unsafe; the server only imports,
 and torch's own CUDA check goes through NVML here), and one that could not import its modules.
 
@@ -32,7 +33,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 from multiprocessing import reduction
 
@@ -78,7 +78,9 @@ _server_lock = threading.Lock()
 
 def start_early(modules: tuple[str, ...] = PRELOADED) -> Preloader | None:
     """Start this process's preload server now (once; later calls return it), importing `modules`; None where
-    workers cannot be forked here. A driver calls it as early as it can, before importing torch itself."""
+    workers cannot be forked here. A local driver calls it as early as it can, before importing torch itself
+    (not under torchrun, which starts every process itself), from its main thread: the parent-death signal that
+    binds the server follows the thread that started it."""
     global _server
     if not supported():
         return None
@@ -110,7 +112,10 @@ class Preloader:
         self.forked: list[int] = []
         self.gone = False  # the server's end is closed: it exited
         self._answers: list[tuple] = []
-        self._lock = threading.RLock()
+        self._said = threading.Condition()
+        # The server's words are read on a thread of their own: a signal's exception (SIGTERM, ^C) raised in the
+        # driver's main thread in the middle of a message would leave the rest of it to be read as the next one.
+        threading.Thread(target=self._read, name="pipegpt-preload-reader", daemon=True).start()
 
     def fork(self, target: str, args_per_worker: list[tuple], names: list[str],
              timeout_s: float) -> list[ForkedWorker] | str:
@@ -119,47 +124,51 @@ class Preloader:
         streams = [fd for fd in STREAMS if _is_open(fd)]
         request = ("fork", target, args_per_worker, names, dict(os.environ), os.getcwd(),
                    sorted(os.sched_getaffinity(0)), streams)
-        with self._lock:
-            try:
-                self.conn.send(request)
-                with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    reduction.sendfds(s, streams)
-            except OSError:
-                self._lost()
-                return f"the preload server exited (code {self.proc.exitcode})"
+        try:
+            self.conn.send(request)
+            with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                reduction.sendfds(s, streams)
+        except OSError:
+            return f"the preload server exited (code {self.proc.exitcode})"
         window = WaitWindow(timeout_s)
-        while not self._answers:
-            self.poll(POLL_S)
-            window.poll()  # a pause of this process is not the server's time
-            if self.gone and not self._answers:
-                return f"the preload server exited (code {self.proc.exitcode})"
-            if window.timed_out():
-                return f"the preload server did not answer within {timeout_s:.0f}s"
-        kind, value = self._answers.pop(0)
+        with self._said:
+            while not self._answers:
+                if self.gone:
+                    return f"the preload server exited (code {self.proc.exitcode})"
+                if window.timed_out():
+                    return f"the preload server did not answer within {timeout_s:.0f}s"
+                self._said.wait(POLL_S)
+                window.poll()  # a pause of this process is not the server's time
+            kind, value = self._answers.pop(0)
         if kind == "refused":
             return value
-        self.forked += value
         return [ForkedWorker(self, pid, name) for pid, name in zip(value, names)]
 
-    def poll(self, timeout: float = 0.0) -> None:
-        """Read what the server said (answers, exits), waiting at most timeout for the first word."""
-        with self._lock:
-            try:
-                while not self.gone and self.conn.poll(timeout):
-                    message = self.conn.recv()
-                    timeout = 0.0
+    def exitcode(self, pid: int) -> int | None:
+        with self._said:
+            return self.exits.get(pid)
+
+    def wait_exit(self, pid: int, timeout: float | None) -> None:
+        with self._said:
+            self._said.wait_for(lambda: pid in self.exits, timeout)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self.conn.recv()
+                with self._said:
                     if message[0] == "exited":
                         self.exits[message[1]] = message[2]
                     else:
+                        self.forked += message[1] if message[0] == "forked" else []
                         self._answers.append(message)
-            except (EOFError, OSError):
-                self._lost()
-
-    def _lost(self) -> None:
-        """The server is gone: its workers were killed with it (parent-death signal)."""
-        self.gone = True
-        for pid in self.forked:
-            self.exits.setdefault(pid, -signal.SIGKILL)
+                    self._said.notify_all()
+        except (EOFError, OSError):  # the server is gone: its workers were killed with it (parent-death signal)
+            with self._said:
+                self.gone = True
+                for pid in self.forked:
+                    self.exits.setdefault(pid, -signal.SIGKILL)
+                self._said.notify_all()
 
 
 class ForkedWorker:
@@ -171,16 +180,13 @@ class ForkedWorker:
 
     @property
     def exitcode(self) -> int | None:
-        self.preloader.poll()
-        return self.preloader.exits.get(self.pid)
+        return self.preloader.exitcode(self.pid)
 
     def is_alive(self) -> bool:
         return self.exitcode is None
 
     def join(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.exitcode is None and (deadline is None or time.monotonic() < deadline):
-            self.preloader.poll(POLL_S)
+        self.preloader.wait_exit(self.pid, timeout)
 
     def kill(self) -> None:
         if self.exitcode is None:  # not reaped yet, so the pid is still this worker's

@@ -79,6 +79,8 @@ def test_a_dead_server_takes_its_workers(server):
     while any(_alive(w.pid) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(w.pid) for w in workers)
+    for w in workers:
+        w.join(5)
     assert [w.exitcode for w in workers] == [-signal.SIGKILL] * 2  # what the driver is told
 
 
