@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
+from pipegpt.comm import preload
 from pipegpt.comm.lifeline import run_worker
 from pipegpt.comm.wait_window import WaitWindow, pause_line
 
@@ -92,7 +93,8 @@ def quiet_torch_warnings() -> None:
 
 def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int,
                        cores: tuple[int, ...] | None = None) -> None:
-    """A LocalCluster worker, once pipegpt.comm.lifeline has bound it to the driver (its process target)."""
+    """A LocalCluster worker, once pipegpt.comm.lifeline has bound it to the driver (its process target), or to the
+    preload server that forked it (pipegpt.comm.preload)."""
     if cores:  # first, so every thread this process starts (torch's, gloo's, RPC's) inherits the mask
         os.sched_setaffinity(0, cores)
     quiet_torch_warnings()
@@ -364,12 +366,11 @@ class LocalCluster(Cluster):
     """
 
     def __init__(self, world_size: int, timeout_s: float, threads_per_worker: int, group_port: int | None = None,
-                 cores: list[tuple[int, ...]] | None = None):
+                 cores: list[tuple[int, ...]] | None = None, preloaded: bool = True):
+        """preloaded: fork the workers from this process's preload server (pipegpt.comm.preload), where it can;
+        otherwise, and where it refuses, each is spawned (start_method says which, and why)."""
         self.world_size, self.timeout_s = world_size, timeout_s
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # keep RPC on loopback: one machine
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        # TensorPipe logs every closed connection at shutdown as a warning; failures reach us anyway.
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        preload.apply_local_env()
         self.store = dist.TCPStore("127.0.0.1", group_port or 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout_s))
         self.group_init_method = f"tcp://127.0.0.1:{self.store.port}"
@@ -387,16 +388,9 @@ class LocalCluster(Cluster):
             joined.set()
 
         threading.Thread(target=join_rpc, daemon=True).start()  # binds the control plane's port at once
-        ctx = mp.get_context("spawn")
-        # The target is lifeline's, a torch-free module: the new process is tied to this one before it
-        # spends seconds importing torch, so a driver killed at any moment takes its workers with it.
-        self.procs = [ctx.Process(target=run_worker, daemon=False, name=f"pipegpt-rank{r}",
-                                  args=(os.getpid(), f"{__name__}:_local_worker_main",
-                                        r, world_size, init_method, timeout_s, threads_per_worker,
-                                        cores[r] if cores else None))
-                      for r in range(world_size)]
-        for p in self.procs:
-            p.start()
+        args = [(r, world_size, init_method, timeout_s, threads_per_worker, cores[r] if cores else None)
+                for r in range(world_size)]
+        self.procs = self._start_workers(args, timeout_s, preloaded)
         window = WaitWindow(timeout_s)
         while not joined.wait(POLL_S):  # a worker that dies while starting must not leave us waiting
             self.check_alive()
@@ -407,6 +401,26 @@ class LocalCluster(Cluster):
         if error:
             self.kill()
             raise WorkerFailure(0, f"could not start the control plane: {_last_line(error[0])}")
+
+    def _start_workers(self, args: list[tuple], timeout_s: float, preloaded: bool) -> list:
+        target, names = f"{__name__}:_local_worker_main", [f"pipegpt-rank{r}" for r in range(len(args))]
+        server = preload.server() if preloaded else None
+        why = "not preloaded: asked so" if not preloaded else "not preloaded: this platform cannot fork workers"
+        if server is not None:
+            workers = server.fork(target, args, names, timeout_s)
+            if not isinstance(workers, str):
+                self.start_method = "forked from the preload server"
+                return workers
+            why = workers
+        self.start_method = f"spawned ({why})"
+        ctx = mp.get_context("spawn")
+        # The target is lifeline's, a torch-free module: the new process is tied to this one before it
+        # spends seconds importing torch, so a driver killed at any moment takes its workers with it.
+        procs = [ctx.Process(target=run_worker, daemon=False, name=name, args=(os.getpid(), target, *a))
+                 for name, a in zip(names, args)]
+        for p in procs:
+            p.start()
+        return procs
 
     def check_alive(self) -> None:
         if self._closing:
