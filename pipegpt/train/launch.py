@@ -34,6 +34,12 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
     driver = not under_torchrun() or os.environ.get("RANK") == "0"  # the one process that writes the run directory
     out = Path(run_dir) if run_dir else resumed_run_dir(cfg)
     job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
+    if not under_torchrun() and resumed_step(cfg) < cfg.runtime.steps:
+        from pipegpt.comm.preload import PRELOADED, start_early
+
+        # the workers' torch import, once, while the driver takes its run directory (not before a refusal: it
+        # would compete with the refusing check for the cores)
+        start_early(PRELOADED + ("pipegpt.train.worker",))
     restarts, job.failed_at, job.steps_lost = restart_state(out)
     continuing = continuing or restarts > 0
     steps = cfg.runtime.steps
