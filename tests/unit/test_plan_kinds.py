@@ -1,0 +1,72 @@
+"""The planner on a model whose layers differ (tests/unit/test_layer_kinds.py's toy: GPT-2, C = 128, T = 64,
+V = 256, whose second half of layers has twice the MLP width): its memory and its step time count each layer as its
+kind, and the balance gives the wide stage fewer layers. Expected values are worked out by hand from the shapes and
+FLOPs there (fp32, 1e12 FLOP/s at efficiency 1, no host floor)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipegpt.planner.candidates import Layout, LayoutChoice, Request
+from pipegpt.planner.search import Search, evaluate_layout, search
+from pipegpt.dims import Sharding
+from test_layer_kinds import C, DENSE_BLOCK, EMBED, HEAD, V, WIDE_BLOCK, _costs, mixed  # noqa: F401 (a fixture)
+
+DENSE_F, WIDE_F = 27_262_976, 44_040_192  # one block's forward FLOPs per sequence (test_layer_kinds)
+PASSES = 3  # forward, and the backward's input and weight gradients: 3 x a block's forward FLOPs
+
+
+def _request(model, batch: int, **kw) -> Request:
+    cs = _costs()
+    return Request(model, batch, cs.cluster, cs.cost, **kw)
+
+
+def test_memory_counts_each_layer_as_its_kind(mixed):
+    """1F1B over two ranks, layers 3 + 1: rank 0 holds the embedding, two dense layers and a wide one, rank 1 a wide
+    layer, ln_f and its own lm_head; weights, gradients and AdamW's two moments in fp32."""
+    r = evaluate_layout(_request(mixed, 4), Layout(1, 2, 1, "1f1b", 1, 4, 1, layers_per_stage=(3, 1)))
+    params = [EMBED + 2 * DENSE_BLOCK + WIDE_BLOCK, WIDE_BLOCK + HEAD + V * C]
+    assert params == [767_360, 362_880]
+    assert [(x["weights"], x["gradients"], x["optimizer"]) for x in r.memory] == [(4 * n, 4 * n, 8 * n) for n in params]
+
+
+def test_the_search_plans_a_mixed_model(mixed):
+    """The whole search runs on it; its best plan on two GPUs (two replicas, ZeRO-1) holds every layer's weights."""
+    best = search(_request(mixed, 8, top=3)).best
+    assert len(best) == 3
+    top = best[0]
+    assert (top.layout.dp, top.layout.pp, top.layout.zero) == (2, 1, 1)
+    assert top.memory[0]["weights"] == 4 * (EMBED + 2 * DENSE_BLOCK + 2 * WIDE_BLOCK + HEAD) == 4 * 1_097_472
+
+
+def test_step_time_counts_each_layer_as_its_kind(mixed):
+    """One rank, four microbatches: the busy rank's compute is the dense model's plus, per microbatch, two layers'
+    extra MLP FLOPs (wide - dense) over their three passes; tensor- and context-parallel time do not depend on the
+    MLP's width, so they are the dense model's."""
+    dense = dataclasses.replace(mixed, arch="gpt2")
+    one = Layout(1, 1, 1, "1f1b", 1, 4, 1)
+    ask = lambda model, layout: evaluate_layout(_request(model, 4), layout).breakdown  # noqa: E731
+    extra = 4 * 2 * PASSES * (WIDE_F - DENSE_F) / 1e12
+    assert extra == pytest.approx(402.653184e-6, rel=1e-12)
+    assert ask(mixed, one)["compute"] - ask(dense, one)["compute"] == pytest.approx(extra, rel=1e-9)
+    cp_tp = dataclasses.replace(one, cp=2, tp=2, microbatches=2, microbatch_size=2)
+    for part in ("tp_comm", "cp_comm"):
+        assert ask(mixed, cp_tp)[part] > 0
+        assert ask(mixed, cp_tp)[part] == pytest.approx(ask(dense, cp_tp)[part], rel=1e-12)
+
+
+def test_the_layout_bound_counts_each_layer_as_its_kind(mixed):
+    """A layout's bound (a replica's least work over its ranks) is the dense model's plus the wide layers' extra."""
+    dense = dataclasses.replace(mixed, arch="gpt2")
+    bound = lambda model: Search(_request(model, 8)).layout_bound(LayoutChoice(Sharding(pp=2), model, False))  # noqa: E731
+    assert bound(mixed) - bound(dense) == pytest.approx(8 * 2 * PASSES * (WIDE_F - DENSE_F) / 1e12 / 2, rel=1e-9)
+
+
+def test_the_balance_gives_the_wide_stage_fewer_layers(mixed):
+    """Six layers (three dense, three wide) over two pipeline ranks: the search's plan splits them 4 + 2."""
+    six = dataclasses.replace(mixed, n_layer=6)
+    best = search(_request(six, 8, top=1, schedules=("1f1b",), only={"dp": 1, "pp": 2, "cp": 1, "tp": 1})).best[0]
+    assert (best.layout.layers_per_stage, best.layout.balanced) == ((4, 2), True)
+    assert [x["weights"] for x in best.memory] == [4 * (EMBED + 3 * DENSE_BLOCK + WIDE_BLOCK),
+                                                   4 * (2 * WIDE_BLOCK + HEAD + V * C)]
