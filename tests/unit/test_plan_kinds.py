@@ -1,4 +1,4 @@
-"""The planner on a model whose layers differ (tests/unit/test_layer_kinds.py's toy: GPT-2, C = 128, T = 64,
+"""The planner and the calibration on a model whose layers differ (tests/unit/test_layer_kinds.py's toy: GPT-2, C = 128, T = 64,
 V = 256, whose second half of layers has twice the MLP width): its memory and its step time count each layer as its
 kind, and the balance gives the wide stage fewer layers. Expected values are worked out by hand from the shapes and
 FLOPs there (fp32, 1e12 FLOP/s at efficiency 1, no host floor)."""
@@ -8,9 +8,11 @@ import dataclasses
 
 import pytest
 
+from pipegpt.costs.cost import RunShape, fit_calibrated_costs
 from pipegpt.planner.candidates import Layout, LayoutChoice, Request
 from pipegpt.planner.search import Search, evaluate_layout, search
 from pipegpt.dims import Sharding
+from pipegpt.schedule.simulate import Costs
 from test_layer_kinds import C, DENSE_BLOCK, EMBED, HEAD, V, WIDE_BLOCK, _costs, mixed  # noqa: F401 (a fixture)
 
 DENSE_F, WIDE_F = 27_262_976, 44_040_192  # one block's forward FLOPs per sequence (test_layer_kinds)
@@ -70,3 +72,21 @@ def test_the_balance_gives_the_wide_stage_fewer_layers(mixed):
     assert (best.layout.layers_per_stage, best.layout.balanced) == ((4, 2), True)
     assert [x["weights"] for x in best.memory] == [4 * (EMBED + 3 * DENSE_BLOCK + WIDE_BLOCK),
                                                    4 * (2 * WIDE_BLOCK + HEAD + V * C)]
+
+
+def test_calibration_predicts_each_stage_from_its_layers_kinds(mixed):
+    """plan --calibrate scales the FLOP model to a run's measured F, B and W: here a run of two stages (2 dense
+    layers and the embedding; 2 wide layers and the head) measured at twice, three times and once the analytical
+    times at peak. The prediction at 1e12 FLOP/s, in picoseconds: F = the blocks' forwards + the embedding's three
+    passes over T x C fp32 (98,304) | + the head's 2 T C V (4,194,304) and three passes over the logits (196,608);
+    B = twice the blocks' + the embedding's gradient, T C + 2 V C fp32 values (294,912) | + the head's 8,519,680;
+    W = the blocks' forwards + the embedding's 294,912 | + the head's matmul 4,194,304."""
+    ps = 1e-12
+    F = (98_304 + 2 * DENSE_F, 2 * WIDE_F + 4_390_912)
+    B = (294_912 + 4 * DENSE_F, 4 * WIDE_F + 8_519_680)
+    W = (294_912 + 2 * DENSE_F, 2 * WIDE_F + 4_194_304)
+    measured = Costs(tuple(2 * x * ps for x in F), tuple(3 * x * ps for x in B), tuple(x * ps for x in W), 1e-5)
+    run = RunShape(mixed, Sharding(), "none", 1, (2, 2), (0, 1), None)
+    fit = fit_calibrated_costs(_costs().cluster, run, measured, 1.0, [1, 1], "run")
+    assert (fit.scale_f, fit.scale_b, fit.scale_w) == (pytest.approx(2, rel=1e-12), pytest.approx(3, rel=1e-12),
+                                                       pytest.approx(1, rel=1e-12))
