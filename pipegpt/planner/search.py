@@ -185,7 +185,7 @@ class Search:
             sh = Sharding(**sizes)
             if sh.world_size > c.gpus or (req.exact_gpus and sh.world_size != c.gpus) or any(
                     req.only.get(axis) not in (None, size) for axis, size in sizes.items()) \
-                    or (req.zero and sh.replicas == 1):  # ZeRO shards over dp x cp
+                    or (req.zero and memory_model.gradient_group(sh) == 1):  # ZeRO shards over dp x cp
                 continue
             m_tp, pad = self.tp_model(sh.tp)
             if (sh.tp, sh.cp) not in sp:  # taken whenever validate_tp allows it (see the module docstring)
