@@ -5,11 +5,14 @@ FLOPs there (fp32, 1e12 FLOP/s at efficiency 1, no host floor)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
+from pipegpt.config import MODEL_PRESETS
 from pipegpt.costs.cost import RunShape, fit_calibrated_costs
 from pipegpt.planner.candidates import Layout, LayoutChoice, Request
+from pipegpt.planner.command import PlanOptions, plan_command
 from pipegpt.planner.search import Search, evaluate_layout, search
 from pipegpt.dims import Sharding
 from pipegpt.schedule.simulate import Costs
@@ -90,3 +93,18 @@ def test_calibration_predicts_each_stage_from_its_layers_kinds(mixed):
     fit = fit_calibrated_costs(_costs().cluster, run, measured, 1.0, [1, 1], "run")
     assert (fit.scale_f, fit.scale_b, fit.scale_w) == (pytest.approx(2, rel=1e-12), pytest.approx(3, rel=1e-12),
                                                        pytest.approx(1, rel=1e-12))
+
+
+def test_pipegpt_plan_prints_a_mixed_models_plans(mixed, monkeypatch):
+    """`pipegpt plan`'s work end to end (plan_command, --explain, text and JSON): the model line counts its kinds,
+    the first plan's memory is the whole model's weights on each of two replicas, its command names the preset."""
+    monkeypatch.setitem(MODEL_PRESETS, "toymix", mixed)  # what `pipegpt run --model` would build it from
+    opts = PlanOptions(gpus=2, batch_size=8, gpu_memory="8GiB", gpu_tflops=1, intra_node_gbps="800",
+                       precision="fp32", efficiency=1.0, layer_overhead_us=0, explain=True)
+    text = plan_command(mixed, opts)
+    assert text.startswith("model: toymix, 1.1M parameters: 4 layers (2 dense, 2 wide MLP), width 128")
+    assert "#1 dp2 pp1 tp1 1f1b m4x1 rc=none zero1" in text
+    assert "weights 4.2 MiB" in text  # 4 x 1,097,472 bytes
+    first = json.loads(plan_command(mixed, dataclasses.replace(opts, as_json=True)))["plans"][0]
+    assert first["memory_per_rank"][0]["weights"] == 4 * 1_097_472
+    assert first["command"].startswith("pipegpt run --model toymix --stages 1 --dp 2 --tp 1 --schedule 1f1b")
