@@ -348,7 +348,8 @@ def fit_calibrated_costs(cluster: Cluster, run: RunShape, measured, makespan: fl
     unit = AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0)
     shape = Shape(run.sharding, run.recompute, run.mbs)
     _, embed, head = unit.compute(run.model, shape)
-    blocks = {kind: unit.compute(kind.block_model(run.model), shape)[0] for kind in dict.fromkeys(layer_kinds(run.model))}
+    blocks = {kind: unit.compute(kind.block_model(run.model), shape)[0]
+              for kind in dict.fromkeys(layer_kinds(run.model))}
     S = len(run.layers)
     predicted = {"f": [], "b": [], "w": []}
     for s, layers in enumerate(stage_ranges(run.layers)):  # each layer at its kind's block

@@ -196,8 +196,9 @@ class Search:
 
     def cp_comms(self, model: ModelConfig, sharding: Sharding) -> tuple:
         """How K/V may travel on a layout: --cp-comm's way; else the ring, and the all-gather where a block (of
-        any layer kind) takes no longer with it (with or without recomputation, at one sequence per microbatch or many): where it
-        takes longer no plan of it wins, for it also holds more (the gathered K/V against two blocks)."""
+        any layer kind) takes no longer with it (with or without recomputation, at one sequence per microbatch or
+        many): where every block takes longer no plan of it wins, for it also holds more (the gathered K/V against
+        two blocks)."""
         if self.req.cp_comm or sharding.cp == 1:
             return (self.req.cp_comm or "ring",)
 

@@ -1,7 +1,8 @@
-"""The planner and the calibration on a model whose layers differ (tests/unit/test_layer_kinds.py's toy: GPT-2, C = 128, T = 64,
-V = 256, whose second half of layers has twice the MLP width): its memory and its step time count each layer as its
-kind, and the balance gives the wide stage fewer layers. Expected values are worked out by hand from the shapes and
-FLOPs there (fp32, 1e12 FLOP/s at efficiency 1, no host floor)."""
+"""The planner and the calibration on a model whose layers differ (tests/unit/test_layer_kinds.py's toy: GPT-2,
+C = 128, T = 64, V = 256, whose second half of layers has twice the MLP width): its memory and its step time count
+each layer as its kind, the balance gives the wide stage fewer layers, and plan --calibrate scales each stage's
+layers at their kinds. Expected values are worked out by hand
+from the shapes and FLOPs there (fp32, 1e12 FLOP/s at efficiency 1, no host floor)."""
 from __future__ import annotations
 
 import dataclasses
@@ -63,9 +64,11 @@ def test_step_time_counts_each_layer_as_its_kind(mixed):
 
 def test_the_layout_bound_counts_each_layer_as_its_kind(mixed):
     """A layout's bound (a replica's least work over its ranks) is the dense model's plus the wide layers' extra."""
-    dense = dataclasses.replace(mixed, arch="gpt2")
-    bound = lambda model: Search(_request(model, 8)).layout_bound(LayoutChoice(Sharding(pp=2), model, False))  # noqa: E731
-    assert bound(mixed) - bound(dense) == pytest.approx(8 * 2 * PASSES * (WIDE_F - DENSE_F) / 1e12 / 2, rel=1e-9)
+    def bound(model):
+        return Search(_request(model, 8)).layout_bound(LayoutChoice(Sharding(pp=2), model, False))
+
+    extra = 8 * 2 * PASSES * (WIDE_F - DENSE_F) / 1e12 / 2  # 8 sequences, 2 wide layers, over 2 ranks
+    assert bound(mixed) - bound(dataclasses.replace(mixed, arch="gpt2")) == pytest.approx(extra, rel=1e-9)
 
 
 def test_the_balance_gives_the_wide_stage_fewer_layers(mixed):
