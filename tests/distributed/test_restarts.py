@@ -270,15 +270,15 @@ def test_a_lost_device_under_context_parallelism_shrinks_and_goes_on_like_a_manu
         assert rows[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-5), s
 
 
-TINY = ("--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--vocab-size", "256",
-        "--threads-per-worker", "1")
+ISSUE_MODEL = ("--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--vocab-size", "256",
+               "--threads-per-worker", "1")  # issue 44's T, one stage: the layout is each test's
 
 
 @pytest.mark.slow
 def test_a_frozen_rank_is_the_one_a_restart_names(tmp_path):
     """Issue 44: freeze:1:3 at dp 2 said "rank 0 failed at step 3 (CommError: rank 0: data-parallel gradient
     reduction failed ...)": rank 0's collective timed out (--timeout 8) before rank 1's heartbeat did (10 s)."""
-    proc = run_pipegpt("run", *TINY, "--stages", "1", "--dp", "2", "--steps", "4", "--microbatches", "2",
+    proc = run_pipegpt("run", *ISSUE_MODEL, "--stages", "1", "--dp", "2", "--steps", "4", "--microbatches", "2",
                        "--save-every", "2", "--max-restarts", "1", "--timeout", "8", "--run-dir", tmp_path / "run",
                        timeout=300, env=clean_env(PIPEGPT_FAULT="freeze:1:3"))
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -292,9 +292,9 @@ def test_a_lost_device_under_zero_3_shrinks_to_one_replica_with_zero_lowered(tmp
     """Issue 44: at --dp 2 --zero 3, lose:1:3 said "no layout of this model and batch builds on 1 ranks" (rc 1);
     ZeRO lowered to 0 on the one replica left, the run goes on like a manual resume in that layout."""
     run_dir = tmp_path / "run"
-    proc = run_pipegpt("run", *TINY, "--stages", "1", "--dp", "2", "--zero", "3", "--steps", "6", "--microbatches",
-                       "2", "--save-every", "2", "--max-restarts", "1", "--min-ranks", "1", "--run-dir", run_dir,
-                       timeout=300, env=clean_env(PIPEGPT_FAULT="lose:1:3"))
+    proc = run_pipegpt("run", *ISSUE_MODEL, "--stages", "1", "--dp", "2", "--zero", "3", "--steps", "6",
+                       "--microbatches", "2", "--save-every", "2", "--max-restarts", "1", "--min-ranks", "1",
+                       "--run-dir", run_dir, timeout=300, env=clean_env(PIPEGPT_FAULT="lose:1:3"))
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     said = next(ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 1 failed at step 3"))
     assert ("dp 2 x pp 1 x tp 1, 1f1b, 2 microbatches -> dp 1 x pp 1 x tp 1, 1f1b, 4 microbatches, predicted step "
