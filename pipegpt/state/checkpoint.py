@@ -253,18 +253,20 @@ def _check_keys(checkpoint: Path, manifest: dict, keys: set[str]) -> None:
     """The files hold every parameter the manifest's model has and nothing of a parameter it has not (what a
     manifest edited to fewer layers, or another model's files, would leave out silently). A manifest without
     usable model settings is refused where the model is built (model_config)."""
-    from pipegpt.arch import named_shapes
+    from pipegpt.arch import head_shapes, named_shapes
 
     try:
-        names = set(named_shapes(model_config(checkpoint, manifest)))
+        model = model_config(checkpoint, manifest)
     except CheckpointError:
         return
+    names = set(named_shapes(model))
+    # a tied lm_head is wte: a state dict's copy of it (write_weights of GPT.state_dict()) has its place
+    aliases = {name for name, _ in head_shapes(model)} - names if model.tie_embeddings else set()
     held = {key for key in keys if key.split("/", 1)[0] in TENSOR_KINDS}
-    extra = sorted((key for key in held if key.split("/", 1)[1] not in names),  # parameters named first
+    extra = sorted((key for key in held if key.split("/", 1)[1] not in names | aliases),  # parameters first
                    key=lambda key: (TENSOR_KINDS.index(key.split("/", 1)[0]), key))
     missing = sorted(f"param/{name}" for name in names if f"param/{name}" not in held)
-    model = manifest["model"]
-    shape = f"{model.get('n_layer')}-layer, n_embd {model.get('n_embd')}"
+    shape = f"{model.n_layer}-layer, n_embd {model.n_embd}"
     if extra:
         shown = ", ".join(extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
         raise CheckpointError(f"{checkpoint}: holds {len(extra)} tensors its manifest's model ({shape}) has no "
