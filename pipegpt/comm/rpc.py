@@ -44,6 +44,11 @@ HEARTBEAT_EVERY_S = 2.0
 HEARTBEAT_TIMEOUT_S = 10.0
 
 
+# What a rank reports when a peer vanished under a collective or a message (a symptom, not the cause): pipegpt's
+# CommError, gloo's closed connections and timeouts.
+_SYMPTOM = re.compile(r"^CommError\b|Connection (closed|reset) by peer|[Tt]imed out")
+
+
 class WorkerFailure(RuntimeError):
     """A worker raised, died or stopped answering; names the rank and the cause."""
 
@@ -155,6 +160,14 @@ def _last_line(error: BaseException) -> str:
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
     where = f" (in {frames[-1][2]}, {os.path.basename(frames[-1][0])}:{frames[-1][1]})" if frames else ""
     return lines[-1] + where
+
+
+def _answer(fut) -> Any:
+    """A settled RPC's value; None while it is pending or where it failed (its peer gone)."""
+    try:
+        return fut.wait() if fut.done() else None
+    except Exception:  # noqa: BLE001 - a call that cannot complete is no answer
+        return None
 
 
 @dataclass
@@ -277,7 +290,7 @@ class Cluster:
                             self.check_alive()
                         raise WorkerFailure(r, _last_line(e)) from None
                     if isinstance(value, Failed):
-                        raise WorkerFailure(r, value.cause)
+                        raise self._cause(r, value.cause, futures)
             if all(f.done() for f in futures.values()):
                 return [futures[r].wait() for r in ranks]
             if window.timed_out():
@@ -300,6 +313,31 @@ class Cluster:
                     pings[r] = rpc.rpc_async(f"worker{r}", _ping, timeout=0)
                 next_heartbeat = window.now + HEARTBEAT_EVERY_S
             settled.wait(POLL_S)
+
+    def _cause(self, rank: int, cause: str, futures: dict[int, Any]) -> WorkerFailure:
+        """The failure to report when `rank` failed with `cause`. A failed collective or message is what the ranks
+        left behind see when a peer vanished: then the evidence of every rank decides, for up to the heartbeat's
+        limit: a rank whose process died (check_alive raises it), one that failed by itself, one that does not
+        answer a ping; failing those, `rank`."""
+        if not _SYMPTOM.search(cause):
+            return WorkerFailure(rank, cause)
+        pings = {r: rpc.rpc_async(f"worker{r}", _ping, timeout=0) for r in range(self.world_size) if r != rank}
+        deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S
+        while True:
+            self.check_alive()
+            own = [(r, value.cause) for r, value in ((r, _answer(f)) for r, f in futures.items() if r != rank)
+                   if isinstance(value, Failed) and not _SYMPTOM.search(value.cause)]
+            if own:
+                return WorkerFailure(*own[0])
+            if time.monotonic() > deadline or all(p.done() for p in pings.values()):
+                break
+            time.sleep(POLL_S)
+        for _ in range(10):  # a ping refused by a dead process: its exit, where it can be seen, names it
+            self.check_alive()
+            time.sleep(POLL_S)
+        silent = [r for r, p in pings.items() if not p.done() or _answer(p) is None]
+        return WorkerFailure(silent[0], f"stopped answering; rank {rank} saw: {cause[:160]}") if silent else \
+            WorkerFailure(rank, cause)
 
     def ask(self, method: str, *args, timeout_s: float) -> dict[int, Any]:
         """Call method on every actor and wait at most timeout_s: {rank: answer} of the ranks that answered
