@@ -23,11 +23,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipegpt.dims import Sharding
+from pipegpt.dims import GROUP_AXES, REPLICAS, Sharding
 from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, tp_shard_spec
 
 ORDER = ("tp", "ep", "cp", "recompute", "compile", "dp")  # how a stage is parallelized, first to last
-GRADIENT_AXES = ("dp", "cp")  # the ranks of a stage that average its gradients (comm.mesh's "dp_cp" group)
+GRADIENT_AXES = GROUP_AXES[REPLICAS]  # the ranks of a stage that average its gradients: comm.mesh's REPLICAS group
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class StageParallelism:
         """The gradient sums this layout needs, in the order they run (see the module docstring)."""
         out = []
         if self.gradient_ranks > 1:
-            out.append(Reduction("gradients", "dp_cp", "all", average=True))
+            out.append(Reduction("gradients", REPLICAS, "all", average=True))
         if self.splits_sequence:
             out.append(Reduction("partial", "tp", "replicated"))
         if self.shares_kv:

@@ -1,7 +1,8 @@
 """A local worker process's tie to its driver: it dies when the driver does, at any moment.
 
-A worker (LocalCluster) is a spawned interpreter: it starts, imports torch (seconds), then serves RPC
-until the driver shuts it down. If the driver is killed meanwhile, nothing else would ever end it: it
+A worker (LocalCluster) is a spawned interpreter, or a process forked by the preload server
+(pipegpt.comm.preload, itself spawned by the driver and bound to it here): it starts, imports torch (seconds;
+the server once for all), then serves RPC until the driver shuts it down. If the driver is killed meanwhile, nothing else would ever end it: it
 waits in init_rpc or in a step until a timeout, or forever. So the very first thing the new process
 runs, before torch is imported, is bind_to_parent():
 
@@ -20,7 +21,7 @@ Torch-free on purpose: this module is what the spawned process imports to run it
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import importlib
 import os
 import signal
@@ -32,13 +33,19 @@ PR_SET_PDEATHSIG = 1
 WATCH_EVERY_S = 0.5
 
 
+@functools.lru_cache(maxsize=None)
+def _libc() -> ctypes.CDLL:
+    # The symbols the interpreter already has (libc's among them): find_library("c") would run `ldconfig -p`
+    # in a subprocess, a child of every worker (and of the preload server) for a few milliseconds.
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send `sig` to this process when its parent exits (Linux only); whether it took."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return _libc().prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

@@ -18,7 +18,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -34,13 +33,20 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
+from pipegpt.comm import preload
 from pipegpt.comm.lifeline import run_worker
+from pipegpt.comm.network import bind_to_master_interface, free_port, port_is_free  # noqa: F401 (names of rpc's)
 from pipegpt.comm.wait_window import WaitWindow, pause_line
 
 POLL_S = 0.05
 HEARTBEAT_EVERY_S = 2.0
 # A loaded machine can delay an answer by seconds; a stopped process never answers.
 HEARTBEAT_TIMEOUT_S = 10.0
+
+
+# What a rank reports when a peer vanished under a collective or a message (a symptom, not the cause): pipegpt's
+# CommError, gloo's closed connections and timeouts.
+_SYMPTOM = re.compile(r"^CommError\b|Connection (closed|reset) by peer|[Tt]imed out")
 
 
 class WorkerFailure(RuntimeError):
@@ -60,21 +66,6 @@ class WorkerStalled(WorkerFailure):
     verb = "stalled"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _rpc_options(init_method: str, timeout_s: float):
     # TCP only: TensorPipe's shared-memory transport busy-polls a reactor thread in every process
     # (measured: a third of a core in all for a 4-rank job on 2 cores), and the control plane carries
@@ -92,7 +83,8 @@ def quiet_torch_warnings() -> None:
 
 def _local_worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int,
                        cores: tuple[int, ...] | None = None) -> None:
-    """A LocalCluster worker, once pipegpt.comm.lifeline has bound it to the driver (its process target)."""
+    """A LocalCluster worker, once pipegpt.comm.lifeline has bound it to the driver (its process target), or to the
+    preload server that forked it (pipegpt.comm.preload)."""
     if cores:  # first, so every thread this process starts (torch's, gloo's, RPC's) inherits the mask
         os.sched_setaffinity(0, cores)
     quiet_torch_warnings()
@@ -153,6 +145,14 @@ def _last_line(error: BaseException) -> str:
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
     where = f" (in {frames[-1][2]}, {os.path.basename(frames[-1][0])}:{frames[-1][1]})" if frames else ""
     return lines[-1] + where
+
+
+def _answer(fut) -> Any:
+    """A settled RPC's value; None while it is pending or where it failed (its peer gone)."""
+    try:
+        return fut.wait() if fut.done() else None
+    except Exception:  # noqa: BLE001 - a call that cannot complete is no answer
+        return None
 
 
 @dataclass
@@ -275,7 +275,7 @@ class Cluster:
                             self.check_alive()
                         raise WorkerFailure(r, _last_line(e)) from None
                     if isinstance(value, Failed):
-                        raise WorkerFailure(r, value.cause)
+                        raise self._cause(r, value.cause, futures)
             if all(f.done() for f in futures.values()):
                 return [futures[r].wait() for r in ranks]
             if window.timed_out():
@@ -298,6 +298,31 @@ class Cluster:
                     pings[r] = rpc.rpc_async(f"worker{r}", _ping, timeout=0)
                 next_heartbeat = window.now + HEARTBEAT_EVERY_S
             settled.wait(POLL_S)
+
+    def _cause(self, rank: int, cause: str, futures: dict[int, Any]) -> WorkerFailure:
+        """The failure to report when `rank` failed with `cause`. A failed collective or message is what the ranks
+        left behind see when a peer vanished: then the evidence of every rank decides, for up to the heartbeat's
+        limit: a rank whose process died (check_alive raises it), one that failed by itself, one that does not
+        answer a ping; failing those, `rank`."""
+        if not _SYMPTOM.search(cause):
+            return WorkerFailure(rank, cause)
+        pings = {r: rpc.rpc_async(f"worker{r}", _ping, timeout=0) for r in range(self.world_size) if r != rank}
+        deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S
+        while True:
+            self.check_alive()
+            own = [(r, value.cause) for r, value in ((r, _answer(f)) for r, f in futures.items() if r != rank)
+                   if isinstance(value, Failed) and not _SYMPTOM.search(value.cause)]
+            if own:
+                return WorkerFailure(*own[0])
+            if time.monotonic() > deadline or all(p.done() for p in pings.values()):
+                break
+            time.sleep(POLL_S)
+        for _ in range(10):  # a ping refused by a dead process: its exit, where it can be seen, names it
+            self.check_alive()
+            time.sleep(POLL_S)
+        silent = [r for r, p in pings.items() if not p.done() or _answer(p) is None]
+        return WorkerFailure(silent[0], f"stopped answering; rank {rank} saw: {cause[:160]}") if silent else \
+            WorkerFailure(rank, cause)
 
     def ask(self, method: str, *args, timeout_s: float) -> dict[int, Any]:
         """Call method on every actor and wait at most timeout_s: {rank: answer} of the ranks that answered
@@ -364,12 +389,11 @@ class LocalCluster(Cluster):
     """
 
     def __init__(self, world_size: int, timeout_s: float, threads_per_worker: int, group_port: int | None = None,
-                 cores: list[tuple[int, ...]] | None = None):
+                 cores: list[tuple[int, ...]] | None = None, preloaded: bool = True):
+        """preloaded: fork the workers from this process's preload server (pipegpt.comm.preload), where it can;
+        otherwise, and where it refuses, each is spawned (start_method says which, and why)."""
         self.world_size, self.timeout_s = world_size, timeout_s
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # keep RPC on loopback: one machine
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        # TensorPipe logs every closed connection at shutdown as a warning; failures reach us anyway.
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        preload.apply_local_env()
         self.store = dist.TCPStore("127.0.0.1", group_port or 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout_s))
         self.group_init_method = f"tcp://127.0.0.1:{self.store.port}"
@@ -387,16 +411,9 @@ class LocalCluster(Cluster):
             joined.set()
 
         threading.Thread(target=join_rpc, daemon=True).start()  # binds the control plane's port at once
-        ctx = mp.get_context("spawn")
-        # The target is lifeline's, a torch-free module: the new process is tied to this one before it
-        # spends seconds importing torch, so a driver killed at any moment takes its workers with it.
-        self.procs = [ctx.Process(target=run_worker, daemon=False, name=f"pipegpt-rank{r}",
-                                  args=(os.getpid(), f"{__name__}:_local_worker_main",
-                                        r, world_size, init_method, timeout_s, threads_per_worker,
-                                        cores[r] if cores else None))
-                      for r in range(world_size)]
-        for p in self.procs:
-            p.start()
+        args = [(r, world_size, init_method, timeout_s, threads_per_worker, cores[r] if cores else None)
+                for r in range(world_size)]
+        self.procs = self._start_workers(args, timeout_s, preloaded)
         window = WaitWindow(timeout_s)
         while not joined.wait(POLL_S):  # a worker that dies while starting must not leave us waiting
             self.check_alive()
@@ -407,6 +424,26 @@ class LocalCluster(Cluster):
         if error:
             self.kill()
             raise WorkerFailure(0, f"could not start the control plane: {_last_line(error[0])}")
+
+    def _start_workers(self, args: list[tuple], timeout_s: float, preloaded: bool) -> list:
+        target, names = f"{__name__}:_local_worker_main", [f"pipegpt-rank{r}" for r in range(len(args))]
+        server = preload.server() if preloaded else None
+        why = "not preloaded: asked so" if not preloaded else "not preloaded: this platform cannot fork workers"
+        if server is not None:
+            workers = server.fork(target, args, names, timeout_s)
+            if not isinstance(workers, str):
+                self.start_method = "forked from the preload server"
+                return workers
+            why = workers
+        self.start_method = f"spawned ({why})"
+        ctx = mp.get_context("spawn")
+        # The target is lifeline's, a torch-free module: the new process is tied to this one before it
+        # spends seconds importing torch, so a driver killed at any moment takes its workers with it.
+        procs = [ctx.Process(target=run_worker, daemon=False, name=name, args=(os.getpid(), target, *a))
+                 for name, a in zip(names, args)]
+        for p in procs:
+            p.start()
+        return procs
 
     def check_alive(self) -> None:
         if self._closing:
@@ -436,41 +473,6 @@ class LocalCluster(Cluster):
             for p in self.procs:
                 p.join(timeout=10)
             self.kill()
-
-
-def interface_reaching(host: str, port: int) -> str | None:
-    """The name of this machine's network interface whose IPv4 address routes to host (Linux), or None."""
-    import fcntl
-    import struct
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))  # UDP: nothing is sent; the kernel picks the route and so the address
-            local = s.getsockname()[0]
-    except OSError:
-        return None
-    for _, name in socket.if_nameindex():
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-        except OSError:
-            continue
-        if socket.inet_ntoa(packed[20:24]) == local:
-            return name
-    return None
-
-
-def bind_to_master_interface(env=os.environ) -> str | None:
-    """Under torchrun, the interface RPC (TensorPipe) and gloo listen on: left to themselves they take the
-    hostname's address, 127.0.1.1 on many distributions, which other nodes cannot reach. The one that routes
-    to MASTER_ADDR reaches every node; TP_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME) set by the user win."""
-    if env.get("TP_SOCKET_IFNAME"):
-        return env["TP_SOCKET_IFNAME"]
-    name = interface_reaching(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
-    if name is not None:
-        env["TP_SOCKET_IFNAME"] = name
-        env.setdefault("GLOO_SOCKET_IFNAME", name)
-    return name
 
 
 ATTEMPT_SCHEME = "pipegpt-attempt"

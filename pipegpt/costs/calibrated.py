@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 
+from pipegpt.arch import stage_ranges
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.run_files import CONFIG, RunReadError, read_measured_run, read_metrics
@@ -31,8 +32,8 @@ def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
     shape = run_shape(run_dir, files.config, plan)
     S = plan.num_stages
     params = [0] * plan.num_ranks
-    for s, n in enumerate(shape.layers):
-        params[plan.stage_to_rank[s]] += parameter_count(shape.model, n, s == 0, s == S - 1, shape.sharding.tp)
+    for s, layers in enumerate(stage_ranges(shape.layers)):  # which layers: their kinds count
+        params[plan.stage_to_rank[s]] += parameter_count(shape.model, layers, s == 0, s == S - 1, shape.sharding.tp)
     return fit_calibrated_costs(cluster, shape, calibration.costs, measured.makespan, params, os.fspath(run_dir))
 
 

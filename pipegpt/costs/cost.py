@@ -63,10 +63,10 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   as GPT-2's LayerNorm and GELU are: not at all.
 
 Calibrated model (CalibratedCosts, `pipegpt plan --calibrate RUN_DIR`): the same shapes, with the compute
-of F, B and W each scaled by (measured / analytical) over the stages of a run's trace
-(pipegpt.costs.calibrated reads the run, pipegpt.schedule.calibrate calibrates it), the message latency the
-run measured, no host floor (the measurement has it), and what the run spent after its last action (step
-time - trace span) scaled by parameters per rank. Collectives stay analytical (a trace shows no separate
+of F, B and W each scaled by (measured / analytical: each stage's layers at their kinds' blocks) over the stages
+of a run's trace (pipegpt.costs.calibrated reads the run, pipegpt.schedule.calibrate calibrates it), the message
+latency the run measured, no host floor (the measurement has it), and what the run spent after its last action
+(step time - trace span) scaled by parameters per rank. Collectives stay analytical (a trace shows no separate
 collective times).
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pipegpt.arch import kv_local_heads
+from pipegpt.arch import kv_local_heads, layer_kinds, layer_mix, stage_ranges
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.model.flops import block_matmul_weights
@@ -346,15 +346,18 @@ def fit_calibrated_costs(cluster: Cluster, run: RunShape, measured, makespan: fl
     per-stage F, B, W and the message latency) over a step span of `makespan`: F, B and W each scaled to their
     sums over the stages, and what the step spent after its last action per parameter of the busiest rank."""
     unit = AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0)
-    layer, embed, head = unit.compute(run.model, Shape(run.sharding, run.recompute, run.mbs))
+    shape = Shape(run.sharding, run.recompute, run.mbs)
+    _, embed, head = unit.compute(run.model, shape)
+    blocks = {kind: unit.compute(kind.block_model(run.model), shape)[0]
+              for kind in dict.fromkeys(layer_kinds(run.model))}
     S = len(run.layers)
     predicted = {"f": [], "b": [], "w": []}
-    for s, n in enumerate(run.layers):
-        for kind in predicted:
-            x = n * getattr(layer, kind)
-            x += getattr(embed, kind) if s == 0 else 0.0
-            x += getattr(head, kind) if s == S - 1 else 0.0
-            predicted[kind].append(x)
+    for s, layers in enumerate(stage_ranges(run.layers)):  # each layer at its kind's block
+        for part in predicted:
+            x = sum(n * getattr(blocks[kind], part) for kind, n in layer_mix(run.model, layers))
+            x += getattr(embed, part) if s == 0 else 0.0
+            x += getattr(head, part) if s == S - 1 else 0.0
+            predicted[part].append(x)
     measured_of = {"f": measured.forward, "b": measured.backward, "w": measured.weight}
     scale = {k: sum(measured_of[k]) / sum(predicted[k]) if sum(predicted[k]) > 0 else 1.0 for k in predicted}
     notes = []

@@ -107,7 +107,8 @@ class RankLoader:
             from pipegpt.data.tokenizers import DataError
 
             raise DataError(f"step {step + 1}'s batch holds token id {max(int(x.max()), int(y.max()))}, not below "
-                            f"the model's vocabulary size {self.vocab_size}: the data changed after it was checked")
+                            f"the model's vocabulary size {self.vocab_size}: the check before the run did not see "
+                            f"it (a meta.json whose max token id is wrong, or data changed since)")
 
     def next(self):
         out = self.batch(self.step)

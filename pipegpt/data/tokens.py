@@ -31,6 +31,7 @@ SHARD_HEADER_INTS = 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
+SCAN_TOKENS = 1 << 30  # a split up to this size has its token ids scanned before a run (2 GiB: about a second)
 
 
 @functools.lru_cache(maxsize=1)
@@ -271,17 +272,21 @@ def open_tokens(path, split: str = "train", *, vocab_size: int | None = None, se
         raise DataError(f"{source}: prepared with tokenizer {meta['tokenizer']!r}, but the tokenizer is "
                         f"{tokenizer!r}: use --tokenizer {meta['tokenizer']}")
     if vocab_size is not None:
-        recorded = meta is not None and meta["splits"].get(split, {}).get("max_token_id") is not None
-        # meta.json's max id holds for shards no newer than it; a shard written since is scanned itself.
-        if recorded and not any(os.path.getmtime(f) > os.path.getmtime(source) for f in files):
-            checks = [(source, int(meta["splits"][split]["max_token_id"]))]
-        else:
-            checks = [(f, _max_id(p)) for f, p in zip(files, parts) if len(p)]
+        recorded = meta["splits"].get(split, {}).get("max_token_id") if meta is not None else None
+        # meta.json's max id holds for shards no newer than it; a shard written since is scanned itself. Up to
+        # SCAN_TOKENS (under a second) the others are scanned too: meta.json may not describe them (edited, or
+        # shards replaced with their times kept).
+        fresh = recorded is not None and not any(os.path.getmtime(f) > os.path.getmtime(source) for f in files)
+        scan = not fresh or len(tokens) <= SCAN_TOKENS
+        checks = ([(source, int(recorded))] if fresh else []) + \
+            ([(f, _max_id(p)) for f, p in zip(files, parts) if len(p)] if scan else [])
         for where, top in checks:
             if top >= vocab_size:
                 named = f" (tokenizer {meta['tokenizer']})" if meta and meta.get("tokenizer") else ""
+                wrong = f"; {META_FILE} says {recorded} is the largest" if where != source and recorded is not None \
+                    and top > int(recorded) else ""
                 raise DataError(f"{where}: token id {top}{named} is not below the model's vocabulary size "
-                                f"{vocab_size}: use the tokenizer the data was made with (--tokenizer) or a "
+                                f"{vocab_size}{wrong}: use the tokenizer the data was made with (--tokenizer) or a "
                                 f"larger --vocab-size")
     if seq_len is not None and len(tokens) < seq_len + 1:
         raise DataError(f"{path}: {len(tokens)} {split} tokens are too few for seq_len={seq_len}: "

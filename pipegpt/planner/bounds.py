@@ -9,11 +9,12 @@ import math
 from pipegpt.costs.stage_costs import PER_SEQUENCE
 
 
-def layout_lower_bound(pieces, n_layer: int, sequences: int, pp: int) -> float:
+def layout_lower_bound(pieces, blocks, sequences: int, pp: int) -> float:
     """Below any plan of a layout: a replica's least work (its `sequences`, no recomputation) spread evenly
-    over its pp ranks. pieces: pipegpt.costs.cost.Pieces at PER_SEQUENCE sequences per microbatch."""
+    over its pp ranks. pieces: pipegpt.costs.cost.Pieces at PER_SEQUENCE sequences per microbatch (its embed
+    and head read); blocks: (how many, one block's Piece at PER_SEQUENCE) per layer kind of the model."""
     per = lambda p: p.f + p.b + p.comm_f + p.comm_b  # noqa: E731
-    work = (n_layer * per(pieces.layer) + per(pieces.embed) + per(pieces.head)) / PER_SEQUENCE
+    work = (sum(n * per(block) for n, block in blocks) + per(pieces.embed) + per(pieces.head)) / PER_SEQUENCE
     return sequences * work / pp
 
 

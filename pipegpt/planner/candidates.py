@@ -1,9 +1,10 @@
 """What the planner is asked, what it weighs and what it answers: the request, the layouts and candidates it
-searches, a plan with its predictions, and a layout refused for memory. Pure data: pipegpt.planner.search fills
-them, pipegpt.planner.report prints them."""
+searches (with the ZeRO levels a candidate may take), a plan with its predictions, and a layout refused for memory.
+Pure data: pipegpt.planner.search fills them, pipegpt.planner.report prints them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
 from typing import Mapping
 
 from pipegpt.config import ConfigError, ModelConfig, option_flags
@@ -11,6 +12,7 @@ from pipegpt.dims import AXES, LAYOUT_FIELDS, ParallelDims, Sharding
 from pipegpt.schedule import SCHEDULES
 from pipegpt.schedule.simulate import Costs
 
+from pipegpt.costs import memory as memory_model
 from pipegpt.costs.cost import AnalyticalCosts
 from pipegpt.costs.devices import Cluster
 
@@ -76,6 +78,29 @@ class Candidate:
     def family(self) -> Candidate:
         """The candidate whatever its recomputation: once one of a family fits, a heavier one is only slower."""
         return replace(self, recompute="")
+
+
+@lru_cache(maxsize=None)
+def zero_choices(sharding: Sharding, only: int | None = None, stages_per_rank: int = 1,
+                 per_block: bool = False) -> dict:
+    """{(ZeRO level, unshard policy): the sharding at that level}: levels 0-3 where dp x cp > 1 (ZeRO shards over
+    both), else 0; only `only` with plan --zero. Level 3 under both policies, microbatch only where a rank holds
+    more than two stages (with one or two its stages are all gathered at the peak either way); per_block
+    candidates (pipegpt.planner.search.Search.groups) only ZeRO-3 under the microbatch policy."""
+    sharded = memory_model.gradient_group(sharding) > 1
+    levels = (0, 1, 2, 3) if sharded else (0,)
+    if only is not None:
+        levels = (only,) if only in levels or not sharded and only == 0 else ()
+    out = {}
+    for z in levels:
+        for policy in (("step", "microbatch") if z == 3 and stages_per_rank > 2 else ("step",)):
+            if not per_block or (z, policy) == (3, "microbatch"):
+                out[(z, policy)] = sharding._replace(zero=z)
+    return out
+
+
+def zero_name(zero: int, unshard: str) -> str:
+    return f"ZeRO-{zero}{' (unshard microbatch)' if unshard == 'microbatch' else ''}, " if zero else ""
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 --explain why the others lost and what does not fit), the JSON object, and the line when nothing fits."""
 from __future__ import annotations
 
-from pipegpt.arch import GPT2
+from pipegpt.arch import GPT2, layer_mix
 from pipegpt.config import ModelConfig
 from pipegpt.model.flops import flops_per_token
 
@@ -115,14 +115,16 @@ def no_fit_message(res: SearchResult) -> str:
 
 
 def describe_model(model: ModelConfig) -> str:
-    params = memory_model.parameter_count(model, model.n_layer, True, True, 1)
+    params = memory_model.parameter_count(model, range(model.n_layer), True, True, 1)
+    mix = layer_mix(model, range(model.n_layer))
+    kinds = f" ({', '.join(f'{n} {kind.title}' for kind, n in mix)})" if len(mix) > 1 else ""  # layers that differ
     flops = format_count(flops_per_token(model), " ")
     heads = f"{model.n_head} heads"
     if model.architecture is not GPT2:  # stated where GPT-2's line implies it: kv heads = heads, MLP 4 x width
         heads = (f"{model.arch}, {model.n_head} heads ({model.kv_heads} key/value), {model.architecture.mlp_title} "
                  f"{model.ffn_width}"
                  + (", untied head" if not model.tie_embeddings else ""))
-    return (f"{format_count(params)} parameters: {model.n_layer} layers, width {model.n_embd}, {heads}, "
+    return (f"{format_count(params)} parameters: {model.n_layer} layers{kinds}, width {model.n_embd}, {heads}, "
             f"seq {model.seq_len}, vocabulary {model.vocab_size}; {flops}FLOP per token")
 
 

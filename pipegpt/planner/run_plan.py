@@ -10,6 +10,7 @@ from dataclasses import replace
 from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.model.partition import partition_layers
 from pipegpt.costs.balance import stage_costs
+from pipegpt.parallelisms import stage_parallelism
 from pipegpt.schedule import (SCHEDULES, Kind, Plan, ScheduleError, add_reduce_grad, add_unshard_reshard, lower,
                               schedule_spec, validate, without_reduce_grad, without_unshard_reshard)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
@@ -23,7 +24,7 @@ def make_plan(cfg: TrainConfig) -> Plan:
     --unshard policy (where a schedule file has none), below it none."""
     plan = _pipeline_plan(cfg)
     try:
-        averaged = cfg.parallel.dims.replicas > 1  # gradients are averaged over dp x cp
+        averaged = stage_parallelism(cfg.parallel.sharding).gradient_ranks > 1  # averaged over dp x cp
         plan = validate(add_reduce_grad(plan)) if averaged else without_reduce_grad(plan)
         if cfg.parallel.zero >= 3:
             return validate(add_unshard_reshard(plan, cfg.parallel.unshard or "step"))

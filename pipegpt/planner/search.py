@@ -62,6 +62,7 @@ import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from pipegpt.arch import layer_kinds, layer_mix, stage_ranges
 from pipegpt.config import CP_COMM, ConfigError, ModelConfig, validate_cp, validate_tp
 from pipegpt.dims import AXES, ParallelDims, Sharding
 from pipegpt.model.flops import flops_per_token
@@ -70,9 +71,10 @@ from pipegpt.schedule.simulate import Costs, simulate
 
 from pipegpt.costs import memory as memory_model
 from pipegpt.costs.balance import even_layers
+from pipegpt.costs.cost import Shape
 from .bounds import layout_lower_bound, makespan_lower_bound
 from .candidates import (MAX_ACTIONS, Candidate, Layout, LayoutChoice, Refusal, Request, Result, SearchResult,
-                         memory_parts)
+                         memory_parts, zero_choices, zero_name)
 from pipegpt.costs.stage_costs import PER_SEQUENCE, StageCosts
 from .structure import compute_groups, held_peaks, splits_backward, stage_placement, structure
 
@@ -183,7 +185,7 @@ class Search:
             sh = Sharding(**sizes)
             if sh.world_size > c.gpus or (req.exact_gpus and sh.world_size != c.gpus) or any(
                     req.only.get(axis) not in (None, size) for axis, size in sizes.items()) \
-                    or (req.zero and sh.replicas == 1):  # ZeRO shards over dp x cp
+                    or (req.zero and memory_model.gradient_group(sh) == 1):  # ZeRO shards over dp x cp
                 continue
             m_tp, pad = self.tp_model(sh.tp)
             if (sh.tp, sh.cp) not in sp:  # taken whenever validate_tp allows it (see the module docstring)
@@ -193,18 +195,19 @@ class Search:
         return out
 
     def cp_comms(self, model: ModelConfig, sharding: Sharding) -> tuple:
-        """How K/V may travel on a layout: --cp-comm's way; else the ring, and the all-gather where a block takes
-        no longer with it (with or without recomputation, at one sequence per microbatch or many): where it
-        takes longer no plan of it wins, for it also holds more (the gathered K/V against two blocks)."""
+        """How K/V may travel on a layout: --cp-comm's way; else the ring, and the all-gather where a block (of
+        any layer kind) takes no longer with it (with or without recomputation, at one sequence per microbatch or
+        many): where every block takes longer no plan of it wins, for it also holds more (the gathered K/V against
+        two blocks)."""
         if self.req.cp_comm or sharding.cp == 1:
             return (self.req.cp_comm or "ring",)
 
-        def block(name, rc, mbs):
-            p = self.stage_costs[name].pieces(model, sharding, rc, mbs).layer
+        def block(name, rc, mbs, kind):
+            p = self.stage_costs[name].layer_pieces(model, sharding, rc, mbs)[kind]
             return (p.f + p.b + p.comm_f + p.comm_b) / mbs
 
-        if any(block("allgather", rc, mbs) <= block("ring", rc, mbs) for rc in ("none", "full")
-               for mbs in (1, PER_SEQUENCE)):
+        if any(block("allgather", rc, mbs, kind) <= block("ring", rc, mbs, kind) for rc in ("none", "full")
+               for mbs in (1, PER_SEQUENCE) for kind in dict.fromkeys(layer_kinds(model))):
             return CP_COMM
         return ("ring",)
 
@@ -238,8 +241,11 @@ class Search:
 
     def layout_bound(self, mesh: LayoutChoice) -> float:
         """A lower bound on any plan of the layout (bounds.layout_lower_bound)."""
-        P = self.stage_costs[mesh.cp_comm].pieces(mesh.model, mesh.sharding, "none", PER_SEQUENCE)
-        return layout_lower_bound(P, mesh.model.n_layer, self.req.batch_size // mesh.sharding.dp, mesh.sharding.pp)
+        cs, model, sh = self.stage_costs[mesh.cp_comm], mesh.model, mesh.sharding
+        per = cs.layer_pieces(model, sh, "none", PER_SEQUENCE)
+        blocks = [(n, per[kind]) for kind, n in layer_mix(model, range(model.n_layer))]
+        return layout_lower_bound(cs.pieces(model, sh, "none", PER_SEQUENCE), blocks, self.req.batch_size // sh.dp,
+                                  sh.pp)
 
     def expand(self, mesh: LayoutChoice):
         """The layout's candidates with their lower bounds: (bound, Candidate)."""
@@ -250,7 +256,7 @@ class Search:
         b = self.req.batch_size // dp
         group = memory_model.gradient_group(sh)
         for placement, v, vs, schedules, per_block in self.groups(pp, group > 1 and self.req.zero in (None, 3)):
-            zoned = _zero_choices(sh, self.req.zero, vs, per_block)
+            zoned = zero_choices(sh, self.req.zero, vs, per_block)
             if not zoned:
                 continue
             sharded = any(z for z, _ in zoned)
@@ -324,13 +330,13 @@ class Search:
             self.stats["schedule_refused"] += 1
             return None
         F, B, W, TP, saved, deferred, msg = cs.vectors(m_tp, sh, rc, mbs, layers)
-        zoned = _zero_choices(sh, self.req.zero, cand.virtual_stages, cand.per_block)
-        what = lambda z: (f"{schedule}, {rc} recomputation, {_zero_name(*z)}{mbs} sequence"  # noqa: E731
+        zoned = zero_choices(sh, self.req.zero, cand.virtual_stages, cand.per_block)
+        what = lambda z: (f"{schedule}, {rc} recomputation, {zero_name(*z)}{mbs} sequence"  # noqa: E731
                           f"{'s' if mbs > 1 else ''} per microbatch")
         # A lower bound first (state + held activations, no walk over the plan), then the memory model.
         held = held_peaks(schedule, pp, m, v, saved, deferred)
-        S = len(layers)
-        held_stages = [[(layers[s], s == 0, s == S - 1) for s in st.plan.stages_of(r)] for r in range(pp)]
+        S, ranges = len(layers), stage_ranges(layers)  # which layers a stage holds: their kinds count
+        held_stages = [[(ranges[s], s == 0, s == S - 1) for s in st.plan.stages_of(r)] for r in range(pp)]
         states = {z: [memory_model.state_bytes(m_tp, x, sharding=zs, precision=self.precision, unshard=z[1],
                                                microbatches=m) for x in held_stages] for z, zs in zoned.items()}
         least = {z: [x.weights + x.gradients + x.optimizer + h for x, h in zip(states[z], held)] for z in zoned}
@@ -502,11 +508,16 @@ class Search:
             B0 = cs.vectors(model, sh, "none", L.microbatch_size, layers)[1]
             rc_extra = sum(B[s] - B0[s] for s in range(len(placement)) if placement[s] == r) * L.microbatches
         # context parallelism's exposed K/V time (inside the collectives the simulator charges): out of tp_time
-        blocks = sum(layers[s] for s in range(len(placement)) if placement[s] == r) * L.microbatches
-        lp = cs.pieces(model, sh, L.recompute, L.microbatch_size)
-        (cp_f, cp_b), lc = lp.cp_comm, lp.layer
-        cp_time = blocks * (cp_f + cp_b)
-        tp_time -= 2 * blocks * (min(lc.comm_f, lc.comm_b) - min(lc.comm_f - cp_f, lc.comm_b - cp_b))
+        blocks: dict = {}  # the rank's blocks of each layer kind, over the step's microbatches
+        for s, stage in enumerate(stage_ranges(layers)):
+            if placement[s] == r:
+                for kind, n in layer_mix(model, stage):
+                    blocks[kind] = blocks.get(kind, 0) + n * L.microbatches
+        kinds, cp_time = _kind_parts(cs, model, sh, L.recompute, L.microbatch_size), 0.0
+        for kind, n in blocks.items():
+            lc, (cp_f, cp_b) = kinds[kind]
+            cp_time += n * (cp_f + cp_b)
+            tp_time -= 2 * n * (min(lc.comm_f, lc.comm_b) - min(lc.comm_f - cp_f, lc.comm_b - cp_b))
         end = float(timeline.end_time - timeline.start_time)
         breakdown = {"compute": float(busy[r]) - tp_time - cp_time, "recompute": rc_extra, "tp_comm": tp_time,
                      "cp_comm": cp_time, "idle": end - float(busy[r]), "dp_exposed": makespan - end,
@@ -546,6 +557,13 @@ def evaluate_layout(req: Request, layout: Layout) -> Result:
     return s.finish(_Eval(0.0, layout, 0.0, 0.0, 0.0, 0.0, model))
 
 
+def _kind_parts(cs: StageCosts, model: ModelConfig, sharding: Sharding, rc: str, mbs: int) -> dict:
+    """{layer kind: (one block's Piece, the part of its comm_f and comm_b that is context parallelism's)}."""
+    shape = Shape(sharding.tensor_cut, rc, mbs, cs.cp_comm)
+    return {kind: (p, cs.cost.context_parallel(kind.block_model(model), shape))
+            for kind, p in cs.layer_pieces(model, sharding, rc, mbs).items()}
+
+
 def _passes(check, *args) -> bool:
     try:
         check(*args)
@@ -559,29 +577,6 @@ def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False, cp: 
     MLP width the memory model's shapes assume (kv heads split or replicated; Llama's ffn_hidden divisible)."""
     validate_tp(model, tp, sequence_parallel, cp)
     memory_model.check_tp_shapes(model, tp)
-
-
-@lru_cache(maxsize=None)
-def _zero_choices(sharding: Sharding, only: int | None = None, stages_per_rank: int = 1,
-                  per_block: bool = False) -> dict:
-    """{(ZeRO level, unshard policy): the sharding at that level}: levels 0-3 where dp x cp > 1 (ZeRO shards over
-    both), else 0; only `only` with plan --zero. Level 3 under both policies, microbatch only where a rank holds
-    more than two stages (with one or two its stages are all gathered at the peak either way); per_block
-    candidates (pipegpt.planner.search.Search.groups) only ZeRO-3 under the microbatch policy."""
-    sharded = memory_model.gradient_group(sharding) > 1
-    levels = (0, 1, 2, 3) if sharded else (0,)
-    if only is not None:
-        levels = (only,) if only in levels or not sharded and only == 0 else ()
-    out = {}
-    for z in levels:
-        for policy in (("step", "microbatch") if z == 3 and stages_per_rank > 2 else ("step",)):
-            if not per_block or (z, policy) == (3, "microbatch"):
-                out[(z, policy)] = sharding._replace(zero=z)
-    return out
-
-
-def _zero_name(zero: int, unshard: str) -> str:
-    return f"ZeRO-{zero}{' (unshard microbatch)' if unshard == 'microbatch' else ''}, " if zero else ""
 
 
 def _round(x: float) -> float:

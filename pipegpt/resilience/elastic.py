@@ -26,23 +26,33 @@ def layout_text(cfg: TrainConfig) -> str:
 
 
 def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
-    """The fastest layout of the same model and global batch on `ranks` ranks (None: none builds)."""
+    """The fastest layout of the same model and global batch on `ranks` ranks (None: none builds). ZeRO 1-3
+    shard over the replicas: where none of the layouts that keep them builds, one replica with ZeRO lowered to 0
+    does (a checkpoint loads at any ZeRO level); its flags then say --zero 0."""
     p = cfg.parallel
     if p.schedule_file is not None:
         return None  # a schedule file fixes the stages
+    return _fastest(cfg, ranks, lower_zero=False) or (_fastest(cfg, ranks, lower_zero=True) if p.zero else None)
+
+
+def _fastest(cfg: TrainConfig, ranks: int, lower_zero: bool) -> Shrunk | None:
+    p = cfg.parallel
     old = _predicted(cfg)
     best = None
     for dp in sorted((d for d in range(1, p.dp + 1) if p.dp % d == 0), reverse=True):
         stage = p.dims._replace(dp=dp, pp=1)  # the ranks of one pipeline position, over every replica
         stages = min(ranks // stage.world_size, cfg.model.n_layer)
-        if stages < 1 or (p.zero >= 2 and stage.replicas == 1):  # ZeRO-2/3 need replicas to shard over
+        unsharded = p.zero >= 1 and stage.replicas == 1  # ZeRO needs replicas to shard over
+        if stages < 1 or (unsharded and not lower_zero):
             continue
+        zero = 0 if unsharded else p.zero
         microbatches = p.microbatches * p.dp // dp
         for schedule in dict.fromkeys((p.schedule, "1f1b")):
             changes = dict(stages=stages, dp=dp, microbatches=microbatches, schedule=schedule,
                            virtual_stages=p.virtual_stages if schedule == p.schedule else None,
                            layers_per_stage=None, balanced_costs=None, schedule_costs=p.schedule_costs,
-                           balance=p.balance if stages == p.stages else "even", max_live=None)
+                           balance=p.balance if stages == p.stages else "even", max_live=None,
+                           zero=zero, unshard=p.unshard if zero == p.zero else None)
             try:
                 candidate = cfg.replace(**changes)
                 time = _predicted(candidate)
@@ -51,6 +61,8 @@ def shrunk_layout(cfg: TrainConfig, ranks: int) -> Shrunk | None:
             if best is None or time < best[0]:
                 given = {name: changes[name] for name in ("stages", "dp", "microbatches", "schedule", "virtual_stages")
                          if changes[name] is not None}  # the restart's command line: flag -> value
+                if zero != p.zero:  # None: the flag goes (--unshard is ZeRO-3's)
+                    given.update(zero=zero, unshard=None)
                 best = (time, candidate, {option_flags(name)[0]: value for name, value in given.items()})
             break
     if best is None:

@@ -334,7 +334,7 @@ def simulate_matching(plan: Plan, costs: Costs, matching: str = "tag") -> Timeli
 
 def simulate_order(plan: Plan, costs: Costs) -> Timeline:
     """The lowered plan run with messages matched by order (NCCL): a send goes out where its SEND stands.
-    What pipegpt.runtime and comm/p2p.py do there on a GPU, modelled action by action:
+    What pipegpt.stages.runtime and comm/p2p.py do there on a GPU, modelled action by action:
     * each comm batch is one batch_isend_irecv: one NCCL group, on the communicator of the whole pipeline
       group (a coalesced batch uses the device's communicator, not a per-pair one), so a rank's batches run
       one after another on one NCCL stream. A run of comm actions is one batch, or two where sends follow its

@@ -35,7 +35,7 @@ from pipegpt.comm.p2p import Message, PointToPoint
 from pipegpt.dims import REPLICAS
 from pipegpt.schedule.actions import COLLECTIVE_KINDS, Action, Kind, Plan, ScheduleError
 from pipegpt.schedule.messages import comm_batches, release_points
-from pipegpt.stages.stage import Stage
+from pipegpt.stages.stage import PieceRun, Stage, interleave
 from pipegpt.stages.timing import clock_for, device_marker
 
 DEVICE_QUERY_S = 1.0  # how long where() waits for the device's marks: a query can block while the host synchronises
@@ -55,20 +55,23 @@ def _ranks(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def ready_points(actions) -> dict[int, tuple[int, bool]]:
+def ready_points(actions) -> dict[int | tuple[int, int], tuple[int, bool]]:
     """Index -> (stage, backward) of each compute action before which the collectives' ready() runs: a stage's
-    first compute after each of its UNSHARDs, and its first backward (B, I or W) of the step."""
+    first compute after each of its UNSHARDs, and its first backward (B, I or W) of the step. A composite's part j
+    is keyed (index, j)."""
     out, gathering, backed = {}, set(), set()
     for i, a in enumerate(actions):
         if a.kind is Kind.UNSHARD:
             gathering.add(a.stage)
         elif a.kind.is_compute:
-            backward = a.kind is not Kind.F and a.stage not in backed
-            if backward:
-                backed.add(a.stage)
-            if backward or a.stage in gathering:
-                gathering.discard(a.stage)
-                out[i] = (a.stage, backward)
+            parts = list(enumerate(a.parts)) if a.kind is Kind.OVERLAP else [(None, a)]
+            for j, part in parts:
+                backward = part.kind is not Kind.F and part.stage not in backed
+                if backward:
+                    backed.add(part.stage)
+                if backward or part.stage in gathering:
+                    gathering.discard(part.stage)
+                    out[i if j is None else (i, j)] = (part.stage, backward)
     return out
 
 
@@ -92,6 +95,16 @@ class _Compute(NamedTuple):
     # Where its result goes: (inbox key,) on this rank, else (outbox key, its SEND's fields, posted at once).
     hand: tuple | None
     ready: tuple | None  # (stage, backward, whereabouts) of the collectives' ready() before it (ZeRO-3), or None
+
+
+class _Pair(NamedTuple):
+    """A composite action: its parts' compute entries, whose pieces (embedding, each block, head) run in turns."""
+
+    index: int
+    action: Action
+    where: tuple
+    name: str
+    parts: tuple  # a _Compute per part, in the plan's order
 
 
 class _Collective(NamedTuple):
@@ -210,8 +223,9 @@ class PipelineRuntime:
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
         # Index of a compute action -> the ready() call before it: (stage, backward, where the wait is).
         self.ready_at = {} if self.ready is None else {
-            i: (s, backward, (i, self.names[i], *self._in_group(COLLECTIVE_RUNS[Kind.UNSHARD], s)))
-            for i, (s, backward) in ready_points(self.actions).items()}
+            key: (s, backward, (i, self.names[i], *self._in_group(COLLECTIVE_RUNS[Kind.UNSHARD], s)))
+            for key, (s, backward) in ready_points(self.actions).items()
+            for i in [key if isinstance(key, int) else key[0]]}
         # A comm batch is posted, and marked, as one: its whereabouts name every peer in it, not its first action's.
         self.batch_at = {i: self._batch_whereabouts(i, end) for i, end in self.batch_end.items()}
         self.index_of = {a: i for i, a in enumerate(self.actions)}
@@ -304,12 +318,15 @@ class PipelineRuntime:
                 continue
             if a.kind in COLLECTIVE_KINDS:
                 program.append(_Collective(i, a, self.at[i], self.names[i], self.run_collective[a.kind]))
+            elif a.kind is Kind.OVERLAP:
+                program.append(_Pair(i, a, self.at[i], self.names[i],
+                                     tuple(self._compute_entry(i, p, (i, j)) for j, p in enumerate(a.parts))))
             else:
                 program.append(self._compute_entry(i, a))
             i += 1
         return program
 
-    def _compute_entry(self, i: int, a: Action) -> _Compute:
+    def _compute_entry(self, i: int, a: Action, ready_key: int | tuple[int, int] | None = None) -> _Compute:
         stage, s, mb = self.stages.get(a.stage), a.stage, a.microbatch
         take = hand = None
         cast = False
@@ -327,7 +344,8 @@ class PipelineRuntime:
                     send = self.send_of.get((kind, s, mb))
                     hand = ((kind, s, mb), None if send is None else self._send_fields(send),
                             self.eager_sends and not self._sent_next(i, send))
-        return _Compute(i, a, self.at[i], self.names[i], a.kind, stage, mb, take, cast, hand, self.ready_at.get(i))
+        return _Compute(i, a, self.at[i], self.names[i], a.kind, stage, mb, take, cast, hand,
+                        self.ready_at.get(i if ready_key is None else ready_key))
 
     def _sent_next(self, i: int, send: Action | None) -> bool:
         """Whether `send` is in the comm batch right after action i: posted there with that batch's receives,
@@ -392,6 +410,8 @@ class PipelineRuntime:
                     if self.before_compute is not None:
                         self.before_compute(entry.action)
                     self._compute(entry, inputs, targets, inbox, outbox, documents)
+                elif type(entry) is _Pair:
+                    self._compute_pair(entry, inputs, targets, inbox, outbox, documents)
                 else:
                     entry.run(entry.action.stage)
                 if record:
@@ -418,11 +438,7 @@ class PipelineRuntime:
         if kind is Kind.W:
             stage.backward_weight(mb)
             return
-        received = None
-        if c.take is not None:
-            received = inbox.pop(c.take)
-            if c.cast:
-                received = received.to(self.dtype)
+        received = self._take(c, inbox)
         if kind is Kind.F:
             out = stage.forward(mb, inputs[mb] if stage.is_first else received,
                                 targets[mb] if stage.is_last else None, None if documents is None else documents[mb])
@@ -430,6 +446,43 @@ class PipelineRuntime:
             out = stage.backward(mb, received, split=kind is Kind.I)
         if c.hand is not None:
             self._hand_over(c, out, inbox, outbox)
+
+    def _compute_pair(self, pair: _Pair, inputs, targets, inbox, outbox, documents=None) -> None:
+        """The parts' pieces in turns (stages.stage.interleave), each part's input taken before any piece runs;
+        a part that needs what the other hands over on this rank (a V's turn) waits for it: the parts in order."""
+        for c in pair.parts:
+            if c.ready is not None:  # every part's stage ready before any piece runs
+                self.now = c.ready[2]
+                self.ready(c.ready[0], c.ready[1])
+                self.now = pair.where
+            if self.before_compute is not None:
+                self.before_compute(c.action)
+        if any(c.take is not None and c.take not in inbox for c in pair.parts):
+            for c in pair.parts:
+                self._compute(c, inputs, targets, inbox, outbox, documents)
+            return
+        runs = [self._piece_run(c, inputs, targets, inbox, documents) for c in pair.parts]
+        for c, out in zip(pair.parts, interleave(*runs)):
+            if c.hand is not None:
+                self._hand_over(c, out, inbox, outbox)
+
+    def _take(self, c: _Compute, inbox) -> torch.Tensor | None:
+        """The compute's input (F) or output gradient (B, I) from the inbox, in the parameters' dtype."""
+        if c.take is None:
+            return None
+        received = inbox.pop(c.take)
+        return received.to(self.dtype) if c.cast else received
+
+    def _piece_run(self, c: _Compute, inputs, targets, inbox, documents) -> PieceRun:
+        stage, mb, kind = c.stage, c.mb, c.kind
+        if kind is Kind.W:
+            return stage.weight_pieces(mb)
+        received = self._take(c, inbox)
+        if kind is Kind.F:
+            return stage.forward_pieces(mb, inputs[mb] if stage.is_first else received,
+                                        targets[mb] if stage.is_last else None,
+                                        None if documents is None else documents[mb])
+        return stage.backward_pieces(mb, received, split=kind is Kind.I)
 
     def _hand_over(self, c: _Compute, tensor, inbox, outbox) -> None:
         if len(c.hand) == 1:  # the next stage lives here too (V-shape turn)

@@ -20,6 +20,10 @@ Each file's SHA-256 is computed over the bytes as they are written (write_safete
 manifest; read_manifest checks it before anything is loaded, so a flipped bit is refused in one line
 naming the file. SHA-256 because hashlib always has it, OpenSSL computes it with the CPU's SHA
 instructions where there are some, and `sha256sum rank-00003.safetensors` checks a file by hand.
+
+The manifest is bound to its files too: its own fields carry a SHA-256 (fields_sha256), the tensors the files'
+headers hold must be those its model has (none missing, none left over: a model edited to fewer layers would
+otherwise load and drop the rest), and a checkpoint directory's name must be its step's.
 """
 from __future__ import annotations
 
@@ -33,12 +37,16 @@ import shutil
 import struct
 from pathlib import Path
 
-# Version 2 records a SHA-256 for every file and requires one; version 1 manifests came before checksums (or
-# carried them optionally) and still load, verified where they have them.
-FORMAT, VERSION = "pipegpt-checkpoint", 2
-READABLE_VERSIONS = (1, 2)
+# Version 2 records a SHA-256 for every file and requires one; version 3 one of the manifest's own fields too.
+# Version 1 manifests came before checksums (or carried them optionally) and still load, verified where they
+# have them; every version is checked against its files' headers.
+FORMAT, VERSION = "pipegpt-checkpoint", 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 DIR_PREFIX = "step-"
+FIELDS_SHA256 = "fields_sha256"
+# The tensors of a parameter, by key prefix ("param/<name>", ...); any other key (rng/<rank>) is not the model's.
+TENSOR_KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(ValueError):
@@ -140,6 +148,8 @@ def commit(tmp: Path, manifest: dict, keep: int, checksums: dict[str, str] | Non
     checksums = dict(checksums or {})
     sha256 = {name: checksums.get(name) or file_sha256(tmp / name) for name in files}
     manifest = {"format": FORMAT, "version": VERSION, "files": files, "sha256": sha256, **manifest}
+    manifest = json.loads(json.dumps(manifest, default=str))  # as read back: the checksum is of what a reader sees
+    manifest[FIELDS_SHA256] = fields_sha256(manifest)
     try:
         with run_files.writing(tmp / MANIFEST):
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
@@ -185,9 +195,10 @@ def resolve(path) -> Path:
 
 
 def read_manifest(checkpoint: Path, verify: bool = True) -> dict:
-    """The manifest, after checking that every file it names is whole and, with verify, holds the bytes
-    whose SHA-256 the manifest records (every loader verifies: run --resume/--init-from in the driver before
-    any worker starts, sample, convert, hellaswag; the workers then skip it)."""
+    """The manifest, after checking that every file it names is whole, that the tensors their headers hold are
+    those of its model and its step that of its directory's name, and, with verify, that the files hold the bytes
+    and the manifest the fields whose SHA-256 it records (every loader verifies: run --resume/--init-from in the
+    driver before any worker starts, sample, convert, hellaswag; the workers then skip it)."""
     checkpoint = Path(checkpoint)
     try:
         manifest = json.loads((checkpoint / MANIFEST).read_text())
@@ -207,11 +218,63 @@ def read_manifest(checkpoint: Path, verify: bool = True) -> dict:
     if not isinstance(manifest.get("step"), int) or manifest["step"] < 0:
         raise CheckpointError(f"{checkpoint / MANIFEST}: step {manifest.get('step')!r} is not a step count (an "
                               f"integer >= 0): a hand-edited or damaged manifest")
+    _check_step_name(checkpoint, manifest)
+    keys = set()
     for name in manifest["files"]:
-        _check_whole(checkpoint / name)
+        keys |= _check_whole(checkpoint / name)
         if verify and name in sha256:
             _check_sha256(checkpoint / name, sha256[name])
+    _check_keys(checkpoint, manifest, keys)
+    if verify and manifest["version"] >= 3 and manifest.get(FIELDS_SHA256) != fields_sha256(manifest):
+        raise CheckpointError(f"{checkpoint / MANIFEST}: corrupt: its fields are not those whose SHA-256 it recorded "
+                              f"when it was written (a hand-edited or damaged manifest); use another checkpoint")
     return manifest
+
+
+def fields_sha256(manifest: dict) -> str:
+    """The SHA-256 of a manifest's fields in a canonical JSON form: all but the checksums (the files' have their
+    own check: a file replaced with its checksum fixed is refused by its tensors' names and shapes)."""
+    fields = {k: v for k, v in manifest.items() if k not in (FIELDS_SHA256, "sha256")}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_step_name(checkpoint: Path, manifest: dict) -> None:
+    """A run's checkpoint directory is named for its step (step-00000080 holds step 80). Weights-only checkpoints
+    (convert's, step 0, no optimizer) live under any name the user chose."""
+    name = checkpoint.name
+    digits = name.removeprefix(DIR_PREFIX)
+    if manifest.get("optimizer", True) is not False and name.startswith(DIR_PREFIX) and digits.isdigit() \
+            and int(digits) != manifest["step"]:
+        raise CheckpointError(f"{checkpoint / MANIFEST}: step {manifest['step']}, but its directory is {name} (step "
+                              f"{int(digits)}): a hand-edited manifest or a renamed directory; use another checkpoint")
+
+
+def _check_keys(checkpoint: Path, manifest: dict, keys: set[str]) -> None:
+    """The files hold every parameter the manifest's model has and nothing of a parameter it has not (what a
+    manifest edited to fewer layers, or another model's files, would leave out silently). A manifest without
+    usable model settings is refused where the model is built (model_config)."""
+    from pipegpt.arch import head_shapes, named_shapes
+
+    try:
+        model = model_config(checkpoint, manifest)
+    except CheckpointError:
+        return
+    names = set(named_shapes(model))
+    # a tied lm_head is wte: a state dict's copy of it (write_weights of GPT.state_dict()) has its place
+    aliases = {name for name, _ in head_shapes(model)} - names if model.tie_embeddings else set()
+    held = {key for key in keys if key.split("/", 1)[0] in TENSOR_KINDS}
+    extra = sorted((key for key in held if key.split("/", 1)[1] not in names | aliases),  # parameters first
+                   key=lambda key: (TENSOR_KINDS.index(key.split("/", 1)[0]), key))
+    missing = sorted(f"param/{name}" for name in names if f"param/{name}" not in held)
+    shape = f"{model.n_layer}-layer, n_embd {model.n_embd}"
+    if extra:
+        shown = ", ".join(extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
+        raise CheckpointError(f"{checkpoint}: holds {len(extra)} tensors its manifest's model ({shape}) has no "
+                              f"place for ({shown}): a hand-edited manifest or another model's files")
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise CheckpointError(f"{checkpoint}: holds no {shown}, which its manifest's model ({shape}) has: a "
+                              f"hand-edited manifest or another model's files")
 
 
 def file_sha256(path: Path) -> str:
@@ -244,20 +307,45 @@ def _check_sha256(path: Path, expected: str) -> None:
     _verified.add(identity)
 
 
-def _check_whole(path: Path) -> None:
-    """A safetensors file whose size is what its header promises (a truncated copy is refused)."""
+def _check_whole(path: Path) -> set[str]:
+    """A safetensors file whose header is well formed and whose size is what its header promises (a truncated
+    copy is refused); the keys of the tensors it holds."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(header_len)) if 8 + header_len <= size else None
-    except (OSError, struct.error, ValueError) as e:
+    except (OSError, struct.error) as e:
         raise CheckpointError(f"{path}: unreadable tensor file ({e})") from None
+    except ValueError as e:  # not JSON (or not UTF-8): a damaged header
+        raise CheckpointError(f"{path}: corrupt: its header is not a safetensors header ({e}); use another "
+                              f"checkpoint") from None
     if header is None:
         raise CheckpointError(f"{path}: truncated tensor file (its header says more than the file holds)")
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt: its header is not a safetensors header (not a JSON object); use "
+                              f"another checkpoint")
+    tensors = {key: value for key, value in header.items() if key != "__metadata__"}
+    bad = next((key for key, value in tensors.items() if _extent(value) is None), None)
+    if bad is not None:  # a flipped byte in "__metadata__" makes it one of these
+        raise CheckpointError(f"{path}: corrupt: its header is not a safetensors header ({bad[:60]!r} is no tensor "
+                              f"entry); use another checkpoint")
+    end = max(map(_extent, tensors.values()), default=0)
     if size != 8 + header_len + end:
         raise CheckpointError(f"{path}: truncated tensor file ({size} bytes, its header says {8 + header_len + end})")
+    return set(tensors)
+
+
+def _extent(entry) -> int | None:
+    """Where a header entry's data ends; None where the entry is not what safetensors writes."""
+    try:
+        start, end = entry["data_offsets"]
+        shape, dtype = entry["shape"], entry["dtype"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    fine = isinstance(start, int) and isinstance(end, int) and 0 <= start <= end and dtype in _DTYPES.values() \
+        and isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
+    return end if fine else None
 
 
 def check_tensors(checkpoint: Path, model) -> None:

@@ -132,13 +132,13 @@ class Job(ClusterJob):
 
     def measure_and_fit(self) -> None:
         """--balance cost and --schedule auto/auto-v, on started workers before step 0: rank 0 measures the
-        embedding, one block and the head with its loss on its device (forward + backward of a microbatch of the
-        run's shape). --balance cost then picks the split that makes the busiest rank's work the least for the
-        plan's placement (balance_layers); auto writes the order for those stages' costs (the split first, then
-        the order). Every worker is rebuilt for it (Job.build: the same grid, the same initial weights, which
-        come from per-name seeds). The job's config then holds the split, the order's costs and what they came
-        from (config.json records them)."""
-        from pipegpt.costs.balance import balance_layers
+        embedding, one block of each layer kind and the head with its loss on its device (forward + backward of a
+        microbatch of the run's shape). --balance cost then picks the split that makes the busiest rank's work the
+        least for the plan's placement (balance_layers, each layer costing its kind's: per_layer_costs); auto
+        writes the order for those stages' costs (the split first, then the order). Every worker is rebuilt for it
+        (Job.build: the same grid, the same initial weights, which come from per-name seeds). The job's config then
+        holds the split, the order's costs and what they came from (config.json records them)."""
+        from pipegpt.costs.balance import balance_layers, per_layer_costs
 
         p = self.cfg.parallel
         balance = p.balance == "cost" and p.balanced_costs is None
@@ -153,7 +153,7 @@ class Job(ClusterJob):
         changes = {"schedule_costs": split} if order else {}
         if balance:
             embed, block, head = measured
-            layers = balance_layers([block] * self.cfg.model.n_layer, embed, head, self.plan.stage_to_rank)
+            layers = balance_layers(per_layer_costs(self.cfg.model, costs), embed, head, self.plan.stage_to_rank)
             changes.update(layers_per_stage=tuple(layers), balanced_costs=measured)
         self.build(self.cfg.replace(**changes))
         embed, block, head = measured

@@ -33,28 +33,37 @@ def launch(cfg: TrainConfig, preset: str, run_dir: str | None, port: int | None,
 
     driver = not under_torchrun() or os.environ.get("RANK") == "0"  # the one process that writes the run directory
     out = Path(run_dir) if run_dir else resumed_run_dir(cfg)
-    job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
-    restarts, job.failed_at, job.steps_lost = restart_state(out)
-    continuing = continuing or restarts > 0
-    steps = cfg.runtime.steps
-    done = resumed_step(cfg)
-    if done >= steps:
-        if driver:
-            echo(f"nothing to do: the checkpoint was taken after step {done} of {steps}; nothing written "
-                 f"(give --steps above {done} to train on)")
-        return
-    if driver:  # the one process that writes the run directory, from its lock on
-        try:
-            out = _own(cfg, out, overwrite, continuing, done, echo)
-        except OSError as e:  # a full disk, before any worker started
-            exit_now(echo, f"Error: {run_files.failure_line(e)}", 1)
+    if driver and out is not None and out.is_dir():
+        own_run_dir(out)  # first: a live run's directory is refused naming its pid, even with nothing to do
     try:
-        _run(job, preset, out, driver, restarts, log_every, echo, done)
-    except OSError as e:  # a run file not written (a full disk): the job was killed on the way out
-        drop_snapshots(cfg, out if driver else None)
-        exit_now(echo, f"Error: {run_files.failure_line(e)}; all workers stopped", 1)
+        job = Job(cfg, port)  # refuses a bad configuration, schedule, checkpoint or port before any process starts
+        if not under_torchrun() and resumed_step(cfg) < cfg.runtime.steps:
+            from pipegpt.comm.preload import PRELOADED, start_early
+
+            # the workers' torch import, once, while the driver takes its run directory (not before a refusal: it
+            # would compete with the refusing check for the cores)
+            start_early(PRELOADED + ("pipegpt.train.worker",))
+        restarts, job.failed_at, job.steps_lost = restart_state(out)
+        continuing = continuing or restarts > 0
+        steps = cfg.runtime.steps
+        done = resumed_step(cfg)
+        if done >= steps:
+            if driver:
+                echo(f"nothing to do: the checkpoint was taken after step {done} of {steps}; nothing written "
+                     f"(give --steps above {done} to train on)")
+            return
+        if driver:  # the one process that writes the run directory, from its lock on
+            try:
+                out = _own(cfg, out, overwrite, continuing, done, echo)
+            except OSError as e:  # a full disk, before any worker started
+                exit_now(echo, f"Error: {run_files.failure_line(e)}", 1)
+        try:
+            _run(job, preset, out, driver, restarts, log_every, echo, done)
+        except OSError as e:  # a run file not written (a full disk): the job was killed on the way out
+            drop_snapshots(cfg, out if driver else None)
+            exit_now(echo, f"Error: {run_files.failure_line(e)}; all workers stopped", 1)
     finally:
-        if driver:
+        if driver and out is not None:
             release(out)  # the run is over: a process that goes on (a test) no longer holds the directory
 
 

@@ -53,6 +53,7 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
     from pipegpt.resilience.health import restart_devices
 
     failed_at = time.time()
+    failure = _with_lost_rank(failure, getattr(job.cluster, "procs", ()))
     saved = checkpoint.complete_checkpoints(run_dir / run_files.CHECKPOINTS)
     # in a call of several steps the driver knows only the call's first: steps_lost counts from it (at least)
     step, in_call = job.current_step, job.current_count
@@ -87,6 +88,9 @@ def restart(echo: Callable, failure, job, run_dir: Path, count: int) -> None:
         shrunk = _shrink(echo, failure, cfg, ranks)
         layout, flags = f"{layout_text(cfg)} -> {layout_text(shrunk.cfg)}, predicted step x{shrunk.ratio:.2f}", \
             shrunk.flags
+        zero = cfg.parallel.zero, shrunk.cfg.parallel.zero
+        if zero[0] != zero[1]:
+            layout += f", ZeRO {zero[0]} -> {zero[1]} (one replica left to shard over)"
     echo(f"pipegpt: rank {failure.rank} {failure.verb}{at} ({failure.cause}); restart {count} of {limit}, "
          f"{layout}, {source}", err=True)
     sys.stdout.flush()
@@ -135,8 +139,8 @@ def restart_args(argv: list[str], resume: str | None, layout: dict | None = None
     ranks."""
     drop = {"--overwrite"} | ({"--resume", "--init-from", "--config"} if resume else set()) | \
         ({"--run-dir"} if run_dir else set())
-    if layout:
-        drop |= LAYOUT_FLAGS
+    if layout:  # the layout's own flags, and any other it sets (--zero lowered, --unshard dropped: None)
+        drop |= LAYOUT_FLAGS | {form for flag in layout for form in option_flags(flag[2:].replace("-", "_"))}
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -148,9 +152,22 @@ def restart_args(argv: list[str], resume: str | None, layout: dict | None = None
             continue
         out.append(arg)
     for flag, value in (layout or {}).items():
-        out += [flag, str(value)]
+        out += [flag, str(value)] if value is not None else []
     return out + (["--resume", resume] if resume else []) + (["--run-dir", run_dir] if run_dir else [])
 
+
+
+def _with_lost_rank(failure, workers):
+    """The failure to restart after: a worker whose device is gone (a rehearsed `lose`) is the cause, whichever
+    rank's failure arrived first, so that a lost rank is never restarted into the same layout. workers: the
+    local processes by rank (none under torchrun)."""
+    from pipegpt.comm.rpc import WorkerFailure
+    from pipegpt.resilience.faults import LOST_DEVICE_EXIT
+
+    lost = [rank for rank, proc in enumerate(workers) if proc.exitcode == LOST_DEVICE_EXIT]
+    if _lost(failure) or not lost:
+        return failure
+    return WorkerFailure(lost[0], f"process exited with code {LOST_DEVICE_EXIT}", exit_code=LOST_DEVICE_EXIT)
 
 
 def _lost(failure) -> bool:

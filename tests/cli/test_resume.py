@@ -157,3 +157,60 @@ def test_resuming_an_older_checkpoint_moves_the_later_ones_off_the_line(run_copy
     assert resolve(run_copy).name == "step-00000003"  # what the next --resume of the run goes on from
     assert [(r["step"], r["attempt"]) for r in _rows(run_copy) if r.get("abandoned")] == [(3, 1), (4, 1)]
     assert [(r["step"], r["attempt"]) for r in read_metrics(run_copy)] == [(1, 1), (2, 1), (3, 2)]
+
+
+def test_resume_auto_into_a_live_runs_directory_with_fewer_steps_is_refused_by_the_lock(no_workers, run_copy):
+    """Issue 44: `--resume auto` with a --steps the checkpoint has passed said "nothing to do" (exit 0) while another
+    run held the directory and went on saving; the lock comes first, naming its pid."""
+    with lock_held_elsewhere(run_copy) as pid:
+        for resume in ("auto", str(run_copy)):
+            assert_one_line_error(invoke("run", "--resume", resume, "--run-dir", run_copy, "--steps", "2"),
+                                  f"{run_copy} is in use by another pipegpt run (pid {pid})")
+    assert not NoWorkers.started
+
+
+def _edit_manifest(ckpt, edit):
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    edit(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _fewer_layers(ckpt):
+    _edit_manifest(ckpt, lambda m: (m["model"].update(n_layer=1), m["config"]["model"].update(n_layer=1)))
+
+
+def _flip_header_byte(ckpt):  # "__metadata__" -> "__metadata\x7f_"
+    raw = bytearray((ckpt / "rank-00000.safetensors").read_bytes())
+    raw[20] = 0x7F
+    (ckpt / "rank-00000.safetensors").write_bytes(bytes(raw))
+
+
+DAMAGE = {  # issue 44: each loaded silently (other tokens, a 1-layer resumed run) or was a traceback
+    "fewer layers": (_fewer_layers, "holds 108 tensors its manifest's model (1-layer, n_embd 128) has no place for "
+                                    "(param/blocks.1."),
+    "edited step": (lambda c: _edit_manifest(c, lambda m: m.update(step=1)),
+                    "manifest.json: step 1, but its directory is step-00000004 (step 4)"),
+    "edited head count": (lambda c: _edit_manifest(c, lambda m: (m["model"].update(n_head=2),
+                                                                 m["config"]["model"].update(n_head=2))),
+                          "manifest.json: corrupt: its fields are not those whose SHA-256 it recorded"),
+    "flipped header byte": (_flip_header_byte, "rank-00000.safetensors: corrupt: its header is not a safetensors "
+                                               "header"),
+}
+LOADERS = {
+    "sample": lambda ckpt, tmp: ("sample", ckpt, "--max-new-tokens", "3"),
+    "sample on workers": lambda ckpt, tmp: ("sample", ckpt, "--stages", "2", "--max-new-tokens", "3"),
+    "resume": lambda ckpt, tmp: ("run", "--resume", ckpt.parent.parent, "--steps", "6"),
+    "hellaswag": lambda ckpt, tmp: ("hellaswag", ckpt, "--file", tmp / "hs.jsonl"),
+    "convert": lambda ckpt, tmp: ("convert", "--to-hf", tmp / "hf", "--checkpoint", ckpt),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_one_line_in_every_loader(no_workers, run_copy, tmp_path, damage):
+    ckpt = run_copy / "checkpoints" / "step-00000004"
+    edit, fragment = DAMAGE[damage]
+    edit(ckpt)
+    (tmp_path / "hs.jsonl").write_text('{"ctx": "a b", "endings": ["c", "d", "e", "f"], "label": 0}\n')
+    for name, args in LOADERS.items():
+        assert_one_line_error(invoke(*args(ckpt, tmp_path)), f"{ckpt}", fragment)
+    assert not NoWorkers.started and not (tmp_path / "hf").exists()

@@ -5,7 +5,8 @@ The moment that used to leave orphans is the first one: a spawned worker spends 
 before it could ask for a parent-death signal, and a driver killed then left it waiting in init_rpc for
 minutes. The driver is stopped (SIGSTOP) the instant its first worker process exists, so that it can
 start nothing more, its descendants are read from /proc (pid and start time, so a recycled pid is not
-mistaken for one of them), then it is killed. Only those pids are cleaned up afterwards.
+mistaken for one of them), then it is killed. Only those pids are cleaned up afterwards. Workers forked by the
+preload server (pipegpt.comm.preload) are the driver's grandchildren: killed as they start, too.
 (tests/distributed/test_failures.py kills a driver in the middle of training.)
 """
 from __future__ import annotations
@@ -72,15 +73,34 @@ def _is_worker(pid: int) -> bool:
     return "spawn_main" in proc_cmdline(pid)
 
 
-@pytest.mark.parametrize("after_s", [0.0, 1.5], ids=["at-once", "while-importing"])
-def test_killing_the_driver_while_workers_start_leaves_no_process(tmp_path, after_s):
-    """after_s: how long after the first worker process exists the driver is killed (at once: before the
-    worker could run any code of ours; 1.5 s: while it imports torch)."""
+def _start_driver(tmp_path) -> tuple[subprocess.Popen, object]:
+    """A long `pipegpt run` of two workers, and the file its stderr goes to."""
     stderr = tmp_path / "stderr"  # a file: an orphan holding a pipe would keep a reader waiting
     with open(stderr, "w") as err:
         driver = subprocess.Popen([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "1000",
                                    "--threads-per-worker", "1", "--run-dir", str(tmp_path / "run")],
                                   cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL, stderr=err)
+    return driver, stderr
+
+
+def _end(family: dict[int, int], driver: subprocess.Popen) -> None:
+    """After the test: kill whatever of the driver's family is left, and the driver."""
+    for pid, start in family.items():
+        if _alive(pid, start):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if driver.poll() is None:
+        driver.kill()
+        driver.wait(timeout=10)
+
+
+@pytest.mark.parametrize("after_s", [0.0, 1.5], ids=["at-once", "while-importing"])
+def test_killing_the_driver_while_workers_start_leaves_no_process(tmp_path, after_s):
+    """after_s: how long after the first worker process exists the driver is killed (at once: before the
+    worker could run any code of ours; 1.5 s: while it imports torch)."""
+    driver, stderr = _start_driver(tmp_path)
     family: dict[int, int] = {}
     try:
         deadline = time.monotonic() + START_LIMIT_S
@@ -104,12 +124,42 @@ def test_killing_the_driver_while_workers_start_leaves_no_process(tmp_path, afte
               f"gone {time.monotonic() - killed:.2f}s later")
         assert not left, f"alive {GONE_WITHIN_S:.0f}s after the driver was killed: {left}"
     finally:
-        for pid, start in family.items():
-            if _alive(pid, start):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait(timeout=10)
+        _end(family, driver)
+
+
+def _forked_workers(pid: int) -> list[int]:
+    """The driver's grandchildren that are workers forked by its preload server (pipegpt.comm.preload): the
+    server's command line, or their title."""
+    return [grandchild for child in _children(pid) for grandchild in _children(child)
+            if _is_worker(grandchild) or proc_cmdline(grandchild).startswith("pipegpt: rank")]
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.3], ids=["at-fork", "while-joining"])
+def test_killing_the_driver_while_forked_workers_start_leaves_no_process(tmp_path, after_s):
+    """The workers forked by the preload server are the server's children, not the driver's: the driver's death
+    kills the server, whose death kills them. after_s: how long after the first forked worker exists the driver
+    is killed (at once: before it could arm its own parent-death signal; 0.3 s: while it joins RPC)."""
+    driver, stderr = _start_driver(tmp_path)
+    family: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + START_LIMIT_S
+        while not _forked_workers(driver.pid):
+            assert driver.poll() is None, f"the driver exited ({driver.returncode}): {stderr.read_text()}"
+            assert time.monotonic() < deadline, "no worker was forked"
+            time.sleep(0.002)
+        time.sleep(after_s)
+        os.kill(driver.pid, signal.SIGSTOP)
+        family = _descendants(driver.pid)
+        forked = set(_forked_workers(driver.pid))
+        os.kill(driver.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        driver.wait(timeout=10)
+        assert forked and forked <= set(family), family
+        while any(_alive(pid, start) for pid, start in family.items()) and time.monotonic() < killed + GONE_WITHIN_S:
+            time.sleep(0.05)
+        left = {pid: proc_cmdline(pid) for pid, start in family.items() if _alive(pid, start)}
+        print(f"\ndriver killed {after_s:.1f}s after its first forked worker existed; {len(family)} descendants "
+              f"({len(forked)} forked) gone {time.monotonic() - killed:.2f}s later")
+        assert not left, f"alive {GONE_WITHIN_S:.0f}s after the driver was killed: {left}"
+    finally:
+        _end(family, driver)

@@ -234,6 +234,22 @@ def test_a_hand_written_schedule_file_trains_like_one_process(workers, matching,
     assert_matches(cfg, workers(cfg))
 
 
+# Composite actions (a forward and a backward of two microbatches run as one, by pieces in turns): rank 1's steady
+# state in pairs; then with split backwards under ZeRO-2, whose buffers a pair's backward part must find ready.
+PAIRED = "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3\n1F0 (1F1;1B0) (1F2;1B1) (1F3;1B2) 1B3\n"
+PAIRED_SPLIT = "0F0 0F1 0I0 0F2 0I1 0W0 0F3 0I2 0W1 0I3 0W2 0W3\n1F0 (1F1;1I0) (1F2;1W0) 1I1 (1F3;1W1) 1I2 1I3 1W2 1W3\n"
+
+
+@pytest.mark.parametrize("text,dp,zero", [(PAIRED, 1, 0), pytest.param(PAIRED_SPLIT, 2, 2, marks=pytest.mark.slow)])
+def test_composite_actions_train_like_one_process(workers, matching, tmp_path, text, dp, zero):
+    path = tmp_path / "paired.txt"
+    path.write_text(text)
+    assert "(1F1;1" in load_schedule_file(path).to_text()
+    cfg = base_config(2, schedule_file=str(path), microbatches=4, dp=dp, zero=zero, p2p_matching=matching)
+    check(cfg)
+    assert_matches(cfg, workers(cfg))
+
+
 # The full matrix, on demand: pytest -m slow
 FULL = [(s, p, m, rc, tie) for s in SCHEDULES for p in (2, 4) for m in valid_microbatches(s, p)
         for rc in ("none", "full", "selective") for tie in (True, False)]

@@ -235,8 +235,8 @@ def test_the_shrunk_layout_keeps_the_global_batch_and_uses_the_ranks_left():
     assert (one.cfg.parallel.dp, one.cfg.parallel.stages, one.cfg.parallel.microbatches) == (1, 1, 8)
     v = shrunk_layout(TrainConfig.build(model, stages=4, schedule="zbv", microbatches=8, device="cpu"), 3)
     assert v.cfg.parallel.schedule == "zbv" and v.cfg.parallel.stages == 3
-    sharded = cfg.replace(zero=3)  # ZeRO-3 keeps two replicas to shard over, or finds no layout
-    assert shrunk_layout(sharded, 7).cfg.parallel.dp == 2 and shrunk_layout(sharded, 1) is None
+    sharded = cfg.replace(zero=3)  # ZeRO-3 keeps two replicas to shard over, or lowers ZeRO on one (issue 44)
+    assert shrunk_layout(sharded, 7).cfg.parallel.dp == 2 and shrunk_layout(sharded, 1).cfg.parallel.zero == 0
 
 
 def test_a_shrunk_layout_keeps_its_context_parallel_ranks():
@@ -266,5 +266,46 @@ def test_a_lost_device_under_context_parallelism_shrinks_and_goes_on_like_a_manu
     assert by_hand.returncode == 0, by_hand.stderr
     expected = last_rows(tmp_path / "manual")
     assert sorted(expected) == sorted(resumed)
+    for s in resumed:
+        assert rows[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-5), s
+
+
+ISSUE_MODEL = ("--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--vocab-size", "256",
+               "--threads-per-worker", "1")  # issue 44's T, one stage: the layout is each test's
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_the_one_a_restart_names(tmp_path):
+    """Issue 44: freeze:1:3 at dp 2 said "rank 0 failed at step 3 (CommError: rank 0: data-parallel gradient
+    reduction failed ...)": rank 0's collective timed out (--timeout 8) before rank 1's heartbeat did (10 s)."""
+    proc = run_pipegpt("run", *ISSUE_MODEL, "--stages", "1", "--dp", "2", "--steps", "4", "--microbatches", "2",
+                       "--save-every", "2", "--max-restarts", "1", "--timeout", "8", "--run-dir", tmp_path / "run",
+                       timeout=300, env=clean_env(PIPEGPT_FAULT="freeze:1:3"))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    said = [ln for ln in proc.stderr.splitlines() if " failed at step 3 " in ln]
+    assert len(said) == 1 and said[0].startswith("pipegpt: rank 1 failed at step 3 (stopped answering"), said
+    assert "restart 1 of 1, same layout" in said[0], said
+
+
+@pytest.mark.slow
+def test_a_lost_device_under_zero_3_shrinks_to_one_replica_with_zero_lowered(tmp_path):
+    """Issue 44: at --dp 2 --zero 3, lose:1:3 said "no layout of this model and batch builds on 1 ranks" (rc 1);
+    ZeRO lowered to 0 on the one replica left, the run goes on like a manual resume in that layout."""
+    run_dir = tmp_path / "run"
+    proc = run_pipegpt("run", *ISSUE_MODEL, "--stages", "1", "--dp", "2", "--zero", "3", "--steps", "6",
+                       "--microbatches", "2", "--save-every", "2", "--max-restarts", "1", "--min-ranks", "1",
+                       "--run-dir", run_dir, timeout=300, env=clean_env(PIPEGPT_FAULT="lose:1:3"))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    said = next(ln for ln in proc.stderr.splitlines() if ln.startswith("pipegpt: rank 1 failed at step 3"))
+    assert ("dp 2 x pp 1 x tp 1, 1f1b, 2 microbatches -> dp 1 x pp 1 x tp 1, 1f1b, 4 microbatches, predicted step "
+            "x2.00, ZeRO 3 -> 0 (one replica left to shard over)") in said, said
+    assert "--zero 3 -> 0" in proc.stdout.splitlines(), proc.stdout
+    rows = last_rows(run_dir)
+    resumed = [s for s, r in rows.items() if r["attempt"] == 2]
+    by_hand = run_pipegpt("run", "--resume", run_dir / "checkpoints" / "step-00000002", "--dp", "1", "--zero", "0",
+                          "--microbatches", "4", "--run-dir", tmp_path / "manual", "--save-every", "0", timeout=300)
+    assert by_hand.returncode == 0, by_hand.stderr
+    expected = last_rows(tmp_path / "manual")
+    assert sorted(expected) == sorted(resumed) == [3, 4, 5, 6]
     for s in resumed:
         assert rows[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-5), s

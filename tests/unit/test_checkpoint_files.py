@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import struct
 
 import pytest
@@ -101,7 +102,7 @@ def test_a_manifest_of_this_version_without_checksums_is_refused(tmp_path):
     before checksums) may lack them."""
     ckpt = weights_checkpoint(tmp_path / "ckpt")
     manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
-    assert manifest["version"] == 2
+    assert manifest["version"] == checkpoint.VERSION >= 2
     del manifest["sha256"]
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(checkpoint.CheckpointError, match="records no SHA-256 for rank-00000.safetensors .* "
@@ -150,6 +151,93 @@ def test_a_reshaped_moment_with_its_checksum_fixed_is_one_line(tmp_path):
     checkpoint.read_manifest(ckpt)  # whole and verified
     with pytest.raises(checkpoint.CheckpointError, match=r"exp_avg/.*weight is \[32, 256\] .* needs \[256, 32\]"):
         checkpoint.check_tensors(ckpt, MODEL)
+
+
+def edit_manifest(ckpt, edit) -> None:
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    edit(manifest)
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+
+
+LOADERS = (checkpoint.read_manifest, checkpoint.CheckpointReader, checkpoint.read_weights)
+
+
+def test_a_manifest_edited_to_fewer_layers_is_refused_naming_what_is_left_over(tmp_path):
+    """Issue 44: n_layer set to 1 loaded block 0 and dropped block 1's weights and moments without a word (loading
+    checked for missing tensors, not left-over ones); the files' headers bind the manifest's model in both
+    directions, in every loader, verified or not."""
+    ckpt = optimizer_checkpoint(tmp_path / "run")
+    edit_manifest(ckpt, lambda m: m["model"].update(n_layer=1))
+    for load in LOADERS + (lambda c: checkpoint.read_manifest(c, verify=False),):
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            load(ckpt)
+        line = str(e.value)
+        assert line.startswith(f"{ckpt}: holds 36 tensors its manifest's model (1-layer, n_embd 32) has no place "
+                               f"for (param/blocks.1.") and line.endswith("and 32 more): a hand-edited manifest or "
+                                                                       "another model's files"), line
+        assert "\n" not in line and len(line) < 300 + len(str(ckpt)), line
+
+
+def test_a_manifest_edited_to_more_layers_is_refused_naming_what_is_missing(tmp_path):
+    ckpt = optimizer_checkpoint(tmp_path / "run")
+    edit_manifest(ckpt, lambda m: m["model"].update(n_layer=3))
+    with pytest.raises(checkpoint.CheckpointError, match=r": holds no param/blocks\.2\..* and 8 more, which its "
+                                                         r"manifest's model \(3-layer, n_embd 32\) has"):
+        checkpoint.read_manifest(ckpt)
+
+
+def test_an_edited_step_is_refused(tmp_path):
+    """Issue 44: step-00000080 with "step": 10 resumed "after step 10" with step 80's weights. A run's checkpoint
+    is named for its step; under any other name (a copy) the manifest's own checksum refuses the edit."""
+    ckpt = optimizer_checkpoint(tmp_path / "run", step=8)
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt, copy)
+    for where in (ckpt, copy):
+        edit_manifest(where, lambda m: m.update(step=1))
+    with pytest.raises(checkpoint.CheckpointError, match=r"manifest.json: step 1, but its directory is step-00000008 "
+                                                         r"\(step 8\): a hand-edited manifest or a renamed directory"):
+        checkpoint.read_manifest(ckpt, verify=False)
+    with pytest.raises(checkpoint.CheckpointError, match=r"copy/manifest.json: corrupt: its fields are not those "
+                                                         r"whose SHA-256 it recorded"):
+        checkpoint.read_manifest(copy)
+
+
+@pytest.mark.parametrize("edit", [lambda m: m["model"].update(n_head=2),  # the same shapes: only a checksum sees it
+                                  lambda m: m["model"].update(norm_eps=1e-3),
+                                  lambda m: m.update(optimizer=False)])
+def test_any_edit_of_the_manifests_fields_is_refused_where_they_are_verified(tmp_path, edit):
+    ckpt = optimizer_checkpoint(tmp_path / "run")
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    assert manifest[checkpoint.FIELDS_SHA256] == checkpoint.fields_sha256(manifest)
+    edit_manifest(ckpt, edit)
+    for load in LOADERS:
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            load(ckpt)
+        assert str(e.value) == (f"{ckpt / checkpoint.MANIFEST}: corrupt: its fields are not those whose SHA-256 it "
+                                f"recorded when it was written (a hand-edited or damaged manifest); use another "
+                                f"checkpoint")
+
+
+def damage_header(path, at: int, value: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] = value
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("at, value, why", [
+    (20, 0x7F, r"\('__metadata\\x7f_' is no tensor entry\)"),  # the issue's case: "__metadata__" -> "__metadata\x7f_"
+    (8, ord("["), r"\((Expecting|Extra data)"),                   # not JSON any more
+])
+def test_a_damaged_header_is_one_corrupt_line(tmp_path, at, value, why):
+    """Issue 44: a flipped byte in a safetensors header was KeyError 'data_offsets' from the size check, in every
+    loader (and in --resume's first read of the manifest, unverified)."""
+    ckpt = weights_checkpoint(tmp_path / "ckpt")
+    victim = ckpt / "rank-00000.safetensors"
+    damage_header(victim, at, value)
+    for load in LOADERS + (lambda c: checkpoint.read_manifest(c, verify=False),):
+        with pytest.raises(checkpoint.CheckpointError, match=f"^{victim}: corrupt: its header is not a safetensors "
+                                                             f"header {why}"):
+            load(ckpt)
 
 
 def test_a_file_changed_after_a_successful_check_is_checked_again(tmp_path):

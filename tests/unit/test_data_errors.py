@@ -94,3 +94,29 @@ def test_token_ids_past_the_vocabulary_are_refused_before_any_worker_starts(tmp_
     loader = RankLoader(np.full(100, 300, dtype=np.uint16), 8, 1, 2, 1, 0, 0, True, True, vocab_size=256)
     with pytest.raises(DataError, match="step 1's batch holds token id 300, not below the model's vocabulary"):
         loader.batch(0)
+
+
+def test_a_meta_json_whose_max_token_id_the_data_contradicts_is_caught_before_the_run(tmp_path):
+    """Issue 44: meta.json said the largest id fit the vocabulary, a shard (no newer than meta.json) held a larger
+    one, and the run failed at step 1 blaming a change after the check. The shards are scanned: the line names
+    the file and the id."""
+    import json
+    import os
+
+    from pipegpt.data.prepare import prepare
+    from pipegpt.data.tokens import SHARD_HEADER_BYTES
+
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n" * 400)
+    prepare([text], tmp_path / "data", val_fraction=0.1)
+    shard = next((tmp_path / "data").glob("train_*.bin"))
+    tokens = np.memmap(shard, dtype="<u2", mode="r+", offset=SHARD_HEADER_BYTES)
+    tokens[5] = 300
+    tokens.flush()
+    meta = tmp_path / "data" / "meta.json"
+    os.utime(meta, (os.path.getmtime(shard) + 5,) * 2)  # meta.json newer than the shard: once, it was trusted
+    assert json.loads(meta.read_text())["splits"]["train"]["max_token_id"] == ord("w")
+    with pytest.raises(DataError) as e:
+        open_tokens(tmp_path / "data", "train", vocab_size=256)
+    assert str(e.value).startswith(f"{shard}: token id 300 (tokenizer bytes) is not below the model's vocabulary "
+                                   f"size 256; meta.json says 119 is the largest: "), str(e.value)

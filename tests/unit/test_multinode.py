@@ -8,7 +8,7 @@ import types
 import pytest
 
 from pipegpt.comm.mesh import nccl_environment
-from pipegpt.comm.rpc import bind_to_master_interface, interface_reaching
+from pipegpt.comm.network import bind_to_master_interface, interface_reaching
 from pipegpt.config import COMPILE_STEPS, COMPILE_TIMEOUT_S, ConfigError, TrainConfig
 from pipegpt.train.driver import Job
 

@@ -10,10 +10,11 @@ import torch
 
 from pipegpt.config import ModelConfig
 from pipegpt.costs import memory
-from pipegpt.dims import Sharding
+from pipegpt.comm.mesh import group_members
+from pipegpt.dims import GROUP_AXES, Sharding
 from pipegpt.engine.parallelize import Parallelized, parallelize
 from pipegpt.model.gpt import GPT
-from pipegpt.parallelisms import ORDER, stage_parallelism
+from pipegpt.parallelisms import GRADIENT_AXES, ORDER, stage_parallelism
 from pipegpt.tensor_parallel.layers import TPLayout, replicated_kv_params, sequence_parallel_grad_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,6 +46,17 @@ def test_the_planner_reads_the_same_gradient_group():
     for sharding in (Sharding(dp=2, cp=3), Sharding(dp=4, tp=2), Sharding(cp=2, pp=4)):
         assert memory.gradient_group(sharding) == stage_parallelism(sharding).gradient_ranks \
             == sharding.dp * sharding.cp
+
+
+def test_the_gradient_sum_runs_over_the_mesh_group_of_its_axes():
+    """One table says which ranks average a stage's gradients: the mesh builds that group, the syncs reduce over it."""
+    sharding = Sharding(dp=2, pp=2, cp=2, tp=2)
+    layout = stage_parallelism(sharding)
+    (gradients,) = [r for r in layout.reductions if r.name == "gradients"]
+    assert GRADIENT_AXES == GROUP_AXES[gradients.group] == ("dp", "cp")
+    groups = group_members(sharding.dims)[gradients.group]
+    assert {len(g) for g in groups} == {layout.gradient_ranks} == {4} and len(groups) == 4
+    assert groups[0] == [0, 2, 8, 10]  # rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i
 
 
 @pytest.mark.parametrize("tp, sp", [(2, True), (4, False), (4, True)])

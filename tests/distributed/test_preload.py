@@ -1,0 +1,123 @@
+"""The preload server (pipegpt.comm.preload): a forked worker gets what a spawned one got from its driver, its
+exit is reported, it dies with the server, and a request the server cannot honour soundly is refused.
+
+The servers here import nothing (modules=()): the mechanism, in a fraction of a second. The real thing (torch
+preloaded, `pipegpt run`) is exercised by every `pipegpt run` test; test_orphans kills a driver while its forked
+workers start.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, clean_env
+from pipegpt.comm import preload
+
+pytestmark = pytest.mark.skipif(not preload.supported(), reason="forks workers on Linux only")
+
+TARGETS = "preload_targets"  # tests/distributed/preload_targets.py, on the server's sys.path as on this one's
+
+
+@pytest.fixture
+def server():
+    preloader = preload.Preloader(modules=())
+    yield preloader
+    preloader.proc.kill()
+    preloader.proc.join(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZXx"
+    except OSError:
+        return False
+
+
+def test_a_forked_worker_gets_the_drivers_environment_directory_cores_and_streams(server, tmp_path, monkeypatch,
+                                                                                    capfd):
+    monkeypatch.setenv("PIPEGPT_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        workers = server.fork(f"{TARGETS}:report", [(str(tmp_path / "seen.json"),)], ["pipegpt-rank0"], 60)
+    finally:
+        os.sched_setaffinity(0, cores)
+    assert not isinstance(workers, str), workers
+    workers[0].join(30)
+    assert workers[0].exitcode == 0
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == {"probe": "set after the server started", "cwd": str(tmp_path), "cores": cores[:1],
+                    "name": "pipegpt-rank0", "ppid": server.proc.pid, "torch": False}
+    assert f"reported to {tmp_path / 'seen.json'}" in capfd.readouterr().out  # this process's stdout, as now
+
+
+def test_exits_are_reported_as_multiprocessing_reports_them(server):
+    workers = server.fork(f"{TARGETS}:exit_with", [(13,), (0,)], ["pipegpt-rank0", "pipegpt-rank1"], 60)
+    for w in workers:
+        w.join(30)
+    assert [w.exitcode for w in workers] == [13, 0]
+    waiting = server.fork(f"{TARGETS}:wait", [()], ["pipegpt-rank0"], 60)[0]
+    assert waiting.is_alive()
+    waiting.kill()
+    waiting.join(30)
+    assert waiting.exitcode == -signal.SIGKILL and not waiting.is_alive()
+
+
+def test_a_dead_server_takes_its_workers(server):
+    workers = server.fork(f"{TARGETS}:wait", [(), ()], ["pipegpt-rank0", "pipegpt-rank1"], 60)
+    assert all(_alive(w.pid) for w in workers)
+    server.proc.kill()
+    deadline = time.monotonic() + 5
+    while any(_alive(w.pid) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(w.pid) for w in workers)
+    for w in workers:
+        w.join(5)
+    assert [w.exitcode for w in workers] == [-signal.SIGKILL] * 2  # what the driver is told
+
+
+def test_a_change_to_a_variable_read_at_import_is_refused(server, monkeypatch):
+    """OMP_NUM_THREADS is read when torch loads its OpenMP: a worker forked from a server started without it
+    would not honour it. The caller spawns instead."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert server.fork(f"{TARGETS}:exit_with", [(0,)], ["pipegpt-rank0"], 60) == \
+        "the environment changed since the preload server started (OMP_NUM_THREADS)"
+
+
+def test_a_server_that_cannot_import_its_modules_refuses():
+    preloader = preload.Preloader(modules=("pipegpt.no_such_module",))
+    try:
+        refusal = preloader.fork(f"{TARGETS}:exit_with", [(0,)], ["pipegpt-rank0"], 60)
+        assert refusal.startswith("the preload server could not import pipegpt.no_such_module (ModuleNotFoundError"), \
+            refusal
+    finally:
+        preloader.proc.kill()
+        preloader.proc.join(timeout=10)
+
+
+DIES_WHILE_STARTING = """
+import sys
+from pipegpt.comm.rpc import LocalCluster, WorkerFailure
+try:
+    LocalCluster(2, 60, 1, cores=[(0,), (99999,)])  # rank 1's core does not exist: it dies while starting
+except WorkerFailure as e:
+    print(e)
+    sys.exit(0)
+sys.exit("started")
+"""
+
+
+def test_a_forked_worker_that_dies_while_starting_is_named():
+    proc = subprocess.run([sys.executable, "-c", DIES_WHILE_STARTING], cwd=ROOT, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "rank 1 failed: process exited with code 1", proc.stdout + proc.stderr
+    assert "OSError: [Errno 22] Invalid argument" in proc.stderr  # the worker's own traceback, as a spawned one's
