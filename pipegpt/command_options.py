@@ -8,6 +8,7 @@ import click
 
 from pipegpt.arch import ARCHITECTURES, GPT2
 from pipegpt.config import ARCHS, CP_COMM, MODEL_PRESETS, ConfigError, ModelConfig, model_config
+from pipegpt.model_config import MOE_FLAG_FIELDS
 
 # The mixture-of-experts settings (docs/moe.md): each option sets the ModelConfig field of its name (--n-experts:
 # n_experts), its type and help here.
@@ -26,6 +27,7 @@ EXPERT_OPTIONS = {
     "moe_capacity_factor": (float, "Each expert's capacity as a multiple of its even share of a call's tokens; the "
                                    "overflow is dropped and counted (default 0: dropless)."),
 }
+assert tuple(EXPERT_OPTIONS) == MOE_FLAG_FIELDS
 MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
                  "tie_embeddings", "dropout", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "qkv_bias",
                  *EXPERT_OPTIONS)

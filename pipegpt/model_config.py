@@ -171,6 +171,10 @@ class ModelConfig:
             raise ConfigError(f"norm_topk_prob={self.norm_topk_prob!r} must be True or False")
 
 
+# The mixture-of-experts fields a `pipegpt run` flag sets (--n-experts: n_experts); norm_topk_prob is a preset's
+MOE_FLAG_FIELDS = ("n_experts", "n_experts_per_token", "n_shared_experts", "expert_hidden", "moe_every",
+                   "first_dense_layers", "router_score", "router_aux_loss_coef", "router_z_loss_coef",
+                   "router_bias_update_rate", "moe_capacity_factor")
 _MOE_FIELDS = ("n_experts_per_token", "n_shared_experts", "expert_hidden", "moe_every", "first_dense_layers",
                "router_score", "norm_topk_prob", "router_aux_loss_coef", "router_z_loss_coef",
                "router_bias_update_rate", "moe_capacity_factor")

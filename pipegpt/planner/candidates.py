@@ -8,6 +8,7 @@ from functools import lru_cache
 from typing import Mapping
 
 from pipegpt.config import ConfigError, ModelConfig, option_flags
+from pipegpt.model_config import MOE_FLAG_FIELDS
 from pipegpt.dims import AXES, LAYOUT_FIELDS, ParallelDims, Sharding
 from pipegpt.schedule import SCHEDULES
 from pipegpt.schedule.simulate import Costs
@@ -196,7 +197,8 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
     norm = lambda m: replace(m, pad_vocab_to=1, tie_embeddings=True)  # noqa: E731
     core = norm(model)
     arch_fields = {"n_kv_head": "--n-kv-head", "ffn_hidden": "--ffn-hidden", "rope_theta": "--rope-theta",
-                   "norm_eps": "--norm-eps", "qkv_bias": "--qkv-bias"}  # what a flag sets beyond the shape
+                   "norm_eps": "--norm-eps", "qkv_bias": "--qkv-bias",  # what a flag sets beyond the shape
+                   **{name: f"--{name.replace('_', '-')}" for name in MOE_FLAG_FIELDS}}
     shape = lambda m: replace(m, n_layer=core.n_layer, n_embd=core.n_embd, n_head=core.n_head,  # noqa: E731
                               seq_len=core.seq_len, vocab_size=core.vocab_size,
                               **{name: getattr(core, name) for name in arch_fields})
@@ -218,7 +220,8 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
             if name == "qkv_bias":
                 args.append(flag if value else "--no-qkv-bias")
             else:  # a None stated as the width or head count it means
-                args += [flag, str({"ffn_hidden": core.ffn_width, "n_kv_head": core.kv_heads}.get(name, value))]
+                args += [flag, str({"ffn_hidden": core.ffn_width, "n_kv_head": core.kv_heads, "expert_hidden":
+                                    core.expert_width, "n_experts_per_token": core.experts_per_token}.get(name, value))]
     if model.tie_embeddings and not MODEL_PRESETS[preset].tie_embeddings:
         args.append("--tie-embeddings")
     if not model.tie_embeddings and MODEL_PRESETS[preset].tie_embeddings:

@@ -54,3 +54,12 @@ def test_the_cli_refuses_before_any_worker_starts():
                           "n_experts_per_token=9 is above n_experts=8")
     assert_one_line_error(invoke("run", "--model", "tiny-moe", "--tp", "2"),
                           "mixture of experts with tp=2 is not supported yet")
+
+
+def test_the_planners_run_command_builds_the_same_moe():
+    from pipegpt.planner.candidates import model_args
+
+    for model in (dataclasses.replace(MODEL_PRESETS["tiny-moe"], first_dense_layers=1),
+                  dataclasses.replace(MODEL_PRESETS["tiny-moe"], n_experts_per_token=None, router_score="sigmoid")):
+        args = model_args(model)
+        assert "--n-experts" in args and _model(*args) == model, args
