@@ -285,6 +285,13 @@ def named_shapes(model) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def buffer_shapes(model) -> dict[str, tuple[int, ...]]:
+    """{one-process name: shape} of the model's state that is not a parameter: each MoE layer's router bias
+    (checkpointed as param/<name>, updated by pipegpt.model.moe.end_step, never by the optimizer)."""
+    return {f"blocks.{i}.mlp.expert_bias": (model.n_experts,) for i, kind in enumerate(layer_kinds(model))
+            if kind is MOE}
+
+
 def hf_names(model) -> list[tuple[str, str, bool]]:
     """(Hugging Face name, one-process name, stored transposed) of every parameter of the model, in the order
     of the architecture's hf_top, its blocks' hf_block, then an untied lm_head."""

@@ -253,13 +253,13 @@ def _check_keys(checkpoint: Path, manifest: dict, keys: set[str]) -> None:
     """The files hold every parameter the manifest's model has and nothing of a parameter it has not (what a
     manifest edited to fewer layers, or another model's files, would leave out silently). A manifest without
     usable model settings is refused where the model is built (model_config)."""
-    from pipegpt.arch import head_shapes, named_shapes
+    from pipegpt.arch import buffer_shapes, head_shapes, named_shapes
 
     try:
         model = model_config(checkpoint, manifest)
     except CheckpointError:
         return
-    names = set(named_shapes(model))
+    names = set(named_shapes(model)) | set(buffer_shapes(model))
     # a tied lm_head is wte: a state dict's copy of it (write_weights of GPT.state_dict()) has its place
     aliases = {name for name, _ in head_shapes(model)} - names if model.tie_embeddings else set()
     held = {key for key in keys if key.split("/", 1)[0] in TENSOR_KINDS}

@@ -147,6 +147,10 @@ def test_the_bias_is_checkpointed_state():
     state = GPT(_config(), init_seed=0).state_dict()
     assert sorted(k for k in state if "expert_bias" in k) == ["blocks.0.mlp.expert_bias", "blocks.1.mlp.expert_bias"]
     assert not any("tokens_per_expert" in k for k in state)
+    assert arch.buffer_shapes(_config()) == {k: tuple(v.shape) for k, v in state.items() if "expert_bias" in k}
+    assert arch.buffer_shapes(dataclasses.replace(_config(), n_experts=0, n_experts_per_token=None,
+                                                  n_shared_experts=0, expert_hidden=None, router_aux_loss_coef=0.0,
+                                                  router_z_loss_coef=0.0)) == {}
 
 
 @pytest.mark.parametrize("changes, kinds", [
