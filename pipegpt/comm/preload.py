@@ -63,8 +63,14 @@ def read_late(name: str) -> bool:
 
 
 def supported() -> bool:
-    """Whether this platform forks and has the parent-death signal (Linux)."""
-    return sys.platform.startswith("linux") and hasattr(os, "fork")
+    """Whether this platform forks and has the parent-death signal (Linux), and nobody asked for spawned workers."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and not spawn_asked()
+
+
+def spawn_asked(env=os.environ) -> bool:
+    """PIPEGPT_WORKER_START=spawn: every worker a fresh interpreter, as before the preload server (a way out, and
+    the start-up benchmark's baseline)."""
+    return env.get("PIPEGPT_WORKER_START", "") == "spawn"
 
 
 def apply_local_env(env=os.environ) -> None:

@@ -427,8 +427,9 @@ class LocalCluster(Cluster):
 
     def _start_workers(self, args: list[tuple], timeout_s: float, preloaded: bool) -> list:
         target, names = f"{__name__}:_local_worker_main", [f"pipegpt-rank{r}" for r in range(len(args))]
-        server = preload.server() if preloaded else None
-        why = "not preloaded: asked so" if not preloaded else "not preloaded: this platform cannot fork workers"
+        asked = not preloaded or preload.spawn_asked()
+        server = None if asked else preload.server()
+        why = "not preloaded: asked so" if asked else "not preloaded: this platform cannot fork workers"
         if server is not None:
             workers = server.fork(target, args, names, timeout_s)
             if not isinstance(workers, str):

@@ -121,3 +121,11 @@ def test_a_forked_worker_that_dies_while_starting_is_named():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "rank 1 failed: process exited with code 1", proc.stdout + proc.stderr
     assert "OSError: [Errno 22] Invalid argument" in proc.stderr  # the worker's own traceback, as a spawned one's
+
+
+def test_pipegpt_worker_start_spawn_is_the_way_back_to_one_interpreter_per_worker(monkeypatch):
+    """The escape hatch (and bench_startup's baseline): nothing is forked, start_early starts no server."""
+    monkeypatch.setenv("PIPEGPT_WORKER_START", "spawn")
+    assert preload.spawn_asked() and not preload.supported() and preload.start_early() is None
+    monkeypatch.setenv("PIPEGPT_WORKER_START", "fork")
+    assert not preload.spawn_asked()
