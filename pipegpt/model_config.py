@@ -102,6 +102,15 @@ class ModelConfig:
             raise ConfigError(f"arch={self.arch!r} is not valid: use one of {', '.join(ARCHITECTURES)}")
         return ARCHITECTURES[self.arch]
 
+    def settings(self) -> dict:
+        """The fields a checkpoint's manifest records: every one, but a dense model's expert settings (a dense
+        checkpoint reads as it did before experts existed, and one written before them resumes)."""
+        out = dataclasses.asdict(self)
+        if not self.n_experts:
+            for name in ("n_experts", *_MOE_FIELDS):
+                out.pop(name)
+        return out
+
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "pad_vocab_to"):
             check_positive_int(name, getattr(self, name))

@@ -378,7 +378,8 @@ def check_tensors(checkpoint: Path, model) -> None:
 def check_compatible(manifest: dict, model: dict, where: Path) -> None:
     """Refuse a checkpoint of another model shape, naming the settings that differ."""
     theirs = manifest["model"]
-    diff = [f"{k}={theirs.get(k)!r} (this run: {model[k]!r})" for k in model if theirs.get(k) != model[k]]
+    keys = [*model, *(k for k in theirs if k not in model)]  # a setting either side leaves out is at its default
+    diff = [f"{k}={theirs.get(k)!r} (this run: {model.get(k)!r})" for k in keys if theirs.get(k) != model.get(k)]
     if diff:
         raise CheckpointError(f"{where}: checkpoint of another model: {', '.join(diff)}")
 

@@ -186,7 +186,7 @@ def import_hf(hf_dir, out, tokenizer: str | None = None,
         state = from_hf_state_dict(read_hf_weights(hf_dir), model, hf_dir)
     tokenizer = _tokenizer_for(hf_dir, tokenizer, llama, model.vocab_size, say)
     source = {"from_hf": str(hf_dir), "hf_config": hf_config}
-    path = checkpoint.write_weights(out, state, {"model": dataclasses.asdict(model), "tokenizer": tokenizer,
+    path = checkpoint.write_weights(out, state, {"model": model.settings(), "tokenizer": tokenizer,
                                                  "config": source})
     return path, model
 

@@ -178,7 +178,7 @@ class Job(ClusterJob):
 
     def _manifest(self, step: int) -> dict:
         cfg = self.cfg
-        return {"step": step, "model": asdict(cfg.model), "tokenizer": cfg.data.tokenizer, "world_size": cfg.world_size,
+        return {"step": step, "model": cfg.model.settings(), "tokenizer": cfg.data.tokenizer, "world_size": cfg.world_size,
                 "config": asdict(cfg), "optimizer": True, "plan": self.plan.name}
 
     def snapshot(self, run_dir: Path, step: int) -> None:

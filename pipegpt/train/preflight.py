@@ -6,7 +6,6 @@ the plan, the devices, and on CPU this machine's memory against what the job wil
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 from pathlib import Path
 
 from pipegpt.config import ConfigError, TrainConfig
@@ -99,7 +98,7 @@ def start_from(cfg: TrainConfig) -> Path | None:
     try:
         found = checkpoint.resolve(path)
         manifest = checkpoint.read_manifest(found)
-        checkpoint.check_compatible(manifest, asdict(cfg.model), found)
+        checkpoint.check_compatible(manifest, cfg.model.settings(), found)
         checkpoint.check_tensors(found, cfg.model)
         if cfg.checkpoint.resume and not manifest.get("optimizer", True):
             raise checkpoint.CheckpointError(f"{found}: holds weights only (no optimizer state, no step): "

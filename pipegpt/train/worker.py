@@ -172,6 +172,8 @@ class Worker(Role):
     def _end_moe_step(self, applied: bool) -> dict:
         """The MoE layers' loads of the step, summed over the replicas that saw other tokens, move their
         router bias (DeepSeek-V3's, after an applied update only) and are forgotten (pipegpt.model.moe)."""
+        if not self.cfg.model.n_experts:
+            return merge_stats([])
         rate = self.cfg.model.router_bias_update_rate if applied else 0.0
         group = self.engine.mesh.group("dp_cp")
         reduce = None if group is None else (lambda t: dist.all_reduce(t, group=group))

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,3 +280,16 @@ def test_the_next_save_removes_what_interrupted_saves_left(tmp_path):
     checkpoint.write_rank_file(tmp, 0, {"param/x": torch.ones(2)}, {"param/x": [0, 1]})
     final = checkpoint.commit(tmp, {"step": 8}, keep=0)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000008"] and final == root / "step-00000008"
+
+
+def test_a_dense_manifest_records_no_expert_settings_and_one_from_before_experts_still_fits():
+    """Dense manifests read as they did before experts existed; an MoE checkpoint is another model."""
+    from pipegpt.config import ModelConfig
+
+    dense = ModelConfig(arch="llama", bias=False, n_layer=2)
+    assert "n_experts" not in dense.settings() and "router_score" not in dense.settings()
+    checkpoint.check_compatible({"model": dense.settings()}, dense.settings(), Path("old"))
+    moe = ModelConfig(arch="llama", bias=False, n_layer=2, n_experts=4)
+    assert moe.settings()["n_experts"] == 4 and "router_score" in moe.settings()
+    with pytest.raises(checkpoint.CheckpointError, match=r"another model: n_experts=4 \(this run: None\)"):
+        checkpoint.check_compatible({"model": moe.settings()}, dense.settings(), Path("moe"))
