@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--vocab-size", "256"]
+TINY = ["--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--vocab-size", "256"]  # and a layer a stage
 STARTS = ("fork", "spawn")
 
 
@@ -30,7 +30,8 @@ def one_run(start: str, stages: int, run_dir: str) -> tuple[float, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run([exe, "run", "--stages", str(stages), "--microbatches", str(stages), "--steps", "1",
-                           *TINY, "--run-dir", run_dir, "--overwrite"], env=env, capture_output=True, text=True)
+                           "--n-layer", str(max(2, stages)), *TINY, "--run-dir", run_dir, "--overwrite"],
+                          env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -55,7 +56,8 @@ def main() -> None:
     for s in STARTS:
         print(f"| {'forked (preload server)' if s == 'fork' else 'spawned (one import each)'} | "
               f"{med[s][0]:.2f} | {med[s][1]:.2f} |")
-    print(f"forked / spawned: wall x{med['fork'][0] / med['spawn'][0]:.2f}, CPU x{med['fork'][1] / med['spawn'][1]:.2f}")
+    (fork_wall, fork_cpu), (spawn_wall, spawn_cpu) = med["fork"], med["spawn"]
+    print(f"forked / spawned: wall x{fork_wall / spawn_wall:.2f}, CPU x{fork_cpu / spawn_cpu:.2f}")
 
 
 if __name__ == "__main__":
