@@ -403,12 +403,7 @@ class PipelineRuntime:
                     events.extend((name, t0, t1) for name in entry.names)
             else:
                 if type(entry) is _Compute:
-                    if entry.ready is not None:
-                        self.now = entry.ready[2]
-                        self.ready(entry.ready[0], entry.ready[1])
-                        self.now = entry.where
-                    if self.before_compute is not None:
-                        self.before_compute(entry.action)
+                    self._before(entry, entry.where)
                     self._compute(entry, inputs, targets, inbox, outbox, documents)
                 elif type(entry) is _Pair:
                     self._compute_pair(entry, inputs, targets, inbox, outbox, documents)
@@ -447,16 +442,20 @@ class PipelineRuntime:
         if c.hand is not None:
             self._hand_over(c, out, inbox, outbox)
 
+    def _before(self, c: _Compute, where: tuple) -> None:
+        """What runs before a compute: the collectives' ready() for its stage (ZeRO), the before_compute hook."""
+        if c.ready is not None:
+            self.now = c.ready[2]
+            self.ready(c.ready[0], c.ready[1])
+            self.now = where
+        if self.before_compute is not None:
+            self.before_compute(c.action)
+
     def _compute_pair(self, pair: _Pair, inputs, targets, inbox, outbox, documents=None) -> None:
         """The parts' pieces in turns (stages.stage.interleave), each part's input taken before any piece runs;
         a part that needs what the other hands over on this rank (a V's turn) waits for it: the parts in order."""
-        for c in pair.parts:
-            if c.ready is not None:  # every part's stage ready before any piece runs
-                self.now = c.ready[2]
-                self.ready(c.ready[0], c.ready[1])
-                self.now = pair.where
-            if self.before_compute is not None:
-                self.before_compute(c.action)
+        for c in pair.parts:  # every part's stage ready before any piece runs
+            self._before(c, pair.where)
         if any(c.take is not None and c.take not in inbox for c in pair.parts):
             for c in pair.parts:
                 self._compute(c, inputs, targets, inbox, outbox, documents)
