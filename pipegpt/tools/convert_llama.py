@@ -161,20 +161,27 @@ def checked_weights(weights: dict, mapping, shapes: dict, expected: set, buffers
     return out
 
 
+def common_hf_config(model: ModelConfig) -> dict:
+    """The config.json fields every Llama-shaped family shares (pipegpt.tools.convert_moe's too)."""
+    return {"vocab_size": model.vocab_size, "hidden_size": model.n_embd, "intermediate_size": model.ffn_width,
+            "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
+            "num_key_value_heads": model.kv_heads, "hidden_act": "silu",
+            "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
+            "rope_theta": model.rope_theta, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+            "tie_word_embeddings": model.tie_embeddings,
+            "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
+
+
 def hf_config(model: ModelConfig) -> dict:
     """config.json for the model: Qwen2 when only q/k/v have biases, else Llama."""
     if model.bias and not model.qkv_bias:
         raise ConvertError("a Llama with o_proj and MLP biases but none on q/k/v has no Hugging Face architecture")
+    if model.qk_norm != "none":
+        raise ConvertError(f"a dense Llama with qk_norm={model.qk_norm} has no Hugging Face architecture here "
+                           f"(Llama, Mistral and Qwen2 have no q/k norm)")
     kind = "qwen2" if model.qkv_bias and not model.bias else "llama"
-    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": model.vocab_size,
-              "hidden_size": model.n_embd, "intermediate_size": model.ffn_width,
-              "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
-              "num_key_value_heads": model.kv_heads, "hidden_act": "silu",
-              "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
-              "rope_theta": model.rope_theta, "rope_scaling": None,
-              "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
-              "tie_word_embeddings": model.tie_embeddings,
-              "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
+    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, **common_hf_config(model)}
     if kind == "llama":
         config.update(attention_bias=model.bias, mlp_bias=model.bias, head_dim=model.head_dim)
     else:
