@@ -14,8 +14,9 @@ pipegpt's rotary code uses, so every tensor maps by name alone (no transposes, n
     lm_head.weight                                lm_head.weight              (untied models only)
 
 Only what pipegpt computes exactly is accepted: SiLU, plain rotary positions (rope_type "default"), no sliding
-window, no experts, head_dim = hidden_size / num_attention_heads, q/k/v biases alone (Qwen2) or every bias
-(Llama's attention_bias with mlp_bias); anything else is one line naming the config field.
+window, no experts (mixtures of experts are pipegpt.tools.convert_moe's), head_dim = hidden_size /
+num_attention_heads, q/k/v biases alone (Qwen2) or every bias (Llama's attention_bias with mlp_bias); anything
+else is one line naming the config field.
 
 The rotary settings come in two forms: top-level rope_theta and rope_scaling (older transformers, most files on
 the Hub) and transformers 5's rope_parameters {"rope_type": ..., "rope_theta": ...}. Both are read (rope_theta
@@ -67,7 +68,8 @@ def model_config_from_hf(config: dict, where) -> ModelConfig:
         refuse("use_sliding_window", "pipegpt's attention is full causal attention")
     for field in _EXPERT_FIELDS:
         if config.get(field):
-            refuse(field, "mixture-of-experts layers are not in pipegpt's model")
+            refuse(field, f"a {kind} has no experts (pipegpt converts mixtures of experts of model_type mixtral, "
+                          f"qwen3_moe or olmoe)")
     C, H = config["hidden_size"], config["num_attention_heads"]
     if config.get("head_dim") not in (None, C // H) or C % H:
         refuse("head_dim", f"pipegpt's heads are hidden_size / num_attention_heads = {C / H:g} wide")

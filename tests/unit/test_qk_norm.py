@@ -106,6 +106,15 @@ def test_flags_build_them_and_model_flags_writes_them_back():
     assert _model(*command_options.model_flags(qwen, "bytes").split()[:-2]) == qwen
 
 
+def test_the_planners_run_command_builds_the_same_model():
+    from pipegpt.planner.candidates import model_args
+
+    for model in (dataclasses.replace(MODEL_PRESETS["qwen3-30b-a3b"], seq_len=4096, n_layer=2),
+                  dataclasses.replace(MODEL_PRESETS["tiny-llama"], head_size=16, qk_norm="projection")):
+        args = model_args(model)
+        assert "--head-dim" in args and _model(*args) == model, args
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--head-dim", "64"], "head_size=64 needs separate q, k, v projections (arch llama)"),
     (["--qk-norm", "head"], "qk_norm=head is an RMSNorm: it needs arch llama"),
