@@ -106,6 +106,25 @@ def test_moe_pipeline_matches_one_process(workers, dp, p, schedule, zero, model,
     assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
 
 
+# Expert parallelism: each dp rank holds E/ep experts and exchanges tokens with its ep group. One fast case in the
+# default suite; the pipelined ones slow.
+EP_CASES = [pytest.param(1, "1f1b", "none", MOE, id="ep2-dp2"),
+            pytest.param(2, "1f1b", "none", MOE, id="ep2-dp2-pp2", marks=pytest.mark.slow),
+            pytest.param(2, "zb-h1", "none", MOE, id="ep2-dp2-pp2-zb-h1", marks=pytest.mark.slow),
+            pytest.param(2, "1f1b", "full", dataclasses.replace(MOE, router_aux_loss_coef=0.0,
+                                                                router_z_loss_coef=1e-3),
+                         id="ep2-dp2-pp2-recompute-z-loss", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("p, schedule, recompute, model", EP_CASES)
+def test_moe_with_experts_over_ep_ranks_matches_one_process(workers, p, schedule, recompute, model):  # noqa: F811
+    cfg = moe_config(p, model, dp=2, ep=2, schedule=schedule, recompute=recompute)
+    check(cfg)
+    host = workers(cfg)
+    assert_moe_matches(cfg, host, steps=1)
+    assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
+
+
 @pytest.mark.parametrize("changes, layout", [(dict(tp=2), "tp=2"), (dict(cp=2), "cp=2")])
 def test_moe_layouts_not_yet_supported_are_refused(changes, layout):
     with pytest.raises(ConfigError, match=f"mixture of experts with {layout} is not supported yet"):
