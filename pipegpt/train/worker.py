@@ -291,8 +291,8 @@ class Worker(Role):
             for p, state in optimizer.state.items():
                 if id(p) not in elsewhere:
                     tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})
-        return tensors, {key: [0, 1] if zero_state.whole_tensor(key) else
-                         [mesh.ep_index, layout.ep] if layout.ep > 1 and layout.expert(key) else shard for key in tensors}
+        return tensors, {key: [mesh.ep_index, layout.ep] if layout.ep > 1 and layout.expert(key) else
+                         [0, 1] if zero_state.whole_tensor(key) else shard for key in tensors}
 
     @actor_method
     def snapshot(self, directory: str) -> float:

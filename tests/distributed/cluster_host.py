@@ -99,13 +99,21 @@ def _gathered(per_rank: list[dict], cfg) -> dict[str, object]:
     by several data-parallel replicas (or by only one, with ZeRO-1) counts once."""
     from pipegpt.tensor_parallel import gather_full
 
-    layout = cfg.parallel
+    import torch
+
+    from pipegpt.parallelisms import expert_param
+
+    layout, dims = cfg.parallel, cfg.parallel.dims
     shards: dict[str, dict[int, object]] = {}
+    experts: dict[str, dict[int, object]] = {}  # with ep: each ep rank's slice of the stacked experts
     for rank, tensors in enumerate(per_rank):
-        t = layout.dims.coords(rank).tp
+        t = dims.coords(rank).tp
         for key, value in tensors.items():
-            shards.setdefault(key, {})[t] = value
-    out = {}
+            if layout.ep > 1 and expert_param(key):
+                experts.setdefault(key, {})[dims.index(rank, "ep")] = value
+            else:
+                shards.setdefault(key, {})[t] = value
+    out = {key: torch.cat([slices[e] for e in range(layout.ep)]) for key, slices in experts.items()}
     for key, parts in shards.items():
         kind, name = key.split("/", 1)
         out[key] = (gather_full(name, [parts[t] for t in range(layout.tp)], cfg.model.kv_heads) if layout.tp > 1

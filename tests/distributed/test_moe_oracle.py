@@ -146,3 +146,44 @@ def test_the_router_bias_is_checkpointed_and_restored(workers, tmp_path):  # noq
     host.resume(cfg, path)
     assert all(torch.equal(b, after_three[n]) for n, b in host.buffers(cfg))
     assert not all(torch.equal(after_two[n], after_three[n]) for n in saved)  # the resumed step moved it
+
+
+def _restored(workers, saved_cfg, path, cfg):  # noqa: F811
+    """Resume the checkpoint at path into cfg's layout: every parameter and Adam moment bitwise the one-process
+    tensor the checkpoint holds (the experts whole: [E, ...]); the next step's loss; the router biases after it."""
+    from pipegpt.state.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(path)
+    host = workers(cfg)
+    params, moments, loss = host.resume(cfg, path)
+    assert any(k.endswith("experts_gate") for k in params) and len(params) == len(
+        [k for k in reader.where if k.startswith("param/") and not k.endswith("expert_bias")])
+    for key, value in {**params, **moments}.items():
+        name = key.split("/", 1)[1]
+        assert torch.equal(value, reader.full(key, name)), key
+    assert params["param/blocks.1.mlp.experts_gate"].shape[0] == MOE.n_experts
+    return loss, dict(host.buffers(cfg))
+
+
+def _saved(workers, cfg, root):  # noqa: F811
+    """Train cfg 2 steps, save, step once more: the checkpoint, that step's loss and the biases after it."""
+    host = workers(cfg)
+    path, loss = host.save(cfg, root, 2)
+    return path, loss, dict(host.buffers(cfg))
+
+
+@pytest.mark.parametrize("saved_ep, restored_ep, dp", [
+    pytest.param(2, 1, 2, id="ep2-to-ep1", marks=pytest.mark.slow), pytest.param(1, 4, 4, id="ep1-to-ep4", marks=pytest.mark.slow)])
+def test_expert_checkpoints_reshard_across_ep(workers, tmp_path, saved_ep, restored_ep, dp):  # noqa: F811
+    """A checkpoint written with experts over saved_ep ranks resumes over restored_ep: every tensor bitwise, the
+    next step's loss within 1e-5 of the writer's, the router biases after it exactly (float64)."""
+    from pipegpt.state.checkpoint import read_weights
+
+    saved_cfg = moe_config(1, dp=dp, ep=saved_ep, dtype="float64", steps=3)
+    path, loss, biases = _saved(workers, saved_cfg, tmp_path)
+    assert read_weights(path)["blocks.2.mlp.experts_proj"].shape[0] == MOE.n_experts
+    restored_loss, restored_biases = _restored(workers, saved_cfg, path,
+                                               moe_config(1, dp=dp, ep=restored_ep, dtype="float64", steps=3))
+    assert restored_loss == pytest.approx(loss, rel=1e-5)
+    assert set(biases) == set(restored_biases) and all(torch.equal(biases[n], restored_biases[n]) for n in biases)
+    assert any(b.abs().sum() > 0 for b in biases.values())
