@@ -66,7 +66,11 @@ def expert_outputs(x: torch.Tensor, counts: list[int], gate: torch.Tensor, up: t
         return torch._grouped_mm(hidden, w[2].transpose(1, 2), offs=offs)
     outs = [F.linear(F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e]), proj[e])
             for e, xe in enumerate(x.split(counts)) if counts[e]]
-    return torch.cat(outs) if outs else x.new_zeros(0, proj.size(1))
+    if outs:
+        return torch.cat(outs)
+    # No rows (an ep rank whose experts got no token): still a function of x, so the autograd graph, and the
+    # all-to-alls in its backward, are every rank's alike
+    return x[:, :0].sum() + x.new_zeros(0, proj.size(1))
 
 
 class _InjectAuxLoss(torch.autograd.Function):
