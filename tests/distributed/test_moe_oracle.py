@@ -113,7 +113,11 @@ EP_CASES = [pytest.param(1, "1f1b", "none", MOE, id="ep2-dp2"),
             pytest.param(2, "zb-h1", "none", MOE, id="ep2-dp2-pp2-zb-h1", marks=pytest.mark.slow),
             pytest.param(2, "1f1b", "full", dataclasses.replace(MOE, router_aux_loss_coef=0.0,
                                                                 router_z_loss_coef=1e-3),
-                         id="ep2-dp2-pp2-recompute-z-loss", marks=pytest.mark.slow)]
+                         id="ep2-dp2-pp2-recompute-z-loss", marks=pytest.mark.slow),
+            # each rank drops what one process drops of the same microbatch: capacity per call, before dispatch
+            # (at 0.5 here, half of each layer's assignments)
+            pytest.param(1, "1f1b", "none", dataclasses.replace(MOE, moe_capacity_factor=0.5), id="ep2-dp2-capacity",
+                         marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("p, schedule, recompute, model", EP_CASES)
@@ -123,6 +127,13 @@ def test_moe_with_experts_over_ep_ranks_matches_one_process(workers, p, schedule
     host = workers(cfg)
     assert_moe_matches(cfg, host, steps=1)
     assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
+
+
+@pytest.mark.slow
+def test_validation_with_experts_over_ep_equals_dp_without(workers):  # noqa: F811
+    """The forward-only plan moves tokens to their experts too: the validation loss is dp 2's without ep."""
+    losses = [workers(cfg).evaluate(cfg) for cfg in (moe_config(1, dp=2, ep=2), moe_config(1, dp=2))]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and 3 < losses[0] < 7
 
 
 @pytest.mark.parametrize("changes, layout", [(dict(tp=2), "tp=2"), (dict(cp=2), "cp=2")])
