@@ -14,7 +14,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pipegpt.dims import AXES, AXIS_FIELDS, ParallelDims, Sharding
+from pipegpt.dims import AXES, AXIS_FIELDS, Carve, ParallelDims, Sharding, expert_axes
 # The model's shape and its layout checks live one layer down; re-exported here, where most callers look.
 from pipegpt.model_config import (ARCHS, MODEL_PRESETS, ConfigError, ModelConfig, model_config,  # noqa: F401
                                   nearest_multiples, validate_cp, validate_tp)
@@ -55,6 +55,8 @@ class ParallelConfig:
     tp: int = setting(1, "Tensor-parallel ranks per stage.")
     cp: int = setting(1, "Context-parallel ranks per stage: each holds 1/cp of every sequence (two chunks, so "
                          "causal attention's work is even).")
+    ep: int = setting(1, "Expert-parallel ranks: each MoE layer's experts spread over ep ranks carved out of dp x cp "
+                         "(the world unchanged), tokens moved to them and back by all-to-all.")
     cp_comm: str = setting("ring", "With --cp: how attention sees the other ranks' keys and values: a ring of "
                                    "point-to-point blocks overlapped with compute, or one all-gather (Llama 3's).",
                            choices=CP_COMM)
@@ -90,12 +92,22 @@ class ParallelConfig:
                                              "(Megatron SP).")
 
     @property
+    def expert_carving(self) -> Carve | None:
+        """Where ep ranks come from (pipegpt.dims.expert_axes): dp x cp, or dp x cp x tp under sequence
+        parallelism (experts then whole on each tp rank); None without expert parallelism."""
+        if self.ep == 1:
+            return None
+        return expert_axes(self.ep, tensor_parallel=not (self.sequence_parallel and self.tp > 1))
+
+    @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(**{axis: getattr(self, name) for axis, name in AXIS_FIELDS.items()})
+        dims = ParallelDims(**{axis: getattr(self, name) for axis, name in AXIS_FIELDS.items()})
+        return dims if self.expert_carving is None else dims.carve(self.expert_carving)
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(*self.dims.sizes, sequence_parallel=self.sequence_parallel, zero=self.zero)
+        return Sharding(*self.dims.sizes, sequence_parallel=self.sequence_parallel, zero=self.zero,
+                        carved=self.dims.carved)
 
 
 @dataclass(frozen=True)
@@ -299,7 +311,7 @@ class TrainConfig:
         size torchrun started, if it did."""
         self.model.validate()
         p, o, r = self.parallel, self.optim, self.runtime
-        for name in ("stages", "dp", "cp", "tp", "microbatches", "microbatch_size"):
+        for name in ("stages", "dp", "cp", "tp", "ep", "microbatches", "microbatch_size"):
             _check_positive_int(name, getattr(p, name))
         _check_positive_int("steps", r.steps)
         per_call = r.steps_per_call
@@ -364,6 +376,7 @@ class TrainConfig:
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("sequence parallelism shards along the sequence across tensor-parallel ranks: "
                               "use it with --tp 2 or more")
+        validate_ep(self.model, p)
         validate_tp(self.model, p.tp, p.sequence_parallel, p.cp)
         validate_cp(self.model, p.cp)
         _check_choice("cp_comm", p.cp_comm, CP_COMM)
@@ -411,6 +424,29 @@ class TrainConfig:
             raise ConfigError(f"--tp {p.tp} does not divide the {local} processes per node (LOCAL_WORLD_SIZE): "
                               f"a tensor-parallel group must stay on one node; use --tp {', '.join(map(str, fits))}")
         return self
+
+
+def validate_ep(model: ModelConfig, p: ParallelConfig) -> None:
+    """--ep spreads a MoE model's experts evenly over ranks carved out of dp x cp (x tp under sequence
+    parallelism): one line naming what does not fit."""
+    if p.ep == 1:
+        return
+    if not model.n_experts:
+        raise ConfigError(f"--ep {p.ep} spreads experts over ranks, and the model has none: give --n-experts, or "
+                          f"leave --ep out")
+    if model.n_experts % p.ep:
+        fits = [e for e in range(1, model.n_experts + 1) if model.n_experts % e == 0]
+        raise ConfigError(f"--ep {p.ep} does not divide the {model.n_experts} experts: use --ep "
+                          f"{', '.join(map(str, fits))}")
+    carving = p.expert_carving
+    span = math.prod(getattr(p, AXIS_FIELDS[a]) for a in carving.over)
+    if span % p.ep:
+        over = " x ".join(carving.over)
+        raise ConfigError(f"--ep {p.ep} is carved out of {over} = {span} and does not divide it: give --ep a "
+                          f"divisor of {span}, or more {over}")
+    if p.zero >= 1:
+        raise ConfigError(f"--zero {p.zero} with --ep {p.ep} is not supported yet (expert parameters would shard "
+                          f"over their own replicas): use --zero 0")
 
 
 def trace_step_list(text, steps: int) -> tuple[int, ...]:

@@ -8,6 +8,10 @@
     shared       n_shared_experts always-active SwiGLU experts as one of width n_shared x H (mlp.shared.*)
     capacity     moe_capacity_factor 0: dropless; else each expert takes at most ceil(factor x N x k / E) of a
                  call's N tokens' assignments, in token order, and drops (counts) the rest
+    experts over ep ranks (pipegpt.expert_parallel): a layer then holds its ep rank's E/ep experts and
+                 `expert_parallel` (an object with run(x_sorted, counts, compute)) moves the sorted assignments
+                 to their experts' ranks and back; routing, capacity and the aux loss stay per call on this
+                 rank's tokens, so each rank drops what one process would drop of the same tokens
 
 Load balancing:
     aux loss     router_aux_loss_coef x E x sum_i f_i P_i (Switch / Mixtral; f_i: the share of the N tokens sent to
@@ -30,6 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipegpt.model.split_backward import SplitLinear
+
+EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_proj")  # stacked [E, ...]: cut over ep along dim 0
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -60,7 +66,11 @@ def expert_outputs(x: torch.Tensor, counts: list[int], gate: torch.Tensor, up: t
         return torch._grouped_mm(hidden, w[2].transpose(1, 2), offs=offs)
     outs = [F.linear(F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e]), proj[e])
             for e, xe in enumerate(x.split(counts)) if counts[e]]
-    return torch.cat(outs) if outs else x.new_zeros(0, proj.size(1))
+    if outs:
+        return torch.cat(outs)
+    # No rows (an ep rank whose experts got no token): still a function of x, so the autograd graph, and the
+    # all-to-alls in its backward, are every rank's alike
+    return x[:, :0].sum() + x.new_zeros(0, proj.size(1))
 
 
 class _InjectAuxLoss(torch.autograd.Function):
@@ -112,6 +122,7 @@ class MoE(nn.Module):
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.aux_sum, self.calls = 0.0, 0
         self.aux_loss_scale = 1.0  # the gradient each call's aux loss gets: the stage's loss scale (1/microbatches)
+        self.expert_parallel = None  # pipegpt.expert_parallel's ExpertGroup where experts are spread over ranks
 
     def route(self, x: torch.Tensor):
         """x [N, C] -> logits [N, E], scores [N, E], chosen experts [N, k], their weights [N, k]."""
@@ -156,7 +167,10 @@ class MoE(nn.Module):
         order = flat_expert.argsort(stable=True)
         counts = torch.bincount(flat_expert, minlength=self.n_experts)
         tokens = flat_token[order]
-        y = expert_outputs(x[tokens], counts.tolist(), self.experts_gate, self.experts_up, self.experts_proj)
+        experts = lambda rows, n: expert_outputs(rows, n, self.experts_gate, self.experts_up,  # noqa: E731
+                                                 self.experts_proj)
+        y = (experts(x[tokens], counts.tolist()) if self.expert_parallel is None
+             else self.expert_parallel.run(x[tokens], counts, experts))
         y = y * weights.reshape(-1)[keep.reshape(-1)][order, None].to(y.dtype)
         out = torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y)
         if self.shared is not None:

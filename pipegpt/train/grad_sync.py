@@ -7,6 +7,7 @@ numerics are those of one fixed sequence); a new parallelism adds one class here
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from pipegpt.data_parallel.buckets import sum_in_buckets
@@ -51,7 +52,8 @@ class DataParallelSync(GradSync):
     ZeRO each rank keeps its shard (pipegpt.data_parallel). Replica 0 stores the parameters (with ZeRO-3 each
     rank its shard; optimizer state: see the role)."""
 
-    def __init__(self, engine: Engine, cfg: TrainConfig):
+    def __init__(self, engine: Engine, cfg: TrainConfig, leave_out: frozenset = frozenset()):
+        """leave_out: ids of parameters another sync reduces (expert parallelism's experts)."""
         mesh = engine.mesh
         if cfg.parallel.zero >= 3:  # a stage the plan never gathers would compute on empty parameters
             actions = engine.plan.ranks[mesh.pp_index]
@@ -60,8 +62,9 @@ class DataParallelSync(GradSync):
                 if s not in gathered:
                     raise ScheduleError(f"rank {engine.rank}: the plan has no {s}UNSHARD, and --zero 3 shards "
                                         f"stage {s}'s parameters")
-        self.dp = DataParallel(engine.params_by_stage(),
-                               {s: list(stage.module.parameters()) for s, stage in engine.stages.items()},
+        kept = lambda params: [p for p in params if id(p) not in leave_out]  # noqa: E731
+        self.dp = DataParallel({s: kept(ps) for s, ps in engine.params_by_stage().items()},
+                               {s: kept(stage.module.parameters()) for s, stage in engine.stages.items()},
                                mesh.group("dp_cp"), mesh.members["dp_cp"].index(engine.rank), cfg.parallel.zero,
                                engine.rank, cfg.runtime.wait_timeout_s,
                                alone=frozenset(id(p) for p in engine.tied_copies()))
@@ -80,6 +83,49 @@ class DataParallelSync(GradSync):
 
     def reduce(self) -> None:
         self.dp.finish()
+
+
+class ExpertParallelSync(GradSync):
+    """Experts spread over ep ranks (pipegpt.parallelisms' "experts" reduction): each expert's gradient already
+    sums its ep group's tokens (the combine's backward brought them); summed over the expert's replicas (edp) and
+    divided by dp x cp, it is one process's. The norm sums over every rank (norm_group: the world): replica 0 of
+    dp x cp counts and stores the dense values, edp index 0 the experts' slices."""
+
+    norm_group_world = True
+
+    def __init__(self, engine: Engine):
+        layout, mesh = engine.parallelism, engine.mesh
+        self.group, self.divisor = mesh.group("edp"), layout.gradient_ranks
+        named = [(engine.full_names[id(p)], p) for _, p in engine.named_params]
+        self.experts = [p for name, p in named if layout.expert(name)]
+        self.of_stage = {s: [p for p in stage.module.parameters() if any(p is q for q in self.experts)]
+                         for s, stage in engine.stages.items()}
+        replica = mesh.members["dp_cp"].index(engine.rank) if "dp_cp" in mesh.members else 0
+        self.elsewhere = {id(p) for name, p in named if not layout.stored_by(name, replica, mesh.edp_index)}
+
+    @property
+    def expert_ids(self) -> frozenset:
+        return frozenset(id(p) for p in self.experts)
+
+    def ready(self, stage: int, backward: bool) -> None:
+        if backward:  # before the stage's first backward of a step: its experts' gradients start from zero
+            for p in self.of_stage.get(stage, ()):
+                p.grad = None
+
+    def reduce(self) -> None:
+        for p in self.experts:
+            if p.grad is None:  # no token reached these experts this step: a zero gradient, as in one process
+                p.grad = torch.zeros_like(p)
+        if self.group is not None:
+            sum_in_buckets([p.grad for p in self.experts], self.group)
+        for p in self.experts:
+            p.grad.div_(self.divisor)
+
+    def not_counted(self) -> set[int]:
+        return self.elsewhere
+
+    def not_owned(self) -> set[int]:
+        return self.elsewhere
 
 
 class TensorParallelSync(GradSync):
@@ -142,9 +188,12 @@ def make_syncs(engine: Engine, cfg: TrainConfig) -> list[GradSync]:
     syncs: list[GradSync] = []
     held = list
     layout = engine.parallelism
+    experts = ExpertParallelSync(engine) if layout.ep > 1 else None
     if layout.gradient_ranks > 1:  # cp ranks average their gradients as replicas do
-        syncs.append(DataParallelSync(engine, cfg))
+        syncs.append(DataParallelSync(engine, cfg, experts.expert_ids if experts else frozenset()))
         held = gradient_holders(syncs[0].dp)
+    if experts is not None:  # layout.reductions: the experts' after the dense parameters'
+        syncs.append(experts)
     if layout.tp > 1:  # its sums (layout.reductions' tp ones), and who counts and stores replicated values
         syncs.append(TensorParallelSync(engine, held))
     if engine.tied_copies():
@@ -169,6 +218,12 @@ def data_parallel_of(syncs: list[GradSync]) -> DataParallel | None:
 
 def not_counted(syncs: list[GradSync]) -> set[int]:
     return set().union(*(s.not_counted() for s in syncs))
+
+
+def norm_over_world(syncs: list[GradSync]) -> bool:
+    """Whether the gradient norm sums over every rank (each value counted once by the syncs' not_counted): the
+    replicas hold different parts of the model (experts spread over ep)."""
+    return any(getattr(s, "norm_group_world", False) for s in syncs)
 
 
 def not_owned(syncs: list[GradSync]) -> set[int]:

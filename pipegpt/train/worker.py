@@ -35,7 +35,8 @@ from pipegpt.stages.runtime import OPTIMIZER_STEP
 from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint, rng, snapshot
 from pipegpt.train import zero_state
-from pipegpt.train.grad_sync import PlanCollectives, data_parallel_of, make_syncs, not_counted, not_owned
+from pipegpt.train.grad_sync import (PlanCollectives, data_parallel_of, make_syncs, norm_over_world, not_counted,
+                                     not_owned)
 from pipegpt.train.optim import (clip_grads_, decays, global_grad_norm, lr_at, make_optimizer, moments_overflow_at,
                                   set_lr, step_tensor)
 
@@ -90,7 +91,8 @@ class Worker(Role):
             id(h.value) for h in self.pieces if decays(h)} if self.sharded else None)
         # The gradient norm sums each value once: over one model replica, or over every rank when the
         # replicas hold shards of it.
-        self.norm_group = dist.group.WORLD if self.sharded else engine.mesh.group("model")
+        self.norm_group = (dist.group.WORLD if self.sharded or norm_over_world(self.syncs)
+                           else engine.mesh.group("model"))
         self.loader = self.val_loader = None
         # --document-mask: every stage's attention needs the documents' boundaries, so every rank reads the batch
         end_of_text = get_tokenizer(cfg.data.tokenizer).eot_token if cfg.data.document_mask else None
@@ -279,16 +281,18 @@ class Worker(Role):
 
     def _owned_tensors(self) -> tuple[dict, dict]:
         optimizer, mesh, elsewhere = self.optimizer, self.engine.mesh, self.elsewhere
-        shard = [mesh.tp_index, self.cfg.parallel.tp]
+        shard, layout = [mesh.tp_index, self.cfg.parallel.tp], self.engine.parallelism
         tensors = rng.rng_state(self.rank, self.device)
-        # Replica 0 (dp and cp index 0: cp ranks hold the same weights) stores the parameters and moments.
-        if mesh.dp_index == 0 and mesh.cp_index == 0:
+        # Replica 0 (dp and cp index 0: cp ranks hold the same weights) stores the parameters and moments; with
+        # experts over ep, every rank stores what the syncs leave it (elsewhere: another rank stores it).
+        if mesh.dp_index == 0 and mesh.cp_index == 0 or layout.ep > 1:
             tensors.update({f"param/{self.full_names[id(p)]}": p for _, p in self.named_params
                             if id(p) not in elsewhere})
             for p, state in optimizer.state.items():
                 if id(p) not in elsewhere:
                     tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})
-        return tensors, {key: [0, 1] if zero_state.whole_tensor(key) else shard for key in tensors}
+        return tensors, {key: [mesh.ep_index, layout.ep] if layout.ep > 1 and layout.expert(key) else
+                         [0, 1] if zero_state.whole_tensor(key) else shard for key in tensors}
 
     @actor_method
     def snapshot(self, directory: str) -> float:
@@ -317,9 +321,13 @@ class Worker(Role):
         step = manifest["step"]
         tp_rank, tp = self.engine.mesh.tp_index, self.cfg.parallel.tp
 
+        layout = self.engine.parallelism
+
         def mine(key: str, p: torch.Tensor) -> torch.Tensor:
             name = self.full_names[id(p)]
-            return reader.shard(f"{key}/{name}", name, tp_rank, tp).to(p.device, p.dtype)
+            value = reader.shard(f"{key}/{name}", name, tp_rank, tp)
+            experts = layout.expert_slice(name, self.cfg.model.n_experts, getattr(self.engine.mesh, "ep_index", 0))
+            return (value if experts is None else value[experts]).to(p.device, p.dtype)
 
         if self.sharded:
             zero_state.load(self, mine, step, weights_only)

@@ -114,13 +114,13 @@ def workers():
     def get(cfg: TrainConfig) -> ClusterHost:
         """Workers for cfg's grid (fixed when they start; build() brings the rest, the p2p behaviour too)."""
         par = cfg.parallel
-        key = (par.dp, par.stages, par.cp, par.tp)
+        key = (par.dp, par.stages, par.cp, par.tp, par.ep)
         # One grid's workers alive at a time keeps memory flat; tests of a grid run together.
         if key not in hosts:
             for host in hosts.values():
                 host.close()
             hosts.clear()
-            hosts[key] = ClusterHost(base_config(par.stages, dp=par.dp, cp=par.cp, tp=par.tp))
+            hosts[key] = ClusterHost(cfg if par.ep > 1 else base_config(par.stages, dp=par.dp, cp=par.cp, tp=par.tp))
         return hosts[key]
 
     yield get

@@ -14,7 +14,7 @@ from pipegpt.config import (SECTIONS, ConfigError, ModelConfig, TrainConfig, mic
 
 # Every option of `pipegpt run`. A change here is a change of the CLI that users and scripts see: make it on purpose.
 RUN_OPTIONS = [
-    "--batch-size", "--data", "--document-mask", "--position-reset", "--no-document-mask", "--no-position-reset", "--eval-batches", "--eval-every", "--hellaswag", "--init-from", "--keep", "--resume", "--save-every", "--device", "--dp", "--cp", "--cp-comm", "--dtype", "--grad-clip", "--layers-per-stage", "--layout", "--log-every", "--snapshot-every",
+    "--batch-size", "--data", "--document-mask", "--position-reset", "--no-document-mask", "--no-position-reset", "--eval-batches", "--eval-every", "--hellaswag", "--init-from", "--keep", "--resume", "--save-every", "--device", "--dp", "--cp", "--ep", "--cp-comm", "--dtype", "--grad-clip", "--layers-per-stage", "--layout", "--log-every", "--snapshot-every",
     "--lr", "--max-live", "--max-restarts", "--microbatch-size", "--min-ranks", "--microbatches", "--model", "--n-embd", "--n-head", "--n-layer", "--no-tie-embeddings",
     "--pad-vocab", "--port", "--recompute", "--run-dir", "--schedule", "--schedule-file", "--seed", "--seq-len",
     "--sequence-parallel", "--stages", "--steps", "--threads-per-worker", "--timeout", "--tokenizer", "--tp",

@@ -1,0 +1,120 @@
+"""The all-to-all that moves tokens to their experts' ranks and back, as an autograd Function with variable split
+sizes, which a caller may start now and wait for later.
+
+    counts = exchange_counts(send_counts, group, timeout_s)       # [ranks, n] each way: who sends whom how many
+    pending = start_all_to_all(x, send_splits, recv_splits, group, timeout_s, "dispatch")
+    ...                                                           # compute while the tokens travel
+    received = pending.wait()                                     # bounded by timeout_s
+
+x's rows go to the group's ranks in order, send_splits[r] of them to rank r (in the group's order); the result
+holds recv_splits[r] rows from each rank r, in rank order. The backward is the reverse all-to-all (the splits
+swapped), run when autograd reaches it and waited for at once. `all_to_all` is start and wait together.
+
+Every wait is bounded by timeout_s where the backend's Work takes a timeout (gloo; on CUDA a wait only orders
+streams and NCCL's own group timeout bounds it), and a failure raises ExpertParallelError naming this rank and
+its peers in the group (global ranks): a collective's Work does not say which peer failed it. group None is a
+group of one rank (no communication), as pipegpt.comm.mesh leaves a group of one.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class ExpertParallelError(RuntimeError):
+    pass
+
+
+def group_ranks(group) -> list[int]:
+    """The group's global ranks in its order ([this rank] for a group of one)."""
+    if group is None:
+        return [dist.get_rank() if dist.is_initialized() else 0]
+    return dist.get_process_group_ranks(group)
+
+
+def _wait(work, device: torch.device, group, timeout_s: float, what: str) -> None:
+    try:
+        if device.type == "cuda":
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout_s))
+    except Exception as e:  # gloo raises on a timeout or a dead peer
+        me = dist.get_rank()
+        peers = [r for r in group_ranks(group) if r != me]
+        raise ExpertParallelError(f"rank {me}: expert-parallel {what} with peer rank{'s' * (len(peers) > 1)} "
+                                  f"{', '.join(map(str, peers))} failed after at most {timeout_s:g}s: {e}") from None
+
+
+class Pending:
+    """A posted all-to-all: wait() gives the received tensor (once it has arrived; bounded by the timeout)."""
+
+    def __init__(self, out: torch.Tensor, work, group, timeout_s: float, what: str):
+        self.out, self.work, self.group, self.timeout_s, self.what = out, work, group, timeout_s, what
+
+    @property
+    def done(self) -> bool:
+        return self.work is None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            work, self.work = self.work, None
+            _wait(work, self.out.device, self.group, self.timeout_s, self.what)
+        return self.out
+
+
+def _post(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, timeout_s: float,
+          what: str) -> Pending:
+    """Post the exchange of x's rows (no autograd): a Pending for the received rows."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    if group is None:
+        return Pending(out.copy_(x), None, group, timeout_s, what)
+    work = dist.all_to_all_single(out, x, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
+                                  group=group, async_op=True)
+    return Pending(out, work, group, timeout_s, what)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: post the exchange, hand the Pending out through `box` (its output's values arrive by wait()).
+    Backward: the reverse exchange, waited for."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, timeout_s, what, box):
+        ctx.splits, ctx.group, ctx.timeout_s, ctx.what = (send_splits, recv_splits), group, timeout_s, what
+        pending = _post(x, send_splits, recv_splits, group, timeout_s, what)
+        box.append(pending)
+        return pending.out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        back = _post(grad, recv_splits, send_splits, ctx.group, ctx.timeout_s, f"{ctx.what} (backward)")
+        return back.wait(), None, None, None, None, None, None
+
+
+def start_all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, timeout_s: float,
+                     what: str = "all-to-all") -> Pending:
+    """Start sending send_splits[r] of x's rows to the group's rank r and receiving recv_splits[r] from it; the
+    Pending's wait() gives the received rows, part of x's autograd graph (the backward runs the reverse)."""
+    if len(send_splits) != len(recv_splits) or sum(send_splits) != x.size(0):
+        raise ValueError(f"{what}: splits {list(send_splits)} (send) and {list(recv_splits)} (receive) for "
+                         f"{x.size(0)} rows: one of each per rank of the group, the sends summing to the rows")
+    box: list[Pending] = []
+    out = _AllToAll.apply(x, list(send_splits), list(recv_splits), group, timeout_s, what, box)
+    pending = box[0]
+    pending.out = out  # the autograd output (the same storage the exchange writes)
+    return pending
+
+
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, timeout_s: float,
+               what: str = "all-to-all") -> torch.Tensor:
+    return start_all_to_all(x, send_splits, recv_splits, group, timeout_s, what).wait()
+
+
+def exchange_counts(send_counts: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
+    """send_counts [ranks, n] (integers: row r what this rank sends group rank r, per its n kinds) -> [ranks, n]:
+    row r what rank r sends this one. Waited for: the counts size the exchange that follows."""
+    ranks = send_counts.size(0)
+    return _post(send_counts, [1] * ranks, [1] * ranks, group, timeout_s, "exchange of token counts").wait()
