@@ -154,8 +154,8 @@ def shown_value(value) -> str:
 
 CONVERT = [
     click.option("--from-hf", "from_hf", type=click.Path(), default=None,
-                 help="Import: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE or OLMoE directory "
-                      "(config.json and model.safetensors or pytorch_model.bin, either sharded with its index)."),
+                 help="Import: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or OLMoE "
+                      "directory (config.json and model.safetensors or pytorch_model.bin, either sharded with its index)."),
     click.option("--out", type=click.Path(), default=None, help="Import: the checkpoint directory to create."),
     click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
                  help="Import: the tokenizer the checkpoint remembers (default: the directory's tokenizer.json for "

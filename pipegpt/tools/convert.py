@@ -1,8 +1,8 @@
 """GPT-2 and Llama-family models in Hugging Face layout in and out of pipegpt checkpoints (`pipegpt convert`).
 
-GPT-2 below; Llama, Mistral and Qwen2 (model_type llama, mistral, qwen2) in pipegpt.tools.convert_llama and
-the mixtures of experts Mixtral, Qwen3-MoE and OLMoE in pipegpt.tools.convert_moe, which share the file
-handling here.
+GPT-2 below; Llama, Mistral, Qwen2 and Qwen3 (model_type llama, mistral, qwen2, qwen3) in
+pipegpt.tools.convert_llama and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE in
+pipegpt.tools.convert_moe, which share the file handling here.
 
     HF_DIR/config.json                     GPT-2's shape: n_embd, n_layer, n_head, n_positions, vocab_size, ...
     HF_DIR/model.safetensors               transformer.h.0.attn.c_attn.weight, ... (or pytorch_model.bin,

@@ -1,7 +1,7 @@
 """`pipegpt convert` of Llama-family models: a small random LlamaForCausalLM with grouped-query attention (and
-Mistral, Qwen2 with its q/k/v biases) saved by transformers is imported, compared on logits, sampled
-greedily beside transformers' generate, exported back and reloaded; configs pipegpt cannot compute exactly
-are refused in one line naming the field."""
+Mistral, Qwen2 with its q/k/v biases, Qwen3 with its wider heads and q/k norm) saved by transformers is
+imported, compared on logits, sampled greedily beside transformers' generate, exported back and reloaded;
+configs pipegpt cannot compute exactly are refused in one line naming the field."""
 from __future__ import annotations
 
 import json
@@ -29,8 +29,10 @@ def hf_model(kind: str = "llama", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
-    extra = {"sliding_window": None} if kind in ("mistral", "qwen2") else {}
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+    extra = {"sliding_window": None} if kind in ("mistral", "qwen2", "qwen3") else {}
+    extra.update({"head_dim": 32} if kind == "qwen3" else {})  # twice hidden_size / num_attention_heads
     model = model_class(config_class(**{**SHAPE, **extra, **overrides}))
     with torch.no_grad():
         for p in model.parameters():
@@ -53,13 +55,15 @@ def max_logit_diff(ckpt, hf) -> float:
     return (model(TOKENS) - hf(TOKENS).logits).abs().max().item()
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
 def test_import_matches_transformers_logits(kind, tmp_path):
     hf = hf_model(kind)
     ckpt = imported(tmp_path, hf)
     model = checkpoint.read_manifest(ckpt)["model"]
     assert (model["arch"], model["n_kv_head"], model["ffn_hidden"], model["qkv_bias"]) == \
         ("llama", 2, 176, kind == "qwen2")
+    assert (model.get("head_size"), model.get("qk_norm", "none")) == \
+        ((32, "head") if kind == "qwen3" else (None, "none"))
     assert max_logit_diff(ckpt, hf) < 1e-4
 
 
@@ -71,7 +75,7 @@ def test_sharded_safetensors_with_their_index(tmp_path):
 
 
 def test_export_is_loaded_by_transformers_unchanged(tmp_path):
-    for kind in ("llama", "qwen2"):
+    for kind in ("llama", "qwen2", "qwen3"):
         hf = hf_model(kind, seed=2)
         ckpt = imported(tmp_path / kind, hf)
         result = invoke("convert", "--to-hf", tmp_path / kind / "out", "--checkpoint", ckpt)
@@ -196,6 +200,7 @@ def test_the_kv_cache_gives_the_tokens_of_the_whole_context(arch, tmp_path):
     ("num_local_experts", 8, "llama"),
     ("head_dim", 32, "llama"),
     ("mlp_bias", True, "llama"),
+    ("attention_bias", True, "qwen3"),
 ])
 def test_what_pipegpt_does_not_compute_is_one_line_naming_the_field(field, value, kind, tmp_path):
     hf_dir = tmp_path / "hf"

@@ -6,6 +6,7 @@ one line naming the field."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -187,3 +188,27 @@ def test_an_moe_no_hugging_face_family_computes_is_refused_on_export(tmp_path):
     assert_one_line_error(invoke("convert", "--to-hf", tmp_path / "out", "--checkpoint", tmp_path / "ckpt"),
                           "MixtralForCausalLM's, which has no shared experts")
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "olmoe-1b-7b", "qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_the_presets_export_as_transformers_builds_them(preset):
+    """Each preset's exported config.json, built by transformers on the meta device, holds as many parameters as
+    the preset, its experts (fused in a transformers 5 module) and its q norm (or q) of the preset's shapes."""
+    from pipegpt.arch import named_shapes
+    from pipegpt.config import model_config
+    from pipegpt.tools import convert_moe
+
+    model = model_config(preset)
+    config = convert_moe.hf_config(model)
+    family = convert_moe.FAMILIES[config["model_type"]]
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    theirs = {name: tuple(p.shape) for name, p in hf.named_parameters()}
+    ours = named_shapes(model)
+    assert sum(math.prod(s) for s in theirs.values()) == sum(math.prod(s) for s in ours.values())
+    E, H, C = model.n_experts, model.expert_width, model.n_embd
+    assert theirs["model.layers.1.mlp.experts.gate_up_proj"] == (E, 2 * H, C)
+    assert theirs["model.layers.1.self_attn.q_norm.weight" if family.qk_norm != "none" else
+                  "model.layers.1.self_attn.q_proj.weight"] == ours[
+        "blocks.1.attn.q_norm.weight" if family.qk_norm != "none" else "blocks.1.attn.q.weight"]

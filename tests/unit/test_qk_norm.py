@@ -132,3 +132,16 @@ def test_qk_norm_with_tensor_parallelism_is_refused():
     validate_tp(WIDE, 2)  # an explicit head width alone splits by whole heads
     with pytest.raises(ConfigError, match="qk_norm='rms' is not valid"):
         dataclasses.replace(WIDE, qk_norm="rms").validate()
+
+
+def test_a_checkpoint_of_other_heads_is_refused_naming_the_flag(tmp_path):
+    from helpers import assert_one_line_error, invoke
+    from pipegpt.state import checkpoint
+
+    model = dataclasses.replace(MODEL_PRESETS["tiny-llama"], head_size=64, qk_norm="head")
+    checkpoint.write_weights(tmp_path / "ckpt", GPT(model, init_seed=0).state_dict(),
+                             {"model": model.settings(), "tokenizer": "bytes"})
+    assert_one_line_error(invoke("run", "--init-from", tmp_path / "ckpt", "--head-dim", "32"),
+                          "--head-dim 32 disagrees with its head_size 64")
+    assert_one_line_error(invoke("run", "--init-from", tmp_path / "ckpt", "--qk-norm", "none"),
+                          "--qk-norm none disagrees with its qk_norm head")
