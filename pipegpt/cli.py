@@ -16,7 +16,7 @@ import click
 
 from pipegpt import command_options
 from pipegpt.config import ConfigError
-from pipegpt.options import config_options
+from pipegpt.options import SectionedCommand, config_options
 from pipegpt.schedule.actions import ScheduleError
 from pipegpt.state.checkpoint import CheckpointError
 
@@ -112,7 +112,7 @@ def plot(run_dirs, out, title):
 # --------------------------------------------------------------------------------------------------------------
 # run: torch and everything that needs it are imported inside the command, so `simulate` starts without them.
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_options
 @click.option("--batch-size", type=int, default=None,
               help="Sequences per step in all (sets the microbatch size: batch / (dp x microbatches)).")
@@ -136,6 +136,11 @@ def plot(run_dirs, out, title):
 @click.pass_context
 def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layout, **options):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them).
+
+    \b
+    pipegpt run --stages 4 --microbatches 16 --steps 100 --run-dir runs/a     # tiny model, built-in text
+    pipegpt run --model gpt2 --data data/books --tokenizer gpt2 --stages 4 --microbatches 32 --device cuda
+    pipegpt run --resume runs/a --steps 200                                   # go on from its last checkpoint
 
     --resume takes every setting from the checkpoint's run except those given here (each change is printed).
     """

@@ -211,6 +211,8 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     save_every: int = setting(0, "Save a checkpoint every N steps and after the last (0: never).")
+    save_final: bool = setting(True, "Save a checkpoint after the last step (so `pipegpt sample RUN_DIR` works "
+                                     "after any run).")
     keep: int = setting(3, "Keep the newest N checkpoints (0: all).")
     resume: str | None = setting(None, "Resume from a checkpoint, or a run directory's latest; any layout. auto: "
                                        "the --run-dir's latest checkpoint if it has one, else start fresh there.")
