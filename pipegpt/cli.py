@@ -137,11 +137,6 @@ def plot(run_dirs, out, title):
 def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layout, **options):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them).
 
-    \b
-    pipegpt run --stages 4 --microbatches 16 --steps 100 --run-dir runs/a     # tiny model, built-in text
-    pipegpt run --model gpt2 --data data/books --tokenizer gpt2 --stages 4 --microbatches 32 --device cuda
-    pipegpt run --resume runs/a --steps 200                                   # go on from its last checkpoint
-
     --resume takes every setting from the checkpoint's run except those given here (each change is printed).
     """
     from pipegpt.arch import ARCHITECTURES

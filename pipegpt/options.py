@@ -459,8 +459,23 @@ def help_section(name: str) -> str:
                  if any(f.name == name for f in dataclasses.fields(cls))), "Other")
 
 
+RUN_EXAMPLES = (
+    "pipegpt run --stages 4 --microbatches 16 --steps 100 --run-dir runs/a     # tiny model, built-in text",
+    "pipegpt run --model gpt2 --data data/books --tokenizer gpt2 --stages 4 --microbatches 32 --device cuda",
+    "pipegpt run --resume runs/a --steps 200                                   # on from its last checkpoint",
+)
+
+
 class SectionedCommand(click.Command):
-    """A click command whose --help lists its options under HELP_ORDER's headings (click has no option groups)."""
+    """A click command whose --help shows the most used examples, then lists its options under HELP_ORDER's
+    headings (click has no option groups)."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help_text(ctx, formatter)
+        formatter.write_paragraph()
+        with formatter.indentation():
+            for line in RUN_EXAMPLES:
+                formatter.write(f"{' ' * formatter.current_indent}{line}\n")
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         records: dict[str, list] = {}

@@ -37,3 +37,15 @@ def test_an_option_no_list_places_is_left_to_other():
     assert help_section("max_restarts") == "Resilience" and help_section("n_layer") == "Model"
     assert help_section("lr") == "Training" and help_section("eval_every") == "Observability"
     assert help_section("an_option_added_later") == "Other"
+
+
+def test_the_help_examples_parse_with_the_real_command_line():
+    import shlex
+
+    from pipegpt.cli import main
+    from pipegpt.options import RUN_EXAMPLES
+
+    for example in RUN_EXAMPLES:
+        words = shlex.split(example.split("#", 1)[0])
+        assert words[:2] == ["pipegpt", "run"]
+        main.commands["run"].make_context("run", words[2:])
