@@ -5,9 +5,9 @@ flag checked to exist, and every relative link checked to resolve, headings incl
 test then runs, README first and then docs/ by name, in one empty directory, every command a CPU machine without
 internet can run, substituting only what must be:
 
-  - steps fewer: `--steps N`, `--save-every N` and `step-NNNNNNNN` of 100 or more divided by 100 (as the
-    checkpoint examples, which also shrink the model: TINY), a `--steps` under 100 at most 6; a `pipegpt run`
-    that gives no --steps gets `--steps 2`, a `plan --try` gets `--try-steps 2`;
+  - steps fewer: `--steps N`, `--save-every N` and `step-NNNNNNNN` of 20 or more divided by 10 (as the
+    checkpoint examples, which also shrink the model: TINY); a `pipegpt run` that gives no --steps gets
+    `--steps 2`, a `plan --try` gets `--try-steps 2`;
   - `runs/<time>` is the run directory the first `pipegpt run` made; `my_schedule.txt`, a schedule you wrote, is
     that run's plan.txt (a schedule file);
   - `...` in `pipegpt plan ... --calibrate` is the plan command before it;
@@ -97,7 +97,7 @@ def pipegpt_args(command: str, previous: list[str] | None = None) -> list[str] |
 
 
 def scaled(command: str) -> list[str]:
-    """The command's numbers of steps a hundred times smaller (step-00001400 -> step-00000014)."""
+    """The command's numbers of steps, from 20, ten times smaller (step-00000140 -> step-00000014)."""
     words = shlex.split(command)
     assert words[0] == "pipegpt"
     return _scaled(words[1:])
@@ -106,13 +106,15 @@ def scaled(command: str) -> list[str]:
 def _scaled(args: list[str]) -> list[str]:
     out = []
     for prev, word in zip([""] + args, args):
-        if prev in ("--steps", "--save-every") and int(word) >= 100:
-            word = str(int(word) // 100)
-        elif prev == "--steps":
-            word = str(min(int(word), 6))
-        word = re.sub(r"step-(\d{8})", lambda m: f"step-{int(m.group(1)) // 100:08d}", word)
+        if prev in ("--steps", "--save-every"):
+            word = str(_fewer(int(word)))
+        word = re.sub(r"step-(\d{8})", lambda m: f"step-{_fewer(int(m.group(1))):08d}", word)
         out.append(word)
     return out
+
+
+def _fewer(steps: int) -> int:
+    return steps // 10 if steps >= 20 else steps
 
 
 def test_every_command_of_the_readme_and_docs_parses_with_flags_that_exist(monkeypatch):
