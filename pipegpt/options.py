@@ -444,7 +444,7 @@ HELP_MOVED = {
     "Checkpoints": ("run_dir", "overwrite"),
     "Resilience": ("max_restarts", "min_ranks", "snapshot_every", "timeout_s", "step_timeout_s", "on_nonfinite",
                    "max_skipped_steps"),
-    "Observability": ("log_every", "trace_steps", "profile", "peak_tflops"),
+    "Observability": ("log_every", "trace_steps", "profile", "peak_tflops", "wandb"),
 }
 
 

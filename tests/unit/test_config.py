@@ -49,6 +49,8 @@ RUN_OPTIONS = [
     "--router-bias-update-rate", "--moe-capacity-factor",
     # the last step saved by default, so that `pipegpt sample RUN_DIR` works after any run (issue 47)
     "--save-final", "--no-save-final",
+    # an optional Weights & Biases sink beside TensorBoard (issue 47)
+    "--wandb",
 ]
 
 
