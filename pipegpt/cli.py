@@ -16,7 +16,7 @@ import click
 
 from pipegpt import command_options
 from pipegpt.config import ConfigError
-from pipegpt.options import config_options
+from pipegpt.options import SectionedCommand, config_options
 from pipegpt.schedule.actions import ScheduleError
 from pipegpt.state.checkpoint import CheckpointError
 
@@ -112,7 +112,7 @@ def plot(run_dirs, out, title):
 # --------------------------------------------------------------------------------------------------------------
 # run: torch and everything that needs it are imported inside the command, so `simulate` starts without them.
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_options
 @click.option("--batch-size", type=int, default=None,
               help="Sequences per step in all (sets the microbatch size: batch / (dp x microbatches)).")

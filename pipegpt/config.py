@@ -8,6 +8,7 @@ message that names the bad value and says what would be valid, so the driver can
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -182,6 +183,8 @@ class RuntimeConfig:
                                        "is always the last step's; other steps record nothing.")
     profile: bool = setting(False, "Run py-spy on every worker over the traced steps (first to last): a flame graph "
                                    "per rank, profiles/rank-N.svg and profiles/rank-N.speedscope.json.")
+    wandb: str | None = setting(None, "Also log every metrics row to Weights & Biases, in this project (needs "
+                                      "`pip install wandb`; WANDB_MODE=offline keeps it in the run directory).")
     p2p_dtype: str = setting("auto", "Pipeline messages (activations and their gradients between stages): auto is "
                                      "bf16 under --precision bf16, else --dtype. A stage computes in its own "
                                      "dtype whatever its messages carry.", choices=P2P_DTYPES)
@@ -223,6 +226,8 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     save_every: int = setting(0, "Save a checkpoint every N steps and after the last (0: never).")
+    save_final: bool = setting(True, "Save a checkpoint after the last step (so `pipegpt sample RUN_DIR` works "
+                                     "after any run).")
     keep: int = setting(3, "Keep the newest N checkpoints (0: all).")
     resume: str | None = setting(None, "Resume from a checkpoint, or a run directory's latest; any layout. auto: "
                                        "the --run-dir's latest checkpoint if it has one, else start fresh there.")
@@ -370,6 +375,9 @@ class TrainConfig:
                               f"not {r.dtype}")
         if r.peak_tflops is not None and not r.peak_tflops > 0:
             raise ConfigError(f"peak_tflops={r.peak_tflops} must be > 0 (or left out)")
+        if r.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"wandb={r.wandb!r} needs Weights & Biases, which is not installed: pip install wandb "
+                              f"(or leave out --wandb)")
         r.traced_steps()
         if not isinstance(r.profile, bool):
             raise ConfigError(f"profile={r.profile!r} must be True or False")

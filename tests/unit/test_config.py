@@ -49,6 +49,10 @@ RUN_OPTIONS = [
     "--router-bias-update-rate", "--moe-capacity-factor",
     # Qwen3's and OLMoE's attention (issue 45): heads wider than n_embd / n_head, q/k RMSNorm
     "--head-dim", "--qk-norm",
+    # the last step saved by default, so that `pipegpt sample RUN_DIR` works after any run (issue 47)
+    "--save-final", "--no-save-final",
+    # an optional Weights & Biases sink beside TensorBoard (issue 47)
+    "--wandb",
 ]
 
 
