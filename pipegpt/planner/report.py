@@ -35,6 +35,20 @@ def memory_line(parts: dict) -> str:
     return ", ".join(f"{label} {format_bytes(parts[key])}" for key, label in shown if parts.get(key))
 
 
+def busiest_line(r: Result) -> str:
+    """Where the busiest rank's step goes: compute, collectives, idle, what is exposed, the step's end."""
+    b = r.breakdown
+    return (f"busiest rank {b['rank']}: compute {format_seconds(b['compute'])}"
+            + (f" (recomputation {format_seconds(b['recompute'])})" if b["recompute"] else "")
+            + (f", tensor-parallel collectives {format_seconds(b['tp_comm'])}" if b["tp_comm"] else "")
+            + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b["cp_comm"] else "")
+            + f", idle {format_seconds(b['idle'])}"
+            + (f"; gradient {'reduce-scatter' if r.layout.zero else 'all-reduce'} exposed "
+               f"{format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
+            + (f"; parameter gathers exposed {format_seconds(b['gathers'])}" if b.get("gathers") else "")
+            + f"; after the last action {format_seconds(b['after'])}")
+
+
 def explain(runner: Result, best: Result) -> str:
     """Why `runner` is slower than `best`: the step-time part that grew the most, in numbers."""
     rb, bb = runner.breakdown, best.breakdown
@@ -158,20 +172,12 @@ def format_text(res: SearchResult) -> str:
 
     lines.append(text_table(rows, right={0, 2, 6, 8, 9, 10, 11}, rule=True))
     for i, r in enumerate(res.best, 1):
-        L, b = r.layout, r.breakdown
+        L = r.layout
         lines += ["", f"#{i} {L.short()}",
                   f"  peak memory {format_bytes(r.peak_bytes)} of {format_bytes(c.usable_bytes)} usable on "
                   f"pipeline rank "
                   f"{r.peak_rank}: {memory_line(r.memory[r.peak_rank])}",
-                  f"  busiest rank {b['rank']}: compute {format_seconds(b['compute'])}"
-                  + (f" (recomputation {format_seconds(b['recompute'])})" if b["recompute"] else "")
-                  + (f", tensor-parallel collectives {format_seconds(b['tp_comm'])}" if b["tp_comm"] else "")
-                  + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b["cp_comm"] else "")
-                  + f", idle {format_seconds(b['idle'])}"
-                  + (f"; gradient {'reduce-scatter' if L.zero else 'all-reduce'} exposed "
-                     f"{format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
-                  + (f"; parameter gathers exposed {format_seconds(b['gathers'])}" if b.get("gathers") else "")
-                  + f"; after the last action {format_seconds(b['after'])}",
+                  f"  {busiest_line(r)}",
                   f"  layers per stage {','.join(map(str, L.layers_per_stage))}",
                   f"  {L.command(r.model, precision)}"]
         if L.world > c.gpus_per_node:
