@@ -146,6 +146,8 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
     from pipegpt.train.dry_run import dry_run as dry_run_job
     from pipegpt.train.launch import launch
 
+    if dry_run is not None and layout == "auto":
+        raise click.UsageError("--dry-run checks the layout given; `pipegpt plan --gpus N --device D` chooses one")
     continuing = False
     if options["resume"] == "auto":
         options["resume"], continuing = resume_auto(run_dir)

@@ -71,7 +71,7 @@ def ties_line(best: list[Result]) -> str | None:
     n = len(tie_group(best))
     if n < 2:
         return None
-    return (f"#1-#{n} predict step times within {100 * TIE:.0f}% of each other, a tie for this model: ranked by "
+    return (f"#1-#{n} predict step times within {100 * TIE:.0f}% of the fastest, a tie for this model: ranked by "
             f"simplicity (fewer GPUs and parallel axes, one model stage per rank, lower ZeRO), then memory")
 
 
@@ -81,13 +81,13 @@ def tie_group(best: list[Result]) -> list[Result]:
     return [r for r in best if r.step_time <= limit]
 
 
-def explain(runner: Result, best: Result) -> str:
-    """Why `runner` ranks below `best`: within TIE, what makes it less simple; else the step-time parts that
-    grew the most, in numbers (never two that print alike)."""
+def explain(runner: Result, best: Result, tied: bool | None = None) -> str:
+    """Why `runner` ranks below `best`: a tie (tied; by default within TIE of best), what makes it less simple;
+    else the step-time parts that grew the most, in numbers (never two that print alike)."""
     slower = runner.step_time / best.step_time - 1
     pct = 100 * slower if abs(slower) >= 5e-4 else 0.0
     head = f"{pct:+.1f}% step time"
-    if slower <= TIE:
+    if slower <= TIE if tied is None else tied:
         return f"{head}, a tie (within {100 * TIE:.0f}%): {_less_simple(runner, best)}"
     rb, bb = runner.breakdown, best.breakdown
     work = lambda b: b["compute"] - b["recompute"]  # noqa: E731
@@ -252,11 +252,12 @@ def format_text(res: SearchResult) -> str:
     if req.explain and res.best:
         best = res.best[0]
         lines += ["", "why the others lost (against #1):"]
+        tied = tie_group(res.best)
         for i, r in enumerate(res.best[1:], 2):
-            lines.append(f"  #{i} {r.layout.short()}: {explain(r, best)}")
+            lines.append(f"  #{i} {r.layout.short()}: {explain(r, best, r in tied)}")
         for s, r in res.runners.items():
             if isinstance(r, Result):
-                lines.append(f"  best {s}: {r.layout.short()}: {explain(r, best)}")
+                lines.append(f"  best {s}: {r.layout.short()}: {explain(r, best, False)}")
             else:
                 lines.append(f"  {s}: {r}")
         cut = best.layout.sharding.replica_size
@@ -284,7 +285,8 @@ def as_json(res: SearchResult) -> dict:
         "cluster": asdict(c), "costs": req.costs.describe(), "stats": res.stats,
         "plans": [r.as_dict(c.precision) for r in res.best],
         "runners": {s: (r.as_dict(c.precision) if isinstance(r, Result) else r) for s, r in res.runners.items()},
-        "why": ({f"#{i}": explain(r, res.best[0]) for i, r in enumerate(res.best[1:], 2)} if res.best else {}),
+        "why": ({f"#{i}": explain(r, res.best[0], r in tie_group(res.best)) for i, r in enumerate(res.best[1:], 2)}
+                if res.best else {}),
         "refused": [{**{axis: getattr(r.dims, axis) for axis in LAYOUT_AXES}, "needs_bytes": r.needs, "parts": r.parts,
                      "variant": r.what} for r in res.refusals[:20]],
     }

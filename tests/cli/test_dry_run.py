@@ -90,6 +90,7 @@ def test_a_32_gpu_gpt2_job_is_answered_here_in_seconds(nothing_starts):
     (["--model", "gpt2", "--stages", 24, "--dry-run", "h100"], ["n_layer=12", "24"]),
     (["--model", "gpt2", "--stages", 2, "--dp", 4, "--batch-size", 10, "--dry-run", "h100"], ["batch-size=10", "4 x 8"]),
     (["--model", "gpt2", "--tp", 5, "--dry-run", "h100"], ["tp"]),
+    (["--model", "gpt2", "--layout", "auto", "--dry-run", "h100"], ["--dry-run checks the layout given", "pipegpt plan"]),
 ])
 def test_what_would_fail_at_start_up_is_refused_in_one_line(nothing_starts, args, fragments):
     assert_one_line_error(invoke("run", *args), *fragments)
