@@ -100,14 +100,16 @@ def report_lines(cfg: TrainConfig, preset: str, plan: Plan, cluster: Cluster, r:
     batch = p.dp * p.microbatches * p.microbatch_size
     per_rank = plan.num_stages // plan.num_ranks
     layers = [len(x) for x in partition_layers(cfg.model.n_layer, plan.num_stages, p.layers_per_stage)]
+    zero = f"{p.zero} ({p.unshard or 'step'})" if p.zero >= 3 else str(p.zero)
     spec = SCHEDULES.get(p.schedule)
     v = f" v{per_rank}" if spec and spec.takes_virtual_stages and (per_rank > 1 or not spec.synthesized) else ""
     lines = [f"pipegpt: dry run, nothing started: {preset}, {describe_model(cfg.model)}",
              f"devices: {cluster.describe()}",
-             f"layout: {mesh_name(p.sharding)}, {cfg.world_size} ranks; {p.schedule}{v}, {p.microbatches} "
-             f"microbatches x {p.microbatch_size} sequence{'s' * (p.microbatch_size > 1)} x {cfg.model.seq_len} "
-             f"tokens (global batch {batch:,} sequences); recompute {p.recompute}; ZeRO {p.zero}; layers per stage "
-             f"{','.join(map(str, layers))}",
+             f"layout: {mesh_name(p.sharding, {'cp': p.cp_comm})}{' sp' * p.sequence_parallel}, {cfg.world_size} "
+             f"ranks; {p.schedule}{v}, {p.microbatches} microbatches x {p.microbatch_size} "
+             f"sequence{'s' * (p.microbatch_size > 1)} x {cfg.model.seq_len} tokens (global batch {batch:,} "
+             f"sequences); recompute {p.recompute}; ZeRO {zero}; "
+             f"layers per stage {','.join(map(str, layers))}",
              f"plan: {plan.name}, {plan.num_ranks} pipeline ranks x {per_rank} stage{'s' * (per_rank > 1)}, "
              f"{sum(len(acts) for acts in plan.ranks):,} actions: valid"]
     if r is None:

@@ -38,11 +38,13 @@ def _children() -> list[str]:
     return found
 
 
-def test_a_planned_layout_dry_runs_to_the_planners_own_numbers(nothing_starts):
-    """Each of the planner's top plans for GPT-2 on 8 H100s, run with its own command and --dry-run h100,
-    predicts the step time, bubble, makespan and every pipeline rank's memory the planner printed."""
+@pytest.mark.parametrize("preset, batch", [("gpt2", 512), ("llama3-8b", 16)])
+def test_a_planned_layout_dry_runs_to_the_planners_own_numbers(nothing_starts, preset, batch):
+    """Each of the planner's top plans on 8 H100s (GPT-2: ZeRO-3 per block, 1F1B; Llama 3 8B: cp, tp, sequence
+    parallelism), run with its own command and --dry-run h100, predicts the step time, bubble, makespan and
+    every pipeline rank's memory the planner printed."""
     cluster = make_cluster(8, device="h100", precision="bf16")
-    result = search(Request(MODEL_PRESETS["gpt2"], 512, cluster, AnalyticalCosts(cluster)))
+    result = search(Request(MODEL_PRESETS[preset], batch, cluster, AnalyticalCosts(cluster)))
     assert len(result.best) >= 3
     for r in result.best[:3]:
         out = invoke("run", *r.layout.run_args(r.model, "bf16"), "--dry-run", "h100")
