@@ -134,6 +134,7 @@ def matching(request) -> str:
     return request.param
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_a_rebuild_takes_the_new_point_to_point_behaviour(workers):
     host = workers(base_config(2))
     for matching in ("order", "tag"):
@@ -190,6 +191,7 @@ def test_untied_embeddings_and_uneven_split(workers, matching):
     assert_matches(cfg, workers(cfg))
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_four_stages_interleaved_uneven(workers, matching):
     cfg = base_config(4, schedule="interleaved-1f1b", microbatches=4, layers_per_stage=(0, 1, 1, 2, 1, 1, 1, 1),
                       p2p_matching=matching)

@@ -111,6 +111,7 @@ def test_a_given_count_is_kept_from_the_third_step(tmp_path):
     assert job.counts == [1, 1, 4, 4, 2]
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_steps_in_one_call_train_exactly_as_one_call_per_step(tmp_path):
     """Both runs' every recorded figure that does not depend on the clock is the same, bit for bit."""
     args = [*FAST, "--stages", "2", "--microbatches", "4", "--steps", "9", "--eval-every", "4", "--save-every", "6"]
