@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
 
-from helpers import assert_one_line_error, invoke
+from helpers import ROOT, assert_one_line_error, clean_env, invoke
 from pipegpt.config import MODEL_PRESETS
 from pipegpt.costs.cost import AnalyticalCosts
 from pipegpt.costs.devices import format_bytes, make_cluster
@@ -113,3 +115,13 @@ def test_a_plan_the_planner_does_not_build_is_checked_and_its_memory_shown_untim
     assert "plan: auto, 4 pipeline ranks x 1 stage" in out.stdout and "predicted step: not timed" in out.stdout
     assert "layout: dp1 pp4 tp1, 4 ranks; auto, 8 microbatches" in out.stdout
     assert len([line for line in out.stdout.splitlines() if re.match(r"^\s+\d+\s+\d", line)]) == 4
+
+
+def test_a_dry_run_loads_no_torch():
+    """Nothing that could start a worker or a process group is even imported: torch stays out of the process."""
+    code = ("import sys\nfrom pipegpt.cli import main\n"
+            "try:\n    main(['run', '--model', 'gpt2', '--stages', '4', '--dp', '8', '--dry-run', 'h100'])\n"
+            "except SystemExit as e:\n    print('exit', e.code)\nprint('torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.splitlines()[-2:] == ["exit 0", "False"], proc.stdout + proc.stderr
