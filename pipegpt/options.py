@@ -65,6 +65,14 @@ def config_options(command):
     return command
 
 
+def dry_run_option(command):
+    """--dry-run [DEVICE]: check the job and predict it on DEVICE (pipegpt.train.dry_run), starting nothing."""
+    return click.option("--dry-run", "dry_run", is_flag=False, flag_value="here", default=None, metavar="[DEVICE]",
+                        help="Check the settings and the plan, print the layout, the predicted step time and each "
+                             "rank's memory on DEVICE (a `pipegpt plan --device` preset such as h100; alone: this "
+                             "machine's) for this world size, and exit without starting a worker.")(command)
+
+
 def train_config(ctx: click.Context, batch_size: int | None, options: dict,
                  say: Callable[[str], None] = lambda line: None, config_file: str | None = None,
                  layout: str = "given") -> TrainConfig:

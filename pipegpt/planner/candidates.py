@@ -187,6 +187,10 @@ class Layout:
         return "pipegpt run " + " ".join(self.run_args(model, precision))
 
 
+SHAPE_FLAGS = {"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head", "seq_len": "--seq-len",
+               "vocab_size": "--vocab-size"}  # the shape's options
+
+
 def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
     """The `pipegpt run` model flags that build exactly this model: a preset's name, or its shape; then
     --no-tie-embeddings and --pad-vocab (padding to 64) as they apply. pad_vocab: the plan pads."""
@@ -204,16 +208,22 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
                               seq_len=core.seq_len, vocab_size=core.vocab_size,
                               **{name: getattr(core, name) for name in arch_fields})
     preset = next((name for name, m in MODEL_PRESETS.items() if norm(m) == core), None)
+    # a preset of the same width with some of its shape changed reads as that preset and the flags changing it
+    changed = lambda m: [(flag, str(getattr(core, name))) for name, flag in SHAPE_FLAGS.items()  # noqa: E731
+                         if getattr(core, name) != getattr(m, name)]
+    base = min((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core and m.n_embd == core.n_embd),
+               key=lambda name: len(changed(MODEL_PRESETS[name])), default=None)
     if preset is not None:
         args = ["--model", preset]
     else:
-        preset = next((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core), None)
+        preset = base or next((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core), None)
         if preset is None:
             raise ConfigError("the model differs from every preset in more than its shape (dropout, bias): "
                               "`pipegpt run` cannot build it from flags")
-        args = ([] if preset == "tiny" else ["--model", preset]) + [
-            "--n-layer", str(core.n_layer), "--n-embd", str(core.n_embd), "--n-head", str(core.n_head),
-            "--seq-len", str(core.seq_len), "--vocab-size", str(core.vocab_size)]
+        args = ["--model", base, *(x for pair in changed(MODEL_PRESETS[base]) for x in pair)] if base else (
+            ([] if preset == "tiny" else ["--model", preset]) + [
+                "--n-layer", str(core.n_layer), "--n-embd", str(core.n_embd), "--n-head", str(core.n_head),
+                "--seq-len", str(core.seq_len), "--vocab-size", str(core.vocab_size)])
         for name, flag in arch_fields.items():
             value = getattr(core, name)
             if value == getattr(MODEL_PRESETS[preset], name):

@@ -3,7 +3,7 @@ search, and its answer as text or JSON (or, with --try, the top plans run and me
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipegpt.config import CP_COMM, ConfigError, ModelConfig, nearest_multiples, validate_cp
 from pipegpt.dims import AXES
@@ -13,7 +13,7 @@ from .candidates import Request
 from pipegpt.costs.calibrated import calibrate_costs
 from pipegpt.costs.cost import DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, AnalyticalCosts
 from pipegpt.costs.devices import make_cluster
-from .report import as_json, format_text, no_fit_message
+from .report import as_json, format_text, no_fit_message, rank_ties
 from .search import search
 from .trial import trials_dir, trials_text, try_plans
 
@@ -80,6 +80,7 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
                             if getattr(opts, f"only_{axis}") is not None}, cp_comm=opts.cp_comm,
                       zero=opts.only_zero)
     result = search(request)
+    result = replace(result, best=rank_ties(result.best))  # ties within 1% go to the simplest plan
     if not result.best:
         raise ConfigError(no_fit_message(result))
     if not opts.try_top:

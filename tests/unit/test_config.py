@@ -53,6 +53,8 @@ RUN_OPTIONS = [
     "--save-final", "--no-save-final",
     # an optional Weights & Biases sink beside TensorBoard (issue 47)
     "--wandb",
+    # the job checked and predicted on named devices, nothing started (issue 47)
+    "--dry-run",
 ]
 
 
