@@ -450,7 +450,7 @@ HELP_ORDER = ("Model", "Layout", "Schedule", "Training", "Data", "Checkpoints", 
 HELP_OF_SECTION = {"parallel": "Layout", "optim": "Training", "data": "Data", "runtime": "Training",
                    "checkpoint": "Checkpoints", "eval": "Observability"}
 HELP_MOVED = {
-    "Layout": ("layout", "port"),
+    "Layout": ("layout", "port", "dry_run"),
     "Schedule": ("schedule", "schedule_file", "virtual_stages", "max_live", "microbatches", "microbatch_size"),
     "Training": ("config_file", "batch_size"),
     "Checkpoints": ("run_dir", "overwrite"),
