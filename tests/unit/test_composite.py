@@ -164,3 +164,57 @@ def test_message_memory_and_evaluation_read_a_pairs_parts():
     assert message_peaks(lowered) == message_peaks(lowered.flattened()) == [6, 6, 4]
     assert message_peaks(lowered, True) == message_peaks(lowered.flattened(), True) == [6, 7, 4]
     assert validate(_plan().forward_only()).ranks[1] == tuple(Action(1, Kind.F, mb) for mb in range(4))
+
+
+def test_a_pair_is_also_written_with_an_ampersand():
+    """"0F5&3B2" (a V's two stages on one rank) reads as the composite "(0F5;3B2)" does."""
+    assert Action.parse("0F5&3B2") == Action.parse("(0F5;3B2)") == Composite.of(Action(0, Kind.F, 5),
+                                                                                Action(3, Kind.B, 2))
+    for bad in ("0F5&0B5", "0F5&", "0F5&3B2&1F1", "0F5&(3B2;1F1)", "0F5&1SEND_F1"):
+        with pytest.raises(ScheduleError, match="composite"):
+            Action.parse(bad)
+
+
+def _file(tmp_path, text: str):
+    from pipegpt.schedule.schedule_file import load_schedule_file
+
+    path = tmp_path / "pairs.txt"
+    path.write_text(text)
+    return load_schedule_file(path)
+
+
+def test_a_schedule_file_with_ampersand_pairs_runs_and_a_bad_pair_is_refused_naming_its_line(tmp_path):
+    rank1 = RANK1.replace("(1F1;1B0)", "1F1&1B0").replace("(1F2;1B1)", "1F2&1B1")
+    assert _file(tmp_path, f"{RANK0}\n{rank1}\n").ranks == _plan().ranks
+    with pytest.raises(ScheduleError, match=r"pairs.txt:3: bad token '1F1&1B1'.*two microbatches"):
+        _file(tmp_path, f"# name: x\n{RANK0}\n1F0 1F1&1B1 1F2 1B0 1F3 1B2 1B3\n")
+    # Halves on two ranks: stage 0 lives on rank 0 (the file's first line).
+    with pytest.raises(ScheduleError, match=r"pairs.txt:3: .*pair \(0F3;1B2\): stage 0 belongs to rank 0; a pair's "
+                                            r"halves run on one rank"):
+        _file(tmp_path, f"# stages: 0 1\n{RANK0}\n1F0 1F1&1B0 1F2&1B1 0F3&1B2 1B3\n")
+
+
+def test_a_pair_whose_halves_depend_on_each_other_is_refused():
+    """The only dependency between two microbatches is a decode plan's token loop: a group's next step on the first
+    stage takes its last stage's token. On one rank (stages 0 and 1 there) such a pair would wait for itself."""
+    bad = Plan("decode-pair", 4, (0, 0), ((Action(0, Kind.F, 0), Action(0, Kind.F, 1),
+                                           Composite.of(Action(1, Kind.F, 0), Action(0, Kind.F, 2)),
+                                           Action(1, Kind.F, 1), Action(0, Kind.F, 3), Action(1, Kind.F, 2),
+                                           Action(1, Kind.F, 3)),), meta={"decode_groups": 2})
+    with pytest.raises(ScheduleError, match=r"pair \(1F0;0F2\): 0F2 needs 1F0, the other half"):
+        validate(bad)
+
+
+def test_the_memory_a_pair_holds_together_is_checked_against_the_limit(tmp_path):
+    """Rank 0 holds two microbatches before its pair (0F2;0B0) and three during it (the pair's forward's new one
+    before its backward frees the other), two at most elsewhere: a limit of 3 runs, 2 refuses the pair, naming
+    its line."""
+    from pipegpt.schedule.validate import held_live
+
+    assert held_live(_plan(), 1) == [1, 2, 2, 2, 1]
+    assert held_live(_plan(), 0) == [1, 2, 2, 2, 2, 2, 2, 1]
+    rank0, rank1 = "0F0 0F1 0F2&0B0 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"
+    assert str(_file(tmp_path, f"# max_live: 3\n{rank0}\n{rank1}\n").ranks[0][2]) == "(0F2;0B0)"
+    with pytest.raises(ScheduleError, match=r"pairs.txt:2: rank 0 step 2 \(\(0F2;0B0\)\): pair \(0F2;0B0\) holds 3 "
+                                            r"stage-microbatches together .* more than the memory limit max_live=2"):
+        _file(tmp_path, f"# max_live: 2\n{rank0}\n{rank1}\n")
