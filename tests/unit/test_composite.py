@@ -218,3 +218,52 @@ def test_the_memory_a_pair_holds_together_is_checked_against_the_limit(tmp_path)
     with pytest.raises(ScheduleError, match=r"pairs.txt:2: rank 0 step 2 \(\(0F2;0B0\)\): pair \(0F2;0B0\) holds 3 "
                                             r"stage-microbatches together .* more than the memory limit max_live=2"):
         _file(tmp_path, f"# max_live: 2\n{rank0}\n{rank1}\n")
+
+
+def test_the_all_to_all_cost_parses_scales_and_round_trips():
+    costs = Costs.parse("F=1,B=2,a2a=0.5", 2)
+    assert costs.a2a_comm == (0.5, 0.5) and costs.as_dict()["a2a"] == [0.5, 0.5]
+    assert Costs.from_json(costs.as_dict(), 2) == costs
+    assert costs.scaled(0.5).a2a_comm == (0.25, 0.25)
+    assert Costs.parse("F=1,B=2", 2).a2a_comm == (0, 0) and "a2a" not in Costs.parse("F=1", 2).as_dict()
+    with pytest.raises(ScheduleError, match="a2a"):
+        Costs.parse("a2a=-1", 2)
+
+
+@pytest.mark.parametrize("a2a,alone,pair", [(0.5, (1.5, 2.5), 3.0), (3, (4, 5), 6), (0, (1, 2), 3)])
+def test_a_pairs_halves_hide_each_others_all_to_all(a2a, alone, pair):
+    """F 1, B 2, all-to-all a2a each: alone F takes 1 + a2a and B 2 + a2a (nothing hides their all-to-all); a pair
+    takes max(1, a2a) + max(2, a2a), each half's compute hiding the other's all-to-all."""
+    costs = Costs.uniform(2, comm=0).__class__((1, 1), (2, 2), (1, 1), a2a_comm=(a2a, a2a))
+    f, b = Action(1, Kind.F, 1), Action(1, Kind.B, 0)
+    assert (costs.duration(f), costs.duration(b)) == alone
+    assert costs.duration(Composite.of(f, b)) == pair
+    assert timing_rule.spans_of(costs, Composite.of(f, b), 10) == [(10, 10 + max(1, a2a)), (10 + max(1, a2a),
+                                                                                            10 + pair)]
+
+
+def test_a_pairs_gain_worked_by_hand_in_every_engine():
+    """F 1, B 2, all-to-all 0.5 (alone F 1.5, B 2.5; a pair 3). Rank 1's pairs start when rank 0's forward
+    arrives: 0F0 [0, 1.5], 0F1 [1.5, 3], 1F0 [1.5, 3], (1F1;1B0) [3, 6], 0B0 [6, 8.5], 0F2 [8.5, 10],
+    (1F2;1B1) [10, 13], 0B1 [13, 15.5], 0F3 [15.5, 17], (1F3;1B2) [17, 20], 1B3 [20, 22.5], 0B3 [22.5, 25].
+    The halves apart (--overlap off): each pair 4 instead of 3, and the chain it sits on 28."""
+    costs = Costs((1, 1), (2, 2), (1, 1), a2a_comm=(0.5, 0.5))
+    tag, order, fast, timeline = _times(_plan(), costs)
+    assert tag == order == fast == 25
+    pair = [(str(e.action), e.start, e.end) for e in timeline.events if e.rank == 1][1:3]
+    assert pair == [("1F1", 3, 4), ("1B0", 4, 6)]
+    assert _times(_plan().flattened(), costs)[:3] == (28, 28, 28)
+    # Dense (no all-to-all): the pair is its halves' sum, as before this cost existed.
+    assert _times(_plan(), Costs((1, 1), (2, 2), (1, 1)))[:3] == (21, 21, 21)
+
+
+def test_the_chart_draws_a_pair_as_one_block_with_both_labels():
+    from pipegpt.schedule.render import to_svg
+    from pipegpt.schedule.simulate import Event, Timeline
+
+    svg = to_svg(simulate(_plan(), Costs((1, 1), (2, 2), (1, 1), a2a_comm=(0.5, 0.5))))
+    assert svg.count('class="pair"') == 3
+    assert ">F1&amp;B0<" in svg and ">F3&amp;B2<" in svg and ">F1<" not in svg.split('class="pair"')[1][:400]
+    measured = Timeline([Event(0, Action.parse("(0F1;0B0)"), 0.0, 3.0)], 1, time_unit="s")
+    drawn = to_svg(measured)
+    assert drawn.count('class="pair"') == 1 and ">F1&amp;B0<" in drawn and "backward" in drawn
