@@ -313,13 +313,14 @@ def _svg(timeline: Timeline, span, plot_w: float) -> str:
                 half = (e.end - e.start) / 2
                 for i, part in enumerate(e.action.parts):
                     out.append(_block(look, Event(r, part, e.start + i * half, e.start + (i + 1) * half), x, scale,
-                                      y, row_h, f"rank {r}: {e.action}", t0))
+                                      y, row_h, f"rank {r}: {part} of {e.action}", t0))
                 out.extend(_pair_outline(look, r, e.action, x(e.start), float(e.end - e.start) * scale, y, row_h))
                 continue
             if e.action.kind not in COLORS:
                 continue
             pair = getattr(e, "pair", None)
-            out.append(_block(look, e, x, scale, y, row_h, f"rank {r}: {pair or e.action}", t0))
+            out.append(_block(look, e, x, scale, y, row_h, f"rank {r}: {e.action}" + (f" of {pair}" if pair else ""),
+                              t0))
             if pair is not None:  # a simulated pair's halves: one block, outlined and labelled once
                 pair_start = e.start if e.action == pair.parts[0] or pair_start is None else pair_start
                 if e.action == pair.parts[-1]:

@@ -267,3 +267,75 @@ def test_the_chart_draws_a_pair_as_one_block_with_both_labels():
     measured = Timeline([Event(0, Action.parse("(0F1;0B0)"), 0.0, 3.0)], 1, time_unit="s")
     drawn = to_svg(measured)
     assert drawn.count('class="pair"') == 1 and ">F1&amp;B0<" in drawn and "backward" in drawn
+
+
+def test_combined_1f1b_pairs_the_steady_state_and_hides_the_all_to_all():
+    """1f1b-overlap warms up with 2(p - r) - 1 forwards, then pairs F(i + w) with B(i): dense, it runs as 1F1B does
+    (here to within the message latency it saves); with all-to-alls it hides them, where 1F1B cannot."""
+    from pipegpt.schedule.registry import build_plan
+
+    plan = build_plan("1f1b-overlap", 2, 5)
+    assert plan.to_text() == ("0F0 0F1 0F2 (0F3;0B0) (0F4;0B1) 0B2 0B3 0B4\n"
+                              "1F0 (1F1;1B0) (1F2;1B1) (1F3;1B2) (1F4;1B3) 1B4\n")
+    for p, m in ((1, 1), (3, 2), (4, 8), (5, 13)):
+        validate(lower(build_plan("1f1b-overlap", p, m)))
+    dense, moe = Costs.parse("F=1,B=2,W=1,comm=0.05", 4), Costs.parse("F=1,B=2,W=1,comm=0.05,a2a=0.5", 4)
+    paired, plain = build_plan("1f1b-overlap", 4, 16), build_plan("1f1b", 4, 16)
+    assert simulate(paired, dense).makespan <= simulate(plain, dense).makespan
+    assert simulate(paired, moe).makespan == pytest.approx(62.0)  # 1F1B: 77.4
+    assert simulate(plain, moe).makespan == pytest.approx(77.4)
+    assert simulate(paired.flattened(), moe).makespan == pytest.approx(76.3)  # its order, the halves apart
+
+
+def test_dualpipev_runs_its_main_phase_as_pairs():
+    from pipegpt.schedule.registry import build_plan
+
+    plan = build_plan("dualpipev", 2, 4)
+    assert [str(a) for a in plan.ranks[1] if a.kind is Kind.OVERLAP] == ["(1F2;2B0)", "(2F2;1B0)", "(1F3;2B1)",
+                                                                         "(2F3;1B1)"]
+    costs = Costs.parse("F=0.5,B=1,W=0.5,a2a=0.5", 8)
+    big = build_plan("dualpipev", 4, 16)
+    tag, order, fast, _ = _times(big, costs)
+    assert tag == fast and order >= tag
+    assert tag < simulate(big.flattened(), costs).makespan
+
+
+def test_overlap_off_runs_the_halves_apart(tmp_path):
+    from pipegpt.config import ModelConfig, TrainConfig
+    from pipegpt.planner.run_plan import make_plan
+
+    model = ModelConfig(vocab_size=64, seq_len=8, n_layer=4, n_head=2, n_embd=16)
+    cfg = TrainConfig.build(model, stages=2, microbatches=4, schedule="1f1b-overlap")
+    assert make_plan(cfg).has_composites
+    apart = make_plan(cfg.replace(overlap="off"))
+    assert not apart.has_composites
+    assert [a for acts in apart.compute_only().ranks for a in acts] == \
+        [a for acts in make_plan(cfg).compute_only().flattened().ranks for a in acts]
+
+
+def test_simulate_shows_the_pairs_gain(tmp_path):
+    from click.testing import CliRunner
+
+    from pipegpt.cli import main
+
+    args = ["simulate", "-s", "1f1b-overlap", "-p", "2", "-m", "6", "--costs", "F=1,B=2,W=1,a2a=1", "--no-chart"]
+    out = CliRunner().invoke(main, args).output
+    assert "makespan          25\n" in out and "without pairs (--overlap off) 35: pairs save 28.6%" in out
+    off = CliRunner().invoke(main, args + ["--overlap", "off"]).output
+    assert "makespan          35\n" in off and "pairs" not in off
+
+
+def test_the_synthesizer_pairs_where_the_all_to_all_pays():
+    """With all-to-alls and room for a pair's extra microbatch (max live 6 at p 4), auto pairs forwards with
+    backwards and beats every fixed schedule that fits (zb-h1, 40.2); dense, no pair pays, and none is made."""
+    from pipegpt.schedule.registry import schedule_spec
+
+    moe = Costs.parse("F=1,B=2,W=1,a2a=0.6", 4)
+    synthesis = schedule_spec("auto").synthesize(4, 8, None, moe, 6)
+    assert synthesis.plan.has_composites and synthesis.best_fixed_makespan == pytest.approx(40.2)
+    assert synthesis.lower_bound <= synthesis.makespan == pytest.approx(37.4)
+    validate(lower(synthesis.plan, moe))
+    assert simulate(synthesis.plan, moe).makespan == synthesis.makespan
+    assert max(simulate(synthesis.plan, moe).peak_live_microbatches_per_rank) <= 6
+    dense = schedule_spec("auto").synthesize(4, 8, None, Costs.parse("F=1,B=2,W=1", 4), 6)
+    assert not dense.plan.has_composites

@@ -37,6 +37,7 @@ SEARCH_ACTIONS = 300_000
 SAMPLES = 200
 SAMPLE_ACTIONS = 300_000
 FLIPS = 8  # at most this many choices turned at once
+PAIR_REACH = 4  # how far after a forward (or backward) _pair_up looks for the other half of a pair
 ENTERING = (4, 6)  # caps on a rank's microbatches in flight (Variant.entering), in eighths of the limit
 
 
@@ -312,7 +313,8 @@ def _improve(problem: Problem, ranks: list[list[int]], makespan: Real, max_live:
 
 def _pair_up(problem: Problem, ranks: list[list[int]], makespan: Real,
              max_live: int) -> tuple[list[list[int]] | None, Real]:
-    """Each rank's adjacent forward and backward (B or I) of two microbatches as one pair (forward first), kept
+    """Each rank's forward and a backward (B or I) of another microbatch at most PAIR_REACH places after it (or
+    the other way round) as one pair (forward first) where it stands, the actions between moving after it; kept
     where the simulator says the plan is then faster within the memory limit (a pair holds both halves'
     microbatches at once). The paired order (None if no pair paid) and its makespan."""
     ranks = [list(acts) for acts in ranks]
@@ -321,16 +323,18 @@ def _pair_up(problem: Problem, ranks: list[list[int]], makespan: Real,
     for acts in ranks:
         k = 0
         while k + 1 < len(acts) and budget > 0:
-            pair = _pair_code(problem, acts[k], acts[k + 1])
-            if pair is not None:
+            for j in range(k + 1, min(len(acts), k + 1 + PAIR_REACH)):
+                pair = _pair_code(problem, acts[k], acts[j])
+                if pair is None or budget <= 0:
+                    continue
                 budget -= 1
-                halves = acts[k:k + 2]
-                acts[k:k + 2] = [pair]
+                before = acts[:]
+                acts[:] = acts[:k] + [pair] + acts[k + 1:j] + acts[j + 1:]
                 result = evaluate(problem, ranks)
                 if result is not None and result[0] < makespan and result[1] <= max_live:
                     makespan, paired = result[0], True
-                else:
-                    acts[k:k + 1] = halves
+                    break
+                acts[:] = before
             k += 1
     return (ranks if paired else None), makespan
 
