@@ -111,10 +111,10 @@ class Action(NamedTuple):
 class Composite(NamedTuple):
     """Two compute actions of two microbatches on one rank, run as one action: DualPipe's overlapped forward
     and backward, or a combined 1F1B. Prints "(0F3;0B1)" (torch.distributed.pipelining's _Action with
-    sub_actions), and parses from that or "0F3&0B1" (the pair's halves joined by "&"). `parts` are ordinary Actions: a runtime runs them interleaved, and where it cannot, in
-    order; the validator checks each part's dependencies as if they ran in order, lowering puts every
-    message of a part before (receives) or after (sends) the composite, and the timing rule
-    (timing_rule.composite_spans) charges it by its parts."""
+    sub_actions), and parses from that or "0F3&0B1" (the pair's halves joined by "&"). `parts` are ordinary
+    Actions: a runtime runs their pieces in turns; the validator checks each part's dependencies as if they ran
+    in order, and that neither needs the other; lowering puts every message of a part before (receives) or
+    after (sends) the composite, and the timing rule (timing_rule.composite_spans) charges it by its parts."""
 
     parts: tuple[Action, ...]
     kind = Kind.OVERLAP  # not a field: every composite has it

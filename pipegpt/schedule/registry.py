@@ -81,7 +81,7 @@ class ScheduleSpec:
 SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("gpipe", gpipe),
     ScheduleSpec("1f1b", one_f_one_b),
-    ScheduleSpec("1f1b-overlap", one_f_one_b_overlap, for_overlap=True),  # combined 1F1B: steady-state F and B as one pair
+    ScheduleSpec("1f1b-overlap", one_f_one_b_overlap, for_overlap=True),  # combined 1F1B: F and B as one pair
     ScheduleSpec("interleaved-1f1b", interleaved_1f1b, default_virtual_stages=2, takes_virtual_stages=True),
     ScheduleSpec("zb-h1", zb_h1),
     ScheduleSpec("zbv", zbv, v_shape, default_virtual_stages=2),
