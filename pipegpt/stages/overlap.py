@@ -9,6 +9,13 @@ piece; the value of the yield is `handle.wait()`'s, and the generator's return v
         received = yield all_to_all_start(routed)   # posted; the other half of the pair computes meanwhile
         return combine((yield all_to_all_start(experts(received))))
 
+A handle that moves activations the backward must move back (an all-to-all's dispatch or combine) is a Cut: it
+holds the tensor it sent and posts the gradient's communication back (transpose). The Stage ends a seam at what
+it sent and starts the next at what it received, so the backward runs the compute on each side apart and posts
+the gradient's communication between them, a handle again, waited for before the compute that reads it: in a
+pair the other half computes meanwhile, in the backward as in the forward. (The piece's generator receives the
+received tensor as a leaf; nothing of the communication is in the autograd graph.)
+
 Run alone (a whole action, Stage.forward), each handle is waited for at once. Run in a pair
 (stages.stage.interleave), the handle is waited for just before the piece goes on, after the other half's next
 piece has run: that half's compute hides the communication. A block offers such a piece by a `forward_steps(x,
@@ -22,6 +29,9 @@ A handle is anything with wait() -> result (None where there is nothing to hand 
   marks its end, and wait() makes the current stream wait for that event (no host synchronisation). Its stream
   calls go through a CudaStreams object, so its control is tested on CPU with a stand-in.
 - InThread(fn): fn runs on a thread of its own (a blocking call, or a stand-in with a known delay in tests).
+- Cut(sent, start, start_back): start(sent) posts sent's communication (a handle whose wait() returns what was
+  received); transpose(grad) = start_back(grad) posts the gradient's way back (a handle whose wait() returns the
+  gradient of `sent`). For an all-to-all with splits: start_back is the all-to-all with the splits swapped.
 """
 from __future__ import annotations
 
@@ -114,6 +124,24 @@ class OnSideStream:
     def wait(self):
         self._streams.current(self._device).wait_event(self._event)
         return self._result
+
+
+class Cut:
+    """Communication that splits a piece's autograd graph in two (see the module docstring): wait() is the forward
+    handle's, transpose(grad) posts the backward's."""
+
+    __slots__ = ("sent", "_forward", "_start_back")
+
+    def __init__(self, sent: torch.Tensor, start: Callable[[torch.Tensor], Handle],
+                 start_back: Callable[[torch.Tensor], Handle]):
+        self.sent, self._start_back = sent, start_back
+        self._forward = start(sent.detach())
+
+    def wait(self) -> torch.Tensor:
+        return self._forward.wait()
+
+    def transpose(self, grad: torch.Tensor) -> Handle:
+        return self._start_back(grad)
 
 
 def start(fn: Callable[[], Any], device) -> Handle:

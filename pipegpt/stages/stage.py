@@ -96,22 +96,29 @@ def interleave(*runs: PieceRun, done: Callable[[int, object], None] | None = Non
     return [run.result for run in runs]
 
 
-def _steps(piece: Piece, x, targets, documents, reduction, context) -> Generator:
+def _steps(piece: Piece, x, targets, documents, reduction, context, seams: list, cuts: dict) -> Generator:
     """A piece's call under `context` (autocast, or none); a piece that returns a generator of handles is driven
     a step at a time, each step under the context and none open across a yield (the other half of a pair runs
-    there). Returns the piece's output."""
+    there). A Cut (a handle with `sent` and transpose(), stages.overlap) ends a seam at what it sent and starts
+    the next at what it received (a leaf that collects the gradient to send back): backward runs the piece's
+    compute on each side of it apart, the gradient's communication between. Returns (the last seam's input, the
+    piece's output)."""
     with context():
         out = piece(x, targets, documents, reduction)
     if not isinstance(out, types.GeneratorType):
-        return out
-    received = None
+        return x, out
+    steps, received = out, None
     while True:
         with context():
             try:
-                handle = out.send(received)
+                handle = steps.send(received)
             except StopIteration as end:
-                return end.value
+                return x, end.value
         received = yield handle
+        if getattr(handle, "transpose", None) is not None:
+            seams.append((x, handle.sent))
+            x = received = received.detach().requires_grad_()
+            cuts[len(seams)] = handle
 
 
 class Stage:
@@ -125,6 +132,9 @@ class Stage:
         # Per microbatch in flight, per piece in forward order: (its input, its output with the graph behind it).
         self.seams: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pending_weight_grads: dict[int, list[list]] = {}  # per microbatch, per piece run: its W closures
+        # Per microbatch in flight, seam index -> the Cut (stages.overlap) whose received tensor is that seam's
+        # input: its backward posts the gradient's communication back.
+        self.cuts: dict[int, dict[int, object]] = {}
         self.losses: list[torch.Tensor] = []
         self._empty: torch.Tensor | None = None  # what a released output holds (release_output)
         self._ones: torch.Tensor | None = None  # the loss's gradient (_ones_like)
@@ -177,6 +187,7 @@ class Stage:
         if not self.is_first:
             x = x.detach().requires_grad_()
         seams = self.seams[mb] = []
+        cuts = self.cuts[mb] = {}
         reduction = "none" if self.is_last and self.per_row else "mean"
         last = len(pieces) - 1
         context = contextlib.nullcontext if self.autocast_dtype is None else \
@@ -185,7 +196,8 @@ class Stage:
             if i:
                 yield
                 x = out.detach().requires_grad_()
-            out = yield from _steps(piece, x, targets if i == last else None, documents, reduction, context)
+            x, out = yield from _steps(piece, x, targets if i == last else None, documents, reduction, context, seams,
+                                       cuts)
             seams.append((x, out))
         return self._finish_forward(seams, out, targets)
 
@@ -226,7 +238,7 @@ class Stage:
         return PieceRun(self._backward_walk(mb, grad_output, split))
 
     def _backward_walk(self, mb, grad, split) -> Generator[None, None, torch.Tensor | None]:
-        seams = self.seams.pop(mb)
+        seams, cuts = self.seams.pop(mb), self.cuts.pop(mb, {})
         pending = self.pending_weight_grads.setdefault(mb, []) if split else None
         for i in range(len(seams) - 1, -1, -1):
             x, out = seams[i]
@@ -239,7 +251,11 @@ class Stage:
                 _run_backward(out, grads)
             if i:
                 grad = x.grad
-                yield
+                cut = cuts.get(i)
+                if cut is None:
+                    yield
+                else:  # x came through communication: its gradient goes back the same way, waited for next step
+                    grad = yield cut.transpose(grad)
         return None if self.is_first else x.grad
 
     def _ones_like(self, loss: torch.Tensor) -> torch.Tensor:
@@ -267,6 +283,7 @@ class Stage:
     def discard(self) -> None:
         """Forget every microbatch in flight (after an evaluation pass: forwards with no backward)."""
         self.seams.clear()
+        self.cuts.clear()
 
     def pop_losses(self) -> list[torch.Tensor]:
         losses, self.losses = self.losses, []
