@@ -237,7 +237,7 @@ SIMULATE = [
                  help="Pipeline ranks p (each holds one stage, or v for interleaved/V schedules)."),
     click.option("--microbatches", "-m", type=click.IntRange(min=1), default=None, help="Microbatches per step."),
     click.option("--costs", "costs_spec", default=None, metavar="SPEC",
-                 help="'F=1,B=2,W=1,comm=0.1' (act_bytes= too) or a .json file with per-stage lists. Numbers are "
+                 help="'F=1,B=2,W=1,comm=0.1' (act_bytes=, a2a= too) or a .json file with per-stage lists. Numbers are "
                       "per rank's share of the model: schedules with v stages per rank run each at 1/v. "
                       "Default F=1,B=2,W=1,comm=0."),
     click.option("--virtual-stages", "-v", type=click.IntRange(min=1), default=None,
@@ -280,6 +280,10 @@ SIMULATE = [
                       "or order (NCCL: a send leaves at its SEND, a rank's batches run one after another and each "
                       "completes together, a run's sends after its last receive a batch of their own; the plan is "
                       "lowered for the costs, as a run lowers it)."),
+    click.option("--overlap", type=click.Choice(["on", "off"]), default=None,
+                 help="A schedule's pairs (a forward and a backward of two microbatches run as one action, each "
+                      "half's all-to-all, --costs a2a=, under the other's compute): on (the default) or off (each "
+                      "pair's halves one after the other)."),
 ]
 
 

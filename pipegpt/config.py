@@ -39,6 +39,7 @@ COMPILE_STEPS = 2  # steps of a job that may compile: the first, and a recompila
 STEP_TIMEOUT_FACTOR = 10.0  # a step's deadline without --step-timeout, in --timeout's: a step is many waits
 FIRST_STEPS_FACTOR = 3.0  # the first COMPILE_STEPS steps' deadline: communicators made, memory and kernels warmed
 P2P_DTYPES = ("auto", "bf16", "fp32")
+OVERLAP = ("on", "off")
 
 
 def setting(default, help: str = "", flag: str | None = None, short: str | None = None, choices=None):
@@ -78,6 +79,9 @@ class ParallelConfig:
     # backward's weight-gradient part of the embedding, of one block and of the head with its loss (nine
     # numbers); set by the driver, never an option.
     schedule_costs: tuple[float, ...] | None = None
+    overlap: str = setting("on", "A schedule's pairs (a forward and a backward of two microbatches run as one "
+                                 "action, their pieces in turns, each half's communication under the other's "
+                                 "compute): on, or off (each pair's halves one after the other).", choices=OVERLAP)
     microbatches: int = setting(8, "Microbatches per step.", short="-m")
     microbatch_size: int = setting(4, "Sequences per microbatch.")
     recompute: str = setting("none", "Activation recomputation: every block, or only the attention core.",
@@ -326,6 +330,7 @@ class TrainConfig:
             if value is not None:  # None: the default (the schedule's, cores / ranks)
                 _check_positive_int(name, value)
         _check_choice("recompute", p.recompute, RECOMPUTE)
+        _check_choice("overlap", p.overlap, OVERLAP)
         _check_choice("device", r.device, DEVICES)
         _check_choice("dtype", r.dtype, DTYPES)
         check_tokenizer_name(self.data.tokenizer)

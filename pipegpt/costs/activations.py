@@ -456,7 +456,7 @@ def activation_peaks(plan: Plan, saved: Sequence[int], deferred: Sequence[int] |
     """
     deferred = saved if deferred is None else deferred
     peaks = []
-    for actions in plan.ranks:
+    for actions in plan.flattened().ranks:  # a pair's halves in order: its F counts before its B frees
         level = held = working = 0
         for a in actions:
             kind, s = a.kind, a.stage

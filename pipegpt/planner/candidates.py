@@ -29,7 +29,7 @@ class Request:
     top: int = 5
     explain: bool = False
     # auto and auto-v when named: all would synthesize a plan per (p, m), too slow at thousands of microbatches
-    schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized)
+    schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized and not spec.for_overlap)
     exact_gpus: bool = False  # only layouts using every GPU
     only: Mapping[str, int] = field(default_factory=dict)  # axis (pipegpt.dims.AXES) -> its only size searched
     cp_comm: str | None = None  # how K/V travel with cp > 1 (None: both are weighed)

@@ -29,7 +29,7 @@ RUN_OPTIONS = [
     # what a non-finite loss or gradient norm does: stop before the update, or skip it
     "--on-nonfinite", "--max-skipped-steps",
     # --resume restores a run's settings: its on/off ones can be turned off; a fresh run into a used directory
-    "--no-compile", "--no-profile", "--no-sequence-parallel", "--overwrite",
+    "--no-compile", "--no-profile", "--no-sequence-parallel", "--overlap", "--overwrite",
     # dropout (per-rank streams, restored on resume): fine-tuning uses 0.1
     "--dropout",
     # what pipeline messages travel in (bf16 halves the bytes between stages)
