@@ -30,6 +30,8 @@ from .timing_rule import hop
 from .validate import dependencies
 
 
+_RECVS = (Kind.RECV_F, Kind.RECV_B)
+
 # Costs when none are given: one unit per forward, two per full backward, every stage alike.
 _UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
 
@@ -84,6 +86,8 @@ def lower(plan: Plan, costs=None) -> Plan:
         at = comm_end[r]
         if produced >= at:
             at = produced
+        elif comm_receives[r] == now and at == len(lowered[r]) and lowered[r][at - 1].kind in _RECVS:
+            at -= 1  # into the batch of receives posted now, before its last: behind it, the stream would hold it
         elif not (comm_receives[r] is None or comm_receives[r] == now or at == len(lowered[r])):
             at += 1  # after the compute that follows a batch with older receives
         return at if running[r] is None or at <= running[r] else None
@@ -93,8 +97,12 @@ def lower(plan: Plan, costs=None) -> Plan:
         taken at `when`."""
         del outbox[sender][send], inbound[receiver][send]
         joins = at > 0 and lowered[sender][at - 1].kind.is_p2p  # the sender's last batch
+        inside = at < comm_end[sender] and lowered[sender][at].kind in _RECVS  # before that batch's last receive
         _insert(sender, at, send)
-        comm_end[sender], comm_receives[sender] = at + 1, comm_receives[sender] if joins else None
+        if inside:
+            comm_end[sender] += 1
+        else:
+            comm_end[sender], comm_receives[sender] = at + 1, comm_receives[sender] if joins else None
         recv_at = len(lowered[receiver]) if recv_at is None else recv_at
         _insert(receiver, recv_at, recv)
         received[receiver].add(recv)
