@@ -60,7 +60,15 @@ def lower(plan: Plan, costs=None) -> Plan:
     with outputs still unsent puts each behind those receives, a batch of sends that no compute waits for
     (messages.comm_batches), where its receiver reaches a boundary before this rank's next batch would
     start: neither end waits. Otherwise it weighs its consumer's wait (the costs' timeline says when it
-    needs it) against its own (its receiver is busy until its next boundary) and takes the shorter.
+    needs it) against its own (its receiver is busy until its next boundary) and takes the shorter. With a
+    latency, a send whose receiver takes it when this rank posts receives goes into their batch (one NCCL
+    group): behind it, the stream would hold it until they complete (without one, nothing is held, and
+    the places stay as they were).
+
+    With a message latency no placement brings order down to tag: the compute after a batch of receives
+    waits for that batch, which starts when the compute before it ends, so each such batch costs its rank
+    the latency where tag's consumer starts the moment its predecessor ends (tests/unit/test_p2p_matching.py
+    works gpipe 2x2 by hand). Only a runtime that waits for a receive at the compute that reads it could.
     """
     duration = _unit_duration if costs is None else costs.duration
     comm = 0 if costs is None else getattr(costs, "comm", 0)
@@ -86,7 +94,7 @@ def lower(plan: Plan, costs=None) -> Plan:
         at = comm_end[r]
         if produced >= at:
             at = produced
-        elif comm_receives[r] == now and at == len(lowered[r]) and lowered[r][at - 1].kind in _RECVS:
+        elif comm and comm_receives[r] == now and at == len(lowered[r]) and lowered[r][at - 1].kind in _RECVS:
             at -= 1  # into the batch of receives posted now, before its last: behind it, the stream would hold it
         elif not (comm_receives[r] is None or comm_receives[r] == now or at == len(lowered[r])):
             at += 1  # after the compute that follows a batch with older receives
