@@ -212,7 +212,8 @@ def _schedule_jobs(opts: SimulateOptions) -> list[tuple[str, Callable]]:
         def synthesized(costs_of):  # the costs first (from the placement), then the plan written for them
             placement = spec.stage_to_rank(opts.stages, v)
             costs, extra = costs_of(Plan(name, opts.microbatches, placement, ((),) * opts.stages))
-            synthesis = spec.synthesize(opts.stages, opts.microbatches, v, costs, opts.max_live)
+            synthesis = spec.synthesize(opts.stages, opts.microbatches, v, costs, opts.max_live,
+                                        matching=opts.p2p_matching or "tag")
             return synthesis.plan, costs, {**extra, **synthesis_record(synthesis)}
         return synthesized
 

@@ -75,7 +75,9 @@ def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
     placement = spec.stage_to_rank(p.stages, p.virtual_stages)
     layers = [len(r) for r in partition_layers(m.n_layer, len(placement), p.layers_per_stage)]
     costs = stage_costs_for(layers, p.schedule_costs or estimated_layer_costs(m))
-    synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live)
+    r = cfg.runtime  # NCCL matches by order: written for it where the run is known to use it
+    matching = "order" if r.p2p_matching == "order" or (r.p2p_matching == "auto" and r.device == "cuda") else "tag"
+    synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live, matching=matching)
     meta = {**synthesis.plan.meta, "predicted_s": float(synthesis.makespan),
             "lower_bound_s": float(synthesis.lower_bound), "best_fixed": synthesis.best_fixed,
             "best_fixed_s": None if synthesis.best_fixed_makespan is None else float(synthesis.best_fixed_makespan),

@@ -63,7 +63,7 @@ class ScheduleSpec:
 
     def synthesize(self, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None,
                    costs: Costs | None = None, max_live: int | None = None,
-                   search_evaluations: int = SEARCH_EVALUATIONS) -> Synthesis:
+                   search_evaluations: int = SEARCH_EVALUATIONS, matching: str = "tag") -> Synthesis:
         """A synthesized schedule with its lower bound and the fixed schedules of its placement it beat."""
         placement = self.stage_to_rank(num_ranks, virtual_stages)
         v = len(placement) // num_ranks
@@ -75,7 +75,7 @@ class ScheduleSpec:
             raise ScheduleError(f"microbatches={num_microbatches} must be at least 1")
         return synthesize(placement, num_microbatches, costs, max_live, name=self.name,
                           fixed=fixed_plans(placement, num_ranks, num_microbatches),
-                          search_evaluations=search_evaluations)
+                          search_evaluations=search_evaluations, matching=matching)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (

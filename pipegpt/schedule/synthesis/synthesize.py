@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from numbers import Real
 
 from ..actions import Action, Composite, Kind, Plan, ScheduleError
+from ..lowering import lower
+from ..simulate import simulate_order
 from .fast_simulate import evaluate
 from .list_scheduler import Problem, Variant, list_schedule
 from ..timing_rule import Costs, hops, work_time
@@ -38,6 +40,7 @@ SAMPLES = 200
 SAMPLE_ACTIONS = 300_000
 FLIPS = 8  # at most this many choices turned at once
 PAIR_REACH = 4  # how far after a forward (or backward) _pair_up looks for the other half of a pair
+ORDER_CANDIDATES = 8  # plans timed under order matching (lowered and simulated in full) besides the winner
 ENTERING = (4, 6)  # caps on a rank's microbatches in flight (Variant.entering), in eighths of the limit
 
 
@@ -192,9 +195,15 @@ def _same_plans(v: Variant, pivots: set) -> set[Variant]:
 
 
 def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Costs, max_live: int | None = None,
-               name: str = "auto", fixed: list[Plan] = (), search_evaluations: int = SEARCH_EVALUATIONS) -> Synthesis:
+               name: str = "auto", fixed: list[Plan] = (), search_evaluations: int = SEARCH_EVALUATIONS,
+               matching: str = "tag") -> Synthesis:
     """The fastest plan found for these costs whose simulated peak live stage-microbatches stay within max_live
-    on every rank (default: 1F1B's memory). `fixed` are the fixed schedules of this placement to beat."""
+    on every rank (default: 1F1B's memory). `fixed` are the fixed schedules of this placement to beat.
+
+    matching "order" (NCCL) times the candidates as they will run there when messages have a latency: the
+    search weighs each with its receives' floor (fast_simulate.evaluate, Problem.receive_floor), and the
+    fastest few so weighed are lowered for the costs and simulated with messages matched by order
+    (simulate_order); the fastest of those wins, and the makespans are order's."""
     stage_to_rank = tuple(stage_to_rank)
     m = num_microbatches
     if m < 1:
@@ -208,12 +217,17 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         meta["virtual_stages"] = stages_per_rank(stage_to_rank)
     problem = Problem(stage_to_rank, m, costs)
     bound = lower_bound(stage_to_rank, m, costs, max_live)
+    by_order = matching == "order" and costs.comm > 0  # without latency order costs what tag costs
+    problem.receive_floor = by_order
 
     best_plan = best_ranks = best_time = None  # a fixed Plan, or the codes of a synthesized order
     best_fixed = best_fixed_time = None
+    candidates: list[tuple[Real, Plan | None, list]] = []  # (tag makespan, the fixed Plan or None, codes)
     for plan in fixed:
         ranks = problem.encode(plan)
         makespan, peak = evaluate(problem, ranks)
+        if peak <= max_live:
+            candidates.append((makespan, plan, ranks))
         if peak <= max_live and (best_fixed_time is None or makespan < best_fixed_time):
             best_fixed, best_fixed_time = plan.name, makespan
             best_plan, best_ranks, best_time = plan, ranks, makespan
@@ -235,8 +249,10 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         if key in seen:
             continue
         seen.add(key)
-        if any(costs.dp_comm):  # the all-reduces after the last W/B may end the step
+        if any(costs.dp_comm) or by_order:  # the all-reduces after the last W/B may end the step; receives
             makespan, peak = evaluate(problem, ranks)
+        if peak <= max_live:
+            candidates.append((makespan, None, ranks))
         if peak <= max_live and (best_time is None or makespan < best_time):
             best_plan, best_ranks, best_time = None, ranks, makespan
             winners.append(variant)
@@ -258,8 +274,31 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
             best_plan, best_ranks = None, paired
     if best_plan is None:
         best_plan = Plan("synthesized", m, stage_to_rank, problem.decode(best_ranks))
+    if by_order:  # the plan searched for by tag joins in: the floor is a guide, not the order model itself
+        by_tag = synthesize(stage_to_rank, m, costs, max_live, name, fixed, search_evaluations).plan
+        by_tag = replace(by_tag, name=by_tag.meta["from"])
+        best_plan, best_time, best_fixed_time = _fastest_by_order(problem, [best_plan, by_tag], candidates,
+                                                                  best_fixed)
+        meta["p2p_matching"] = "order"
     plan = replace(best_plan, name=name, meta={**dict(meta), "from": best_plan.name})
     return Synthesis(plan, best_time, bound, max_live, best_fixed, best_fixed_time, tried)
+
+
+def _fastest_by_order(problem: Problem, winners: list[Plan], candidates: list, best_fixed: str | None):
+    """(plan, its makespan, the best fixed one's) under order matching, among the searches' winners and the
+    ORDER_CANDIDATES other candidates the search found fastest; each lowered for the costs, as a run lowers it."""
+    costs, m, placement = problem.costs, problem.m, problem.stage_to_rank
+    plans = winners + [fixed if fixed is not None else Plan("synthesized", m, placement, problem.decode(ranks))
+                      for _, fixed, ranks in sorted(candidates, key=lambda c: c[0])[:ORDER_CANDIDATES]]
+    timed, fixed_time = {}, None
+    for plan in plans:
+        if plan.ranks in timed:
+            continue
+        timed[plan.ranks] = (simulate_order(lower(plan, costs), costs).makespan, plan)
+        if plan.name == best_fixed:
+            fixed_time = timed[plan.ranks][0]
+    makespan, plan = min(timed.values(), key=lambda t: t[0])
+    return plan, makespan, fixed_time
 
 
 def _sample(problem: Problem, base: Variant, makespan: Real, max_live: int, bound: Real,
@@ -278,7 +317,7 @@ def _sample(problem: Problem, base: Variant, makespan: Real, max_live: int, boun
         if result is None:
             continue
         ranks, time, peak = result
-        if any(problem.costs.dp_comm):
+        if any(problem.costs.dp_comm) or problem.receive_floor:
             time, peak = evaluate(problem, ranks)
         if peak <= max_live and time < makespan:
             best, makespan, kept = ranks, time, flips
