@@ -167,6 +167,7 @@ def format_text(res: SearchResult) -> str:
                   + (f" (recomputation {format_seconds(b['recompute'])})" if b["recompute"] else "")
                   + (f", tensor-parallel collectives {format_seconds(b['tp_comm'])}" if b["tp_comm"] else "")
                   + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b["cp_comm"] else "")
+                  + (f", expert all-to-alls {format_seconds(b['ep_comm'])}" if b.get("ep_comm") else "")
                   + f", idle {format_seconds(b['idle'])}"
                   + (f"; gradient {'reduce-scatter' if L.zero else 'all-reduce'} exposed "
                      f"{format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
