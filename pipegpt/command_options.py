@@ -8,7 +8,7 @@ import click
 
 from pipegpt.arch import ARCHITECTURES, GPT2
 from pipegpt.config import ARCHS, CP_COMM, MODEL_PRESETS, ConfigError, ModelConfig, model_config
-from pipegpt.model_config import MOE_FLAG_FIELDS
+from pipegpt.model_config import MOE_FLAG_FIELDS, QK_NORMS
 
 # The mixture-of-experts settings (docs/moe.md): each option sets the ModelConfig field of its name (--n-experts:
 # n_experts), its type and help here.
@@ -30,7 +30,7 @@ EXPERT_OPTIONS = {
 assert tuple(EXPERT_OPTIONS) == MOE_FLAG_FIELDS
 MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
                  "tie_embeddings", "dropout", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "qkv_bias",
-                 *EXPERT_OPTIONS)
+                 "head_size", "qk_norm", *EXPERT_OPTIONS)
 # settings of an architectural property (pipegpt.arch): given for an architecture without it, they are refused
 # (GPT-2 has no grouping, rotary positions or q/k/v biases of their own)
 ARCH_SPECIFIC = {"n_kv_head": ("--n-kv-head", "grouped_kv"), "rope_theta": ("--rope-theta", "rotary"),
@@ -61,6 +61,11 @@ def model_options(command):
         click.option("--rope-theta", type=float, default=None, help="Llama: rotary base (default 10000)."),
         click.option("--norm-eps", type=float, default=None, help="LayerNorm/RMSNorm epsilon (default 1e-5)."),
         click.option("--qkv-bias/--no-qkv-bias", default=None, help="Llama: biases on q, k, v only (Qwen2)."),
+        click.option("--head-dim", "head_size", type=int, default=None,
+                     help="Llama: each attention head's width (Hugging Face's head_dim; default n_embd / n_head)."),
+        click.option("--qk-norm", type=click.Choice(list(QK_NORMS)), default=None,
+                     help="Llama: RMSNorm of q and k before rotary, of each head (Qwen3) or of the whole projection "
+                          "(OLMoE); default: the preset's, none."),
         click.option("--dropout", type=float, default=None,
                      help="Dropout probability of the embedding, attention and residual branches (default: the "
                           "preset's, 0.0; fine-tuning often uses 0.1)."),
@@ -88,7 +93,8 @@ def model_from_options(options: dict, vocab_size: int | None = None) -> ModelCon
                         tie_embeddings=tie_from_flags(o), pad_vocab_to=64 if o["pad_vocab"] else None,
                         dropout=o["dropout"],
                         n_kv_head=o["n_kv_head"], ffn_hidden=o["ffn_hidden"], rope_theta=o["rope_theta"],
-                        norm_eps=o["norm_eps"], qkv_bias=o["qkv_bias"], **{name: o[name] for name in EXPERT_OPTIONS})
+                        norm_eps=o["norm_eps"], qkv_bias=o["qkv_bias"], head_size=o["head_size"], qk_norm=o["qk_norm"],
+                        **{name: o[name] for name in EXPERT_OPTIONS})
 
 
 def tie_from_flags(o: dict) -> bool | None:
@@ -123,6 +129,8 @@ def model_flags(model: ModelConfig, tokenizer: str) -> str:
             flags += f" --ffn-hidden {model.ffn_width}" + (f" --rope-theta {model.rope_theta}" if arch.rotary else "")
             flags += f" --norm-eps {model.norm_eps}" + (" --qkv-bias" if arch.own_qkv_bias and model.qkv_bias else "")
             flags += " --tie-embeddings" if model.tie_embeddings else " --no-tie-embeddings"
+            flags += "" if model.head_size is None else f" --head-dim {model.head_size}"
+            flags += "" if model.qk_norm == "none" else f" --qk-norm {model.qk_norm}"
         else:
             flags += "" if model.ffn_hidden is None else f" --ffn-hidden {model.ffn_hidden}"
             flags += "" if model.norm_eps == 1e-5 else f" --norm-eps {model.norm_eps}"
@@ -146,8 +154,8 @@ def shown_value(value) -> str:
 
 CONVERT = [
     click.option("--from-hf", "from_hf", type=click.Path(), default=None,
-                 help="Import: a Hugging Face GPT-2, Llama, Mistral or Qwen2 directory (config.json and "
-                      "model.safetensors or pytorch_model.bin, either sharded with its index)."),
+                 help="Import: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE or OLMoE directory "
+                      "(config.json and model.safetensors or pytorch_model.bin, either sharded with its index)."),
     click.option("--out", type=click.Path(), default=None, help="Import: the checkpoint directory to create."),
     click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
                  help="Import: the tokenizer the checkpoint remembers (default: the directory's tokenizer.json for "

@@ -236,7 +236,8 @@ def _file_model_options(ctx: click.Context, options: dict, model: dict, path: st
     filled = dict(options)
     as_options = {k: v for k, v in model.items() if k in ("preset", "n_layer", "n_embd", "n_head", "seq_len",
                                                         "vocab_size", "dropout", "arch", "n_kv_head", "ffn_hidden",
-                                                        "rope_theta", "norm_eps", "qkv_bias", *EXPERT_OPTIONS)}
+                                                        "rope_theta", "norm_eps", "qkv_bias", "head_size", "qk_norm",
+              *EXPERT_OPTIONS)}
     if "pad_vocab_to" in model:
         as_options["pad_vocab"] = model["pad_vocab_to"] not in (None, 1)
     if "tie_embeddings" in model and not (given(ctx, "tie_embeddings") or given(ctx, "no_tie_embeddings")):
@@ -326,7 +327,8 @@ def _restore(ctx: click.Context, settings: dict, saved: dict, from_file: bool = 
 
 # model options that set the field of the same name
 _SAME_NAME = ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dropout", "arch", "n_kv_head", "ffn_hidden",
-              "rope_theta", "norm_eps", "qkv_bias", *EXPERT_OPTIONS)
+              "rope_theta", "norm_eps", "qkv_bias", "head_size", "qk_norm",
+              *EXPERT_OPTIONS)
 
 
 def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: str,
@@ -344,6 +346,8 @@ def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: st
         flags = {name: f"--{name.replace('_', '-')} {shown_value(value)}" for name, value in changes.items()}
         if changes.get("qkv_bias") is False:
             flags["qkv_bias"] = "--no-qkv-bias"
+        if "head_size" in changes:
+            flags["head_size"] = f"--head-dim {changes['head_size']}"
         if given(ctx, "pad_vocab") and options["pad_vocab"]:
             changes["pad_vocab_to"], flags["pad_vocab_to"] = 64, "--pad-vocab"
         tie = tie_from_flags({name: options.get(name) if given(ctx, name) else None

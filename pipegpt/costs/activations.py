@@ -248,12 +248,13 @@ def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device) -> 
     # the q heads before the kernel); selective recomputation's checkpoint keeps its inputs, k and v as
     # the kv heads give them
     kv = kv_local_heads(model, tp) * model.head_dim
-    attention_inputs = N // tp + (2 * b * s * kv if recompute == "selective" else 2 * N // tp)
+    Q = N // model.n_embd * model.attention_width  # q and the attention output: n_embd wide unless head_size is set
+    attention_inputs = Q // tp + (2 * b * s * kv if recompute == "selective" else 2 * Q // tp)
     layer = (2 * Ns * r  # ln1, ln2 inputs
              + 2 * norm_stats  # their statistics
              + _linear_inputs(model, precision, sp) * N * c  # the column-parallel linears' inputs
              + attention_inputs * c  # q and k (after rotation), v
-             + N // tp * c  # the attention output = the proj input
+             + Q // tp * c  # the attention output = the proj input
              + arch.mlp_saved * b * s * (F // tp) * c)  # the MLP's intermediates
     if arch.rotary and c != 4:
         layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call

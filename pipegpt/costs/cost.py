@@ -155,8 +155,8 @@ def layer_flops_fwd(model: ModelConfig) -> float:
     """Forward FLOPs of one block for one sequence (matmuls and attention's T x T products): GPT-2's
     24 T C^2 + 4 T^2 C; Llama's 2 T (2 C^2 + 2 K C + 3 F C) + 4 T^2 C (K = kv_heads x head_dim: grouped-query
     attention's smaller k and v projections; F = ffn_width: SwiGLU's gate, up and proj)."""
-    T, C = model.seq_len, model.n_embd
-    return 2 * T * block_matmul_weights(model) + 4 * T * T * C
+    T, A = model.seq_len, model.attention_width  # n_head x head_dim: n_embd unless head_size is set
+    return 2 * T * block_matmul_weights(model) + 4 * T * T * A
 
 
 def head_flops_fwd(model: ModelConfig) -> float:
@@ -244,7 +244,7 @@ class AnalyticalCosts:
             forward = (cp - 1) * step
             backward = 2 * forward  # K/V gathered again, dK/dV reduce-scattered
         else:
-            attention = shape.mbs * 2 * L * L * model.n_embd / tp / self._rate()  # one causal block
+            attention = shape.mbs * 2 * L * L * model.attention_width / tp / self._rate()  # one causal block
             forward = (cp - 1) * max(0.0, step - attention)
             backward = (cp - 1) * max(0.0, lat + 2 * block / bw - 2 * attention) + step  # dK/dV's last hop home
         if shape.recompute in ("full", "selective"):

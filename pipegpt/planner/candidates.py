@@ -203,6 +203,7 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
     core = norm(model)
     arch_fields = {"n_kv_head": "--n-kv-head", "ffn_hidden": "--ffn-hidden", "rope_theta": "--rope-theta",
                    "norm_eps": "--norm-eps", "qkv_bias": "--qkv-bias",  # what a flag sets beyond the shape
+                   "head_size": "--head-dim", "qk_norm": "--qk-norm",
                    **{name: f"--{name.replace('_', '-')}" for name in MOE_FLAG_FIELDS}}
     shape = lambda m: replace(m, n_layer=core.n_layer, n_embd=core.n_embd, n_head=core.n_head,  # noqa: E731
                               seq_len=core.seq_len, vocab_size=core.vocab_size,
@@ -226,7 +227,8 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
                 args.append(flag if value else "--no-qkv-bias")
             else:  # a None stated as the width or head count it means
                 args += [flag, str({"ffn_hidden": core.ffn_width, "n_kv_head": core.kv_heads, "expert_hidden":
-                                    core.expert_width, "n_experts_per_token": core.experts_per_token}.get(name, value))]
+                                    core.expert_width, "n_experts_per_token": core.experts_per_token,
+                                    "head_size": core.head_dim}.get(name, value))]
     if model.tie_embeddings and not MODEL_PRESETS[preset].tie_embeddings:
         args.append("--tie-embeddings")
     if not model.tie_embeddings and MODEL_PRESETS[preset].tie_embeddings:

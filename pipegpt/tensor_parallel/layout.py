@@ -49,6 +49,8 @@ _SPECS = (  # (name suffix, spec), first match wins; names are one-process names
     ("mlp.experts_gate", REPLICATED), ("mlp.experts_up", REPLICATED), ("mlp.experts_proj", REPLICATED),
     ("mlp.router.weight", REPLICATED), ("mlp.expert_bias", REPLICATED), ("mlp.shared.gate.weight", REPLICATED),
     ("mlp.shared.up.weight", REPLICATED), ("mlp.shared.proj.weight", REPLICATED),
+    # q/k RMSNorm (qk_norm): tp > 1 is refused with it, whole on every rank
+    ("attn.q_norm.weight", REPLICATED), ("attn.k_norm.weight", REPLICATED),
 )
 
 

@@ -14,8 +14,9 @@ pipegpt's rotary code uses, so every tensor maps by name alone (no transposes, n
     lm_head.weight                                lm_head.weight              (untied models only)
 
 Only what pipegpt computes exactly is accepted: SiLU, plain rotary positions (rope_type "default"), no sliding
-window, no experts, head_dim = hidden_size / num_attention_heads, q/k/v biases alone (Qwen2) or every bias
-(Llama's attention_bias with mlp_bias); anything else is one line naming the config field.
+window, no experts (mixtures of experts are pipegpt.tools.convert_moe's), head_dim = hidden_size /
+num_attention_heads, q/k/v biases alone (Qwen2) or every bias (Llama's attention_bias with mlp_bias); anything
+else is one line naming the config field.
 
 The rotary settings come in two forms: top-level rope_theta and rope_scaling (older transformers, most files on
 the Hub) and transformers 5's rope_parameters {"rope_type": ..., "rope_theta": ...}. Both are read (rope_theta
@@ -67,7 +68,8 @@ def model_config_from_hf(config: dict, where) -> ModelConfig:
         refuse("use_sliding_window", "pipegpt's attention is full causal attention")
     for field in _EXPERT_FIELDS:
         if config.get(field):
-            refuse(field, "mixture-of-experts layers are not in pipegpt's model")
+            refuse(field, f"a {kind} has no experts (pipegpt converts mixtures of experts of model_type mixtral, "
+                          f"qwen3_moe or olmoe)")
     C, H = config["hidden_size"], config["num_attention_heads"]
     if config.get("head_dim") not in (None, C // H) or C % H:
         refuse("head_dim", f"pipegpt's heads are hidden_size / num_attention_heads = {C / H:g} wide")
@@ -161,20 +163,27 @@ def checked_weights(weights: dict, mapping, shapes: dict, expected: set, buffers
     return out
 
 
+def common_hf_config(model: ModelConfig) -> dict:
+    """The config.json fields every Llama-shaped family shares (pipegpt.tools.convert_moe's too)."""
+    return {"vocab_size": model.vocab_size, "hidden_size": model.n_embd, "intermediate_size": model.ffn_width,
+            "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
+            "num_key_value_heads": model.kv_heads, "hidden_act": "silu",
+            "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
+            "rope_theta": model.rope_theta, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+            "tie_word_embeddings": model.tie_embeddings,
+            "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
+
+
 def hf_config(model: ModelConfig) -> dict:
     """config.json for the model: Qwen2 when only q/k/v have biases, else Llama."""
     if model.bias and not model.qkv_bias:
         raise ConvertError("a Llama with o_proj and MLP biases but none on q/k/v has no Hugging Face architecture")
+    if model.qk_norm != "none":
+        raise ConvertError(f"a dense Llama with qk_norm={model.qk_norm} has no Hugging Face architecture here "
+                           f"(Llama, Mistral and Qwen2 have no q/k norm)")
     kind = "qwen2" if model.qkv_bias and not model.bias else "llama"
-    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": model.vocab_size,
-              "hidden_size": model.n_embd, "intermediate_size": model.ffn_width,
-              "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
-              "num_key_value_heads": model.kv_heads, "hidden_act": "silu",
-              "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
-              "rope_theta": model.rope_theta, "rope_scaling": None,
-              "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
-              "tie_word_embeddings": model.tie_embeddings,
-              "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
+    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, **common_hf_config(model)}
     if kind == "llama":
         config.update(attention_bias=model.bias, mlp_bias=model.bias, head_dim=model.head_dim)
     else:

@@ -82,15 +82,18 @@ def test_export_is_loaded_by_transformers_unchanged(tmp_path):
             assert (back(TOKENS).logits - hf(TOKENS).logits).abs().max().item() < 1e-5
 
 
-def test_sample_equals_transformers_greedy_generation(tmp_path):
-    hf = hf_model(seed=4)
-    ckpt = imported(tmp_path, hf)
-    prompt = "pipeline "
+def assert_greedy_text_equal(ckpt, hf, prompt: str, steps: int) -> None:
+    """pipegpt sample's greedy tokens from the checkpoint are transformers' generate's from hf."""
     ids = torch.tensor([list(prompt.encode())])
     with torch.no_grad():
-        theirs = hf.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
-    ours = sample(ckpt, prompt, max_new_tokens=20, temperature=0, top_k=None, seed=0)
-    assert len(theirs) == 20 and ours.new_tokens == theirs
+        theirs = hf.generate(ids, max_new_tokens=steps, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
+    ours = sample(ckpt, prompt, max_new_tokens=steps, temperature=0, top_k=None, seed=0)
+    assert len(theirs) == steps and ours.new_tokens == theirs
+
+
+def test_sample_equals_transformers_greedy_generation(tmp_path):
+    hf = hf_model(seed=4)
+    assert_greedy_text_equal(imported(tmp_path, hf), hf, "pipeline ", 20)
 
 
 def test_without_tokenizer_json_bytes_is_said_or_the_tokenizer_asked_for(tmp_path):
@@ -133,11 +136,7 @@ def test_a_rotary_base_other_than_10000_is_read_in_either_form(form, tmp_path):
     assert result.exit_code == 0, result.output
     assert checkpoint.read_manifest(ckpt)["model"]["rope_theta"] == 100000.0
     assert max_logit_diff(ckpt, hf) < 1e-4
-    prompt = "rotary "
-    ids = torch.tensor([list(prompt.encode())])
-    with torch.no_grad():
-        theirs = hf.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
-    assert sample(ckpt, prompt, max_new_tokens=30, temperature=0, top_k=None, seed=0).new_tokens == theirs
+    assert_greedy_text_equal(ckpt, hf, "rotary ", 30)
 
 
 def test_export_of_a_rotary_base_is_read_by_transformers(tmp_path):

@@ -47,6 +47,8 @@ RUN_OPTIONS = [
     "--n-experts", "--n-experts-per-token", "--n-shared-experts", "--expert-hidden", "--moe-every",
     "--first-dense-layers", "--router-score", "--router-aux-loss-coef", "--router-z-loss-coef",
     "--router-bias-update-rate", "--moe-capacity-factor",
+    # Qwen3's and OLMoE's attention (issue 45): heads wider than n_embd / n_head, q/k RMSNorm
+    "--head-dim", "--qk-norm",
 ]
 
 
