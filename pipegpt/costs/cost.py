@@ -61,6 +61,13 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
 * Llama's blocks cost what their FLOPs say (above) and move what GPT-2's move (two all-reduces of mbs T C
   activations per pass: attn.proj's and mlp.proj's outputs); RMSNorm, rotary and SiLU are elementwise, counted
   as GPT-2's LayerNorm and GELU are: not at all.
+* mixture of experts: an MoE block costs a dense SwiGLU block as wide as a token's active experts (top-k and
+  shared). With ep > 1 (pipegpt.costs.experts) the routed experts' share of its compute is multiplied by
+  moe_imbalance (the busiest rank's tokens over the mean, default 1.25), and four all-to-alls join its
+  collectives (dispatch and combine, forward and backward; six with full recomputation): each of the rank's
+  tokens x top-k x C values in the compute precision, times moe_imbalance, (ep-1)/ep of them leaving the rank,
+  those to its node's peers over NVLink while the rest cross the network, the slower counted, a latency each
+  (all_to_all_time; docs/moe-planning.md).
 
 Calibrated model (CalibratedCosts, `pipegpt plan --calibrate RUN_DIR`): the same shapes, with the compute
 of F, B and W each scaled by (measured / analytical: each stage's layers at their kinds' blocks) over the stages

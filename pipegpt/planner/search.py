@@ -14,6 +14,8 @@ What is searched, for a model, a global batch and a cluster:
   weighed (only --cp-comm's when given): the ring hides its transfers behind the blocks' attention but merges
   every block's partial output and holds two K/V blocks in flight; the all-gather's transfers show, and it
   holds the whole sequence's K/V for a moment. With few kv heads (GQA) the gather is small and can win.
+* with experts, ep carved out of dp x cp x tp (every size dividing it and the expert count; --ep: one), tp > 1
+  with sequence parallelism only (pipegpt.costs.experts; docs/moe-planning.md).
 * every schedule of the registry (pipegpt.schedule.SCHEDULES): interleaved-1f1b with v in {2, 4}, zbv and
   dualpipev with their 2 stages per rank; model stages <= n_layer. With pp = 1 only 1f1b (gradient
   accumulation: the other schedules are the same work in another order, or need two ranks). FSDP per block:
