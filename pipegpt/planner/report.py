@@ -56,6 +56,7 @@ def explain(runner: Result, best: Result) -> str:
         "dp_exposed": rb["dp_exposed"] - bb["dp_exposed"],
         "after": rb["after"] - bb["after"],
         "gathers": rb.get("gathers", 0.0) - bb.get("gathers", 0.0),
+        "ep_comm": rb.get("ep_comm", 0.0) - bb.get("ep_comm", 0.0),  # last: dense plans' reasons as before
     }
     reasons = []
     for part, delta in sorted(deltas.items(), key=lambda kv: -kv[1])[:2]:
@@ -80,6 +81,9 @@ def explain(runner: Result, best: Result) -> str:
         elif part == "gathers":
             reasons.append(f"ZeRO-3 parameter gathers not hidden: {format_seconds(rb.get('gathers', 0.0))} vs "
                            f"{format_seconds(bb.get('gathers', 0.0))}")
+        elif part == "ep_comm":
+            reasons.append(f"expert all-to-alls {format_seconds(rb.get('ep_comm', 0.0))} vs "
+                           f"{format_seconds(bb.get('ep_comm', 0.0))}")
         elif part == "dp_exposed":
             reasons.append(f"gradient all-reduce not hidden: {format_seconds(rb['dp_exposed'])} vs "
                            f"{format_seconds(bb['dp_exposed'])}")

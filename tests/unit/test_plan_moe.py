@@ -18,6 +18,7 @@ from pipegpt.costs.experts import carve, ep_choices, expert_replicas, ranks_on_n
 from pipegpt.costs.stage_costs import StageCosts
 from pipegpt.dims import Sharding
 from pipegpt.planner.candidates import Layout, Request
+from pipegpt.planner.report import explain
 from pipegpt.planner.search import Search, evaluate_layout, search
 
 # A small mixture of experts: C 128, 4 heads (2 key/value, head 32), T 64, 8 experts of width 96, top-2, a shared one
@@ -119,6 +120,7 @@ def test_an_ep_layout_predicts_its_all_to_alls():
     assert "ep8" in with_ep.layout.short() and with_ep.breakdown["ep_comm"] > 0 and "ep_comm" not in without.breakdown
     assert "--ep 8" in with_ep.layout.command(model, "bf16")
     assert with_ep.step_time > without.step_time  # the all-to-alls and the imbalance cost more than 1/8 memory
+    assert "expert all-to-alls" in explain(with_ep, without)  # --explain names them
 
 
 @pytest.mark.parametrize("args, needle", [
