@@ -339,6 +339,12 @@ PLAN_OPTIONS = [
     click.option("--cp-comm", type=click.Choice(CP_COMM), default=None,
                   help="Only layouts whose keys and values travel this way with cp > 1 (as pipegpt run --cp-comm; "
                        "default: both are weighed)."),
+    click.option("--ep", "only_ep", type=click.IntRange(min=1), default=None,
+                  help="Only layouts with this much expert parallelism, carved out of dp x cp x tp (a model with "
+                       "experts; default: every size dividing that product and the expert count)."),
+    click.option("--moe-imbalance", type=float, default=None,
+                  help="The busiest expert rank's tokens over the mean: its expert compute and all-to-alls scale by "
+                       "it (default 1.25, Switch Transformers' capacity factor; docs/moe-planning.md)."),
     click.option("--zero", "only_zero", type=click.Choice(["0", "1", "2", "3"]), default=None,
                   callback=lambda ctx, param, value: None if value is None else int(value),
                   help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0-3 (3 "

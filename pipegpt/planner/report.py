@@ -43,6 +43,7 @@ def busiest_line(r: Result) -> str:
             + (f" (recomputation {format_seconds(b['recompute'])})" if b["recompute"] else "")
             + (f", tensor-parallel collectives {format_seconds(b['tp_comm'])}" if b["tp_comm"] else "")
             + (f", context-parallel K/V exposed {format_seconds(b['cp_comm'])}" if b["cp_comm"] else "")
+            + (f", expert all-to-alls {format_seconds(b['ep_comm'])}" if b.get("ep_comm") else "")
             + f", idle {format_seconds(b['idle'])}"
             + (f"; gradient {'reduce-scatter' if r.layout.zero else 'all-reduce'} exposed "
                f"{format_seconds(b['dp_exposed'])}" if b["dp_exposed"] > 0 else "")
@@ -100,6 +101,7 @@ def explain(runner: Result, best: Result, tied: bool | None = None) -> str:
         "dp_exposed": rb["dp_exposed"] - bb["dp_exposed"],
         "after": rb["after"] - bb["after"],
         "gathers": rb.get("gathers", 0.0) - bb.get("gathers", 0.0),
+        "ep_comm": rb.get("ep_comm", 0.0) - bb.get("ep_comm", 0.0),  # last: dense plans' reasons as before
     }
     reasons = []
     for part, delta in sorted(deltas.items(), key=lambda kv: -kv[1]):
@@ -152,6 +154,8 @@ def _reason(part: str, runner: Result, best: Result) -> str | None:
         return versus("context-parallel K/V transfers not hidden {} vs {}", rb["cp_comm"], bb["cp_comm"])
     if part == "gathers":
         return versus("ZeRO-3 parameter gathers not hidden: {} vs {}", rb.get("gathers", 0.0), bb.get("gathers", 0.0))
+    if part == "ep_comm":
+        return versus("expert all-to-alls {} vs {}", rb.get("ep_comm", 0.0), bb.get("ep_comm", 0.0))
     if part == "dp_exposed":
         return versus("gradient all-reduce not hidden: {} vs {}", rb["dp_exposed"], bb["dp_exposed"])
     zero = f", ZeRO-{runner.layout.zero} all-gather" if runner.layout.zero else ""
