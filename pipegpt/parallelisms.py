@@ -118,6 +118,13 @@ class StageParallelism:
         as far as data and expert parallelism go: replica 0 a dense one, edp index 0 an expert's slice."""
         return (edp_index if self.ep > 1 and self.expert(name) else replica_index) == 0
 
+    def checkpoint_shard(self, name: str, tp_rank: int, ep_rank: int) -> list[int]:
+        """[rank, ranks] of the part of `name` this rank writes in a checkpoint: an expert's slice over ep, else
+        its tp shard ([0, 1]: whole, a tp-replicated tensor)."""
+        if self.ep > 1 and self.expert(name):
+            return [ep_rank, self.ep]
+        return [0, 1] if self.tp == 1 or tp_shard_spec(name) == REPLICATED else [tp_rank, self.tp]
+
     def partial(self, name: str) -> bool:
         """The parameter's gradient is partial on each tp rank (sequence parallelism's replicated ones)."""
         return self.splits_sequence and tp_shard_spec(name) == REPLICATED
