@@ -16,7 +16,8 @@ Gradient reductions (Reduction), in the order their sums run (the numerics are t
     experts     over edp       with ep: sum each expert's gradient over its replicas and divide by dp x cp. Each
                                expert's rank already holds the sum over its ep group's tokens (the combine's
                                backward brings every source's gradient), so the edp sum completes the sum over all
-                               dp x cp ranks' tokens, and dp x cp is one process's divisor
+                               dp x cp ranks' tokens, and dp x cp is one process's divisor (ZeRO shards each
+                               family over its own group: pipegpt.data_parallel.families)
     partial     over tp        sum the replicated parameters' gradients under sequence parallelism (each rank
                                saw only its part of the sequence)
     shared kv   over tp        sum a key/value head's gradients over the tp/n_kv_head ranks sharing it
