@@ -203,33 +203,48 @@ def end_step(module: nn.Module, rate: float, all_reduce=None) -> dict:
     """After an optimizer step: each MoE layer's loads since the last step (summed over replicas by
     all_reduce(tensor), if given) move its expert bias by rate x sign(mean - load), and are forgotten.
     Returns this module's stats ({} without MoE layers): aux_loss (the sum over layers of each layer's mean aux loss per call),
-    moe_imbalance (the worst layer's max / mean load) and moe_dropped (assignments dropped)."""
-    layers = moe_layers(module)
-    if not layers:
+    moe_imbalance (the worst layer's max / mean load), moe_dropped (assignments dropped) and moe_layers, per layer
+    {layer (its block's number), imbalance, dropped, aux_loss, bias_min, bias_max (after the update)}."""
+    named = [(int(name.split(".")[1]) if name.startswith("blocks.") else i, m)
+             for i, (name, m) in enumerate(module.named_modules()) if isinstance(m, MoE)]
+    if not named:
         return {}
-    stats = {"aux_loss": 0.0, "moe_imbalance": 0.0, "moe_dropped": 0.0}
-    for layer in layers:
+    per_layer = []
+    for number, layer in named:
         load = layer.tokens_per_expert.clone()
         if all_reduce is not None:
             all_reduce(load)
         if rate and load.sum() > 0:
             layer.expert_bias += rate * torch.sign(load.mean() - load)
         mean = float(load.mean())
-        stats["moe_imbalance"] = max(stats["moe_imbalance"], float(load.max()) / mean if mean else 0.0)
-        stats["moe_dropped"] += float(layer.dropped)
-        stats["aux_loss"] += float(layer.aux_sum) / layer.calls if layer.calls else 0.0
+        per_layer.append({"layer": number, "imbalance": float(load.max()) / mean if mean else 0.0,
+                          "dropped": float(layer.dropped),
+                          "aux_loss": float(layer.aux_sum) / layer.calls if layer.calls else 0.0,
+                          "bias_min": float(layer.expert_bias.min()), "bias_max": float(layer.expert_bias.max())})
         layer.tokens_per_expert.zero_()
         layer.dropped.zero_()
         layer.aux_sum, layer.calls = 0.0, 0
-    return stats
+    return {"aux_loss": sum(s["aux_loss"] for s in per_layer),
+            "moe_imbalance": max(s["imbalance"] for s in per_layer),
+            "moe_dropped": sum(s["dropped"] for s in per_layer), "moe_layers": per_layer}
 
 
 def merge_stats(stats: list[dict], replicas: int = 1) -> dict:
     """Several modules' (or ranks') end_step stats as one: aux losses summed over the layers, averaged over
-    `replicas` (data-parallel copies that saw other tokens); the worst imbalance; dropped assignments summed."""
+    `replicas` (data-parallel copies that saw other tokens); the worst imbalance; dropped assignments summed.
+    moe_layers: a row per layer, its copies (replicas, whose loads were summed alike) merged the same way."""
     stats = [s for s in stats if s]
     if not stats:
         return {}
+    layers: dict[int, list[dict]] = {}
+    for s in stats:
+        for row in s.get("moe_layers", ()):
+            layers.setdefault(row["layer"], []).append(row)
+    merged = [{"layer": number, "imbalance": max(r["imbalance"] for r in rows),
+               "dropped": sum(r["dropped"] for r in rows),
+               "aux_loss": sum(r["aux_loss"] for r in rows) / replicas,
+               "bias_min": min(r["bias_min"] for r in rows), "bias_max": max(r["bias_max"] for r in rows)}
+              for number, rows in sorted(layers.items())]
     return {"aux_loss": sum(s["aux_loss"] for s in stats) / replicas,
             "moe_imbalance": max(s["moe_imbalance"] for s in stats),
-            "moe_dropped": sum(s["moe_dropped"] for s in stats)}
+            "moe_dropped": sum(s["moe_dropped"] for s in stats), **({"moe_layers": merged} if merged else {})}

@@ -29,6 +29,7 @@ from pipegpt.engine.results import SavedFile, WorkerStep
 from pipegpt.model.gpt import Documents
 from pipegpt.model.moe import end_step as end_moe_step, merge_stats
 from pipegpt.observe.clocks import clock_reading
+from pipegpt.observe.exchanges import recording_exchanges, resolved
 from pipegpt.observe.profile import Profiler
 from pipegpt.resilience.faults import FaultHook
 from pipegpt.stages.runtime import OPTIMIZER_STEP
@@ -146,7 +147,9 @@ class Worker(Role):
             for _, p in self.named_params:
                 p.grad = None
         inputs, targets, documents = self._batch(self.loader, step)
-        result = engine.train_step(inputs, targets, record=step in self.recorded_steps, documents=documents)
+        record = step in self.recorded_steps
+        with recording_exchanges(engine.runtime.clock, on=record and self.cfg.parallel.ep > 1) as exchanges:
+            result = engine.train_step(inputs, targets, record=record, documents=documents)
         runtime = engine.runtime
         runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping
         for sync in self.syncs:
@@ -169,7 +172,8 @@ class Worker(Role):
         return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,
                           peak_memory=engine.peak_memory(), device_name=engine.device_name, events=result.events,
                           compute_s=time.perf_counter() - t0, cpu_s=_process_cpu_s() - cpu0, applied=finite,
-                          nonfinite_stages=nonfinite_stages, moe=moe)
+                          nonfinite_stages=nonfinite_stages, moe=moe,
+                          exchanges=resolved(exchanges, engine.runtime.clock))
 
     def _end_moe_step(self, applied: bool) -> dict:
         """The MoE layers' loads of the step, summed over the replicas that saw other tokens, move their
