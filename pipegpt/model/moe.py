@@ -123,6 +123,10 @@ class MoE(nn.Module):
         self.aux_sum, self.calls = 0.0, 0
         self.aux_loss_scale = 1.0  # the gradient each call's aux loss gets: the stage's loss scale (1/microbatches)
         self.expert_parallel = None  # pipegpt.expert_parallel's ExpertGroup where experts are spread over ranks
+        # Where a call's tokens are spread over ranks (sequence parallelism over tp, cp): functions summing a tensor
+        # over each group holding the call's other tokens, autograd-correct for that group's gradient sums
+        # (set by shard_for_tp and shard_for_cp), so the aux loss is the one-process call's
+        self.token_sums: list = []
 
     def route(self, x: torch.Tensor):
         """x [N, C] -> logits [N, E], scores [N, E], chosen experts [N, k], their weights [N, k]."""
@@ -146,15 +150,24 @@ class MoE(nn.Module):
         place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its expert's queue
         return (place < capacity).view(N, k)
 
+    def over_call(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the ranks holding this call's other tokens (itself where this rank holds them all)."""
+        for token_sum in self.token_sums:
+            t = token_sum(t)
+        return t
+
     def aux_loss(self, logits, scores, chosen) -> torch.Tensor:
-        N, E = scores.shape
+        # Sums over the call's tokens, then divided by their count: the means of the whole call where ranks hold
+        # parts of it (counts carry no gradient; the scores' sums do, through the reductions' backward)
+        E = scores.size(1)
+        N = self.over_call(scores.new_tensor(float(scores.size(0))))
         aux = logits.new_zeros(())
         if self.aux_coef:
-            share = torch.bincount(chosen.reshape(-1), minlength=E).to(scores.dtype) / N
+            share = self.over_call(torch.bincount(chosen.reshape(-1), minlength=E).to(scores.dtype)) / N
             probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            aux = aux + self.aux_coef * E * (share * probs.mean(0)).sum()
+            aux = aux + self.aux_coef * E * (share * self.over_call(probs.sum(0)) / N).sum()
         if self.z_coef:
-            aux = aux + self.z_coef * logits.logsumexp(-1).square().mean()
+            aux = aux + self.z_coef * self.over_call(logits.logsumexp(-1).square().sum()) / N
         return aux
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -177,8 +177,8 @@ class Worker(Role):
         if not self.cfg.model.n_experts:
             return merge_stats([])
         rate = self.cfg.model.router_bias_update_rate if applied else 0.0
-        group = self.engine.mesh.group("dp_cp")
-        reduce = None if group is None else (lambda t: dist.all_reduce(t, group=group))
+        groups = [g for g in map(self.engine.mesh.group, self.engine.parallelism.load_groups) if g is not None]
+        reduce = (lambda t: [dist.all_reduce(t, group=g) for g in groups]) if groups else None
         return merge_stats([end_moe_step(stage.module, rate, reduce) for _, stage in sorted(self.stages.items())])
 
     @actor_method
@@ -269,7 +269,7 @@ class Worker(Role):
         """What this rank owns of a checkpoint (RNG streams, parameters, Adam moments) and each tensor's tp shard."""
         tensors, shards = zero_state.checkpoint_tensors(self) if self.sharded else self._owned_tensors()
         mesh = self.engine.mesh
-        if mesh.dp_index == 0 and mesh.cp_index == 0:  # the MoE router biases: state, stored as parameters are
+        if mesh.dp_index == 0 and mesh.cp_index == 0 and mesh.tp_index == 0:  # the MoE router biases: state
             biases = {f"param/{n}": b for n, b in self._router_biases().items()}
             tensors.update(biases)
             shards.update({key: [0, 1] for key in biases})

@@ -1,0 +1,50 @@
+"""The mixture-of-experts oracle under tensor (with and without sequence parallelism) and context parallelism, and
+with ep carved out of tp under sequence parallelism: the tiny MoE of test_moe_oracle (aux loss, bias update) equals
+one process. Loss and every named gradient (router included) after one step in fp32; parameters after 3 AdamW
+steps and the router biases after their updates (exactly) in float64.
+
+Experts are not tensor-parallel: every tp rank holds the whole MoE feed-forward. Under sequence parallelism (and
+cp) each rank routes its own tokens of the call, so the aux loss's counts and mean scores are summed over those
+ranks; without it every tp rank routes the same tokens. One case in the default suite, the others slow.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipegpt.config import ConfigError
+from pipegpt.train.driver import check
+
+from test_moe_oracle import MOE, assert_moe_matches, moe_config
+from test_pipeline_oracle import workers  # noqa: F401 (a fixture)
+
+Z_LOSS = dataclasses.replace(MOE, router_aux_loss_coef=0.0, router_z_loss_coef=1e-3)
+
+CASES = [pytest.param(1, dict(tp=2, sequence_parallel=True), MOE, id="tp2-sp"),
+         pytest.param(1, dict(tp=2), MOE, id="tp2", marks=pytest.mark.slow),
+         pytest.param(1, dict(cp=2), MOE, id="cp2", marks=pytest.mark.slow),
+         pytest.param(1, dict(cp=2, tp=2, sequence_parallel=True), Z_LOSS, id="cp2-tp2-sp-z-loss",
+                      marks=pytest.mark.slow),
+         pytest.param(2, dict(tp=2, sequence_parallel=True), MOE, id="tp2-sp-pp2", marks=pytest.mark.slow),
+         # ep carved out of tp (sequence parallelism): each tp rank holds 2 of the 4 experts, whole
+         pytest.param(1, dict(tp=2, sequence_parallel=True, ep=2), MOE, id="tp2-sp-ep2", marks=pytest.mark.slow),
+         pytest.param(1, dict(dp=2, tp=2, sequence_parallel=True, ep=2), MOE, id="dp2-tp2-sp-ep2",
+                      marks=pytest.mark.slow),
+         pytest.param(1, dict(cp=2, ep=2), MOE, id="cp2-ep2", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("p, layout, model", CASES)
+def test_moe_under_tp_and_cp_matches_one_process(workers, p, layout, model):  # noqa: F811
+    cfg = moe_config(p, model, **layout)
+    check(cfg)
+    host = workers(cfg)
+    assert_moe_matches(cfg, host, steps=1)
+    assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
+
+
+def test_moe_with_tp_and_cp_is_accepted_and_qk_norm_with_tp_still_refused():
+    for changes in (dict(tp=2), dict(tp=2, sequence_parallel=True, ep=2), dict(cp=2, ep=2)):
+        moe_config(2, **changes).validate({})
+    with pytest.raises(ConfigError, match="qk_norm=head with tp=2 is not supported yet"):
+        moe_config(2, dataclasses.replace(MOE, qk_norm="head"), tp=2).validate({})
