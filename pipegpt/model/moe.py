@@ -237,6 +237,16 @@ def end_step(module: nn.Module, rate: float, all_reduce=None) -> dict:
     return stats
 
 
+def counted_once(stats: dict, aux_here: bool, tokens_here: bool) -> dict:
+    """A rank's end_step stats as merge_stats over every rank must see them where ranks share figures (tp ranks:
+    one aux loss, and without sequence parallelism the same tokens): the aux loss only where aux_here, the dropped
+    assignments only where tokens_here."""
+    if not stats:
+        return stats
+    return {**stats, "aux_loss": stats["aux_loss"] if aux_here else 0.0,
+            "moe_dropped": stats["moe_dropped"] if tokens_here else 0.0}
+
+
 def merge_stats(stats: list[dict], replicas: int = 1) -> dict:
     """Several modules' (or ranks') end_step stats as one: aux losses summed over the layers, averaged over
     `replicas` (data-parallel copies that saw other tokens); the worst imbalance; dropped assignments summed."""

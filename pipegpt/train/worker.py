@@ -27,7 +27,7 @@ from pipegpt.engine.actor import Role, actor_method
 from pipegpt.engine.placement import name_process
 from pipegpt.engine.results import SavedFile, WorkerStep
 from pipegpt.model.gpt import Documents
-from pipegpt.model.moe import end_step as end_moe_step, merge_stats
+from pipegpt.model.moe import counted_once, end_step as end_moe_step, merge_stats
 from pipegpt.observe.clocks import clock_reading
 from pipegpt.observe.profile import Profiler
 from pipegpt.resilience.faults import FaultHook
@@ -179,7 +179,9 @@ class Worker(Role):
         rate = self.cfg.model.router_bias_update_rate if applied else 0.0
         groups = [g for g in map(self.engine.mesh.group, self.engine.parallelism.load_groups) if g is not None]
         reduce = (lambda t: [dist.all_reduce(t, group=g) for g in groups]) if groups else None
-        return merge_stats([end_moe_step(stage.module, rate, reduce) for _, stage in sorted(self.stages.items())])
+        stats = merge_stats([end_moe_step(stage.module, rate, reduce) for _, stage in sorted(self.stages.items())])
+        first = self.engine.mesh.tp_index == 0  # tp ranks share the aux loss, and without SP their tokens
+        return counted_once(stats, first, first or self.engine.parallelism.splits_sequence)
 
     @actor_method
     def evaluate(self, batches: int) -> dict:

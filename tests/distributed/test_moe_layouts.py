@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 
 from pipegpt.config import ConfigError
+from pipegpt.model.moe import counted_once, merge_stats
 from pipegpt.train.driver import check
 
 from test_moe_oracle import MOE, assert_moe_matches, moe_config
@@ -54,3 +55,13 @@ def test_moe_with_tp_and_cp_is_accepted_and_qk_norm_with_tp_still_refused():
         moe_config(2, **changes).validate({})
     with pytest.raises(ConfigError, match="qk_norm=head with tp=2 is not supported yet"):
         moe_config(2, dataclasses.replace(MOE, qk_norm="head"), tp=2).validate({})
+
+
+@pytest.mark.parametrize("sequence_parallel, dropped", [(False, 2.0), (True, 5.0)])
+def test_tp_ranks_count_their_shared_aux_loss_once(sequence_parallel, dropped):
+    """Two tp ranks report one aux loss (0.3, every rank's after the reduction); their dropped assignments are the
+    same ones without sequence parallelism (rank 0's count), their own chunks' with it (summed)."""
+    ranks = [{"aux_loss": 0.3, "moe_imbalance": 1.5, "moe_dropped": 2.0},
+             {"aux_loss": 0.3, "moe_imbalance": 2.0, "moe_dropped": 3.0 if sequence_parallel else 2.0}]
+    merged = merge_stats([counted_once(s, tp == 0, tp == 0 or sequence_parallel) for tp, s in enumerate(ranks)])
+    assert merged == {"aux_loss": pytest.approx(0.3), "moe_imbalance": 2.0, "moe_dropped": dropped}
