@@ -16,7 +16,7 @@ import click
 
 from pipegpt import command_options
 from pipegpt.config import ConfigError
-from pipegpt.options import config_options
+from pipegpt.options import SectionedCommand, config_options, dry_run_option
 from pipegpt.schedule.actions import ScheduleError
 from pipegpt.state.checkpoint import CheckpointError
 
@@ -112,7 +112,7 @@ def plot(run_dirs, out, title):
 # --------------------------------------------------------------------------------------------------------------
 # run: torch and everything that needs it are imported inside the command, so `simulate` starts without them.
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_options
 @click.option("--batch-size", type=int, default=None,
               help="Sequences per step in all (sets the microbatch size: batch / (dp x microbatches)).")
@@ -133,8 +133,9 @@ def plot(run_dirs, out, title):
               help="auto: the planner chooses stages, dp, tp, schedule, microbatches and recomputation for the ranks "
                    "this run has (torchrun's world size, the GPUs here, or a rank per core), keeping the global "
                    "batch; with --resume auto under torchrun --nnodes MIN:MAX, an elastic job.")
+@dry_run_option
 @click.pass_context
-def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layout, **options):
+def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layout, dry_run, **options):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them).
 
     --resume takes every setting from the checkpoint's run except those given here (each change is printed).
@@ -142,8 +143,11 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
     from pipegpt.arch import ARCHITECTURES
     from pipegpt.config import MODEL_PRESETS
     from pipegpt.options import given, resume_auto, train_config
+    from pipegpt.train.dry_run import dry_run as dry_run_job
     from pipegpt.train.launch import launch
 
+    if dry_run is not None and layout == "auto":
+        raise click.UsageError("--dry-run checks the layout given; `pipegpt plan --gpus N --device D` chooses one")
     continuing = False
     if options["resume"] == "auto":
         options["resume"], continuing = resume_auto(run_dir)
@@ -155,6 +159,8 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
     if started is not None and not given(ctx, "preset"):  # the model is the checkpoint's
         preset = next((name for name, m in MODEL_PRESETS.items() if m == cfg.model),
                       "resumed" if cfg.checkpoint.resume is not None else "from checkpoint")
+    if dry_run is not None:  # checked and predicted on the devices named; nothing starts
+        return dry_run_job(cfg, dry_run, preset, click.echo)
     launch(cfg, preset, run_dir, port, log_every, click.echo, overwrite=overwrite, continuing=continuing)
 
 

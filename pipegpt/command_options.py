@@ -237,7 +237,7 @@ SIMULATE = [
                  help="Pipeline ranks p (each holds one stage, or v for interleaved/V schedules)."),
     click.option("--microbatches", "-m", type=click.IntRange(min=1), default=None, help="Microbatches per step."),
     click.option("--costs", "costs_spec", default=None, metavar="SPEC",
-                 help="'F=1,B=2,W=1,comm=0.1' (act_bytes= too) or a .json file with per-stage lists. Numbers are "
+                 help="'F=1,B=2,W=1,comm=0.1' (act_bytes=, a2a= too) or a .json file with per-stage lists. Numbers are "
                       "per rank's share of the model: schedules with v stages per rank run each at 1/v. "
                       "Default F=1,B=2,W=1,comm=0."),
     click.option("--virtual-stages", "-v", type=click.IntRange(min=1), default=None,
@@ -280,6 +280,10 @@ SIMULATE = [
                       "or order (NCCL: a send leaves at its SEND, a rank's batches run one after another and each "
                       "completes together, a run's sends after its last receive a batch of their own; the plan is "
                       "lowered for the costs, as a run lowers it)."),
+    click.option("--overlap", type=click.Choice(["on", "off"]), default=None,
+                 help="A schedule's pairs (a forward and a backward of two microbatches run as one action, each "
+                      "half's all-to-all, --costs a2a=, under the other's compute): on (the default) or off (each "
+                      "pair's halves one after the other)."),
 ]
 
 
@@ -335,6 +339,12 @@ PLAN_OPTIONS = [
     click.option("--cp-comm", type=click.Choice(CP_COMM), default=None,
                   help="Only layouts whose keys and values travel this way with cp > 1 (as pipegpt run --cp-comm; "
                        "default: both are weighed)."),
+    click.option("--ep", "only_ep", type=click.IntRange(min=1), default=None,
+                  help="Only layouts with this much expert parallelism, carved out of dp x cp x tp (a model with "
+                       "experts; default: every size dividing that product and the expert count)."),
+    click.option("--moe-imbalance", type=float, default=None,
+                  help="The busiest expert rank's tokens over the mean: its expert compute and all-to-alls scale by "
+                       "it (default 1.25, Switch Transformers' capacity factor; docs/moe-planning.md)."),
     click.option("--zero", "only_zero", type=click.Choice(["0", "1", "2", "3"]), default=None,
                   callback=lambda ctx, param, value: None if value is None else int(value),
                   help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0-3 (3 "

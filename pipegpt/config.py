@@ -8,6 +8,7 @@ message that names the bad value and says what would be valid, so the driver can
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -38,6 +39,7 @@ COMPILE_STEPS = 2  # steps of a job that may compile: the first, and a recompila
 STEP_TIMEOUT_FACTOR = 10.0  # a step's deadline without --step-timeout, in --timeout's: a step is many waits
 FIRST_STEPS_FACTOR = 3.0  # the first COMPILE_STEPS steps' deadline: communicators made, memory and kernels warmed
 P2P_DTYPES = ("auto", "bf16", "fp32")
+OVERLAP = ("on", "off")
 
 
 def setting(default, help: str = "", flag: str | None = None, short: str | None = None, choices=None):
@@ -77,6 +79,9 @@ class ParallelConfig:
     # backward's weight-gradient part of the embedding, of one block and of the head with its loss (nine
     # numbers); set by the driver, never an option.
     schedule_costs: tuple[float, ...] | None = None
+    overlap: str = setting("on", "A schedule's pairs (a forward and a backward of two microbatches run as one "
+                                 "action, their pieces in turns, each half's communication under the other's "
+                                 "compute): on, or off (each pair's halves one after the other).", choices=OVERLAP)
     microbatches: int = setting(8, "Microbatches per step.", short="-m")
     microbatch_size: int = setting(4, "Sequences per microbatch.")
     recompute: str = setting("none", "Activation recomputation: every block, or only the attention core.",
@@ -182,6 +187,8 @@ class RuntimeConfig:
                                        "is always the last step's; other steps record nothing.")
     profile: bool = setting(False, "Run py-spy on every worker over the traced steps (first to last): a flame graph "
                                    "per rank, profiles/rank-N.svg and profiles/rank-N.speedscope.json.")
+    wandb: str | None = setting(None, "Also log every metrics row to Weights & Biases, in this project (needs "
+                                      "`pip install wandb`; WANDB_MODE=offline keeps it in the run directory).")
     p2p_dtype: str = setting("auto", "Pipeline messages (activations and their gradients between stages): auto is "
                                      "bf16 under --precision bf16, else --dtype. A stage computes in its own "
                                      "dtype whatever its messages carry.", choices=P2P_DTYPES)
@@ -223,6 +230,8 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     save_every: int = setting(0, "Save a checkpoint every N steps and after the last (0: never).")
+    save_final: bool = setting(True, "Save a checkpoint after the last step (so `pipegpt sample RUN_DIR` works "
+                                     "after any run).")
     keep: int = setting(3, "Keep the newest N checkpoints (0: all).")
     resume: str | None = setting(None, "Resume from a checkpoint, or a run directory's latest; any layout. auto: "
                                        "the --run-dir's latest checkpoint if it has one, else start fresh there.")
@@ -321,6 +330,7 @@ class TrainConfig:
             if value is not None:  # None: the default (the schedule's, cores / ranks)
                 _check_positive_int(name, value)
         _check_choice("recompute", p.recompute, RECOMPUTE)
+        _check_choice("overlap", p.overlap, OVERLAP)
         _check_choice("device", r.device, DEVICES)
         _check_choice("dtype", r.dtype, DTYPES)
         check_tokenizer_name(self.data.tokenizer)
@@ -370,6 +380,9 @@ class TrainConfig:
                               f"not {r.dtype}")
         if r.peak_tflops is not None and not r.peak_tflops > 0:
             raise ConfigError(f"peak_tflops={r.peak_tflops} must be > 0 (or left out)")
+        if r.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"wandb={r.wandb!r} needs Weights & Biases, which is not installed: pip install wandb "
+                              f"(or leave out --wandb)")
         r.traced_steps()
         if not isinstance(r.profile, bool):
             raise ConfigError(f"profile={r.profile!r} must be True or False")

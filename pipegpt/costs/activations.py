@@ -144,6 +144,8 @@ from pipegpt.config import ConfigError, ModelConfig, validate_tp
 from pipegpt.dims import Sharding
 from pipegpt.schedule.actions import Kind, Plan
 
+from .experts import tp_model
+
 
 MEMORY_PRECISIONS = ("fp32", "bf16", "fp64")
 INT64, BOOL = 8, 1
@@ -181,8 +183,10 @@ def _mix(model: ModelConfig, layers) -> tuple:
         raise ConfigError(str(e)) from None
 
 
-def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
-    validate_tp(model, tp, sequence_parallel)
+def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False, cp: int = 1) -> None:
+    """ConfigError unless the model splits over tp: pipegpt.config.validate_tp (of a model with experts, its
+    attention and dense layers: experts stay whole per tp rank), and the shapes below (check_tp_shapes)."""
+    validate_tp(tp_model(model, tp), tp, sequence_parallel, cp)
     check_tp_shapes(model, tp)
 
 
@@ -456,7 +460,7 @@ def activation_peaks(plan: Plan, saved: Sequence[int], deferred: Sequence[int] |
     """
     deferred = saved if deferred is None else deferred
     peaks = []
-    for actions in plan.ranks:
+    for actions in plan.flattened().ranks:  # a pair's halves in order: its F counts before its B frees
         level = held = working = 0
         for a in actions:
             kind, s = a.kind, a.stage

@@ -121,7 +121,7 @@ def attempts(run_dir: Path) -> list[int]:
 class RunLog:
     """An attempt at a run, in its directory: its config and plan at the start, a metrics.jsonl line per step
     (flushed, so a crash keeps them); with TensorBoard installed (it is no dependency), the same figures as
-    event files in the run directory.
+    event files in the run directory, and with --wandb PROJECT in a Weights & Biases run.
 
     A run directory holds one run, attempt after attempt: the fresh run is attempt 1, each --resume into it
     or start again there (--resume auto without a checkpoint, a restart) the next (a resume into a new
@@ -155,6 +155,7 @@ class RunLog:
             # unbuffered: a failed write leaves nothing pending for close() to fail on again
             self._metrics = open(self.run_dir / run_files.METRICS, "ab", buffering=0)
         self._tensorboard = _tensorboard_writer(self.run_dir)
+        self._wandb = _wandb_run(self.run_dir, cfg, self.attempt)
 
     def step(self, metrics: StepMetrics) -> None:
         row = asdict(metrics)
@@ -168,6 +169,8 @@ class RunLog:
             for tag, value in tensorboard_scalars(metrics):
                 self._tensorboard.add_scalar(tag, value, metrics.step)
             self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(dict(tensorboard_scalars(metrics)), step=metrics.step)
 
     def trace(self, results: list[WorkerStep], plan: Plan, step: int | None = None) -> None:
         """The step's measured timeline as trace.json (Perfetto), the format `simulate --out x.json` writes;
@@ -182,6 +185,8 @@ class RunLog:
         self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         if not plot:
             return
         try:
@@ -247,6 +252,17 @@ def _tensorboard_writer(run_dir: Path):
     except ImportError:
         return None
     return SummaryWriter(log_dir=str(run_dir))
+
+
+def _wandb_run(run_dir: Path, cfg: TrainConfig, attempt: int):
+    """--wandb PROJECT: a Weights & Biases run (wandb is no dependency; the config refuses the option without it)
+    under the run directory, a W&B run per attempt grouped by the directory; None without --wandb."""
+    if cfg.runtime.wandb is None:
+        return None
+    import wandb
+
+    return wandb.init(project=cfg.runtime.wandb, dir=str(run_dir), group=run_dir.name,
+                      name=f"{run_dir.name}-attempt-{attempt}", config=asdict(cfg))
 
 
 def measured_timeline(results: list[WorkerStep], plan: Plan) -> Timeline:

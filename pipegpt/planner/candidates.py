@@ -16,6 +16,7 @@ from pipegpt.schedule.simulate import Costs
 from pipegpt.costs import memory as memory_model
 from pipegpt.costs.cost import AnalyticalCosts
 from pipegpt.costs.devices import Cluster
+from pipegpt.costs.experts import carve, expert_ranks
 
 MAX_ACTIONS = 60_000  # compute actions per plan: larger plans are not simulated
 
@@ -29,9 +30,9 @@ class Request:
     top: int = 5
     explain: bool = False
     # auto and auto-v when named: all would synthesize a plan per (p, m), too slow at thousands of microbatches
-    schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized)
+    schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized and not spec.for_overlap)
     exact_gpus: bool = False  # only layouts using every GPU
-    only: Mapping[str, int] = field(default_factory=dict)  # axis (pipegpt.dims.AXES) -> its only size searched
+    only: Mapping[str, int] = field(default_factory=dict)  # axis (pipegpt.dims.AXES, or ep) -> its only size searched
     cp_comm: str | None = None  # how K/V travel with cp > 1 (None: both are weighed)
     zero: int | None = None  # only this ZeRO level (None: 0-3, whichever is fastest and fits)
 
@@ -128,11 +129,12 @@ class Layout:
     cp: int = 1
     cp_comm: str = "ring"  # how K/V travel with cp > 1
     unshard: str | None = None  # ZeRO-3's gather policy when not the run's default (step): "microbatch"
+    ep: int = 1  # expert parallelism, carved out of dp x cp x tp (pipegpt.costs.experts)
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(*(getattr(self, axis) for axis in AXES), sequence_parallel=self.sequence_parallel,
-                        zero=self.zero)
+        return carve(Sharding(*(getattr(self, axis) for axis in AXES), sequence_parallel=self.sequence_parallel,
+                              zero=self.zero), self.ep)
 
     @property
     def unshard_policy(self) -> str:
@@ -173,10 +175,13 @@ class Layout:
         """The `pipegpt run` arguments (as that command spells them) that build this plan (--cp and --cp-comm
         only with cp > 1: a command without context parallelism reads as it did before it)."""
         args = model_args(model, self.pad_vocab)
-        for name, value in self.settings().items():
+        settings = self.settings()
+        if self.ep > 1 and "ep" not in settings:  # not yet a layout field of `pipegpt run` (pipegpt.dims)
+            settings["ep"] = self.ep
+        for name, value in settings.items():
             if name in ("cp", "cp_comm") and self.cp == 1:
                 continue
-            flag = option_flags(name)[0]
+            flag = "--ep" if name == "ep" else option_flags(name)[0]
             if value is True:
                 args.append(flag)
             elif value is not None and value is not False:  # None and False: the run's default
@@ -185,6 +190,10 @@ class Layout:
 
     def command(self, model: ModelConfig, precision: str) -> str:
         return "pipegpt run " + " ".join(self.run_args(model, precision))
+
+
+SHAPE_FLAGS = {"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head", "seq_len": "--seq-len",
+               "vocab_size": "--vocab-size"}  # the shape's options
 
 
 def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
@@ -204,16 +213,22 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
                               seq_len=core.seq_len, vocab_size=core.vocab_size,
                               **{name: getattr(core, name) for name in arch_fields})
     preset = next((name for name, m in MODEL_PRESETS.items() if norm(m) == core), None)
+    # a preset of the same width with some of its shape changed reads as that preset and the flags changing it
+    changed = lambda m: [(flag, str(getattr(core, name))) for name, flag in SHAPE_FLAGS.items()  # noqa: E731
+                         if getattr(core, name) != getattr(m, name)]
+    base = min((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core and m.n_embd == core.n_embd),
+               key=lambda name: len(changed(MODEL_PRESETS[name])), default=None)
     if preset is not None:
         args = ["--model", preset]
     else:
-        preset = next((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core), None)
+        preset = base or next((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core), None)
         if preset is None:
             raise ConfigError("the model differs from every preset in more than its shape (dropout, bias): "
                               "`pipegpt run` cannot build it from flags")
-        args = ([] if preset == "tiny" else ["--model", preset]) + [
-            "--n-layer", str(core.n_layer), "--n-embd", str(core.n_embd), "--n-head", str(core.n_head),
-            "--seq-len", str(core.seq_len), "--vocab-size", str(core.vocab_size)]
+        args = ["--model", base, *(x for pair in changed(MODEL_PRESETS[base]) for x in pair)] if base else (
+            ([] if preset == "tiny" else ["--model", preset]) + [
+                "--n-layer", str(core.n_layer), "--n-embd", str(core.n_embd), "--n-head", str(core.n_head),
+                "--seq-len", str(core.seq_len), "--vocab-size", str(core.vocab_size)])
         for name, flag in arch_fields.items():
             value = getattr(core, name)
             if value == getattr(MODEL_PRESETS[preset], name):
@@ -264,7 +279,7 @@ class Result:
             "recompute": L.recompute, "zero": L.zero, "unshard": L.unshard_policy if L.zero >= 3 else None,
             "sequence_parallel": L.sequence_parallel,
             "layers_per_stage": list(L.layers_per_stage), "layer_split": "balanced" if L.balanced else "even",
-            "pad_vocab": L.pad_vocab,
+            "pad_vocab": L.pad_vocab, **({"ep": L.ep} if self.model.n_experts else {}),
             "step_time_s": self.step_time, "makespan_s": self.makespan, "after_s": self.after,
             "bubble_fraction": self.bubble, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "peak_memory_bytes": self.peak_bytes, "peak_memory_rank": self.peak_rank,
@@ -279,8 +294,9 @@ LAYOUT_AXES = tuple(f.name for f in fields(Layout) if f.name in AXES)
 
 def mesh_name(dims: ParallelDims | Sharding, details: Mapping[str, str | None] | None = None) -> str:
     """A layout's axes as the report names them, in rank order: dp2 pp4 cp2 tp8, or with details {"cp": "ring"}
-    (how K/V travel) dp2 pp4 cp2(ring) tp8 (cp only when > 1): pipegpt.dims's label."""
-    return dims.label(details)
+    (how K/V travel) dp2 pp4 cp2(ring) tp8 (cp only when > 1): pipegpt.dims's label; then ep32 where it carves."""
+    ep = expert_ranks(dims)
+    return dims.label(details) + (f" ep{ep}" if ep > 1 else "")
 
 
 def memory_parts(x) -> dict:

@@ -47,10 +47,12 @@ def _refuse_file_gathers(plan: Plan, cfg: TrainConfig) -> None:
 
 def _pipeline_plan(cfg: TrainConfig) -> Plan:
     p = cfg.parallel
+    apart = p.overlap == "off"  # each pair's halves one after the other, lowered as such
     try:
         if p.schedule_file is not None:
             plan = load_schedule_file(p.schedule_file)
             check_against_file(plan, p.schedule_file, p.stages, p.microbatches)
+            plan = plan.flattened() if apart else plan
             return plan if plan.is_lowered else validate(lower(plan, lowering_costs(cfg, plan.stage_to_rank)))
         spec = schedule_spec(p.schedule)
         if not spec.synthesized:
@@ -60,6 +62,7 @@ def _pipeline_plan(cfg: TrainConfig) -> Plan:
             plan = spec.build(p.stages, p.microbatches, p.virtual_stages)
         else:
             plan = synthesized_plan(cfg, spec)
+        plan = plan.flattened() if apart else plan
         return validate(lower(plan, lowering_costs(cfg, plan.stage_to_rank)))
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
@@ -72,7 +75,9 @@ def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
     placement = spec.stage_to_rank(p.stages, p.virtual_stages)
     layers = [len(r) for r in partition_layers(m.n_layer, len(placement), p.layers_per_stage)]
     costs = stage_costs_for(layers, p.schedule_costs or estimated_layer_costs(m))
-    synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live)
+    r = cfg.runtime  # NCCL matches by order: written for it where the run is known to use it
+    matching = "order" if r.p2p_matching == "order" or (r.p2p_matching == "auto" and r.device == "cuda") else "tag"
+    synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live, matching=matching)
     meta = {**synthesis.plan.meta, "predicted_s": float(synthesis.makespan),
             "lower_bound_s": float(synthesis.lower_bound), "best_fixed": synthesis.best_fixed,
             "best_fixed_s": None if synthesis.best_fixed_makespan is None else float(synthesis.best_fixed_makespan),

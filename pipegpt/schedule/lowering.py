@@ -30,6 +30,8 @@ from .timing_rule import hop
 from .validate import dependencies
 
 
+_RECVS = (Kind.RECV_F, Kind.RECV_B)
+
 # Costs when none are given: one unit per forward, two per full backward, every stage alike.
 _UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
 
@@ -58,7 +60,15 @@ def lower(plan: Plan, costs=None) -> Plan:
     with outputs still unsent puts each behind those receives, a batch of sends that no compute waits for
     (messages.comm_batches), where its receiver reaches a boundary before this rank's next batch would
     start: neither end waits. Otherwise it weighs its consumer's wait (the costs' timeline says when it
-    needs it) against its own (its receiver is busy until its next boundary) and takes the shorter.
+    needs it) against its own (its receiver is busy until its next boundary) and takes the shorter. With a
+    latency, a send whose receiver takes it when this rank posts receives goes into their batch (one NCCL
+    group): behind it, the stream would hold it until they complete (without one, nothing is held, and
+    the places stay as they were).
+
+    With a message latency no placement brings order down to tag: the compute after a batch of receives
+    waits for that batch, which starts when the compute before it ends, so each such batch costs its rank
+    the latency where tag's consumer starts the moment its predecessor ends (tests/unit/test_p2p_matching.py
+    works gpipe 2x2 by hand). Only a runtime that waits for a receive at the compute that reads it could.
     """
     duration = _unit_duration if costs is None else costs.duration
     comm = 0 if costs is None else getattr(costs, "comm", 0)
@@ -84,6 +94,8 @@ def lower(plan: Plan, costs=None) -> Plan:
         at = comm_end[r]
         if produced >= at:
             at = produced
+        elif comm and comm_receives[r] == now and at == len(lowered[r]) and lowered[r][at - 1].kind in _RECVS:
+            at -= 1  # into the batch of receives posted now, before its last: behind it, the stream would hold it
         elif not (comm_receives[r] is None or comm_receives[r] == now or at == len(lowered[r])):
             at += 1  # after the compute that follows a batch with older receives
         return at if running[r] is None or at <= running[r] else None
@@ -93,8 +105,12 @@ def lower(plan: Plan, costs=None) -> Plan:
         taken at `when`."""
         del outbox[sender][send], inbound[receiver][send]
         joins = at > 0 and lowered[sender][at - 1].kind.is_p2p  # the sender's last batch
+        inside = at < comm_end[sender] and lowered[sender][at].kind in _RECVS  # before that batch's last receive
         _insert(sender, at, send)
-        comm_end[sender], comm_receives[sender] = at + 1, comm_receives[sender] if joins else None
+        if inside:
+            comm_end[sender] += 1
+        else:
+            comm_end[sender], comm_receives[sender] = at + 1, comm_receives[sender] if joins else None
         recv_at = len(lowered[receiver]) if recv_at is None else recv_at
         _insert(receiver, recv_at, recv)
         received[receiver].add(recv)
@@ -166,13 +182,13 @@ def lower(plan: Plan, costs=None) -> Plan:
             continue
         action = plan.ranks[r][pos[r]]
         needs = [a for a in recvs_before(action, plan) if a not in received[r]]
-        if needs:
-            src, send = peer(needs[0], plan)
+        for need in needs:  # one, or a composite pair's two
+            src, send = peer(need, plan)
             at = send_place(src, outbox[src][send], now) if send in outbox[src] else None
-            if at is not None:
-                match(src, send, at, r, needs[0], now)
-            else:
-                waiting[r] = needs[0]
+            if at is None:
+                waiting[r] = need
+                break
+            match(src, send, at, r, need, now)
         if needs or not comm:  # a receive here anyway (or free): take now whatever else is ready
             take_ready(r, now)
         if waiting[r] is not None:

@@ -191,6 +191,10 @@ def resolve(path) -> Path:
             return found[-1]
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory (give a run directory or a checkpoint)")
+    if run_files.holds_run(path) or (path / run_files.CONFIG).is_file():  # a run that saved nothing (yet)
+        raise CheckpointError(f"{path}: a run directory that holds no complete checkpoint: a run saves one after its "
+                              f"last step (unless --no-save-final) and every --save-every N steps; let it finish, or "
+                              f"train one: pipegpt run --run-dir NEW_DIR --save-every N ...")
     raise CheckpointError(f"{path}: not a checkpoint and holds no complete checkpoint "
                           f"(expected {MANIFEST} or checkpoints/{DIR_PREFIX}*/{MANIFEST})")
 

@@ -29,7 +29,7 @@ RUN_OPTIONS = [
     # what a non-finite loss or gradient norm does: stop before the update, or skip it
     "--on-nonfinite", "--max-skipped-steps",
     # --resume restores a run's settings: its on/off ones can be turned off; a fresh run into a used directory
-    "--no-compile", "--no-profile", "--no-sequence-parallel", "--overwrite",
+    "--no-compile", "--no-profile", "--no-sequence-parallel", "--overlap", "--overwrite",
     # dropout (per-rank streams, restored on resume): fine-tuning uses 0.1
     "--dropout",
     # what pipeline messages travel in (bf16 halves the bytes between stages)
@@ -49,6 +49,12 @@ RUN_OPTIONS = [
     "--router-bias-update-rate", "--moe-capacity-factor",
     # Qwen3's and OLMoE's attention (issue 45): heads wider than n_embd / n_head, q/k RMSNorm
     "--head-dim", "--qk-norm",
+    # the last step saved by default, so that `pipegpt sample RUN_DIR` works after any run (issue 47)
+    "--save-final", "--no-save-final",
+    # an optional Weights & Biases sink beside TensorBoard (issue 47)
+    "--wandb",
+    # the job checked and predicted on named devices, nothing started (issue 47)
+    "--dry-run",
 ]
 
 

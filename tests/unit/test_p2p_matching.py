@@ -1,10 +1,12 @@
 """Messages matched by order (NCCL) against by tag (gloo): the order model on hand-written plans with times worked
 out by hand, and the lowering that places each SEND so that a plan costs under order what it costs under tag.
 
-Costs are integers, so times are exact. The matrix: every schedule at p 2..8, m p..4p, unit costs and a heavy head
-(a last stage worth 4 blocks more), order within 1% of tag; a fast subset runs by default, the whole of it under
--m slow.
+Costs are integers or fractions, so times are exact. The matrix: every schedule at p 2..8, m p..4p, unit costs and a
+heavy head (a last stage worth 4 blocks more), order within 1% of tag without latency, and within a measured bound
+with a latency of 0.05-0.2 of a forward; a fast subset runs by default, the whole of it under -m slow.
 """
+from fractions import Fraction
+
 import pytest
 
 from pipegpt.schedule import SCHEDULES, Action, Kind, Plan, ScheduleError, build_plan, lower, validate
@@ -153,45 +155,99 @@ def test_lowering_keeps_collectives_where_they_stand_and_reads_costs_duck_typed(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the matrix: order within 1% of tag
+# the matrix: order within 1% of tag without latency, within LATENCY_LIMITS with it
 
 
-def _costs(name: str, p: int, head: int) -> Costs:
+def _costs(name: str, p: int, head: int, comm=0) -> Costs:
     """A rank's share of the model costs F=1, B=2, W=1, split over its v stages; head adds as many blocks to the
-    last stage."""
+    last stage; comm is a message's latency."""
     stages = len(SCHEDULES[name].stage_to_rank(p))
     v = stages // p
-    forward = [1 / v] * stages
-    forward[-1] += head / v
-    return Costs(tuple(forward), tuple(2 * f for f in forward), tuple(forward))
+    exact = isinstance(comm, Fraction)
+    forward = [Fraction(1, v) if exact else 1 / v] * stages
+    forward[-1] += Fraction(head, v) if exact else head / v
+    return Costs(tuple(forward), tuple(2 * f for f in forward), tuple(forward), comm)
 
 
-def _check(name: str, p: int, m: int, head: int) -> None:
-    costs = _costs(name, p, head)
-    try:
-        plan = SCHEDULES[name].build(p, m, None, costs)
-    except ScheduleError:  # e.g. dualpipev below 2p microbatches
-        return
-    lowered = validate(lower(plan, costs))
-    tag, order = simulate(plan, costs).makespan, simulate_order(lowered, costs).makespan
-    assert tag <= order <= tag * 1.01, (name, p, m, head, tag, order)
+# Order over tag at comm 0.05-0.2 of a forward, as lowered now; the most over every p 2..8, m p..4p, unit costs
+# and the heavy head (measured; a bound, not a goal). test_with_latency_each_batch_of_receives_costs_its_rank_the_latency
+# says why it cannot be 1: a receive is waited for before the compute after its batch, so each batch of
+# receives costs its rank the latency where tag's consumer would start the moment its predecessor ends. Deferring that wait to the compute that needs the
+# message (as torch.distributed.pipelining does) is the runtime's to change, and with it the lowering's places.
+LATENCY_LIMITS = {"gpipe": 1.19, "1f1b": 1.03, "interleaved-1f1b": 1.35, "zb-h1": 1.10, "zbv": 1.16,
+                  "dualpipev": 1.27, "auto": 1.14, "auto-v": 1.32}
+LATENCIES = (0.05, 0.1, 0.2)
 
 
+def _check(name: str, p: int, m: int, head: int, latencies) -> None:
+    spec = SCHEDULES[name]
+    for comm in latencies:
+        costs = _costs(name, p, head, comm)
+        try:  # auto and auto-v written for order matching, as `simulate --p2p-matching order` writes them
+            plan = spec.synthesize(p, m, None, costs, matching="order").plan if spec.synthesized and comm \
+                else spec.build(p, m, None, costs)
+        except ScheduleError:  # e.g. dualpipev below 2p microbatches
+            return
+        lowered = validate(lower(plan, costs))
+        tag, order = simulate(plan, costs).makespan, simulate_order(lowered, costs).makespan
+        limit = LATENCY_LIMITS[name] if comm else 1.01
+        assert tag <= order <= tag * limit, (name, p, m, head, comm, tag, order)
+
+
+@pytest.mark.parametrize("latencies", [(0,), LATENCIES], ids=["no-latency", "latency"])
 @pytest.mark.parametrize("head", [0, 4], ids=["unit", "heavy-head"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_order_costs_what_tag_costs_fast_subset(name, head):
+def test_order_costs_what_tag_costs_fast_subset(name, head, latencies):
     for p in (2, 4):
-        for m in (p, 2 * p + 1, 4 * p):
-            _check(name, p, m, head)
+        for m in (p, 2 * p + 1, 4 * p)[:2 if latencies != (0,) else 3]:  # with latency, auto-v's search is slow
+            _check(name, p, m, head, latencies)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("latencies", [(0,), LATENCIES], ids=["no-latency", "latency"])
 @pytest.mark.parametrize("head", [0, 4], ids=["unit", "heavy-head"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_order_costs_what_tag_costs_every_size(name, head):
+def test_order_costs_what_tag_costs_every_size(name, head, latencies):
     for p in range(2, 9):
         for m in range(p, 4 * p + 1):
-            _check(name, p, m, head)
+            _check(name, p, m, head, latencies)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the matrix with latency: comm 0.05, 0.1 and 0.2 of a forward
+
+
+def test_with_latency_each_batch_of_receives_costs_its_rank_the_latency():
+    """gpipe, p 2, m 2, F=1, B=2, comm=1, worked by hand. Under tag a message is there 1 after its compute
+    ends: 1F1 at 3 (0F1 ends at 2), 0B1 at 9 (1B1 ends at 8); makespan 11. Under order the compute after a
+    batch holding a receive waits for that batch, which completes 1 after it starts, and it starts once the
+    compute before it has ended: 1RECV_F1 starts at 3 when 1F0 ends, so 1F1 starts at 4; 0RECV_B1 at 10,
+    so 0B1 at 11; makespan 13. No placement does better: 1RECV_F1 in 1F0's batch would hold 1F0 until 3
+    (0SEND_F1 starts at 2), so 1F1 still starts at 4; this is the floor that keeps order above tag with
+    latency, where tag's consumer would start the moment its predecessor ends."""
+    plan, costs = build_plan("gpipe", 2, 2), Costs.uniform(2, F=1, B=2, W=1, comm=1)
+    lowered = validate(lower(plan, costs))
+    assert lowered.to_text() == ("0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1\n"
+                                 "1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1\n")
+    assert simulate(plan, costs).makespan == 11
+    order = simulate_order(lowered, costs)
+    assert starts(order) == {"0F0": 0, "0F1": 1, "0B0": 8, "0B1": 11, "1F0": 2, "1F1": 4, "1B0": 5, "1B1": 7}
+    assert order.makespan == 13
+
+
+def test_a_send_its_receiver_takes_now_joins_the_receives_posted_now():
+    """1F1B, p 4, m 8, comm 0.2. Rank 2 ends 2F0 when rank 1 ends 1F1: rank 3 is waiting for 2F0's output,
+    rank 2 for 1F1's. As one batch, both messages move at once (0.2); with the send in a batch of its own
+    behind the receive (as lowered before), the send waited for the receive and 3F0 started 0.4 late. Over
+    the step: 36.6 against 39.0, tag 36.2."""
+    costs = _costs("1f1b", 4, 0, comm=Fraction(1, 5))
+    plan = build_plan("1f1b", 4, 8)
+    lowered = validate(lower(plan, costs))
+    rank = [str(a) for a in lowered.ranks[2]]
+    assert rank[:5] == ["2RECV_F0", "2F0", "2SEND_F0", "2RECV_F1", "2F1"]
+    assert (2, 4) in comm_batches(lowered.ranks[2])
+    assert simulate(plan, costs).makespan == Fraction(181, 5)
+    assert simulate_order(lowered, costs).makespan == Fraction(183, 5)
 
 
 def test_a_run_s_sends_after_its_last_receive_are_a_batch_of_their_own():
@@ -222,7 +278,7 @@ def test_a_send_behind_the_receives_makes_neither_end_wait(monkeypatch):
     import pipegpt.schedule.simulate as matching
 
     costs = _costs("dualpipev", 4, 0)
-    plan = SCHEDULES["dualpipev"].build(4, 8, None, costs)
+    plan = SCHEDULES["dualpipev"].build(4, 8, None, costs).flattened()  # its order, the pairs' halves apart
     lowered = validate(lower(plan, costs))
     rank = [str(a) for a in lowered.ranks[2]]
     at = rank.index("5F4")
@@ -251,3 +307,50 @@ def test_a_runs_plan_is_lowered_for_its_measured_costs():
     # auto: the costs its order was written for, estimated from the model's shape until measured
     auto = cfg.replace(schedule="auto")
     assert make_plan(auto) == lower(make_plan(auto).compute_only(), lowering_costs(auto, (0, 1)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the synthesizer written for order matching
+
+
+def test_the_fast_simulator_can_time_receives_as_order_matching_does():
+    """The hand-worked gpipe 2x2 above: 11 by tag, 13 with each receive's floor (as simulate_order says)."""
+    from pipegpt.schedule.synthesis.fast_simulate import evaluate
+    from pipegpt.schedule.synthesis.list_scheduler import Problem
+
+    plan, costs = build_plan("gpipe", 2, 2), Costs.uniform(2, F=1, B=2, W=1, comm=1)
+    problem = Problem(plan.stage_to_rank, 2, costs)
+    codes = problem.encode(plan)
+    assert evaluate(problem, codes) == (11, 2)
+    problem.receive_floor = True
+    assert evaluate(problem, codes) == (13, 2) and simulate_order(lower(plan, costs), costs).makespan == 13
+
+
+def test_auto_written_for_order_matching_costs_less_under_it():
+    """auto, p 4, m 4, comm 0.2: written for tag it costs 18.4 under order (tag 16.8); written for order it
+    takes zb-h1's order, 17 under order. Without latency the objective changes nothing."""
+    costs = Costs.uniform(4, F=1, B=2, W=1, comm=Fraction(1, 5))
+    by_tag = SCHEDULES["auto"].synthesize(4, 4, None, costs)
+    by_order = SCHEDULES["auto"].synthesize(4, 4, None, costs, matching="order")
+    assert simulate(by_tag.plan, costs).makespan == Fraction(84, 5)
+    assert simulate_order(lower(by_tag.plan, costs), costs).makespan == Fraction(92, 5)
+    assert by_order.makespan == simulate_order(lower(by_order.plan, costs), costs).makespan == 17
+    assert by_order.plan.meta["from"] == "zb-h1" and by_order.plan.meta["p2p_matching"] == "order"
+    free = Costs.uniform(4)
+    assert SCHEDULES["auto"].synthesize(4, 4, None, free, matching="order") == \
+        SCHEDULES["auto"].synthesize(4, 4, None, free)
+
+
+def test_simulate_writes_auto_for_the_matching_it_is_asked_for():
+    import json
+
+    from pipegpt.observe.simulate_report import SimulateOptions, simulate_command
+
+    def makespan(matching):
+        out = []
+        simulate_command(SimulateOptions(schedule="auto", stages=4, microbatches=4, as_json=True,
+                                         costs_spec="F=1,B=2,W=1,comm=0.2", p2p_matching=matching),
+                         lambda text, err=False: out.append(text), None)
+        return json.loads(out[0])["makespan"]
+
+    assert makespan("order") == pytest.approx(17) and makespan(None) == pytest.approx(16.8)

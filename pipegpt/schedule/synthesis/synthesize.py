@@ -7,7 +7,9 @@ message latency and per-stage memory) runs in a few dozen priority variants, the
 of the same placement that fit the limit join as candidates, the simulator times them all and the
 fastest within the limit wins, so the result is never worse than the best fixed schedule. On small plans an
 iterated greedy then reruns the winning variant with a few of its choices turned (_sample), and a local
-search tries moving single actions earlier while the simulator says that helps.
+search tries moving single actions earlier while the simulator says that helps. Where the costs have
+all-to-alls inside actions (a2a_comm: MoE stages), adjacent forwards and backwards of two microbatches are then
+paired (_pair_up) where the pair, its halves' communication hidden under each other's compute, makes the plan faster.
 
 lower_bound() says how far from optimal the winner can be: no schedule of that placement, in any
 order, with any split of the backward, finishes sooner.
@@ -19,10 +21,12 @@ import random
 from dataclasses import dataclass, field, replace
 from numbers import Real
 
-from ..actions import Action, Kind, Plan, ScheduleError
+from ..actions import Action, Composite, Kind, Plan, ScheduleError
+from ..lowering import lower
+from ..simulate import simulate_order
 from .fast_simulate import evaluate
 from .list_scheduler import Problem, Variant, list_schedule
-from ..timing_rule import Costs, hops
+from ..timing_rule import Costs, hops, work_time
 
 # Simulations the local search may spend after the list scheduler (a count, not seconds, so that every
 # process that synthesizes the same inputs gets the same plan); it stops earlier once a pass over
@@ -35,6 +39,8 @@ SEARCH_ACTIONS = 300_000
 SAMPLES = 200
 SAMPLE_ACTIONS = 300_000
 FLIPS = 8  # at most this many choices turned at once
+PAIR_REACH = 4  # how far after a forward (or backward) _pair_up looks for the other half of a pair
+ORDER_CANDIDATES = 8  # plans timed under order matching (lowered and simulated in full) besides the winner
 ENTERING = (4, 6)  # caps on a rank's microbatches in flight (Variant.entering), in eighths of the limit
 
 
@@ -88,10 +94,14 @@ def lower_bound(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Co
     gradients and stage 0's W still follows it; (3) the same from a stage's last forward, with the whole
     downstream path after it; (4) with a memory limit, a rank with one stage runs at most max_live forwards
     before its first backward, which comes back only after microbatch 0's round trip through the later
-    stages; (5) the same for a rank with several stages (_memory_start_bound).
+    stages; (5) the same for a rank with several stages (_memory_start_bound). Every action counts at its work
+    alone (timing_rule.work_time): in a pair the other half's compute may hide its all-to-all (without
+    all-to-alls, that is its duration to the bit).
     """
     m, n = num_microbatches, len(stage_to_rank)
-    d = costs.duration
+
+    def d(action):
+        return work_time(costs, action.kind, action.stage)
     fwd = [d(Action(s, Kind.F, 0)) for s in range(n)]
     inp = [d(Action(s, Kind.I, 0)) for s in range(n)]
     wgt = [d(Action(s, Kind.W, 0)) for s in range(n)]
@@ -185,9 +195,15 @@ def _same_plans(v: Variant, pivots: set) -> set[Variant]:
 
 
 def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Costs, max_live: int | None = None,
-               name: str = "auto", fixed: list[Plan] = (), search_evaluations: int = SEARCH_EVALUATIONS) -> Synthesis:
+               name: str = "auto", fixed: list[Plan] = (), search_evaluations: int = SEARCH_EVALUATIONS,
+               matching: str = "tag") -> Synthesis:
     """The fastest plan found for these costs whose simulated peak live stage-microbatches stay within max_live
-    on every rank (default: 1F1B's memory). `fixed` are the fixed schedules of this placement to beat."""
+    on every rank (default: 1F1B's memory). `fixed` are the fixed schedules of this placement to beat.
+
+    matching "order" (NCCL) times the candidates as they will run there when messages have a latency: the
+    search weighs each with its receives' floor (fast_simulate.evaluate, Problem.receive_floor), and the
+    fastest few so weighed are lowered for the costs and simulated with messages matched by order
+    (simulate_order); the fastest of those wins, and the makespans are order's."""
     stage_to_rank = tuple(stage_to_rank)
     m = num_microbatches
     if m < 1:
@@ -201,12 +217,17 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         meta["virtual_stages"] = stages_per_rank(stage_to_rank)
     problem = Problem(stage_to_rank, m, costs)
     bound = lower_bound(stage_to_rank, m, costs, max_live)
+    by_order = matching == "order" and costs.comm > 0  # without latency order costs what tag costs
+    problem.receive_floor = by_order
 
     best_plan = best_ranks = best_time = None  # a fixed Plan, or the codes of a synthesized order
     best_fixed = best_fixed_time = None
+    candidates: list[tuple[Real, Plan | None, list]] = []  # (tag makespan, the fixed Plan or None, codes)
     for plan in fixed:
         ranks = problem.encode(plan)
         makespan, peak = evaluate(problem, ranks)
+        if peak <= max_live:
+            candidates.append((makespan, plan, ranks))
         if peak <= max_live and (best_fixed_time is None or makespan < best_fixed_time):
             best_fixed, best_fixed_time = plan.name, makespan
             best_plan, best_ranks, best_time = plan, ranks, makespan
@@ -228,8 +249,10 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         if key in seen:
             continue
         seen.add(key)
-        if any(costs.dp_comm):  # the all-reduces after the last W/B may end the step
+        if any(costs.dp_comm) or by_order:  # the all-reduces after the last W/B may end the step; receives
             makespan, peak = evaluate(problem, ranks)
+        if peak <= max_live:
+            candidates.append((makespan, None, ranks))
         if peak <= max_live and (best_time is None or makespan < best_time):
             best_plan, best_ranks, best_time = None, ranks, makespan
             winners.append(variant)
@@ -245,10 +268,37 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         improved, best_time = _improve(problem, best_ranks, best_time, max_live, bound, evaluations)
         if improved is not None:  # actions moved: an order of its own, not the fixed one it started from
             best_plan, best_ranks = None, improved
+    if any(costs.a2a_comm) and best_time > bound:
+        paired, best_time = _pair_up(problem, best_ranks, best_time, max_live)
+        if paired is not None:
+            best_plan, best_ranks = None, paired
     if best_plan is None:
         best_plan = Plan("synthesized", m, stage_to_rank, problem.decode(best_ranks))
+    if by_order:  # the plan searched for by tag joins in: the floor is a guide, not the order model itself
+        by_tag = synthesize(stage_to_rank, m, costs, max_live, name, fixed, search_evaluations).plan
+        by_tag = replace(by_tag, name=by_tag.meta["from"])
+        best_plan, best_time, best_fixed_time = _fastest_by_order(problem, [best_plan, by_tag], candidates,
+                                                                  best_fixed)
+        meta["p2p_matching"] = "order"
     plan = replace(best_plan, name=name, meta={**dict(meta), "from": best_plan.name})
     return Synthesis(plan, best_time, bound, max_live, best_fixed, best_fixed_time, tried)
+
+
+def _fastest_by_order(problem: Problem, winners: list[Plan], candidates: list, best_fixed: str | None):
+    """(plan, its makespan, the best fixed one's) under order matching, among the searches' winners and the
+    ORDER_CANDIDATES other candidates the search found fastest; each lowered for the costs, as a run lowers it."""
+    costs, m, placement = problem.costs, problem.m, problem.stage_to_rank
+    plans = winners + [fixed if fixed is not None else Plan("synthesized", m, placement, problem.decode(ranks))
+                      for _, fixed, ranks in sorted(candidates, key=lambda c: c[0])[:ORDER_CANDIDATES]]
+    timed, fixed_time = {}, None
+    for plan in plans:
+        if plan.ranks in timed:
+            continue
+        timed[plan.ranks] = (simulate_order(lower(plan, costs), costs).makespan, plan)
+        if plan.name == best_fixed:
+            fixed_time = timed[plan.ranks][0]
+    makespan, plan = min(timed.values(), key=lambda t: t[0])
+    return plan, makespan, fixed_time
 
 
 def _sample(problem: Problem, base: Variant, makespan: Real, max_live: int, bound: Real,
@@ -267,7 +317,7 @@ def _sample(problem: Problem, base: Variant, makespan: Real, max_live: int, boun
         if result is None:
             continue
         ranks, time, peak = result
-        if any(problem.costs.dp_comm):
+        if any(problem.costs.dp_comm) or problem.receive_floor:
             time, peak = evaluate(problem, ranks)
         if peak <= max_live and time < makespan:
             best, makespan, kept = ranks, time, flips
@@ -298,3 +348,44 @@ def _improve(problem: Problem, ranks: list[list[int]], makespan: Real, max_live:
                 else:
                     acts[k - 1], acts[k] = a, b
     return (ranks if moved else None), makespan
+
+
+def _pair_up(problem: Problem, ranks: list[list[int]], makespan: Real,
+             max_live: int) -> tuple[list[list[int]] | None, Real]:
+    """Each rank's forward and a backward (B or I) of another microbatch at most PAIR_REACH places after it (or
+    the other way round) as one pair (forward first) where it stands, the actions between moving after it; kept
+    where the simulator says the plan is then faster within the memory limit (a pair holds both halves'
+    microbatches at once). The paired order (None if no pair paid) and its makespan."""
+    ranks = [list(acts) for acts in ranks]
+    budget = SEARCH_ACTIONS // max(1, sum(map(len, ranks)))
+    paired = False
+    for acts in ranks:
+        k = 0
+        while k + 1 < len(acts) and budget > 0:
+            for j in range(k + 1, min(len(acts), k + 1 + PAIR_REACH)):
+                pair = _pair_code(problem, acts[k], acts[j])
+                if pair is None or budget <= 0:
+                    continue
+                budget -= 1
+                before = acts[:]
+                acts[:] = acts[:k] + [pair] + acts[k + 1:j] + acts[j + 1:]
+                result = evaluate(problem, ranks)
+                if result is not None and result[0] < makespan and result[1] <= max_live:
+                    makespan, paired = result[0], True
+                    break
+                acts[:] = before
+            k += 1
+    return (ranks if paired else None), makespan
+
+
+def _pair_code(problem: Problem, first: int, second: int) -> int | None:
+    """The code of the pair of these two actions, forward first, where one is a forward and the other a backward
+    (B or I) of another microbatch; None otherwise."""
+    if first >= problem.composite_base or second >= problem.composite_base:
+        return None
+    a, b = problem.action(first), problem.action(second)
+    if b.kind is Kind.F:
+        a, b = b, a
+    if a.kind is not Kind.F or b.kind not in (Kind.B, Kind.I) or a.microbatch == b.microbatch:
+        return None
+    return problem.code(Composite.of(a, b))
