@@ -18,7 +18,9 @@ Load balancing:
                  expert i, P_i its mean score), plus router_z_loss_coef x mean(logsumexp(logits)^2). Neither is
                  added to the returned loss: `inject_aux_loss` passes the hidden state through and gives the aux
                  loss gradient `aux_loss_scale` in backward (Megatron's MoEAuxLossAutoScaler), so every pipeline
-                 stage's layers add theirs to that stage's backward, scaled as the stage scales its loss.
+                 stage's layers add theirs to that stage's backward, scaled as the stage scales its loss. Where
+                 a call's tokens are split over ranks (sequence parallelism, cp), its sums are reduced over them
+                 first (token_sums), so f_i and P_i are the whole call's.
     bias         expert_bias (a buffer: checkpointed, not trained), added to the scores for selection only;
                  `end_step` moves it by rate x sign(mean load - load) after each optimizer step (DeepSeek-V3).
 
