@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from pipegpt.config import ConfigError
 from pipegpt.model.moe import counted_once, merge_stats
 from pipegpt.train.driver import check
 
-from test_moe_oracle import MOE, assert_moe_matches, moe_config
+from test_moe_oracle import MOE, _restored, _saved, assert_moe_matches, moe_config
 from test_pipeline_oracle import workers  # noqa: F401 (a fixture)
 
 Z_LOSS = dataclasses.replace(MOE, router_aux_loss_coef=0.0, router_z_loss_coef=1e-3)
@@ -65,3 +66,19 @@ def test_tp_ranks_count_their_shared_aux_loss_once(sequence_parallel, dropped):
              {"aux_loss": 0.3, "moe_imbalance": 2.0, "moe_dropped": 3.0 if sequence_parallel else 2.0}]
     merged = merge_stats([counted_once(s, tp == 0, tp == 0 or sequence_parallel) for tp, s in enumerate(ranks)])
     assert merged == {"aux_loss": pytest.approx(0.3), "moe_imbalance": 2.0, "moe_dropped": dropped}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, restored", [(dict(ep=2, **SP), {}), ({}, dict(cp=2, ep=2)),
+                                             (dict(tp=2), dict(ep=2, **SP))],
+                         ids=["tp2-sp-ep2-to-one", "one-to-cp2-ep2", "tp2-to-tp2-sp-ep2"])
+def test_moe_checkpoints_reshard_across_tp_and_ep(workers, tmp_path, saved, restored):  # noqa: F811
+    """Written with experts over tp (and ep) and read in another layout: every tensor bitwise the one-process
+    tensor, the next step's loss within 1e-5 of the writer's, the router biases after it exactly (float64)."""
+    saved_cfg = moe_config(1, dtype="float64", steps=3, **saved)
+    path, loss, biases = _saved(workers, saved_cfg, tmp_path)
+    restored_loss, restored_biases = _restored(workers, saved_cfg, path,
+                                               moe_config(1, dtype="float64", steps=3, **restored))
+    assert restored_loss == pytest.approx(loss, rel=1e-5)
+    assert set(biases) == set(restored_biases) and all(torch.equal(biases[n], restored_biases[n]) for n in biases)
+    assert any(b.abs().sum() > 0 for b in biases.values())
