@@ -18,7 +18,9 @@ Load balancing:
                  expert i, P_i its mean score), plus router_z_loss_coef x mean(logsumexp(logits)^2). Neither is
                  added to the returned loss: `inject_aux_loss` passes the hidden state through and gives the aux
                  loss gradient `aux_loss_scale` in backward (Megatron's MoEAuxLossAutoScaler), so every pipeline
-                 stage's layers add theirs to that stage's backward, scaled as the stage scales its loss.
+                 stage's layers add theirs to that stage's backward, scaled as the stage scales its loss. Where
+                 a call's tokens are split over ranks (sequence parallelism, cp), its sums are reduced over them
+                 first (token_sums), so f_i and P_i are the whole call's.
     bias         expert_bias (a buffer: checkpointed, not trained), added to the scores for selection only;
                  `end_step` moves it by rate x sign(mean load - load) after each optimizer step (DeepSeek-V3).
 
@@ -123,6 +125,10 @@ class MoE(nn.Module):
         self.aux_sum, self.calls = 0.0, 0
         self.aux_loss_scale = 1.0  # the gradient each call's aux loss gets: the stage's loss scale (1/microbatches)
         self.expert_parallel = None  # pipegpt.expert_parallel's ExpertGroup where experts are spread over ranks
+        # Where a call's tokens are spread over ranks (sequence parallelism over tp, cp): functions summing a tensor
+        # over each group holding the call's other tokens, autograd-correct for that group's gradient sums
+        # (set by shard_for_tp and shard_for_cp), so the aux loss is the one-process call's
+        self.token_sums: list = []
 
     def route(self, x: torch.Tensor):
         """x [N, C] -> logits [N, E], scores [N, E], chosen experts [N, k], their weights [N, k]."""
@@ -146,15 +152,24 @@ class MoE(nn.Module):
         place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its expert's queue
         return (place < capacity).view(N, k)
 
+    def over_call(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the ranks holding this call's other tokens (itself where this rank holds them all)."""
+        for token_sum in self.token_sums:
+            t = token_sum(t)
+        return t
+
     def aux_loss(self, logits, scores, chosen) -> torch.Tensor:
-        N, E = scores.shape
+        # Sums over the call's tokens, then divided by their count: the means of the whole call where ranks hold
+        # parts of it (counts carry no gradient; the scores' sums do, through the reductions' backward)
+        E = scores.size(1)
+        N = self.over_call(scores.new_tensor(float(scores.size(0))))
         aux = logits.new_zeros(())
         if self.aux_coef:
-            share = torch.bincount(chosen.reshape(-1), minlength=E).to(scores.dtype) / N
+            share = self.over_call(torch.bincount(chosen.reshape(-1), minlength=E).to(scores.dtype)) / N
             probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            aux = aux + self.aux_coef * E * (share * probs.mean(0)).sum()
+            aux = aux + self.aux_coef * E * (share * self.over_call(probs.sum(0)) / N).sum()
         if self.z_coef:
-            aux = aux + self.z_coef * logits.logsumexp(-1).square().mean()
+            aux = aux + self.z_coef * self.over_call(logits.logsumexp(-1).square().sum()) / N
         return aux
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,6 +242,16 @@ def end_step(module: nn.Module, rate: float, all_reduce=None) -> dict:
     return {"aux_loss": sum(s["aux_loss"] for s in per_layer),
             "moe_imbalance": max(s["imbalance"] for s in per_layer),
             "moe_dropped": sum(s["dropped"] for s in per_layer), "moe_layers": per_layer}
+
+
+def counted_once(stats: dict, aux_here: bool, tokens_here: bool) -> dict:
+    """A rank's end_step stats as merge_stats over every rank must see them where ranks share figures (tp ranks:
+    one aux loss, and without sequence parallelism the same tokens): the aux loss only where aux_here, the dropped
+    assignments only where tokens_here."""
+    if not stats:
+        return stats
+    return {**stats, "aux_loss": stats["aux_loss"] if aux_here else 0.0,
+            "moe_dropped": stats["moe_dropped"] if tokens_here else 0.0}
 
 
 def merge_stats(stats: list[dict], replicas: int = 1) -> dict:
