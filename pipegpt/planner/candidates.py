@@ -176,12 +176,12 @@ class Layout:
         only with cp > 1: a command without context parallelism reads as it did before it)."""
         args = model_args(model, self.pad_vocab)
         settings = self.settings()
-        if self.ep > 1 and "ep" not in settings:  # not yet a layout field of `pipegpt run` (pipegpt.dims)
+        if self.ep > 1 and "ep" not in settings:  # run's --ep, not one of pipegpt.dims.LAYOUT_FIELDS
             settings["ep"] = self.ep
         for name, value in settings.items():
             if name in ("cp", "cp_comm") and self.cp == 1:
                 continue
-            flag = "--ep" if name == "ep" else option_flags(name)[0]
+            flag = option_flags(name)[0]
             if value is True:
                 args.append(flag)
             elif value is not None and value is not False:  # None and False: the run's default
