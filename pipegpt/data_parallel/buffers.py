@@ -125,6 +125,15 @@ class StageBuffers:
                 p.grad = None
             self.grad_flat = None
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The buffers this stage holds now by kind (pipegpt.observe.tensor_bytes): its own parameters (the flat
+        buffer; with ZeRO-3 the shard), ZeRO-3's gathered full buffer, the gradients' buffers."""
+        own = self.param_shard if self.zero >= 3 else self.param_flat
+        gathered = self.param_flat if self.zero >= 3 else None
+        return {"parameters": [t for t in (own,) if t is not None],
+                "gathered": [t for t in (gathered,) if t is not None],
+                "gradients": [t for t in (self.grad_flat, self.grad_shard) if t is not None]}
+
     def storage_bytes(self) -> dict[str, int]:
         """Bytes this stage holds now, counted from the storages (a view shares its buffer's)."""
         size = lambda t: 0 if t is None else t.untyped_storage().nbytes()  # noqa: E731

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from pipegpt.data_parallel.replicas import DataParallel, HeldPiece
+from pipegpt.data_parallel.replicas import DataParallel, HeldPiece, merged_held
 
 
 class DataParallelFamilies:
@@ -58,6 +58,9 @@ class DataParallelFamilies:
 
     def full_grads(self) -> dict[int, torch.Tensor]:
         return {k: v for dp in self.families for k, v in dp.full_grads().items()}
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return merged_held(dp.held_tensors() for dp in self.families)
 
     def storage_bytes(self) -> dict[str, int]:
         totals = {"parameters": 0, "gradients": 0}

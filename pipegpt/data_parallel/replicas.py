@@ -31,6 +31,15 @@ from pipegpt.data_parallel.buffers import StageBuffers
 from pipegpt.data_parallel.shard_ops import ONE_RANK, all_reduce, choose_shard_ops
 
 
+def merged_held(parts) -> dict[str, list[torch.Tensor]]:
+    """Several {kind: tensors} as one."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for part in parts:
+        for kind, tensors in part.items():
+            out.setdefault(kind, []).extend(tensors)
+    return out
+
+
 class HeldPiece(NamedTuple):
     value: torch.Tensor  # 1-D: the parameter's elements [start, stop), flattened
     param: torch.Tensor
@@ -219,6 +228,10 @@ class DataParallel:
     def full_grads(self) -> dict[int, torch.Tensor]:
         """ZeRO: every parameter's averaged gradient (id -> tensor), gathered from the shards (for tests)."""
         return self.gather_pieces({id(h.value): h.value.grad for h in self.pieces()})
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every stage's buffers by kind (StageBuffers.held_tensors)."""
+        return merged_held(buf.held_tensors() for buf in self.buffers.values())
 
     def storage_bytes(self) -> dict[str, int]:
         totals = {"parameters": 0, "gradients": 0}

@@ -30,6 +30,9 @@ class WorkerStep:
     # with --ep, on recorded steps: (what, start_s, end_s, rows received) per expert all-to-all
     # (pipegpt.observe.exchanges), on the events' time line
     exchanges: list[tuple[str, float, float, int]] = field(default_factory=list)
+    # on recorded steps: this rank's peak of tensor bytes, {"total", "by_kind", "predicted": the planner's
+    # {"total", "by_kind"} or None} (pipegpt.observe.tensor_bytes); None on the others
+    tensor_bytes: dict | None = None
 
 
 @dataclass

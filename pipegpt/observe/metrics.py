@@ -51,6 +51,13 @@ class StepMetrics:
     #                                  failure to this step's end
     steps_lost: int | None = None  # on that step too: the steps completed before the failure that were done again
     #                                (the failed step's index minus the resumed checkpoint's or snapshot's step)
+    # On recorded steps (--trace-steps and the last), per rank: the peak of tensor bytes (on CUDA the allocator's
+    # max_memory_allocated), what was held at it by kind, and the planner's peak (pipegpt.observe.tensor_bytes;
+    # None where the memory model does not cover the plan)
+    peak_tensor_bytes: list[int] | None = None
+    peak_tensor_bytes_by_kind: list[dict] | None = None
+    predicted_peak_bytes: list[int | None] | None = None
+    predicted_peak_bytes_by_kind: list[dict | None] | None = None
     # With experts: aux_loss (the MoE layers' aux losses, summed over layers, averaged over microbatches and
     # replicas), moe_imbalance (the worst layer's max / mean tokens per expert), moe_dropped (assignments over
     # capacity) and moe_layers (per MoE layer: layer, imbalance, dropped, aux_loss, bias_min, bias_max; the
@@ -85,7 +92,19 @@ def step_metrics(step: int, results: list[WorkerStep], cfg: TrainConfig, elapsed
                        cpu_per_rank=None if any(r.cpu_s is None for r in results) else
                        [r.cpu_s / elapsed for r in results],
                        driver_cpu=None if driver_cpu_s is None else driver_cpu_s / elapsed,
-                       moe=merge_stats([r.moe for r in results], cfg.parallel.dims.replicas))
+                       moe=merge_stats([r.moe for r in results], cfg.parallel.dims.replicas),
+                       **tensor_bytes_fields(results))
+
+
+def tensor_bytes_fields(results: list[WorkerStep]) -> dict:
+    """StepMetrics' peak_tensor_bytes fields from the ranks' answers (none where a rank did not measure)."""
+    got = [r.tensor_bytes for r in results]
+    if any(t is None for t in got):
+        return {}
+    predicted = [t.get("predicted") for t in got]
+    return {"peak_tensor_bytes": [t["total"] for t in got], "peak_tensor_bytes_by_kind": [t["by_kind"] for t in got],
+            "predicted_peak_bytes": [None if p is None else p["total"] for p in predicted],
+            "predicted_peak_bytes_by_kind": [None if p is None else p["by_kind"] for p in predicted]}
 
 
 def _control_s(results: list[WorkerStep], elapsed: float) -> float | None:

@@ -259,6 +259,9 @@ class PipelineRuntime:
         # Hook points (intercept): rehearsed faults reach into a step only here.
         self.before_compute: Callable[[Action], None] | None = None
         self.before_settle: Callable[[], None] | None = None
+        # Called after each action with the step's message maps (inbox, outbox, in flight), where set: the
+        # worker's count of tensor bytes (pipegpt.observe.tensor_bytes) on the steps it measures.
+        self.after_action: Callable[..., None] | None = None
 
     def intercept(self, before_compute: Callable[[Action], None] | None = None, marker=None,
                   before_settle: Callable[[], None] | None = None) -> None:
@@ -440,6 +443,8 @@ class PipelineRuntime:
                     events.append((entry.name, t0, clock()))
             if self.marker is not None:
                 marks.append((entry.where, self.marker(entry.action)))
+            if self.after_action is not None:
+                self.after_action(inbox, outbox, in_flight)
         for message, now in self.arriving.values():  # none: every pair takes its receives (kept for safety)
             self.now = now
             self.p2p.wait(message)

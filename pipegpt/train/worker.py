@@ -31,6 +31,7 @@ from pipegpt.model.moe import counted_once, end_step as end_moe_step, merge_stat
 from pipegpt.observe.clocks import clock_reading
 from pipegpt.observe.exchanges import recording_exchanges, resolved
 from pipegpt.observe.profile import Profiler
+from pipegpt.observe.tensor_bytes import PeakTensorBytes, predicted_peak
 from pipegpt.resilience.faults import FaultHook
 from pipegpt.stages.runtime import OPTIMIZER_STEP
 from pipegpt.schedule import Plan
@@ -107,6 +108,14 @@ class Worker(Role):
             # Without a validation split (the built-in corpus, one flat file), validation windows come from
             # the training tokens under another seed: a check of the mechanics, not a held-out loss.
             self.val_loader = loader(train, cfg.runtime.seed + 1) if val is None else loader(val, cfg.runtime.seed)
+        # On recorded steps, the peak of tensor bytes by kind, beside the planner's (None: it cannot model the plan).
+        # Under --compile autograd's saved tensors are not hooked (Dynamo may recompile for hooks): seams only.
+        self.tensor_bytes = PeakTensorBytes(self._held_tensors, engine.stages, engine.device,
+                                            hook_saved=not cfg.runtime.compile)
+        try:
+            self.predicted_peak = predicted_peak(cfg, plan, engine.mesh.pp_index, engine.device.type)
+        except Exception:  # a plan or model the memory model does not cover: measured only
+            self.predicted_peak = None
         self.fault.on_build(engine)
         name_process(f"pipegpt: rank {self.rank} stage{'s' * (len(self.stages) > 1)} "
                      f"{','.join(map(str, sorted(self.stages)))}")
@@ -148,12 +157,15 @@ class Worker(Role):
                 p.grad = None
         inputs, targets, documents = self._batch(self.loader, step)
         record = step in self.recorded_steps
-        with recording_exchanges(engine.runtime.clock, on=record and self.cfg.parallel.ep > 1) as exchanges:
-            result = engine.train_step(inputs, targets, record=record, documents=documents)
         runtime = engine.runtime
+        peak = self.tensor_bytes.measure(runtime) if record else contextlib.nullcontext()
+        with peak, recording_exchanges(engine.runtime.clock, on=record and self.cfg.parallel.ep > 1) as exchanges:
+            result = engine.train_step(inputs, targets, record=record, documents=documents)
         runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping
         for sync in self.syncs:
             sync.reduce()
+        if record:
+            self.tensor_bytes.sample()
         self.fault.after_gradients(number, result.losses, [(n, t) for n, t, _ in self.trained])
         grad_norm, finite, nonfinite_stages = self._clip_gradients(
             loss_finite=all(math.isfinite(loss) for loss in result.losses))
@@ -169,11 +181,24 @@ class Worker(Role):
         moe = self._end_moe_step(finite)
         engine.synchronize()
         engine.runtime.now = None
+        tensor_bytes = None
+        if record:
+            self.tensor_bytes.sample()  # the moments exist from the first update on
+            tensor_bytes = {**self.tensor_bytes.result(), "predicted": self.predicted_peak}
         return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,
                           peak_memory=engine.peak_memory(), device_name=engine.device_name, events=result.events,
                           compute_s=time.perf_counter() - t0, cpu_s=_process_cpu_s() - cpu0, applied=finite,
                           nonfinite_stages=nonfinite_stages, moe=moe,
-                          exchanges=resolved(exchanges, engine.runtime.clock))
+                          exchanges=resolved(exchanges, engine.runtime.clock), tensor_bytes=tensor_bytes)
+
+    def _held_tensors(self) -> dict:
+        """The rank's state by kind (pipegpt.observe.tensor_bytes): the flat buffers, or each parameter and its
+        .grad without data parallelism; the optimizer's moments."""
+        held = self.dp.held_tensors() if self.dp is not None else {
+            "parameters": [p for _, p in self.named_params],
+            "gradients": [p.grad for _, p in self.named_params if p.grad is not None]}
+        return {**held, "optimizer": [t for state in self.optimizer.state.values() for k, t in state.items()
+                                      if k != "step" and torch.is_tensor(t)]}  # the step: a scalar per tensor
 
     def _end_moe_step(self, applied: bool) -> dict:
         """The MoE layers' loads of the step, summed over the replicas that saw other tokens, move their
