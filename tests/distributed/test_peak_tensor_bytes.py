@@ -1,0 +1,87 @@
+"""The peak of tensor bytes by kind a rank reports on a recorded step (pipegpt.observe.tensor_bytes), against
+figures worked by hand from the model's shapes: dp 2, one pipeline rank, the tiny GPT below.
+
+    P = wte 256 x 32 + wpe 16 x 32 + n_layer x block (12 x 32^2 + 13 x 32) + ln_f 2 x 32   (lm_head tied)
+    zero 0   parameters 4P   gradients 4P         optimizer 8P   gathered 0
+    zero 3   parameters 4S   gradients 4(P + S)   optimizer 8S   gathered 4P (--unshard step: all at once)
+             (S = P / 2: one bucket, P even, no padding)
+
+and, with a stage per block (FSDP per block: interleaved, v = n_layer, one microbatch), --unshard microbatch
+gathers at most two stages at once (a stage's run and the next one's prefetch): the gathered peak is the two
+largest stages' buffers, not the whole model. The accounting, not timing: the figures are bytes of storages.
+"""
+from __future__ import annotations
+
+import pytest
+
+from cluster_host import ChildHost, serve
+from pipegpt.config import ModelConfig, TrainConfig
+
+H, V, SEQ = 32, 256, 16
+BLOCK = 12 * H * H + 13 * H
+
+
+def parameters(n_layer: int) -> int:
+    return V * H + SEQ * H + n_layer * BLOCK + 2 * H
+
+
+def config(n_layer: int = 2, tied: bool = True, **settings) -> TrainConfig:
+    model = ModelConfig(vocab_size=V, seq_len=SEQ, n_layer=n_layer, n_head=2, n_embd=H, tie_embeddings=tied)
+    return TrainConfig.build(model, dp=2, stages=1, steps=2, device="cpu", timeout_s=120, microbatch_size=1,
+                             **{"microbatches": 2, **settings})
+
+
+def _peaks(job, cfg) -> list[dict]:
+    job.build(cfg)
+    for step in range(cfg.runtime.steps):  # the last step is recorded; the moments exist from step 1's update
+        results = job.step(step)
+    return [r.tensor_bytes for r in results]
+
+
+def _serve(conn, cfg) -> None:
+    from pipegpt.train.driver import Job
+
+    serve(conn, lambda: Job(cfg, threads_per_worker=1), {"peaks": _peaks})
+
+
+@pytest.fixture(scope="module")
+def host():
+    """One dp-2 cluster (torch's RPC starts once per process: the job lives in a child), rebuilt per layout."""
+    child = ChildHost(_serve, config())
+    yield child
+    child.close()
+
+
+def peaks(host, n_layer: int, tied: bool = True, **settings) -> list[dict]:
+    host.conn.send(("peaks", (config(n_layer, tied, **settings),)))
+    return host._answer(300)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_state_at_the_peak_is_what_the_shapes_say(host, zero):
+    P = parameters(2)
+    S = P // 2
+    want = {0: {"parameters": 4 * P, "gathered": 0, "gradients": 4 * P, "optimizer": 8 * P},
+            3: {"parameters": 4 * S, "gathered": 4 * P, "gradients": 4 * (P + S), "optimizer": 8 * S}}[zero]
+    for got in peaks(host, 2, zero=zero):
+        kinds = got["by_kind"]
+        assert {k: kinds[k] for k in want} == want
+        assert kinds["activations"] > 0 and kinds["messages"] == 0  # one stage: nothing sent
+        assert got["total"] == sum(kinds.values())
+        # the planner's peak in the same kinds: the state to the byte
+        assert {k: got["predicted"]["by_kind"][k] for k in want} == want
+
+
+def test_microbatch_gathers_hold_two_stages_not_the_model(host):
+    """Untied: stage 3's lm_head is its own (tied, stage 3 also reads wte in stage 0's buffer: three buffers)."""
+    n_layer = 4
+    stages = [V * H + SEQ * H + BLOCK, BLOCK, BLOCK, BLOCK + 2 * H + V * H]
+    whole = sum(stages)
+    for got in peaks(host, n_layer, tied=False, zero=3, unshard="microbatch", schedule="interleaved-1f1b",
+                     virtual_stages=n_layer, microbatches=1):
+        kinds = got["by_kind"]
+        # a stage's run and the next one's prefetch: 0 and 1, then 2 and 3, 3 and 2, 1 and 0
+        assert kinds["gathered"] <= 4 * max(stages[0] + stages[1], stages[2] + stages[3]), kinds
+        assert kinds["gathered"] > 4 * max(stages)
+        assert kinds["parameters"] == 4 * whole // 2 and kinds["optimizer"] == 8 * whole // 2
+        assert got["predicted"]["by_kind"]["gathered"] == 4 * (stages[0] + stages[3])  # the two largest: a bound
