@@ -53,7 +53,7 @@ into dp equal chunks, whatever the tensors' boundaries: each dp rank's shard is 
 parameters (a bucket's padding, under dp elements, left out). At the step's peak (between steps in brackets):
 
     zero 0   weights P         gradients P             moments 2P
-    zero 1   weights P         gradients P + S         moments 2S   (the full buffer, and the reduced shard)
+    zero 1   weights P         gradients P             moments 2S   (reduced in place: the shard is the rank's chunks)
     zero 2   weights P         gradients P + S  (S)    moments 2S   (the full buffer lives through the backward)
     zero 3   weights S + P (S) gradients P + S  (S)    moments 2S   (--unshard step: the rank's stages gathered)
 
@@ -201,7 +201,7 @@ def zero_state(stage_params: Sequence[int], dp: int, zero: int, unshard: str = "
     if zero >= 2:
         gradients = shard + (0 if between_steps else two if microbatches == 1 else params)
     else:
-        gradients = params + shard
+        gradients = params  # zero 1 reduce-scatters in place: its shard is its chunks of the full buffer
     return weights, gradients, 2 * shard
 
 

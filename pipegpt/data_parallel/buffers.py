@@ -3,7 +3,8 @@ views into one flat gradient buffer (Megatron's grad buffer), laid out by data_p
 
 Autograd accumulates into an existing .grad in place, so a step's gradients land in the buffer where they are
 reduced: no copy in or out. With ZeRO (zero >= 1) the rank also holds its shard of the gradients (what a
-reduce-scatter gives it) and the optimizer works on `pieces`: 1-D views of the rank's shard, one per parameter
+reduce-scatter gives it: at zero 1 in place, its own chunks of the full buffer, which lives through the run; at
+zero 2 and 3 a buffer of its own, which outlives the full one) and the optimizer works on `pieces`: 1-D views of the rank's shard, one per parameter
 part, each with its .grad. ZeRO-2 frees the full gradient buffer once reduced; ZeRO-3 keeps only the shard of
 the parameters, and the full buffer exists between a gather (unshard) and a free (reshard): the parameters
 then point at an empty tensor, so nothing can read a freed buffer by mistake.
@@ -38,7 +39,11 @@ class StageBuffers:
         self._point_at(full)
         self.pieces: list[Piece] = self.layout.pieces(index) if zero else []
         self.param_shard = self.grad_shard = None
-        if zero:
+        if self.zero < 2:  # gradients live for the whole run
+            self.grad_flat = torch.zeros_like(full)
+        if zero == 1:  # reduce-scattered in place: the rank's chunks of the full buffer are its shard (no copy)
+            self.grad_pieces = [self._param_piece(self.grad_flat, pc) for pc in self.pieces]
+        elif zero:
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
             self.grad_pieces = [self.grad_shard[pc.shard_offset:pc.shard_offset + pc.numel] for pc in self.pieces]
         if zero >= 3:
@@ -47,8 +52,7 @@ class StageBuffers:
             self.reshard()
         elif zero:
             self.param_pieces = [self._param_piece(full, pc) for pc in self.pieces]
-        if self.zero < 2:  # gradients live for the whole run
-            self.grad_flat = torch.zeros_like(full)
+        if self.grad_flat is not None:
             self._attach_grads()
 
     # layout

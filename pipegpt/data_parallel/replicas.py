@@ -92,7 +92,8 @@ class DataParallel:
         for k, b in enumerate(buf.layout.buckets):
             if self.zero:
                 bucket = buf.bucket_view(buf.grad_flat, b).div_(self.divisor)
-                work = self.ops.reduce_scatter(buf.shard_chunk(buf.grad_shard, k), bucket, self.group, self.index)
+                out = buf.chunk(buf.grad_flat, b) if buf.grad_shard is None else buf.shard_chunk(buf.grad_shard, k)
+                work = self.ops.reduce_scatter(out, bucket, self.group, self.index)  # zero 1: in place
             else:
                 bucket = buf.bucket_view(buf.grad_flat, b, padded=False).div_(self.divisor)
                 work = all_reduce(bucket, self.group)

@@ -3,6 +3,7 @@ figures worked by hand from the model's shapes: dp 2, one pipeline rank, the tin
 
     P = wte 256 x 32 + wpe 16 x 32 + n_layer x block (12 x 32^2 + 13 x 32) + ln_f 2 x 32   (lm_head tied)
     zero 0   parameters 4P   gradients 4P         optimizer 8P   gathered 0
+    zero 1   parameters 4P   gradients 4P         optimizer 8S   gathered 0   (reduce-scattered in place)
     zero 3   parameters 4S   gradients 4(P + S)   optimizer 8S   gathered 4P (--unshard step: all at once)
              (S = P / 2: one bucket, P even, no padding)
 
@@ -57,11 +58,12 @@ def peaks(host, n_layer: int, tied: bool = True, **settings) -> list[dict]:
     return host._answer(300)
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_state_at_the_peak_is_what_the_shapes_say(host, zero):
     P = parameters(2)
     S = P // 2
     want = {0: {"parameters": 4 * P, "gathered": 0, "gradients": 4 * P, "optimizer": 8 * P},
+            1: {"parameters": 4 * P, "gathered": 0, "gradients": 4 * P, "optimizer": 8 * S},
             3: {"parameters": 4 * S, "gathered": 4 * P, "gradients": 4 * (P + S), "optimizer": 8 * S}}[zero]
     for got in peaks(host, 2, zero=zero):
         kinds = got["by_kind"]

@@ -77,7 +77,7 @@ def test_a_zero3_rank_holds_half_of_what_it_holds_at_zero0(workers):
     described = {zero: host.described(cfg.replace(zero=zero), 1) for zero in (0, 1, 2, 3)}
     held = {zero: [d["held_bytes"] for d in ds] for zero, ds in described.items()}
     assert [d["parameters"] for d in described[3]] == [d["parameters"] for d in described[0]]  # counted, not held
-    expect = {1: {"parameters": 1, "gradients": 1.5, "optimizer": 0.5},  # gradients: full + the shard
+    expect = {1: {"parameters": 1, "gradients": 1, "optimizer": 0.5},  # gradients: the full buffer, reduced in place
               2: {"parameters": 1, "gradients": 0.5, "optimizer": 0.5},
               3: {"parameters": 0.5, "gradients": 0.5, "optimizer": 0.5}}
     for rank, whole in enumerate(held[0]):

@@ -30,7 +30,7 @@ def test_state_by_zero_level_at_the_peak_and_between_steps():
     P = state_bytes(MODEL, stages).parameters
     S = -(-P // 4)
     for zero, peak, rest in [(0, (P, P, 2 * P), (P, P, 2 * P)),
-                             (1, (P, P + S, 2 * S), (P, P + S, 2 * S)),
+                             (1, (P, P, 2 * S), (P, P, 2 * S)),  # reduced in place: no shard of its own
                              (2, (P, P + S, 2 * S), (P, S, 2 * S)),
                              (3, (S + P, P + S, 2 * S), (S, S, 2 * S))]:
         for between, want in ((False, peak), (True, rest)):
