@@ -10,8 +10,9 @@ One pipeline rank holding a stage per block (interleaved-1f1b, v = n_layer: FSDP
 microbatch), one microbatch per step unless --microbatches; fp32 on CPU gloo, each layout a fresh job in a child
 process. Tensor bytes: the last step's peak (recorded), the largest rank's; RSS: the process's max resident size
 (ru_maxrss, which counts the interpreter, torch and gloo too: compare its differences between rows, not its
-level). --malloc-env runs the workers with MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set (glibc hands large
-freed blocks back to the system), which pipegpt.comm's worker launch sets by default on CPU when it helps.
+level); counting: what the step's samples cost the recorded step, beside the step's time (ms). --malloc-env runs
+the workers with MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set (glibc hands large freed blocks back to
+the system; not set by default: docs/parallelism.md says why).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def measure(spec: dict) -> dict:
         for step in range(spec["steps"]):
             results = job.step(step)
         job.close()
-    return {"tensor_bytes": [r.tensor_bytes for r in results], "rss": [r.peak_memory for r in results]}
+    return {"tensor_bytes": [r.tensor_bytes for r in results], "rss": [r.peak_memory for r in results],
+            "step_s": [r.compute_s for r in results]}
 
 
 def run_child(spec: dict, env: dict) -> dict:
@@ -84,7 +86,7 @@ def main() -> None:
     print("MiB per rank at the step's peak (the largest rank): measured tensor bytes by kind, their total, the "
           "planner's total, the process's peak RSS")
     print(f"{'dp':>3}{'zero':>5}{'gather':>11}" + "".join(f"{k[:8]:>10}" for k in KINDS)
-          + f"{'total':>10}{'planned':>10}{'RSS':>9}")
+          + f"{'total':>10}{'planned':>10}{'RSS':>9}{'counting':>14}")
     for dp in args.dp:
         for zero, policy in layouts:
             got = run_child({**base, "dp": dp, "zero": zero, "unshard": policy}, env)
@@ -93,7 +95,8 @@ def main() -> None:
             planned = (tb.get("predicted") or {}).get("total")
             print(f"{dp:>3}{zero:>5}{policy if zero == 3 else '':>11}"
                   + "".join(f"{mib(tb['by_kind'][k]):>10}" for k in KINDS)
-                  + f"{mib(tb['total']):>10}{mib(planned):>10}{mib(max(got['rss'])):>9}", flush=True)
+                  + f"{mib(tb['total']):>10}{mib(planned):>10}{mib(max(got['rss'])):>9}"
+                  + f"{1e3 * tb['sampling_s']:>7.1f}/{1e3 * got['step_s'][worst]:.0f}ms", flush=True)
 
 
 if __name__ == "__main__":

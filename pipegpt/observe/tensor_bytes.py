@@ -19,6 +19,7 @@ breakdown says what was held at the largest sample; on CPU the total is the larg
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import Callable, Iterable
 
@@ -65,6 +66,8 @@ class PeakTensorBytes:
         self.saved: list[weakref.ref] = []  # what autograd saved this step, alive until its graph is freed
         self.peak: dict[str, int] = {}
         self.peak_total = 0
+        self.sampling_s = 0.0  # what the samples cost the step (the accounting's own price)
+        self.samples = 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.saved.append(weakref.ref(t))
@@ -81,6 +84,7 @@ class PeakTensorBytes:
 
     def sample(self, *message_maps) -> None:
         """Count now; message_maps: the runtime's dicts of messages (their values)."""
+        t0 = time.perf_counter()
         held = dict(self.held())
         held["messages"] = [t for m in message_maps for t in _tensors(m.values())]
         held["activations"] = self._activations()
@@ -88,11 +92,13 @@ class PeakTensorBytes:
         total = sum(counts.values())
         if total >= self.peak_total or not self.peak:
             self.peak, self.peak_total = counts, total
+        self.sampling_s += time.perf_counter() - t0
+        self.samples += 1
 
     @contextlib.contextmanager
     def measure(self, runtime):
         """Sample through a step: after each of the runtime's actions, and where the caller calls sample()."""
-        self.saved, self.peak, self.peak_total = [], {}, 0
+        self.saved, self.peak, self.peak_total, self.sampling_s, self.samples = [], {}, 0, 0.0, 0
         runtime.after_action = self.sample
         try:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t) if self.hook_saved \
@@ -105,11 +111,13 @@ class PeakTensorBytes:
             self.saved = []
 
     def result(self) -> dict:
-        """{"total": the peak's bytes, "by_kind": what was held at the largest sample}."""
+        """{"total": the peak's bytes, "by_kind": what was held at the largest sample, "samples" and
+        "sampling_s": how many samples the step took and what they cost it}."""
         total = self.peak_total
         if self.device.type == "cuda":  # the allocator saw every transient between the samples
             total = max(total, torch.cuda.max_memory_allocated(self.device))
-        return {"total": int(total), "by_kind": dict(self.peak)}
+        return {"total": int(total), "by_kind": dict(self.peak), "samples": self.samples,
+                "sampling_s": self.sampling_s}
 
 
 def predicted_peak(cfg, plan, pipeline_rank: int, device: str) -> dict:
