@@ -1,0 +1,66 @@
+"""A MoE block's all-to-alls posted as cuts (model.moe.block_steps), hidden in a pair under the other half's compute.
+
+In one process (an ep "group" of one: the exchange is a copy) a pair of pieces equals the plain stage per named
+gradient, with recomputation and split backward; over processes, paired schedules with ep 2 equal one process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from pipegpt.expert_parallel.dispatch import ExpertGroup
+from pipegpt.expert_parallel.layers import _block_steps
+from pipegpt.model.gpt import GPT
+from pipegpt.model.moe import MoE
+from pipegpt.stages import Stage
+from pipegpt.stages.stage import interleave
+
+from test_moe_oracle import MOE
+
+
+def _stage(model, recompute, posted):
+    stage = Stage(0, 1, GPT(model, layers=range(model.n_layer), embed=True, head=True, recompute=recompute,
+                            init_seed=7), 2)
+    stage.module.train()
+    calls = []
+    if posted:  # what shard_for_ep does with ep > 1; a group of one exchanges by copying
+        for block in stage.module.blocks.values():
+            if isinstance(block.mlp, MoE):
+                block.mlp.expert_parallel = ExpertGroup(None, 1, 0)
+                steps = functools.partial(_block_steps, block, stage.module)
+                block.forward_steps = lambda x, documents, steps=steps: calls.append(1) or steps(x, documents)
+    return stage, calls
+
+
+@pytest.mark.parametrize("recompute, split", [("none", False), ("full", False), ("selective", True),
+                                              ("full", True)])
+def test_a_moe_block_posting_its_all_to_alls_trains_as_the_plain_block(recompute, split):
+    model = dataclasses.replace(MOE, n_layer=3)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)) for _ in "012"]
+    results = []
+    for posted in (False, True):
+        stage, calls = _stage(model, recompute, posted)
+        for layer in stage.module.blocks.values():
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.aux_loss_scale = 0.5
+        stage.forward_pieces(0, *data[0]).finish()
+        loss1, _ = interleave(stage.forward_pieces(1, *data[1]), stage.backward_pieces(0, None, split=split))
+        loss2, _ = interleave(stage.forward_pieces(2, *data[2]), stage.backward_pieces(1, None, split=split))
+        stage.backward(2, None, split=split)
+        if split:
+            for mb in range(3):
+                stage.backward_weight(mb)
+        results.append(((loss1, loss2), {n: p.grad.clone() for n, p in stage.module.named_parameters()},
+                        [float(m.aux_sum) for m in stage.module.modules() if isinstance(m, MoE)]))
+        assert len(calls) == (6 if posted else 0)  # two MoE blocks, three forwards
+    (plain_losses, plain, plain_aux), (losses, grads, aux) = results
+    assert_close(losses, plain_losses, rtol=0, atol=0)
+    assert aux == pytest.approx(plain_aux, rel=1e-6) and all(plain_aux)
+    assert any("router" in n for n in plain)
+    for name in plain:
+        assert_close(grads[name], plain[name], rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
