@@ -19,7 +19,10 @@ from pipegpt.model.moe import MoE
 from pipegpt.stages import Stage
 from pipegpt.stages.stage import interleave
 
-from test_moe_oracle import MOE
+from pipegpt.train.driver import check
+
+from test_moe_oracle import MOE, assert_moe_matches, moe_config
+from test_pipeline_oracle import workers  # noqa: F401 (a fixture)
 
 
 def _stage(model, recompute, posted):
@@ -64,3 +67,25 @@ def test_a_moe_block_posting_its_all_to_alls_trains_as_the_plain_block(recompute
     assert any("router" in n for n in plain)
     for name in plain:
         assert_close(grads[name], plain[name], rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
+
+
+# Over processes: dp 2 x ep 2 x pp 2, schedules with pairs, the tiny MoE with its aux loss and bias updates. The
+# default suite runs dualpipev (its pairs: one stage's forward with the other's backward on a rank) under tag
+# matching; recomputation, order matching, 1f1b-overlap and --overlap off are slow.
+PAIRED = [pytest.param("dualpipev", "none", "tag", "on", id="dualpipev"),
+          pytest.param("dualpipev", "full", "order", "on", id="dualpipev-full-order", marks=pytest.mark.slow),
+          pytest.param("dualpipev", "selective", "tag", "off", id="dualpipev-selective-off", marks=pytest.mark.slow),
+          pytest.param("1f1b-overlap", "none", "order", "on", id="1f1b-overlap-order", marks=pytest.mark.slow),
+          pytest.param("1f1b-overlap", "full", "tag", "on", id="1f1b-overlap-full", marks=pytest.mark.slow),
+          pytest.param("1f1b-overlap", "selective", "tag", "off", id="1f1b-overlap-off", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("schedule, recompute, p2p, overlap", PAIRED)
+def test_paired_schedules_with_experts_over_ep_match_one_process(workers, schedule, recompute, p2p,  # noqa: F811
+                                                                 overlap, request):
+    cfg = moe_config(2, dp=2, ep=2, schedule=schedule, recompute=recompute, p2p_matching=p2p, overlap=overlap)
+    check(cfg)
+    host = workers(cfg)
+    assert_moe_matches(cfg, host, steps=1)
+    if "slow" in request.keywords:  # parameters after 3 AdamW steps and the biases after their updates, in float64
+        assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
