@@ -457,9 +457,6 @@ def validate_ep(model: ModelConfig, p: ParallelConfig) -> None:
         over = " x ".join(carving.over)
         raise ConfigError(f"--ep {p.ep} is carved out of {over} = {span} and does not divide it: give --ep a "
                           f"divisor of {span}, or more {over}")
-    if p.zero >= 1:
-        raise ConfigError(f"--zero {p.zero} with --ep {p.ep} is not supported yet (expert parameters would shard "
-                          f"over their own replicas): use --zero 0")
 
 
 def trace_step_list(text, steps: int) -> tuple[int, ...]:

@@ -16,7 +16,8 @@ Gradient reductions (Reduction), in the order their sums run (the numerics are t
     experts     over edp       with ep: sum each expert's gradient over its replicas and divide by dp x cp. Each
                                expert's rank already holds the sum over its ep group's tokens (the combine's
                                backward brings every source's gradient), so the edp sum completes the sum over all
-                               dp x cp ranks' tokens, and dp x cp is one process's divisor
+                               dp x cp ranks' tokens, and dp x cp is one process's divisor (ZeRO shards each
+                               family over its own group: pipegpt.data_parallel.families)
     partial     over tp        sum the replicated parameters' gradients under sequence parallelism (each rank
                                saw only its part of the sequence)
     shared kv   over tp        sum a key/value head's gradients over the tp/n_kv_head ranks sharing it
@@ -117,6 +118,13 @@ class StageParallelism:
         """This rank (at replica_index of dp x cp and edp_index of edp) stores and counts the parameter's value,
         as far as data and expert parallelism go: replica 0 a dense one, edp index 0 an expert's slice."""
         return (edp_index if self.ep > 1 and self.expert(name) else replica_index) == 0
+
+    def checkpoint_shard(self, name: str, tp_rank: int, ep_rank: int) -> list[int]:
+        """[rank, ranks] of the part of `name` this rank writes in a checkpoint: an expert's slice over ep, else
+        its tp shard ([0, 1]: whole, a tp-replicated tensor)."""
+        if self.ep > 1 and self.expert(name):
+            return [ep_rank, self.ep]
+        return [0, 1] if self.tp == 1 or tp_shard_spec(name) == REPLICATED else [tp_rank, self.tp]
 
     def partial(self, name: str) -> bool:
         """The parameter's gradient is partial on each tp rank (sequence parallelism's replicated ones)."""

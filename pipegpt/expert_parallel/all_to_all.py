@@ -13,7 +13,8 @@ swapped), run when autograd reaches it and waited for at once. `all_to_all` is s
 Every wait is bounded by timeout_s where the backend's Work takes a timeout (gloo; on CUDA a wait only orders
 streams and NCCL's own group timeout bounds it), and a failure raises ExpertParallelError naming this rank and
 its peers in the group (global ranks): a collective's Work does not say which peer failed it. group None is a
-group of one rank (no communication), as pipegpt.comm.mesh leaves a group of one.
+group of one rank (no communication), as pipegpt.comm.mesh leaves a group of one. bytes_sent() counts what this
+process sent other ranks through these functions (rows to itself stay local).
 """
 from __future__ import annotations
 
@@ -24,8 +25,19 @@ import torch
 import torch.distributed as dist
 
 
+_sent = [0]  # bytes this process sent other ranks through this module
+
+
 class ExpertParallelError(RuntimeError):
     pass
+
+
+def bytes_sent() -> int:
+    return _sent[0]
+
+
+def reset_bytes_sent() -> None:
+    _sent[0] = 0
 
 
 def group_ranks(group) -> list[int]:
@@ -72,6 +84,8 @@ def _post(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     if group is None:
         return Pending(out.copy_(x), None, group, timeout_s, what)
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    _sent[0] += (sum(send_splits) - send_splits[dist.get_rank(group)]) * row_bytes
     work = dist.all_to_all_single(out, x, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
                                   group=group, async_op=True)
     return Pending(out, work, group, timeout_s, what)

@@ -7,12 +7,11 @@ numerics are those of one fixed sequence); a new parallelism adds one class here
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from pipegpt.data_parallel.buckets import sum_in_buckets
 from pipegpt.config import TrainConfig
-from pipegpt.data_parallel import DataParallel
+from pipegpt.data_parallel import ONE_RANK, DataParallel, DataParallelFamilies
 from pipegpt.engine.engine import Engine
 from pipegpt.schedule import Kind, ScheduleError
 from pipegpt.tensor_parallel.layers import sum_replicated_kv_grads
@@ -50,10 +49,11 @@ class DataParallelSync(GradSync):
     """Replicas (and cp ranks) average their gradients, each stage's buckets started at the stage's REDUCE_GRAD
     (placed by the plan right after the stage's last backward), so they overlap with the rest of the step; with
     ZeRO each rank keeps its shard (pipegpt.data_parallel). Replica 0 stores the parameters (with ZeRO-3 each
-    rank its shard; optimizer state: see the role)."""
+    rank its shard; optimizer state: see the role). With experts over ep, the experts are a family of their own
+    over edp (pipegpt.parallelisms' "experts" reduction), beside the dense parameters over dp x cp."""
 
-    def __init__(self, engine: Engine, cfg: TrainConfig, leave_out: frozenset = frozenset()):
-        """leave_out: ids of parameters another sync reduces (expert parallelism's experts)."""
+    def __init__(self, engine: Engine, cfg: TrainConfig, experts: frozenset = frozenset()):
+        """experts: ids of the parameters summed over edp (expert parallelism's), not over dp x cp."""
         mesh = engine.mesh
         if cfg.parallel.zero >= 3:  # a stage the plan never gathers would compute on empty parameters
             actions = engine.plan.ranks[mesh.pp_index]
@@ -62,12 +62,19 @@ class DataParallelSync(GradSync):
                 if s not in gathered:
                     raise ScheduleError(f"rank {engine.rank}: the plan has no {s}UNSHARD, and --zero 3 shards "
                                         f"stage {s}'s parameters")
-        kept = lambda params: [p for p in params if id(p) not in leave_out]  # noqa: E731
-        self.dp = DataParallel({s: kept(ps) for s, ps in engine.params_by_stage().items()},
-                               {s: kept(stage.module.parameters()) for s, stage in engine.stages.items()},
-                               mesh.group("dp_cp"), mesh.members["dp_cp"].index(engine.rank), cfg.parallel.zero,
-                               engine.rank, cfg.runtime.wait_timeout_s,
-                               alone=frozenset(id(p) for p in engine.tied_copies()))
+
+        def family(keep, group: str, divisor=None) -> DataParallel:
+            return DataParallel({s: [p for p in ps if keep(p)] for s, ps in engine.params_by_stage().items()},
+                                {s: [p for p in stage.module.parameters() if keep(p)]
+                                 for s, stage in engine.stages.items()},
+                                mesh.group(group) if len(mesh.members[group]) > 1 else ONE_RANK,
+                                mesh.members[group].index(engine.rank), cfg.parallel.zero,
+                                engine.rank, cfg.runtime.wait_timeout_s,
+                                alone=frozenset(id(p) for p in engine.tied_copies()), divisor=divisor)
+
+        dense = family(lambda p: id(p) not in experts, "dp_cp")
+        self.dp = dense if not experts else DataParallelFamilies(
+            [dense, family(lambda p: id(p) in experts, "edp", engine.parallelism.gradient_ranks)])
 
     def reduce_grad(self, stage: int) -> None:
         self.dp.reduce_grad(stage)
@@ -86,40 +93,19 @@ class DataParallelSync(GradSync):
 
 
 class ExpertParallelSync(GradSync):
-    """Experts spread over ep ranks (pipegpt.parallelisms' "experts" reduction): each expert's gradient already
-    sums its ep group's tokens (the combine's backward brought them); summed over the expert's replicas (edp) and
-    divided by dp x cp, it is one process's. The norm sums over every rank (norm_group: the world): replica 0 of
-    dp x cp counts and stores the dense values, edp index 0 the experts' slices."""
+    """Experts spread over ep ranks: their gradients are DataParallelSync's family over edp (summed, divided by
+    dp x cp). The norm sums over every rank (norm_group: the world); without ZeRO replica 0 of dp x cp counts
+    and stores the dense values and edp index 0 the experts' slices (with ZeRO each rank its pieces)."""
 
     norm_group_world = True
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, zero: int):
         layout, mesh = engine.parallelism, engine.mesh
-        self.group, self.divisor = mesh.group("edp"), layout.gradient_ranks
         named = [(engine.full_names[id(p)], p) for _, p in engine.named_params]
-        self.experts = [p for name, p in named if layout.expert(name)]
-        self.of_stage = {s: [p for p in stage.module.parameters() if any(p is q for q in self.experts)]
-                         for s, stage in engine.stages.items()}
-        replica = mesh.members["dp_cp"].index(engine.rank) if "dp_cp" in mesh.members else 0
-        self.elsewhere = {id(p) for name, p in named if not layout.stored_by(name, replica, mesh.edp_index)}
-
-    @property
-    def expert_ids(self) -> frozenset:
-        return frozenset(id(p) for p in self.experts)
-
-    def ready(self, stage: int, backward: bool) -> None:
-        if backward:  # before the stage's first backward of a step: its experts' gradients start from zero
-            for p in self.of_stage.get(stage, ()):
-                p.grad = None
-
-    def reduce(self) -> None:
-        for p in self.experts:
-            if p.grad is None:  # no token reached these experts this step: a zero gradient, as in one process
-                p.grad = torch.zeros_like(p)
-        if self.group is not None:
-            sum_in_buckets([p.grad for p in self.experts], self.group)
-        for p in self.experts:
-            p.grad.div_(self.divisor)
+        self.experts = frozenset(id(p) for name, p in named if layout.expert(name))
+        replica = mesh.members["dp_cp"].index(engine.rank)
+        self.elsewhere = set() if zero else {id(p) for name, p in named
+                                             if not layout.stored_by(name, replica, mesh.edp_index)}
 
     def not_counted(self) -> set[int]:
         return self.elsewhere
@@ -188,11 +174,11 @@ def make_syncs(engine: Engine, cfg: TrainConfig) -> list[GradSync]:
     syncs: list[GradSync] = []
     held = list
     layout = engine.parallelism
-    experts = ExpertParallelSync(engine) if layout.ep > 1 else None
-    if layout.gradient_ranks > 1:  # cp ranks average their gradients as replicas do
-        syncs.append(DataParallelSync(engine, cfg, experts.expert_ids if experts else frozenset()))
+    experts = ExpertParallelSync(engine, cfg.parallel.zero) if layout.ep > 1 else None
+    if layout.gradient_ranks > 1:  # cp ranks average their gradients as replicas do (experts: over edp)
+        syncs.append(DataParallelSync(engine, cfg, experts.experts if experts else frozenset()))
         held = gradient_holders(syncs[0].dp)
-    if experts is not None:  # layout.reductions: the experts' after the dense parameters'
+    if experts is not None:
         syncs.append(experts)
     if layout.tp > 1:  # its sums (layout.reductions' tp ones), and who counts and stores replicated values
         syncs.append(TensorParallelSync(engine, held))
@@ -201,7 +187,7 @@ def make_syncs(engine: Engine, cfg: TrainConfig) -> list[GradSync]:
     return syncs
 
 
-def gradient_holders(dp: DataParallel):
+def gradient_holders(dp: DataParallel | DataParallelFamilies):
     """params -> the tensors whose .grad is what the optimizer will read of them: the parameters themselves, or
     under ZeRO their pieces in this rank's shard (once the reductions are done)."""
     if not dp.zero:
@@ -212,7 +198,7 @@ def gradient_holders(dp: DataParallel):
     return lambda params: [piece for p in params for piece in pieces.get(id(p), ())]
 
 
-def data_parallel_of(syncs: list[GradSync]) -> DataParallel | None:
+def data_parallel_of(syncs: list[GradSync]) -> DataParallel | DataParallelFamilies | None:
     return next((s.dp for s in syncs if isinstance(s, DataParallelSync)), None)
 
 

@@ -281,7 +281,7 @@ class Worker(Role):
 
     def _owned_tensors(self) -> tuple[dict, dict]:
         optimizer, mesh, elsewhere = self.optimizer, self.engine.mesh, self.elsewhere
-        shard, layout = [mesh.tp_index, self.cfg.parallel.tp], self.engine.parallelism
+        layout = self.engine.parallelism
         tensors = rng.rng_state(self.rank, self.device)
         # Replica 0 (dp and cp index 0: cp ranks hold the same weights) stores the parameters and moments; with
         # experts over ep, every rank stores what the syncs leave it (elsewhere: another rank stores it).
@@ -291,8 +291,9 @@ class Worker(Role):
             for p, state in optimizer.state.items():
                 if id(p) not in elsewhere:
                     tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})
-        return tensors, {key: [mesh.ep_index, layout.ep] if layout.ep > 1 and layout.expert(key) else
-                         [0, 1] if zero_state.whole_tensor(key) else shard for key in tensors}
+        return tensors, {key: [0, 1] if rng.is_rng_key(key) else
+                         layout.checkpoint_shard(key.split("/", 1)[1], mesh.tp_index, getattr(mesh, "ep_index", 0))
+                         for key in tensors}
 
     @actor_method
     def snapshot(self, directory: str) -> float:

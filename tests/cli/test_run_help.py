@@ -15,7 +15,10 @@ def test_run_help_lists_every_option_under_one_of_its_sections_in_order():
     headings = re.findall(r"^(\w+) options:$", text, flags=re.M)
     assert headings == [*HELP_ORDER, "Other"], headings
     other = text.split("Other options:", 1)[1]
-    assert re.findall(r"^  (-\S+)", other, flags=re.M) == ["-h,"]  # only --help is left to "Other"
+    # only the help option is left to "Other" (-h, --help; a context made without the group's settings, as
+    # make_context("run", ...) in another test, leaves click's cached option at --help alone)
+    listed = [line for line in other.splitlines() if line.startswith("  -")]
+    assert len(listed) == 1 and listed[0].split("  ")[1].strip() in ("-h, --help", "--help"), listed
     body = lambda title: text.split(f"{title} options:", 1)[1].split(" options:", 1)[0]  # noqa: E731
     assert "--stages" in body("Layout") and "--tp" in body("Layout") and "--schedule " not in body("Layout")
     assert "--schedule-file" in body("Schedule") and "--microbatches" in body("Schedule")

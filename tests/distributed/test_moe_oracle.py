@@ -108,21 +108,28 @@ def test_moe_pipeline_matches_one_process(workers, dp, p, schedule, zero, model,
 
 # Expert parallelism: each dp rank holds E/ep experts and exchanges tokens with its ep group. One fast case in the
 # default suite; the pipelined ones slow.
-EP_CASES = [pytest.param(1, "1f1b", "none", MOE, id="ep2-dp2"),
-            pytest.param(2, "1f1b", "none", MOE, id="ep2-dp2-pp2", marks=pytest.mark.slow),
-            pytest.param(2, "zb-h1", "none", MOE, id="ep2-dp2-pp2-zb-h1", marks=pytest.mark.slow),
-            pytest.param(2, "1f1b", "full", dataclasses.replace(MOE, router_aux_loss_coef=0.0,
-                                                                router_z_loss_coef=1e-3),
-                         id="ep2-dp2-pp2-recompute-z-loss", marks=pytest.mark.slow),
+NO_AUX_Z_LOSS = dataclasses.replace(MOE, router_aux_loss_coef=0.0, router_z_loss_coef=1e-3)
+EP_CASES = [pytest.param(1, 2, 2, "1f1b", "none", MOE, 0, id="ep2-dp2"),
+            pytest.param(2, 2, 2, "1f1b", "none", MOE, 0, id="ep2-dp2-pp2", marks=pytest.mark.slow),
+            pytest.param(2, 2, 2, "zb-h1", "none", MOE, 0, id="ep2-dp2-pp2-zb-h1", marks=pytest.mark.slow),
+            pytest.param(2, 2, 2, "1f1b", "full", NO_AUX_Z_LOSS, 0, id="ep2-dp2-pp2-recompute-z-loss",
+                         marks=pytest.mark.slow),
             # each rank drops what one process drops of the same microbatch: capacity per call, before dispatch
             # (at 0.5 here, half of each layer's assignments)
-            pytest.param(1, "1f1b", "none", dataclasses.replace(MOE, moe_capacity_factor=0.5), id="ep2-dp2-capacity",
-                         marks=pytest.mark.slow)]
+            pytest.param(1, 2, 2, "1f1b", "none", dataclasses.replace(MOE, moe_capacity_factor=0.5), 0,
+                         id="ep2-dp2-capacity", marks=pytest.mark.slow),
+            # dp 4: each expert on two ranks (edp 2), its gradient summed over them; ZeRO shards it over them
+            pytest.param(1, 4, 2, "1f1b", "none", MOE, 0, id="ep2-dp4", marks=pytest.mark.slow),
+            pytest.param(1, 4, 2, "1f1b", "none", MOE, 1, id="ep2-dp4-zero1", marks=pytest.mark.slow),
+            pytest.param(1, 4, 4, "1f1b", "none", MOE, 2, id="ep4-dp4-zero2", marks=pytest.mark.slow),
+            pytest.param(1, 4, 2, "1f1b", "none", MOE, 3, id="ep2-dp4-zero3", marks=pytest.mark.slow),
+            pytest.param(2, 2, 2, "zb-h1", "none", MOE, 3, id="ep2-dp2-pp2-zb-h1-zero3", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("p, schedule, recompute, model", EP_CASES)
-def test_moe_with_experts_over_ep_ranks_matches_one_process(workers, p, schedule, recompute, model):  # noqa: F811
-    cfg = moe_config(p, model, dp=2, ep=2, schedule=schedule, recompute=recompute)
+@pytest.mark.parametrize("p, dp, ep, schedule, recompute, model, zero", EP_CASES)
+def test_moe_with_experts_over_ep_ranks_matches_one_process(workers, p, dp, ep, schedule, recompute, model,  # noqa: F811
+                                                            zero):
+    cfg = moe_config(p, model, dp=dp, ep=ep, schedule=schedule, recompute=recompute, zero=zero)
     check(cfg)
     host = workers(cfg)
     assert_moe_matches(cfg, host, steps=1)
@@ -183,18 +190,20 @@ def _saved(workers, cfg, root):  # noqa: F811
     return path, loss, dict(host.buffers(cfg))
 
 
-@pytest.mark.parametrize("saved_ep, restored_ep, dp", [
-    pytest.param(2, 1, 2, id="ep2-to-ep1", marks=pytest.mark.slow), pytest.param(1, 4, 4, id="ep1-to-ep4", marks=pytest.mark.slow)])
-def test_expert_checkpoints_reshard_across_ep(workers, tmp_path, saved_ep, restored_ep, dp):  # noqa: F811
-    """A checkpoint written with experts over saved_ep ranks resumes over restored_ep: every tensor bitwise, the
+@pytest.mark.parametrize("saved, restored, dp", [
+    pytest.param(dict(ep=2), dict(ep=1), 2, id="ep2-to-ep1", marks=pytest.mark.slow),
+    pytest.param(dict(ep=1), dict(ep=4), 4, id="ep1-to-ep4", marks=pytest.mark.slow),
+    pytest.param(dict(ep=2, zero=1), dict(ep=4, zero=3), 4, id="ep2-zero1-to-ep4-zero3", marks=pytest.mark.slow)])
+def test_expert_checkpoints_reshard_across_ep(workers, tmp_path, saved, restored, dp):  # noqa: F811
+    """A checkpoint written with experts over one ep (and ZeRO) resumes over another: every tensor bitwise, the
     next step's loss within 1e-5 of the writer's, the router biases after it exactly (float64)."""
     from pipegpt.state.checkpoint import read_weights
 
-    saved_cfg = moe_config(1, dp=dp, ep=saved_ep, dtype="float64", steps=3)
+    saved_cfg = moe_config(1, dp=dp, dtype="float64", steps=3, **saved)
     path, loss, biases = _saved(workers, saved_cfg, tmp_path)
     assert read_weights(path)["blocks.2.mlp.experts_proj"].shape[0] == MOE.n_experts
     restored_loss, restored_biases = _restored(workers, saved_cfg, path,
-                                               moe_config(1, dp=dp, ep=restored_ep, dtype="float64", steps=3))
+                                               moe_config(1, dp=dp, dtype="float64", steps=3, **restored))
     assert restored_loss == pytest.approx(loss, rel=1e-5)
     assert set(biases) == set(restored_biases) and all(torch.equal(biases[n], restored_biases[n]) for n in biases)
     assert any(b.abs().sum() > 0 for b in biases.values())

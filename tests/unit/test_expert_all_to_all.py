@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipegpt.expert_parallel.all_to_all import (ExpertParallelError, all_to_all, exchange_counts,
-                                                start_all_to_all)
+from pipegpt.expert_parallel.all_to_all import (ExpertParallelError, all_to_all, bytes_sent, exchange_counts,
+                                                reset_bytes_sent, start_all_to_all)
 
 from plan_memory_harness import free_port
 
@@ -60,12 +60,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         counts = exchange_counts(torch.tensor([[n, 10 * n] for n in rows[rank]]), group, 30)
         result["counts"] = counts
         x = xs[rank].clone().requires_grad_()
+        reset_bytes_sent()
         pending = start_all_to_all(x, rows[rank], [rows[r][rank] for r in range(world)], group, 30, "dispatch")
         busy = torch.randn(64, 64).matmul(torch.randn(64, 64))  # compute while the rows travel
         received = pending.wait()
         assert pending.done and busy.shape == (64, 64)
+        result["forward_bytes"] = bytes_sent()
         (received * ws[rank]).sum().backward()
-        result.update(received=received.detach(), grad=x.grad)
+        result.update(received=received.detach(), grad=x.grad, both_bytes=bytes_sent())
         again = all_to_all(xs[rank], rows[rank], [rows[r][rank] for r in range(world)], group, 30)  # no grad
         result["again"] = again
         if world == 2:  # last: the group is spent after a timeout
@@ -101,6 +103,11 @@ def test_forward_and_backward_equal_one_process_gather_and_scatter(ranks):
         assert torch.equal(result["received"], received[rank]) and torch.equal(result["again"], received[rank])
         assert torch.equal(result["grad"], grads[rank])
         assert result["counts"].tolist() == [[rows[r][rank], 10 * rows[r][rank]] for r in range(world)]
+    row = C * 8  # float64
+    for rank, result in enumerate(results):  # rows to other ranks only; the backward sends back what came in
+        assert result["forward_bytes"] == row * sum(n for s, n in enumerate(rows[rank]) if s != rank)
+        assert result["both_bytes"] - result["forward_bytes"] == row * sum(
+            rows[r][rank] for r in range(world) if r != rank)
     assert results[-1]["grad"].shape == (0, C)  # the last rank sent nothing
     if world > 2:
         assert results[1]["received"].shape == (0, C)  # rank 1 received nothing
