@@ -89,3 +89,21 @@ def test_paired_schedules_with_experts_over_ep_match_one_process(workers, schedu
     assert_moe_matches(cfg, host, steps=1)
     if "slow" in request.keywords:  # parameters after 3 AdamW steps and the biases after their updates, in float64
         assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
+
+
+def test_calibration_measures_the_overlap_a_paired_run_achieved():
+    """simulate --trace of a paired run: the trace's pair (one event) against the simulator's (its halves drawn)
+    and against its halves apart at the calibrated costs."""
+    from pipegpt.schedule.actions import B, Composite, F
+    from pipegpt.schedule.calibrate import pair_times
+    from pipegpt.schedule.simulate import Event, Timeline
+    from pipegpt.schedule.timing_rule import Costs
+
+    pair = Composite.of(F(0, 1), B(0, 0))
+    measured = Timeline([Event(0, F(0, 0), 0, 1), Event(0, pair, 1, 3.5), Event(0, B(0, 1), 3.5, 5.5)], 1,
+                        time_unit="s")
+    predicted = Timeline([Event(0, F(0, 0), 0, 1), Event(0, F(0, 1), 1, 2, pair=pair),
+                          Event(0, B(0, 0), 2, 4.25, pair=pair), Event(0, B(0, 1), 4.25, 6.25)], 1)
+    assert pair_times(measured, predicted, Costs.uniform(1, F=1, B=2)) == \
+        {"count": 1, "measured": 2.5, "predicted": 3.25, "apart": 3.0}
+    assert pair_times(Timeline([Event(0, F(0, 0), 0, 1)], 1), predicted, Costs.uniform(1)) is None
