@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/bench_overlap.py                        # dualpipev, 3 rounds of 6 steps
     .venv/bin/python benchmarks/bench_overlap.py --schedule 1f1b-overlap --rounds 5 --steps 10
+    .venv/bin/python benchmarks/bench_overlap.py --run-args '--n-embd 256 --seq-len 128'   # more to exchange
 
 Each round runs `pipegpt run --model tiny-moe --stages 2 --dp 2 --ep 2` (8 gloo processes' worth of work on 4
 ranks, one thread each) with --overlap on and off, which goes first alternating; a cell is the median of every
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -36,7 +38,7 @@ def run(args, work: Path, name: str, *extra: str) -> list[float]:
     cmd = [*PIPEGPT, "run", "--model", "tiny-moe", "--stages", "2", "--dp", "2", "--schedule", args.schedule,
            "--microbatches", str(args.microbatches), "--microbatch-size", str(args.microbatch_size),
            "--steps", str(args.steps + 1), "--device", "cpu", "--threads-per-worker", "1", "--seed", "1",
-           "--run-dir", str(run_dir), "--overwrite", *extra]
+           "--run-dir", str(run_dir), "--overwrite", *shlex.split(args.run_args), *extra]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=1800)
     return step_times(run_dir)
 
@@ -55,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run (one more is run and left out)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--run-args", default="", help="more `pipegpt run` options for every run, e.g. '--seq-len 256'")
     args = ap.parse_args(argv)
     times: dict[str, list[float]] = {"on": [], "off": [], "ep1": []}
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:

@@ -170,7 +170,11 @@ class CarriedExchange:
         return _Joined(flat[:kept], _post(rows, send_splits, recv_splits, self._group, self._timeout_s, what))
 
     def wait(self) -> torch.Tensor:
-        return self._pending.wait()
+        received, self._pending = self._pending.wait(), None
+        # sent's values are read by nothing now (its backward, a cat's, does not read them; the Stage keeps it as
+        # the root of the part before the cut): free them, as Stage.release_output frees a stage's output
+        self.sent.data = self.sent.new_empty(0)
+        return received
 
     def transpose(self, grad: torch.Tensor) -> "_Joined":
         send_splits, recv_splits = self._splits
