@@ -212,7 +212,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
 
 
 def layout_options(command):
-    """--stages, --tp, --dp and --timeout of the commands that can run on workers (sample, hellaswag)."""
+    """--stages, --tp, --dp, --ep and --timeout of the commands that can run on workers (sample, hellaswag)."""
     for option in reversed([
         click.option("--stages", "-p", type=click.IntRange(min=1), default=None,
                      help="Run on workers: pipeline stages (one worker each), the model cut into them. Without "
@@ -221,6 +221,9 @@ def layout_options(command):
                                                                              "per stage."),
         click.option("--dp", type=click.IntRange(min=1), default=None, help="Run on workers: replicas, each taking "
                                                                              "its share of the prompts or examples."),
+        click.option("--ep", type=click.IntRange(min=1), default=None,
+                     help="Run on workers: a mixture of experts' experts spread over this many of the --dp replicas "
+                          "(as pipegpt run --ep)."),
         click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=60.0,
                      show_default=True, help="On workers: seconds any wait may take before the job is brought down."),
     ]):
@@ -228,13 +231,13 @@ def layout_options(command):
     return command
 
 
-def _layout(stages, tp, dp):
+def _layout(stages, tp, dp, ep=None):
     """The workers' layout the options ask for, or None (one process)."""
     from pipegpt.infer.job import Layout
 
-    if stages is None and tp is None and dp is None:
+    if stages is None and tp is None and dp is None and ep is None:
         return None
-    return Layout(stages or 1, tp or 1, dp or 1)
+    return Layout(stages or 1, tp or 1, dp or 1, ep or 1)
 
 
 def _on_workers(work):
@@ -255,7 +258,7 @@ def _on_workers(work):
 @layout_options
 @command_options.sample_options
 def sample(path, prompt, prompts_file, batch, max_new_tokens, temperature, top_k, seed, tokenizer, device, stages,
-           tp, dp, timeout_s, as_json):
+           tp, dp, ep, timeout_s, as_json):
     """Generate text from a checkpoint (or a run directory's latest), in one process or on workers.
 
     With --stages/--tp/--dp the model is cut over workers in that layout, each stage keeping the KV caches of its
@@ -275,7 +278,7 @@ def sample(path, prompt, prompts_file, batch, max_new_tokens, temperature, top_k
     if prompts_file is not None and prompt:
         raise click.UsageError("give --prompt or --prompts-file, not both")
     prompts = read_prompts(prompts_file) if prompts_file is not None else list(prompt) or ["\n"]
-    layout = _layout(stages, tp, dp)
+    layout = _layout(stages, tp, dp, ep)
     if layout is None and len(prompts) == 1 and not as_json:  # one prompt in one process: nanoGPT's loop
         click.echo(run_sample(path, prompts[0], max_new_tokens, temperature, top_k, seed, tokenizer, device).text)
         return
@@ -294,7 +297,7 @@ def sample(path, prompt, prompts_file, batch, max_new_tokens, temperature, top_k
 @click.argument("path", type=click.Path())
 @layout_options
 @command_options.hellaswag_options
-def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, as_json):
+def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, ep, timeout_s, as_json):
     """HellaSwag accuracy of a checkpoint (or a run directory's latest), nanoGPT's scoring, in one process or on
     workers (--stages/--tp/--dp: each holds a slice of the model, the examples flow through the stages).
 
@@ -308,7 +311,7 @@ def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, 
     """
     from pipegpt.tools.hellaswag import evaluate
 
-    layout = _layout(stages, tp, dp)
+    layout = _layout(stages, tp, dp, ep)
     result = _on_workers(lambda: evaluate(path, jsonl, limit, tokenizer, device, layout, timeout_s))
     if as_json:
         click.echo(json.dumps(result.as_dict()))

@@ -255,8 +255,6 @@ def validate_cp(config: ModelConfig, cp: int) -> None:
         raise ConfigError(f"cp={cp!r} must be an integer >= 1")
     if cp == 1:
         return
-    if config.n_experts:  # the aux loss is a product of means over a call's tokens: a cp rank holds part of them
-        raise ConfigError(f"mixture of experts with cp={cp} is not supported yet: use cp=1")
     if config.seq_len % (2 * cp):
         raise ConfigError(f"context parallelism cuts each sequence into 2 x cp = {2 * cp} chunks: seq_len="
                           f"{config.seq_len} is not divisible by {2 * cp}; use seq_len="
@@ -277,9 +275,6 @@ def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False, c
         return
     if config.qk_norm != "none":  # its weights would be replicated over tp ranks holding different heads
         raise ConfigError(f"qk_norm={config.qk_norm} with tp={tp} is not supported yet: use tp=1")
-    if config.n_experts:
-        raise ConfigError(f"mixture of experts with tp={tp} is not supported yet (experts are not tensor-parallel): "
-                          f"use tp=1")
     C = config.n_embd
     if config.n_head % tp:
         heads = [h for h in range(tp, C + 1, tp) if C % h == 0]  # multiples of tp dividing n_embd

@@ -17,21 +17,27 @@ Gradient reductions (Reduction), in the order their sums run (the numerics are t
                                expert's rank already holds the sum over its ep group's tokens (the combine's
                                backward brings every source's gradient), so the edp sum completes the sum over all
                                dp x cp ranks' tokens, and dp x cp is one process's divisor (ZeRO shards each
-                               family over its own group: pipegpt.data_parallel.families)
+                               family over its own group: pipegpt.data_parallel.families; under sequence
+                               parallelism ep is carved out of dp x cp x tp, so edp spans tp too and its sum also
+                               adds the tp ranks' sequence chunks: the divisor stays dp x cp)
     partial     over tp        sum the replicated parameters' gradients under sequence parallelism (each rank
-                               saw only its part of the sequence)
+                               saw only its part of the sequence): a MoE layer's router, shared experts and, without
+                               ep, its experts (whole on every tp rank, fed its chunk); not the experts with ep,
+                               which edp sums. Without sequence parallelism every tp rank computes the MoE layer on
+                               the same tokens: equal gradients, summed nowhere
     shared kv   over tp        sum a key/value head's gradients over the tp/n_kv_head ranks sharing it
 Ownership: a tp-replicated parameter is counted in the gradient norm and stored by tp rank 0; a shared kv head by
 the first rank of its group. With ep, replica 0 of dp x cp counts and stores the dense parameters, edp index 0 the
 experts (as the slice [ep_i E/ep, (ep_i + 1) E/ep) of each one-process [E, ...] tensor), and the norm sums over
-every rank.
+every rank; with ep carved over tp (sequence parallelism) every tp rank holds experts of its own, so owns them.
+The MoE layers' loads (the router bias update) are summed over LOAD_GROUPS: the ranks that saw other tokens.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from pipegpt.dims import GROUP_AXES, REPLICAS, Sharding
+from pipegpt.dims import GROUP_AXES, REPLICAS, Sharding, expert_axes
 from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, tp_shard_spec
 
 EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_proj")  # pipegpt.model.moe's stacked [E, ...] experts
@@ -107,6 +113,17 @@ class StageParallelism:
     def expert(self, name: str) -> bool:
         return expert_param(name)
 
+    @property
+    def experts_over_tp(self) -> bool:
+        """ep is carved out of dp x cp x tp (pipegpt.dims.expert_axes): each tp rank holds experts of its own."""
+        return self.ep > 1 and "tp" in expert_axes(self.ep, tensor_parallel=not self.splits_sequence).over
+
+    @property
+    def load_groups(self) -> tuple[str, ...]:
+        """The groups over which a MoE layer's loads are summed for the bias update: the ranks that routed other
+        tokens (dp x cp, and tp under sequence parallelism; not tp without it, whose ranks route the same)."""
+        return (REPLICAS, "tp") if self.splits_sequence else (REPLICAS,)
+
     def expert_slice(self, name: str, n_experts: int, ep_rank: int) -> slice | None:
         """The rows of the one-process tensor `name` that ep rank ep_rank holds (None: all of it)."""
         if self.ep == 1 or not self.expert(name):
@@ -128,7 +145,8 @@ class StageParallelism:
 
     def partial(self, name: str) -> bool:
         """The parameter's gradient is partial on each tp rank (sequence parallelism's replicated ones)."""
-        return self.splits_sequence and tp_shard_spec(name) == REPLICATED
+        return (self.splits_sequence and tp_shard_spec(name) == REPLICATED
+                and not (self.experts_over_tp and self.expert(name)))
 
     def shared_kv(self, name: str) -> bool:
         """The parameter is a kv head's shared by several tp ranks (its gradient summed over them)."""
@@ -136,7 +154,8 @@ class StageParallelism:
 
     def owned(self, name: str, tp_rank: int) -> bool:
         """This tp rank stores the parameter's value in a checkpoint (a replicated one: tp rank 0)."""
-        return self.tp == 1 or tp_rank == 0 or tp_shard_spec(name) != REPLICATED
+        return (self.tp == 1 or tp_rank == 0 or tp_shard_spec(name) != REPLICATED
+                or (self.experts_over_tp and self.expert(name)))
 
     def counted(self, name: str, tp_rank: int) -> bool:
         """This tp rank counts the parameter in the gradient norm (a shared kv head: its group's first rank)."""

@@ -40,6 +40,11 @@ def reset_bytes_sent() -> None:
     _sent[0] = 0
 
 
+# While a traced step runs, pipegpt.observe.exchanges' recorder: each exchange's span, from its post to the end of
+# its wait, goes into the step's trace (its mark() is the runtime clock's); None: not recording.
+recorder = None
+
+
 def group_ranks(group) -> list[int]:
     """The group's global ranks in its order ([this rank] for a group of one)."""
     if group is None:
@@ -65,6 +70,7 @@ class Pending:
 
     def __init__(self, out: torch.Tensor, work, group, timeout_s: float, what: str):
         self.out, self.work, self.group, self.timeout_s, self.what = out, work, group, timeout_s, what
+        self.posted = None if recorder is None or work is None else recorder.mark()
 
     @property
     def done(self) -> bool:
@@ -74,6 +80,8 @@ class Pending:
         if self.work is not None:
             work, self.work = self.work, None
             _wait(work, self.out.device, self.group, self.timeout_s, self.what)
+            if self.posted is not None and recorder is not None:
+                recorder.add(self.what, self.posted, self.out.size(0))
         return self.out
 
 

@@ -18,7 +18,9 @@ Load balancing:
                  expert i, P_i its mean score), plus router_z_loss_coef x mean(logsumexp(logits)^2). Neither is
                  added to the returned loss: `inject_aux_loss` passes the hidden state through and gives the aux
                  loss gradient `aux_loss_scale` in backward (Megatron's MoEAuxLossAutoScaler), so every pipeline
-                 stage's layers add theirs to that stage's backward, scaled as the stage scales its loss.
+                 stage's layers add theirs to that stage's backward, scaled as the stage scales its loss. Where
+                 a call's tokens are split over ranks (sequence parallelism, cp), its sums are reduced over them
+                 first (token_sums), so f_i and P_i are the whole call's.
     bias         expert_bias (a buffer: checkpointed, not trained), added to the scores for selection only;
                  `end_step` moves it by rate x sign(mean load - load) after each optimizer step (DeepSeek-V3).
 
@@ -126,6 +128,10 @@ class MoE(nn.Module):
         self.aux_sum, self.calls = 0.0, 0
         self.aux_loss_scale = 1.0  # the gradient each call's aux loss gets: the stage's loss scale (1/microbatches)
         self.expert_parallel = None  # pipegpt.expert_parallel's ExpertGroup where experts are spread over ranks
+        # Where a call's tokens are spread over ranks (sequence parallelism over tp, cp): functions summing a tensor
+        # over each group holding the call's other tokens, autograd-correct for that group's gradient sums
+        # (set by shard_for_tp and shard_for_cp), so the aux loss is the one-process call's
+        self.token_sums: list = []
 
     def route(self, x: torch.Tensor):
         """x [N, C] -> logits [N, E], scores [N, E], chosen experts [N, k], their weights [N, k]."""
@@ -149,15 +155,24 @@ class MoE(nn.Module):
         place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its expert's queue
         return (place < capacity).view(N, k)
 
+    def over_call(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the ranks holding this call's other tokens (itself where this rank holds them all)."""
+        for token_sum in self.token_sums:
+            t = token_sum(t)
+        return t
+
     def aux_loss(self, logits, scores, chosen) -> torch.Tensor:
-        N, E = scores.shape
+        # Sums over the call's tokens, then divided by their count: the means of the whole call where ranks hold
+        # parts of it (counts carry no gradient; the scores' sums do, through the reductions' backward)
+        E = scores.size(1)
+        N = self.over_call(scores.new_tensor(float(scores.size(0))))
         aux = logits.new_zeros(())
         if self.aux_coef:
-            share = torch.bincount(chosen.reshape(-1), minlength=E).to(scores.dtype) / N
+            share = self.over_call(torch.bincount(chosen.reshape(-1), minlength=E).to(scores.dtype)) / N
             probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            aux = aux + self.aux_coef * E * (share * probs.mean(0)).sum()
+            aux = aux + self.aux_coef * E * (share * self.over_call(probs.sum(0)) / N).sum()
         if self.z_coef:
-            aux = aux + self.z_coef * logits.logsumexp(-1).square().mean()
+            aux = aux + self.z_coef * self.over_call(logits.logsumexp(-1).square().sum()) / N
         return aux
 
     def assign(self, x: torch.Tensor) -> "Assignments":
@@ -286,33 +301,58 @@ def end_step(module: nn.Module, rate: float, all_reduce=None) -> dict:
     """After an optimizer step: each MoE layer's loads since the last step (summed over replicas by
     all_reduce(tensor), if given) move its expert bias by rate x sign(mean - load), and are forgotten.
     Returns this module's stats ({} without MoE layers): aux_loss (the sum over layers of each layer's mean aux loss per call),
-    moe_imbalance (the worst layer's max / mean load) and moe_dropped (assignments dropped)."""
-    layers = moe_layers(module)
-    if not layers:
+    moe_imbalance (the worst layer's max / mean load), moe_dropped (assignments dropped) and moe_layers, per layer
+    {layer (its block's number), imbalance, dropped, aux_loss, bias_min, bias_max (after the update)}."""
+    named = [(int(name.split(".")[1]) if name.startswith("blocks.") else i, m)
+             for i, (name, m) in enumerate(module.named_modules()) if isinstance(m, MoE)]
+    if not named:
         return {}
-    stats = {"aux_loss": 0.0, "moe_imbalance": 0.0, "moe_dropped": 0.0}
-    for layer in layers:
+    per_layer = []
+    for number, layer in named:
         load = layer.tokens_per_expert.clone()
         if all_reduce is not None:
             all_reduce(load)
         if rate and load.sum() > 0:
             layer.expert_bias += rate * torch.sign(load.mean() - load)
         mean = float(load.mean())
-        stats["moe_imbalance"] = max(stats["moe_imbalance"], float(load.max()) / mean if mean else 0.0)
-        stats["moe_dropped"] += float(layer.dropped)
-        stats["aux_loss"] += float(layer.aux_sum) / layer.calls if layer.calls else 0.0
+        per_layer.append({"layer": number, "imbalance": float(load.max()) / mean if mean else 0.0,
+                          "dropped": float(layer.dropped),
+                          "aux_loss": float(layer.aux_sum) / layer.calls if layer.calls else 0.0,
+                          "bias_min": float(layer.expert_bias.min()), "bias_max": float(layer.expert_bias.max())})
         layer.tokens_per_expert.zero_()
         layer.dropped.zero_()
         layer.aux_sum, layer.calls = 0.0, 0
-    return stats
+    return {"aux_loss": sum(s["aux_loss"] for s in per_layer),
+            "moe_imbalance": max(s["imbalance"] for s in per_layer),
+            "moe_dropped": sum(s["dropped"] for s in per_layer), "moe_layers": per_layer}
+
+
+def counted_once(stats: dict, aux_here: bool, tokens_here: bool) -> dict:
+    """A rank's end_step stats as merge_stats over every rank must see them where ranks share figures (tp ranks:
+    one aux loss, and without sequence parallelism the same tokens): the aux loss only where aux_here, the dropped
+    assignments only where tokens_here."""
+    if not stats:
+        return stats
+    return {**stats, "aux_loss": stats["aux_loss"] if aux_here else 0.0,
+            "moe_dropped": stats["moe_dropped"] if tokens_here else 0.0}
 
 
 def merge_stats(stats: list[dict], replicas: int = 1) -> dict:
     """Several modules' (or ranks') end_step stats as one: aux losses summed over the layers, averaged over
-    `replicas` (data-parallel copies that saw other tokens); the worst imbalance; dropped assignments summed."""
+    `replicas` (data-parallel copies that saw other tokens); the worst imbalance; dropped assignments summed.
+    moe_layers: a row per layer, its copies (replicas, whose loads were summed alike) merged the same way."""
     stats = [s for s in stats if s]
     if not stats:
         return {}
+    layers: dict[int, list[dict]] = {}
+    for s in stats:
+        for row in s.get("moe_layers", ()):
+            layers.setdefault(row["layer"], []).append(row)
+    merged = [{"layer": number, "imbalance": max(r["imbalance"] for r in rows),
+               "dropped": sum(r["dropped"] for r in rows),
+               "aux_loss": sum(r["aux_loss"] for r in rows) / replicas,
+               "bias_min": min(r["bias_min"] for r in rows), "bias_max": max(r["bias_max"] for r in rows)}
+              for number, rows in sorted(layers.items())]
     return {"aux_loss": sum(s["aux_loss"] for s in stats) / replicas,
             "moe_imbalance": max(s["moe_imbalance"] for s in stats),
-            "moe_dropped": sum(s["moe_dropped"] for s in stats)}
+            "moe_dropped": sum(s["moe_dropped"] for s in stats), **({"moe_layers": merged} if merged else {})}

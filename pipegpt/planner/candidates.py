@@ -173,15 +173,12 @@ class Layout:
 
     def run_args(self, model: ModelConfig, precision: str) -> list[str]:
         """The `pipegpt run` arguments (as that command spells them) that build this plan (--cp and --cp-comm
-        only with cp > 1: a command without context parallelism reads as it did before it)."""
+        only with cp > 1, --ep only with ep > 1: a command without them reads as it did before they existed)."""
         args = model_args(model, self.pad_vocab)
-        settings = self.settings()
-        if self.ep > 1 and "ep" not in settings:  # not yet a layout field of `pipegpt run` (pipegpt.dims)
-            settings["ep"] = self.ep
-        for name, value in settings.items():
-            if name in ("cp", "cp_comm") and self.cp == 1:
+        for name, value in self.settings().items():
+            if (name in ("cp", "cp_comm") and self.cp == 1) or (name == "ep" and self.ep == 1):
                 continue
-            flag = "--ep" if name == "ep" else option_flags(name)[0]
+            flag = option_flags(name)[0]
             if value is True:
                 args.append(flag)
             elif value is not None and value is not False:  # None and False: the run's default

@@ -27,8 +27,9 @@ from pipegpt.engine.actor import Role, actor_method
 from pipegpt.engine.placement import name_process
 from pipegpt.engine.results import SavedFile, WorkerStep
 from pipegpt.model.gpt import Documents
-from pipegpt.model.moe import end_step as end_moe_step, merge_stats
+from pipegpt.model.moe import counted_once, end_step as end_moe_step, merge_stats
 from pipegpt.observe.clocks import clock_reading
+from pipegpt.observe.exchanges import recording_exchanges, resolved
 from pipegpt.observe.profile import Profiler
 from pipegpt.resilience.faults import FaultHook
 from pipegpt.stages.runtime import OPTIMIZER_STEP
@@ -146,7 +147,9 @@ class Worker(Role):
             for _, p in self.named_params:
                 p.grad = None
         inputs, targets, documents = self._batch(self.loader, step)
-        result = engine.train_step(inputs, targets, record=step in self.recorded_steps, documents=documents)
+        record = step in self.recorded_steps
+        with recording_exchanges(engine.runtime.clock, on=record and self.cfg.parallel.ep > 1) as exchanges:
+            result = engine.train_step(inputs, targets, record=record, documents=documents)
         runtime = engine.runtime
         runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping
         for sync in self.syncs:
@@ -169,7 +172,8 @@ class Worker(Role):
         return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,
                           peak_memory=engine.peak_memory(), device_name=engine.device_name, events=result.events,
                           compute_s=time.perf_counter() - t0, cpu_s=_process_cpu_s() - cpu0, applied=finite,
-                          nonfinite_stages=nonfinite_stages, moe=moe)
+                          nonfinite_stages=nonfinite_stages, moe=moe,
+                          exchanges=resolved(exchanges, engine.runtime.clock))
 
     def _end_moe_step(self, applied: bool) -> dict:
         """The MoE layers' loads of the step, summed over the replicas that saw other tokens, move their
@@ -177,9 +181,11 @@ class Worker(Role):
         if not self.cfg.model.n_experts:
             return merge_stats([])
         rate = self.cfg.model.router_bias_update_rate if applied else 0.0
-        group = self.engine.mesh.group("dp_cp")
-        reduce = None if group is None else (lambda t: dist.all_reduce(t, group=group))
-        return merge_stats([end_moe_step(stage.module, rate, reduce) for _, stage in sorted(self.stages.items())])
+        groups = [g for g in map(self.engine.mesh.group, self.engine.parallelism.load_groups) if g is not None]
+        reduce = (lambda t: [dist.all_reduce(t, group=g) for g in groups]) if groups else None
+        stats = merge_stats([end_moe_step(stage.module, rate, reduce) for _, stage in sorted(self.stages.items())])
+        first = self.engine.mesh.tp_index == 0  # tp ranks share the aux loss, and without SP their tokens
+        return counted_once(stats, first, first or self.engine.parallelism.splits_sequence)
 
     @actor_method
     def evaluate(self, batches: int) -> dict:
@@ -269,7 +275,7 @@ class Worker(Role):
         """What this rank owns of a checkpoint (RNG streams, parameters, Adam moments) and each tensor's tp shard."""
         tensors, shards = zero_state.checkpoint_tensors(self) if self.sharded else self._owned_tensors()
         mesh = self.engine.mesh
-        if mesh.dp_index == 0 and mesh.cp_index == 0:  # the MoE router biases: state, stored as parameters are
+        if mesh.dp_index == 0 and mesh.cp_index == 0 and mesh.tp_index == 0:  # the MoE router biases: state
             biases = {f"param/{n}": b for n, b in self._router_biases().items()}
             tensors.update(biases)
             shards.update({key: [0, 1] for key in biases})

@@ -72,7 +72,7 @@ def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
             else:
                 replicas[(*key, t)] = value
     for key, slices in experts.items():
-        shards[key] = {0: torch.cat([slices[e] for e in range(layout.ep)])}
+        shards[key] = dict.fromkeys(range(layout.tp), torch.cat([slices[e] for e in range(layout.ep)]))  # whole
     for (name, p, t), value in replicas.items():
         held = experts[(name, p)][-1 - t] if t < 0 else shards[(name, p)][t]
         assert torch.equal(value, held), f"data-parallel replicas differ in {name}"

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from pipegpt.config import ConfigError, ModelConfig, TrainConfig
+from pipegpt.config import ModelConfig, TrainConfig
 from pipegpt.data.loader import BatchSampler
 from pipegpt.data.tokenizers import get_tokenizer
 from pipegpt.data.tokens import builtin_tokens
@@ -141,12 +141,6 @@ def test_validation_with_experts_over_ep_equals_dp_without(workers):  # noqa: F8
     """The forward-only plan moves tokens to their experts too: the validation loss is dp 2's without ep."""
     losses = [workers(cfg).evaluate(cfg) for cfg in (moe_config(1, dp=2, ep=2), moe_config(1, dp=2))]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6) and 3 < losses[0] < 7
-
-
-@pytest.mark.parametrize("changes, layout", [(dict(tp=2), "tp=2"), (dict(cp=2), "cp=2")])
-def test_moe_layouts_not_yet_supported_are_refused(changes, layout):
-    with pytest.raises(ConfigError, match=f"mixture of experts with {layout} is not supported yet"):
-        moe_config(2, **changes).validate({})
 
 
 def test_the_router_bias_is_checkpointed_and_restored(workers, tmp_path):  # noqa: F811
