@@ -29,9 +29,8 @@ has it (bf16), else a loop over each expert's contiguous tokens.
 """
 from __future__ import annotations
 
-import math
 import dataclasses
-from dataclasses import dataclass
+import math
 
 import torch
 import torch.nn as nn
@@ -183,8 +182,8 @@ class MoE(nn.Module):
         flat_token = torch.arange(x.size(0), device=x.device).repeat_interleave(self.top_k)[keep.reshape(-1)]
         order = flat_expert.argsort(stable=True)
         counts = torch.bincount(flat_expert, minlength=self.n_experts)
-        return Assignments(logits, scores, chosen, keep, flat_token[order], weights.reshape(-1)[keep.reshape(-1)][order],
-                           counts)
+        kept_weights = weights.reshape(-1)[keep.reshape(-1)]
+        return Assignments(logits, scores, chosen, keep, flat_token[order], kept_weights[order], counts)
 
     def experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on rows sorted by them, counts[e] rows for (local) expert e."""
@@ -219,7 +218,7 @@ class MoE(nn.Module):
         return self.account(self.drop(out.view(shape)), a)
 
 
-@dataclass
+@dataclasses.dataclass
 class Assignments:
     """A call's routing (logits, scores [N, E], chosen [N, k], keep [N, k]) and its kept assignments sorted by
     expert: each one's token and weight, and the count per expert [E]."""
