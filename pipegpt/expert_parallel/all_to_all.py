@@ -139,8 +139,13 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
 def exchange_counts(send_counts: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
     """send_counts [ranks, n] (integers: row r what this rank sends group rank r, per its n kinds) -> [ranks, n]:
     row r what rank r sends this one. Waited for: the counts size the exchange that follows."""
+    return post_counts(send_counts, group, timeout_s).wait()
+
+
+def post_counts(send_counts: torch.Tensor, group, timeout_s: float) -> Pending:
+    """exchange_counts posted: its Pending's wait() gives what it returns."""
     ranks = send_counts.size(0)
-    return _post(send_counts, [1] * ranks, [1] * ranks, group, timeout_s, "exchange of token counts").wait()
+    return _post(send_counts, [1] * ranks, [1] * ranks, group, timeout_s, "exchange of token counts")
 
 
 class CarriedExchange:

@@ -238,6 +238,7 @@ def block_steps(block: nn.Module, x: torch.Tensor, documents, full_recompute: bo
     as cuts, so that in a pair the other half computes while the tokens travel, in the backward too.
 
         before    x + attention, the norm, routing, the shared expert; the rows for the experts
+        counts    posted: how many rows go to each expert (they size the dispatch)
         dispatch  rows to their experts' ranks (the residual stream, shared output and weights carried past it)
         experts   this rank's experts on the rows it received
         combine   outputs back to the ranks that sent them (the carried tensors past it again)
@@ -258,7 +259,8 @@ def block_steps(block: nn.Module, x: torch.Tensor, documents, full_recompute: bo
         return moe.account(h, a), shared, a.weights, xn[a.tokens], a
 
     h, shared, weights, rows, a = run(before, x)
-    dispatch, route = ep.post_dispatch([h, shared, weights], rows, a.counts)
+    received_counts = yield ep.post_counts(a.counts)  # a plain handle: no gradient goes back
+    dispatch, route = ep.post_dispatch([h, shared, weights], rows, a.counts, received_counts)
     (h, shared, weights), received = dispatch.unpack((yield dispatch))
 
     def experts(received):
