@@ -39,8 +39,10 @@ def _stage(model, recompute, posted):
     return stage, calls
 
 
-@pytest.mark.parametrize("recompute, split", [("none", False), ("full", False), ("selective", True),
-                                              ("full", True)])
+# The default suite: split backward with each recomputation (the distributed case below runs B without one)
+@pytest.mark.parametrize("recompute, split", [pytest.param("none", False, marks=pytest.mark.slow),
+                                              pytest.param("full", False, marks=pytest.mark.slow),
+                                              ("selective", True), ("full", True)])
 def test_a_moe_block_posting_its_all_to_alls_trains_as_the_plain_block(recompute, split):
     model = dataclasses.replace(MOE, n_layer=3)
     g = torch.Generator().manual_seed(3)
