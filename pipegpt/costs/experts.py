@@ -20,9 +20,9 @@ import functools
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding, expert_axes
 
-# Imbalance: the busiest ep rank's routed tokens over the mean. A trained router with a balancing loss keeps its
-# busiest expert within the capacity factor Switch Transformers train with, 1.25 (Fedus, Zoph and Shazeer 2022,
-# JMLR 23(120), section 2.2: capacity factors 1.0-1.25 work best); Megatron-Core's Qwen3-235B-A22B runs at 16k
+# Imbalance: the busiest ep rank's routed tokens over the mean. The default is the headroom Switch Transformers
+# give a trained router's busiest expert, capacity factor 1.25 (Fedus, Zoph and Shazeer 2022,
+# JMLR 23(120), section 2.2 and Table 1: capacity factors 1.0, 1.25, 2.0); Megatron-Core's Qwen3-235B-A22B at 16k
 # tokens measured 237 TFLOPS per GPU dropless against 295 with the load forced even (x1.245, whole steps;
 # yanring/Megatron-MoE-ModelZoo best_practice/Qwen3).
 DEFAULT_MOE_IMBALANCE = 1.25

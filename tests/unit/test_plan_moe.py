@@ -175,3 +175,26 @@ def test_qwen3_235b_plan_proposes_ep_within_15_percent_of_the_published_step():
     assert best.layout.ep > 1
     assert best.step_time == pytest.approx(MEGATRON_STEP_S, rel=0.15)
     assert best.step_time == pytest.approx(19.2, abs=0.05) and best.layout.short().startswith("dp4 pp16 tp4 ep4 sp")
+
+
+def test_a_planned_ep_command_is_one_pipegpt_run_takes():
+    """At tp 1 and ZeRO 0 (what `pipegpt run` takes with --ep today) the planned command builds the same model and
+    layout, ep included, and passes run's checks before any worker starts."""
+    from pipegpt.cli import run
+    from pipegpt.command_options import model_from_options
+    from pipegpt.config import ConfigError, TrainConfig, section_of
+    from pipegpt.train.driver import check
+
+    c = make_cluster(8, None, "h100", None, None, None, None, "bf16")
+    best = search(Request(MOE_MODEL, 8, c, AnalyticalCosts(c), only={"tp": 1, "ep": 4}, zero=0)).best[0]
+    params = run.make_context("run", best.layout.run_args(best.model, "bf16")).params
+    model = model_from_options(params)
+
+    def is_setting(name):
+        try:
+            return bool(section_of(name))
+        except ConfigError:
+            return False
+    cfg = TrainConfig.build(model, **{k: v for k, v in params.items() if is_setting(k)})
+    assert cfg.model == best.model and cfg.parallel.ep == 4 and cfg.parallel.dp == best.layout.dp
+    assert check(cfg).num_stages == best.layout.stages
