@@ -6,7 +6,9 @@ architecture is one more ARCHITECTURES entry plus the modules it needs.
 
     gpt2   LayerNorm; learned positions (wpe); q, k, v in one matrix (attn.qkv); GELU MLP (mlp.fc, mlp.proj)
     llama  RMSNorm; rotary positions (no parameters); attn.q, attn.k, attn.v with n_kv_head key/value heads
-           (grouped-query attention); SwiGLU MLP (mlp.gate, mlp.up, mlp.proj); q/k/v biases by qkv_bias
+           (grouped-query attention), heads of head_dim (n_embd / n_head unless head_size is set), optional
+           q/k RMSNorms (attn.q_norm, attn.k_norm, by qk_norm); SwiGLU MLP (mlp.gate, mlp.up, mlp.proj);
+           q/k/v biases by qkv_bias
 
 Functions take a ModelConfig (`model`) and, for shapes, the tensor-parallel degree tp: shapes are one tp
 rank's, as pipegpt.tensor_parallel shards them (column-parallel rows, row-parallel columns and the
@@ -88,6 +90,7 @@ LLAMA = Architecture(
     hf_block_prefix="model.layers.{i}.", hf_top=(("wte", "model.embed_tokens"), ("ln_f", "model.norm")),
     hf_block=(("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"), ("attn.q", "self_attn.q_proj"),
               ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"), ("attn.proj", "self_attn.o_proj"),
+              ("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm"),
               ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.proj", "mlp.down_proj")))
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (GPT2, LLAMA)}
 
@@ -195,18 +198,18 @@ def block_linears(model, tp: int = 1, kind: LayerKind = DENSE) -> tuple[Linear, 
     """The block's linears in the model's order (attention's, then the MLP's), at kind's block model."""
     model = kind.block_model(model)
     arch = ARCHITECTURES[model.arch]
-    h, F = model.n_embd, model.ffn_width
+    h, F, A = model.n_embd, model.ffn_width, model.attention_width
     qkv_bias = model.qkv_bias if arch.own_qkv_bias else model.bias
     if arch.fused_qkv:
         attention = [Linear("attn.qkv", 3 * h // tp, h, qkv_bias, COLUMN)]
     else:
         kv = kv_local_heads(model, tp) * model.head_dim
-        attention = [Linear("attn.q", h // tp, h, qkv_bias, COLUMN), Linear("attn.k", kv, h, qkv_bias, KV),
+        attention = [Linear("attn.q", A // tp, h, qkv_bias, COLUMN), Linear("attn.k", kv, h, qkv_bias, KV),
                      Linear("attn.v", kv, h, qkv_bias, KV)]
     inputs = [Linear(n, F // tp, h, model.bias, COLUMN) for n in (("mlp.gate", "mlp.up") if arch.gated_mlp
                                                                   else ("mlp.fc",))]
     router = [Linear("mlp.router", model.n_experts, h, False, COLUMN)] if kind is MOE else []
-    return (*attention, Linear("attn.proj", h, h // tp, model.bias, ROW), *router, *inputs,
+    return (*attention, Linear("attn.proj", h, A // tp, model.bias, ROW), *router, *inputs,
             Linear("mlp.proj", h, F // tp, model.bias, ROW))
 
 
@@ -230,11 +233,22 @@ def block_shapes(model, tp: int = 1, kind: LayerKind = DENSE) -> tuple[tuple[str
     linears = block_linears(model, tp, kind)
     out = _norm(model, "ln1")
     out += [p for lin in linears if lin.name.startswith("attn.") for p in _linear(lin)]
+    out += _qk_norm_shapes(model)
     out += _norm(model, "ln2")
     if kind is MOE:
         return tuple(out + _moe_shapes(model))
     out += [p for lin in linears if lin.name.startswith("mlp.") for p in _linear(lin)]
     return tuple(out)
+
+
+def _qk_norm_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
+    """The q and k RMSNorms' gains (qk_norm): a head's width (Qwen3), or the whole projection's (OLMoE)."""
+    if model.qk_norm == "head":
+        return [("attn.q_norm.weight", (model.head_dim,)), ("attn.k_norm.weight", (model.head_dim,))]
+    if model.qk_norm == "projection":
+        return [("attn.q_norm.weight", (model.attention_width,)),
+                ("attn.k_norm.weight", (model.kv_heads * model.head_dim,))]
+    return []
 
 
 def _moe_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
@@ -333,7 +347,7 @@ PRESET_SHAPES: dict[str, dict] = {
         ffn_hidden=28672, rope_theta=500000.0, **_LLAMA),
     "llama3-405b": dict(vocab_size=128256, seq_len=8192, n_layer=126, n_head=128, n_kv_head=8,
         n_embd=16384, ffn_hidden=53248, rope_theta=500000.0, **_LLAMA),
-    # Mixtures of experts (pipegpt.model.moe). OLMoE's per-head q/k RMSNorm is not built yet (docs/moe.md).
+    # Mixtures of experts (pipegpt.model.moe)
     "tiny-moe": dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn_hidden=352,
         n_experts=8, n_experts_per_token=2, n_shared_experts=1, expert_hidden=96, router_aux_loss_coef=0.01,
         **_LLAMA),
@@ -342,5 +356,13 @@ PRESET_SHAPES: dict[str, dict] = {
         router_aux_loss_coef=0.02, **_LLAMA),
     "olmoe-1b-7b": dict(vocab_size=50304, seq_len=4096, n_layer=16, n_head=16, n_embd=2048, ffn_hidden=1024,
         rope_theta=10000.0, n_experts=64, n_experts_per_token=8, expert_hidden=1024, norm_topk_prob=False,
-        router_aux_loss_coef=0.01, **_LLAMA),
+        router_aux_loss_coef=0.01, qk_norm="projection", **_LLAMA),
+    # Qwen3-MoE (Hugging Face's Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json): heads of 128 wider than
+    # n_embd / n_head, each head's q and k RMSNormed, every layer MoE, no shared experts
+    "qwen3-30b-a3b": dict(vocab_size=151936, seq_len=40960, n_layer=48, n_head=32, n_kv_head=4, n_embd=2048,
+        head_size=128, ffn_hidden=6144, rope_theta=1e6, norm_eps=1e-6, qk_norm="head", n_experts=128,
+        n_experts_per_token=8, expert_hidden=768, router_aux_loss_coef=0.001, **_LLAMA),
+    "qwen3-235b-a22b": dict(vocab_size=151936, seq_len=40960, n_layer=94, n_head=64, n_kv_head=4, n_embd=4096,
+        head_size=128, ffn_hidden=12288, rope_theta=1e6, norm_eps=1e-6, qk_norm="head", n_experts=128,
+        n_experts_per_token=8, expert_hidden=1536, router_aux_loss_coef=0.001, **_LLAMA),
 }

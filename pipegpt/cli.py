@@ -16,7 +16,7 @@ import click
 
 from pipegpt import command_options
 from pipegpt.config import ConfigError
-from pipegpt.options import config_options
+from pipegpt.options import SectionedCommand, config_options, dry_run_option
 from pipegpt.schedule.actions import ScheduleError
 from pipegpt.state.checkpoint import CheckpointError
 
@@ -112,7 +112,7 @@ def plot(run_dirs, out, title):
 # --------------------------------------------------------------------------------------------------------------
 # run: torch and everything that needs it are imported inside the command, so `simulate` starts without them.
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_options
 @click.option("--batch-size", type=int, default=None,
               help="Sequences per step in all (sets the microbatch size: batch / (dp x microbatches)).")
@@ -133,8 +133,9 @@ def plot(run_dirs, out, title):
               help="auto: the planner chooses stages, dp, tp, schedule, microbatches and recomputation for the ranks "
                    "this run has (torchrun's world size, the GPUs here, or a rank per core), keeping the global "
                    "batch; with --resume auto under torchrun --nnodes MIN:MAX, an elastic job.")
+@dry_run_option
 @click.pass_context
-def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layout, **options):
+def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layout, dry_run, **options):
     """Train a GPT across pipeline stage workers (launches them here; under torchrun, joins them).
 
     --resume takes every setting from the checkpoint's run except those given here (each change is printed).
@@ -142,8 +143,11 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
     from pipegpt.arch import ARCHITECTURES
     from pipegpt.config import MODEL_PRESETS
     from pipegpt.options import given, resume_auto, train_config
+    from pipegpt.train.dry_run import dry_run as dry_run_job
     from pipegpt.train.launch import launch
 
+    if dry_run is not None and layout == "auto":
+        raise click.UsageError("--dry-run checks the layout given; `pipegpt plan --gpus N --device D` chooses one")
     continuing = False
     if options["resume"] == "auto":
         options["resume"], continuing = resume_auto(run_dir)
@@ -155,6 +159,8 @@ def run(ctx, batch_size, run_dir, overwrite, port, log_every, config_file, layou
     if started is not None and not given(ctx, "preset"):  # the model is the checkpoint's
         preset = next((name for name, m in MODEL_PRESETS.items() if m == cfg.model),
                       "resumed" if cfg.checkpoint.resume is not None else "from checkpoint")
+    if dry_run is not None:  # checked and predicted on the devices named; nothing starts
+        return dry_run_job(cfg, dry_run, preset, click.echo)
     launch(cfg, preset, run_dir, port, log_every, click.echo, overwrite=overwrite, continuing=continuing)
 
 
@@ -206,7 +212,7 @@ def convert(from_hf, out, tokenizer, to_hf, source):
 
 
 def layout_options(command):
-    """--stages, --tp, --dp and --timeout of the commands that can run on workers (sample, hellaswag)."""
+    """--stages, --tp, --dp, --ep and --timeout of the commands that can run on workers (sample, hellaswag)."""
     for option in reversed([
         click.option("--stages", "-p", type=click.IntRange(min=1), default=None,
                      help="Run on workers: pipeline stages (one worker each), the model cut into them. Without "
@@ -215,6 +221,9 @@ def layout_options(command):
                                                                              "per stage."),
         click.option("--dp", type=click.IntRange(min=1), default=None, help="Run on workers: replicas, each taking "
                                                                              "its share of the prompts or examples."),
+        click.option("--ep", type=click.IntRange(min=1), default=None,
+                     help="Run on workers: a mixture of experts' experts spread over this many of the --dp replicas "
+                          "(as pipegpt run --ep)."),
         click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=60.0,
                      show_default=True, help="On workers: seconds any wait may take before the job is brought down."),
     ]):
@@ -222,13 +231,13 @@ def layout_options(command):
     return command
 
 
-def _layout(stages, tp, dp):
+def _layout(stages, tp, dp, ep=None):
     """The workers' layout the options ask for, or None (one process)."""
     from pipegpt.infer.job import Layout
 
-    if stages is None and tp is None and dp is None:
+    if stages is None and tp is None and dp is None and ep is None:
         return None
-    return Layout(stages or 1, tp or 1, dp or 1)
+    return Layout(stages or 1, tp or 1, dp or 1, ep or 1)
 
 
 def _on_workers(work):
@@ -249,7 +258,7 @@ def _on_workers(work):
 @layout_options
 @command_options.sample_options
 def sample(path, prompt, prompts_file, batch, max_new_tokens, temperature, top_k, seed, tokenizer, device, stages,
-           tp, dp, timeout_s, as_json):
+           tp, dp, ep, timeout_s, as_json):
     """Generate text from a checkpoint (or a run directory's latest), in one process or on workers.
 
     With --stages/--tp/--dp the model is cut over workers in that layout, each stage keeping the KV caches of its
@@ -269,7 +278,7 @@ def sample(path, prompt, prompts_file, batch, max_new_tokens, temperature, top_k
     if prompts_file is not None and prompt:
         raise click.UsageError("give --prompt or --prompts-file, not both")
     prompts = read_prompts(prompts_file) if prompts_file is not None else list(prompt) or ["\n"]
-    layout = _layout(stages, tp, dp)
+    layout = _layout(stages, tp, dp, ep)
     if layout is None and len(prompts) == 1 and not as_json:  # one prompt in one process: nanoGPT's loop
         click.echo(run_sample(path, prompts[0], max_new_tokens, temperature, top_k, seed, tokenizer, device).text)
         return
@@ -288,7 +297,7 @@ def sample(path, prompt, prompts_file, batch, max_new_tokens, temperature, top_k
 @click.argument("path", type=click.Path())
 @layout_options
 @command_options.hellaswag_options
-def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, as_json):
+def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, ep, timeout_s, as_json):
     """HellaSwag accuracy of a checkpoint (or a run directory's latest), nanoGPT's scoring, in one process or on
     workers (--stages/--tp/--dp: each holds a slice of the model, the examples flow through the stages).
 
@@ -302,7 +311,7 @@ def hellaswag(path, jsonl, limit, tokenizer, device, stages, tp, dp, timeout_s, 
     """
     from pipegpt.tools.hellaswag import evaluate
 
-    layout = _layout(stages, tp, dp)
+    layout = _layout(stages, tp, dp, ep)
     result = _on_workers(lambda: evaluate(path, jsonl, limit, tokenizer, device, layout, timeout_s))
     if as_json:
         click.echo(json.dumps(result.as_dict()))

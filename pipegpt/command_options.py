@@ -8,7 +8,7 @@ import click
 
 from pipegpt.arch import ARCHITECTURES, GPT2
 from pipegpt.config import ARCHS, CP_COMM, MODEL_PRESETS, ConfigError, ModelConfig, model_config
-from pipegpt.model_config import MOE_FLAG_FIELDS
+from pipegpt.model_config import MOE_FLAG_FIELDS, QK_NORMS
 
 # The mixture-of-experts settings (docs/moe.md): each option sets the ModelConfig field of its name (--n-experts:
 # n_experts), its type and help here.
@@ -30,7 +30,7 @@ EXPERT_OPTIONS = {
 assert tuple(EXPERT_OPTIONS) == MOE_FLAG_FIELDS
 MODEL_OPTIONS = ("preset", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "pad_vocab", "no_tie_embeddings",
                  "tie_embeddings", "dropout", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "qkv_bias",
-                 *EXPERT_OPTIONS)
+                 "head_size", "qk_norm", *EXPERT_OPTIONS)
 # settings of an architectural property (pipegpt.arch): given for an architecture without it, they are refused
 # (GPT-2 has no grouping, rotary positions or q/k/v biases of their own)
 ARCH_SPECIFIC = {"n_kv_head": ("--n-kv-head", "grouped_kv"), "rope_theta": ("--rope-theta", "rotary"),
@@ -61,6 +61,11 @@ def model_options(command):
         click.option("--rope-theta", type=float, default=None, help="Llama: rotary base (default 10000)."),
         click.option("--norm-eps", type=float, default=None, help="LayerNorm/RMSNorm epsilon (default 1e-5)."),
         click.option("--qkv-bias/--no-qkv-bias", default=None, help="Llama: biases on q, k, v only (Qwen2)."),
+        click.option("--head-dim", "head_size", type=int, default=None,
+                     help="Llama: each attention head's width (Hugging Face's head_dim; default n_embd / n_head)."),
+        click.option("--qk-norm", type=click.Choice(list(QK_NORMS)), default=None,
+                     help="Llama: RMSNorm of q and k before rotary, of each head (Qwen3) or of the whole projection "
+                          "(OLMoE); default: the preset's, none."),
         click.option("--dropout", type=float, default=None,
                      help="Dropout probability of the embedding, attention and residual branches (default: the "
                           "preset's, 0.0; fine-tuning often uses 0.1)."),
@@ -88,7 +93,8 @@ def model_from_options(options: dict, vocab_size: int | None = None) -> ModelCon
                         tie_embeddings=tie_from_flags(o), pad_vocab_to=64 if o["pad_vocab"] else None,
                         dropout=o["dropout"],
                         n_kv_head=o["n_kv_head"], ffn_hidden=o["ffn_hidden"], rope_theta=o["rope_theta"],
-                        norm_eps=o["norm_eps"], qkv_bias=o["qkv_bias"], **{name: o[name] for name in EXPERT_OPTIONS})
+                        norm_eps=o["norm_eps"], qkv_bias=o["qkv_bias"], head_size=o["head_size"], qk_norm=o["qk_norm"],
+                        **{name: o[name] for name in EXPERT_OPTIONS})
 
 
 def tie_from_flags(o: dict) -> bool | None:
@@ -123,6 +129,8 @@ def model_flags(model: ModelConfig, tokenizer: str) -> str:
             flags += f" --ffn-hidden {model.ffn_width}" + (f" --rope-theta {model.rope_theta}" if arch.rotary else "")
             flags += f" --norm-eps {model.norm_eps}" + (" --qkv-bias" if arch.own_qkv_bias and model.qkv_bias else "")
             flags += " --tie-embeddings" if model.tie_embeddings else " --no-tie-embeddings"
+            flags += "" if model.head_size is None else f" --head-dim {model.head_size}"
+            flags += "" if model.qk_norm == "none" else f" --qk-norm {model.qk_norm}"
         else:
             flags += "" if model.ffn_hidden is None else f" --ffn-hidden {model.ffn_hidden}"
             flags += "" if model.norm_eps == 1e-5 else f" --norm-eps {model.norm_eps}"
@@ -146,8 +154,8 @@ def shown_value(value) -> str:
 
 CONVERT = [
     click.option("--from-hf", "from_hf", type=click.Path(), default=None,
-                 help="Import: a Hugging Face GPT-2, Llama, Mistral or Qwen2 directory (config.json and "
-                      "model.safetensors or pytorch_model.bin, either sharded with its index)."),
+                 help="Import: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or OLMoE "
+                      "directory (config.json and model.safetensors or pytorch_model.bin, either sharded with its index)."),
     click.option("--out", type=click.Path(), default=None, help="Import: the checkpoint directory to create."),
     click.option("--tokenizer", type=str, metavar="bytes|gpt2|tokenizer.json", default=None,
                  help="Import: the tokenizer the checkpoint remembers (default: the directory's tokenizer.json for "
@@ -229,7 +237,7 @@ SIMULATE = [
                  help="Pipeline ranks p (each holds one stage, or v for interleaved/V schedules)."),
     click.option("--microbatches", "-m", type=click.IntRange(min=1), default=None, help="Microbatches per step."),
     click.option("--costs", "costs_spec", default=None, metavar="SPEC",
-                 help="'F=1,B=2,W=1,comm=0.1' (act_bytes= too) or a .json file with per-stage lists. Numbers are "
+                 help="'F=1,B=2,W=1,comm=0.1' (act_bytes=, a2a= too) or a .json file with per-stage lists. Numbers are "
                       "per rank's share of the model: schedules with v stages per rank run each at 1/v. "
                       "Default F=1,B=2,W=1,comm=0."),
     click.option("--virtual-stages", "-v", type=click.IntRange(min=1), default=None,
@@ -272,6 +280,10 @@ SIMULATE = [
                       "or order (NCCL: a send leaves at its SEND, a rank's batches run one after another and each "
                       "completes together, a run's sends after its last receive a batch of their own; the plan is "
                       "lowered for the costs, as a run lowers it)."),
+    click.option("--overlap", type=click.Choice(["on", "off"]), default=None,
+                 help="A schedule's pairs (a forward and a backward of two microbatches run as one action, each "
+                      "half's all-to-all, --costs a2a=, under the other's compute): on (the default) or off (each "
+                      "pair's halves one after the other)."),
 ]
 
 
@@ -327,6 +339,12 @@ PLAN_OPTIONS = [
     click.option("--cp-comm", type=click.Choice(CP_COMM), default=None,
                   help="Only layouts whose keys and values travel this way with cp > 1 (as pipegpt run --cp-comm; "
                        "default: both are weighed)."),
+    click.option("--ep", "only_ep", type=click.IntRange(min=1), default=None,
+                  help="Only layouts with this much expert parallelism, carved out of dp x cp x tp (a model with "
+                       "experts; default: every size dividing that product and the expert count)."),
+    click.option("--moe-imbalance", type=float, default=None,
+                  help="The busiest expert rank's tokens over the mean: its expert compute and all-to-alls scale by "
+                       "it (default 1.25, Switch Transformers' capacity factor; docs/moe-planning.md)."),
     click.option("--zero", "only_zero", type=click.Choice(["0", "1", "2", "3"]), default=None,
                   callback=lambda ctx, param, value: None if value is None else int(value),
                   help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0-3 (3 "

@@ -8,13 +8,14 @@ message that names the bad value and says what would be valid, so the driver can
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pipegpt.dims import AXES, AXIS_FIELDS, ParallelDims, Sharding
+from pipegpt.dims import AXES, AXIS_FIELDS, Carve, ParallelDims, Sharding, expert_axes
 # The model's shape and its layout checks live one layer down; re-exported here, where most callers look.
 from pipegpt.model_config import (ARCHS, MODEL_PRESETS, ConfigError, ModelConfig, model_config,  # noqa: F401
                                   nearest_multiples, validate_cp, validate_tp)
@@ -38,6 +39,7 @@ COMPILE_STEPS = 2  # steps of a job that may compile: the first, and a recompila
 STEP_TIMEOUT_FACTOR = 10.0  # a step's deadline without --step-timeout, in --timeout's: a step is many waits
 FIRST_STEPS_FACTOR = 3.0  # the first COMPILE_STEPS steps' deadline: communicators made, memory and kernels warmed
 P2P_DTYPES = ("auto", "bf16", "fp32")
+OVERLAP = ("on", "off")
 
 
 def setting(default, help: str = "", flag: str | None = None, short: str | None = None, choices=None):
@@ -55,6 +57,8 @@ class ParallelConfig:
     tp: int = setting(1, "Tensor-parallel ranks per stage.")
     cp: int = setting(1, "Context-parallel ranks per stage: each holds 1/cp of every sequence (two chunks, so "
                          "causal attention's work is even).")
+    ep: int = setting(1, "Expert-parallel ranks: each MoE layer's experts spread over ep ranks carved out of dp x cp "
+                         "(the world unchanged), tokens moved to them and back by all-to-all.")
     cp_comm: str = setting("ring", "With --cp: how attention sees the other ranks' keys and values: a ring of "
                                    "point-to-point blocks overlapped with compute, or one all-gather (Llama 3's).",
                            choices=CP_COMM)
@@ -75,6 +79,9 @@ class ParallelConfig:
     # backward's weight-gradient part of the embedding, of one block and of the head with its loss (nine
     # numbers); set by the driver, never an option.
     schedule_costs: tuple[float, ...] | None = None
+    overlap: str = setting("on", "A schedule's pairs (a forward and a backward of two microbatches run as one "
+                                 "action, their pieces in turns, each half's communication under the other's "
+                                 "compute): on, or off (each pair's halves one after the other).", choices=OVERLAP)
     microbatches: int = setting(8, "Microbatches per step.", short="-m")
     microbatch_size: int = setting(4, "Sequences per microbatch.")
     recompute: str = setting("none", "Activation recomputation: every block, or only the attention core.",
@@ -90,12 +97,22 @@ class ParallelConfig:
                                              "(Megatron SP).")
 
     @property
+    def expert_carving(self) -> Carve | None:
+        """Where ep ranks come from (pipegpt.dims.expert_axes): dp x cp, or dp x cp x tp under sequence
+        parallelism (experts then whole on each tp rank); None without expert parallelism."""
+        if self.ep == 1:
+            return None
+        return expert_axes(self.ep, tensor_parallel=not (self.sequence_parallel and self.tp > 1))
+
+    @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(**{axis: getattr(self, name) for axis, name in AXIS_FIELDS.items()})
+        dims = ParallelDims(**{axis: getattr(self, name) for axis, name in AXIS_FIELDS.items()})
+        return dims if self.expert_carving is None else dims.carve(self.expert_carving)
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(*self.dims.sizes, sequence_parallel=self.sequence_parallel, zero=self.zero)
+        return Sharding(*self.dims.sizes, sequence_parallel=self.sequence_parallel, zero=self.zero,
+                        carved=self.dims.carved)
 
 
 @dataclass(frozen=True)
@@ -170,6 +187,8 @@ class RuntimeConfig:
                                        "is always the last step's; other steps record nothing.")
     profile: bool = setting(False, "Run py-spy on every worker over the traced steps (first to last): a flame graph "
                                    "per rank, profiles/rank-N.svg and profiles/rank-N.speedscope.json.")
+    wandb: str | None = setting(None, "Also log every metrics row to Weights & Biases, in this project (needs "
+                                      "`pip install wandb`; WANDB_MODE=offline keeps it in the run directory).")
     p2p_dtype: str = setting("auto", "Pipeline messages (activations and their gradients between stages): auto is "
                                      "bf16 under --precision bf16, else --dtype. A stage computes in its own "
                                      "dtype whatever its messages carry.", choices=P2P_DTYPES)
@@ -211,6 +230,8 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     save_every: int = setting(0, "Save a checkpoint every N steps and after the last (0: never).")
+    save_final: bool = setting(True, "Save a checkpoint after the last step (so `pipegpt sample RUN_DIR` works "
+                                     "after any run).")
     keep: int = setting(3, "Keep the newest N checkpoints (0: all).")
     resume: str | None = setting(None, "Resume from a checkpoint, or a run directory's latest; any layout. auto: "
                                        "the --run-dir's latest checkpoint if it has one, else start fresh there.")
@@ -299,7 +320,7 @@ class TrainConfig:
         size torchrun started, if it did."""
         self.model.validate()
         p, o, r = self.parallel, self.optim, self.runtime
-        for name in ("stages", "dp", "cp", "tp", "microbatches", "microbatch_size"):
+        for name in ("stages", "dp", "cp", "tp", "ep", "microbatches", "microbatch_size"):
             _check_positive_int(name, getattr(p, name))
         _check_positive_int("steps", r.steps)
         per_call = r.steps_per_call
@@ -309,6 +330,7 @@ class TrainConfig:
             if value is not None:  # None: the default (the schedule's, cores / ranks)
                 _check_positive_int(name, value)
         _check_choice("recompute", p.recompute, RECOMPUTE)
+        _check_choice("overlap", p.overlap, OVERLAP)
         _check_choice("device", r.device, DEVICES)
         _check_choice("dtype", r.dtype, DTYPES)
         check_tokenizer_name(self.data.tokenizer)
@@ -358,12 +380,16 @@ class TrainConfig:
                               f"not {r.dtype}")
         if r.peak_tflops is not None and not r.peak_tflops > 0:
             raise ConfigError(f"peak_tflops={r.peak_tflops} must be > 0 (or left out)")
+        if r.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"wandb={r.wandb!r} needs Weights & Biases, which is not installed: pip install wandb "
+                              f"(or leave out --wandb)")
         r.traced_steps()
         if not isinstance(r.profile, bool):
             raise ConfigError(f"profile={r.profile!r} must be True or False")
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("sequence parallelism shards along the sequence across tensor-parallel ranks: "
                               "use it with --tp 2 or more")
+        validate_ep(self.model, p)
         validate_tp(self.model, p.tp, p.sequence_parallel, p.cp)
         validate_cp(self.model, p.cp)
         _check_choice("cp_comm", p.cp_comm, CP_COMM)
@@ -411,6 +437,26 @@ class TrainConfig:
             raise ConfigError(f"--tp {p.tp} does not divide the {local} processes per node (LOCAL_WORLD_SIZE): "
                               f"a tensor-parallel group must stay on one node; use --tp {', '.join(map(str, fits))}")
         return self
+
+
+def validate_ep(model: ModelConfig, p: ParallelConfig) -> None:
+    """--ep spreads a MoE model's experts evenly over ranks carved out of dp x cp (x tp under sequence
+    parallelism): one line naming what does not fit."""
+    if p.ep == 1:
+        return
+    if not model.n_experts:
+        raise ConfigError(f"--ep {p.ep} spreads experts over ranks, and the model has none: give --n-experts, or "
+                          f"leave --ep out")
+    if model.n_experts % p.ep:
+        fits = [e for e in range(1, model.n_experts + 1) if model.n_experts % e == 0]
+        raise ConfigError(f"--ep {p.ep} does not divide the {model.n_experts} experts: use --ep "
+                          f"{', '.join(map(str, fits))}")
+    carving = p.expert_carving
+    span = math.prod(getattr(p, AXIS_FIELDS[a]) for a in carving.over)
+    if span % p.ep:
+        over = " x ".join(carving.over)
+        raise ConfigError(f"--ep {p.ep} is carved out of {over} = {span} and does not divide it: give --ep a "
+                          f"divisor of {span}, or more {over}")
 
 
 def trace_step_list(text, steps: int) -> tuple[int, ...]:

@@ -290,6 +290,7 @@ LAYOUT_FIELDS = (
     LayoutField("tp", "tp", auto=True, shrink=True),
     LayoutField("cp", "cp", auto=True, shrink=True),
     LayoutField("cp_comm", "cp_comm", auto=True, shrink=True),
+    LayoutField("ep", "ep", auto=True, shrink=True),  # carved out of dp x cp (x tp): a shrink may lower it
     LayoutField("schedule", "schedule", auto=True, shrink=True),
     LayoutField("virtual_stages", "virtual_stages", auto=True, shrink=True),
     LayoutField("microbatches", "microbatches", auto=True, shrink=True),

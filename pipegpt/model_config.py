@@ -35,6 +35,7 @@ class ModelConfig:
     arch-dependent fields: n_kv_head None means n_head (no grouping); ffn_hidden None means 4 x n_embd for
     GPT-2 and Llama's rule (two thirds of 4 x n_embd, rounded up to a multiple of 256) for Llama. rope_theta,
     norm_eps and qkv_bias (Qwen2's) matter to Llama only; GPT-2's LayerNorm eps is norm_eps too (1e-5).
+    head_size (heads wider than n_embd / n_head, as Qwen3's) and qk_norm are Llama's only too.
     """
 
     vocab_size: int = 256
@@ -52,6 +53,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     qkv_bias: bool = False
+    head_size: int | None = None  # each attention head's width (Hugging Face's head_dim); None: n_embd / n_head
+    qk_norm: str = "none"  # RMSNorm of q and k before rotary: "head" (each head's, Qwen3) or "projection" (OLMoE)
     # Mixture of experts (pipegpt.model.moe; Hugging Face's names where they have one). n_experts 0: dense.
     n_experts: int = 0
     n_experts_per_token: int | None = None  # top-k; None: 2
@@ -73,7 +76,13 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.n_embd // self.n_head if self.head_size is None else self.head_size
+
+    @property
+    def attention_width(self) -> int:
+        """The width of q and of attention's output (the proj input): n_head x head_dim, n_embd unless
+        head_size says otherwise (Qwen3's 32 heads of 128 over n_embd 2048)."""
+        return self.n_head * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -106,6 +115,9 @@ class ModelConfig:
         """The fields a checkpoint's manifest records: every one, but a dense model's expert settings (a dense
         checkpoint reads as it did before experts existed, and one written before them resumes)."""
         out = dataclasses.asdict(self)
+        for name, default in (("head_size", None), ("qk_norm", "none")):  # as the expert settings, when unused
+            if out[name] == default:
+                out.pop(name)
         if not self.n_experts:
             for name in ("n_experts", *_MOE_FIELDS):
                 out.pop(name)
@@ -115,7 +127,8 @@ class ModelConfig:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "pad_vocab_to"):
             check_positive_int(name, getattr(self, name))
         arch = self.architecture
-        if self.n_embd % self.n_head:
+        self._validate_heads()
+        if self.head_size is None and self.n_embd % self.n_head:
             raise ConfigError(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                 f"use a multiple of {self.n_head} such as {nearest_multiples(self.n_embd, self.n_head)}"
@@ -132,8 +145,8 @@ class ModelConfig:
             raise ConfigError(f"n_kv_head={self.kv_heads} (grouped-query attention) needs arch {grouped}, "
                               f"not {self.arch}; {arch.title} has n_kv_head = n_head = {self.n_head}")
         if arch.rotary and self.head_dim % 2:
-            raise ConfigError(f"head size n_embd/n_head = {self.head_dim} is odd: rotary embeddings need "
-                              f"an even head size")
+            size = "n_embd/n_head" if self.head_size is None else "head_size"
+            raise ConfigError(f"head size {size} = {self.head_dim} is odd: rotary embeddings need an even head size")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout!r} must be a number in [0, 1), e.g. 0.0 or 0.1")
@@ -147,6 +160,19 @@ class ModelConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         self._validate_experts()
         return self
+
+    def _validate_heads(self) -> None:
+        """head_size and qk_norm: Llama-style attention's (GPT-2's fused q, k, v are n_embd wide, its norm a
+        LayerNorm)."""
+        if self.head_size is not None:
+            check_positive_int("head_size", self.head_size)
+            if self.architecture.fused_qkv:
+                raise ConfigError(f"head_size={self.head_size} needs separate q, k, v projections (arch llama), "
+                                  f"not {self.arch}: leave it out (n_embd / n_head = {self.n_embd / self.n_head:g})")
+        if self.qk_norm not in QK_NORMS:
+            raise ConfigError(f"qk_norm={self.qk_norm!r} is not valid: use one of {', '.join(QK_NORMS)}")
+        if self.qk_norm != "none" and self.architecture.norm != "rms":
+            raise ConfigError(f"qk_norm={self.qk_norm} is an RMSNorm: it needs arch llama, not {self.arch}")
 
     def _validate_experts(self) -> None:
         if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
@@ -180,6 +206,8 @@ class ModelConfig:
             raise ConfigError(f"norm_topk_prob={self.norm_topk_prob!r} must be True or False")
 
 
+# qk_norm's values: none; each head's head_dim values (Qwen3); the whole q and k projections (OLMoE, OLMo 2)
+QK_NORMS = ("none", "head", "projection")
 # The mixture-of-experts fields a `pipegpt run` flag sets (--n-experts: n_experts); norm_topk_prob is a preset's
 MOE_FLAG_FIELDS = ("n_experts", "n_experts_per_token", "n_shared_experts", "expert_hidden", "moe_every",
                    "first_dense_layers", "router_score", "router_aux_loss_coef", "router_z_loss_coef",
@@ -227,8 +255,6 @@ def validate_cp(config: ModelConfig, cp: int) -> None:
         raise ConfigError(f"cp={cp!r} must be an integer >= 1")
     if cp == 1:
         return
-    if config.n_experts:  # the aux loss is a product of means over a call's tokens: a cp rank holds part of them
-        raise ConfigError(f"mixture of experts with cp={cp} is not supported yet: use cp=1")
     if config.seq_len % (2 * cp):
         raise ConfigError(f"context parallelism cuts each sequence into 2 x cp = {2 * cp} chunks: seq_len="
                           f"{config.seq_len} is not divisible by {2 * cp}; use seq_len="
@@ -247,9 +273,8 @@ def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False, c
         raise ConfigError(f"tp={tp!r} must be an integer >= 1")
     if tp == 1:
         return
-    if config.n_experts:
-        raise ConfigError(f"mixture of experts with tp={tp} is not supported yet (experts are not tensor-parallel): "
-                          f"use tp=1")
+    if config.qk_norm != "none":  # its weights would be replicated over tp ranks holding different heads
+        raise ConfigError(f"qk_norm={config.qk_norm} with tp={tp} is not supported yet: use tp=1")
     C = config.n_embd
     if config.n_head % tp:
         heads = [h for h in range(tp, C + 1, tp) if C % h == 0]  # multiples of tp dividing n_embd

@@ -65,6 +65,14 @@ def config_options(command):
     return command
 
 
+def dry_run_option(command):
+    """--dry-run [DEVICE]: check the job and predict it on DEVICE (pipegpt.train.dry_run), starting nothing."""
+    return click.option("--dry-run", "dry_run", is_flag=False, flag_value="here", default=None, metavar="[DEVICE]",
+                        help="Check the settings and the plan, print the layout, the predicted step time and each "
+                             "rank's memory on DEVICE (a `pipegpt plan --device` preset such as h100; alone: this "
+                             "machine's) for this world size, and exit without starting a worker.")(command)
+
+
 def train_config(ctx: click.Context, batch_size: int | None, options: dict,
                  say: Callable[[str], None] = lambda line: None, config_file: str | None = None,
                  layout: str = "given") -> TrainConfig:
@@ -236,7 +244,8 @@ def _file_model_options(ctx: click.Context, options: dict, model: dict, path: st
     filled = dict(options)
     as_options = {k: v for k, v in model.items() if k in ("preset", "n_layer", "n_embd", "n_head", "seq_len",
                                                         "vocab_size", "dropout", "arch", "n_kv_head", "ffn_hidden",
-                                                        "rope_theta", "norm_eps", "qkv_bias", *EXPERT_OPTIONS)}
+                                                        "rope_theta", "norm_eps", "qkv_bias", "head_size", "qk_norm",
+              *EXPERT_OPTIONS)}
     if "pad_vocab_to" in model:
         as_options["pad_vocab"] = model["pad_vocab_to"] not in (None, 1)
     if "tie_embeddings" in model and not (given(ctx, "tie_embeddings") or given(ctx, "no_tie_embeddings")):
@@ -326,7 +335,8 @@ def _restore(ctx: click.Context, settings: dict, saved: dict, from_file: bool = 
 
 # model options that set the field of the same name
 _SAME_NAME = ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dropout", "arch", "n_kv_head", "ffn_hidden",
-              "rope_theta", "norm_eps", "qkv_bias", *EXPERT_OPTIONS)
+              "rope_theta", "norm_eps", "qkv_bias", "head_size", "qk_norm",
+              *EXPERT_OPTIONS)
 
 
 def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: str,
@@ -344,6 +354,8 @@ def _resumed_model(ctx: click.Context, options: dict, saved: dict, tokenizer: st
         flags = {name: f"--{name.replace('_', '-')} {shown_value(value)}" for name, value in changes.items()}
         if changes.get("qkv_bias") is False:
             flags["qkv_bias"] = "--no-qkv-bias"
+        if "head_size" in changes:
+            flags["head_size"] = f"--head-dim {changes['head_size']}"
         if given(ctx, "pad_vocab") and options["pad_vocab"]:
             changes["pad_vocab_to"], flags["pad_vocab_to"] = 64, "--pad-vocab"
         tie = tie_from_flags({name: options.get(name) if given(ctx, name) else None
@@ -429,3 +441,61 @@ def _from_schedule_file(ctx: click.Context, settings: dict) -> None:
              for name in ("stages", "microbatches")}
     check_against_file(plan, path, given["stages"], given["microbatches"])
     settings.update(schedule=plan.name, stages=plan.num_ranks, microbatches=plan.num_microbatches)
+
+
+# `pipegpt run --help` in sections, in this order: each option's section is its config section's (config.json's
+# [parallel], [optim], ...) as HELP_OF_SECTION names it, unless HELP_MOVED places it (an option of the command
+# line alone, or one that config.json keeps with others than a user looks for it beside).
+HELP_ORDER = ("Model", "Layout", "Schedule", "Training", "Data", "Checkpoints", "Resilience", "Observability")
+HELP_OF_SECTION = {"parallel": "Layout", "optim": "Training", "data": "Data", "runtime": "Training",
+                   "checkpoint": "Checkpoints", "eval": "Observability"}
+HELP_MOVED = {
+    "Layout": ("layout", "port", "dry_run"),
+    "Schedule": ("schedule", "schedule_file", "virtual_stages", "max_live", "microbatches", "microbatch_size"),
+    "Training": ("config_file", "batch_size"),
+    "Checkpoints": ("run_dir", "overwrite"),
+    "Resilience": ("max_restarts", "min_ranks", "snapshot_every", "timeout_s", "step_timeout_s", "on_nonfinite",
+                   "max_skipped_steps"),
+    "Observability": ("log_every", "trace_steps", "profile", "peak_tflops", "wandb"),
+}
+
+
+def help_section(name: str) -> str:
+    """The `run --help` section of the option whose parameter is `name` ("Other" for one no list places)."""
+    moved = next((title for title, names in HELP_MOVED.items() if name in names), None)
+    if moved is not None:
+        return moved
+    if name in MODEL_OPTIONS:
+        return "Model"
+    return next((HELP_OF_SECTION[s] for s, cls in SECTIONS.items()
+                 if any(f.name == name for f in dataclasses.fields(cls))), "Other")
+
+
+RUN_EXAMPLES = (
+    "pipegpt run --stages 4 --microbatches 16 --steps 100 --run-dir runs/a     # tiny model, built-in text",
+    "pipegpt run --model gpt2 --data data/books --tokenizer gpt2 --stages 4 --microbatches 32 --device cuda",
+    "pipegpt run --resume runs/a --steps 200                                   # on from its last checkpoint",
+)
+
+
+class SectionedCommand(click.Command):
+    """A click command whose --help shows the most used examples, then lists its options under HELP_ORDER's
+    headings (click has no option groups)."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help_text(ctx, formatter)
+        formatter.write_paragraph()
+        with formatter.indentation():
+            for line in RUN_EXAMPLES:
+                formatter.write(f"{' ' * formatter.current_indent}{line}\n")
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                records.setdefault(help_section(param.name), []).append(record)
+        for title in (*HELP_ORDER, "Other"):
+            if title in records:
+                with formatter.section(f"{title} options"):
+                    formatter.write_dl(records[title])

@@ -6,9 +6,30 @@ script. tests/distributed: worker processes (LocalCluster, mp.spawn, torchrun) a
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from helpers import NoWorkers, one_thread as _one_thread, scrub_environ
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_preload_server(tmp_path_factory):
+    """One preload server for the whole session (pipegpt.comm.preload.serve_shared): every `pipegpt run` and
+    in-process job forks its workers from it instead of starting a server of its own that imports torch again.
+    A driver's own server, as users' runs start it, is what test_orphans and test_preload exercise."""
+    from pipegpt.comm import preload
+
+    if not preload.supported() or preload.SHARED_ADDRESS in os.environ:
+        yield None
+        return
+    address = str(tmp_path_factory.mktemp("preload") / "server.sock")
+    server = preload.start_shared(address, preload.PRELOADED + ("pipegpt.train.worker",))
+    os.environ[preload.SHARED_ADDRESS] = address
+    yield address
+    del os.environ[preload.SHARED_ADDRESS]
+    server.kill()
+    server.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

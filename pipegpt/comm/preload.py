@@ -55,6 +55,9 @@ LATE_NAMES = frozenset({"TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "SPT_NOENV", "
                         "CUDA_VISIBLE_DEVICES", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD"})
 LATE_PREFIXES = ("PIPEGPT_", "NCCL_")
 POLL_S = 0.05
+# Where a shared server listens (serve_shared), for every driver started with it in its environment: a test
+# session's, whose many short `pipegpt run`s would otherwise each start a server of their own.
+SHARED_ADDRESS = "PIPEGPT_PRELOAD_ADDRESS"
 STREAMS = (1, 2)  # stdout, stderr; a worker's stdin is /dev/null, as a spawned one's
 
 
@@ -93,7 +96,8 @@ def start_early(modules: tuple[str, ...] = PRELOADED) -> Preloader | None:
     with _server_lock:
         if _server is None or _server.gone:
             apply_local_env()
-            _server = Preloader(modules)
+            address = os.environ.get(SHARED_ADDRESS)
+            _server = (Preloader.connect(address) if address else None) or Preloader(modules)
         return _server
 
 
@@ -105,15 +109,19 @@ def server() -> Preloader | None:
 class Preloader:
     """The driver's end of a preload server: its process, its pipe, and the exits it reported."""
 
-    def __init__(self, modules: tuple[str, ...]):
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, theirs = ctx.Pipe()
-        # Bound to this process before it imports anything, as a spawned worker is (run_worker). A daemon:
-        # multiprocessing ends it (and so its workers) when this process exits normally.
-        self.proc = ctx.Process(target=run_worker, name="pipegpt-preload", daemon=True,
-                                args=(os.getpid(), f"{__name__}:serve", theirs, tuple(modules)))
-        self.proc.start()
-        theirs.close()
+    def __init__(self, modules: tuple[str, ...] = (), conn=None):
+        """A server of this process's own, importing modules; or, given conn, a connection to a shared one."""
+        self.proc = None  # a shared server is not this process's child
+        if conn is None:
+            ctx = multiprocessing.get_context("spawn")
+            conn, theirs = ctx.Pipe()
+            # Bound to this process before it imports anything, as a spawned worker is (run_worker). A daemon:
+            # multiprocessing ends it (and so its workers) when this process exits normally.
+            self.proc = ctx.Process(target=run_worker, name="pipegpt-preload", daemon=True,
+                                    args=(os.getpid(), f"{__name__}:serve", theirs, tuple(modules)))
+            self.proc.start()
+            theirs.close()
+        self.conn = conn
         self.exits: dict[int, int] = {}  # pid -> exit code, multiprocessing's sign convention
         self.forked: list[int] = []
         self.gone = False  # the server's end is closed: it exited
@@ -123,24 +131,36 @@ class Preloader:
         # driver's main thread in the middle of a message would leave the rest of it to be read as the next one.
         threading.Thread(target=self._read, name="pipegpt-preload-reader", daemon=True).start()
 
+    @classmethod
+    def connect(cls, address: str) -> Preloader | None:
+        """A connection to the shared server at address (serve_shared), or None where there is none."""
+        try:
+            return cls(conn=multiprocessing.connection.Client(address, family="AF_UNIX"))
+        except OSError:
+            return None
+
+    def _exited(self) -> str:
+        return (f"the preload server exited (code {self.proc.exitcode})" if self.proc is not None
+                else "the shared preload server closed its connection")
+
     def fork(self, target: str, args_per_worker: list[tuple], names: list[str],
              timeout_s: float) -> list[ForkedWorker] | str:
         """One worker per args, running target ("module:function") with them: the workers, or why not
         (the caller spawns them instead). Waits for the server's imports, at most timeout_s."""
         streams = [fd for fd in STREAMS if _is_open(fd)]
         request = ("fork", target, args_per_worker, names, dict(os.environ), os.getcwd(),
-                   sorted(os.sched_getaffinity(0)), streams)
+                   sorted(os.sched_getaffinity(0)), sys.executable, streams)
         try:
             self.conn.send(request)
             with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 reduction.sendfds(s, streams)
         except OSError:
-            return f"the preload server exited (code {self.proc.exitcode})"
+            return self._exited()
         window = WaitWindow(timeout_s)
         with self._said:
             while not self._answers:
                 if self.gone:
-                    return f"the preload server exited (code {self.proc.exitcode})"
+                    return self._exited()
                 if window.timed_out():
                     return f"the preload server did not answer within {timeout_s:.0f}s"
                 self._said.wait(POLL_S)
@@ -213,11 +233,11 @@ def _is_open(fd: int) -> bool:
 # ------------------------------------------------------------------------------------------------------------
 # The server process
 
-def serve(conn, modules: tuple[str, ...]) -> None:
+def serve(conn, modules: tuple[str, ...], start_env: dict[str, str] | None = None) -> None:
     """The server's target (run by lifeline.run_worker, bound to the driver): import, then fork on request
-    and report exits until the driver's end closes."""
+    and report exits until the driver's end closes. start_env: the environment before any import (this one's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the driver's and the workers' to handle
-    start_env = dict(os.environ)
+    start_env = dict(os.environ) if start_env is None else start_env
     refusal = _preload(modules)
     gc.freeze()  # what was imported is never collected: no collection walks (and copies) the forked pages
     exits: dict[int, int] = {}  # a descriptor readable once the worker exits (pidfd) -> its pid
@@ -229,7 +249,8 @@ def serve(conn, modules: tuple[str, ...]) -> None:
                 message = conn.recv()
                 with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
                     fds = reduction.recvfds(s, len(message[-1])) if message[-1] else []
-                for pid in _fork(conn, message, fds, refusal or _env_refusal(start_env, message[4])):
+                for pid in _fork(conn, message, fds, refusal or _env_refusal(start_env, message[4])
+                                 or _interpreter_refusal(message[7])):
                     try:
                         exits[os.pidfd_open(pid)] = pid
                     except (AttributeError, OSError):
@@ -237,6 +258,62 @@ def serve(conn, modules: tuple[str, ...]) -> None:
             _report_exits(conn, exits)
         except (EOFError, OSError):
             return  # the driver is gone or done: the workers die with this process
+
+
+def start_shared(address: str, modules: tuple[str, ...] = PRELOADED, timeout_s: float = 120):
+    """Start a shared server listening at address (a Unix socket's path), bound to this process as a driver's own
+    server is; returns its process once it listens (before its imports end). Drivers that find SHARED_ADDRESS=address in their environment
+    use it (start_early)."""
+    apply_local_env()
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=run_worker, name="pipegpt-preload-shared", daemon=True,
+                       args=(os.getpid(), f"{__name__}:serve_shared", address, tuple(modules)))
+    proc.start()
+    window = WaitWindow(timeout_s)
+    while not os.path.exists(address):
+        if not proc.is_alive() or window.timed_out():
+            proc.kill()
+            raise RuntimeError(f"the shared preload server did not listen at {address} (exit code {proc.exitcode})")
+        window.poll()
+        proc.join(POLL_S)
+    return proc
+
+
+def serve_shared(address: str, modules: tuple[str, ...]) -> None:
+    """The shared server's target: import once, then serve each driver that connects from a child forked for it,
+    which serves it as a driver's own server would (serve): its workers are that child's children, and die with
+    it, and it ends when its driver's end of the connection closes (at the driver's death too: the lifeline)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(64)  # listening before importing: a driver that connects meanwhile waits for its answer
+    start_env = dict(os.environ)
+    _preload(modules)  # serve (in each child) says why not, if it failed
+    gc.freeze()
+    listener.settimeout(1.0)  # children that ended are reaped at least this often
+    server_pid = os.getpid()
+    while True:
+        try:
+            accepted, _ = listener.accept()
+        except socket.timeout:
+            accepted = None
+        if accepted is not None and os.fork() == 0:
+            listener.close()
+            code = 1
+            try:
+                bind_to_parent(server_pid)
+                serve(multiprocessing.connection.Connection(accepted.detach()), modules, start_env)
+                code = 0
+            finally:
+                os._exit(code)
+        if accepted is not None:
+            accepted.close()
+        while True:  # reap the children whose drivers are done
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
 
 
 def _preload(modules: tuple[str, ...]) -> str | None:
@@ -272,9 +349,17 @@ def _env_refusal(start_env: dict[str, str], env: dict[str, str]) -> str | None:
     return f"the environment changed since the preload server started ({', '.join(changed)})" if changed else None
 
 
+def _interpreter_refusal(executable: str) -> str | None:
+    """A worker's sys.executable is its server's: a driver of another interpreter (a shared server's client, a
+    virtual environment's twin) would see its workers look for tools (py-spy) beside the wrong one."""
+    if executable != sys.executable:
+        return f"the driver's interpreter ({executable}) is not the preload server's ({sys.executable})"
+    return None
+
+
 def _fork(conn, message: tuple, fds: list[int], refusal: str | None) -> list[int]:
     """The workers a request asks for, forked (their pids), or none and the refusal sent."""
-    _, target, args_per_worker, names, env, cwd, cores, streams = message
+    _, target, args_per_worker, names, env, cwd, cores, _, streams = message
     pids = []
     if refusal is None:
         server_pid = os.getpid()

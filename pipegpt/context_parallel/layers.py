@@ -1,7 +1,8 @@
 """Context parallelism as a setting on a plain GPT slice: shard_for_cp tells every attention layer (and the
 embedding's positions) where this rank's tokens sit and how to see the others'. Parameters are untouched: every cp
 rank of a stage holds the same weights, and their gradients are averaged with the data-parallel replicas'
-(pipegpt.comm.mesh's dp_cp group), so nothing here changes a checkpoint.
+(pipegpt.comm.mesh's dp_cp group), so nothing here changes a checkpoint. A mixture-of-experts layer routes this
+rank's tokens; its aux loss, a product of means over the call's tokens, sums them over cp (MoE.token_sums).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pipegpt.config import CP_COMM, ConfigError
 from pipegpt.context_parallel.attention import context_parallel_attention, set_timeout
 from pipegpt.context_parallel.chunks import local_positions
 from pipegpt.model.gpt import GPT
+from pipegpt.model.moe import moe_layers
+from pipegpt.tensor_parallel.collectives import sum_used_by_all
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,4 +58,8 @@ def shard_for_cp(module: GPT, cp_rank: int, cp_size: int, group, comm: str = "ri
     module.context_parallel = layout
     for block in module.blocks.values():
         block.attn.context_parallel = layout
+    for layer in moe_layers(module):
+        # each cp rank routes its own tokens of the call: the aux loss sums over cp, and every cp rank's gradient
+        # of it (averaged over dp x cp as the parameters' are) flows to every rank's scores
+        layer.token_sums.append(functools.partial(sum_used_by_all, group=group))
     return module

@@ -144,6 +144,8 @@ from pipegpt.config import ConfigError, ModelConfig, validate_tp
 from pipegpt.dims import Sharding
 from pipegpt.schedule.actions import Kind, Plan
 
+from .experts import tp_model
+
 
 MEMORY_PRECISIONS = ("fp32", "bf16", "fp64")
 INT64, BOOL = 8, 1
@@ -181,8 +183,10 @@ def _mix(model: ModelConfig, layers) -> tuple:
         raise ConfigError(str(e)) from None
 
 
-def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
-    validate_tp(model, tp, sequence_parallel)
+def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False, cp: int = 1) -> None:
+    """ConfigError unless the model splits over tp: pipegpt.config.validate_tp (of a model with experts, its
+    attention and dense layers: experts stay whole per tp rank), and the shapes below (check_tp_shapes)."""
+    validate_tp(tp_model(model, tp), tp, sequence_parallel, cp)
     check_tp_shapes(model, tp)
 
 
@@ -244,12 +248,13 @@ def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device) -> 
     # the q heads before the kernel); selective recomputation's checkpoint keeps its inputs, k and v as
     # the kv heads give them
     kv = kv_local_heads(model, tp) * model.head_dim
-    attention_inputs = N // tp + (2 * b * s * kv if recompute == "selective" else 2 * N // tp)
+    Q = N // model.n_embd * model.attention_width  # q and the attention output: n_embd wide unless head_size is set
+    attention_inputs = Q // tp + (2 * b * s * kv if recompute == "selective" else 2 * Q // tp)
     layer = (2 * Ns * r  # ln1, ln2 inputs
              + 2 * norm_stats  # their statistics
              + _linear_inputs(model, precision, sp) * N * c  # the column-parallel linears' inputs
              + attention_inputs * c  # q and k (after rotation), v
-             + N // tp * c  # the attention output = the proj input
+             + Q // tp * c  # the attention output = the proj input
              + arch.mlp_saved * b * s * (F // tp) * c)  # the MLP's intermediates
     if arch.rotary and c != 4:
         layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call
@@ -455,7 +460,7 @@ def activation_peaks(plan: Plan, saved: Sequence[int], deferred: Sequence[int] |
     """
     deferred = saved if deferred is None else deferred
     peaks = []
-    for actions in plan.ranks:
+    for actions in plan.flattened().ranks:  # a pair's halves in order: its F counts before its B frees
         level = held = working = 0
         for a in actions:
             kind, s = a.kind, a.stage

@@ -61,6 +61,13 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
 * Llama's blocks cost what their FLOPs say (above) and move what GPT-2's move (two all-reduces of mbs T C
   activations per pass: attn.proj's and mlp.proj's outputs); RMSNorm, rotary and SiLU are elementwise, counted
   as GPT-2's LayerNorm and GELU are: not at all.
+* mixture of experts: an MoE block costs a dense SwiGLU block as wide as a token's active experts (top-k and
+  shared). With ep > 1 (pipegpt.costs.experts) the routed experts' share of its compute is multiplied by
+  moe_imbalance (the busiest rank's tokens over the mean, default 1.25), and four all-to-alls join its
+  collectives (dispatch and combine, forward and backward; six with full recomputation): each of the rank's
+  tokens x top-k x C values in the compute precision, times moe_imbalance, (ep-1)/ep of them leaving the rank,
+  those to its node's peers over NVLink while the rest cross the network, the slower counted, a latency each
+  (all_to_all_time; docs/moe-planning.md).
 
 Calibrated model (CalibratedCosts, `pipegpt plan --calibrate RUN_DIR`): the same shapes, with the compute
 of F, B and W each scaled by (measured / analytical: each stage's layers at their kinds' blocks) over the stages
@@ -80,6 +87,7 @@ from pipegpt.dims import Sharding
 from pipegpt.model.flops import block_matmul_weights
 
 from .devices import Cluster
+from .experts import DEFAULT_MOE_IMBALANCE
 
 DEFAULT_EFFICIENCY = 0.5  # achieved / peak matmul FLOP/s: Megatron-LM reports 44-52% on A100 (Narayanan et al. 2021)
 DEFAULT_LAYER_OVERHEAD_S = 100e-6  # host time to launch one block's forward (backward: twice)
@@ -154,8 +162,8 @@ def layer_flops_fwd(model: ModelConfig) -> float:
     """Forward FLOPs of one block for one sequence (matmuls and attention's T x T products): GPT-2's
     24 T C^2 + 4 T^2 C; Llama's 2 T (2 C^2 + 2 K C + 3 F C) + 4 T^2 C (K = kv_heads x head_dim: grouped-query
     attention's smaller k and v projections; F = ffn_width: SwiGLU's gate, up and proj)."""
-    T, C = model.seq_len, model.n_embd
-    return 2 * T * block_matmul_weights(model) + 4 * T * T * C
+    T, A = model.seq_len, model.attention_width  # n_head x head_dim: n_embd unless head_size is set
+    return 2 * T * block_matmul_weights(model) + 4 * T * T * A
 
 
 def head_flops_fwd(model: ModelConfig) -> float:
@@ -168,12 +176,16 @@ class AnalyticalCosts:
     kind = "analytical"
 
     def __init__(self, cluster: Cluster, efficiency: float = DEFAULT_EFFICIENCY,
-                 layer_overhead_s: float = DEFAULT_LAYER_OVERHEAD_S):
+                 layer_overhead_s: float = DEFAULT_LAYER_OVERHEAD_S, moe_imbalance: float = DEFAULT_MOE_IMBALANCE):
         if not 0 < efficiency <= 1:
             raise ConfigError(f"--efficiency {efficiency} must be in (0, 1]: achieved / peak FLOP/s, e.g. 0.5")
         if layer_overhead_s < 0:
             raise ConfigError(f"--layer-overhead-us must be >= 0, got {layer_overhead_s * 1e6:g}")
+        if not 1 <= moe_imbalance < math.inf:
+            raise ConfigError(f"--moe-imbalance {moe_imbalance} must be >= 1: the busiest expert rank's tokens over "
+                              f"the mean, e.g. {DEFAULT_MOE_IMBALANCE}")
         self.cluster, self.efficiency, self.layer_overhead_s = cluster, efficiency, layer_overhead_s
+        self.moe_imbalance = moe_imbalance
 
     def describe(self) -> str:
         return (f"analytical: {self.efficiency:g} of peak, at least {self.layer_overhead_s * 1e6:g} us per block "
@@ -239,7 +251,7 @@ class AnalyticalCosts:
             forward = (cp - 1) * step
             backward = 2 * forward  # K/V gathered again, dK/dV reduce-scattered
         else:
-            attention = shape.mbs * 2 * L * L * model.n_embd / tp / self._rate()  # one causal block
+            attention = shape.mbs * 2 * L * L * model.attention_width / tp / self._rate()  # one causal block
             forward = (cp - 1) * max(0.0, step - attention)
             backward = (cp - 1) * max(0.0, lat + 2 * block / bw - 2 * attention) + step  # dK/dV's last hop home
         if shape.recompute in ("full", "selective"):
@@ -251,6 +263,35 @@ class AnalyticalCosts:
         c = self.cluster
         return ((c.intra_node_bytes_per_s, c.latency_intra_s) if same_node
                 else (c.inter_node_bytes_per_s, c.latency_inter_s))
+
+    def all_to_all_time(self, nbytes: float, n: int, on_node: int) -> float:
+        """An all-to-all among n ranks, each holding nbytes for all of them (its own share stays): what goes to
+        the on_node - 1 peers of its node over NVLink while the rest crosses the network, a latency each."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        c = self.cluster
+        inside = (nbytes * (on_node - 1) / n / c.intra_node_bytes_per_s + c.latency_intra_s) if on_node > 1 else 0.0
+        outside = (nbytes * (n - on_node) / n / c.inter_node_bytes_per_s + c.latency_inter_s) if on_node < n else 0.0
+        return max(inside, outside)
+
+    def with_experts(self, piece: Piece, block: ModelConfig, shape: Shape, on_node: int) -> Piece:
+        """An MoE block's piece (piece: its block model's, a dense SwiGLU as wide as a token's active experts) with
+        expert parallelism: the routed experts' compute (their share of the block's FLOPs) times moe_imbalance,
+        the busiest rank's; and four all-to-alls of its tokens x top-k x n_embd in the compute dtype (dispatch and
+        combine, forward and backward; six with full recomputation, whose forward dispatches again), as many
+        bytes times moe_imbalance, on the links where the ep group lands (on_node of it share each node)."""
+        ep = shape.sharding.size("ep") if "ep" in shape.sharding.axis_names else 1
+        if ep == 1:
+            return piece
+        k, x = block.experts_per_token, self.moe_imbalance
+        share = 2 * block.seq_len * 3 * k * block.expert_width * block.n_embd / layer_flops_fwd(block)
+        extra = (x - 1) * share * piece.f
+        width = 2 if self.cluster.precision == "bf16" else FP32
+        tokens = shape.sharding.tokens_per_rank(block.seq_len, shape.mbs)
+        a2a = x * self.all_to_all_time(tokens * k * block.n_embd * width, ep, on_node)
+        again = 2 * a2a if shape.recompute == "full" else 0.0
+        return Piece(piece.f + extra, piece.b + (2 + (shape.recompute == "full")) * extra, piece.w + extra,
+                     piece.comm_f + 2 * a2a, piece.comm_b + 2 * a2a + again)
 
     def message_bytes(self, model: ModelConfig, shape: Shape) -> float:
         width = 2 if self.cluster.precision == "bf16" else FP32  # pipegpt's default --p2p-dtype: the precision

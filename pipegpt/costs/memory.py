@@ -94,6 +94,7 @@ from pipegpt.schedule.actions import Plan
 from pipegpt.schedule.lowering import lower
 from pipegpt.schedule.messages import message_peaks
 
+from .experts import EXPERT_PREFIX, expert_ranks, expert_replicas
 from .activations import (BOOL, INT64, MEMORY_PRECISIONS, Workspace, _check, _check_positive, _check_tp,  # noqa: F401
                           _count, _mix, _widths, activation_bytes, activation_peaks, check_tp_shapes, deferred_bytes,
                           memory_precision, peak_activation_bytes, stage_activation_bytes, workspace_bytes)
@@ -132,6 +133,12 @@ def parameter_count(model: ModelConfig, layers, embed: bool, head: bool, tp: int
                                                                     tp))
 
 
+def expert_parameter_count(model: ModelConfig, layers) -> int:
+    """The routed experts' parameters in a slice, all of them (as one process holds them: whole over tp)."""
+    return sum(_numel(shape) for name, shape in stage_parameter_shapes(model, _layers_key(model, layers), False, False)
+               if name.startswith(EXPERT_PREFIX))
+
+
 @dataclass(frozen=True)
 class StateBytes:
     parameters: int  # on this rank (a V-shape's tied embedding once)
@@ -159,13 +166,23 @@ def _state_bytes(model, stages, sharding: Sharding, precision, between_steps: bo
     # a V-shape's head shares one tensor with the rank's wte (the worker ties them): counted once
     share_tied = model.tie_embeddings and any(e for e, _ in ends) and any(h for _, h in ends) \
         and not any(e and h for e, h in ends)
-    per_stage = []
+    per_stage, experts = [], []
     for layers, embed, head in stages:
-        per_stage.append(sum(_numel(shape) for name, shape in stage_parameter_shapes(model, layers, embed, head, tp)
-                             if not (share_tied and name == "lm_head.weight")))
-    params = sum(per_stage)
-    weights, gradients, optimizer = zero_state(per_stage, dp, zero, unshard, microbatches, between_steps)
-    return StateBytes(params, weights * r, gradients * r, optimizer * r)
+        shapes = stage_parameter_shapes(model, layers, embed, head, tp)
+        per_stage.append(sum(_numel(shape) for name, shape in shapes if not (share_tied and name == "lm_head.weight")))
+        experts.append(sum(_numel(shape) for name, shape in shapes if name.startswith(EXPERT_PREFIX)))
+    edp = expert_replicas(sharding)
+    if not any(experts) or (edp == dp and expert_ranks(sharding) == 1):  # every parameter alike
+        params = sum(per_stage)
+        weights, gradients, optimizer = zero_state(per_stage, dp, zero, unshard, microbatches, between_steps)
+        return StateBytes(params, weights * r, gradients * r, optimizer * r)
+    # experts: 1/ep of them here, their state sharded over edp; the rest over dp x cp
+    ep = expert_ranks(sharding)
+    mine = [-(-e // ep) for e in experts]
+    dense = zero_state([p - e for p, e in zip(per_stage, experts)], dp, zero, unshard, microbatches, between_steps)
+    routed = zero_state(mine, edp, zero, unshard, microbatches, between_steps)
+    params = sum(p - e + m for p, e, m in zip(per_stage, experts, mine))
+    return StateBytes(params, *(r * (a + b) for a, b in zip(dense, routed)))
 
 
 def zero_state(stage_params: Sequence[int], dp: int, zero: int, unshard: str = "step", microbatches: int = 2,

@@ -9,11 +9,11 @@ comes as one pipegpt.dims.Sharding. One StageCosts serves one search: its caches
 model and one cp_comm (how K/V travel with cp > 1)."""
 from __future__ import annotations
 
-from pipegpt.arch import block_shapes, embedding_shapes, head_shapes, layer_kinds, layer_mix, stage_ranges
+from pipegpt.arch import MOE, block_shapes, embedding_shapes, head_shapes, layer_kinds, layer_mix, stage_ranges
 from pipegpt.config import ModelConfig
 from pipegpt.dims import Sharding
 
-from . import memory as memory_model
+from . import experts, memory as memory_model
 from .balance import balance_layers, even_layers
 from .cost import AnalyticalCosts, Shape
 from .devices import Cluster
@@ -31,6 +31,7 @@ class StageCosts:
         self._linear: dict = {}
         self._params: dict = {}
         self._kind_pieces: dict = {}
+        self._experts: dict = {}
 
     def pieces(self, model: ModelConfig, sharding: Sharding, recompute: str, mbs: int):
         key = (model.padded_vocab_size, sharding.tensor_cut, recompute, mbs)
@@ -42,19 +43,39 @@ class StageCosts:
 
     def layer_pieces(self, model: ModelConfig, sharding: Sharding, recompute: str, mbs: int) -> dict:
         """{layer kind: one block of it (a cost.Piece)} for the model's kinds; a kind's block costs what a model
-        of its block shape's does."""
+        of its block shape's does, an MoE block's with expert parallelism's all-to-alls and imbalance too (where
+        the layout's ep groups land: sharding is the whole layout's)."""
         out = {}
+        on_node = self.ep_ranks_on_node(sharding)
         for kind in dict.fromkeys(layer_kinds(model)):
             block = kind.block_model(model)
             if block is model:
                 out[kind] = self.pieces(model, sharding, recompute, mbs).layer
                 continue
-            key = (kind, model.padded_vocab_size, sharding.tensor_cut, recompute, mbs)
+            key = (kind, model.padded_vocab_size, sharding.tensor_cut, recompute, mbs, on_node)
             if key not in self._kind_pieces:
                 shape = Shape(sharding.tensor_cut, recompute, mbs, self.cp_comm)
-                self._kind_pieces[key] = self.cost.pieces(block, shape).layer
+                piece = self.cost.pieces(block, shape).layer
+                self._kind_pieces[key] = self.cost.with_experts(piece, block, shape, on_node) if kind is MOE else piece
             out[kind] = self._kind_pieces[key]
         return out
+
+    def expert_comm(self, model: ModelConfig, sharding: Sharding, recompute: str, mbs: int) -> dict:
+        """{MoE layer kind: its block's expert all-to-alls, (forward, backward) seconds} where ep carves ({} else):
+        the part of layer_pieces' comm_f and comm_b that is expert parallelism's."""
+        if not sharding.carved:
+            return {}
+        shape = Shape(sharding.tensor_cut, recompute, mbs, self.cp_comm)
+        out = {}
+        for kind, piece in self.layer_pieces(model, sharding, recompute, mbs).items():
+            if kind is MOE:
+                base = self.cost.pieces(kind.block_model(model), shape).layer
+                out[kind] = (piece.comm_f - base.comm_f, piece.comm_b - base.comm_b)
+        return out
+
+    def ep_ranks_on_node(self, sharding: Sharding) -> int:
+        """The fewest ranks of an ep group that share one's node (pipegpt.costs.experts.ranks_on_node; 1 without ep)."""
+        return experts.ranks_on_node(sharding.dims, self.cluster.gpus_per_node) if sharding.carved else 1
 
     def message_time(self, nbytes, placement, sharding: Sharding) -> float:
         """The mean time of one message over the placement's links between ranks, in the slowest replica."""
@@ -78,20 +99,19 @@ class StageCosts:
 
     def dp_comm(self, stage_params, sharding: Sharding):
         """Each stage's gradient reduction over its dp x cp ranks (fp32 gradients, per tp rank): an all-reduce,
-        or with ZeRO (sharding.zero >= 1) a reduce-scatter, half its bytes."""
+        or with ZeRO (sharding.zero >= 1) a reduce-scatter, half its bytes; a rank's experts' (stage_params.experts,
+        where a stage has them) over their edp ranks after it."""
         inside = sharding.world_size <= self.cluster.gpus_per_node
-        group = memory_model.gradient_group(sharding)
-        if sharding.zero:
-            return [self.cost.shard_collective_time(4 * n, group, inside) for n in stage_params]
-        return [self.cost.group_allreduce_time(4 * n, group, inside) for n in stage_params]
+        reduce = self.cost.shard_collective_time if sharding.zero else self.cost.group_allreduce_time
+        return _by_group(stage_params, lambda n, group: reduce(4 * n, group, inside), sharding)
 
     def gather_times(self, stage_params, sharding: Sharding):
         """Each stage's ZeRO-3 parameter all-gather over its dp x cp ranks (the parameters in their own dtype:
-        fp32 under bf16 autocast, as pipegpt.data_parallel keeps them)."""
+        fp32 under bf16 autocast, as pipegpt.data_parallel keeps them); its experts' over their edp ranks."""
         inside = sharding.world_size <= self.cluster.gpus_per_node
         r, _ = memory_model._widths(self.precision)
-        group = memory_model.gradient_group(sharding)
-        return [self.cost.shard_collective_time(r * n, group, inside) for n in stage_params]
+        gather = self.cost.shard_collective_time
+        return _by_group(stage_params, lambda n, group: gather(r * n, group, inside), sharding)
 
     @staticmethod
     def exposed_gathers(groups, F, B, W, TP, gathers) -> float:
@@ -124,14 +144,18 @@ class StageCosts:
         c, dp, pp, tp = self.cluster, memory_model.gradient_group(sharding), sharding.pp, sharding.tp
         params = [0.0] * pp
         tensors = [0] * pp
+        routed, stage_experts = [0.0] * pp, _experts(stage_params)  # a rank's experts: sharded over edp
         for s, r in enumerate(placement):
             params[r] += stage_params[s]
             tensors[r] += stage_tensors[s]
+            routed[r] += stage_experts[s]
         inside = sharding.world_size <= c.gpus_per_node
+        edp = experts.expert_replicas(sharding)
         worst = 0.0
         for r in range(pp):
             if sharding.zero and dp > 1:
-                t = self.cost.optimizer_time(params[r] / dp, max(1, -(-tensors[r] // dp)))
+                shard = (params[r] - routed[r]) / dp + routed[r] / edp if routed[r] else params[r] / dp
+                t = self.cost.optimizer_time(shard, max(1, -(-tensors[r] // dp)))
                 if not (sharding.zero >= 3 and unshard == "microbatch"):
                     t += self.cost.shard_collective_time(params[r] * 4, dp, inside)
             else:
@@ -162,7 +186,7 @@ class StageCosts:
         """Per-stage quantities as ({layer kind: per block}, {(embed, head): the stage's fixed part}): saved and
         deferred activation bytes, and F, B, W, tp_comm; and one message's bytes."""
         cut = sharding.tensor_cut
-        key = (model.padded_vocab_size, cut, rc, mbs)
+        key = (model.padded_vocab_size, cut, rc, mbs, self.ep_ranks_on_node(sharding))
         hit = self._linear.get(key)
         if hit is not None:
             return hit
@@ -176,7 +200,7 @@ class StageCosts:
             sym = min(piece.comm_f, piece.comm_b)
             return (piece.f + piece.comm_f - sym, piece.b + piece.comm_b - sym, piece.w, sym)
 
-        per = {kind: piece_parts(piece) for kind, piece in self.layer_pieces(model, cut, rc, mbs).items()}
+        per = {kind: piece_parts(piece) for kind, piece in self.layer_pieces(model, sharding, rc, mbs).items()}
         embed, head = piece_parts(P.embed), piece_parts(P.head)
         vec = (per, {(e, h): tuple((embed[i] if e else 0.0) + (head[i] if h else 0.0) for i in range(4))
                      for e, h in ENDS})
@@ -200,8 +224,16 @@ class StageCosts:
         return [x + base[(s == 0, s == S - 1)] for s, x in enumerate(_sum_layers(model, per, layers))]
 
     def stage_params(self, model, sharding: Sharding, layers):
-        """Each stage's parameter count (per tp rank)."""
-        return self.compose(model, self.params_linear(model, sharding), layers)
+        """Each stage's parameter count (per tp rank; of the routed experts a rank's 1/ep), as a StageParams
+        where the model has experts (their part of each count: .experts)."""
+        params = self.compose(model, self.params_linear(model, sharding), layers)
+        if not model.n_experts:
+            return params
+        if model not in self._experts:
+            self._experts[model] = _per_layer(model, lambda r, e, h: memory_model.expert_parameter_count(model, r))
+        ep = experts.expert_ranks(sharding)
+        routed = [x / ep for x in self.compose(model, self._experts[model], layers)]
+        return StageParams([p - x * (ep - 1) for p, x in zip(params, routed)], routed)
 
     def vectors(self, model, sharding: Sharding, rc, mbs, layers):
         """Per stage F, B, W, tp_comm, saved and deferred activation bytes; one message's bytes."""
@@ -235,6 +267,28 @@ class StageCosts:
 
 
 ENDS = [(False, False), (True, False), (False, True), (True, True)]  # (holds the embedding, holds the head)
+
+
+class StageParams(list):
+    """Each stage's parameters on a rank, with .experts: the routed experts' part of each (their gradients are
+    averaged, and ZeRO shards them, over edp, not dp x cp)."""
+
+    def __init__(self, params, routed):
+        super().__init__(params)
+        self.experts = list(routed)
+
+
+def _experts(stage_params) -> list:
+    return getattr(stage_params, "experts", None) or [0.0] * len(stage_params)
+
+
+def _by_group(stage_params, collective, sharding: Sharding) -> list:
+    """Each stage's collective(elements, group size): over dp x cp, a stage's experts over edp after it."""
+    group, edp = memory_model.gradient_group(sharding), experts.expert_replicas(sharding)
+    routed = getattr(stage_params, "experts", None)
+    if not routed:
+        return [collective(n, group) for n in stage_params]
+    return [collective(n - x, group) + collective(x, edp) for n, x in zip(stage_params, routed)]
 
 
 def _per_layer(model, fn):

@@ -199,10 +199,12 @@ def score_on_engine(engine, rendered: list[Rendered]) -> Scores | None:
     multiple = (2 * sharding.cp if sharding.cp > 1 else 1) * (sharding.tp if sharding.splits_sequence else 1)
     mine = list(range(mesh.dp_index, len(rendered), sharding.dp))
     reports = mesh.tp_index == 0 and plan.num_stages - 1 in engine.stages
+    # with experts over ep, the replicas' MoE layers exchange tokens at every forward: all run as many steps
+    steps = -(-len(rendered) // sharding.dp) if engine.parallelism.ep > 1 else len(mine)
     scores: Scores = []
-    for start in range(0, len(mine), m):
+    for start in range(0, steps, m):
         examples = mine[start:start + m]
-        length = max(len(tokens) for i in examples for tokens, _ in rendered[i])
+        length = max((len(tokens) for i in examples for tokens, _ in rendered[i]), default=1)
         length = -(-length // multiple) * multiple
         inputs, targets = [], []
         for k in range(m):  # a step short of examples fills its microbatches with candidates scoring nothing

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from pipegpt.comm.p2p import CommError
 from pipegpt.data_parallel.buffers import StageBuffers
-from pipegpt.data_parallel.shard_ops import choose_shard_ops
+from pipegpt.data_parallel.shard_ops import ONE_RANK, all_reduce, choose_shard_ops
 
 
 class HeldPiece(NamedTuple):
@@ -42,14 +42,18 @@ class HeldPiece(NamedTuple):
 class DataParallel:
     def __init__(self, params_by_stage: dict[int, list[torch.Tensor]], params_of_stage: dict[int, list[torch.Tensor]],
                  group, index: int, zero: int, rank: int, timeout_s: float, alone: frozenset = frozenset(),
-                 ops=None):
+                 ops=None, divisor: int | None = None):
         """params_by_stage: each parameter under the stage whose REDUCE_GRAD carries it; params_of_stage: every
         parameter each stage computes with (a tensor two stages share is in both); alone: ids of tensors that
-        get a bucket of their own (the tied embedding's copies: their shards then line up across ranks)."""
+        get a bucket of their own (the tied embedding's copies: their shards then line up across ranks);
+        group ONE_RANK: a group of one (experts no other rank holds); divisor: what the sum is divided by (default
+        the group's size: an average; experts over ep: dp x cp)."""
         self.group, self.index, self.zero, self.rank = group, index, zero, rank
         self.timeout = timedelta(seconds=timeout_s)
-        self.size = dist.get_world_size(group)
-        self.ops = ops or choose_shard_ops(dist.get_backend(group))
+        one = group is ONE_RANK
+        self.size = 1 if one else dist.get_world_size(group)
+        self.divisor = divisor or self.size
+        self.ops = ops or choose_shard_ops(ONE_RANK if one else dist.get_backend(group))
         self.buffers = {s: StageBuffers(s, ps, zero, self.size, index, alone)
                         for s, ps in params_by_stage.items() if ps}
         holder = {id(p): buf for buf in self.buffers.values() for p in buf.params}
@@ -78,11 +82,11 @@ class DataParallel:
         works = []
         for k, b in enumerate(buf.layout.buckets):
             if self.zero:
-                bucket = buf.bucket_view(buf.grad_flat, b).div_(self.size)
+                bucket = buf.bucket_view(buf.grad_flat, b).div_(self.divisor)
                 work = self.ops.reduce_scatter(buf.shard_chunk(buf.grad_shard, k), bucket, self.group, self.index)
             else:
-                bucket = buf.bucket_view(buf.grad_flat, b, padded=False).div_(self.size)
-                work = dist.all_reduce(bucket, group=self.group, async_op=True)
+                bucket = buf.bucket_view(buf.grad_flat, b, padded=False).div_(self.divisor)
+                work = all_reduce(bucket, self.group)
             works.append(work)
         if self.zero >= 2:
             self.reducing[stage] = works

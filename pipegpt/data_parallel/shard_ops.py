@@ -60,11 +60,42 @@ def _all_gather_into_views(bucket: torch.Tensor, chunk: torch.Tensor, group, ind
     return dist.all_gather(views, chunk, group=group, async_op=True)
 
 
+class _Finished:
+    """The Work of a collective over a group of one: done when made."""
+
+    def wait(self, timeout=None):
+        return True
+
+
+def _keep_all(out: torch.Tensor, bucket: torch.Tensor, group, index: int):
+    out.copy_(bucket)
+    return _Finished()
+
+
+def _gather_own(bucket: torch.Tensor, chunk: torch.Tensor, group, index: int):
+    if chunk.data_ptr() != bucket.data_ptr():
+        bucket.copy_(chunk)
+    return _Finished()
+
+
+ONE_RANK = "one rank"  # a group of one, for DataParallel (where None is torch's: the world)
+
+
+def all_reduce(tensor: torch.Tensor, group):
+    """An asynchronous sum over the group (ONE_RANK: nothing to sum): its Work."""
+    return _Finished() if group is ONE_RANK else dist.all_reduce(tensor, group=group, async_op=True)
+
+
 NATIVE = ShardOps("reduce-scatter / all-gather", _native_reduce_scatter, _native_all_gather)
 ALL_REDUCE = ShardOps("all-reduce, keep the shard / all-gather into views", _all_reduce_then_keep,
                       _all_gather_into_views)
 
 
+ALONE = ShardOps("a group of one: the shard is the bucket", _keep_all, _gather_own)
+
+
 def choose_shard_ops(backend: str, native: frozenset = NATIVE_BACKENDS) -> ShardOps:
-    """The ops for a process group's backend ("gloo", "nccl", ...)."""
+    """The ops for a process group's backend ("gloo", "nccl", ...; ONE_RANK: a group of one)."""
+    if backend is ONE_RANK:
+        return ALONE
     return NATIVE if str(backend) in native else ALL_REDUCE

@@ -27,6 +27,9 @@ class WorkerStep:
     nonfinite_stages: list[int] = field(default_factory=list)
     # this rank's MoE layers' figures of the step (pipegpt.model.moe.end_step); empty without experts
     moe: dict = field(default_factory=dict)
+    # with --ep, on recorded steps: (what, start_s, end_s, rows received) per expert all-to-all
+    # (pipegpt.observe.exchanges), on the events' time line
+    exchanges: list[tuple[str, float, float, int]] = field(default_factory=list)
 
 
 @dataclass

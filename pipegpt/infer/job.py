@@ -9,6 +9,7 @@ model comes to this process: the workers answer per-candidate loss sums (HellaSw
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from typing import Callable
@@ -107,6 +108,8 @@ class InferenceJob(ClusterJob):
         for start in range(0, len(prompts), batch):
             indices = range(start, min(start + batch, len(prompts)))
             by_replica = [[(i, prompts[i]) for i in indices if (i - start) % dp == d] for d in range(dp)]
+            if self.layout.ep > 1:
+                by_replica = _even(by_replica, len(prompts))
             plans = [decode_plan(S, min(S, len(mine)), settings.max_new_tokens) if mine else None
                      for mine in by_replica]
             t0 = time.perf_counter()
@@ -115,5 +118,14 @@ class InferenceJob(ClusterJob):
             seconds += time.perf_counter() - t0
             for answer in answers:
                 for i, tokens in (answer or {}).items():
-                    new[i] = tokens
+                    if i < len(prompts):  # not a stand-in (_even)
+                        new[i] = tokens
         return new, seconds
+
+
+def _even(by_replica: list[list], first_index: int) -> list[list]:
+    """With experts over ep, every replica's MoE layers exchange tokens with the other replicas' at each forward,
+    so every replica runs the same decode plan: those with fewer prompts get stand-ins (one token, indices from
+    first_index on, their tokens dropped), and all as many groups."""
+    most, spare = max(map(len, by_replica)), itertools.count(first_index)
+    return [mine + [(next(spare), [0]) for _ in range(most - len(mine))] for mine in by_replica]

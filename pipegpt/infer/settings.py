@@ -15,9 +15,11 @@ class Layout:
     stages: int = 1
     tp: int = 1
     dp: int = 1
+    ep: int = 1  # a mixture of experts' experts spread over ep of the dp replicas (as `pipegpt run --ep`)
 
     def describe(self) -> str:
-        return f"{self.stages} stage{'s' * (self.stages > 1)} x tp {self.tp} x dp {self.dp}"
+        return (f"{self.stages} stage{'s' * (self.stages > 1)} x tp {self.tp} x dp {self.dp}"
+                + (f" (ep {self.ep})" if self.ep > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class InferenceSettings:
         """The layout's refusals, one line each: its sizes, stages against the layers (engine_config checks the
         rest: tp against the heads)."""
         layout = self.layout
-        for name, value in (("stages", layout.stages), ("tp", layout.tp), ("dp", layout.dp)):
+        for name, value in (("stages", layout.stages), ("tp", layout.tp), ("dp", layout.dp), ("ep", layout.ep)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name} {value!r} must be an integer >= 1")
         if layout.stages > self.model.n_layer:
@@ -52,7 +54,7 @@ class InferenceSettings:
         """The settings the rank's engine is built from (pipegpt.engine.Engine reads a TrainConfig's model,
         parallel and runtime sections), validated: microbatches of HellaSwag's ENDINGS sequences each."""
         layout = self.layout
-        cfg = TrainConfig.build(self.model, stages=layout.stages, tp=layout.tp, dp=layout.dp,
+        cfg = TrainConfig.build(self.model, stages=layout.stages, tp=layout.tp, dp=layout.dp, ep=layout.ep,
                                 microbatches=self.step_microbatches, microbatch_size=ENDINGS, device=self.device,
                                 timeout_s=self.timeout_s)
         return cfg.validate()

@@ -45,10 +45,18 @@ class InferenceWorker(Role):
         engine = self.engine
         reader = CheckpointReader(path, verify=False)
         tp_rank, tp = engine.mesh.tp_index, self.cfg.parallel.tp
+        layout, ep_rank = engine.parallelism, getattr(engine.mesh, "ep_index", 0)
         with torch.no_grad():
             for _, p in engine.named_params:
                 name = engine.full_names[id(p)]
-                p.copy_(reader.shard(f"param/{name}", name, tp_rank, tp))
+                value = reader.shard(f"param/{name}", name, tp_rank, tp)
+                experts = layout.expert_slice(name, self.cfg.model.n_experts, ep_rank)  # with ep: this rank's
+                p.copy_(value if experts is None else value[experts])
+            # a mixture of experts' router biases: state, not parameters, and they choose the experts
+            for _, stage in sorted(engine.stages.items()):
+                for name, bias in stage.module.state_dict(keep_vars=True).items():
+                    if name.endswith("expert_bias") and reader.has(f"param/{name}"):
+                        bias.copy_(reader.full(f"param/{name}", name))
 
     @actor_method
     def hellaswag(self, rendered: list) -> list | None:

@@ -1,13 +1,14 @@
 """Training FLOPs per token of a model shape (torch-free: the planner and the run's MFU both count them).
 
 The parameters counted are pipegpt.arch's description of each architecture; for the two there are,
-C = n_embd, F = ffn_width, Q = head_dim, K = kv_heads x Q:
+C = n_embd, F = ffn_width, Q = head_dim, A = n_head x Q (C unless head_size is set), K = kv_heads x Q:
 
     gpt2   block: ln1, ln2 (LayerNorm gain and bias: 2C each, C without bias), attn.qkv 3C x C, attn.proj C x C,
            mlp.fc F x C, mlp.proj C x F (+ biases 3C, C, F, C); embedding wte + wpe (lookups); ln_f, lm_head
-    llama  block: ln1, ln2 (RMSNorm gain: C each), attn.q C x C, attn.k and attn.v K x C each (grouped-query
-           attention: K < C when n_kv_head < n_head), attn.proj C x C, SwiGLU's mlp.gate and mlp.up F x C and
-           mlp.proj C x F (+ q/k/v biases C + 2K with qkv_bias, the other biases with bias); embedding wte only
+    llama  block: ln1, ln2 (RMSNorm gain: C each), attn.q A x C, attn.k and attn.v K x C each (grouped-query
+           attention: K < C when n_kv_head < n_head), attn.proj C x A, the q/k norms' gains (qk_norm), SwiGLU's
+           mlp.gate and mlp.up F x C and mlp.proj C x F (+ q/k/v biases A + 2K with qkv_bias, the other biases
+           with bias); embedding wte only
            (rotary positions have no parameters); ln_f (RMSNorm), lm_head
 """
 from __future__ import annotations
@@ -53,5 +54,5 @@ def flops_per_token(model: ModelConfig) -> int:
     SwiGLU matrices and its missing position embedding enter through N; norms, rotary and SiLU are
     elementwise (their parameters are in N, as nanoGPT counts LayerNorm's)."""
     kinds = layer_kinds(model)
-    heads = sum(kinds.count(kind) * kind.block_model(model).n_embd for kind in dict.fromkeys(kinds))  # H x Q
+    heads = sum(kinds.count(kind) * kind.block_model(model).attention_width for kind in dict.fromkeys(kinds))
     return 6 * matmul_parameters(model) + 12 * heads * model.seq_len

@@ -10,8 +10,9 @@ MLP, fused or separate q/k/v):
     gpt2   wte + wpe; LayerNorm ln1/ln2/ln_f; attn.qkv (q, k, v stacked) and attn.proj; mlp.fc, GELU, mlp.proj
     llama  wte only (rotary positions, Hugging Face's rotate-half form, so its weights load unchanged);
            RMSNorm ln1/ln2/ln_f; attn.q, attn.k, attn.v (k and v with n_kv_head heads: grouped-query
-           attention), attn.proj; SwiGLU mlp.proj(silu(mlp.gate(x)) * mlp.up(x)); no biases but
-           optional q/k/v ones (qkv_bias)
+           attention), attn.proj; optional attn.q_norm and attn.k_norm (qk_norm: RMSNorm of each head or of
+           the whole projection, before rotary); SwiGLU mlp.proj(silu(mlp.gate(x)) * mlp.up(x)); no biases
+           but optional q/k/v ones (qkv_bias)
 
 Initial values: each parameter is drawn from its own generator seeded by
 (init_seed, its one-process name), so a slice built with the same init_seed
@@ -191,6 +192,11 @@ class CausalSelfAttention(nn.Module):
             self.k = SplitLinear(C, self.n_kv_head * hd, bias=qkv_bias)
             self.v = SplitLinear(C, self.n_kv_head * hd, bias=qkv_bias)
         self.proj = SplitLinear(self.n_head * hd, C, bias=config.bias)
+        # q/k RMSNorm before rotary: over each head (Qwen3) or the whole projection (OLMoE)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm != "none":
+            widths = (hd, hd) if self.qk_norm == "head" else (self.n_head * hd, self.n_kv_head * hd)
+            self.q_norm, self.k_norm = (nn.RMSNorm(w, eps=config.norm_eps) for w in widths)
         self.resid_drop = nn.Dropout(config.dropout)
         # tensor parallelism: a context for this rank's own dropout masks over its heads (tensor_parallel.rng)
         self.core_rng = None
@@ -202,10 +208,14 @@ class CausalSelfAttention(nn.Module):
             q, k, v = self.qkv(x).chunk(3, dim=2)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
         B, T, W = q.shape
         hd = W // self.n_head
-        return (q.view(B, T, self.n_head, hd).transpose(1, 2), k.view(B, T, self.n_kv_head, hd).transpose(1, 2),
-                v.view(B, T, self.n_kv_head, hd).transpose(1, 2))
+        q, k, v = q.view(B, T, self.n_head, hd), k.view(B, T, self.n_kv_head, hd), v.view(B, T, self.n_kv_head, hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x, cache: KVCache | None = None, documents: Documents | None = None):
         q, k, v = self._heads(x)
@@ -353,7 +363,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
-            if ".ln" in "." + name:  # LayerNorm: ln1, ln2, ln_f
+            if ".ln" in "." + name or name.endswith("_norm.weight"):  # ln1, ln2, ln_f; attn.q_norm, attn.k_norm
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
                 continue
             if name.endswith("bias"):

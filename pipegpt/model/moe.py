@@ -8,13 +8,19 @@
     shared       n_shared_experts always-active SwiGLU experts as one of width n_shared x H (mlp.shared.*)
     capacity     moe_capacity_factor 0: dropless; else each expert takes at most ceil(factor x N x k / E) of a
                  call's N tokens' assignments, in token order, and drops (counts) the rest
+    experts over ep ranks (pipegpt.expert_parallel): a layer then holds its ep rank's E/ep experts and
+                 `expert_parallel` (an object with run(x_sorted, counts, compute)) moves the sorted assignments
+                 to their experts' ranks and back; routing, capacity and the aux loss stay per call on this
+                 rank's tokens, so each rank drops what one process would drop of the same tokens
 
 Load balancing:
     aux loss     router_aux_loss_coef x E x sum_i f_i P_i (Switch / Mixtral; f_i: the share of the N tokens sent to
                  expert i, P_i its mean score), plus router_z_loss_coef x mean(logsumexp(logits)^2). Neither is
                  added to the returned loss: `inject_aux_loss` passes the hidden state through and gives the aux
                  loss gradient `aux_loss_scale` in backward (Megatron's MoEAuxLossAutoScaler), so every pipeline
-                 stage's layers add theirs to that stage's backward, scaled as the stage scales its loss.
+                 stage's layers add theirs to that stage's backward, scaled as the stage scales its loss. Where
+                 a call's tokens are split over ranks (sequence parallelism, cp), its sums are reduced over them
+                 first (token_sums), so f_i and P_i are the whole call's.
     bias         expert_bias (a buffer: checkpointed, not trained), added to the scores for selection only;
                  `end_step` moves it by rate x sign(mean load - load) after each optimizer step (DeepSeek-V3).
 
@@ -23,13 +29,17 @@ has it (bf16), else a loop over each expert's contiguous tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from pipegpt.model.split_backward import SplitLinear
+
+EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_proj")  # stacked [E, ...]: cut over ep along dim 0
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -60,7 +70,11 @@ def expert_outputs(x: torch.Tensor, counts: list[int], gate: torch.Tensor, up: t
         return torch._grouped_mm(hidden, w[2].transpose(1, 2), offs=offs)
     outs = [F.linear(F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e]), proj[e])
             for e, xe in enumerate(x.split(counts)) if counts[e]]
-    return torch.cat(outs) if outs else x.new_zeros(0, proj.size(1))
+    if outs:
+        return torch.cat(outs)
+    # No rows (an ep rank whose experts got no token): still a function of x, so the autograd graph, and the
+    # all-to-alls in its backward, are every rank's alike
+    return x[:, :0].sum() + x.new_zeros(0, proj.size(1))
 
 
 class _InjectAuxLoss(torch.autograd.Function):
@@ -112,6 +126,11 @@ class MoE(nn.Module):
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.aux_sum, self.calls = 0.0, 0
         self.aux_loss_scale = 1.0  # the gradient each call's aux loss gets: the stage's loss scale (1/microbatches)
+        self.expert_parallel = None  # pipegpt.expert_parallel's ExpertGroup where experts are spread over ranks
+        # Where a call's tokens are spread over ranks (sequence parallelism over tp, cp): functions summing a tensor
+        # over each group holding the call's other tokens, autograd-correct for that group's gradient sums
+        # (set by shard_for_tp and shard_for_cp), so the aux loss is the one-process call's
+        self.token_sums: list = []
 
     def route(self, x: torch.Tensor):
         """x [N, C] -> logits [N, E], scores [N, E], chosen experts [N, k], their weights [N, k]."""
@@ -135,42 +154,136 @@ class MoE(nn.Module):
         place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its expert's queue
         return (place < capacity).view(N, k)
 
+    def over_call(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the ranks holding this call's other tokens (itself where this rank holds them all)."""
+        for token_sum in self.token_sums:
+            t = token_sum(t)
+        return t
+
     def aux_loss(self, logits, scores, chosen) -> torch.Tensor:
-        N, E = scores.shape
+        # Sums over the call's tokens, then divided by their count: the means of the whole call where ranks hold
+        # parts of it (counts carry no gradient; the scores' sums do, through the reductions' backward)
+        E = scores.size(1)
+        N = self.over_call(scores.new_tensor(float(scores.size(0))))
         aux = logits.new_zeros(())
         if self.aux_coef:
-            share = torch.bincount(chosen.reshape(-1), minlength=E).to(scores.dtype) / N
+            share = self.over_call(torch.bincount(chosen.reshape(-1), minlength=E).to(scores.dtype)) / N
             probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            aux = aux + self.aux_coef * E * (share * probs.mean(0)).sum()
+            aux = aux + self.aux_coef * E * (share * self.over_call(probs.sum(0)) / N).sum()
         if self.z_coef:
-            aux = aux + self.z_coef * logits.logsumexp(-1).square().mean()
+            aux = aux + self.z_coef * self.over_call(logits.logsumexp(-1).square().sum()) / N
         return aux
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+    def assign(self, x: torch.Tensor) -> "Assignments":
+        """x [N, C] -> its routing and its kept assignments sorted by expert (stably: in token order within one)."""
         logits, scores, chosen, weights = self.route(x)
         keep = self.kept(chosen)
         flat_expert = chosen.reshape(-1)[keep.reshape(-1)]
         flat_token = torch.arange(x.size(0), device=x.device).repeat_interleave(self.top_k)[keep.reshape(-1)]
         order = flat_expert.argsort(stable=True)
         counts = torch.bincount(flat_expert, minlength=self.n_experts)
-        tokens = flat_token[order]
-        y = expert_outputs(x[tokens], counts.tolist(), self.experts_gate, self.experts_up, self.experts_proj)
-        y = y * weights.reshape(-1)[keep.reshape(-1)][order, None].to(y.dtype)
-        out = torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        out = self.drop(out.view(shape))
+        kept_weights = weights.reshape(-1)[keep.reshape(-1)]
+        return Assignments(logits, scores, chosen, keep, flat_token[order], kept_weights[order], counts)
+
+    def experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's experts on rows sorted by them, counts[e] rows for (local) expert e."""
+        return expert_outputs(rows, counts, self.experts_gate, self.experts_up, self.experts_proj)
+
+    def weigh(self, y: torch.Tensor, a: "Assignments", n_tokens: int) -> torch.Tensor:
+        """The experts' outputs y (rows as a.tokens) weighted and summed per token: [n_tokens, C]."""
+        y = y * a.weights[:, None].to(y.dtype)
+        return torch.zeros((n_tokens, y.size(1)), dtype=y.dtype, device=y.device).index_add_(0, a.tokens, y)
+
+    def account(self, hidden: torch.Tensor, a: "Assignments") -> torch.Tensor:
+        """Training: count the loads and drops, and give the aux loss its gradient through `hidden` (returned)."""
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-                self.dropped += (~keep).sum()
-            aux = self.aux_loss(logits, scores, chosen)
+                self.tokens_per_expert += a.counts.to(self.tokens_per_expert.dtype)
+                self.dropped += (~a.keep).sum()
+            aux = self.aux_loss(a.logits, a.scores, a.chosen)
             if aux.requires_grad:
                 self.aux_sum, self.calls = self.aux_sum + aux.detach(), self.calls + 1
-                out = inject_aux_loss(out, aux, self.aux_loss_scale)
-        return out
+                hidden = inject_aux_loss(hidden, aux, self.aux_loss_scale)
+        return hidden
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        a = self.assign(x)
+        y = (self.experts(x[a.tokens], a.counts.tolist()) if self.expert_parallel is None
+             else self.expert_parallel.run(x[a.tokens], a.counts, self.experts))
+        out = self.weigh(y, a, x.size(0))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return self.account(self.drop(out.view(shape)), a)
+
+
+@dataclasses.dataclass
+class Assignments:
+    """A call's routing (logits, scores [N, E], chosen [N, k], keep [N, k]) and its kept assignments sorted by
+    expert: each one's token and weight, and the count per expert [E]."""
+
+    logits: torch.Tensor
+    scores: torch.Tensor
+    chosen: torch.Tensor
+    keep: torch.Tensor
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+
+
+def block_steps(block: nn.Module, x: torch.Tensor, documents, full_recompute: bool):
+    """A block whose MLP is an MoE over ep ranks (block.ln1, attn, ln2, mlp: model.gpt.Block), as the Stage's
+    forward_steps (stages.overlap): its forward in three parts, the dispatch and the combine posted between them
+    as cuts, so that in a pair the other half computes while the tokens travel, in the backward too.
+
+        before    x + attention, the norm, routing, the shared expert; the rows for the experts
+        counts    posted: how many rows go to each expert (they size the dispatch)
+        dispatch  rows to their experts' ranks (the residual stream, shared output and weights carried past it)
+        experts   this rank's experts on the rows it received
+        combine   outputs back to the ranks that sent them (the carried tensors past it again)
+        after     weighted sum per token, plus the shared expert's, dropout, plus the residual stream
+
+    Each part runs under checkpoint where the model recomputes whole blocks (the all-to-alls are not repeated in
+    backward). Equals block(x) in value and gradients; the aux loss's gradient goes in through the residual
+    stream instead of the MLP's output, where it is the same."""
+    moe, ep = block.mlp, block.mlp.expert_parallel
+    shape = x.shape
+    run = _checkpointed if full_recompute and torch.is_grad_enabled() else _called
+
+    def before(x):
+        h = x + block.attn(block.ln1(x), None, documents)
+        xn = block.ln2(h).reshape(-1, shape[-1])
+        a = moe.assign(xn)
+        shared = moe.shared(xn) if moe.shared is not None else xn.new_zeros(0)
+        return moe.account(h, a), shared, a.weights, xn[a.tokens], a
+
+    h, shared, weights, rows, a = run(before, x)
+    received_counts = yield ep.post_counts(a.counts)  # a plain handle: no gradient goes back
+    dispatch, route = ep.post_dispatch([h, shared, weights], rows, a.counts, received_counts)
+    (h, shared, weights), received = dispatch.unpack((yield dispatch))
+
+    def experts(received):
+        return moe.experts(received[route.by_expert], route.expert_counts)[route.by_source]
+
+    combine = ep.post_combine([h, shared, weights], run(experts, received), route)
+    (h, shared, weights), back = combine.unpack((yield combine))
+
+    def after(h, shared, weights, back):
+        out = moe.weigh(back, dataclasses.replace(a, weights=weights), math.prod(shape[:-1]))
+        if moe.shared is not None:
+            out = out + shared
+        return h + moe.drop(out.view(shape))
+
+    return run(after, h, shared, weights, back)
+
+
+def _checkpointed(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _called(fn, *args):
+    return fn(*args)
 
 
 def moe_layers(module: nn.Module) -> list[MoE]:
@@ -189,33 +302,58 @@ def end_step(module: nn.Module, rate: float, all_reduce=None) -> dict:
     """After an optimizer step: each MoE layer's loads since the last step (summed over replicas by
     all_reduce(tensor), if given) move its expert bias by rate x sign(mean - load), and are forgotten.
     Returns this module's stats ({} without MoE layers): aux_loss (the sum over layers of each layer's mean aux loss per call),
-    moe_imbalance (the worst layer's max / mean load) and moe_dropped (assignments dropped)."""
-    layers = moe_layers(module)
-    if not layers:
+    moe_imbalance (the worst layer's max / mean load), moe_dropped (assignments dropped) and moe_layers, per layer
+    {layer (its block's number), imbalance, dropped, aux_loss, bias_min, bias_max (after the update)}."""
+    named = [(int(name.split(".")[1]) if name.startswith("blocks.") else i, m)
+             for i, (name, m) in enumerate(module.named_modules()) if isinstance(m, MoE)]
+    if not named:
         return {}
-    stats = {"aux_loss": 0.0, "moe_imbalance": 0.0, "moe_dropped": 0.0}
-    for layer in layers:
+    per_layer = []
+    for number, layer in named:
         load = layer.tokens_per_expert.clone()
         if all_reduce is not None:
             all_reduce(load)
         if rate and load.sum() > 0:
             layer.expert_bias += rate * torch.sign(load.mean() - load)
         mean = float(load.mean())
-        stats["moe_imbalance"] = max(stats["moe_imbalance"], float(load.max()) / mean if mean else 0.0)
-        stats["moe_dropped"] += float(layer.dropped)
-        stats["aux_loss"] += float(layer.aux_sum) / layer.calls if layer.calls else 0.0
+        per_layer.append({"layer": number, "imbalance": float(load.max()) / mean if mean else 0.0,
+                          "dropped": float(layer.dropped),
+                          "aux_loss": float(layer.aux_sum) / layer.calls if layer.calls else 0.0,
+                          "bias_min": float(layer.expert_bias.min()), "bias_max": float(layer.expert_bias.max())})
         layer.tokens_per_expert.zero_()
         layer.dropped.zero_()
         layer.aux_sum, layer.calls = 0.0, 0
-    return stats
+    return {"aux_loss": sum(s["aux_loss"] for s in per_layer),
+            "moe_imbalance": max(s["imbalance"] for s in per_layer),
+            "moe_dropped": sum(s["dropped"] for s in per_layer), "moe_layers": per_layer}
+
+
+def counted_once(stats: dict, aux_here: bool, tokens_here: bool) -> dict:
+    """A rank's end_step stats as merge_stats over every rank must see them where ranks share figures (tp ranks:
+    one aux loss, and without sequence parallelism the same tokens): the aux loss only where aux_here, the dropped
+    assignments only where tokens_here."""
+    if not stats:
+        return stats
+    return {**stats, "aux_loss": stats["aux_loss"] if aux_here else 0.0,
+            "moe_dropped": stats["moe_dropped"] if tokens_here else 0.0}
 
 
 def merge_stats(stats: list[dict], replicas: int = 1) -> dict:
     """Several modules' (or ranks') end_step stats as one: aux losses summed over the layers, averaged over
-    `replicas` (data-parallel copies that saw other tokens); the worst imbalance; dropped assignments summed."""
+    `replicas` (data-parallel copies that saw other tokens); the worst imbalance; dropped assignments summed.
+    moe_layers: a row per layer, its copies (replicas, whose loads were summed alike) merged the same way."""
     stats = [s for s in stats if s]
     if not stats:
         return {}
+    layers: dict[int, list[dict]] = {}
+    for s in stats:
+        for row in s.get("moe_layers", ()):
+            layers.setdefault(row["layer"], []).append(row)
+    merged = [{"layer": number, "imbalance": max(r["imbalance"] for r in rows),
+               "dropped": sum(r["dropped"] for r in rows),
+               "aux_loss": sum(r["aux_loss"] for r in rows) / replicas,
+               "bias_min": min(r["bias_min"] for r in rows), "bias_max": max(r["bias_max"] for r in rows)}
+              for number, rows in sorted(layers.items())]
     return {"aux_loss": sum(s["aux_loss"] for s in stats) / replicas,
             "moe_imbalance": max(s["moe_imbalance"] for s in stats),
-            "moe_dropped": sum(s["moe_dropped"] for s in stats)}
+            "moe_dropped": sum(s["moe_dropped"] for s in stats), **({"moe_layers": merged} if merged else {})}

@@ -15,6 +15,7 @@ from pipegpt.config import TrainConfig
 from pipegpt.model.flops import flops_per_token
 from pipegpt.model.moe import merge_stats
 from pipegpt.costs.devices import device_peak_tflops
+from pipegpt.observe.exchanges import trace_events
 from pipegpt.observe.plot import write_plot
 from pipegpt.engine.results import WorkerStep
 from pipegpt.schedule.actions import Action, Plan
@@ -52,7 +53,8 @@ class StepMetrics:
     #                                (the failed step's index minus the resumed checkpoint's or snapshot's step)
     # With experts: aux_loss (the MoE layers' aux losses, summed over layers, averaged over microbatches and
     # replicas), moe_imbalance (the worst layer's max / mean tokens per expert), moe_dropped (assignments over
-    # capacity); in a row as their own keys, absent without experts
+    # capacity) and moe_layers (per MoE layer: layer, imbalance, dropped, aux_loss, bias_min, bias_max; the
+    # router bias after the step's update); in a row as their own keys, absent without experts
     moe: dict = field(default_factory=dict)
 
 
@@ -62,6 +64,8 @@ def json_line(row: dict) -> str:
     def finite(value):
         if isinstance(value, float) and not math.isfinite(value):
             return None
+        if isinstance(value, dict):  # moe_layers' rows
+            return {k: finite(v) for k, v in value.items()}
         return [finite(v) for v in value] if isinstance(value, (list, tuple)) else value
 
     return json.dumps({k: finite(v) for k, v in row.items()}, allow_nan=False)
@@ -121,7 +125,7 @@ def attempts(run_dir: Path) -> list[int]:
 class RunLog:
     """An attempt at a run, in its directory: its config and plan at the start, a metrics.jsonl line per step
     (flushed, so a crash keeps them); with TensorBoard installed (it is no dependency), the same figures as
-    event files in the run directory.
+    event files in the run directory, and with --wandb PROJECT in a Weights & Biases run.
 
     A run directory holds one run, attempt after attempt: the fresh run is attempt 1, each --resume into it
     or start again there (--resume auto without a checkpoint, a restart) the next (a resume into a new
@@ -155,6 +159,7 @@ class RunLog:
             # unbuffered: a failed write leaves nothing pending for close() to fail on again
             self._metrics = open(self.run_dir / run_files.METRICS, "ab", buffering=0)
         self._tensorboard = _tensorboard_writer(self.run_dir)
+        self._wandb = _wandb_run(self.run_dir, cfg, self.attempt)
 
     def step(self, metrics: StepMetrics) -> None:
         row = asdict(metrics)
@@ -168,20 +173,28 @@ class RunLog:
             for tag, value in tensorboard_scalars(metrics):
                 self._tensorboard.add_scalar(tag, value, metrics.step)
             self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(dict(tensorboard_scalars(metrics)), step=metrics.step)
 
     def trace(self, results: list[WorkerStep], plan: Plan, step: int | None = None) -> None:
         """The step's measured timeline as trace.json (Perfetto), the format `simulate --out x.json` writes;
-        with a step's number (--trace-steps, from 1), as traces/step-N.json."""
+        with a step's number (--trace-steps, from 1), as traces/step-N.json. With --ep, the expert all-to-alls
+        are events of their own on each rank (pipegpt.observe.exchanges)."""
         path = self.run_dir / (run_files.TRACE if step is None else run_files.step_trace(step))
         with run_files.writing(path.parent):
             path.parent.mkdir(exist_ok=True)
-        run_files.write_whole(path, json.dumps(to_chrome_trace(measured_timeline(results, plan))))
+        trace = to_chrome_trace(measured_timeline(results, plan))
+        if any(r.exchanges for r in results):
+            trace["traceEvents"] += trace_events([(r.rank, r.exchanges) for r in results], _first_start(results))
+        run_files.write_whole(path, json.dumps(trace))
 
     def close(self, plot: bool = True) -> None:
         """plot: redraw plot.svg (not after a failed write: the run's one line says why it stopped)."""
         self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         if not plot:
             return
         try:
@@ -230,6 +243,9 @@ def tensorboard_scalars(metrics: StepMetrics) -> list[tuple[str, float]]:
     out = []
     row = asdict(metrics)
     row.update(row.pop("moe"))
+    for layer in row.pop("moe_layers", ()):  # train/moe/layerN/imbalance, ...
+        out += [(f"train/moe/layer{layer['layer']}/{key}", float(v)) for key, v in layer.items()
+                if key != "layer" and isinstance(v, (int, float)) and math.isfinite(v)]
     for name, value in row.items():
         if name == "step" or isinstance(value, bool):
             continue
@@ -249,9 +265,25 @@ def _tensorboard_writer(run_dir: Path):
     return SummaryWriter(log_dir=str(run_dir))
 
 
+def _first_start(results: list[WorkerStep]) -> float:
+    """When the step's first recorded action began: the trace's time 0."""
+    return min((start for r in results for _, start, _ in r.events), default=0.0)
+
+
+def _wandb_run(run_dir: Path, cfg: TrainConfig, attempt: int):
+    """--wandb PROJECT: a Weights & Biases run (wandb is no dependency; the config refuses the option without it)
+    under the run directory, a W&B run per attempt grouped by the directory; None without --wandb."""
+    if cfg.runtime.wandb is None:
+        return None
+    import wandb
+
+    return wandb.init(project=cfg.runtime.wandb, dir=str(run_dir), group=run_dir.name,
+                      name=f"{run_dir.name}-attempt-{attempt}", config=asdict(cfg))
+
+
 def measured_timeline(results: list[WorkerStep], plan: Plan) -> Timeline:
     """One step's recorded actions from every rank as the Timeline type the simulator produces."""
-    t0 = min((start for r in results for _, start, _ in r.events), default=0.0)
+    t0 = _first_start(results)
     events = [Event(r.rank, Action.parse(name), start - t0, end - t0)
               for r in results for name, start, end in r.events]
     return Timeline(events, len(results), schedule=plan.name, num_microbatches=plan.num_microbatches,

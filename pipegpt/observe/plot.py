@@ -1,4 +1,5 @@
-"""A run's metrics.jsonl as a picture: loss, val loss, learning rate and tokens/s against the step, one SVG.
+"""A run's metrics.jsonl as a picture: loss, val loss, learning rate and tokens/s against the step, one SVG;
+a mixture of experts' aux loss and imbalance on a row of their own where a run has them.
 
 Hand-written SVG like the schedule timelines (pipegpt.schedule.render), so plotting needs no library and no
 torch: `pipegpt plot` starts instantly and the training loop can write plot.svg when a run closes. Several
@@ -16,7 +17,7 @@ from pipegpt.schedule.render import _nice_step
 from pipegpt import run_files
 
 PLOT_FILE = run_files.PLOT
-SERIES = ("loss", "val_loss", "lr", "tokens_per_s")
+SERIES = ("loss", "val_loss", "lr", "tokens_per_s", "aux_loss", "moe_imbalance")
 # (panel id, heading, [(series, how it is drawn)]). Val loss is on the loss panel, to set it beside the train
 # loss, and on a panel of its own: there the early train losses do not squeeze it flat.
 PANELS = [
@@ -24,6 +25,12 @@ PANELS = [
     ("val_loss", "val loss", [("val_loss", "line+dots")]),
     ("lr", "learning rate", [("lr", "line")]),
     ("tokens_per_s", "tokens/s", [("tokens_per_s", "line")]),
+]
+# Drawn only where some run has them (a mixture of experts: pipegpt.model.moe's figures), so a dense run's
+# picture is unchanged.
+MOE_PANELS = [
+    ("aux_loss", "MoE aux loss", [("aux_loss", "line")]),
+    ("moe_imbalance", "MoE imbalance (worst layer's max / mean tokens)", [("moe_imbalance", "line")]),
 ]
 # Tableau 10, the palette of the timelines' colors; cycled past ten runs.
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
@@ -178,8 +185,8 @@ def _panel(x0: float, y0: float, panel: tuple, runs: list[RunMetrics], colors: l
 
 
 def plot_runs(run_dirs: list[Path], title: str | None = None) -> str:
-    """An SVG document of the runs' loss, val loss, learning rate and tokens/s against the step, 2x2 panels,
-    every run in each (one color per run, named by its directory in the legend). PlotError (a ValueError)
+    """An SVG document of the runs' loss, val loss, learning rate and tokens/s against the step, 2x2 panels (a
+    third row for a mixture of experts' aux loss and imbalance), every run in each (one color per run, named by its directory in the legend). PlotError (a ValueError)
     names a run directory without metrics.jsonl or with no rows in it."""
     if not run_dirs:
         raise PlotError("no run directory to plot")
@@ -198,13 +205,14 @@ def plot_runs(run_dirs: list[Path], title: str | None = None) -> str:
                       f'<text x="{lx + 24}" y="{ly}">{escape(run.name)}</text>')
         lx += w
     y0 = ly + 10
-    height = y0 + 2 * PANEL_H
+    panels = PANELS + [p for p in MOE_PANELS if any(v is not None for run in runs for _, v in run.series[p[0]])]
+    height = y0 + -(-len(panels) // 2) * PANEL_H
     heading = title if title is not None else (runs[0].name if len(runs) == 1 else f"{len(runs)} runs")
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
            f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',
            f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
            f'<text x="16" y="22" font-size="14" font-weight="bold">{escape(heading)}</text>', *legend]
-    for i, panel in enumerate(PANELS):
+    for i, panel in enumerate(panels):
         out += _panel((i % 2) * PANEL_W, y0 + (i // 2) * PANEL_H, panel, runs, colors, xlo, xhi, xticks)
     out.append("</svg>")
     return "\n".join(out) + "\n"

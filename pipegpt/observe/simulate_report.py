@@ -48,6 +48,7 @@ class SimulateOptions:
     forward_only: bool = False
     decode_steps: int | None = None
     p2p_matching: str | None = None  # "tag" (None) or "order": how messages are matched (schedule/simulate.py)
+    overlap: str | None = None  # "on" (None) or "off": a plan's pairs as one action each, or their halves apart
 
 
 def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Callable) -> None:
@@ -81,6 +82,10 @@ def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Ca
     for name, make in jobs:
         try:
             plan, costs, extra = make(costs_of)
+            if opts.overlap == "off":
+                plan = plan.flattened()
+            elif plan.has_composites:
+                extra = {**extra, **overlap_record(plan, costs, opts.p2p_matching or "tag")}
             timeline = simulate_matching(plan, costs, opts.p2p_matching or "tag")
             peak = max(timeline.peak_live_microbatches_per_rank)
             if opts.max_live is not None and peak > opts.max_live:
@@ -215,6 +220,14 @@ def _schedule_jobs(opts: SimulateOptions) -> list[tuple[str, Callable]]:
     return [(name, job(name)) for name in names]
 
 
+def overlap_record(plan, costs, matching: str) -> dict:
+    """What a plan's pairs gain: how many, and the makespan of the same order with each pair's halves apart
+    (--overlap off), for `simulate` to show beside the paired one."""
+    apart = simulate_matching(plan.flattened(), costs, matching).makespan
+    return {"pairs": sum(a.kind is Kind.OVERLAP for acts in plan.ranks for a in acts),
+            "makespan_without_pairs": float(apart)}
+
+
 def synthesis_record(synthesis) -> dict:
     """What `simulate --json` adds for a synthesized schedule: its bound, the gap and the fixed one it beat."""
     plain = lambda x: None if x is None else float(x)  # noqa: E731
@@ -279,6 +292,11 @@ def summary_text(rec: dict) -> str:
                      f"{rec['max_live']}{fixed})")
         if rec.get("chosen_from") not in (None, "synthesized"):
             lines.append(f"order             {rec['chosen_from']}'s (no synthesized order was faster)")
+    if "makespan_without_pairs" in rec:
+        apart = rec["makespan_without_pairs"]
+        gain = f": pairs save {100 * (1 - rec['makespan'] / apart):.1f}%" if apart else ""
+        lines.append(f"overlap           {rec['pairs']} pairs, each half's all-to-all under the other's compute; "
+                     f"without pairs (--overlap off) {apart:g}{gain}")
     if rec.get("p2p_matching") == "order":
         lines.append("messages          matched by order (NCCL): each send leaves at its SEND, a batch completes "
                      "together, a run's sends after its last receive are a batch of their own")

@@ -9,7 +9,8 @@ Pure Python (no torch): `pipegpt plan` answers in seconds on a laptop.
     search.py       the axes of pipegpt.dims (dp x pp x cp x tp), schedule, microbatching, recomputation, ZeRO
                     0-3, sequence parallelism and the split, by branch and bound over the simulator
                     (pipegpt.schedule.simulate)
-    report.py       what `pipegpt plan` prints: the text report, the JSON object, the line when nothing fits
+    report.py       what `pipegpt plan` prints: ties ranked (within 1%: simplest first), the text report, the JSON
+                    object, the line when nothing fits
     command.py      `pipegpt plan`'s work: options in, the search, its answer printed
     trial.py        `pipegpt plan --try`: the top plans run here and measured beside predicted
     auto.py         `pipegpt run --layout auto`: the search's best layout for the ranks a run finds

@@ -16,6 +16,7 @@ from pipegpt.schedule.simulate import Costs
 from pipegpt.costs import memory as memory_model
 from pipegpt.costs.cost import AnalyticalCosts
 from pipegpt.costs.devices import Cluster
+from pipegpt.costs.experts import carve, expert_ranks
 
 MAX_ACTIONS = 60_000  # compute actions per plan: larger plans are not simulated
 
@@ -29,9 +30,9 @@ class Request:
     top: int = 5
     explain: bool = False
     # auto and auto-v when named: all would synthesize a plan per (p, m), too slow at thousands of microbatches
-    schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized)
+    schedules: tuple = tuple(name for name, spec in SCHEDULES.items() if not spec.synthesized and not spec.for_overlap)
     exact_gpus: bool = False  # only layouts using every GPU
-    only: Mapping[str, int] = field(default_factory=dict)  # axis (pipegpt.dims.AXES) -> its only size searched
+    only: Mapping[str, int] = field(default_factory=dict)  # axis (pipegpt.dims.AXES, or ep) -> its only size searched
     cp_comm: str | None = None  # how K/V travel with cp > 1 (None: both are weighed)
     zero: int | None = None  # only this ZeRO level (None: 0-3, whichever is fastest and fits)
 
@@ -128,11 +129,12 @@ class Layout:
     cp: int = 1
     cp_comm: str = "ring"  # how K/V travel with cp > 1
     unshard: str | None = None  # ZeRO-3's gather policy when not the run's default (step): "microbatch"
+    ep: int = 1  # expert parallelism, carved out of dp x cp x tp (pipegpt.costs.experts)
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(*(getattr(self, axis) for axis in AXES), sequence_parallel=self.sequence_parallel,
-                        zero=self.zero)
+        return carve(Sharding(*(getattr(self, axis) for axis in AXES), sequence_parallel=self.sequence_parallel,
+                              zero=self.zero), self.ep)
 
     @property
     def unshard_policy(self) -> str:
@@ -171,10 +173,10 @@ class Layout:
 
     def run_args(self, model: ModelConfig, precision: str) -> list[str]:
         """The `pipegpt run` arguments (as that command spells them) that build this plan (--cp and --cp-comm
-        only with cp > 1: a command without context parallelism reads as it did before it)."""
+        only with cp > 1, --ep only with ep > 1: a command without them reads as it did before they existed)."""
         args = model_args(model, self.pad_vocab)
         for name, value in self.settings().items():
-            if name in ("cp", "cp_comm") and self.cp == 1:
+            if (name in ("cp", "cp_comm") and self.cp == 1) or (name == "ep" and self.ep == 1):
                 continue
             flag = option_flags(name)[0]
             if value is True:
@@ -185,6 +187,10 @@ class Layout:
 
     def command(self, model: ModelConfig, precision: str) -> str:
         return "pipegpt run " + " ".join(self.run_args(model, precision))
+
+
+SHAPE_FLAGS = {"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head", "seq_len": "--seq-len",
+               "vocab_size": "--vocab-size"}  # the shape's options
 
 
 def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
@@ -198,21 +204,28 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
     core = norm(model)
     arch_fields = {"n_kv_head": "--n-kv-head", "ffn_hidden": "--ffn-hidden", "rope_theta": "--rope-theta",
                    "norm_eps": "--norm-eps", "qkv_bias": "--qkv-bias",  # what a flag sets beyond the shape
+                   "head_size": "--head-dim", "qk_norm": "--qk-norm",
                    **{name: f"--{name.replace('_', '-')}" for name in MOE_FLAG_FIELDS}}
     shape = lambda m: replace(m, n_layer=core.n_layer, n_embd=core.n_embd, n_head=core.n_head,  # noqa: E731
                               seq_len=core.seq_len, vocab_size=core.vocab_size,
                               **{name: getattr(core, name) for name in arch_fields})
     preset = next((name for name, m in MODEL_PRESETS.items() if norm(m) == core), None)
+    # a preset of the same width with some of its shape changed reads as that preset and the flags changing it
+    changed = lambda m: [(flag, str(getattr(core, name))) for name, flag in SHAPE_FLAGS.items()  # noqa: E731
+                         if getattr(core, name) != getattr(m, name)]
+    base = min((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core and m.n_embd == core.n_embd),
+               key=lambda name: len(changed(MODEL_PRESETS[name])), default=None)
     if preset is not None:
         args = ["--model", preset]
     else:
-        preset = next((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core), None)
+        preset = base or next((name for name, m in MODEL_PRESETS.items() if norm(shape(m)) == core), None)
         if preset is None:
             raise ConfigError("the model differs from every preset in more than its shape (dropout, bias): "
                               "`pipegpt run` cannot build it from flags")
-        args = ([] if preset == "tiny" else ["--model", preset]) + [
-            "--n-layer", str(core.n_layer), "--n-embd", str(core.n_embd), "--n-head", str(core.n_head),
-            "--seq-len", str(core.seq_len), "--vocab-size", str(core.vocab_size)]
+        args = ["--model", base, *(x for pair in changed(MODEL_PRESETS[base]) for x in pair)] if base else (
+            ([] if preset == "tiny" else ["--model", preset]) + [
+                "--n-layer", str(core.n_layer), "--n-embd", str(core.n_embd), "--n-head", str(core.n_head),
+                "--seq-len", str(core.seq_len), "--vocab-size", str(core.vocab_size)])
         for name, flag in arch_fields.items():
             value = getattr(core, name)
             if value == getattr(MODEL_PRESETS[preset], name):
@@ -221,7 +234,8 @@ def model_args(model: ModelConfig, pad_vocab: bool = False) -> list[str]:
                 args.append(flag if value else "--no-qkv-bias")
             else:  # a None stated as the width or head count it means
                 args += [flag, str({"ffn_hidden": core.ffn_width, "n_kv_head": core.kv_heads, "expert_hidden":
-                                    core.expert_width, "n_experts_per_token": core.experts_per_token}.get(name, value))]
+                                    core.expert_width, "n_experts_per_token": core.experts_per_token,
+                                    "head_size": core.head_dim}.get(name, value))]
     if model.tie_embeddings and not MODEL_PRESETS[preset].tie_embeddings:
         args.append("--tie-embeddings")
     if not model.tie_embeddings and MODEL_PRESETS[preset].tie_embeddings:
@@ -262,7 +276,7 @@ class Result:
             "recompute": L.recompute, "zero": L.zero, "unshard": L.unshard_policy if L.zero >= 3 else None,
             "sequence_parallel": L.sequence_parallel,
             "layers_per_stage": list(L.layers_per_stage), "layer_split": "balanced" if L.balanced else "even",
-            "pad_vocab": L.pad_vocab,
+            "pad_vocab": L.pad_vocab, **({"ep": L.ep} if self.model.n_experts else {}),
             "step_time_s": self.step_time, "makespan_s": self.makespan, "after_s": self.after,
             "bubble_fraction": self.bubble, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "peak_memory_bytes": self.peak_bytes, "peak_memory_rank": self.peak_rank,
@@ -277,8 +291,9 @@ LAYOUT_AXES = tuple(f.name for f in fields(Layout) if f.name in AXES)
 
 def mesh_name(dims: ParallelDims | Sharding, details: Mapping[str, str | None] | None = None) -> str:
     """A layout's axes as the report names them, in rank order: dp2 pp4 cp2 tp8, or with details {"cp": "ring"}
-    (how K/V travel) dp2 pp4 cp2(ring) tp8 (cp only when > 1): pipegpt.dims's label."""
-    return dims.label(details)
+    (how K/V travel) dp2 pp4 cp2(ring) tp8 (cp only when > 1): pipegpt.dims's label; then ep32 where it carves."""
+    ep = expert_ranks(dims)
+    return dims.label(details) + (f" ep{ep}" if ep > 1 else "")
 
 
 def memory_parts(x) -> dict:

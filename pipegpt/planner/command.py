@@ -3,7 +3,7 @@ search, and its answer as text or JSON (or, with --try, the top plans run and me
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipegpt.config import CP_COMM, ConfigError, ModelConfig, nearest_multiples, validate_cp
 from pipegpt.dims import AXES
@@ -13,7 +13,8 @@ from .candidates import Request
 from pipegpt.costs.calibrated import calibrate_costs
 from pipegpt.costs.cost import DEFAULT_EFFICIENCY, DEFAULT_LAYER_OVERHEAD_S, AnalyticalCosts
 from pipegpt.costs.devices import make_cluster
-from .report import as_json, format_text, no_fit_message
+from pipegpt.costs.experts import DEFAULT_MOE_IMBALANCE, check_ep
+from .report import as_json, format_text, no_fit_message, rank_ties
 from .search import search
 from .trial import trials_dir, trials_text, try_plans
 
@@ -43,6 +44,8 @@ class PlanOptions:
     only_tp: int | None = None
     only_cp: int | None = None
     cp_comm: str | None = None  # None: the planner's (the ring)
+    only_ep: int | None = None  # expert parallelism (carved out of dp x cp x tp, not one of AXES)
+    moe_imbalance: float | None = None  # None: pipegpt.costs.experts.DEFAULT_MOE_IMBALANCE
     only_zero: int | None = None
     top: int = 5
     explain: bool = False
@@ -63,10 +66,18 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
             raise ConfigError("--calibrate takes the compute from the run: leave out --efficiency and "
                               "--layer-overhead-us")
         costs = calibrate_costs(opts.calibrate_dir, cluster)
+        if opts.moe_imbalance is not None:
+            costs.moe_imbalance = AnalyticalCosts(cluster, moe_imbalance=opts.moe_imbalance).moe_imbalance
     else:
         costs = AnalyticalCosts(cluster, DEFAULT_EFFICIENCY if opts.efficiency is None else opts.efficiency,
                                 DEFAULT_LAYER_OVERHEAD_S if opts.layer_overhead_us is None
-                                else opts.layer_overhead_us * 1e-6)
+                                else opts.layer_overhead_us * 1e-6,
+                                DEFAULT_MOE_IMBALANCE if opts.moe_imbalance is None else opts.moe_imbalance)
+    if opts.moe_imbalance is not None and not model.n_experts:
+        raise ConfigError(f"--moe-imbalance {opts.moe_imbalance:g} on a model without experts (n_experts=0): "
+                          f"leave it out")
+    if opts.only_ep is not None:
+        check_ep(model, opts.only_ep, opts.only_dp, opts.only_cp or 1, opts.only_tp)
     if opts.only_cp is not None:
         validate_cp(model, opts.only_cp)
         if opts.only_cp > opts.gpus:
@@ -76,10 +87,11 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
         raise ConfigError(f"--cp-comm {opts.cp_comm!r} is not valid: use {' or '.join(CP_COMM)}")
     request = Request(model, batch_size, cluster, costs, top=opts.top, explain=opts.explain,
                       schedules=tuple(schedule_names(opts.schedules, synthesized=False)), exact_gpus=opts.all_gpus,
-                      only={axis: getattr(opts, f"only_{axis}") for axis in AXES
+                      only={axis: getattr(opts, f"only_{axis}") for axis in AXES + ("ep",)
                             if getattr(opts, f"only_{axis}") is not None}, cp_comm=opts.cp_comm,
                       zero=opts.only_zero)
     result = search(request)
+    result = replace(result, best=rank_ties(result.best))  # ties within 1% go to the simplest plan
     if not result.best:
         raise ConfigError(no_fit_message(result))
     if not opts.try_top:

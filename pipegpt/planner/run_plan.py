@@ -47,10 +47,12 @@ def _refuse_file_gathers(plan: Plan, cfg: TrainConfig) -> None:
 
 def _pipeline_plan(cfg: TrainConfig) -> Plan:
     p = cfg.parallel
+    apart = p.overlap == "off"  # each pair's halves one after the other, lowered as such
     try:
         if p.schedule_file is not None:
             plan = load_schedule_file(p.schedule_file)
             check_against_file(plan, p.schedule_file, p.stages, p.microbatches)
+            plan = plan.flattened() if apart else plan
             return plan if plan.is_lowered else validate(lower(plan, lowering_costs(cfg, plan.stage_to_rank)))
         spec = schedule_spec(p.schedule)
         if not spec.synthesized:
@@ -60,6 +62,7 @@ def _pipeline_plan(cfg: TrainConfig) -> Plan:
             plan = spec.build(p.stages, p.microbatches, p.virtual_stages)
         else:
             plan = synthesized_plan(cfg, spec)
+        plan = plan.flattened() if apart else plan
         return validate(lower(plan, lowering_costs(cfg, plan.stage_to_rank)))
     except ScheduleError as e:
         raise ConfigError(str(e)) from None

@@ -14,6 +14,8 @@ What is searched, for a model, a global batch and a cluster:
   weighed (only --cp-comm's when given): the ring hides its transfers behind the blocks' attention but merges
   every block's partial output and holds two K/V blocks in flight; the all-gather's transfers show, and it
   holds the whole sequence's K/V for a moment. With few kv heads (GQA) the gather is small and can win.
+* with experts, ep carved out of dp x cp x tp (every size dividing it and the expert count; --ep: one), tp > 1
+  with sequence parallelism only (pipegpt.costs.experts; docs/moe-planning.md).
 * every schedule of the registry (pipegpt.schedule.SCHEDULES): interleaved-1f1b with v in {2, 4}, zbv and
   dualpipev with their 2 stages per rank; model stages <= n_layer. With pp = 1 only 1f1b (gradient
   accumulation: the other schedules are the same work in another order, or need two ranks). FSDP per block:
@@ -63,13 +65,13 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipegpt.arch import layer_kinds, layer_mix, stage_ranges
-from pipegpt.config import CP_COMM, ConfigError, ModelConfig, validate_cp, validate_tp
+from pipegpt.config import CP_COMM, ConfigError, ModelConfig, validate_cp
 from pipegpt.dims import AXES, ParallelDims, Sharding
 from pipegpt.model.flops import flops_per_token
 from pipegpt.schedule import SCHEDULES, ScheduleError
 from pipegpt.schedule.simulate import Costs, simulate
 
-from pipegpt.costs import memory as memory_model
+from pipegpt.costs import experts, memory as memory_model
 from pipegpt.costs.balance import even_layers
 from pipegpt.costs.cost import Shape
 from .bounds import layout_lower_bound, makespan_lower_bound
@@ -79,6 +81,7 @@ from pipegpt.costs.stage_costs import PER_SEQUENCE, StageCosts
 from .structure import compute_groups, held_peaks, splits_backward, stage_placement, structure
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
+_check_tp = memory_model._check_tp  # validate_tp, and the shapes the memory model assumes
 # Fewer tokens per context-parallel rank are not searched (--cp still takes them): a ring step's attention
 # gets too small to hide its transfer and launches, and the search's time grows with every cp tried.
 MIN_CP_TOKENS = 2048
@@ -141,8 +144,9 @@ class Search:
         """(the model as it runs on tp, whether its vocabulary is padded), or None where it does not split."""
         if tp not in self._tp_models:
             model, padded = self.model, replace(self.model, pad_vocab_to=64)
-            self._tp_models[tp] = (model, False) if _passes(_check_tp, model, tp) else (padded, True) if (
-                model.pad_vocab_to == 1 and not 64 % tp and _passes(_check_tp, padded, tp)) else None
+            sp = bool(model.n_experts)  # experts with tp: sequence parallelism (pipegpt.costs.experts)
+            self._tp_models[tp] = (model, False) if _passes(_check_tp, model, tp, sp) else (padded, True) if (
+                model.pad_vocab_to == 1 and not 64 % tp and _passes(_check_tp, padded, tp, sp)) else None
         return self._tp_models[tp]
 
     def cp_choices(self, tp: int, **faster: int) -> list[int]:
@@ -166,6 +170,12 @@ class Search:
 
     def dp_choices(self, **faster: int) -> tuple:
         return _divisors(self.req.batch_size)
+
+    def ep_choices(self, dp: int, cp: int, tp: int, **others: int) -> tuple:
+        """Expert parallelism carved out of dp x cp x tp (pipegpt.costs.experts): --ep's, else every size
+        dividing both that product and the expert count (1 alone for a dense model)."""
+        out, given = experts.ep_choices(self.model, dp, cp, tp), self.req.only.get("ep")
+        return out if given is None else tuple(e for e in out if e == given)
 
     def _sizes(self, axes: tuple, chosen: dict):
         """Every choice of sizes along `axes` after `chosen` (each axis's from its <axis>_choices, given the sizes
@@ -191,7 +201,8 @@ class Search:
             if (sh.tp, sh.cp) not in sp:  # taken whenever validate_tp allows it (see the module docstring)
                 sp[sh.tp, sh.cp] = sh.tp > 1 and _passes(_check_tp, m_tp, sh.tp, True, sh.cp)
             sh = sh._replace(sequence_parallel=sp[sh.tp, sh.cp])
-            out += [LayoutChoice(sh, m_tp, pad, name) for name in self.cp_comms(m_tp, sh)]
+            for ep in self.ep_choices(**sizes) if sh.tp == 1 or sh.sequence_parallel or not m_tp.n_experts else ():
+                out += [LayoutChoice(experts.carve(sh, ep), m_tp, pad, name) for name in self.cp_comms(m_tp, sh)]
         return out
 
     def cp_comms(self, model: ModelConfig, sharding: Sharding) -> tuple:
@@ -379,7 +390,7 @@ class Search:
                         microbatches=m, microbatch_size=mbs, recompute=rc, zero=zero,
                         sequence_parallel=sh.sequence_parallel, layers_per_stage=tuple(layers), balanced=cand.balanced,
                         pad_vocab=cand.pad_vocab, cp_comm=cand.cp_comm,
-                        unshard="microbatch" if unshard == "microbatch" else None)
+                        unshard="microbatch" if unshard == "microbatch" else None, ep=experts.expert_ranks(sh))
         return _Eval(step, layout, makespan, bubble, step - makespan, max(x.total for x in mem[(zero, unshard)]), m_tp)
 
     def run(self) -> SearchResult:
@@ -513,15 +524,17 @@ class Search:
             if placement[s] == r:
                 for kind, n in layer_mix(model, stage):
                     blocks[kind] = blocks.get(kind, 0) + n * L.microbatches
-        kinds, cp_time = _kind_parts(cs, model, sh, L.recompute, L.microbatch_size), 0.0
+        kinds, cp_time, ep_time = _kind_parts(cs, model, sh, L.recompute, L.microbatch_size), 0.0, 0.0
+        a2a = cs.expert_comm(model, sh, L.recompute, L.microbatch_size)  # expert parallelism's, out of tp_time too
         for kind, n in blocks.items():
-            lc, (cp_f, cp_b) = kinds[kind]
-            cp_time += n * (cp_f + cp_b)
-            tp_time -= 2 * n * (min(lc.comm_f, lc.comm_b) - min(lc.comm_f - cp_f, lc.comm_b - cp_b))
+            (lc, (cp_f, cp_b)), (ep_f, ep_b) = kinds[kind], a2a.get(kind, (0.0, 0.0))
+            # a full recomputation's second dispatch stays in its recompute, as its tp collectives do
+            cp_time, ep_time = cp_time + n * (cp_f + cp_b), ep_time + n * (ep_f + min(ep_f, ep_b))
+            tp_time -= 2 * n * (min(lc.comm_f, lc.comm_b) - min(lc.comm_f - cp_f - ep_f, lc.comm_b - cp_b - ep_b))
         end = float(timeline.end_time - timeline.start_time)
-        breakdown = {"compute": float(busy[r]) - tp_time - cp_time, "recompute": rc_extra, "tp_comm": tp_time,
+        breakdown = {"compute": float(busy[r]) - tp_time - cp_time - ep_time, "recompute": rc_extra, "tp_comm": tp_time,
                      "cp_comm": cp_time, "idle": end - float(busy[r]), "dp_exposed": makespan - end,
-                     "after": after - gathers, "gathers": gathers, "rank": r}
+                     "after": after - gathers, "gathers": gathers, "rank": r, **({"ep_comm": ep_time} if a2a else {})}
         summary = timeline.summary()
         return Result(L, model, step, makespan, after, float(timeline.bubble_fraction), tokens / step, mfu, memory,
                       peak_rank, breakdown, costs, {k: summary[k] for k in ("bubble_fraction_per_rank",
@@ -570,13 +583,6 @@ def _passes(check, *args) -> bool:
     except ConfigError:
         return False
     return True
-
-
-def _check_tp(model: ModelConfig, tp: int, sequence_parallel: bool = False, cp: int = 1) -> None:
-    """ConfigError unless the model splits over tp: pipegpt.config.validate_tp, and the key/value heads and the
-    MLP width the memory model's shapes assume (kv heads split or replicated; Llama's ffn_hidden divisible)."""
-    validate_tp(model, tp, sequence_parallel, cp)
-    memory_model.check_tp_shapes(model, tp)
 
 
 def _round(x: float) -> float:

@@ -37,7 +37,7 @@ def live_sets(schedule: str, p: int, m: int, v: int | None) -> tuple:
     vectors of those moments give every rank's peak for any bytes as one matrix-vector product (held_peaks)."""
     import numpy as np
 
-    plan = structure(schedule, p, m, v).plan
+    plan = structure(schedule, p, m, v).plan.flattened()  # a pair's halves in order: its F counts before its B frees
     out = []
     for r, actions in enumerate(plan.ranks):
         stages = plan.stages_of(r)
@@ -90,7 +90,7 @@ def compute_groups(schedule: str, p: int, m: int, v: int | None) -> tuple:
 
     kinds = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}
     out = []
-    for actions in structure(schedule, p, m, v).plan.ranks:
+    for actions in structure(schedule, p, m, v).plan.flattened().ranks:  # a pair: its halves in order
         stages, counts = [], []
         for a in actions:
             if a.kind not in kinds:

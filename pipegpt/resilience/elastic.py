@@ -8,6 +8,8 @@ them, estimated from the model's shape; the prediction is given relative to the 
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from pipegpt.config import ConfigError, TrainConfig, option_flags
@@ -47,12 +49,13 @@ def _fastest(cfg: TrainConfig, ranks: int, lower_zero: bool) -> Shrunk | None:
             continue
         zero = 0 if unsharded else p.zero
         microbatches = p.microbatches * p.dp // dp
+        ep = math.gcd(p.ep, dp * p.cp)  # experts spread over what is left of the ranks ep is carved from
         for schedule in dict.fromkeys((p.schedule, "1f1b")):
             changes = dict(stages=stages, dp=dp, microbatches=microbatches, schedule=schedule,
                            virtual_stages=p.virtual_stages if schedule == p.schedule else None,
                            layers_per_stage=None, balanced_costs=None, schedule_costs=p.schedule_costs,
                            balance=p.balance if stages == p.stages else "even", max_live=None,
-                           zero=zero, unshard=p.unshard if zero == p.zero else None)
+                           zero=zero, unshard=p.unshard if zero == p.zero else None, ep=ep)
             try:
                 candidate = cfg.replace(**changes)
                 time = _predicted(candidate)
@@ -63,6 +66,8 @@ def _fastest(cfg: TrainConfig, ranks: int, lower_zero: bool) -> Shrunk | None:
                          if changes[name] is not None}  # the restart's command line: flag -> value
                 if zero != p.zero:  # None: the flag goes (--unshard is ZeRO-3's)
                     given.update(zero=zero, unshard=None)
+                if ep > 1:  # a layout flag: the restart's command line gives it anew
+                    given.update(ep=ep)
                 best = (time, candidate, {option_flags(name)[0]: value for name, value in given.items()})
             break
     if best is None:

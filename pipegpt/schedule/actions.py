@@ -5,7 +5,7 @@ prints as "2F0" (stage 2, forward, microbatch 0) or "1SEND_B3". A collective
 acts on a stage's whole step, not on one microbatch: it prints without one,
 "1REDUCE_GRAD", and holds NO_MICROBATCH (-1). A composite runs two compute
 actions of one rank as one, "(0F3;0B1)" (DualPipe's overlapped forward and
-backward). A Plan holds, for every rank, its ordered list of actions, plus
+backward; also written "0F3&0B1"). A Plan holds, for every rank, its ordered list of actions, plus
 where each stage lives.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Action(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> "Action | Composite":
         text = text.strip()
-        if text.startswith("("):
+        if text.startswith("(") or "&" in text:
             return Composite.parse(text)
         match = _ACTION_RE.match(text)
         if match:
@@ -111,10 +111,10 @@ class Action(NamedTuple):
 class Composite(NamedTuple):
     """Two compute actions of two microbatches on one rank, run as one action: DualPipe's overlapped forward
     and backward, or a combined 1F1B. Prints "(0F3;0B1)" (torch.distributed.pipelining's _Action with
-    sub_actions). `parts` are ordinary Actions: a runtime runs them interleaved, and where it cannot, in
-    order; the validator checks each part's dependencies as if they ran in order, lowering puts every
-    message of a part before (receives) or after (sends) the composite, and the timing rule
-    (timing_rule.composite_spans) charges it by its parts."""
+    sub_actions), and parses from that or "0F3&0B1" (the pair's halves joined by "&"). `parts` are ordinary
+    Actions: a runtime runs their pieces in turns; the validator checks each part's dependencies as if they ran
+    in order, and that neither needs the other; lowering puts every message of a part before (receives) or
+    after (sends) the composite, and the timing rule (timing_rule.composite_spans) charges it by its parts."""
 
     parts: tuple[Action, ...]
     kind = Kind.OVERLAP  # not a field: every composite has it
@@ -134,9 +134,20 @@ class Composite(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> "Composite":
         text = text.strip()
-        if not (text.startswith("(") and text.endswith(")")):
-            raise ScheduleError(f"bad composite {text!r}: expected (<action>;<action>) such as '(0F3;0B1)'")
-        return cls.of(*(Action.parse(part) for part in text[1:-1].split(";")))
+        if text.startswith("(") and text.endswith(")"):
+            halves = text[1:-1].split(";")
+        elif "&" in text and not text.startswith("("):
+            halves = text.split("&")
+        else:
+            raise ScheduleError(f"bad composite {text!r}: expected <action>&<action> such as '0F3&0B1' "
+                                f"(or '(0F3;0B1)')")
+        if any("&" in h or "(" in h for h in halves):
+            raise ScheduleError(f"bad composite {text!r}: a pair's halves are plain compute actions")
+        try:
+            parts = [Action.parse(part) for part in halves]
+        except ScheduleError as e:
+            raise ScheduleError(f"bad composite {text!r}: {e}") from None
+        return cls.of(*parts)
 
     @classmethod
     def of(cls, *parts: Action) -> "Composite":

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 
 
-from .actions import Action, Kind, Plan, ScheduleError, B, F, I, W
+from .actions import Action, Composite, Kind, Plan, ScheduleError, B, F, I, W
 
 
 def _check_positive(num_ranks: int, num_microbatches: int) -> None:
@@ -39,6 +39,25 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Plan:
         acts += [B(r, i) for i in range(m - warmup, m)]
         ranks.append(tuple(acts))
     return Plan("1f1b", m, tuple(range(p)), tuple(ranks))
+
+
+def one_f_one_b_overlap(num_ranks: int, num_microbatches: int) -> Plan:
+    """Combined 1F1B (Megatron-Core's combined_1f1b, on one stage per rank): in the steady state each rank runs
+    the forward of microbatch i + w and the backward of microbatch i as one pair, each half's communication (an
+    MoE stage's all-to-all) hidden under the other's compute. A pair hands its outputs on only when it ends, so
+    rank r warms up with w = 2(p - r) - 1 forwards, not 1F1B's p - r - 1: its pair k then needs what rank r + 1's
+    pair k sends back, which needs rank r's pair k - 2, and the ranks keep pace (with 1F1B's p - r the pairs
+    would wait for each other: a third longer). The price is memory: rank r holds 2(p - r) microbatches."""
+    _check_positive(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    ranks = []
+    for r in range(p):
+        warmup = min(2 * (p - r) - 1, m)
+        acts = [F(r, i) for i in range(warmup)]
+        acts += [Composite.of(F(r, warmup + i), B(r, i)) for i in range(m - warmup)]
+        acts += [B(r, i) for i in range(m - warmup, m)]
+        ranks.append(tuple(acts))
+    return Plan("1f1b-overlap", m, tuple(range(p)), tuple(ranks))
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2) -> Plan:
@@ -200,9 +219,9 @@ def zbv(num_ranks: int, num_microbatches: int) -> Plan:
 def dualpipev(num_ranks: int, num_microbatches: int) -> Plan:
     """DualPipe-V (DeepSeek): V placement, phases of overlapped forward+backward pairs.
 
-    An overlapped pair is modelled as two adjacent actions (F then B) on the
-    rank; the simulator runs them back to back, so it gives no credit for
-    overlapping one's compute with the other's communication.
+    The main phase's pairs (the forward of one stage of the rank with the backward of its other stage, two
+    microbatches) are Composite actions: the timing rule hides each half's all-to-all under the other's
+    compute, and the runtime runs their pieces in turns (Plan.flattened() is the same order without pairs).
     """
     _check_positive(num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
@@ -241,8 +260,10 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Plan:
         for _ in range(m - 2 * p + r + 1):  # the main phase: F0+B1 and F1+B0 pairs
             take(Kind.F, s0)
             take(Kind.B, s1)
+            acts[-2:] = [Composite.of(*acts[-2:])]
             take(Kind.F, s1)
             take(Kind.B, s0)
+            acts[-2:] = [Composite.of(*acts[-2:])]
         for _ in range(p - r - 1):
             take(Kind.B, s1)
             take(Kind.F, s1)

@@ -182,13 +182,13 @@ def lower(plan: Plan, costs=None) -> Plan:
             continue
         action = plan.ranks[r][pos[r]]
         needs = [a for a in recvs_before(action, plan) if a not in received[r]]
-        if needs:
-            src, send = peer(needs[0], plan)
+        for need in needs:  # one, or a composite pair's two
+            src, send = peer(need, plan)
             at = send_place(src, outbox[src][send], now) if send in outbox[src] else None
-            if at is not None:
-                match(src, send, at, r, needs[0], now)
-            else:
-                waiting[r] = needs[0]
+            if at is None:
+                waiting[r] = need
+                break
+            match(src, send, at, r, need, now)
         if needs or not comm:  # a receive here anyway (or free): take now whatever else is ready
             take_ready(r, now)
         if waiting[r] is not None:

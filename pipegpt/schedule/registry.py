@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .actions import Plan, ScheduleError
-from .generators import dualpipev, gpipe, interleaved_1f1b, looped, one_f_one_b, v_shape, zb_h1, zbv
+from .generators import (dualpipev, gpipe, interleaved_1f1b, looped, one_f_one_b, one_f_one_b_overlap, v_shape,
+                         zb_h1, zbv)
 from .simulate import Costs
 from .synthesis.synthesize import SEARCH_EVALUATIONS, Synthesis, check_max_live, synthesize
 
@@ -23,6 +24,9 @@ class ScheduleSpec:
     default_virtual_stages: int = 1  # model stages per rank
     takes_virtual_stages: bool = False  # whether --virtual-stages may change that number
     synthesized: bool = False  # written for the costs and a memory limit (synthesize.py), not generated
+    # written to hide communication inside actions (an MoE stage's all-to-all) under a pair's other half: the
+    # planner, which does not cost that communication yet, leaves it out of its search
+    for_overlap: bool = False
 
     def virtual_stages(self, given: int | None = None) -> int:
         """Model stages per rank for a --virtual-stages value (None: the default).
@@ -77,6 +81,7 @@ class ScheduleSpec:
 SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("gpipe", gpipe),
     ScheduleSpec("1f1b", one_f_one_b),
+    ScheduleSpec("1f1b-overlap", one_f_one_b_overlap, for_overlap=True),  # combined 1F1B: F and B as one pair
     ScheduleSpec("interleaved-1f1b", interleaved_1f1b, default_virtual_stages=2, takes_virtual_stages=True),
     ScheduleSpec("zb-h1", zb_h1),
     ScheduleSpec("zbv", zbv, v_shape, default_virtual_stages=2),

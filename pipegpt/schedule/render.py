@@ -2,7 +2,8 @@
 
 All renderers take a Timeline, so a simulated plan and a measured run look
 the same. Compute actions (F, B, I, W) and ZeRO-3's parameter gathers (UNSHARD,
-which hold their rank up) are drawn as blocks; the Chrome trace keeps every
+which hold their rank up) are drawn as blocks, a pair of them run as one action (a Composite) as one outlined
+block with both labels ("F3&b1"); the Chrome trace keeps every
 event, messages and collectives (a measured REDUCE_GRAD's launch) included.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import shutil
 from html import escape  # not xml.sax.saxutils: it imports urllib (30 ms of start-up)
 
-from .actions import Kind, ScheduleError
+from .actions import Kind, ScheduleError, parts_of
 from .simulate import Event, Timeline
 
 COLORS = {Kind.F: "#4e79a7", Kind.B: "#59a14f", Kind.I: "#f28e2b", Kind.W: "#b07aa1", Kind.UNSHARD: "#e15759"}
@@ -87,7 +88,7 @@ class _Look:
     def __init__(self, timeline: Timeline):
         self.chunks = _chunks(timeline)
         self.most = max(self.chunks.values(), default=0) + 1
-        present = {e.action.kind for e in timeline.events}
+        present = {p.kind for e in timeline.events for p in parts_of(e.action)}
         self.kinds = [k for k in COLORS if k in present]
 
     def chunk(self, event: Event) -> int:
@@ -102,6 +103,11 @@ class _Look:
             return str(a), a.kind.value
         text = f"{a.kind.value}{a.microbatch}"
         return (text.lower(), text[0].lower()) if self.chunk(event) == 1 else (text, text[0])
+
+    def pair_labels(self, rank: int, pair) -> tuple[str, str]:
+        """A pair's labels: its halves' joined by "&" ("F3&b1"), and the short form ("F&b")."""
+        halves = [self.labels(Event(rank, part, 0, 0)) for part in pair.parts]
+        return "&".join(full for full, _ in halves), "&".join(short for _, short in halves)
 
     def kinds_text(self) -> str:
         return ", ".join(f"{k.value} {KIND_NAMES[k]}" for k in self.kinds)
@@ -301,18 +307,33 @@ def _svg(timeline: Timeline, span, plot_w: float) -> str:
         y = top + r * (row_h + gap)
         out.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end">{names[r]}</text>')
         out.append(f'<rect x="{left}" y="{y}" width="{idle_w}" height="{row_h}" fill="url(#idle)"/>')
+        pair_start = None
         for e in timeline.events_of(r):
+            if e.action.kind is Kind.OVERLAP:  # a measured pair: one event, its halves drawn side by side
+                half = (e.end - e.start) / 2
+                for i, part in enumerate(e.action.parts):
+                    out.append(_block(look, Event(r, part, e.start + i * half, e.start + (i + 1) * half), x, scale,
+                                      y, row_h, f"rank {r}: {part} of {e.action}", t0))
+                out.extend(_pair_outline(look, r, e.action, x(e.start), float(e.end - e.start) * scale, y, row_h))
+                continue
             if e.action.kind not in COLORS:
                 continue
-            x0, w = x(e.start), float(e.end - e.start) * scale
-            tip = f"rank {r}: {e.action} {_fmt(e.start - t0)}..{_fmt(e.end - t0)}"
-            out.append(f'<rect x="{x0:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{look.color(e)}" '
-                       f'stroke="white" stroke-width="0.5"><title>{escape(tip)}</title></rect>')
+            pair = getattr(e, "pair", None)
+            out.append(_block(look, e, x, scale, y, row_h, f"rank {r}: {e.action}" + (f" of {pair}" if pair else ""),
+                              t0))
+            if pair is not None:  # a simulated pair's halves: one block, outlined and labelled once
+                pair_start = e.start if e.action == pair.parts[0] or pair_start is None else pair_start
+                if e.action == pair.parts[-1]:
+                    out.extend(_pair_outline(look, r, pair, x(pair_start), float(e.end - pair_start) * scale, y,
+                                             row_h))
+                    pair_start = None
+                continue
             # Centered in its block with 2 px to spare each side, or left out: blocks do not overlap, so
             # neither do their labels.
+            w = float(e.end - e.start) * scale
             text = next((t for t in look.labels(e) if _text_w(t) + 4 <= w), "")
             if text:
-                out.append(f'<text x="{x0 + w / 2:.2f}" y="{y + row_h / 2 + 4}" text-anchor="middle" '
+                out.append(f'<text x="{x(e.start) + w / 2:.2f}" y="{y + row_h / 2 + 4}" text-anchor="middle" '
                            f'fill="white">{escape(text)}</text>')
         out.append(f'<text x="{left + plot_w + 8}" y="{y + row_h / 2 + 4}">{escape(suffixes[r])}</text>')
     # time axis: about one tick per 90 px, so the numbers keep apart
@@ -329,6 +350,24 @@ def _svg(timeline: Timeline, span, plot_w: float) -> str:
     out.append(f'<text x="{left + plot_w / 2}" y="{axis_y + 36}" text-anchor="middle">{unit}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _block(look: _Look, e: Event, x, scale: float, y: float, row_h: float, tip: str, t0) -> str:
+    x0, w = x(e.start), float(e.end - e.start) * scale
+    tip = f"{tip} {_fmt(e.start - t0)}..{_fmt(e.end - t0)}"
+    return (f'<rect x="{x0:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{look.color(e)}" '
+            f'stroke="white" stroke-width="0.5"><title>{escape(tip)}</title></rect>')
+
+
+def _pair_outline(look: _Look, rank: int, pair, x0: float, w: float, y: float, row_h: float) -> list[str]:
+    """A pair's one block: an outline around its halves and both labels, where they fit."""
+    out = [f'<rect class="pair" x="{x0 + 0.75:.2f}" y="{y + 0.75}" width="{max(0.0, w - 1.5):.2f}" '
+           f'height="{row_h - 1.5}" fill="none" stroke="#222" stroke-width="1.5"/>']
+    text = next((t for t in look.pair_labels(rank, pair) if _text_w(t) + 4 <= w), "")
+    if text:
+        out.append(f'<text x="{x0 + w / 2:.2f}" y="{y + row_h / 2 + 4}" text-anchor="middle" '
+                   f'fill="white">{escape(text)}</text>')
+    return out
 
 
 def to_html(timeline: Timeline) -> str:

@@ -9,7 +9,10 @@ commas (so a CSV with a row per rank works too)::
     1F0 1F1 1F2 1B0 ...
 
 Blank lines and `#` comments are ignored, except the optional `# stages:`
-(or `# stage_to_rank:`) and `# name:` headers. Without `# stages:` each stage
+(or `# stage_to_rank:`), `# name:` and `# max_live:` headers (the memory limit: the most
+stage-microbatches' activations a rank may hold at once, a pair holding both of its halves').
+A pair of a forward and a backward of two microbatches run as one action is written
+"0F5&3B2" (or "(0F5;3B2)"). Without `# stages:` each stage
 lives on the rank whose line uses it, which is stage s on rank s for
 1F1B-like files. The number of microbatches is the largest one used plus one.
 Files may be compute-only or lowered (with SEND/RECV), with or without
@@ -22,9 +25,9 @@ import os
 import re
 
 from .actions import Action, Plan, ScheduleError, flattened
-from .validate import PlanError, validate
+from .validate import PlanError, check_max_live, validate
 
-_HEADER_RE = re.compile(r"^#\s*(stages|stage_to_rank|name)\s*:\s*(.*)$", re.IGNORECASE)
+_HEADER_RE = re.compile(r"^#\s*(stages|stage_to_rank|name|max_live|max-live)\s*:\s*(.*)$", re.IGNORECASE)
 _SPLIT_RE = re.compile(r"[\s,;]+")
 _TOKEN_RE = re.compile(r"\([^()]*\)?|[^\s,;]+")  # a composite "(0F3;0B1)" is one token: its ";" splits nothing
 
@@ -59,6 +62,7 @@ def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str
     row_lines: list[int] = []
     stage_to_rank: tuple[int, ...] | None = None
     plan_name = default_name
+    max_live = None
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         header = _HEADER_RE.match(line)
@@ -66,6 +70,12 @@ def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str
             key, value = header.group(1).lower(), header.group(2).split("#")[0].strip()
             if key == "name":
                 plan_name = value or plan_name
+                continue
+            if key in ("max_live", "max-live"):
+                if not value.isdigit() or int(value) < 1:
+                    raise ScheduleError(f"{source}:{lineno}: bad '# max_live:' header {value!r} (expected the most "
+                                        f"stage-microbatches a rank may hold, a whole number >= 1)")
+                max_live = int(value)
                 continue
             numbers = [t for t in _SPLIT_RE.split(value.strip("[]() ")) if t]
             if not numbers or not all(t.isdigit() for t in numbers):
@@ -81,7 +91,9 @@ def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str
         for token in tokens:
             try:
                 actions.append(Action.parse(token))
-            except ScheduleError:
+            except ScheduleError as e:
+                if "&" in token or token.startswith("(") and token.endswith(")"):  # a pair: say what is wrong
+                    raise ScheduleError(f"{source}:{lineno}: bad token {token!r}: {e}") from None
                 raise ScheduleError(f"{source}:{lineno}: bad token {token!r} (expected <stage><kind><microbatch> "
                                     f"such as 2F0, 1B3, 0W5 or 1SEND_B3)") from None
         rows.append(actions)
@@ -111,7 +123,10 @@ def parse_schedule_text(text: str, source: str = "<schedule>", default_name: str
     num_microbatches = 1 + max(a.microbatch for actions in rows for a in flattened(actions))
     plan = Plan(plan_name, num_microbatches, stage_to_rank, tuple(map(tuple, rows)), meta={"source": source})
     try:
-        return validate(plan)
+        validate(plan)
+        if max_live is not None:
+            check_max_live(plan, max_live)
+        return plan
     except PlanError as e:
         raise ScheduleError(f"{source}:{row_lines[e.rank]}: {e}") from None
     except ScheduleError as e:

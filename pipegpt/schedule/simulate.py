@@ -33,6 +33,7 @@ class Event:
     action: Action
     start: Real
     end: Real
+    pair: object = field(default=None, compare=False)  # the Composite this is a half of, where it is one
 
     @property
     def duration(self) -> Real:
@@ -254,7 +255,7 @@ def _charge(rank: int, action, start: Real, costs: Costs, events: list[Event], e
         spans = spans_of(costs, action, start)
         end = spans[-1][1]
         for part, (begin, finish) in zip(action.parts, spans):
-            events.append(Event(rank, part, begin, finish))
+            events.append(Event(rank, part, begin, finish, action))
             ends[part] = end
     else:
         end = start + costs.duration(action)

@@ -6,10 +6,12 @@ hops, so they agree with simulate to the last bit by construction), and lowering
 
 - Compute (F, B, I, W) runs on its rank's compute line, one action at a time in plan order, for
   compute_time(): its share of the stage's work plus, for F and the input-gradient backward (B or I), the
-  stage's tensor-parallel all-reduces, which hold the line.
-- A composite pair runs on the line as one action, its parts back to back, each for max(its compute, the
-  other part's communication) (composite_spans): one part's communication hides under the other's
-  compute. Both parts' outputs are there when the pair ends.
+  stage's tensor-parallel all-reduces and its expert all-to-alls (a2a_comm), which hold the line.
+- A composite pair runs on the line as one action. Its halves' pieces (a layer each) run in turns, each
+  half's all-to-all posted and waited for just before the piece that consumes it, under the other half's
+  compute: summed over the pieces, each half holds the line for max(its compute, the other half's
+  all-to-all) (composite_spans, the halves' events back to back). A dense pair (no all-to-all) costs its
+  halves' sum. Both parts' outputs are there when the pair ends.
 - A message between stages on two ranks runs off the line: a consumer may start hop() after its producer
   ended; a stage's input from the same rank is there at once. (Under order matching a message also waits
   for both ends' batches to start: schedule.simulate.simulate_order.)
@@ -31,7 +33,15 @@ from .actions import Action, Kind, Plan, ScheduleError
 
 
 def compute_time(costs: "Costs", kind: Kind, stage: int) -> Real:
-    """How long a compute action of this kind on this stage holds its rank's compute line."""
+    """How long a compute action of this kind on this stage holds its rank's compute line, alone: its work,
+    then its all-to-all (nothing to hide it under). A dense stage's a2a_comm is 0, and x + 0 is x to the bit."""
+    if kind is Kind.W:
+        return costs.weight[stage]
+    return work_time(costs, kind, stage) + comm_inside(costs, kind, stage)
+
+
+def work_time(costs: "Costs", kind: Kind, stage: int) -> Real:
+    """What an action computes (with its tensor-parallel all-reduces, which hold the line even in a pair)."""
     if kind is Kind.F:
         return costs.forward[stage] + costs.tp_comm[stage]
     if kind is Kind.B:
@@ -43,10 +53,15 @@ def compute_time(costs: "Costs", kind: Kind, stage: int) -> Real:
     return 0
 
 
+def comm_inside(costs: "Costs", kind: Kind, stage: int) -> Real:
+    """The communication inside an action that another action's compute can hide: the stage's expert all-to-alls
+    (dispatch and combine; a backward, B or I, makes as many as the forward, W none)."""
+    return costs.a2a_comm[stage] if kind in (Kind.F, Kind.B, Kind.I) else 0
+
+
 def part_comm(costs: "Costs", part: Action) -> Real:
-    """The communication of a composite's part that the other part's compute can hide: none yet (an expert
-    all-to-all will be the first)."""
-    return 0
+    """The communication of a composite's part that the other part's compute hides."""
+    return comm_inside(costs, part.kind, part.stage)
 
 
 def composite_spans(start: Real, compute: tuple, comm: tuple) -> list[tuple[Real, Real]]:
@@ -64,7 +79,7 @@ def composite_spans(start: Real, compute: tuple, comm: tuple) -> list[tuple[Real
 def spans_of(costs: "Costs", composite, start: Real) -> list[tuple[Real, Real]]:
     """composite_spans for a Composite at these costs."""
     parts = composite.parts
-    return composite_spans(start, tuple(compute_time(costs, p.kind, p.stage) for p in parts),
+    return composite_spans(start, tuple(work_time(costs, p.kind, p.stage) for p in parts),
                            tuple(part_comm(costs, p) for p in parts))
 
 
@@ -100,10 +115,12 @@ def queued(channel_free: Real, at: Real, took: Real) -> Real:
 # Keys accepted by Costs.parse / Costs.from_json (lower case) and the field each fills.
 _KEYS = {"f": "forward", "b": "backward", "w": "weight", "comm": "comm",
          "act_bytes": "activation_bytes", "activation_bytes": "activation_bytes",
-         "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
+         "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm", "a2a": "a2a_comm",
+         "a2a_comm": "a2a_comm"}
 _SHOWN = {"forward": "F", "backward": "B", "weight": "W", "comm": "comm", "activation_bytes": "act_bytes",
-          "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm"}
-_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm, gather_comm"
+          "tp_comm": "tp_comm", "dp_comm": "dp_comm", "gather_comm": "gather_comm", "a2a_comm": "a2a"}
+_VALID_KEYS = "F, B, W, comm, act_bytes, tp_comm, dp_comm, gather_comm, a2a"
+_PER_STAGE = ("tp_comm", "dp_comm", "gather_comm", "a2a_comm")  # absent means free
 
 
 def _check_number(name: str, value) -> None:
@@ -134,6 +151,9 @@ class Costs:
     UNSHARD: it starts where the rank reaches it (after the gathers posted
     before it), overlaps the compute that follows, and the stage's next compute
     action waits for it (a gather posted a compute ahead is hidden by that compute).
+    a2a_comm[s] is the time of stage s's expert all-to-alls (dispatch and combine)
+    in one microbatch's forward; its backward (B or I) makes as many, W none.
+    Alone an action waits for them; in a pair the other half's compute hides them.
     """
 
     forward: tuple
@@ -144,12 +164,13 @@ class Costs:
     tp_comm: tuple | None = None
     dp_comm: tuple | None = None
     gather_comm: tuple | None = None
+    a2a_comm: tuple | None = None
 
     def __post_init__(self):
-        for name in ("tp_comm", "dp_comm", "gather_comm"):  # absent means free
+        for name in _PER_STAGE:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, (0,) * len(self.forward))
-        for name in ("forward", "backward", "weight", "activation_bytes", "tp_comm", "dp_comm", "gather_comm"):
+        for name in ("forward", "backward", "weight", "activation_bytes") + _PER_STAGE:
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
@@ -157,11 +178,11 @@ class Costs:
         if n < 1:
             raise ScheduleError("costs: need at least one stage")
         optional = ("activation_bytes",) if self.activation_bytes is not None else ()
-        for name in ("backward", "weight", "tp_comm", "dp_comm", "gather_comm") + optional:
+        for name in ("backward", "weight") + _PER_STAGE + optional:
             if len(getattr(self, name)) != n:
                 raise ScheduleError(f"costs: {name} has {len(getattr(self, name))} values but forward has {n}; "
                                     f"give one per stage")
-        for name in ("forward", "backward", "weight", "tp_comm", "dp_comm", "gather_comm") + optional:
+        for name in ("forward", "backward", "weight") + _PER_STAGE + optional:
             for s, value in enumerate(getattr(self, name)):
                 _check_number(f"{name}[{s}]", value)
         _check_number("comm", self.comm)
@@ -186,6 +207,7 @@ class Costs:
                        tp_comm=tuple(x * factor for x in self.tp_comm),
                        dp_comm=tuple(x * factor for x in self.dp_comm),
                        gather_comm=tuple(x * factor for x in self.gather_comm),
+                       a2a_comm=tuple(x * factor for x in self.a2a_comm),
                        activation_bytes=None if self.activation_bytes is None
                        else tuple(x * factor for x in self.activation_bytes))
 
@@ -193,9 +215,9 @@ class Costs:
         out = {"F": list(self.forward), "B": list(self.backward), "W": list(self.weight), "comm": self.comm}
         if self.activation_bytes is not None:
             out["act_bytes"] = list(self.activation_bytes)
-        for name in ("tp_comm", "dp_comm", "gather_comm"):
+        for name in _PER_STAGE:
             if any(getattr(self, name)):
-                out[name] = list(getattr(self, name))
+                out[_SHOWN[name]] = list(getattr(self, name))
         return out
 
     @classmethod
@@ -270,7 +292,7 @@ class Costs:
         backward = fields.get("backward", (2.0,) * num_stages)
         weight = fields.get("weight", tuple(b / 2 for b in backward))
         return cls(forward, backward, weight, fields.get("comm", 0), fields.get("activation_bytes"),
-                   fields.get("tp_comm"), fields.get("dp_comm"), fields.get("gather_comm"))
+                   fields.get("tp_comm"), fields.get("dp_comm"), fields.get("gather_comm"), fields.get("a2a_comm"))
 
 
 def load_costs_json(path) -> dict:

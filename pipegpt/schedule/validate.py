@@ -13,7 +13,9 @@ deadlock with each other or with messages.
 A composite (actions.Composite) is checked as its parts in order: each part's dependencies, counts and
 messages as if the parts stood one after the other where the composite stands (errors then count steps
 with the parts apart). And as one action: a pair starts once, so what either part needs from outside it
-must be there before it (a part may need the other, which runs first).
+must be there before it. A pair's halves run at once, so they are of one rank's stages and neither needs the
+other (_check_pairs). held_live / check_max_live: what a rank holds at each action in plan order, a pair
+holding both halves' microbatches together (its forward's new one before its backward frees the other).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ def dependencies(action: Action, plan: Plan) -> list[Action]:
 def validate(plan: Plan) -> Plan:
     """Raise PlanError/ScheduleError if the plan is not executable; return it unchanged otherwise."""
     if plan.has_composites:
+        _check_pairs(plan)
         validate(plan.flattened())
         _check_order(plan.compute_only())
         return plan
@@ -60,6 +63,47 @@ def validate(plan: Plan) -> Plan:
         _check_messages(plan)
         check_deadlock_free(plan)
     return plan
+
+
+def _check_pairs(plan: Plan) -> None:
+    """Each pair's halves on the rank of its line, and neither needing the other (they run at once)."""
+    for r, actions in enumerate(plan.ranks):
+        for k, a in enumerate(actions):
+            if a.kind is not Kind.OVERLAP:
+                continue
+            for part in a.parts:
+                if 0 <= part.stage < plan.num_stages and plan.stage_to_rank[part.stage] != r:
+                    raise PlanError(plan, r, k, f"pair {a}: stage {part.stage} belongs to rank "
+                                                f"{plan.stage_to_rank[part.stage]}; a pair's halves run on one rank")
+            first, second = a.parts
+            for needs, needed in ((first, second), (second, first)):
+                if needed in dependencies(needs, plan):
+                    raise PlanError(plan, r, k, f"pair {a}: {needs} needs {needed}, the other half; a pair's "
+                                                f"halves run at once, so neither may depend on the other")
+
+
+def held_live(plan: Plan, rank: int) -> list[int]:
+    """Per action of the rank, the stage-microbatches whose activations it holds while the action runs (an F
+    started, its backward B or I not yet done; W holds none: what it needs is the weight gradient's inputs, which
+    the I left): a pair holds its forward's new microbatch together with its backward's."""
+    live, held = 0, []
+    for a in plan.ranks[rank]:
+        parts = parts_of(a)
+        forwards = sum(p.kind is Kind.F for p in parts)
+        held.append(live + forwards)
+        live += forwards - sum(p.kind in (Kind.B, Kind.I) for p in parts)
+    return held
+
+
+def check_max_live(plan: Plan, max_live: int) -> None:
+    """Refuse a rank that holds more than max_live stage-microbatches at any action, naming the action."""
+    for r in range(plan.num_ranks):
+        for k, held in enumerate(held_live(plan, r)):
+            if held > max_live:
+                a = plan.ranks[r][k]
+                what = (f"pair {a} holds {held} stage-microbatches together (its forward's and its backward's)"
+                        if a.kind is Kind.OVERLAP else f"holds {held} stage-microbatches")
+                raise PlanError(plan, r, k, f"{what}, more than the memory limit max_live={max_live}")
 
 
 def _check_shape(plan: Plan) -> bool:

@@ -22,6 +22,10 @@ where its receiver needs it in a unit-cost run, which in a real run can be a
 whole compute action after the output was ready, with the receiver waiting.
 A send whose SEND is in the batch right after its compute goes with that batch
 instead: as early, and one gloo exchange with the batch's receives, not two.
+A composite pair runs its halves' pieces in turns (stages.stage.interleave): a receive feeding a half is waited
+for just before that half's first piece (the other half may compute meanwhile), each half's output is handed on
+(its send posted, where sends go eagerly) as soon as that half ends, and the communication a piece posts
+(stages.overlap) is waited for just before the piece goes on, after the other half's next piece.
 """
 from __future__ import annotations
 
@@ -107,6 +111,20 @@ class _Pair(NamedTuple):
     parts: tuple  # a _Compute per part, in the plan's order
 
 
+class _Arrival:
+    """A posted receive as a piece's handle (stages.overlap): wait() waits for it, the watchdog told where."""
+
+    __slots__ = ("runtime", "message", "where", "after")
+
+    def __init__(self, runtime, message, where, after):
+        self.runtime, self.message, self.where, self.after = runtime, message, where, after
+
+    def wait(self) -> None:
+        self.runtime.now = self.where
+        self.runtime.p2p.wait(self.message)
+        self.runtime.now = self.after
+
+
 class _Collective(NamedTuple):
     index: int
     action: Action
@@ -123,7 +141,7 @@ class _Batch(NamedTuple):
     where: tuple
     names: tuple[str, ...]
     sends: tuple  # (outbox key, SEND, peer, tag, label, the sending stage's release_output or None, microbatch)
-    recvs: tuple  # (inbox key, peer, tag, label, whereabouts)
+    recvs: tuple  # (inbox key, peer, tag, label, whereabouts, whether the pair right after waits for it itself)
     releases: tuple  # (SEND, whereabouts): the sends to wait for and drop once the receives are in
 
 
@@ -220,6 +238,7 @@ class PipelineRuntime:
         # action the GPU is in; (whereabouts, mark) of this step.
         self.marker = device_marker(torch.device(device))
         self.marks: list = []
+        self.arriving: dict = {}  # a step's receives a pair's part waits for itself (step())
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
         # Index of a compute action -> the ready() call before it: (stage, backward, where the wait is).
         self.ready_at = {} if self.ready is None else {
@@ -356,6 +375,12 @@ class PipelineRuntime:
 
     def _batch(self, first: int, end: int) -> _Batch:
         sends, recvs = [], []
+        after = self.actions[end] if end < len(self.actions) else None
+        # A receive feeding a half of the pair right after the batch, in the dtype it computes in: that half waits
+        # for it before its first piece, so the other half's first piece may run while it arrives.
+        fed = {(Kind.F if p.kind is Kind.F else Kind.B, p.stage, p.microbatch) for p in after.parts
+               if p.kind is not Kind.W} \
+            if after is not None and after.kind is Kind.OVERLAP and self.message_dtype == self.dtype else set()
         for i in range(first, end):
             a = self.actions[i]
             s, mb = a.stage, a.microbatch
@@ -366,8 +391,9 @@ class PipelineRuntime:
             else:
                 backward = a.kind is Kind.RECV_B
                 sender = s + 1 if backward else s - 1
-                recvs.append(((Kind.B if backward else Kind.F, s, mb), self.owner[sender],
-                              self._tag(sender, mb, backward), f"receive {a}", self.at[i]))
+                key = (Kind.B if backward else Kind.F, s, mb)
+                recvs.append((key, self.owner[sender], self._tag(sender, mb, backward), f"receive {a}", self.at[i],
+                              key in fed))
         return _Batch(first, self.actions[first], self.batch_at[first], tuple(self.names[first:end]), tuple(sends),
                       tuple(recvs), self.releases.get(first, ()))
 
@@ -386,6 +412,7 @@ class PipelineRuntime:
         activation_shape: this step's messages' shape, when not the run's (scoring: sequences of another length)."""
         shape = activation_shape or self.activation_shape
         inbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to consume
+        self.arriving = {}  # inbox key -> (its receive's Message, whereabouts): posted, waited for by its consumer
         outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to send
         in_flight: dict[Action, Message] = {}  # SENDs posted, not yet released
         events: list = []
@@ -413,6 +440,10 @@ class PipelineRuntime:
                     events.append((entry.name, t0, clock()))
             if self.marker is not None:
                 marks.append((entry.where, self.marker(entry.action)))
+        for message, now in self.arriving.values():  # none: every pair takes its receives (kept for safety)
+            self.now = now
+            self.p2p.wait(message)
+        self.arriving.clear()
         for action, message in in_flight.items():  # sends no later message of the plan acknowledged
             self.now = self.at[self.index_of[action]]
             self.p2p.wait(message)
@@ -452,31 +483,44 @@ class PipelineRuntime:
             self.before_compute(c.action)
 
     def _compute_pair(self, pair: _Pair, inputs, targets, inbox, outbox, documents=None) -> None:
-        """The parts' pieces in turns (stages.stage.interleave), each part's input taken before any piece runs;
-        a part that needs what the other hands over on this rank (a V's turn) waits for it: the parts in order."""
+        """The parts' pieces in turns (stages.stage.interleave): a part's receive still arriving is waited for
+        before its first piece, and its output handed on as soon as it ends. (validate refuses a pair whose
+        halves need each other; a part whose input is not here runs the parts in order, as a safeguard.)"""
         for c in pair.parts:  # every part's stage ready before any piece runs
             self._before(c, pair.where)
         if any(c.take is not None and c.take not in inbox for c in pair.parts):
             for c in pair.parts:
                 self._compute(c, inputs, targets, inbox, outbox, documents)
             return
-        runs = [self._piece_run(c, inputs, targets, inbox, documents) for c in pair.parts]
-        for c, out in zip(pair.parts, interleave(*runs)):
-            if c.hand is not None:
-                self._hand_over(c, out, inbox, outbox)
+        runs = []
+        for c in pair.parts:
+            arriving = self.arriving.pop(c.take, None)
+            run = self._piece_run(c, inputs, targets, inbox, documents, waited=arriving is None)
+            if arriving is not None:
+                run.pending = _Arrival(self, *arriving, pair.where)
+            runs.append(run)
 
-    def _take(self, c: _Compute, inbox) -> torch.Tensor | None:
-        """The compute's input (F) or output gradient (B, I) from the inbox, in the parameters' dtype."""
+        def handed(i: int, out) -> None:
+            if pair.parts[i].hand is not None:
+                self._hand_over(pair.parts[i], out, inbox, outbox)
+
+        interleave(*runs, done=handed)
+
+    def _take(self, c: _Compute, inbox, waited: bool = True) -> torch.Tensor | None:
+        """The compute's input (F) or output gradient (B, I) from the inbox, in the parameters' dtype; waited=False:
+        the caller waits for its receive before using it (a pair's part, at its first piece)."""
         if c.take is None:
             return None
+        if waited and c.take in self.arriving:
+            _Arrival(self, *self.arriving.pop(c.take), self.now).wait()
         received = inbox.pop(c.take)
         return received.to(self.dtype) if c.cast else received
 
-    def _piece_run(self, c: _Compute, inputs, targets, inbox, documents) -> PieceRun:
+    def _piece_run(self, c: _Compute, inputs, targets, inbox, documents, waited: bool = True) -> PieceRun:
         stage, mb, kind = c.stage, c.mb, c.kind
         if kind is Kind.W:
             return stage.weight_pieces(mb)
-        received = self._take(c, inbox)
+        received = self._take(c, inbox, waited)
         if kind is Kind.F:
             return stage.forward_pieces(mb, inputs[mb] if stage.is_first else received,
                                         targets[mb] if stage.is_last else None,
@@ -512,12 +556,15 @@ class PipelineRuntime:
                 sends.append((Message(self._on_the_wire(item), peer, tag, label), a))
                 if release is not None:  # the message holds the output's storage now, the stage need not
                     release(mb)
-        for key, peer, tag, label, _ in batch.recvs:
+        for key, peer, tag, label, _, _ in batch.recvs:
             buffer = torch.empty(shape, dtype=self.message_dtype, device=self.device)
             recvs.append(Message(buffer, peer, tag, label))
             inbox[key] = buffer
         self.p2p.post([m for m, _ in sends], recvs)
-        for message, (*_, now) in zip(recvs, batch.recvs):
+        for message, (key, *_, now, by_consumer) in zip(recvs, batch.recvs):
+            if by_consumer:  # the pair after the batch waits for it before the piece that reads it
+                self.arriving[key] = (message, now)
+                continue
             self.now = now
             self.p2p.wait(message)
         in_flight.update((a, m) for m, a in posted + sends)

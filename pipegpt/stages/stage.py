@@ -9,7 +9,9 @@ the loss), with a detached-with-grad input at each seam as between two stages, s
 between two pieces: a composite action runs two microbatches' pieces in turns (interleave). Both go through
 the same walk (_forward_walk, _backward_walk): a whole-stage action is that walk over one piece, and a backward
 walks whichever pieces its forward ran. No context (autocast, deferred weight gradients) stays open between
-two pieces, so interleaved walks do not see each other's.
+two pieces, so interleaved walks do not see each other's. A piece may post communication and yield its handle
+(stages.overlap): run alone it is waited for at once; in a pair (interleave), just before the piece goes on,
+after the other half's next piece has computed.
 
 Mixed precision: with autocast_dtype (torch.bfloat16), the forward runs under torch.autocast (a
 recomputation under checkpoint inherits it) while parameters stay in their own dtype (fp32 master
@@ -20,7 +22,9 @@ Backward runs outside autocast, as torch recommends.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 from typing import Callable, Generator
 
 import torch
@@ -37,17 +41,20 @@ Piece = Callable[[torch.Tensor, "torch.Tensor | None", "Documents | None", str],
 
 
 class PieceRun:
-    """One action's work on one microbatch, a piece per step(): step() runs the next piece and says whether one
-    is left; once none is, `result` holds what the whole action returns."""
+    """One action's work on one microbatch, a piece per step(): step() runs the next piece (or the part of one
+    up to the communication it posts) and says whether one is left; `pending` is the handle it yielded, to
+    wait for before the next step; once none is left, `result` holds what the whole action returns."""
 
-    __slots__ = ("_walk", "result", "done")
+    __slots__ = ("_walk", "result", "done", "pending")
 
     def __init__(self, walk: Generator):
-        self._walk, self.result, self.done = walk, None, False
+        self._walk, self.result, self.done, self.pending = walk, None, False, None
 
     def step(self) -> bool:
+        """Wait for the communication the last step posted (its consumer is this step), then run this step."""
+        handle, self.pending = self.pending, None
         try:
-            next(self._walk)
+            self.pending = self._walk.send(None if handle is None else handle.wait())
             return True
         except StopIteration as end:
             self.result, self.done = end.value, True
@@ -55,27 +62,63 @@ class PieceRun:
 
     def finish(self):
         """Run the pieces left; the action's result."""
-        if not self.done:
-            self.result, self.done = _finish(self._walk), True
+        while not self.done:
+            self.step()
         return self.result
 
 
 def _finish(walk: Generator):
-    """Run a walk to its end; what it returns (a whole-stage action: its one piece, no PieceRun around it)."""
+    """Run a walk to its end, each handle it yields waited for at once; what it returns (a whole-stage action:
+    its one piece, no PieceRun around it)."""
     try:
+        handle = next(walk)
         while True:
-            next(walk)
+            handle = walk.send(None if handle is None else handle.wait())
     except StopIteration as end:
         return end.value
 
 
-def interleave(*runs: PieceRun) -> list:
-    """Run the runs' pieces in turns (one piece of each, in the order given) until every one is done: two
-    microbatches' actions as one composite action. Returns their results, in the order given."""
-    live = list(runs)
+def interleave(*runs: PieceRun, done: Callable[[int, object], None] | None = None) -> list:
+    """Run the runs' pieces in turns (one step of each, in the order given) until every one is done: two
+    microbatches' actions as one composite action. A run's posted communication (its `pending` handle) is
+    waited for at its next step, after the other runs' steps have computed. done(i, result), where given, is
+    told as soon as run i ends (the runtime posts its output's send then, while the other still computes).
+    Returns their results, in the order given."""
+    live = list(enumerate(runs))
     while live:
-        live = [run for run in live if run.step()]
+        still = []
+        for i, run in live:
+            if run.step():
+                still.append((i, run))
+            elif done is not None:
+                done(i, run.result)
+        live = still
     return [run.result for run in runs]
+
+
+def _steps(piece: Piece, x, targets, documents, reduction, context, seams: list, cuts: dict) -> Generator:
+    """A piece's call under `context` (autocast, or none); a piece that returns a generator of handles is driven
+    a step at a time, each step under the context and none open across a yield (the other half of a pair runs
+    there). A Cut (a handle with `sent` and transpose(), stages.overlap) ends a seam at what it sent and starts
+    the next at what it received (a leaf that collects the gradient to send back): backward runs the piece's
+    compute on each side of it apart, the gradient's communication between. Returns (the last seam's input, the
+    piece's output)."""
+    with context():
+        out = piece(x, targets, documents, reduction)
+    if not isinstance(out, types.GeneratorType):
+        return x, out
+    steps, received = out, None
+    while True:
+        with context():
+            try:
+                handle = steps.send(received)
+            except StopIteration as end:
+                return x, end.value
+        received = yield handle
+        if getattr(handle, "transpose", None) is not None:
+            seams.append((x, handle.sent))
+            x = received = received.detach().requires_grad_()
+            cuts[len(seams)] = handle
 
 
 class Stage:
@@ -89,6 +132,9 @@ class Stage:
         # Per microbatch in flight, per piece in forward order: (its input, its output with the graph behind it).
         self.seams: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pending_weight_grads: dict[int, list[list]] = {}  # per microbatch, per piece run: its W closures
+        # Per microbatch in flight, seam index -> the Cut (stages.overlap) whose received tensor is that seam's
+        # input: its backward posts the gradient's communication back.
+        self.cuts: dict[int, dict[int, object]] = {}
         self.losses: list[torch.Tensor] = []
         self._empty: torch.Tensor | None = None  # what a released output holds (release_output)
         self._ones: torch.Tensor | None = None  # the loss's gradient (_ones_like)
@@ -115,7 +161,9 @@ class Stage:
             if m.embed:
                 pieces.append(("embedding", lambda x, targets, documents, reduction: m.embedding(x, None, documents)))
             for layer, block in m.blocks.items():
-                pieces.append((f"block.{layer}", functools.partial(_block_piece, m.block_forward, block)))
+                steps = getattr(block, "forward_steps", None)  # a block that posts communication (stages.overlap)
+                pieces.append((f"block.{layer}", functools.partial(_block_steps, steps) if steps is not None
+                               else functools.partial(_block_piece, m.block_forward, block)))
             if m.head:
                 pieces.append(("head", lambda x, targets, documents, reduction: m.head_forward(x, targets, reduction)))
             self._layers = tuple(pieces)
@@ -139,17 +187,17 @@ class Stage:
         if not self.is_first:
             x = x.detach().requires_grad_()
         seams = self.seams[mb] = []
+        cuts = self.cuts[mb] = {}
         reduction = "none" if self.is_last and self.per_row else "mean"
         last = len(pieces) - 1
+        context = contextlib.nullcontext if self.autocast_dtype is None else \
+            functools.partial(torch.autocast, x.device.type, dtype=self.autocast_dtype)
         for i, (_, piece) in enumerate(pieces):
             if i:
                 yield
                 x = out.detach().requires_grad_()
-            if self.autocast_dtype is None:
-                out = piece(x, targets if i == last else None, documents, reduction)
-            else:
-                with torch.autocast(x.device.type, dtype=self.autocast_dtype):
-                    out = piece(x, targets if i == last else None, documents, reduction)
+            x, out = yield from _steps(piece, x, targets if i == last else None, documents, reduction, context, seams,
+                                       cuts)
             seams.append((x, out))
         return self._finish_forward(seams, out, targets)
 
@@ -190,7 +238,7 @@ class Stage:
         return PieceRun(self._backward_walk(mb, grad_output, split))
 
     def _backward_walk(self, mb, grad, split) -> Generator[None, None, torch.Tensor | None]:
-        seams = self.seams.pop(mb)
+        seams, cuts = self.seams.pop(mb), self.cuts.pop(mb, {})
         pending = self.pending_weight_grads.setdefault(mb, []) if split else None
         for i in range(len(seams) - 1, -1, -1):
             x, out = seams[i]
@@ -203,7 +251,11 @@ class Stage:
                 _run_backward(out, grads)
             if i:
                 grad = x.grad
-                yield
+                cut = cuts.get(i)
+                if cut is None:
+                    yield
+                else:  # x came through communication: its gradient goes back the same way, waited for next step
+                    grad = yield cut.transpose(grad)
         return None if self.is_first else x.grad
 
     def _ones_like(self, loss: torch.Tensor) -> torch.Tensor:
@@ -231,6 +283,7 @@ class Stage:
     def discard(self) -> None:
         """Forget every microbatch in flight (after an evaluation pass: forwards with no backward)."""
         self.seams.clear()
+        self.cuts.clear()
 
     def pop_losses(self) -> list[torch.Tensor]:
         losses, self.losses = self.losses, []
@@ -239,6 +292,10 @@ class Stage:
 
 def _block_piece(block_forward, block, x, targets, documents, reduction):
     return block_forward(block, x, None, documents)
+
+
+def _block_steps(forward_steps, x, targets, documents, reduction):
+    return forward_steps(x, documents)
 
 
 def _run_backward(out: torch.Tensor, grads) -> None:

@@ -9,7 +9,8 @@
 
 Every rank writes only what it owns, in parallel (data-parallel replica 0 the parameters, each ZeRO shard
 its pieces of the optimizer moments, and with ZeRO-3 of the parameters; a tp-replicated tensor once; the tied
-embedding once). A checkpoint is
+embedding once; with experts over ep, each ep rank of edp index 0 its slice of a layer's stacked [E, ...]
+experts, whose metadata says [ep rank, ep] and which load as the whole tensor, cut anew). A checkpoint is
 first written into `.tmp-step-...` and renamed into place by the driver once every rank has written
 and the manifest is down, so a crash or SIGKILL mid-save leaves the previous checkpoint the latest.
 Loading reads, for each name this rank now owns, the shards that cover it, whatever layout wrote
@@ -190,6 +191,10 @@ def resolve(path) -> Path:
             return found[-1]
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory (give a run directory or a checkpoint)")
+    if run_files.holds_run(path) or (path / run_files.CONFIG).is_file():  # a run that saved nothing (yet)
+        raise CheckpointError(f"{path}: a run directory that holds no complete checkpoint: a run saves one after its "
+                              f"last step (unless --no-save-final) and every --save-every N steps; let it finish, or "
+                              f"train one: pipegpt run --run-dir NEW_DIR --save-every N ...")
     raise CheckpointError(f"{path}: not a checkpoint and holds no complete checkpoint "
                           f"(expected {MANIFEST} or checkpoints/{DIR_PREFIX}*/{MANIFEST})")
 
@@ -355,6 +360,7 @@ def check_tensors(checkpoint: Path, model) -> None:
     import torch
 
     from pipegpt.arch import named_shapes
+    from pipegpt.parallelisms import expert_param
     from pipegpt.tensor_parallel import shard_tensor
 
     reader = CheckpointReader(checkpoint, verify=False)
@@ -367,7 +373,8 @@ def check_tensors(checkpoint: Path, model) -> None:
                 raise CheckpointError(f"{checkpoint}: holds no {key}, which its manifest's model has: a hand-edited "
                                       f"manifest or another model's files")
             for tp_rank, (file, tp_size) in sorted(reader.where[key].items()):
-                want = list(shard_tensor(name, p, tp_rank, tp_size, model.kv_heads).shape)
+                want = list((p.chunk(tp_size)[tp_rank] if expert_param(name) and tp_size > 1
+                             else shard_tensor(name, p, tp_rank, tp_size, model.kv_heads)).shape)
                 pieces = reader.pieces.get(key, {}).get(tp_rank)
                 have = pieces[0][2] if pieces else reader._files[file].get_slice(key).get_shape()
                 if list(have) != want:
@@ -424,6 +431,9 @@ class CheckpointReader:
 
     def full(self, key: str, name: str):
         """The one-process tensor stored under `key` ("param/<name>", "exp_avg/<name>", ...)."""
+        import torch
+
+        from pipegpt.parallelisms import expert_param
         from pipegpt.tensor_parallel import gather_full
 
         parts = self.where.get(key)
@@ -435,6 +445,8 @@ class CheckpointReader:
         pieces = self.pieces.get(key, {})
         shards = [self._joined(key, pieces[r]) if r in pieces else self._files[parts[r][0]].get_tensor(key)
                   for r in range(tp_size)]
+        if tp_size > 1 and expert_param(name):  # experts written per ep rank: the slices of [E, ...] in order
+            return torch.cat(shards)
         return shards[0] if tp_size == 1 else gather_full(name, shards, self.kv_heads)
 
     def shard(self, key: str, name: str, tp_rank: int, tp_size: int):

@@ -4,6 +4,7 @@ Each function's backward is its forward's conjugate:
 
     copy_to_tp                  fwd identity                  bwd all-reduce (sum)
     reduce_from_tp              fwd all-reduce (sum)          bwd identity
+    sum_used_by_all             fwd all-reduce (sum)          bwd all-reduce (sum)
     scatter_to_sequence         fwd keep my sequence chunk    bwd all-gather along the sequence
     gather_from_sequence        fwd all-gather along seq      bwd reduce-scatter along the sequence
     reduce_scatter_to_sequence  fwd reduce-scatter along seq  bwd all-gather along the sequence
@@ -109,6 +110,17 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _SumUsedByAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
 class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -151,6 +163,12 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Leave a tensor-parallel region holding partial sums: forward all-reduce, backward identity."""
     return _ReduceFromTP.apply(x, group)
+
+
+def sum_used_by_all(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the group of x, which every rank then uses and backpropagates as its own objective's:
+    forward all-reduce, backward all-reduce (x's gradient is the sum of every rank's gradient of the sum)."""
+    return _SumUsedByAll.apply(x, group)
 
 
 def scatter_to_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:

@@ -18,6 +18,10 @@ tensor-parallel ones holding this rank's shard, under the same one-process param
     lm_head    column-parallel over the vocabulary (tied to the local wte shard when the slice
                holds both); the loss is vocab_parallel_cross_entropy, logits are never gathered
     LayerNorms (RMSNorms), wpe, row-parallel biases: replicated (identical on every tp rank)
+    MoE layers (pipegpt.model.moe): attention as above; the feed-forward (router, shared and routed experts)
+               whole on every rank (experts not tensor-parallel, Megatron's ETP 1): without sequence parallelism
+               each rank computes it on the same tokens, with it on its own chunk (the aux loss's sums then
+               reduce_from_tp over the group: MoE.token_sums)
 
 Shapes (B microbatch, T sequence, C n_embd, tp ranks; rank r's sequence chunk is positions
 [r*T/tp, (r+1)*T/tp)):
@@ -64,7 +68,7 @@ import torch.distributed
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipegpt.arch import ROW, block_linears, kv_local_heads, layer_kinds
+from pipegpt.arch import MOE, ROW, block_linears, kv_local_heads, layer_kinds
 from pipegpt.config import ConfigError
 from pipegpt.model.gpt import GPT
 from pipegpt.model.split_backward import SplitLinear, add_bias, split_linear
@@ -232,6 +236,8 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
     kinds = layer_kinds(config)
     for i, block in module.blocks.items():
         for lin in block_linears(config, tp_size, kinds[int(i)]):  # each one's split and its shape on this rank
+            if kinds[int(i)] is MOE and not lin.name.startswith("attn."):
+                continue  # the MoE feed-forward stays whole on every tp rank (experts not tensor-parallel)
             owner, _, leaf = lin.name.rpartition(".")
             parent, name = block.get_submodule(owner), f"blocks.{i}.{lin.name}"
             old = getattr(parent, leaf)
@@ -241,6 +247,8 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
         block.attn.core_rng = functools.partial(sharded_region, tp_rank)  # this rank's heads: its own masks
         if sp:  # the residual branches' dropout sees this rank's sequence chunk
             block.attn.resid_drop, block.mlp.drop = own_masks(block.attn.resid_drop), own_masks(block.mlp.drop)
+        if sp and kinds[int(i)] is MOE:  # each rank routes its own sequence chunk: the aux loss sums over tp
+            block.mlp.token_sums.append(functools.partial(reduce_from_tp, group=group))
 
     V_local = config.padded_vocab_size // tp_size
     vocab_start = tp_rank * V_local

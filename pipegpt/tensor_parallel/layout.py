@@ -45,10 +45,13 @@ _SPECS = (  # (name suffix, spec), first match wins; names are one-process names
     ("attn.proj.weight", DIM1), ("mlp.proj.weight", DIM1),
     ("attn.proj.bias", REPLICATED), ("mlp.proj.bias", REPLICATED),
     ("wte.weight", DIM0), ("lm_head.weight", DIM0), ("wpe.weight", REPLICATED),
-    # MoE (pipegpt.model.moe): not tensor-parallel yet (tp > 1 is refused with experts), whole on every rank
+    # MoE (pipegpt.model.moe): not tensor-parallel (Megatron's ETP 1), whole on every rank (with ep over tp under
+    # sequence parallelism, the experts are each tp rank's own ep slice: pipegpt.parallelisms)
     ("mlp.experts_gate", REPLICATED), ("mlp.experts_up", REPLICATED), ("mlp.experts_proj", REPLICATED),
     ("mlp.router.weight", REPLICATED), ("mlp.expert_bias", REPLICATED), ("mlp.shared.gate.weight", REPLICATED),
     ("mlp.shared.up.weight", REPLICATED), ("mlp.shared.proj.weight", REPLICATED),
+    # q/k RMSNorm (qk_norm): tp > 1 is refused with it, whole on every rank
+    ("attn.q_norm.weight", REPLICATED), ("attn.k_norm.weight", REPLICATED),
 )
 
 

@@ -1,7 +1,8 @@
 """GPT-2 and Llama-family models in Hugging Face layout in and out of pipegpt checkpoints (`pipegpt convert`).
 
-GPT-2 below; Llama, Mistral and Qwen2 (model_type llama, mistral, qwen2) in pipegpt.tools.convert_llama,
-which shares the file handling here.
+GPT-2 below; Llama, Mistral, Qwen2 and Qwen3 (model_type llama, mistral, qwen2, qwen3) in
+pipegpt.tools.convert_llama and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE in
+pipegpt.tools.convert_moe, which share the file handling here.
 
     HF_DIR/config.json                     GPT-2's shape: n_embd, n_layer, n_head, n_positions, vocab_size, ...
     HF_DIR/model.safetensors               transformer.h.0.attn.c_attn.weight, ... (or pytorch_model.bin,
@@ -42,7 +43,7 @@ from pipegpt.arch import hf_names, named_shapes
 from pipegpt.state import checkpoint
 from pipegpt.config import ConfigError, ModelConfig, canonical_tokenizer
 
-from . import convert_llama
+from . import convert_llama, convert_moe
 from .convert_llama import ConvertError
 
 CONFIG_FILE = "config.json"
@@ -96,7 +97,7 @@ def model_config_from_hf(config: dict, where: Path | str = CONFIG_FILE) -> Model
     model_type = config.get("model_type")
     if model_type not in (None, "gpt2"):
         raise ConvertError(f"{where}: model_type={model_type!r} is not supported: use gpt2, "
-                           f"{', '.join(convert_llama.ARCHITECTURES)}")
+                           f"{', '.join((*convert_llama.ARCHITECTURES, *convert_moe.FAMILIES))}")
     if c["activation_function"] not in ACTIVATIONS:
         raise ConvertError(f"{where}: activation_function={c['activation_function']!r} is not supported: pipegpt "
                            f"computes GELU with the tanh approximation ({' or '.join(map(repr, ACTIVATIONS))})")
@@ -173,14 +174,21 @@ def import_hf(hf_dir, out, tokenizer: str | None = None,
     (atomically). The tokenizer it remembers: _tokenizer_for (say() gets a line when the vocabulary chose it)."""
     hf_dir, out = Path(hf_dir), Path(out)
     hf_config = read_hf_config(hf_dir)
-    llama = convert_llama.is_llama_family(hf_config)
-    if llama:
+    convert_moe.check_router(hf_config, hf_dir / CONFIG_FILE)  # by name, whatever the model type
+    moe = convert_moe.is_moe_family(hf_config)
+    llama = moe or convert_llama.is_llama_family(hf_config)  # Llama-shaped: its tokenizer.json is its own
+    if moe:
+        model = convert_moe.model_config_from_hf(hf_config, hf_dir / CONFIG_FILE)
+    elif llama:
         model = convert_llama.model_config_from_hf(hf_config, hf_dir / CONFIG_FILE)
     else:
         model = model_config_from_hf(hf_config, hf_dir / CONFIG_FILE)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ConvertError(f"--out {out}: already exists: choose a new path for the checkpoint")
-    if llama:
+    if moe:
+        state = convert_moe.from_hf_state_dict(read_hf_weights(hf_dir), model,
+                                               convert_moe.FAMILIES[hf_config["model_type"]], hf_dir)
+    elif llama:
         state = convert_llama.from_hf_state_dict(read_hf_weights(hf_dir), model, named_shapes(model), hf_dir)
     else:
         state = from_hf_state_dict(read_hf_weights(hf_dir), model, hf_dir)
@@ -267,8 +275,9 @@ def export_hf(path, hf_dir) -> tuple[Path, ModelConfig]:
             raise ConvertError(f"--to-hf {hf_dir}: already holds {name}: choose a new directory")
     weights = checkpoint.read_weights(found)
     exporters = {"gpt2": lambda: (to_hf_state_dict(weights, model), hf_config(model, manifest.get("tokenizer"))),
-                 "llama": lambda: (convert_llama.to_hf_state_dict(weights, model), convert_llama.hf_config(model))}
-    tensors, config = exporters[model.arch]()
+                 "llama": lambda: (convert_llama.to_hf_state_dict(weights, model), convert_llama.hf_config(model)),
+                 "moe": lambda: (convert_moe.to_hf_state_dict(weights, model), convert_moe.hf_config(model))}
+    tensors, config = exporters["moe" if model.n_experts else model.arch]()
     hf_dir.mkdir(parents=True, exist_ok=True)
     partial = hf_dir / f"{SAFETENSORS_FILE}.partial"
     checkpoint.write_safetensors(partial, tensors, {"format": "pt"})  # follows the umask, as save_file's do not
@@ -293,6 +302,7 @@ def convert_command(from_hf, out, tokenizer, to_hf, source, model_flags) -> list
         tokenizer = checkpoint.read_manifest(path)["tokenizer"]
         return [f"wrote {path}: {model.n_layer}-layer {model.architecture.title}, n_embd {model.n_embd}, "
                 f"{model.n_head} heads" + (f" ({model.kv_heads} key/value)" if model.architecture.grouped_kv else "")
+                + (f", {model.n_experts} experts (top {model.experts_per_token})" if model.n_experts else "")
                 + f", vocabulary {model.vocab_size}, seq_len {model.seq_len}, "
                 f"{'tied' if model.tie_embeddings else 'untied'} embeddings; tokenizer {tokenizer}", *notes,
                 f"train from it: pipegpt run --init-from {path} {model_flags(model, tokenizer)}",

@@ -1,7 +1,8 @@
 """Llama-family models in Hugging Face layout in and out of pipegpt checkpoints (`pipegpt convert`).
 
-LlamaForCausalLM, MistralForCausalLM (without a sliding window) and Qwen2ForCausalLM (q/k/v biases) have
-one block structure, which is pipegpt's arch "llama". Hugging Face keeps q and k in the rotate-half layout
+LlamaForCausalLM, MistralForCausalLM (without a sliding window), Qwen2ForCausalLM (q/k/v biases) and
+Qwen3ForCausalLM (q/k RMSNorm per head: self_attn.q_norm, self_attn.k_norm; head_dim its own) have one block
+structure, which is pipegpt's arch "llama". Hugging Face keeps q and k in the rotate-half layout
 pipegpt's rotary code uses, so every tensor maps by name alone (no transposes, no permutations):
 
     model.embed_tokens.weight                     wte.weight
@@ -14,8 +15,9 @@ pipegpt's rotary code uses, so every tensor maps by name alone (no transposes, n
     lm_head.weight                                lm_head.weight              (untied models only)
 
 Only what pipegpt computes exactly is accepted: SiLU, plain rotary positions (rope_type "default"), no sliding
-window, no experts, head_dim = hidden_size / num_attention_heads, q/k/v biases alone (Qwen2) or every bias
-(Llama's attention_bias with mlp_bias); anything else is one line naming the config field.
+window, no experts (mixtures of experts are pipegpt.tools.convert_moe's), head_dim = hidden_size /
+num_attention_heads (but Qwen3's), q/k/v biases alone (Qwen2) or every bias (Llama's attention_bias with
+mlp_bias); anything else is one line naming the config field.
 
 The rotary settings come in two forms: top-level rope_theta and rope_scaling (older transformers, most files on
 the Hub) and transformers 5's rope_parameters {"rope_type": ..., "rope_theta": ...}. Both are read (rope_theta
@@ -30,7 +32,8 @@ import torch
 from pipegpt.arch import hf_names
 from pipegpt.config import ConfigError, ModelConfig
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 
 class ConvertError(ConfigError):
@@ -63,14 +66,18 @@ def model_config_from_hf(config: dict, where) -> ModelConfig:
     rope_theta = rope_theta_from_hf(config, where)
     if kind == "mistral" and config.get("sliding_window") is not None:
         refuse("sliding_window", "pipegpt's attention is full causal attention (sliding_window null)")
-    if kind == "qwen2" and config.get("use_sliding_window"):
+    if kind in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         refuse("use_sliding_window", "pipegpt's attention is full causal attention")
     for field in _EXPERT_FIELDS:
         if config.get(field):
-            refuse(field, "mixture-of-experts layers are not in pipegpt's model")
+            refuse(field, f"a {kind} has no experts (pipegpt converts mixtures of experts of model_type mixtral, "
+                          f"qwen3_moe or olmoe)")
     C, H = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim") not in (None, C // H) or C % H:
+    head_dim = config.get("head_dim")
+    if kind != "qwen3" and (head_dim not in (None, C // H) or C % H):
         refuse("head_dim", f"pipegpt's heads are hidden_size / num_attention_heads = {C / H:g} wide")
+    if kind == "qwen3" and config.get("attention_bias"):
+        refuse("attention_bias", "Qwen3's covers q, k, v and o_proj but not the MLP: pipegpt's biases do not")
     if kind == "qwen2":
         qkv_bias, bias = True, False
     else:
@@ -82,7 +89,8 @@ def model_config_from_hf(config: dict, where) -> ModelConfig:
         return ModelConfig(arch="llama", vocab_size=config["vocab_size"], seq_len=config.get("max_position_embeddings", 2048),
                            n_layer=config["num_hidden_layers"], n_head=H, n_embd=C,
                            n_kv_head=config.get("num_key_value_heads") or H, ffn_hidden=config["intermediate_size"],
-                           rope_theta=rope_theta,
+                           rope_theta=rope_theta, qk_norm="head" if kind == "qwen3" else "none",
+                           head_size=None if head_dim in (None, C // H) and C % H == 0 else head_dim,
                            norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qkv_bias, bias=bias,
                            dropout=0.0, tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                            pad_vocab_to=1).validate()
@@ -161,24 +169,37 @@ def checked_weights(weights: dict, mapping, shapes: dict, expected: set, buffers
     return out
 
 
+def common_hf_config(model: ModelConfig) -> dict:
+    """The config.json fields every Llama-shaped family shares (pipegpt.tools.convert_moe's too)."""
+    return {"vocab_size": model.vocab_size, "hidden_size": model.n_embd, "intermediate_size": model.ffn_width,
+            "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
+            "num_key_value_heads": model.kv_heads, "hidden_act": "silu",
+            "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
+            "rope_theta": model.rope_theta, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+            "tie_word_embeddings": model.tie_embeddings,
+            "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
+
+
 def hf_config(model: ModelConfig) -> dict:
-    """config.json for the model: Qwen2 when only q/k/v have biases, else Llama."""
+    """config.json for the model: Qwen3 with a per-head q/k norm, Qwen2 when only q/k/v have biases, else Llama."""
     if model.bias and not model.qkv_bias:
         raise ConvertError("a Llama with o_proj and MLP biases but none on q/k/v has no Hugging Face architecture")
-    kind = "qwen2" if model.qkv_bias and not model.bias else "llama"
-    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": model.vocab_size,
-              "hidden_size": model.n_embd, "intermediate_size": model.ffn_width,
-              "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
-              "num_key_value_heads": model.kv_heads, "hidden_act": "silu",
-              "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
-              "rope_theta": model.rope_theta, "rope_scaling": None,
-              "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
-              "tie_word_embeddings": model.tie_embeddings,
-              "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
+    kind = "qwen3" if model.qk_norm == "head" else "qwen2" if model.qkv_bias and not model.bias else "llama"
+    why = [(model.qk_norm == "projection", f"qk_norm={model.qk_norm}"),
+           (kind == "qwen3" and (model.bias or model.qkv_bias), "biases with a q/k norm"),
+           (kind == "qwen2" and model.head_size is not None, "q/k/v biases with head_size")]
+    refused = [what for bad, what in why if bad]
+    if refused:
+        raise ConvertError(f"a dense Llama with {refused[0]} has no Hugging Face architecture here (Llama, Qwen2: "
+                           f"no q/k norm; Qwen3: q/k norm per head, no biases)")
+    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, **common_hf_config(model)}
     if kind == "llama":
         config.update(attention_bias=model.bias, mlp_bias=model.bias, head_dim=model.head_dim)
     else:
         config.update(use_sliding_window=False, sliding_window=None)
+    if kind == "qwen3":
+        config.update(attention_bias=False, head_dim=model.head_dim)
     return config
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from pipegpt.data_parallel.buckets import sum_in_buckets
 from pipegpt.config import TrainConfig
-from pipegpt.data_parallel import DataParallel
+from pipegpt.data_parallel import ONE_RANK, DataParallel, DataParallelFamilies
 from pipegpt.engine.engine import Engine
 from pipegpt.schedule import Kind, ScheduleError
 from pipegpt.tensor_parallel.layers import sum_replicated_kv_grads
@@ -49,9 +49,11 @@ class DataParallelSync(GradSync):
     """Replicas (and cp ranks) average their gradients, each stage's buckets started at the stage's REDUCE_GRAD
     (placed by the plan right after the stage's last backward), so they overlap with the rest of the step; with
     ZeRO each rank keeps its shard (pipegpt.data_parallel). Replica 0 stores the parameters (with ZeRO-3 each
-    rank its shard; optimizer state: see the role)."""
+    rank its shard; optimizer state: see the role). With experts over ep, the experts are a family of their own
+    over edp (pipegpt.parallelisms' "experts" reduction), beside the dense parameters over dp x cp."""
 
-    def __init__(self, engine: Engine, cfg: TrainConfig):
+    def __init__(self, engine: Engine, cfg: TrainConfig, experts: frozenset = frozenset()):
+        """experts: ids of the parameters summed over edp (expert parallelism's), not over dp x cp."""
         mesh = engine.mesh
         if cfg.parallel.zero >= 3:  # a stage the plan never gathers would compute on empty parameters
             actions = engine.plan.ranks[mesh.pp_index]
@@ -60,11 +62,19 @@ class DataParallelSync(GradSync):
                 if s not in gathered:
                     raise ScheduleError(f"rank {engine.rank}: the plan has no {s}UNSHARD, and --zero 3 shards "
                                         f"stage {s}'s parameters")
-        self.dp = DataParallel(engine.params_by_stage(),
-                               {s: list(stage.module.parameters()) for s, stage in engine.stages.items()},
-                               mesh.group("dp_cp"), mesh.members["dp_cp"].index(engine.rank), cfg.parallel.zero,
-                               engine.rank, cfg.runtime.wait_timeout_s,
-                               alone=frozenset(id(p) for p in engine.tied_copies()))
+
+        def family(keep, group: str, divisor=None) -> DataParallel:
+            return DataParallel({s: [p for p in ps if keep(p)] for s, ps in engine.params_by_stage().items()},
+                                {s: [p for p in stage.module.parameters() if keep(p)]
+                                 for s, stage in engine.stages.items()},
+                                mesh.group(group) if len(mesh.members[group]) > 1 else ONE_RANK,
+                                mesh.members[group].index(engine.rank), cfg.parallel.zero,
+                                engine.rank, cfg.runtime.wait_timeout_s,
+                                alone=frozenset(id(p) for p in engine.tied_copies()), divisor=divisor)
+
+        dense = family(lambda p: id(p) not in experts, "dp_cp")
+        self.dp = dense if not experts else DataParallelFamilies(
+            [dense, family(lambda p: id(p) in experts, "edp", engine.parallelism.gradient_ranks)])
 
     def reduce_grad(self, stage: int) -> None:
         self.dp.reduce_grad(stage)
@@ -80,6 +90,28 @@ class DataParallelSync(GradSync):
 
     def reduce(self) -> None:
         self.dp.finish()
+
+
+class ExpertParallelSync(GradSync):
+    """Experts spread over ep ranks: their gradients are DataParallelSync's family over edp (summed, divided by
+    dp x cp). The norm sums over every rank (norm_group: the world); without ZeRO replica 0 of dp x cp counts
+    and stores the dense values and edp index 0 the experts' slices (with ZeRO each rank its pieces)."""
+
+    norm_group_world = True
+
+    def __init__(self, engine: Engine, zero: int):
+        layout, mesh = engine.parallelism, engine.mesh
+        named = [(engine.full_names[id(p)], p) for _, p in engine.named_params]
+        self.experts = frozenset(id(p) for name, p in named if layout.expert(name))
+        replica = mesh.members["dp_cp"].index(engine.rank)
+        self.elsewhere = set() if zero else {id(p) for name, p in named
+                                             if not layout.stored_by(name, replica, mesh.edp_index)}
+
+    def not_counted(self) -> set[int]:
+        return self.elsewhere
+
+    def not_owned(self) -> set[int]:
+        return self.elsewhere
 
 
 class TensorParallelSync(GradSync):
@@ -142,9 +174,12 @@ def make_syncs(engine: Engine, cfg: TrainConfig) -> list[GradSync]:
     syncs: list[GradSync] = []
     held = list
     layout = engine.parallelism
-    if layout.gradient_ranks > 1:  # cp ranks average their gradients as replicas do
-        syncs.append(DataParallelSync(engine, cfg))
+    experts = ExpertParallelSync(engine, cfg.parallel.zero) if layout.ep > 1 else None
+    if layout.gradient_ranks > 1:  # cp ranks average their gradients as replicas do (experts: over edp)
+        syncs.append(DataParallelSync(engine, cfg, experts.experts if experts else frozenset()))
         held = gradient_holders(syncs[0].dp)
+    if experts is not None:
+        syncs.append(experts)
     if layout.tp > 1:  # its sums (layout.reductions' tp ones), and who counts and stores replicated values
         syncs.append(TensorParallelSync(engine, held))
     if engine.tied_copies():
@@ -152,7 +187,7 @@ def make_syncs(engine: Engine, cfg: TrainConfig) -> list[GradSync]:
     return syncs
 
 
-def gradient_holders(dp: DataParallel):
+def gradient_holders(dp: DataParallel | DataParallelFamilies):
     """params -> the tensors whose .grad is what the optimizer will read of them: the parameters themselves, or
     under ZeRO their pieces in this rank's shard (once the reductions are done)."""
     if not dp.zero:
@@ -163,12 +198,18 @@ def gradient_holders(dp: DataParallel):
     return lambda params: [piece for p in params for piece in pieces.get(id(p), ())]
 
 
-def data_parallel_of(syncs: list[GradSync]) -> DataParallel | None:
+def data_parallel_of(syncs: list[GradSync]) -> DataParallel | DataParallelFamilies | None:
     return next((s.dp for s in syncs if isinstance(s, DataParallelSync)), None)
 
 
 def not_counted(syncs: list[GradSync]) -> set[int]:
     return set().union(*(s.not_counted() for s in syncs))
+
+
+def norm_over_world(syncs: list[GradSync]) -> bool:
+    """Whether the gradient norm sums over every rank (each value counted once by the syncs' not_counted): the
+    replicas hold different parts of the model (experts spread over ep)."""
+    return any(getattr(s, "norm_group_world", False) for s in syncs)
 
 
 def not_owned(syncs: list[GradSync]) -> set[int]:

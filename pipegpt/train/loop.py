@@ -92,8 +92,10 @@ def warn(line: str | None) -> None:
 
 
 def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
-    """Whether a checkpoint is saved after `step`: every --save-every steps, and after the last."""
-    return _every(cfg.checkpoint.save_every, step, cfg.runtime.steps)
+    """Whether a checkpoint is saved after `step`: every --save-every steps, and after the last (also with
+    --save-every 0 unless --no-save-final)."""
+    last = cfg.checkpoint.save_final and step == cfg.runtime.steps - 1
+    return last or _every(cfg.checkpoint.save_every, step, cfg.runtime.steps)
 
 
 def snapshot_due(cfg: TrainConfig, step: int) -> bool:

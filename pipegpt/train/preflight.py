@@ -17,10 +17,9 @@ from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint
 
 
-def check(cfg: TrainConfig) -> Plan:
-    """Everything that can be refused before a worker starts; returns the plan."""
-    import torch
-
+def check(cfg: TrainConfig, devices: bool = True) -> Plan:
+    """Everything that can be refused before a worker starts; returns the plan. devices=False leaves out this
+    machine's devices (a dry run checks a job meant for others)."""
     from pipegpt.data.tokenizers import get_tokenizer
     from pipegpt.data.tokens import builtin_tokens, open_tokens
 
@@ -51,7 +50,9 @@ def check(cfg: TrainConfig) -> Plan:
     plan = make_plan(cfg)
     check_layers_fill(cfg, plan)
     partition_layers(cfg.model.n_layer, plan.num_stages, cfg.parallel.layers_per_stage)
-    if resolve_device(cfg.runtime.device, cfg.world_size) == "cuda":
+    if devices and resolve_device(cfg.runtime.device, cfg.world_size) == "cuda":
+        import torch
+
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         local = local_world_size(cfg.world_size)
         if have < local:

@@ -37,7 +37,10 @@ def check_run_dir(run_dir: Path | None, cfg: TrainConfig, overwrite: bool, conti
     checkpoints = run_dir / run_files.CHECKPOINTS
     if cfg.checkpoint.save_every and checkpoints.exists():
         _check_writable(checkpoints, f"{checkpoints} (where --save-every {cfg.checkpoint.save_every} saves)",
-                        "make it writable, give another --run-dir, or --save-every 0")
+                        "make it writable, give another --run-dir, or --save-every 0 --no-save-final")
+    elif cfg.checkpoint.save_final and checkpoints.exists():
+        _check_writable(checkpoints, f"{checkpoints} (where the last step is saved)",
+                        "make it writable, give another --run-dir, or --no-save-final")
 
 
 def own_run_dir(run_dir: Path, warn: Callable[[str], None] | None = None) -> None:

@@ -27,15 +27,17 @@ from pipegpt.engine.actor import Role, actor_method
 from pipegpt.engine.placement import name_process
 from pipegpt.engine.results import SavedFile, WorkerStep
 from pipegpt.model.gpt import Documents
-from pipegpt.model.moe import end_step as end_moe_step, merge_stats
+from pipegpt.model.moe import counted_once, end_step as end_moe_step, merge_stats
 from pipegpt.observe.clocks import clock_reading
+from pipegpt.observe.exchanges import recording_exchanges, resolved
 from pipegpt.observe.profile import Profiler
 from pipegpt.resilience.faults import FaultHook
 from pipegpt.stages.runtime import OPTIMIZER_STEP
 from pipegpt.schedule import Plan
 from pipegpt.state import checkpoint, rng, snapshot
 from pipegpt.train import zero_state
-from pipegpt.train.grad_sync import PlanCollectives, data_parallel_of, make_syncs, not_counted, not_owned
+from pipegpt.train.grad_sync import (PlanCollectives, data_parallel_of, make_syncs, norm_over_world, not_counted,
+                                     not_owned)
 from pipegpt.train.optim import (clip_grads_, decays, global_grad_norm, lr_at, make_optimizer, moments_overflow_at,
                                   set_lr, step_tensor)
 
@@ -90,7 +92,8 @@ class Worker(Role):
             id(h.value) for h in self.pieces if decays(h)} if self.sharded else None)
         # The gradient norm sums each value once: over one model replica, or over every rank when the
         # replicas hold shards of it.
-        self.norm_group = dist.group.WORLD if self.sharded else engine.mesh.group("model")
+        self.norm_group = (dist.group.WORLD if self.sharded or norm_over_world(self.syncs)
+                           else engine.mesh.group("model"))
         self.loader = self.val_loader = None
         # --document-mask: every stage's attention needs the documents' boundaries, so every rank reads the batch
         end_of_text = get_tokenizer(cfg.data.tokenizer).eot_token if cfg.data.document_mask else None
@@ -144,7 +147,9 @@ class Worker(Role):
             for _, p in self.named_params:
                 p.grad = None
         inputs, targets, documents = self._batch(self.loader, step)
-        result = engine.train_step(inputs, targets, record=step in self.recorded_steps, documents=documents)
+        record = step in self.recorded_steps
+        with recording_exchanges(engine.runtime.clock, on=record and self.cfg.parallel.ep > 1) as exchanges:
+            result = engine.train_step(inputs, targets, record=record, documents=documents)
         runtime = engine.runtime
         runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping
         for sync in self.syncs:
@@ -167,7 +172,8 @@ class Worker(Role):
         return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,
                           peak_memory=engine.peak_memory(), device_name=engine.device_name, events=result.events,
                           compute_s=time.perf_counter() - t0, cpu_s=_process_cpu_s() - cpu0, applied=finite,
-                          nonfinite_stages=nonfinite_stages, moe=moe)
+                          nonfinite_stages=nonfinite_stages, moe=moe,
+                          exchanges=resolved(exchanges, engine.runtime.clock))
 
     def _end_moe_step(self, applied: bool) -> dict:
         """The MoE layers' loads of the step, summed over the replicas that saw other tokens, move their
@@ -175,9 +181,11 @@ class Worker(Role):
         if not self.cfg.model.n_experts:
             return merge_stats([])
         rate = self.cfg.model.router_bias_update_rate if applied else 0.0
-        group = self.engine.mesh.group("dp_cp")
-        reduce = None if group is None else (lambda t: dist.all_reduce(t, group=group))
-        return merge_stats([end_moe_step(stage.module, rate, reduce) for _, stage in sorted(self.stages.items())])
+        groups = [g for g in map(self.engine.mesh.group, self.engine.parallelism.load_groups) if g is not None]
+        reduce = (lambda t: [dist.all_reduce(t, group=g) for g in groups]) if groups else None
+        stats = merge_stats([end_moe_step(stage.module, rate, reduce) for _, stage in sorted(self.stages.items())])
+        first = self.engine.mesh.tp_index == 0  # tp ranks share the aux loss, and without SP their tokens
+        return counted_once(stats, first, first or self.engine.parallelism.splits_sequence)
 
     @actor_method
     def evaluate(self, batches: int) -> dict:
@@ -267,7 +275,7 @@ class Worker(Role):
         """What this rank owns of a checkpoint (RNG streams, parameters, Adam moments) and each tensor's tp shard."""
         tensors, shards = zero_state.checkpoint_tensors(self) if self.sharded else self._owned_tensors()
         mesh = self.engine.mesh
-        if mesh.dp_index == 0 and mesh.cp_index == 0:  # the MoE router biases: state, stored as parameters are
+        if mesh.dp_index == 0 and mesh.cp_index == 0 and mesh.tp_index == 0:  # the MoE router biases: state
             biases = {f"param/{n}": b for n, b in self._router_biases().items()}
             tensors.update(biases)
             shards.update({key: [0, 1] for key in biases})
@@ -279,16 +287,19 @@ class Worker(Role):
 
     def _owned_tensors(self) -> tuple[dict, dict]:
         optimizer, mesh, elsewhere = self.optimizer, self.engine.mesh, self.elsewhere
-        shard = [mesh.tp_index, self.cfg.parallel.tp]
+        layout = self.engine.parallelism
         tensors = rng.rng_state(self.rank, self.device)
-        # Replica 0 (dp and cp index 0: cp ranks hold the same weights) stores the parameters and moments.
-        if mesh.dp_index == 0 and mesh.cp_index == 0:
+        # Replica 0 (dp and cp index 0: cp ranks hold the same weights) stores the parameters and moments; with
+        # experts over ep, every rank stores what the syncs leave it (elsewhere: another rank stores it).
+        if mesh.dp_index == 0 and mesh.cp_index == 0 or layout.ep > 1:
             tensors.update({f"param/{self.full_names[id(p)]}": p for _, p in self.named_params
                             if id(p) not in elsewhere})
             for p, state in optimizer.state.items():
                 if id(p) not in elsewhere:
                     tensors.update({f"{k}/{self.full_names[id(p)]}": state[k] for k in ("exp_avg", "exp_avg_sq")})
-        return tensors, {key: [0, 1] if zero_state.whole_tensor(key) else shard for key in tensors}
+        return tensors, {key: [0, 1] if rng.is_rng_key(key) else
+                         layout.checkpoint_shard(key.split("/", 1)[1], mesh.tp_index, getattr(mesh, "ep_index", 0))
+                         for key in tensors}
 
     @actor_method
     def snapshot(self, directory: str) -> float:
@@ -317,9 +328,13 @@ class Worker(Role):
         step = manifest["step"]
         tp_rank, tp = self.engine.mesh.tp_index, self.cfg.parallel.tp
 
+        layout = self.engine.parallelism
+
         def mine(key: str, p: torch.Tensor) -> torch.Tensor:
             name = self.full_names[id(p)]
-            return reader.shard(f"{key}/{name}", name, tp_rank, tp).to(p.device, p.dtype)
+            value = reader.shard(f"{key}/{name}", name, tp_rank, tp)
+            experts = layout.expert_slice(name, self.cfg.model.n_experts, getattr(self.engine.mesh, "ep_index", 0))
+            return (value if experts is None else value[experts]).to(p.device, p.dtype)
 
         if self.sharded:
             zero_state.load(self, mine, step, weights_only)

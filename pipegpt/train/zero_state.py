@@ -8,29 +8,25 @@ from __future__ import annotations
 import torch
 
 from pipegpt.state import rng
-from pipegpt.tensor_parallel import REPLICATED, tp_shard_spec
 from pipegpt.train.optim import step_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def whole_tensor(key: str) -> bool:
-    """Whether a checkpoint key is stored whole on every tp rank (RNG states, tp-replicated tensors)."""
-    return rng.is_rng_key(key) or tp_shard_spec(key.split("/", 1)[1]) == REPLICATED
-
-
 def checkpoint_tensors(worker) -> tuple[dict, dict]:
     """What this rank owns of a checkpoint: RNG streams; the parameters (replica 0, whole; with ZeRO-3 every
     rank its pieces); its pieces of the Adam moments. Returns (tensors, each key's shard metadata)."""
-    mesh, cfg, elsewhere = worker.engine.mesh, worker.cfg, worker.elsewhere
-    tp = [mesh.tp_index, cfg.parallel.tp]
+    mesh, elsewhere, layout = worker.engine.mesh, worker.elsewhere, worker.engine.parallelism
+    ep_index = getattr(mesh, "ep_index", 0)
+    shard = lambda name: layout.checkpoint_shard(name, mesh.tp_index, ep_index)  # noqa: E731
     tensors = rng.rng_state(worker.rank, worker.device)
     shards = {key: [0, 1] for key in tensors}
-    if worker.dp.zero < 3 and mesh.dp_index == 0 and mesh.cp_index == 0:
+    replica = 0 if mesh.dp_index == 0 and mesh.cp_index == 0 else 1
+    if worker.dp.zero < 3 and (replica == 0 or layout.ep > 1):  # with ep: edp index 0 stores the experts
         for _, p in worker.named_params:
-            if id(p) not in elsewhere:
-                key = f"param/{worker.full_names[id(p)]}"
-                tensors[key], shards[key] = p, [0, 1] if whole_tensor(key) else tp
+            name = worker.full_names[id(p)]
+            if id(p) not in elsewhere and layout.stored_by(name, replica, getattr(mesh, "edp_index", 0)):
+                tensors[f"param/{name}"], shards[f"param/{name}"] = p, shard(name)
     state = worker.optimizer.state
     for h in worker.pieces:
         if id(h.param) in elsewhere:
@@ -41,7 +37,7 @@ def checkpoint_tensors(worker) -> tuple[dict, dict]:
             kinds.append(("param", h.value))
         for kind, t in kinds:
             key = f"{kind}/{name}"
-            tensors[key], shards[key] = t, [*([0, 1] if whole_tensor(key) else tp), h.start, list(h.shape)]
+            tensors[key], shards[key] = t, [*shard(name), h.start, list(h.shape)]
     return tensors, shards
 
 

@@ -1,7 +1,7 @@
 """`pipegpt convert` of Llama-family models: a small random LlamaForCausalLM with grouped-query attention (and
-Mistral, Qwen2 with its q/k/v biases) saved by transformers is imported, compared on logits, sampled
-greedily beside transformers' generate, exported back and reloaded; configs pipegpt cannot compute exactly
-are refused in one line naming the field."""
+Mistral, Qwen2 with its q/k/v biases, Qwen3 with its wider heads and q/k norm) saved by transformers is
+imported, compared on logits, sampled greedily beside transformers' generate, exported back and reloaded;
+configs pipegpt cannot compute exactly are refused in one line naming the field."""
 from __future__ import annotations
 
 import json
@@ -29,8 +29,10 @@ def hf_model(kind: str = "llama", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
-    extra = {"sliding_window": None} if kind in ("mistral", "qwen2") else {}
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+    extra = {"sliding_window": None} if kind in ("mistral", "qwen2", "qwen3") else {}
+    extra.update({"head_dim": 32} if kind == "qwen3" else {})  # twice hidden_size / num_attention_heads
     model = model_class(config_class(**{**SHAPE, **extra, **overrides}))
     with torch.no_grad():
         for p in model.parameters():
@@ -53,13 +55,15 @@ def max_logit_diff(ckpt, hf) -> float:
     return (model(TOKENS) - hf(TOKENS).logits).abs().max().item()
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
 def test_import_matches_transformers_logits(kind, tmp_path):
     hf = hf_model(kind)
     ckpt = imported(tmp_path, hf)
     model = checkpoint.read_manifest(ckpt)["model"]
     assert (model["arch"], model["n_kv_head"], model["ffn_hidden"], model["qkv_bias"]) == \
         ("llama", 2, 176, kind == "qwen2")
+    assert (model.get("head_size"), model.get("qk_norm", "none")) == \
+        ((32, "head") if kind == "qwen3" else (None, "none"))
     assert max_logit_diff(ckpt, hf) < 1e-4
 
 
@@ -71,7 +75,7 @@ def test_sharded_safetensors_with_their_index(tmp_path):
 
 
 def test_export_is_loaded_by_transformers_unchanged(tmp_path):
-    for kind in ("llama", "qwen2"):
+    for kind in ("llama", "qwen2", "qwen3"):
         hf = hf_model(kind, seed=2)
         ckpt = imported(tmp_path / kind, hf)
         result = invoke("convert", "--to-hf", tmp_path / kind / "out", "--checkpoint", ckpt)
@@ -82,15 +86,18 @@ def test_export_is_loaded_by_transformers_unchanged(tmp_path):
             assert (back(TOKENS).logits - hf(TOKENS).logits).abs().max().item() < 1e-5
 
 
-def test_sample_equals_transformers_greedy_generation(tmp_path):
-    hf = hf_model(seed=4)
-    ckpt = imported(tmp_path, hf)
-    prompt = "pipeline "
+def assert_greedy_text_equal(ckpt, hf, prompt: str, steps: int) -> None:
+    """pipegpt sample's greedy tokens from the checkpoint are transformers' generate's from hf."""
     ids = torch.tensor([list(prompt.encode())])
     with torch.no_grad():
-        theirs = hf.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
-    ours = sample(ckpt, prompt, max_new_tokens=20, temperature=0, top_k=None, seed=0)
-    assert len(theirs) == 20 and ours.new_tokens == theirs
+        theirs = hf.generate(ids, max_new_tokens=steps, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
+    ours = sample(ckpt, prompt, max_new_tokens=steps, temperature=0, top_k=None, seed=0)
+    assert len(theirs) == steps and ours.new_tokens == theirs
+
+
+def test_sample_equals_transformers_greedy_generation(tmp_path):
+    hf = hf_model(seed=4)
+    assert_greedy_text_equal(imported(tmp_path, hf), hf, "pipeline ", 20)
 
 
 def test_without_tokenizer_json_bytes_is_said_or_the_tokenizer_asked_for(tmp_path):
@@ -133,11 +140,7 @@ def test_a_rotary_base_other_than_10000_is_read_in_either_form(form, tmp_path):
     assert result.exit_code == 0, result.output
     assert checkpoint.read_manifest(ckpt)["model"]["rope_theta"] == 100000.0
     assert max_logit_diff(ckpt, hf) < 1e-4
-    prompt = "rotary "
-    ids = torch.tensor([list(prompt.encode())])
-    with torch.no_grad():
-        theirs = hf.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
-    assert sample(ckpt, prompt, max_new_tokens=30, temperature=0, top_k=None, seed=0).new_tokens == theirs
+    assert_greedy_text_equal(ckpt, hf, "rotary ", 30)
 
 
 def test_export_of_a_rotary_base_is_read_by_transformers(tmp_path):
@@ -197,6 +200,7 @@ def test_the_kv_cache_gives_the_tokens_of_the_whole_context(arch, tmp_path):
     ("num_local_experts", 8, "llama"),
     ("head_dim", 32, "llama"),
     ("mlp_bias", True, "llama"),
+    ("attention_bias", True, "qwen3"),
 ])
 def test_what_pipegpt_does_not_compute_is_one_line_naming_the_field(field, value, kind, tmp_path):
     hf_dir = tmp_path / "hf"

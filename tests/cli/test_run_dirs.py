@@ -208,7 +208,7 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_work(no_workers, tmp_pat
     with read_only(run / "checkpoints") as checkpoints:
         with pytest.raises(ConfigError, match=f"{checkpoints} .*is not writable.*--save-every 0"):
             check_run_dir(run, cfg, overwrite=False)
-        check_run_dir(run, cfg.replace(save_every=0), overwrite=False)  # nothing will be saved there
+        check_run_dir(run, cfg.replace(save_every=0, save_final=False), overwrite=False)  # nothing will be saved there
 
 
 def test_more_workers_than_cores_on_cpu_is_said(no_training, tmp_path, monkeypatch):

@@ -51,20 +51,31 @@ def _one_process_tensors(per_rank: list[dict], cfg) -> list[tuple[str, object]]:
 
     from pipegpt.tensor_parallel import gather_full
 
-    layout = cfg.parallel
+    from pipegpt.parallelisms import expert_param
+
+    layout, dims = cfg.parallel, cfg.parallel.dims
     shards: dict[tuple[str, int], dict[int, object]] = {}
     replicas: dict[tuple[str, int, int], object] = {}
+    experts: dict[tuple[str, int], dict[int, object]] = {}  # with ep: each ep rank's slice, from edp index 0
     for rank, tensors in enumerate(per_rank):
-        at = layout.dims.coords(rank)
+        at = dims.coords(rank)
         d, p, t = at.dp, at.pp, at.tp
         for name, value in tensors.items():
             key = (_one_process_name(name, cfg), p)
-            if d == 0 and at.cp == 0:  # context-parallel ranks hold the same weights, as replicas do
+            if layout.ep > 1 and expert_param(name):
+                if dims.index(rank, "edp") == 0:
+                    experts.setdefault(key, {})[dims.index(rank, "ep")] = value
+                else:
+                    replicas[(*key, -1 - dims.index(rank, "ep"))] = value
+            elif d == 0 and at.cp == 0:  # context-parallel ranks hold the same weights, as replicas do
                 shards.setdefault(key, {})[t] = value
             else:
                 replicas[(*key, t)] = value
+    for key, slices in experts.items():
+        shards[key] = dict.fromkeys(range(layout.tp), torch.cat([slices[e] for e in range(layout.ep)]))  # whole
     for (name, p, t), value in replicas.items():
-        assert torch.equal(value, shards[(name, p)][t]), f"data-parallel replicas differ in {name}"
+        held = experts[(name, p)][-1 - t] if t < 0 else shards[(name, p)][t]
+        assert torch.equal(value, held), f"data-parallel replicas differ in {name}"
     kv = cfg.model.kv_heads  # Llama's k and v: split by kv head
     return [(name, gather_full(name, [parts[t] for t in range(layout.tp)], kv) if layout.tp > 1 else parts[0])
             for (name, _), parts in shards.items()]
@@ -88,13 +99,21 @@ def _gathered(per_rank: list[dict], cfg) -> dict[str, object]:
     by several data-parallel replicas (or by only one, with ZeRO-1) counts once."""
     from pipegpt.tensor_parallel import gather_full
 
-    layout = cfg.parallel
+    import torch
+
+    from pipegpt.parallelisms import expert_param
+
+    layout, dims = cfg.parallel, cfg.parallel.dims
     shards: dict[str, dict[int, object]] = {}
+    experts: dict[str, dict[int, object]] = {}  # with ep: each ep rank's slice of the stacked experts
     for rank, tensors in enumerate(per_rank):
-        t = layout.dims.coords(rank).tp
+        t = dims.coords(rank).tp
         for key, value in tensors.items():
-            shards.setdefault(key, {})[t] = value
-    out = {}
+            if layout.ep > 1 and expert_param(key):
+                experts.setdefault(key, {})[dims.index(rank, "ep")] = value
+            else:
+                shards.setdefault(key, {})[t] = value
+    out = {key: torch.cat([slices[e] for e in range(layout.ep)]) for key, slices in experts.items()}
     for key, parts in shards.items():
         kind, name = key.split("/", 1)
         out[key] = (gather_full(name, [parts[t] for t in range(layout.tp)], cfg.model.kv_heads) if layout.tp > 1

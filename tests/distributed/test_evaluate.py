@@ -55,7 +55,9 @@ def hosts():
 
 
 # p2-tp2 is slow: its own worker grid; tensor-parallel forwards are checked against one process by the oracle.
-@pytest.mark.parametrize("schedule,grid", [pytest.param(s, g, marks=pytest.mark.slow) if g == "p2-tp2" else (s, g)
+# zbv and interleaved-1f1b too (the default suite's time): 1f1b and zb-h1 x dp2 stand for the schedules.
+@pytest.mark.parametrize("schedule,grid", [pytest.param(s, g, marks=pytest.mark.slow)
+                                           if g == "p2-tp2" or s in ("zbv", "interleaved-1f1b") else (s, g)
                                            for s, g in SCHEDULE_CASES], ids=[f"{s}-{g}" for s, g in SCHEDULE_CASES])
 def test_validation_loss_equals_one_process(hosts, schedule, grid):
     cfg = TrainConfig.build(MODEL, schedule=schedule, microbatches=4, microbatch_size=2, device="cpu", seed=3,

@@ -9,6 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -47,6 +48,7 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line, parse_constant=refuse) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_a_diverging_run_stops_before_the_update_and_keeps_its_finite_checkpoints(tmp_path):
     """The issue's case: lr 1e4 turns the gradients non-finite after a step or two."""
     run = tmp_path / "run"
@@ -100,6 +102,7 @@ def test_skip_drops_the_update_counts_it_and_goes_on(tmp_path):
     assert [r["nonfinite"] for r in metrics] == [None, "the loss is nan on rank 1 (stage 1)", None]
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_every_rank_skips_the_same_update(monkeypatch):
     """Replica 1 alone sees a nan loss (its gradients are finite): replica 0 must drop the update too, or the
     replicas part ways. ClusterHost checks that every replica holds the same parameters after the steps."""
@@ -113,6 +116,7 @@ def test_every_rank_skips_the_same_update(monkeypatch):
         host.close()
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_skip_never_applies_an_update_whose_squares_overflow_the_moments(tmp_path):
     """--lr 1e4 without clipping: step 2's gradients are finite but their norm (~1e24) squares past float32, so
     applying it would leave Adam's second moment infinite (a checkpoint then refused it: the run stopped though

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from helpers import PIPEGPT, ROOT, clean_env, proc_cmdline
+from pipegpt.comm import preload
 
 GONE_WITHIN_S = 5.0
 START_LIMIT_S = 120.0
@@ -76,10 +77,12 @@ def _is_worker(pid: int) -> bool:
 def _start_driver(tmp_path) -> tuple[subprocess.Popen, object]:
     """A long `pipegpt run` of two workers, and the file its stderr goes to."""
     stderr = tmp_path / "stderr"  # a file: an orphan holding a pipe would keep a reader waiting
+    env = clean_env()
+    env.pop(preload.SHARED_ADDRESS, None)  # the driver's own preload server, as a user's run has: its family
     with open(stderr, "w") as err:
         driver = subprocess.Popen([PIPEGPT, "run", "--stages", "2", "--microbatches", "2", "--steps", "1000",
                                    "--threads-per-worker", "1", "--run-dir", str(tmp_path / "run")],
-                                  cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL, stderr=err)
+                                  cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     return driver, stderr
 
 

@@ -129,3 +129,61 @@ def test_pipegpt_worker_start_spawn_is_the_way_back_to_one_interpreter_per_worke
     assert preload.spawn_asked() and not preload.supported() and preload.start_early() is None
     monkeypatch.setenv("PIPEGPT_WORKER_START", "fork")
     assert not preload.spawn_asked()
+
+
+@pytest.fixture
+def shared(tmp_path):
+    address = str(tmp_path / "server.sock")
+    proc = preload.start_shared(address, modules=())
+    yield address, proc
+    proc.kill()
+    proc.join(timeout=10)
+
+
+DRIVER_OF_SHARED = """
+import sys, time
+from pipegpt.comm import preload
+server = preload.Preloader.connect(sys.argv[1])
+workers = server.fork("preload_targets:wait", [(), ()], ["pipegpt-rank0", "pipegpt-rank1"], 60)
+assert not isinstance(workers, str), workers
+print(" ".join(str(w.pid) for w in workers), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_shared_servers_workers_die_with_the_driver_that_asked_for_them(shared, tmp_path):
+    """The shared server (a test session's) keeps the lifeline: the driver killed, its workers go, the server and
+    the next driver's workers stay."""
+    address, server_proc = shared
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER_OF_SHARED, address], cwd=ROOT, env=clean_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        other = preload.Preloader.connect(address)
+        survivor = other.fork(f"{TARGETS}:wait", [()], ["pipegpt-rank0"], 60)[0]
+        driver.kill()
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids)
+        assert server_proc.is_alive() and survivor.is_alive()
+        survivor.kill()
+        survivor.join(10)
+        assert survivor.exitcode == -signal.SIGKILL
+    finally:
+        driver.kill()
+
+
+def test_a_driver_without_a_shared_server_starts_its_own(tmp_path, monkeypatch):
+    assert preload.Preloader.connect(str(tmp_path / "nobody.sock")) is None
+
+
+def test_a_driver_of_another_interpreter_is_refused(server, monkeypatch):
+    """A worker's sys.executable is its server's: a driver run by another interpreter (a virtual environment's
+    twin, a shared server's client) spawns its own, or its workers would look for py-spy beside the wrong one."""
+    monkeypatch.setattr(sys, "executable", "/elsewhere/bin/python")
+    refusal = server.fork(f"{TARGETS}:exit_with", [(0,)], ["pipegpt-rank0"], 60)
+    assert refusal.startswith("the driver's interpreter (/elsewhere/bin/python) is not the preload server's ("), \
+        refusal

@@ -46,6 +46,7 @@ def test_a_dead_worker_is_restarted_and_the_losses_go_on_bit_for_bit(uninterrupt
     assert "pipegpt: recovered: step 5 done" in proc.stdout and "; 1 completed step done again" in proc.stdout
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_a_restart_resumes_the_newest_snapshot_in_memory_not_the_older_checkpoint(uninterrupted, tmp_path):
     from pipegpt.state.snapshot import snapshot_root
 
@@ -72,6 +73,7 @@ TINY = ("--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", 
         "--microbatches", "2", "--threads-per-worker", "1")
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_a_dead_runs_snapshots_are_never_taken_by_a_later_run(tmp_path):
     """A driver killed outright leaves its snapshots in shared memory. The next run in its directory (here
     --resume auto: no checkpoint, so the run starts again) restarts from its own state, never from the dead

@@ -164,3 +164,178 @@ def test_message_memory_and_evaluation_read_a_pairs_parts():
     assert message_peaks(lowered) == message_peaks(lowered.flattened()) == [6, 6, 4]
     assert message_peaks(lowered, True) == message_peaks(lowered.flattened(), True) == [6, 7, 4]
     assert validate(_plan().forward_only()).ranks[1] == tuple(Action(1, Kind.F, mb) for mb in range(4))
+
+
+def test_a_pair_is_also_written_with_an_ampersand():
+    """"0F5&3B2" (a V's two stages on one rank) reads as the composite "(0F5;3B2)" does."""
+    assert Action.parse("0F5&3B2") == Action.parse("(0F5;3B2)") == Composite.of(Action(0, Kind.F, 5),
+                                                                                Action(3, Kind.B, 2))
+    for bad in ("0F5&0B5", "0F5&", "0F5&3B2&1F1", "0F5&(3B2;1F1)", "0F5&1SEND_F1"):
+        with pytest.raises(ScheduleError, match="composite"):
+            Action.parse(bad)
+
+
+def _file(tmp_path, text: str):
+    from pipegpt.schedule.schedule_file import load_schedule_file
+
+    path = tmp_path / "pairs.txt"
+    path.write_text(text)
+    return load_schedule_file(path)
+
+
+def test_a_schedule_file_with_ampersand_pairs_runs_and_a_bad_pair_is_refused_naming_its_line(tmp_path):
+    rank1 = RANK1.replace("(1F1;1B0)", "1F1&1B0").replace("(1F2;1B1)", "1F2&1B1")
+    assert _file(tmp_path, f"{RANK0}\n{rank1}\n").ranks == _plan().ranks
+    with pytest.raises(ScheduleError, match=r"pairs.txt:3: bad token '1F1&1B1'.*two microbatches"):
+        _file(tmp_path, f"# name: x\n{RANK0}\n1F0 1F1&1B1 1F2 1B0 1F3 1B2 1B3\n")
+    # Halves on two ranks: stage 0 lives on rank 0 (the file's first line).
+    with pytest.raises(ScheduleError, match=r"pairs.txt:3: .*pair \(0F3;1B2\): stage 0 belongs to rank 0; a pair's "
+                                            r"halves run on one rank"):
+        _file(tmp_path, f"# stages: 0 1\n{RANK0}\n1F0 1F1&1B0 1F2&1B1 0F3&1B2 1B3\n")
+
+
+def test_a_pair_whose_halves_depend_on_each_other_is_refused():
+    """The only dependency between two microbatches is a decode plan's token loop: a group's next step on the first
+    stage takes its last stage's token. On one rank (stages 0 and 1 there) such a pair would wait for itself."""
+    bad = Plan("decode-pair", 4, (0, 0), ((Action(0, Kind.F, 0), Action(0, Kind.F, 1),
+                                           Composite.of(Action(1, Kind.F, 0), Action(0, Kind.F, 2)),
+                                           Action(1, Kind.F, 1), Action(0, Kind.F, 3), Action(1, Kind.F, 2),
+                                           Action(1, Kind.F, 3)),), meta={"decode_groups": 2})
+    with pytest.raises(ScheduleError, match=r"pair \(1F0;0F2\): 0F2 needs 1F0, the other half"):
+        validate(bad)
+
+
+def test_the_memory_a_pair_holds_together_is_checked_against_the_limit(tmp_path):
+    """Rank 0 holds two microbatches before its pair (0F2;0B0) and three during it (the pair's forward's new one
+    before its backward frees the other), two at most elsewhere: a limit of 3 runs, 2 refuses the pair, naming
+    its line."""
+    from pipegpt.schedule.validate import held_live
+
+    assert held_live(_plan(), 1) == [1, 2, 2, 2, 1]
+    assert held_live(_plan(), 0) == [1, 2, 2, 2, 2, 2, 2, 1]
+    rank0, rank1 = "0F0 0F1 0F2&0B0 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"
+    assert str(_file(tmp_path, f"# max_live: 3\n{rank0}\n{rank1}\n").ranks[0][2]) == "(0F2;0B0)"
+    with pytest.raises(ScheduleError, match=r"pairs.txt:2: rank 0 step 2 \(\(0F2;0B0\)\): pair \(0F2;0B0\) holds 3 "
+                                            r"stage-microbatches together .* more than the memory limit max_live=2"):
+        _file(tmp_path, f"# max_live: 2\n{rank0}\n{rank1}\n")
+
+
+def test_the_all_to_all_cost_parses_scales_and_round_trips():
+    costs = Costs.parse("F=1,B=2,a2a=0.5", 2)
+    assert costs.a2a_comm == (0.5, 0.5) and costs.as_dict()["a2a"] == [0.5, 0.5]
+    assert Costs.from_json(costs.as_dict(), 2) == costs
+    assert costs.scaled(0.5).a2a_comm == (0.25, 0.25)
+    assert Costs.parse("F=1,B=2", 2).a2a_comm == (0, 0) and "a2a" not in Costs.parse("F=1", 2).as_dict()
+    with pytest.raises(ScheduleError, match="a2a"):
+        Costs.parse("a2a=-1", 2)
+
+
+@pytest.mark.parametrize("a2a,alone,pair", [(0.5, (1.5, 2.5), 3.0), (3, (4, 5), 6), (0, (1, 2), 3)])
+def test_a_pairs_halves_hide_each_others_all_to_all(a2a, alone, pair):
+    """F 1, B 2, all-to-all a2a each: alone F takes 1 + a2a and B 2 + a2a (nothing hides their all-to-all); a pair
+    takes max(1, a2a) + max(2, a2a), each half's compute hiding the other's all-to-all."""
+    costs = Costs.uniform(2, comm=0).__class__((1, 1), (2, 2), (1, 1), a2a_comm=(a2a, a2a))
+    f, b = Action(1, Kind.F, 1), Action(1, Kind.B, 0)
+    assert (costs.duration(f), costs.duration(b)) == alone
+    assert costs.duration(Composite.of(f, b)) == pair
+    assert timing_rule.spans_of(costs, Composite.of(f, b), 10) == [(10, 10 + max(1, a2a)), (10 + max(1, a2a),
+                                                                                            10 + pair)]
+
+
+def test_a_pairs_gain_worked_by_hand_in_every_engine():
+    """F 1, B 2, all-to-all 0.5 (alone F 1.5, B 2.5; a pair 3). Rank 1's pairs start when rank 0's forward
+    arrives: 0F0 [0, 1.5], 0F1 [1.5, 3], 1F0 [1.5, 3], (1F1;1B0) [3, 6], 0B0 [6, 8.5], 0F2 [8.5, 10],
+    (1F2;1B1) [10, 13], 0B1 [13, 15.5], 0F3 [15.5, 17], (1F3;1B2) [17, 20], 1B3 [20, 22.5], 0B3 [22.5, 25].
+    The halves apart (--overlap off): each pair 4 instead of 3, and the chain it sits on 28."""
+    costs = Costs((1, 1), (2, 2), (1, 1), a2a_comm=(0.5, 0.5))
+    tag, order, fast, timeline = _times(_plan(), costs)
+    assert tag == order == fast == 25
+    pair = [(str(e.action), e.start, e.end) for e in timeline.events if e.rank == 1][1:3]
+    assert pair == [("1F1", 3, 4), ("1B0", 4, 6)]
+    assert _times(_plan().flattened(), costs)[:3] == (28, 28, 28)
+    # Dense (no all-to-all): the pair is its halves' sum, as before this cost existed.
+    assert _times(_plan(), Costs((1, 1), (2, 2), (1, 1)))[:3] == (21, 21, 21)
+
+
+def test_the_chart_draws_a_pair_as_one_block_with_both_labels():
+    from pipegpt.schedule.render import to_svg
+    from pipegpt.schedule.simulate import Event, Timeline
+
+    svg = to_svg(simulate(_plan(), Costs((1, 1), (2, 2), (1, 1), a2a_comm=(0.5, 0.5))))
+    assert svg.count('class="pair"') == 3
+    assert ">F1&amp;B0<" in svg and ">F3&amp;B2<" in svg and ">F1<" not in svg.split('class="pair"')[1][:400]
+    measured = Timeline([Event(0, Action.parse("(0F1;0B0)"), 0.0, 3.0)], 1, time_unit="s")
+    drawn = to_svg(measured)
+    assert drawn.count('class="pair"') == 1 and ">F1&amp;B0<" in drawn and "backward" in drawn
+
+
+def test_combined_1f1b_pairs_the_steady_state_and_hides_the_all_to_all():
+    """1f1b-overlap warms up with 2(p - r) - 1 forwards, then pairs F(i + w) with B(i): dense, it runs as 1F1B does
+    (here to within the message latency it saves); with all-to-alls it hides them, where 1F1B cannot."""
+    from pipegpt.schedule.registry import build_plan
+
+    plan = build_plan("1f1b-overlap", 2, 5)
+    assert plan.to_text() == ("0F0 0F1 0F2 (0F3;0B0) (0F4;0B1) 0B2 0B3 0B4\n"
+                              "1F0 (1F1;1B0) (1F2;1B1) (1F3;1B2) (1F4;1B3) 1B4\n")
+    for p, m in ((1, 1), (3, 2), (4, 8), (5, 13)):
+        validate(lower(build_plan("1f1b-overlap", p, m)))
+    dense, moe = Costs.parse("F=1,B=2,W=1,comm=0.05", 4), Costs.parse("F=1,B=2,W=1,comm=0.05,a2a=0.5", 4)
+    paired, plain = build_plan("1f1b-overlap", 4, 16), build_plan("1f1b", 4, 16)
+    assert simulate(paired, dense).makespan <= simulate(plain, dense).makespan
+    assert simulate(paired, moe).makespan == pytest.approx(62.0)  # 1F1B: 77.4
+    assert simulate(plain, moe).makespan == pytest.approx(77.4)
+    assert simulate(paired.flattened(), moe).makespan == pytest.approx(76.3)  # its order, the halves apart
+
+
+def test_dualpipev_runs_its_main_phase_as_pairs():
+    from pipegpt.schedule.registry import build_plan
+
+    plan = build_plan("dualpipev", 2, 4)
+    assert [str(a) for a in plan.ranks[1] if a.kind is Kind.OVERLAP] == ["(1F2;2B0)", "(2F2;1B0)", "(1F3;2B1)",
+                                                                         "(2F3;1B1)"]
+    costs = Costs.parse("F=0.5,B=1,W=0.5,a2a=0.5", 8)
+    big = build_plan("dualpipev", 4, 16)
+    tag, order, fast, _ = _times(big, costs)
+    assert tag == fast and order >= tag
+    assert tag < simulate(big.flattened(), costs).makespan
+
+
+def test_overlap_off_runs_the_halves_apart(tmp_path):
+    from pipegpt.config import ModelConfig, TrainConfig
+    from pipegpt.planner.run_plan import make_plan
+
+    model = ModelConfig(vocab_size=64, seq_len=8, n_layer=4, n_head=2, n_embd=16)
+    cfg = TrainConfig.build(model, stages=2, microbatches=4, schedule="1f1b-overlap")
+    assert make_plan(cfg).has_composites
+    apart = make_plan(cfg.replace(overlap="off"))
+    assert not apart.has_composites
+    assert [a for acts in apart.compute_only().ranks for a in acts] == \
+        [a for acts in make_plan(cfg).compute_only().flattened().ranks for a in acts]
+
+
+def test_simulate_shows_the_pairs_gain(tmp_path):
+    from click.testing import CliRunner
+
+    from pipegpt.cli import main
+
+    args = ["simulate", "-s", "1f1b-overlap", "-p", "2", "-m", "6", "--costs", "F=1,B=2,W=1,a2a=1", "--no-chart"]
+    out = CliRunner().invoke(main, args).output
+    assert "makespan          25\n" in out and "without pairs (--overlap off) 35: pairs save 28.6%" in out
+    off = CliRunner().invoke(main, args + ["--overlap", "off"]).output
+    assert "makespan          35\n" in off and "pairs" not in off
+
+
+def test_the_synthesizer_pairs_where_the_all_to_all_pays():
+    """With all-to-alls and room for a pair's extra microbatch (max live 6 at p 4), auto pairs forwards with
+    backwards and beats every fixed schedule that fits (zb-h1, 40.2); dense, no pair pays, and none is made."""
+    from pipegpt.schedule.registry import schedule_spec
+
+    moe = Costs.parse("F=1,B=2,W=1,a2a=0.6", 4)
+    synthesis = schedule_spec("auto").synthesize(4, 8, None, moe, 6)
+    assert synthesis.plan.has_composites and synthesis.best_fixed_makespan == pytest.approx(40.2)
+    assert synthesis.lower_bound <= synthesis.makespan == pytest.approx(37.4)
+    validate(lower(synthesis.plan, moe))
+    assert simulate(synthesis.plan, moe).makespan == synthesis.makespan
+    assert max(simulate(synthesis.plan, moe).peak_live_microbatches_per_rank) <= 6
+    dense = schedule_spec("auto").synthesize(4, 8, None, Costs.parse("F=1,B=2,W=1", 4), 6)
+    assert not dense.plan.has_composites

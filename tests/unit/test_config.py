@@ -14,7 +14,7 @@ from pipegpt.config import (SECTIONS, ConfigError, ModelConfig, TrainConfig, mic
 
 # Every option of `pipegpt run`. A change here is a change of the CLI that users and scripts see: make it on purpose.
 RUN_OPTIONS = [
-    "--batch-size", "--data", "--document-mask", "--position-reset", "--no-document-mask", "--no-position-reset", "--eval-batches", "--eval-every", "--hellaswag", "--init-from", "--keep", "--resume", "--save-every", "--device", "--dp", "--cp", "--cp-comm", "--dtype", "--grad-clip", "--layers-per-stage", "--layout", "--log-every", "--snapshot-every",
+    "--batch-size", "--data", "--document-mask", "--position-reset", "--no-document-mask", "--no-position-reset", "--eval-batches", "--eval-every", "--hellaswag", "--init-from", "--keep", "--resume", "--save-every", "--device", "--dp", "--cp", "--ep", "--cp-comm", "--dtype", "--grad-clip", "--layers-per-stage", "--layout", "--log-every", "--snapshot-every",
     "--lr", "--max-live", "--max-restarts", "--microbatch-size", "--min-ranks", "--microbatches", "--model", "--n-embd", "--n-head", "--n-layer", "--no-tie-embeddings",
     "--pad-vocab", "--port", "--recompute", "--run-dir", "--schedule", "--schedule-file", "--seed", "--seq-len",
     "--sequence-parallel", "--stages", "--steps", "--threads-per-worker", "--timeout", "--tokenizer", "--tp",
@@ -29,7 +29,7 @@ RUN_OPTIONS = [
     # what a non-finite loss or gradient norm does: stop before the update, or skip it
     "--on-nonfinite", "--max-skipped-steps",
     # --resume restores a run's settings: its on/off ones can be turned off; a fresh run into a used directory
-    "--no-compile", "--no-profile", "--no-sequence-parallel", "--overwrite",
+    "--no-compile", "--no-profile", "--no-sequence-parallel", "--overlap", "--overwrite",
     # dropout (per-rank streams, restored on resume): fine-tuning uses 0.1
     "--dropout",
     # what pipeline messages travel in (bf16 halves the bytes between stages)
@@ -47,6 +47,14 @@ RUN_OPTIONS = [
     "--n-experts", "--n-experts-per-token", "--n-shared-experts", "--expert-hidden", "--moe-every",
     "--first-dense-layers", "--router-score", "--router-aux-loss-coef", "--router-z-loss-coef",
     "--router-bias-update-rate", "--moe-capacity-factor",
+    # Qwen3's and OLMoE's attention (issue 45): heads wider than n_embd / n_head, q/k RMSNorm
+    "--head-dim", "--qk-norm",
+    # the last step saved by default, so that `pipegpt sample RUN_DIR` works after any run (issue 47)
+    "--save-final", "--no-save-final",
+    # an optional Weights & Biases sink beside TensorBoard (issue 47)
+    "--wandb",
+    # the job checked and predicted on named devices, nothing started (issue 47)
+    "--dry-run",
 ]
 
 

@@ -132,20 +132,20 @@ def test_the_tokens_a_rank_holds():
 def test_the_layout_maps_come_from_one_table():
     """What the five maps held before LAYOUT_FIELDS, now derived from it."""
     assert [f.name for f in LAYOUT_FIELDS if f.planned] == list(Layout(1, 1, 1, "1f1b", 1, 1, 1).settings())
-    assert AUTO_LAYOUT_FIELDS == ("stages", "dp", "tp", "cp", "cp_comm", "schedule", "virtual_stages", "microbatches",
-                                  "microbatch_size", "recompute", "zero", "unshard", "sequence_parallel",
-                                  "layers_per_stage", "schedule_file")
-    assert LAYOUT_FLAGS == {"--stages", "-p", "--dp", "--tp", "--cp", "--cp-comm", "--microbatches", "-m", "--schedule", "-s",
-                           "--virtual-stages", "-v", "--layers-per-stage", "--batch-size", "--max-live",
-                           "--balance", "--layout"}
+    assert AUTO_LAYOUT_FIELDS == ("stages", "dp", "tp", "cp", "cp_comm", "ep", "schedule", "virtual_stages",
+                                  "microbatches", "microbatch_size", "recompute", "zero", "unshard",
+                                  "sequence_parallel", "layers_per_stage", "schedule_file")
+    assert LAYOUT_FLAGS == {"--stages", "-p", "--dp", "--tp", "--cp", "--cp-comm", "--ep", "--microbatches", "-m",
+                            "--schedule", "-s", "--virtual-stages", "-v", "--layers-per-stage", "--batch-size",
+                            "--max-live", "--balance", "--layout"}
     assert option_flags("stages") == ("--stages", "-p") and option_flags("timeout_s") == ("--timeout",)
 
 
 def test_a_planned_layout_becomes_the_same_settings_and_flags():
     lay = Layout(2, 4, 2, "interleaved-1f1b", 2, 16, 2, "selective", 1, True, (2, 1, 1, 1, 1, 1, 1, 0), True)
     assert AutoLayout(lay, 1.0, "").settings() == dict(
-        stages=4, dp=2, tp=2, cp=1, cp_comm="ring", schedule="interleaved-1f1b", virtual_stages=2, microbatches=16,
-        microbatch_size=2, recompute="selective", zero=1, unshard=None, sequence_parallel=True,
+        stages=4, dp=2, tp=2, cp=1, cp_comm="ring", ep=1, schedule="interleaved-1f1b", virtual_stages=2,
+        microbatches=16, microbatch_size=2, recompute="selective", zero=1, unshard=None, sequence_parallel=True,
         layers_per_stage=(2, 1, 1, 1, 1, 1, 1, 0))
     tail = ["--stages", "4", "--dp", "2", "--tp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
             "--microbatches", "16", "--microbatch-size", "2", "--recompute", "selective", "--zero", "1",

@@ -139,3 +139,23 @@ def test_a_shrink_lowers_zero_where_that_is_what_makes_a_layout_build():
     # ZeRO-1 at one replica is refused too (it did nothing): its shrink to dp 1 says --zero 0
     zero1 = shrunk_layout(cfg.replace(zero=1, unshard=None), 1)
     assert (zero1.cfg.parallel.dp, zero1.cfg.parallel.zero) == (1, 0) and zero1.flags["--zero"] == 0
+
+
+def test_a_shrink_lowers_ep_to_what_the_remaining_replicas_can_carry():
+    """--ep is carved out of dp x cp: at dp 4 ep 4 a shrink to 2 ranks keeps experts spread over both (ep 2), and
+    the restart's command line says so; to one rank, ep 1 and no --ep flag."""
+    from pipegpt.config import MODEL_PRESETS, TrainConfig
+    from pipegpt.resilience.elastic import shrunk_layout
+    from pipegpt.train.restart import restart_args
+
+    model = MODEL_PRESETS["tiny-moe"]
+    cfg = TrainConfig.build(model, stages=1, dp=4, ep=4, microbatches=2, device="cpu")
+    two = shrunk_layout(cfg, 2)
+    assert (two.cfg.parallel.dp, two.cfg.parallel.ep, two.cfg.parallel.microbatches) == (2, 2, 4)
+    assert two.flags["--ep"] == 2
+    argv = ["run", "--model", "tiny-moe", "--dp", "4", "--ep", "4", "--steps", "6"]
+    assert restart_args(argv, "runs/a", two.flags) == ["run", "--model", "tiny-moe", "--steps", "6", "--stages", "1",
+                                                       "--dp", "2", "--microbatches", "4", "--schedule", "1f1b",
+                                                       "--ep", "2", "--resume", "runs/a"]
+    one = shrunk_layout(cfg, 1)
+    assert (one.cfg.parallel.dp, one.cfg.parallel.ep) == (1, 1) and "--ep" not in one.flags

@@ -39,11 +39,11 @@ def test_the_driver_refuses_it_before_any_worker_starts(monkeypatch):
         check(cfg)
 
 
-def test_the_readme_gives_the_fault_syntax_and_every_kind():
-    """PIPEGPT_FAULT's syntax was only in docs/architecture.md."""
+def test_the_training_docs_give_the_fault_syntax_and_every_kind():
+    """PIPEGPT_FAULT's syntax was only in docs/architecture.md (then in the README, now in docs/training.md)."""
     from helpers import ROOT
     from pipegpt.resilience.faults import KINDS
 
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "docs" / "training.md").read_text().split())
     assert "`PIPEGPT_FAULT=KIND:RANK:STEP`" in readme
     assert [kind for kind in KINDS if f"`{kind}`" not in readme] == []

@@ -278,7 +278,7 @@ def test_a_send_behind_the_receives_makes_neither_end_wait(monkeypatch):
     import pipegpt.schedule.simulate as matching
 
     costs = _costs("dualpipev", 4, 0)
-    plan = SCHEDULES["dualpipev"].build(4, 8, None, costs)
+    plan = SCHEDULES["dualpipev"].build(4, 8, None, costs).flattened()  # its order, the pairs' halves apart
     lowered = validate(lower(plan, costs))
     rank = [str(a) for a in lowered.ranks[2]]
     at = rank.index("5F4")

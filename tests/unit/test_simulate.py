@@ -133,7 +133,7 @@ def test_events_follow_plan_order_and_dependencies():
     plan = build_plan("dualpipev", 3, 7)
     costs = Costs.uniform(plan.num_stages, 1, 3, 1, comm=Fraction(1, 2))
     tl = simulate(plan, costs)
-    assert [[e.action for e in tl.events_of(r)] for r in range(3)] == [list(a) for a in plan.ranks]
+    assert [[e.action for e in tl.events_of(r)] for r in range(3)] == [list(a) for a in plan.flattened().ranks]
     end = {e.action: e.end for e in tl.events}
     for e in tl.events:
         for d in dependencies(e.action, plan):

@@ -7,7 +7,9 @@ message latency and per-stage memory) runs in a few dozen priority variants, the
 of the same placement that fit the limit join as candidates, the simulator times them all and the
 fastest within the limit wins, so the result is never worse than the best fixed schedule. On small plans an
 iterated greedy then reruns the winning variant with a few of its choices turned (_sample), and a local
-search tries moving single actions earlier while the simulator says that helps.
+search tries moving single actions earlier while the simulator says that helps. Where the costs have
+all-to-alls inside actions (a2a_comm: MoE stages), adjacent forwards and backwards of two microbatches are then
+paired (_pair_up) where the pair, its halves' communication hidden under each other's compute, makes the plan faster.
 
 lower_bound() says how far from optimal the winner can be: no schedule of that placement, in any
 order, with any split of the backward, finishes sooner.
@@ -19,12 +21,12 @@ import random
 from dataclasses import dataclass, field, replace
 from numbers import Real
 
-from ..actions import Action, Kind, Plan, ScheduleError
+from ..actions import Action, Composite, Kind, Plan, ScheduleError
 from ..lowering import lower
 from ..simulate import simulate_order
 from .fast_simulate import evaluate
 from .list_scheduler import Problem, Variant, list_schedule
-from ..timing_rule import Costs, hops
+from ..timing_rule import Costs, hops, work_time
 
 # Simulations the local search may spend after the list scheduler (a count, not seconds, so that every
 # process that synthesizes the same inputs gets the same plan); it stops earlier once a pass over
@@ -37,6 +39,7 @@ SEARCH_ACTIONS = 300_000
 SAMPLES = 200
 SAMPLE_ACTIONS = 300_000
 FLIPS = 8  # at most this many choices turned at once
+PAIR_REACH = 4  # how far after a forward (or backward) _pair_up looks for the other half of a pair
 ORDER_CANDIDATES = 8  # plans timed under order matching (lowered and simulated in full) besides the winner
 ENTERING = (4, 6)  # caps on a rank's microbatches in flight (Variant.entering), in eighths of the limit
 
@@ -91,10 +94,14 @@ def lower_bound(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Co
     gradients and stage 0's W still follows it; (3) the same from a stage's last forward, with the whole
     downstream path after it; (4) with a memory limit, a rank with one stage runs at most max_live forwards
     before its first backward, which comes back only after microbatch 0's round trip through the later
-    stages; (5) the same for a rank with several stages (_memory_start_bound).
+    stages; (5) the same for a rank with several stages (_memory_start_bound). Every action counts at its work
+    alone (timing_rule.work_time): in a pair the other half's compute may hide its all-to-all (without
+    all-to-alls, that is its duration to the bit).
     """
     m, n = num_microbatches, len(stage_to_rank)
-    d = costs.duration
+
+    def d(action):
+        return work_time(costs, action.kind, action.stage)
     fwd = [d(Action(s, Kind.F, 0)) for s in range(n)]
     inp = [d(Action(s, Kind.I, 0)) for s in range(n)]
     wgt = [d(Action(s, Kind.W, 0)) for s in range(n)]
@@ -261,6 +268,10 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         improved, best_time = _improve(problem, best_ranks, best_time, max_live, bound, evaluations)
         if improved is not None:  # actions moved: an order of its own, not the fixed one it started from
             best_plan, best_ranks = None, improved
+    if any(costs.a2a_comm) and best_time > bound:
+        paired, best_time = _pair_up(problem, best_ranks, best_time, max_live)
+        if paired is not None:
+            best_plan, best_ranks = None, paired
     if best_plan is None:
         best_plan = Plan("synthesized", m, stage_to_rank, problem.decode(best_ranks))
     if by_order:  # the plan searched for by tag joins in: the floor is a guide, not the order model itself
@@ -337,3 +348,44 @@ def _improve(problem: Problem, ranks: list[list[int]], makespan: Real, max_live:
                 else:
                     acts[k - 1], acts[k] = a, b
     return (ranks if moved else None), makespan
+
+
+def _pair_up(problem: Problem, ranks: list[list[int]], makespan: Real,
+             max_live: int) -> tuple[list[list[int]] | None, Real]:
+    """Each rank's forward and a backward (B or I) of another microbatch at most PAIR_REACH places after it (or
+    the other way round) as one pair (forward first) where it stands, the actions between moving after it; kept
+    where the simulator says the plan is then faster within the memory limit (a pair holds both halves'
+    microbatches at once). The paired order (None if no pair paid) and its makespan."""
+    ranks = [list(acts) for acts in ranks]
+    budget = SEARCH_ACTIONS // max(1, sum(map(len, ranks)))
+    paired = False
+    for acts in ranks:
+        k = 0
+        while k + 1 < len(acts) and budget > 0:
+            for j in range(k + 1, min(len(acts), k + 1 + PAIR_REACH)):
+                pair = _pair_code(problem, acts[k], acts[j])
+                if pair is None or budget <= 0:
+                    continue
+                budget -= 1
+                before = acts[:]
+                acts[:] = acts[:k] + [pair] + acts[k + 1:j] + acts[j + 1:]
+                result = evaluate(problem, ranks)
+                if result is not None and result[0] < makespan and result[1] <= max_live:
+                    makespan, paired = result[0], True
+                    break
+                acts[:] = before
+            k += 1
+    return (ranks if paired else None), makespan
+
+
+def _pair_code(problem: Problem, first: int, second: int) -> int | None:
+    """The code of the pair of these two actions, forward first, where one is a forward and the other a backward
+    (B or I) of another microbatch; None otherwise."""
+    if first >= problem.composite_base or second >= problem.composite_base:
+        return None
+    a, b = problem.action(first), problem.action(second)
+    if b.kind is Kind.F:
+        a, b = b, a
+    if a.kind is not Kind.F or b.kind not in (Kind.B, Kind.I) or a.microbatch == b.microbatch:
+        return None
+    return problem.code(Composite.of(a, b))

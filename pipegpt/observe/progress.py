@@ -65,13 +65,23 @@ def duration(seconds: float) -> str:
 
 def progress_line(m, steps: int, elapsed_s: float | None = None, eta_s: float | None = None) -> str:
     done = m.step * 20 // steps
-    line = (f"step {m.step:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}] loss {m.loss:.4f}  "
-            f"{m.step_time_s * 1000:7.1f} ms  {m.tokens_per_s:9,.0f} tok/s")
+    line = (f"step {m.step:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}] loss {m.loss:.4f}"
+            f"{moe_figure(getattr(m, 'moe', None))}  {m.step_time_s * 1000:7.1f} ms  {m.tokens_per_s:9,.0f} tok/s")
     if elapsed_s is not None:
         line += f"  elapsed {duration(elapsed_s)}"
         if m.step < steps:
             line += f"  eta {duration(eta_s) if eta_s is not None else '?'}"
     return line
+
+
+def moe_figure(moe: dict | None) -> str:
+    """A MoE run's one figure beside the loss: its aux loss where the model has one (aux_loss_coef or the z-loss),
+    else the worst layer's imbalance (max / mean tokens per expert); '' for a dense run."""
+    if not moe:
+        return ""
+    if moe.get("aux_loss"):
+        return f" aux {moe['aux_loss']:.4f}"
+    return f" imb {moe.get('moe_imbalance', 0.0):.2f}"
 
 
 def summary_lines(history: list, cfg: TrainConfig, out: Path) -> list[str]:
