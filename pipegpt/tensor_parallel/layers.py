@@ -18,6 +18,9 @@ tensor-parallel ones holding this rank's shard, under the same one-process param
     lm_head    column-parallel over the vocabulary (tied to the local wte shard when the slice
                holds both); the loss is vocab_parallel_cross_entropy, logits are never gathered
     LayerNorms (RMSNorms), wpe, row-parallel biases: replicated (identical on every tp rank)
+    attn.q_norm, attn.k_norm (qk_norm head, Qwen3): one [head_dim] gain for every head, whole on every rank,
+               its gradient from this rank's heads only: partial whatever the sequence split
+               (partial_grad_params); qk_norm projection (OLMoE's, over the whole projection) is refused
     MoE layers (pipegpt.model.moe): attention as above; the feed-forward (router, shared and routed experts)
                whole on every rank (experts not tensor-parallel, Megatron's ETP 1): without sequence parallelism
                each rank computes it on the same tokens, with it on its own chunk (the aux loss's sums then
@@ -42,8 +45,8 @@ With sequence parallelism the LayerNorm/dropout/residual regions hold a sequence
 column-parallel layer all-gathers its input along the sequence (instead of copy_to_tp) and a
 row-parallel one reduce-scatters its output (instead of all-reduce); the embedding
 reduce-scatters and adds the position embeddings of its chunk. Every replicated parameter then
-gets a PARTIAL gradient (from its chunk only): `sequence_parallel_grad_params(slice)` lists them,
-for the caller to all-reduce (sum) over the tp group after backward.
+gets a PARTIAL gradient (from its chunk only): `partial_grad_params(slice)` lists them (and the
+per-head q/k norms' gains), for the caller to all-reduce (sum) over the tp group after backward.
 
 Dropout: tp ranks seed torch identically, so dropout in replicated regions draws one mask on all of
 them. In sharded regions (the attention probabilities of a rank's heads; under sequence parallelism
@@ -76,7 +79,8 @@ from pipegpt.tensor_parallel.collectives import (copy_to_tp, gather_from_sequenc
                                                  reduce_scatter_to_sequence, vocab_parallel_cross_entropy,
                                                  vocab_parallel_token_losses)
 from pipegpt.config import validate_tp
-from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, shard_tensor, tp_shard_spec
+from pipegpt.tensor_parallel.layout import (KV_DIM0, REPLICATED, head_norm_param, kv_replicas, shard_tensor,
+                                            tp_shard_spec)
 from pipegpt.tensor_parallel.rng import ShardedDropout, sharded_region
 
 
@@ -270,15 +274,18 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
     return module
 
 
-def sequence_parallel_grad_params(module: GPT) -> list[torch.Tensor]:
-    """The parameters whose gradients are partial under sequence parallelism (every replicated
-    one: LayerNorms, row-parallel biases, wpe): all-reduce (sum) their .grad over the tp group
-    after the step's backward (all B, or all I and W), before clipping and the optimizer.
-    Empty without sequence parallelism (replicated gradients are then already whole)."""
+def partial_grad_params(module: GPT) -> list[torch.Tensor]:
+    """The parameters whose gradients are partial on each tp rank: under sequence parallelism every
+    replicated one (LayerNorms, row-parallel biases, wpe), and with tp > 1 the per-head q/k norms'
+    gains (each rank's heads only): all-reduce (sum) their .grad over the tp group after the step's
+    backward (all B, or all I and W), before clipping and the optimizer. Empty otherwise (replicated
+    gradients are then already whole)."""
     layout = getattr(module, "tensor_parallel", None)
-    if layout is None or not layout.sequence_parallel:
+    if layout is None or layout.tp_size == 1:
         return []
-    return [p for name, p in module.named_parameters() if tp_shard_spec(name) == REPLICATED]
+    heads = module.config.qk_norm == "head"
+    return [p for name, p in module.named_parameters() if tp_shard_spec(name) == REPLICATED
+            and (layout.sequence_parallel or heads and head_norm_param(name))]
 
 
 def replicated_kv_params(module: GPT) -> list[torch.Tensor]:

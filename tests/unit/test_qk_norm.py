@@ -127,9 +127,10 @@ def test_bad_values_are_refused_in_one_line(args, fragment):
     assert fragment in line and "\n" not in line, line
 
 
-def test_qk_norm_with_tensor_parallelism_is_refused():
-    with pytest.raises(ConfigError, match="qk_norm=head with tp=2 is not supported yet"):
-        validate_tp(dataclasses.replace(WIDE, qk_norm="head"), 2)
+def test_only_the_whole_projection_norm_is_refused_with_tensor_parallelism():
+    validate_tp(dataclasses.replace(WIDE, qk_norm="head"), 2)  # each head's: whole heads per tp rank
+    with pytest.raises(ConfigError, match="qk_norm=projection with tp=2 is not supported yet"):
+        validate_tp(dataclasses.replace(WIDE, qk_norm="projection"), 2)
     validate_tp(WIDE, 2)  # an explicit head width alone splits by whole heads
     with pytest.raises(ConfigError, match="qk_norm='rms' is not valid"):
         dataclasses.replace(WIDE, qk_norm="rms").validate()
