@@ -43,11 +43,12 @@ def test_the_sums_a_layout_needs(sharding, kv_heads, sums):
     assert layout.gradient_ranks == sharding.dp * sharding.cp
 
 
-@pytest.mark.parametrize("sp, rule", [(False, "head-norms"), (True, "replicated")])
-def test_per_head_qk_norm_gains_are_summed_over_tp_with_or_without_sequence_parallelism(sp, rule):
-    """One [head_dim] gain serves every head, and each tp rank holds some of them: one sum over tp, of the gains
+@pytest.mark.parametrize("qk_norm", ["head", "projection"])
+@pytest.mark.parametrize("sp, rule", [(False, "qk-norms"), (True, "replicated")])
+def test_qk_norm_gains_are_summed_over_tp_with_or_without_sequence_parallelism(sp, rule, qk_norm):
+    """The gains are whole on every tp rank, each applying them to its own heads: one sum over tp, of the gains
     alone without sequence parallelism, among every replicated parameter with it (never twice)."""
-    layout = stage_parallelism(Sharding(tp=4, sequence_parallel=sp), kv_heads=2, qk_norm="head")
+    layout = stage_parallelism(Sharding(tp=4, sequence_parallel=sp), kv_heads=2, qk_norm=qk_norm)
     assert [(r.name, r.group, r.params) for r in layout.reductions] == [("partial", "tp", rule),
                                                                         ("shared kv", "tp", "shared-kv")]
     assert layout.partial("blocks.0.attn.q_norm.weight") and layout.partial("blocks.3.attn.k_norm.weight")
@@ -75,7 +76,7 @@ def test_the_gradient_sum_runs_over_the_mesh_group_of_its_axes():
 
 
 @pytest.mark.parametrize("tp, sp, qk_norm", [(2, True, "none"), (4, False, "none"), (4, True, "none"),
-                                             (2, False, "head"), (4, True, "head")])
+                                             (2, False, "head"), (4, True, "head"), (4, False, "projection")])
 def test_the_parameters_each_sum_takes_are_the_tp_layers(tp, sp, qk_norm):
     """The description's rules pick, by name, what tensor_parallel.layers' own lists pick on a slice."""
     model = dataclasses.replace(LLAMA, qk_norm=qk_norm)
@@ -87,9 +88,9 @@ def test_the_parameters_each_sum_takes_are_the_tp_layers(tp, sp, qk_norm):
     assert [names[id(p)] for p in record.partial_params()] == [names[id(p)] for p in
                                                                partial_grad_params(module)]
     assert [names[id(p)] for p in record.shared_kv_params()] == [names[id(p)] for p in replicated_kv_params(module)]
-    assert bool(record.partial_params()) == (sp or qk_norm == "head")
+    assert bool(record.partial_params()) == (sp or qk_norm != "none")
     gains = [n for n in map(names.get, map(id, record.partial_params())) if "_norm." in n]
-    assert len(gains) == (4 if qk_norm == "head" else 0)  # q_norm, k_norm of two blocks, with or without sp
+    assert len(gains) == (0 if qk_norm == "none" else 4)  # q_norm, k_norm of two blocks, with or without sp
     assert len(record.shared_kv_params()) == (4 if tp == 4 else 0)  # attn.k, attn.v weights of two blocks
 
 
