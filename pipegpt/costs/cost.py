@@ -333,6 +333,11 @@ class AnalyticalCosts:
         return max(params * OPTIMIZER_BYTES_PER_PARAM / self.cluster.hbm_bytes_per_s,
                    tensors * self.layer_overhead_s)
 
+    def per_step_time(self) -> float:
+        """What a step spends besides its actions, its gradient sync and its optimizer (the driver's round trip,
+        the batch, the clip): none in the analytical model (its host floor is per layer)."""
+        return 0.0
+
 
 class CalibratedCosts(AnalyticalCosts):
     """AnalyticalCosts whose compute is scaled per kind to a measured run (see the module docstring)."""
@@ -340,14 +345,22 @@ class CalibratedCosts(AnalyticalCosts):
     kind = "calibrated"
 
     def __init__(self, cluster: Cluster, scale_f: float, scale_b: float, scale_w: float, message_s: float,
-                 after_per_param_s: float, source: str = "", notes: tuple = ()):
+                 after_per_param_s: float, source: str = "", notes: tuple = (),
+                 optimizer_s_per_byte: float | None = None, per_step_s: float = 0.0):
         super().__init__(cluster, efficiency=1.0, layer_overhead_s=0.0)
         self.scale_f, self.scale_b, self.scale_w = scale_f, scale_b, scale_w
         self.message_s, self.after_per_param_s, self.source, self.notes = message_s, after_per_param_s, source, notes
+        # from the trace's step parts (StepTimes); without them (an older trace) all that follows the last
+        # action is after_per_param_s per parameter of the busiest rank
+        self.optimizer_s_per_byte, self.per_step_s = optimizer_s_per_byte, per_step_s
 
     def describe(self) -> str:
-        return (f"calibrated from {self.source}: compute x{self.scale_f:.3g} (F), x{self.scale_b:.3g} (B), "
+        text = (f"calibrated from {self.source}: compute x{self.scale_f:.3g} (F), x{self.scale_b:.3g} (B), "
                 f"x{self.scale_w:.3g} (W) of the FLOP model at peak; {self.message_s * 1e3:.3g} ms per message")
+        if self.optimizer_s_per_byte is not None:
+            text += (f"; optimizer {self.optimizer_s_per_byte * 1e9:.3g} ms per MB of fp32 parameters; "
+                     f"{self.per_step_s * 1e3:.3g} ms a step besides (round trip, batch, clip)")
+        return text
 
     def compute(self, model: ModelConfig, shape: Shape) -> tuple[Piece, Piece, Piece]:
         out = []
@@ -360,7 +373,12 @@ class CalibratedCosts(AnalyticalCosts):
         return self.message_s
 
     def optimizer_time(self, params: float, tensors: int) -> float:
+        if self.optimizer_s_per_byte is not None:
+            return params * FP32 * self.optimizer_s_per_byte
         return params * self.after_per_param_s
+
+    def per_step_time(self) -> float:
+        return self.per_step_s
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -381,11 +399,27 @@ class RunShape:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class StepTimes:
+    """A traced step's time outside its actions, in seconds (pipegpt.schedule.calibrate's breakdown): the
+    optimizer's part on the busiest rank, the gradient sync's tail, and all the rest (the driver's round trip,
+    the batch, the clip, the end of the step)."""
+
+    optimizer: float
+    sync: float
+    rest: float
+
+
 def fit_calibrated_costs(cluster: Cluster, run: RunShape, measured, makespan: float, params_per_rank: list,
-                         source: str) -> CalibratedCosts:
+                         source: str, parts: StepTimes | None = None, replicas: int = 1,
+                         zero: int = 0) -> CalibratedCosts:
     """CalibratedCosts for a run of this shape whose trace calibrated to `measured` (a schedule.simulate.Costs:
     per-stage F, B, W and the message latency) over a step span of `makespan`: F, B and W each scaled to their
-    sums over the stages, and what the step spent after its last action per parameter of the busiest rank."""
+    sums over the stages, and what the step spent after its last action per parameter of the busiest rank.
+
+    With the traced step's `parts` besides, the optimizer is a time per byte of the busiest rank's fp32 parameters
+    (with ZeRO, 1/replicas of them: its shard) and the rest a time per step;
+    the sync's tail counts there too on one replica (no data-parallel reduction for the model to charge it to)."""
     unit = AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0)
     shape = Shape(run.sharding, run.recompute, run.mbs)
     _, embed, head = unit.compute(run.model, shape)
@@ -408,5 +442,9 @@ def fit_calibrated_costs(cluster: Cluster, run: RunShape, measured, makespan: fl
     else:
         notes.append("no metrics.jsonl: nothing after the last action is counted")
     per_param = after / max(params_per_rank) if max(params_per_rank) else 0.0
+    per_byte, per_step = None, 0.0
+    if parts is not None and max(params_per_rank):
+        per_byte = parts.optimizer / (max(params_per_rank) / (replicas if zero else 1) * FP32)
+        per_step = parts.rest + (parts.sync if replicas == 1 else 0.0)
     return CalibratedCosts(cluster, scale["f"], scale["b"], scale["w"], float(measured.comm), per_param,
-                           source=source, notes=tuple(notes))
+                           source=source, notes=tuple(notes), optimizer_s_per_byte=per_byte, per_step_s=per_step)
