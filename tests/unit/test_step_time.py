@@ -131,3 +131,27 @@ def test_a_real_runs_trace_has_its_steps_parts(tmp_path):
     assert sorted(b.per_rank) == [0, 1] and all(x >= 0 for name, x in b.parts[:-1])
     step_time = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step_time_s"]
     assert b.total >= step_time > b.part("actions")
+
+
+def test_the_last_stage_keeps_what_it_measures_beyond_the_blocks():
+    """Two stages of one block each, measured at twice the FLOP model at peak, the last stage's forward 4 ms more
+    (the loss, the logits' traffic): the blocks are scaled by 2 (the lower ratio), the head gets 4 ms per
+    microbatch of 2 x 16 tokens (125 us a token: 8 ms at 4 sequences); one stage of both blocks measures the sum."""
+    from pipegpt.costs.cost import AnalyticalCosts, Shape
+
+    model = ModelConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
+    unit = AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0)
+    block, embed, head = unit.compute(model, Shape(Sharding(), "none", 2))
+    first, last = [block.f + embed.f, block.b + embed.b, block.w + embed.w], [block.f + head.f, block.b + head.b,
+                                                                             block.w + head.w]
+    measured = Costs((2 * first[0], 2 * last[0] + 0.004), (2 * first[1], 2 * last[1]), (2 * first[2], 2 * last[2]), 0)
+    fit = fit_calibrated_costs(cluster, RunShape(model, Sharding(), "none", 2, (1, 1), (0, 1), None), measured, 1.0,
+                               [1, 1], "run")
+    assert (fit.scale_f, fit.scale_b) == (pytest.approx(2), pytest.approx(2))
+    assert fit.head_extra == (pytest.approx(0.004 / 32), pytest.approx(0), pytest.approx(0))
+    assert fit.embed_extra == (pytest.approx(0), pytest.approx(0), pytest.approx(0))
+    b2, e2, h2 = fit.compute(model, Shape(Sharding(), "none", 2))
+    assert (b2.f + e2.f, b2.f + h2.f) == (pytest.approx(measured.forward[0]), pytest.approx(measured.forward[1]))
+    h4 = fit.compute(model, Shape(Sharding(), "none", 4))[2]
+    assert h4.f == pytest.approx(2 * unit.compute(model, Shape(Sharding(), "none", 4))[2].f + 0.008)
