@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from pipegpt.run_files import MeasuredRun, RunReadError, read_json, read_measured_run
 
-from .actions import Action, Kind, Plan, ScheduleError
+from .actions import Action, Kind, Plan, ScheduleError, parts_of
 from .messages import peer
 from .render import _US_PER
 from .schedule_file import load_schedule_file
@@ -107,6 +107,8 @@ class Comparison:
             "predicted": side(self.predicted, "makespan"),
             "fidelity": self.fidelity,
             "notes": list(self.notes),
+            **({"pairs": pairs} if (pairs := pair_times(self.measured, self.predicted, self.calibration.costs))
+               else {}),
         }
 
 
@@ -301,6 +303,21 @@ def comm_overhead_per_rank(plan: Plan, measured: Timeline) -> list | None:
     return out
 
 
+def pair_times(measured: Timeline, predicted: Timeline, costs: Costs) -> dict | None:
+    """A paired run's pairs (None without): how many, their time in all measured and predicted, and what their
+    halves take apart at the calibrated costs (the lone actions' medians): measured against apart is the overlap
+    the run achieved."""
+    def pairs(t: Timeline) -> list[Event]:  # a trace's pair is one event; the simulator draws its halves
+        return [e for e in t.compute_events() if e.action.kind is Kind.OVERLAP or e.pair is not None]
+
+    ran = pairs(measured)
+    if not ran:
+        return None
+    return {"count": len(ran), "measured": float(sum(e.end - e.start for e in ran)),
+            "predicted": float(sum(e.end - e.start for e in pairs(predicted))),
+            "apart": float(sum(costs.duration(part) for e in ran for part in parts_of(e.action)))}
+
+
 def compare(run_dir, step: int | None = None) -> Comparison:
     """Read a run directory (its trace.json, or traces/step-N.json), calibrate, simulate its plan with the
     calibrated costs."""
@@ -343,8 +360,14 @@ def comparison_text(comparison: Comparison) -> str:
              f"{s['microbatches']} microbatches" + (f"; global ranks {s['global_ranks']}"
                                                     if s["global_ranks"] != list(range(s["ranks"])) else ""),
              text_table(rows, right={1, 2}, rule=True),
-             f"fidelity {s['fidelity']:.3f}  (predicted makespan / measured step span)", "",
-             "calibrated costs (medians of the measured actions):"]
+             f"fidelity {s['fidelity']:.3f}  (predicted makespan / measured step span)"]
+    if "pairs" in s:
+        pairs = s["pairs"]
+        ratio = pairs["measured"] / pairs["apart"] if pairs["apart"] else math.nan
+        lines.append(f"pairs {pairs['count']}: measured {t(pairs['measured'])} in all, predicted "
+                     f"{t(pairs['predicted'])}; their halves apart at the calibrated costs {t(pairs['apart'])} "
+                     f"(measured / apart {ratio:.3f}; below 1 where the pairs hid communication)")
+    lines += ["", "calibrated costs (medians of the measured actions):"]
     costs, n = s["costs"], s["samples"]
     split = any(n["I"]) or any(n["W"])
     head = ["stage", "rank", "F", "B"] + (["W"] if split else []) + ["measured F/B/I/W"]
