@@ -7,7 +7,10 @@ planner's --calibrate read back). Beside them, as "B"/"E" pairs that those reade
 * on each rank, on a thread of its own, the parts of its step() on the host (StepPhases): before the actions
   (zeroing the gradients, the batch), the actions (the engine's train_step), the gradient sync (the data-parallel
   reduction's wait, after the schedule's last action), the clip (the global norm's all-reduce), the optimizer
-  (its step and ZeRO's all-gather), the end of the step (the router's loads, the device's synchronize);
+  (its step and ZeRO's all-gather), the end of the step (the router's loads, the device's synchronize). On a GPU
+  these are host times: a part ends when the host is done with it, which for the sync (a stream's wait)
+  may be before its kernels are; the clip's norm and, on a traced step, a synchronize before the optimizer's
+  end bring the host level with the device, so the parts from the clip on are the device's too;
 * with one step a call, the driver's call as a process of its own: from sending the step to receiving every
   rank's answer (a call of several steps has no per-step send and receipt: it is left out).
 

@@ -172,6 +172,8 @@ class Worker(Role):
             if self.dp is not None:
                 self.dp.after_update()
             runtime.launched(OPTIMIZER_STEP)
+        if record:  # the update's kernels inside its part (the step ends synchronized anyway)
+            engine.synchronize()
         phases.mark("optimizer")
         moe = self._end_moe_step(finite)
         engine.synchronize()
