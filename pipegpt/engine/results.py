@@ -30,6 +30,10 @@ class WorkerStep:
     # with --ep, on recorded steps: (what, start_s, end_s, rows received) per expert all-to-all
     # (pipegpt.observe.exchanges), on the events' time line
     exchanges: list[tuple[str, float, float, int]] = field(default_factory=list)
+    # on recorded steps: (part, start_s, end_s) of the step's parts on the host, in order, from step()'s start to
+    # its end: before the actions, the actions, the gradient sync, the clip, the optimizer, the end of the step
+    # (pipegpt.observe.step_time)
+    phases: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 @dataclass
