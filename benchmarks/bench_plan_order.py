@@ -10,10 +10,17 @@ Rounds alternate the order of the layouts; a layout's measured time is the media
 each run. Costs are calibrated from the first round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`), and each
 layout is predicted by the planner's own evaluate_layout. Measure on a quiet machine: this was a slow test once,
 and a busy CI machine's 16% between two layouts that cost the same (gpipe and 1f1b at m 8) broke its rank order.
+
+Two predictions: "old", all that the calibrated step spent after its last action spread per parameter of the
+busiest rank; "new", the step's parts from its trace (pipegpt.observe.step_time): the optimizer per parameter
+byte, the rest (the driver's round trip, the batch, the clip, the sync's tail) a time per step. The calibrated
+step's breakdown is printed first; last, per layout, the measured actions' span beside the planner's makespan and
+the time outside them beside the planner's after-term, which says which of the two a difference comes from.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -67,6 +74,8 @@ def main(argv=None) -> int:
     from pipegpt.costs.devices import make_cluster
     from pipegpt.planner.candidates import Layout, Request
     from pipegpt.planner.search import evaluate_layout
+    from pipegpt.observe.step_time import breakdown_text
+    from pipegpt.schedule.calibrate import breakdown
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -74,20 +83,43 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model = ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256)
     measured = {x: [] for x in LAYOUTS}
+    traced = {x: [] for x in LAYOUTS}  # each run's last step in parts (pipegpt.observe.step_time)
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
-                measured[(pp, s, m)] += measure(Path(tmp) / f"{pp}-{s}-{m}-{k}", pp, s, m, args.steps)
+                run_dir = Path(tmp) / f"{pp}-{s}-{m}-{k}"
+                measured[(pp, s, m)] += measure(run_dir, pp, s, m, args.steps)
+                traced[(pp, s, m)].append(breakdown(json.loads((run_dir / "trace.json").read_text())))
         cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
         costs = calibrate_costs(str(Path(tmp) / "2-1f1b-8-0"), cluster)
-    predicted = [evaluate_layout(Request(model, BATCH, cluster, costs),
-                                 Layout(1, pp, 1, s, 1, m, BATCH // m)).step_time for pp, s, m in LAYOUTS]
+        parts = breakdown(json.loads((Path(tmp) / "2-1f1b-8-0" / "trace.json").read_text()))
+    old = copy.copy(costs)  # the model before the step's parts: all after the last action per parameter
+    old.optimizer_s_per_byte, old.per_step_s = None, 0.0
+
+    def predict(c):
+        return [evaluate_layout(Request(model, BATCH, cluster, c), Layout(1, pp, 1, s, 1, m, BATCH // m))
+                for pp, s, m in LAYOUTS]
+
+    results = predict(costs)
+    predicted, predicted_old = [r.step_time for r in results], [r.step_time for r in predict(old)]
     observed = [statistics.median(measured[x]) for x in LAYOUTS]
+    if parts is not None:
+        print("the calibrated run's last step:\n" + breakdown_text(parts) + "\n")
     print(costs.describe())
-    print(f"{'layout':16} {'predicted ms':>12} {'measured ms':>11} {'measured/predicted':>18}")
-    for (pp, s, m), p, o in zip(LAYOUTS, predicted, observed):
-        print(f"{f'pp{pp} {s} m{m}':16} {p * 1e3:12.1f} {o * 1e3:11.1f} {o / p:18.2f}")
-    print(f"Spearman (predicted, measured): {spearman(predicted, observed):.3f}")
+    print(f"{'layout':16} {'predicted ms':>12} {'(old)':>8} {'measured ms':>11} {'measured/predicted':>18} "
+          f"{'(old)':>6}")
+    for (pp, s, m), p, q, o in zip(LAYOUTS, predicted, predicted_old, observed):
+        print(f"{f'pp{pp} {s} m{m}':16} {p * 1e3:12.1f} {q * 1e3:8.1f} {o * 1e3:11.1f} {o / p:18.2f} {o / q:6.2f}")
+    print(f"Spearman (predicted, measured): {spearman(predicted, observed):.3f} "
+          f"(old {spearman(predicted_old, observed):.3f})")
+    print("\nwhere the difference lies (measured: the median over rounds of each run's last step):")
+    print(f"{'layout':16} {'actions ms':>10} {'makespan ms':>11} {'outside ms':>10} {'after ms':>8}")
+    for (pp, s, m), r in zip(LAYOUTS, results):
+        parts_of = [b for b in traced[(pp, s, m)] if b is not None]
+        actions = statistics.median(b.part("actions") for b in parts_of) if parts_of else float("nan")
+        outside = statistics.median(b.total - b.part("actions") for b in parts_of) if parts_of else float("nan")
+        print(f"{f'pp{pp} {s} m{m}':16} {actions * 1e3:10.1f} {r.makespan * 1e3:11.1f} {outside * 1e3:10.1f} "
+              f"{r.after * 1e3:8.1f}")
     return 0
 
 

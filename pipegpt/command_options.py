@@ -250,6 +250,9 @@ SIMULATE = [
     click.option("--trace-step", type=click.IntRange(min=1), default=None, metavar="N",
                  help="With --trace: read the run's traces/step-N.json (a step `pipegpt run --trace-steps` named) "
                       "instead of trace.json (the last step)."),
+    click.option("--breakdown", is_flag=True,
+                 help="With --trace: the whole step in its parts (the actions, the gradient sync's tail, the clip, the "
+                      "optimizer, the driver's round trip, the rest), measured beside predicted."),
     click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
                  help="Also write a picture: .svg, .html or .json (Chrome trace for Perfetto). With several "
                       "schedules the name goes before the extension (out.1f1b.svg); with --trace, .html is one "

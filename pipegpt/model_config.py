@@ -273,8 +273,6 @@ def validate_tp(config: ModelConfig, tp: int, sequence_parallel: bool = False, c
         raise ConfigError(f"tp={tp!r} must be an integer >= 1")
     if tp == 1:
         return
-    if config.qk_norm != "none":  # its weights would be replicated over tp ranks holding different heads
-        raise ConfigError(f"qk_norm={config.qk_norm} with tp={tp} is not supported yet: use tp=1")
     C = config.n_embd
     if config.n_head % tp:
         heads = [h for h in range(tp, C + 1, tp) if C % h == 0]  # multiples of tp dividing n_embd

@@ -24,7 +24,12 @@ Gradient reductions (Reduction), in the order their sums run (the numerics are t
                                saw only its part of the sequence): a MoE layer's router, shared experts and, without
                                ep, its experts (whole on every tp rank, fed its chunk); not the experts with ep,
                                which edp sums. Without sequence parallelism every tp rank computes the MoE layer on
-                               the same tokens: equal gradients, summed nowhere
+                               the same tokens: equal gradients, summed nowhere. Also, whatever the sequence
+                               split, the q/k norms' gains, whole on every tp rank and applied to its heads only:
+                               qk_norm head's [head_dim] one (Qwen3) serves every head, qk_norm projection's
+                               (OLMoE) is applied by columns, so each rank's gradient is its heads' part (a shared
+                               kv head's k gets from each of its ranks that rank's q heads' part, so the sum over
+                               tp counts each once)
     shared kv   over tp        sum a key/value head's gradients over the tp/n_kv_head ranks sharing it
 Ownership: a tp-replicated parameter is counted in the gradient norm and stored by tp rank 0; a shared kv head by
 the first rank of its group. With ep, replica 0 of dp x cp counts and stores the dense parameters, edp index 0 the
@@ -38,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from pipegpt.dims import GROUP_AXES, REPLICAS, Sharding, expert_axes
-from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, tp_shard_spec
+from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, qk_norm_param, tp_shard_spec
 
 EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_proj")  # pipegpt.model.moe's stacked [E, ...] experts
 ORDER = ("tp", "ep", "cp", "recompute", "compile", "dp")  # how a stage is parallelized, first to last
@@ -53,11 +58,11 @@ def expert_param(name: str) -> bool:
 @dataclass(frozen=True)
 class Reduction:
     """One sum a stage's gradients need once a step's backward is done: over which group, of which parameters
-    (a rule over one-process names: "all", "replicated" or "shared-kv"), and whether it averages."""
+    (a rule over one-process names: "all", "replicated", "qk-norms" or "shared-kv"), and whether it averages."""
 
     name: str
     group: str  # a pipegpt.comm.mesh group name
-    params: str  # "all", "dense" (all but the experts), "experts", "replicated" or "shared-kv"
+    params: str  # "all", "dense" (all but the experts), "experts", "replicated", "qk-norms" or "shared-kv"
     average: bool = False
     divisor: int | None = None  # averaging: over this many ranks (None: the group's size)
 
@@ -73,6 +78,7 @@ class StageParallelism:
     dp: int = 1
     ep: int = 1
     kv_heads: int = 1
+    qk_norms: bool = False  # the model has q/k norms (qk_norm): under tp their gains' gradients are partial
     recompute: str = "none"
     compile: bool = False
 
@@ -99,11 +105,18 @@ class StageParallelism:
             out.append(Reduction("experts", "edp", "experts", average=True, divisor=self.gradient_ranks))
         elif self.gradient_ranks > 1:
             out.append(Reduction("gradients", REPLICAS, "all", average=True))
-        if self.splits_sequence:
+        if self.splits_sequence:  # the head norms' gains among the replicated parameters
             out.append(Reduction("partial", "tp", "replicated"))
+        elif self.sums_qk_norms:
+            out.append(Reduction("partial", "tp", "qk-norms"))
         if self.shares_kv:
             out.append(Reduction("shared kv", "tp", "shared-kv"))
         return tuple(out)
+
+    @property
+    def sums_qk_norms(self) -> bool:
+        """tp > 1 splits the heads that the q/k norms' gains serve: their gradients are summed over tp."""
+        return self.tp > 1 and self.qk_norms
 
     @property
     def expert_replicas(self) -> int:
@@ -144,7 +157,10 @@ class StageParallelism:
         return [0, 1] if self.tp == 1 or tp_shard_spec(name) == REPLICATED else [tp_rank, self.tp]
 
     def partial(self, name: str) -> bool:
-        """The parameter's gradient is partial on each tp rank (sequence parallelism's replicated ones)."""
+        """The parameter's gradient is partial on each tp rank (sequence parallelism's replicated ones; the per-head
+        q/k norms' gains whenever tp > 1)."""
+        if self.sums_qk_norms and qk_norm_param(name):
+            return True
         return (self.splits_sequence and tp_shard_spec(name) == REPLICATED
                 and not (self.experts_over_tp and self.expert(name)))
 
@@ -165,8 +181,9 @@ class StageParallelism:
 
 
 def stage_parallelism(sharding: Sharding, kv_heads: int = 1, recompute: str = "none", cp_comm: str = "ring",
-                      compile: bool = False) -> StageParallelism:
-    """A layout's description (sharding: its axes and sequence parallelism; kv_heads: the model's)."""
+                      compile: bool = False, qk_norm: str = "none") -> StageParallelism:
+    """A layout's description (sharding: its axes and sequence parallelism; kv_heads and qk_norm: the model's)."""
     ep = next((c.size for c in sharding.carved if c.name == "ep"), 1)
     return StageParallelism(tp=sharding.tp, sequence_parallel=bool(sharding.sequence_parallel), cp=sharding.cp,
-                            cp_comm=cp_comm, dp=sharding.dp, ep=ep, kv_heads=kv_heads, recompute=recompute, compile=compile)
+                            cp_comm=cp_comm, dp=sharding.dp, ep=ep, kv_heads=kv_heads, qk_norms=qk_norm != "none",
+                            recompute=recompute, compile=compile)

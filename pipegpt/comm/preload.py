@@ -149,7 +149,7 @@ class Preloader:
         (the caller spawns them instead). Waits for the server's imports, at most timeout_s."""
         streams = [fd for fd in STREAMS if _is_open(fd)]
         request = ("fork", target, args_per_worker, names, dict(os.environ), os.getcwd(),
-                   sorted(os.sched_getaffinity(0)), streams)
+                   sorted(os.sched_getaffinity(0)), sys.executable, streams)
         try:
             self.conn.send(request)
             with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -249,7 +249,8 @@ def serve(conn, modules: tuple[str, ...], start_env: dict[str, str] | None = Non
                 message = conn.recv()
                 with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
                     fds = reduction.recvfds(s, len(message[-1])) if message[-1] else []
-                for pid in _fork(conn, message, fds, refusal or _env_refusal(start_env, message[4])):
+                for pid in _fork(conn, message, fds, refusal or _env_refusal(start_env, message[4])
+                                 or _interpreter_refusal(message[7])):
                     try:
                         exits[os.pidfd_open(pid)] = pid
                     except (AttributeError, OSError):
@@ -348,9 +349,17 @@ def _env_refusal(start_env: dict[str, str], env: dict[str, str]) -> str | None:
     return f"the environment changed since the preload server started ({', '.join(changed)})" if changed else None
 
 
+def _interpreter_refusal(executable: str) -> str | None:
+    """A worker's sys.executable is its server's: a driver of another interpreter (a shared server's client, a
+    virtual environment's twin) would see its workers look for tools (py-spy) beside the wrong one."""
+    if executable != sys.executable:
+        return f"the driver's interpreter ({executable}) is not the preload server's ({sys.executable})"
+    return None
+
+
 def _fork(conn, message: tuple, fds: list[int], refusal: str | None) -> list[int]:
     """The workers a request asks for, forked (their pids), or none and the refusal sent."""
-    _, target, args_per_worker, names, env, cwd, cores, streams = message
+    _, target, args_per_worker, names, env, cwd, cores, _, streams = message
     pids = []
     if refusal is None:
         server_pid = os.getpid()

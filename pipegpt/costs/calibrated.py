@@ -1,6 +1,7 @@
 """`pipegpt plan --calibrate RUN_DIR`: CalibratedCosts from a `pipegpt run` directory. pipegpt.run_files reads its
 plan.txt, trace.json, config.json and metrics.jsonl; pipegpt.schedule.calibrate turns the trace of the plan into
-per-stage costs; pipegpt.costs.cost scales the FLOP model to them (fit_calibrated_costs).
+per-stage costs and its step's parts outside the actions (the optimizer, the sync's tail, the rest: step_times);
+pipegpt.costs.cost scales the FLOP model to them (fit_calibrated_costs).
 """
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.run_files import CONFIG, RunReadError, read_measured_run, read_metrics
 from pipegpt.schedule import ScheduleError
-from pipegpt.schedule.calibrate import calibrate_run
+from pipegpt.schedule.calibrate import OPTIMIZER, SYNC, StepBreakdown, breakdown, calibrate_run
 from pipegpt.schedule.schedule_file import load_schedule_file
 
 from .balance import even_layers
-from .cost import CalibratedCosts, RunShape, fit_calibrated_costs
+from .cost import CalibratedCosts, RunShape, StepTimes, fit_calibrated_costs
 from .devices import Cluster
 from .memory import parameter_count
 
@@ -34,7 +35,17 @@ def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
     params = [0] * plan.num_ranks
     for s, layers in enumerate(stage_ranges(shape.layers)):  # which layers: their kinds count
         params[plan.stage_to_rank[s]] += parameter_count(shape.model, layers, s == 0, s == S - 1, shape.sharding.tp)
-    return fit_calibrated_costs(cluster, shape, calibration.costs, measured.makespan, params, os.fspath(run_dir))
+    par = (files.config or {}).get("parallel", {})
+    replicas = int(par.get("dp", 1)) * int(par.get("cp", 1))
+    return fit_calibrated_costs(cluster, shape, calibration.costs, measured.makespan, params, os.fspath(run_dir),
+                                step_times(breakdown(files.trace)), replicas, int(par.get("zero", 0)))
+
+
+def step_times(parts: StepBreakdown | None) -> StepTimes | None:
+    """The cost model's terms outside the actions, from a traced step's breakdown (None: a trace without parts)."""
+    if parts is None:
+        return None
+    return StepTimes(optimizer=parts.part(OPTIMIZER), sync=parts.part(SYNC), rest=parts.rest)
 
 
 def run_shape(run_dir: str, config: dict | None, plan) -> RunShape:

@@ -91,8 +91,7 @@ def ranks_on_node(sharding: Sharding, gpus_per_node: int) -> int:
 def tp_model(model: ModelConfig, tp: int) -> ModelConfig:
     """The model whose tensor-parallel split pipegpt.config.validate_tp checks: a model with experts as its
     attention and dense layers alone (its experts stay whole on each tp rank; the planner pairs them with sequence
-    parallelism, pipegpt.planner.search), and per-head q/k norms left out (Qwen3's: a tp rank holds whole heads,
-    so their shapes split; what `pipegpt run` still lacks there is their gradients' sum over tp, not a shape)."""
+    parallelism, pipegpt.planner.search)."""
     if not model.n_experts or tp == 1:
         return model
-    return dataclasses.replace(model, n_experts=0, **({"qk_norm": "none"} if model.qk_norm == "head" else {}))
+    return dataclasses.replace(model, n_experts=0)

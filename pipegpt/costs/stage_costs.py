@@ -140,7 +140,8 @@ class StageCosts:
         over dp x cp; none with ZeRO-3's microbatch policy, whose gathers exposed_gathers charges), the tied
         embedding's gradient sum between the first and the last stage, and with tp > kv_heads
         (Llama; layers: blocks per stage) the replicated key/value heads' gradient sum over the tp group
-        (pipegpt.tensor_parallel.layers.sum_replicated_kv_grads: one all-reduce of a [kv_heads, n] buffer)."""
+        (pipegpt.tensor_parallel.layers.sum_replicated_kv_grads: one all-reduce of a [kv_heads, n] buffer); and
+        what the cost model counts once a step besides (a calibrated model's round trip, batch and clip)."""
         c, dp, pp, tp = self.cluster, memory_model.gradient_group(sharding), sharding.pp, sharding.tp
         params = [0.0] * pp
         tensors = [0] * pp
@@ -172,7 +173,7 @@ class StageCosts:
                 blocks[r] += layers[s]
             kv_grads = 2 * model.head_dim * (model.n_embd + (1 if model.qkv_bias else 0))  # one head's k and v
             worst += self.cost.group_allreduce_time(model.kv_heads * max(blocks) * kv_grads * 4, tp, True)
-        return worst
+        return worst + self.cost.per_step_time()
 
     @staticmethod
     def stage_tensors(model, layers):

@@ -63,7 +63,7 @@ class Engine:
         self.stages, self.parallelized = {}, {}
         # Every stage's parallelisms, one description (pipegpt.parallelisms) applied by one step.
         self.parallelism = stage_parallelism(p.sharding, cfg.model.kv_heads, p.recompute, p.cp_comm,
-                                             cfg.runtime.compile)
+                                             cfg.runtime.compile, cfg.model.qk_norm)
         for s in plan.stages_of(self.mesh.pp_index):
             module = GPT(cfg.model, layers=ranges[s], embed=s == 0, head=s == last,
                          recompute=p.recompute, init_seed=cfg.runtime.seed)

@@ -33,6 +33,10 @@ class WorkerStep:
     # on recorded steps: this rank's peak of tensor bytes, {"total", "by_kind", "predicted": the planner's
     # {"total", "by_kind"} or None} (pipegpt.observe.tensor_bytes); None on the others
     tensor_bytes: dict | None = None
+    # on recorded steps: (part, start_s, end_s) of the step's parts on the host, in order, from step()'s start to
+    # its end: before the actions, the actions, the gradient sync, the clip, the optimizer, the end of the step
+    # (pipegpt.observe.step_time)
+    phases: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 @dataclass

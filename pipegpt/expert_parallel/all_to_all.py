@@ -139,5 +139,77 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
 def exchange_counts(send_counts: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
     """send_counts [ranks, n] (integers: row r what this rank sends group rank r, per its n kinds) -> [ranks, n]:
     row r what rank r sends this one. Waited for: the counts size the exchange that follows."""
+    return post_counts(send_counts, group, timeout_s).wait()
+
+
+def post_counts(send_counts: torch.Tensor, group, timeout_s: float) -> Pending:
+    """exchange_counts posted: its Pending's wait() gives what it returns."""
     ranks = send_counts.size(0)
-    return _post(send_counts, [1] * ranks, [1] * ranks, group, timeout_s, "exchange of token counts").wait()
+    return _post(send_counts, [1] * ranks, [1] * ranks, group, timeout_s, "exchange of token counts")
+
+
+class CarriedExchange:
+    """An exchange posted outside autograd that splits a piece's graph in two (stages.overlap's Cut, by its
+    duck type: sent, wait(), transpose(grad)), with tensors carried past it unchanged.
+
+    Each side of the cut must reach the other only through it (the Stage runs each side's backward apart), so what
+    the compute after the cut needs from before it (a residual stream, routing weights) travels in `sent` beside
+    the rows: sent is one flat tensor, the carried tensors then the rows, in a dtype that holds them all exactly.
+    wait() gives the same layout with the rows received; transpose(grad) posts the rows' gradient back (the splits
+    swapped) and hands the carried part's gradient straight through. `unpack(received)` splits a received flat
+    tensor (or its leaf) back into the carried tensors and the received rows."""
+
+    __slots__ = ("sent", "_shapes", "_dtypes", "_splits", "_width", "_group", "_timeout_s", "_what", "_pending")
+
+    def __init__(self, carried: list[torch.Tensor], rows: torch.Tensor, send_splits: list[int],
+                 recv_splits: list[int], group, timeout_s: float, what: str):
+        parts = [*carried, rows]
+        dtype = parts[0].dtype
+        for t in parts[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+        self._shapes, self._dtypes = [t.shape for t in carried], [t.dtype for t in parts]
+        self._splits, self._width = (list(send_splits), list(recv_splits)), rows.shape[1:]
+        self._group, self._timeout_s, self._what = group, timeout_s, what
+        self.sent = torch.cat([t.reshape(-1).to(dtype) for t in parts])
+        self._pending = self._start(self.sent.detach(), *self._splits, what)
+
+    @property
+    def _carried_size(self) -> int:
+        return sum(math.prod(s) for s in self._shapes)
+
+    def _start(self, flat: torch.Tensor, send_splits, recv_splits, what) -> "_Joined":
+        kept = self._carried_size
+        rows = flat[kept:].view(-1, *self._width)
+        return _Joined(flat[:kept], _post(rows, send_splits, recv_splits, self._group, self._timeout_s, what))
+
+    def wait(self) -> torch.Tensor:
+        received, self._pending = self._pending.wait(), None
+        # sent's values are read by nothing now (its backward, a cat's, does not read them; the Stage keeps it as
+        # the root of the part before the cut): free them, as Stage.release_output frees a stage's output
+        self.sent.data = self.sent.new_empty(0)
+        return received
+
+    def transpose(self, grad: torch.Tensor) -> "_Joined":
+        send_splits, recv_splits = self._splits
+        return self._start(grad, recv_splits, send_splits, f"{self._what} (backward)")
+
+    def unpack(self, received: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """received (wait()'s layout) -> the carried tensors (their shapes and dtypes) and the received rows."""
+        out, at = [], 0
+        for shape, dtype in zip(self._shapes, self._dtypes):
+            n = math.prod(shape)
+            out.append(received[at:at + n].view(shape).to(dtype))
+            at += n
+        return out, received[at:].view(-1, *self._width).to(self._dtypes[-1])
+
+
+class _Joined:
+    """A posted exchange's rows behind a part handed straight through: wait() gives both as one flat tensor."""
+
+    __slots__ = ("kept", "pending")
+
+    def __init__(self, kept: torch.Tensor, pending: Pending):
+        self.kept, self.pending = kept, pending
+
+    def wait(self) -> torch.Tensor:
+        return torch.cat((self.kept, self.pending.wait().reshape(-1)))

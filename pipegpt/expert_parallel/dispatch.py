@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipegpt.expert_parallel.all_to_all import Pending, exchange_counts, start_all_to_all
+from pipegpt.expert_parallel.all_to_all import (CarriedExchange, Pending, exchange_counts, post_counts,
+                                                start_all_to_all)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,26 @@ class ExpertGroup:
         y = compute(received[route.by_expert], route.expert_counts)
         return start_combine(y[route.by_source], route).wait()
 
+    def post_counts(self, counts: torch.Tensor) -> Pending:
+        """The exchange of counts [E] (per expert) that sizes a dispatch, posted: wait() gives post_dispatch's
+        `received`."""
+        return post_counts(counts.view(self.size, -1), self.group, self.timeout_s)
+
+    def post_dispatch(self, carried: list[torch.Tensor], x_sorted: torch.Tensor, counts: torch.Tensor,
+                      received: torch.Tensor):
+        """run()'s dispatch as a cut (all_to_all.CarriedExchange, carrying `carried` past it), the counts exchanged
+        already (post_counts' result: `received`). Returns the cut and its Route (what post_combine sends back
+        by)."""
+        route = plan_dispatch(counts, self, x_sorted.device, received)
+        cut = CarriedExchange(carried, x_sorted, [sum(r) for r in route.sent], [sum(r) for r in route.received],
+                              self.group, self.timeout_s, "dispatch")
+        return cut, route
+
+    def post_combine(self, carried: list[torch.Tensor], y: torch.Tensor, route: "Route") -> CarriedExchange:
+        """run()'s combine as a cut: y (rows in the received order) back to the ranks that sent them."""
+        return CarriedExchange(carried, y, [sum(r) for r in route.received], [sum(r) for r in route.sent],
+                               self.group, self.timeout_s, "combine")
+
 
 @dataclass
 class Route:
@@ -63,20 +84,26 @@ class Route:
         return [sum(col) for col in zip(*self.received)]
 
 
-def start_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, ep: ExpertGroup) -> Route:
-    """Exchange the counts (waited for: they size the exchange), then post the tokens; x_sorted's rows sorted by
-    expert, counts[e] of them for expert e of all E."""
+def plan_dispatch(counts: torch.Tensor, ep: ExpertGroup, device, received: torch.Tensor | None = None) -> Route:
+    """counts[e] rows for expert e of all E; received [ep, E/ep] what each rank sends this one's experts, or None
+    to exchange the counts now (waited for: they size the exchange). A Route whose tokens are not posted yet."""
     per = counts.numel() // ep.size
-    received = exchange_counts(counts.view(ep.size, per), ep.group, ep.timeout_s)
-    sent, received = counts.view(ep.size, per).tolist(), received.tolist()
-    route = Route(ep, sent, received)
-    route.tokens = start_all_to_all(x_sorted, [sum(r) for r in sent], [sum(r) for r in received], ep.group,
-                                    ep.timeout_s, "dispatch")
+    if received is None:
+        received = exchange_counts(counts.view(ep.size, per), ep.group, ep.timeout_s)
+    route = Route(ep, counts.view(ep.size, per).tolist(), received.tolist())
     # the received rows' local expert, source by source; sorted stably: grouped by expert, sources in rank order
-    experts = torch.arange(per, device=x_sorted.device).repeat(ep.size)
-    row_expert = experts.repeat_interleave(torch.tensor(received, device=x_sorted.device).reshape(-1))
+    experts = torch.arange(per, device=device).repeat(ep.size)
+    row_expert = experts.repeat_interleave(torch.tensor(route.received, device=device).reshape(-1))
     route.by_expert = row_expert.argsort(stable=True)
     route.by_source = route.by_expert.argsort()
+    return route
+
+
+def start_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, ep: ExpertGroup) -> Route:
+    """plan_dispatch, then post the tokens; x_sorted's rows sorted by expert, counts[e] of them for expert e."""
+    route = plan_dispatch(counts, ep, x_sorted.device)
+    route.tokens = start_all_to_all(x_sorted, [sum(r) for r in route.sent], [sum(r) for r in route.received],
+                                    ep.group, ep.timeout_s, "dispatch")
     return route
 
 

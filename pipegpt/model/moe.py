@@ -29,11 +29,13 @@ has it (bf16), else a loop over each expert's contiguous tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from pipegpt.model.split_backward import SplitLinear
 
@@ -172,34 +174,116 @@ class MoE(nn.Module):
             aux = aux + self.z_coef * self.over_call(logits.logsumexp(-1).square().sum()) / N
         return aux
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+    def assign(self, x: torch.Tensor) -> "Assignments":
+        """x [N, C] -> its routing and its kept assignments sorted by expert (stably: in token order within one)."""
         logits, scores, chosen, weights = self.route(x)
         keep = self.kept(chosen)
         flat_expert = chosen.reshape(-1)[keep.reshape(-1)]
         flat_token = torch.arange(x.size(0), device=x.device).repeat_interleave(self.top_k)[keep.reshape(-1)]
         order = flat_expert.argsort(stable=True)
         counts = torch.bincount(flat_expert, minlength=self.n_experts)
-        tokens = flat_token[order]
-        experts = lambda rows, n: expert_outputs(rows, n, self.experts_gate, self.experts_up,  # noqa: E731
-                                                 self.experts_proj)
-        y = (experts(x[tokens], counts.tolist()) if self.expert_parallel is None
-             else self.expert_parallel.run(x[tokens], counts, experts))
-        y = y * weights.reshape(-1)[keep.reshape(-1)][order, None].to(y.dtype)
-        out = torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        out = self.drop(out.view(shape))
+        kept_weights = weights.reshape(-1)[keep.reshape(-1)]
+        return Assignments(logits, scores, chosen, keep, flat_token[order], kept_weights[order], counts)
+
+    def experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's experts on rows sorted by them, counts[e] rows for (local) expert e."""
+        return expert_outputs(rows, counts, self.experts_gate, self.experts_up, self.experts_proj)
+
+    def weigh(self, y: torch.Tensor, a: "Assignments", n_tokens: int) -> torch.Tensor:
+        """The experts' outputs y (rows as a.tokens) weighted and summed per token: [n_tokens, C]."""
+        y = y * a.weights[:, None].to(y.dtype)
+        return torch.zeros((n_tokens, y.size(1)), dtype=y.dtype, device=y.device).index_add_(0, a.tokens, y)
+
+    def account(self, hidden: torch.Tensor, a: "Assignments") -> torch.Tensor:
+        """Training: count the loads and drops, and give the aux loss its gradient through `hidden` (returned)."""
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-                self.dropped += (~keep).sum()
-            aux = self.aux_loss(logits, scores, chosen)
+                self.tokens_per_expert += a.counts.to(self.tokens_per_expert.dtype)
+                self.dropped += (~a.keep).sum()
+            aux = self.aux_loss(a.logits, a.scores, a.chosen)
             if aux.requires_grad:
                 self.aux_sum, self.calls = self.aux_sum + aux.detach(), self.calls + 1
-                out = inject_aux_loss(out, aux, self.aux_loss_scale)
-        return out
+                hidden = inject_aux_loss(hidden, aux, self.aux_loss_scale)
+        return hidden
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        a = self.assign(x)
+        y = (self.experts(x[a.tokens], a.counts.tolist()) if self.expert_parallel is None
+             else self.expert_parallel.run(x[a.tokens], a.counts, self.experts))
+        out = self.weigh(y, a, x.size(0))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return self.account(self.drop(out.view(shape)), a)
+
+
+@dataclasses.dataclass
+class Assignments:
+    """A call's routing (logits, scores [N, E], chosen [N, k], keep [N, k]) and its kept assignments sorted by
+    expert: each one's token and weight, and the count per expert [E]."""
+
+    logits: torch.Tensor
+    scores: torch.Tensor
+    chosen: torch.Tensor
+    keep: torch.Tensor
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+
+
+def block_steps(block: nn.Module, x: torch.Tensor, documents, full_recompute: bool):
+    """A block whose MLP is an MoE over ep ranks (block.ln1, attn, ln2, mlp: model.gpt.Block), as the Stage's
+    forward_steps (stages.overlap): its forward in three parts, the dispatch and the combine posted between them
+    as cuts, so that in a pair the other half computes while the tokens travel, in the backward too.
+
+        before    x + attention, the norm, routing, the shared expert; the rows for the experts
+        counts    posted: how many rows go to each expert (they size the dispatch)
+        dispatch  rows to their experts' ranks (the residual stream, shared output and weights carried past it)
+        experts   this rank's experts on the rows it received
+        combine   outputs back to the ranks that sent them (the carried tensors past it again)
+        after     weighted sum per token, plus the shared expert's, dropout, plus the residual stream
+
+    Each part runs under checkpoint where the model recomputes whole blocks (the all-to-alls are not repeated in
+    backward). Equals block(x) in value and gradients; the aux loss's gradient goes in through the residual
+    stream instead of the MLP's output, where it is the same."""
+    moe, ep = block.mlp, block.mlp.expert_parallel
+    shape = x.shape
+    run = _checkpointed if full_recompute and torch.is_grad_enabled() else _called
+
+    def before(x):
+        h = x + block.attn(block.ln1(x), None, documents)
+        xn = block.ln2(h).reshape(-1, shape[-1])
+        a = moe.assign(xn)
+        shared = moe.shared(xn) if moe.shared is not None else xn.new_zeros(0)
+        return moe.account(h, a), shared, a.weights, xn[a.tokens], a
+
+    h, shared, weights, rows, a = run(before, x)
+    received_counts = yield ep.post_counts(a.counts)  # a plain handle: no gradient goes back
+    dispatch, route = ep.post_dispatch([h, shared, weights], rows, a.counts, received_counts)
+    (h, shared, weights), received = dispatch.unpack((yield dispatch))
+
+    def experts(received):
+        return moe.experts(received[route.by_expert], route.expert_counts)[route.by_source]
+
+    combine = ep.post_combine([h, shared, weights], run(experts, received), route)
+    (h, shared, weights), back = combine.unpack((yield combine))
+
+    def after(h, shared, weights, back):
+        out = moe.weigh(back, dataclasses.replace(a, weights=weights), math.prod(shape[:-1]))
+        if moe.shared is not None:
+            out = out + shared
+        return h + moe.drop(out.view(shape))
+
+    return run(after, h, shared, weights, back)
+
+
+def _checkpointed(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _called(fn, *args):
+    return fn(*args)
 
 
 def moe_layers(module: nn.Module) -> list[MoE]:

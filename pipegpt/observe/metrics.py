@@ -17,6 +17,7 @@ from pipegpt.model.moe import merge_stats
 from pipegpt.costs.devices import device_peak_tflops
 from pipegpt.observe.exchanges import trace_events
 from pipegpt.observe.plot import write_plot
+from pipegpt.observe.step_time import trace_events as step_parts
 from pipegpt.engine.results import WorkerStep
 from pipegpt.schedule.actions import Action, Plan
 from pipegpt.schedule.render import to_chrome_trace
@@ -195,16 +196,19 @@ class RunLog:
         if self._wandb is not None:
             self._wandb.log(dict(tensorboard_scalars(metrics)), step=metrics.step)
 
-    def trace(self, results: list[WorkerStep], plan: Plan, step: int | None = None) -> None:
+    def trace(self, results: list[WorkerStep], plan: Plan, step: int | None = None,
+              call: tuple | None = None) -> None:
         """The step's measured timeline as trace.json (Perfetto), the format `simulate --out x.json` writes;
         with a step's number (--trace-steps, from 1), as traces/step-N.json. With --ep, the expert all-to-alls
-        are events of their own on each rank (pipegpt.observe.exchanges)."""
+        are events of their own on each rank (pipegpt.observe.exchanges); the parts of each rank's step outside
+        its actions and the driver's `call` (send, receipt, steps) too (pipegpt.observe.step_time)."""
         path = self.run_dir / (run_files.TRACE if step is None else run_files.step_trace(step))
         with run_files.writing(path.parent):
             path.parent.mkdir(exist_ok=True)
         trace = to_chrome_trace(measured_timeline(results, plan))
         if any(r.exchanges for r in results):
             trace["traceEvents"] += trace_events([(r.rank, r.exchanges) for r in results], _first_start(results))
+        trace["traceEvents"] += step_parts([(r.rank, r.phases) for r in results], _first_start(results), call)
         run_files.write_whole(path, json.dumps(trace))
 
     def close(self, plot: bool = True) -> None:

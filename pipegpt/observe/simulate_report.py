@@ -37,6 +37,7 @@ class SimulateOptions:
     schedule_file: str | None = None
     trace_dir: str | None = None
     trace_step: int | None = None
+    breakdown: bool = False  # with --trace: the whole step in its parts (pipegpt.observe.step_time)
     out: str | None = None
     as_json: bool = False
     no_chart: bool = False
@@ -66,6 +67,8 @@ def simulate_command(opts: SimulateOptions, echo: Callable, read_layer_costs: Ca
             raise ScheduleError(f"--trace simulates the run's own plan with costs calibrated from its trace; "
                                 f"leave out {' and '.join(given)}")
         return simulate_trace(opts, echo)
+    if opts.breakdown:
+        raise ScheduleError("--breakdown breaks a traced step into its parts: give it with --trace RUN_DIR")
     if opts.trace_step is not None:
         raise ScheduleError("--trace-step N picks a traced step of a run: give it with --trace RUN_DIR")
     layer_costs = _layer_costs(opts, read_layer_costs)
@@ -352,14 +355,25 @@ def simulate_trace(opts: SimulateOptions, echo: Callable) -> None:
                 else:
                     render.write(timeline, path)
                 echo(f"wrote {path}", err=True)
+    parts = step_parts(comparison, run_dir) if opts.breakdown else None
     if opts.as_json:
-        echo(json.dumps(comparison.summary()))
+        echo(json.dumps({**comparison.summary(), **({"step": parts} if opts.breakdown else {})}))
         return
     if not opts.no_chart:
         for name, timeline in (("measured", measured), ("predicted (calibrated costs)", predicted)):
             echo(f"{name}:")
             echo(render.ascii_gantt(timeline, width=opts.width, span=span))
     echo(text)
+    if opts.breakdown:
+        echo("")
+        echo(parts["text"])
+
+
+def step_parts(comparison, run_dir: str) -> dict:
+    """--breakdown: the traced step's parts beside their prediction (pipegpt.observe.step_time.step_report)."""
+    from pipegpt.observe.step_time import step_report
+
+    return step_report(comparison, run_dir)
 
 
 def _write_text(path: str, text: str) -> None:

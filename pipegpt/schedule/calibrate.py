@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from pipegpt.run_files import MeasuredRun, RunReadError, read_json, read_measured_run
 
-from .actions import Action, Kind, Plan, ScheduleError
+from .actions import Action, Kind, Plan, ScheduleError, parts_of
 from .messages import peer
 from .render import _US_PER
 from .schedule_file import load_schedule_file
@@ -107,6 +107,8 @@ class Comparison:
             "predicted": side(self.predicted, "makespan"),
             "fidelity": self.fidelity,
             "notes": list(self.notes),
+            **({"pairs": pairs} if (pairs := pair_times(self.measured, self.predicted, self.calibration.costs))
+               else {}),
         }
 
 
@@ -301,6 +303,21 @@ def comm_overhead_per_rank(plan: Plan, measured: Timeline) -> list | None:
     return out
 
 
+def pair_times(measured: Timeline, predicted: Timeline, costs: Costs) -> dict | None:
+    """A paired run's pairs (None without): how many, their time in all measured and predicted, and what their
+    halves take apart at the calibrated costs (the lone actions' medians): measured against apart is the overlap
+    the run achieved."""
+    def pairs(t: Timeline) -> list[Event]:  # a trace's pair is one event; the simulator draws its halves
+        return [e for e in t.compute_events() if e.action.kind is Kind.OVERLAP or e.pair is not None]
+
+    ran = pairs(measured)
+    if not ran:
+        return None
+    return {"count": len(ran), "measured": float(sum(e.end - e.start for e in ran)),
+            "predicted": float(sum(e.end - e.start for e in pairs(predicted))),
+            "apart": float(sum(costs.duration(part) for e in ran for part in parts_of(e.action)))}
+
+
 def compare(run_dir, step: int | None = None) -> Comparison:
     """Read a run directory (its trace.json, or traces/step-N.json), calibrate, simulate its plan with the
     calibrated costs."""
@@ -343,8 +360,14 @@ def comparison_text(comparison: Comparison) -> str:
              f"{s['microbatches']} microbatches" + (f"; global ranks {s['global_ranks']}"
                                                     if s["global_ranks"] != list(range(s["ranks"])) else ""),
              text_table(rows, right={1, 2}, rule=True),
-             f"fidelity {s['fidelity']:.3f}  (predicted makespan / measured step span)", "",
-             "calibrated costs (medians of the measured actions):"]
+             f"fidelity {s['fidelity']:.3f}  (predicted makespan / measured step span)"]
+    if "pairs" in s:
+        pairs = s["pairs"]
+        ratio = pairs["measured"] / pairs["apart"] if pairs["apart"] else math.nan
+        lines.append(f"pairs {pairs['count']}: measured {t(pairs['measured'])} in all, predicted "
+                     f"{t(pairs['predicted'])}; their halves apart at the calibrated costs {t(pairs['apart'])} "
+                     f"(measured / apart {ratio:.3f}; below 1 where the pairs hid communication)")
+    lines += ["", "calibrated costs (medians of the measured actions):"]
     costs, n = s["costs"], s["samples"]
     split = any(n["I"]) or any(n["W"])
     head = ["stage", "rank", "F", "B"] + (["W"] if split else []) + ["measured F/B/I/W"]
@@ -361,3 +384,121 @@ def comparison_text(comparison: Comparison) -> str:
             f"r{r} {t(x)}" for r, x in enumerate(m["comm_overhead_per_rank"])))
     lines.extend("note: " + x for x in s["notes"])
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the whole step: its parts beyond the actions (pipegpt.observe.step_time writes them into the trace)
+#
+# A traced step's trace holds, besides the actions ("X"), "B"/"E" pairs that the readers above skip: each rank's
+# step() cut into parts on the host (category PART_CATEGORY) and, with one step a call, the driver's call
+# (DRIVER_CATEGORY). `breakdown` reads them back into a chain of instants on one clock -- the driver's send, the
+# first rank's start, the first action, the last action's end, the last rank's sync, clip, optimizer and end, the
+# driver's receipt -- each part the time from the previous instant to the next (never negative but for the
+# receipt, where a clock error would show), so the parts sum to the driver's step time.
+
+PART_CATEGORY = "step part"
+DRIVER_CATEGORY = "driver"
+PART_TID = 100  # beside the actions (thread 0) and the expert all-to-alls (threads from 1)
+
+BEFORE, ACTIONS, SYNC, CLIP, OPTIMIZER, END = ("before the actions", "actions", "gradient sync", "clip",
+                                               "optimizer", "end of the step")
+OUTBOUND, RETURN = "driver -> workers", "workers -> driver"
+MODELLED = {ACTIONS: "the schedule's makespan", SYNC: "the sync's tail (data parallelism)",
+            OPTIMIZER: "the optimizer (per parameter byte)"}  # the rest: calibrated as a time per step
+
+
+@dataclass
+class StepBreakdown:
+    """A measured step's parts in seconds, in order (they sum to `total`), and per rank what it spent."""
+
+    parts: list[tuple[str, float]]
+    per_rank: dict = field(default_factory=dict)  # rank -> {"compute", "messages", "idle", and each part's seconds}
+    driver: bool = False  # whether the trace has the driver's call (then total is the driver's step time)
+
+    @property
+    def total(self) -> float:
+        return sum(x for _, x in self.parts)
+
+    def part(self, name: str) -> float:
+        return sum(x for label, x in self.parts if label == name)
+
+    @property
+    def round_trip(self) -> float:
+        return self.part(OUTBOUND) + self.part(RETURN)
+
+    @property
+    def rest(self) -> float:
+        """What the cost model counts as a time per step: the parts but the actions, the sync and the optimizer."""
+        return self.total - sum(self.part(p) for p in MODELLED)
+
+    def as_dict(self) -> dict:
+        return {"parts": {k: v for k, v in self.parts}, "total": self.total, "driver": self.driver,
+                "per_rank": {str(r): v for r, v in self.per_rank.items()}}
+
+
+def _spans(raw: list, category: str) -> dict:
+    """{pid: [(name, start_us, end_us)]} of the B/E pairs of `category`, each E closing its thread's open B."""
+    open_: dict = defaultdict(list)
+    out: dict = defaultdict(list)
+    for e in raw:
+        if not isinstance(e, dict) or e.get("cat") != category:
+            continue
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "B":
+            open_[key].append(e)
+        elif e.get("ph") == "E" and open_[key]:
+            b = open_[key].pop()
+            out[e.get("pid")].append((b.get("name"), float(b["ts"]), float(e["ts"])))
+    return out
+
+
+def breakdown(trace: dict) -> StepBreakdown | None:
+    """The step of a trace.json's contents broken into its parts (the module docstring); None for a trace
+    without step parts (one from before they were recorded, or written from a simulation)."""
+    raw = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    parts_of = _spans(raw or [], PART_CATEGORY)
+    if not parts_of:
+        return None
+    actions: dict = defaultdict(list)
+    for e in raw:
+        if isinstance(e, dict) and e.get("ph") == "X" and "action" in (e.get("args") or {}):
+            actions[e.get("pid")].append((Action.parse(e["args"]["action"]), float(e["ts"]),
+                                          float(e["ts"]) + float(e["dur"])))
+    first = min(s for events in actions.values() for _, s, _ in events)
+    last = max(t for events in actions.values() for _, _, t in events)
+    driver = next(iter(_spans(raw, DRIVER_CATEGORY).values()), [])
+    ends = {name: max(t for spans in parts_of.values() for n, _, t in spans if n == name)
+            for name in (SYNC, CLIP, OPTIMIZER, END) if any(n == name for s in parts_of.values() for n, _, _ in s)}
+    start = min(s for spans in parts_of.values() for _, s, _ in spans)
+    chain = [(BEFORE, first), (ACTIONS, last)] + [(name, ends[name]) for name in (SYNC, CLIP, OPTIMIZER, END)
+                                                 if name in ends]
+    now, parts = start, []
+    if driver:
+        now, parts = driver[0][1], [(OUTBOUND, max(0.0, start - driver[0][1]))]
+        now = max(now, start)
+    for name, t in chain:
+        parts.append((name, max(0.0, t - now)))
+        now = max(now, t)
+    if driver:
+        parts.append((RETURN, driver[0][2] - now))  # negative only if the clocks disagree
+    per_rank = {}
+    for pid, spans in sorted(parts_of.items()):
+        events = actions.get(pid, [])
+        # a batch's sends and receives are events of one span each, and may run beside compute: their union
+        compute = _covered([(s, t) for a, s, t in events if a.kind.is_compute])
+        busy = _covered([(s, t) for _, s, t in events])
+        row = {"compute": compute / 1e6, "messages": (busy - compute) / 1e6, "idle": ((last - first) - busy) / 1e6}
+        for name, s, t in spans:
+            row[name] = row.get(name, 0.0) + (t - s) / 1e6
+        per_rank[pid] = row
+    return StepBreakdown([(name, x / 1e6) for name, x in parts], per_rank, bool(driver))
+
+
+def _covered(spans: list) -> float:
+    """The length of the union of (start, end) spans."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

@@ -18,6 +18,10 @@ tensor-parallel ones holding this rank's shard, under the same one-process param
     lm_head    column-parallel over the vocabulary (tied to the local wte shard when the slice
                holds both); the loss is vocab_parallel_cross_entropy, logits are never gathered
     LayerNorms (RMSNorms), wpe, row-parallel biases: replicated (identical on every tp rank)
+    attn.q_norm, attn.k_norm whole on every rank, their gradients partial whatever the sequence split
+               (partial_grad_params): qk_norm head (Qwen3): one [head_dim] gain for every head, this rank's
+               heads' part; qk_norm projection (OLMoE): over the whole q (k) projection, its mean square
+               summed over tp, and this rank's columns of the gain (ProjectionSliceRMSNorm)
     MoE layers (pipegpt.model.moe): attention as above; the feed-forward (router, shared and routed experts)
                whole on every rank (experts not tensor-parallel, Megatron's ETP 1): without sequence parallelism
                each rank computes it on the same tokens, with it on its own chunk (the aux loss's sums then
@@ -42,8 +46,8 @@ With sequence parallelism the LayerNorm/dropout/residual regions hold a sequence
 column-parallel layer all-gathers its input along the sequence (instead of copy_to_tp) and a
 row-parallel one reduce-scatters its output (instead of all-reduce); the embedding
 reduce-scatters and adds the position embeddings of its chunk. Every replicated parameter then
-gets a PARTIAL gradient (from its chunk only): `sequence_parallel_grad_params(slice)` lists them,
-for the caller to all-reduce (sum) over the tp group after backward.
+gets a PARTIAL gradient (from its chunk only): `partial_grad_params(slice)` lists them (and the
+per-head q/k norms' gains), for the caller to all-reduce (sum) over the tp group after backward.
 
 Dropout: tp ranks seed torch identically, so dropout in replicated regions draws one mask on all of
 them. In sharded regions (the attention probabilities of a rank's heads; under sequence parallelism
@@ -73,10 +77,11 @@ from pipegpt.config import ConfigError
 from pipegpt.model.gpt import GPT
 from pipegpt.model.split_backward import SplitLinear, add_bias, split_linear
 from pipegpt.tensor_parallel.collectives import (copy_to_tp, gather_from_sequence, group_size, reduce_from_tp,
-                                                 reduce_scatter_to_sequence, vocab_parallel_cross_entropy,
-                                                 vocab_parallel_token_losses)
+                                                 reduce_scatter_to_sequence, sum_used_by_all,
+                                                 vocab_parallel_cross_entropy, vocab_parallel_token_losses)
 from pipegpt.config import validate_tp
-from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, shard_tensor, tp_shard_spec
+from pipegpt.tensor_parallel.layout import (KV_DIM0, REPLICATED, qk_norm_param, kv_replicas, shard_tensor,
+                                            tp_shard_spec)
 from pipegpt.tensor_parallel.rng import ShardedDropout, sharded_region
 
 
@@ -169,6 +174,28 @@ def _vocab_parallel_head_output(logits, targets, vocab_start: int, vocab_size: i
     return vocab_parallel_cross_entropy(logits, targets, vocab_start, group, vocab_size=vocab_size)
 
 
+class ProjectionSliceRMSNorm(nn.Module):
+    """qk_norm projection (OLMoE's) on one tp rank: an RMSNorm over the whole q (or k) projection of which this
+    rank holds columns [start, start + width). The mean square is every rank's sum of squares, summed over tp
+    (sum_used_by_all: each rank's outputs depend on it, so its backward sums their gradients too); a kv head held
+    by `replicas` ranks is in that sum as many times, hence the division. The gain stays whole on every rank
+    (replicated, the size of one RMSNorm's) and this rank applies its columns: its gradient is zero elsewhere, so
+    the sum over tp of the ranks' gradients is the one-process gradient (pipegpt.parallelisms' partial sum)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float | None, start: int, width: int, replicas: int, group):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.eps = torch.finfo(torch.float32).eps if eps is None else eps
+        self.start, self.width, self.replicas, self.group = start, width, replicas, group
+
+    def forward(self, x):
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # at least fp32 (float64 stays)
+        squares = wide.pow(2).sum(-1, keepdim=True)
+        mean_square = sum_used_by_all(squares, self.group) / (self.replicas * self.weight.numel())
+        gain = self.weight[self.start:self.start + self.width]
+        return (wide * torch.rsqrt(mean_square + self.eps)).type_as(x) * gain
+
+
 @dataclass(frozen=True)
 class TPLayout:
     """Set as `slice.tensor_parallel` by shard_for_tp."""
@@ -233,6 +260,13 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
         return swap(ShardedDropout(old.p, tp_rank), old, "")
 
     kv_local = kv_local_heads(config, tp_size)  # kv heads of this rank: kv/tp, or one shared (tp a multiple of kv)
+    replicas = kv_replicas(kv, tp_size)
+
+    def projection_norm(old: nn.RMSNorm, prefix: str, heads: int, first: int, replicas: int) -> nn.Module:
+        hd = config.head_dim
+        new = ProjectionSliceRMSNorm(meta(*old.weight.shape), old.eps, first * hd, heads * hd, replicas, group)
+        return swap(new, old, prefix)
+
     kinds = layer_kinds(config)
     for i, block in module.blocks.items():
         for lin in block_linears(config, tp_size, kinds[int(i)]):  # each one's split and its shape on this rank
@@ -244,6 +278,11 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
             setattr(parent, leaf, row(old, name) if lin.split == ROW else column(old, name, lin.rows))
         block.attn.n_head //= tp_size
         block.attn.n_kv_head = kv_local
+        if config.qk_norm == "projection":  # this rank's q heads and kv heads of the whole projections
+            q_heads, attn = block.attn.n_head, block.attn
+            attn.q_norm = projection_norm(attn.q_norm, f"blocks.{i}.attn.q_norm", q_heads, tp_rank * q_heads, 1)
+            attn.k_norm = projection_norm(attn.k_norm, f"blocks.{i}.attn.k_norm", kv_local,
+                                          tp_rank // replicas * kv_local, replicas)
         block.attn.core_rng = functools.partial(sharded_region, tp_rank)  # this rank's heads: its own masks
         if sp:  # the residual branches' dropout sees this rank's sequence chunk
             block.attn.resid_drop, block.mlp.drop = own_masks(block.attn.resid_drop), own_masks(block.mlp.drop)
@@ -270,15 +309,17 @@ def shard_for_tp(module: GPT, tp_rank: int, tp_size: int, group, sequence_parall
     return module
 
 
-def sequence_parallel_grad_params(module: GPT) -> list[torch.Tensor]:
-    """The parameters whose gradients are partial under sequence parallelism (every replicated
-    one: LayerNorms, row-parallel biases, wpe): all-reduce (sum) their .grad over the tp group
-    after the step's backward (all B, or all I and W), before clipping and the optimizer.
-    Empty without sequence parallelism (replicated gradients are then already whole)."""
+def partial_grad_params(module: GPT) -> list[torch.Tensor]:
+    """The parameters whose gradients are partial on each tp rank: under sequence parallelism every
+    replicated one (LayerNorms, row-parallel biases, wpe), and with tp > 1 the per-head q/k norms'
+    gains (each rank's heads only): all-reduce (sum) their .grad over the tp group after the step's
+    backward (all B, or all I and W), before clipping and the optimizer. Empty otherwise (replicated
+    gradients are then already whole)."""
     layout = getattr(module, "tensor_parallel", None)
-    if layout is None or not layout.sequence_parallel:
+    if layout is None or layout.tp_size == 1:
         return []
-    return [p for name, p in module.named_parameters() if tp_shard_spec(name) == REPLICATED]
+    return [p for name, p in module.named_parameters() if tp_shard_spec(name) == REPLICATED
+            and (layout.sequence_parallel or qk_norm_param(name))]
 
 
 def replicated_kv_params(module: GPT) -> list[torch.Tensor]:

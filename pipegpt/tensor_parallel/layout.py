@@ -4,6 +4,7 @@
     shard_tensor / gather_full   one tensor: full -> rank r's shard, shards -> full
     shard_state_dict / gather_state_dicts   the same for whole state dicts
     kv_replicas(kv_heads, tp)    how many tp ranks share each key/value head (1 unless tp > kv_heads)
+    qk_norm_param(name)          a q/k norm's gain (replicated, its gradient partial over tp)
 
 Knows names and shapes, not the layers, the model or any communication: a checkpoint can
 reshard by name with it. It does not import torch at import time (torch is imported inside
@@ -50,9 +51,17 @@ _SPECS = (  # (name suffix, spec), first match wins; names are one-process names
     ("mlp.experts_gate", REPLICATED), ("mlp.experts_up", REPLICATED), ("mlp.experts_proj", REPLICATED),
     ("mlp.router.weight", REPLICATED), ("mlp.expert_bias", REPLICATED), ("mlp.shared.gate.weight", REPLICATED),
     ("mlp.shared.up.weight", REPLICATED), ("mlp.shared.proj.weight", REPLICATED),
-    # q/k RMSNorm (qk_norm): tp > 1 is refused with it, whole on every rank
+    # q/k RMSNorm (qk_norm): head's one [head_dim] gain for every head; projection's [n_head x head_dim] one whole
+    # too (the size of one RMSNorm's), each rank applying its heads' columns
     ("attn.q_norm.weight", REPLICATED), ("attn.k_norm.weight", REPLICATED),
 )
+QK_NORM_GAINS = ("attn.q_norm.weight", "attn.k_norm.weight")  # each tp rank applies them to its heads
+
+
+def qk_norm_param(name: str) -> bool:
+    """The parameter (by one-process name) is a q/k norm's gain: whole on every tp rank and applied to that rank's
+    heads only, so its gradient there is partial whatever the sequence split."""
+    return any(name == suffix or name.endswith("." + suffix) for suffix in QK_NORM_GAINS)
 
 
 def tp_shard_spec(name: str) -> str:

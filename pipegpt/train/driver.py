@@ -218,7 +218,9 @@ class Job(ClusterJob):
         self.step_times.extend(times)
         for results in per_step:
             for r in results:
-                r.events = shift_events(r.events, self.clock_offsets[r.rank])
+                offset = self.clock_offsets[r.rank]
+                if offset:  # one machine's ranks share this process's clock
+                    r.events, r.phases = shift_events(r.events, offset), shift_events(r.phases, offset)
         return list(zip(per_step, times))
 
     def _stalled(self, step: int, waited_s: float, threshold_s: float, count: int = 1) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 from pipegpt.config import TrainConfig, under_torchrun
 from pipegpt import run_files
 from pipegpt.engine.placement import resolve_device
-from pipegpt.train.progress import Clock, crowding, progress_line, summary_lines, unused_vocabulary
+from pipegpt.observe.progress import Clock, crowding, progress_line, summary_lines, unused_vocabulary
 from pipegpt.train.restart import drop_snapshots, exit_now, restart, restart_state
 from pipegpt.state.owner import release
 from pipegpt.train.run_dir import abandon_later, check_run_dir, move_aside, own_run_dir, resumed_run_dir

@@ -39,13 +39,14 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
         warm = len(job.step_times) >= COMPILE_STEPS  # the cold first steps run one a call, each with its deadline
         count = call_length(cfg, step, profiled, most if warm else 1)
         with profiling(job, profiled, range(step, step + count), log.run_dir / run_files.PROFILES):
-            cpu0 = time.process_time()
+            cpu0, sent = time.process_time(), time.perf_counter()
             done = job.steps(step, count)
+            call = (sent, time.perf_counter(), count)  # the trace's driver part (pipegpt.observe.step_time)
             cpu_per_s = (time.process_time() - cpu0) / max(sum(elapsed for _, elapsed in done), 1e-12)
         for results, elapsed in done:
             metrics = step_metrics(step + 1, results, cfg, elapsed, cpu_per_s * elapsed)
             if step in traced:
-                log.trace(results, job.plan, step + 1)
+                log.trace(results, job.plan, step + 1, call)
             after_step(job, log, step, results, metrics, history)
             history.append(metrics)
             on_step(metrics)
@@ -55,7 +56,7 @@ def train(job: Job, log: RunLog, on_step: Callable[[StepMetrics], None] = lambda
                 if step < cfg.runtime.steps:  # not said of steps that will never run
                     warn(line)
     if results is not None:
-        log.trace(results, job.plan)
+        log.trace(results, job.plan, None, call)  # trace.json: the last step
     return history
 
 

@@ -31,6 +31,7 @@ from pipegpt.model.moe import counted_once, end_step as end_moe_step, merge_stat
 from pipegpt.observe.clocks import clock_reading
 from pipegpt.observe.exchanges import recording_exchanges, resolved
 from pipegpt.observe.profile import Profiler
+from pipegpt.observe.step_time import StepPhases
 from pipegpt.observe.tensor_bytes import PeakTensorBytes, predicted_peak
 from pipegpt.resilience.faults import FaultHook
 from pipegpt.stages.runtime import OPTIMIZER_STEP
@@ -157,19 +158,22 @@ class Worker(Role):
                 p.grad = None
         inputs, targets, documents = self._batch(self.loader, step)
         record = step in self.recorded_steps
+        phases = StepPhases(t0)  # the step's parts outside its actions, for the trace (pipegpt.observe.step_time)
         runtime = engine.runtime
         peak = self.tensor_bytes.measure(runtime) if record else contextlib.nullcontext()
         with peak, recording_exchanges(engine.runtime.clock, on=record and self.cfg.parallel.ep > 1) as exchanges:
+            phases.mark("before the actions")
             result = engine.train_step(inputs, targets, record=record, documents=documents)
+            phases.mark("actions")
         runtime.now = engine.finishing()  # for where(): gradient all-reduces, clipping
         for sync in self.syncs:
             sync.reduce()
-        if record:
-            self.tensor_bytes.sample()
+        phases.mark("gradient sync")
         self.fault.after_gradients(number, result.losses, [(n, t) for n, t, _ in self.trained])
         grad_norm, finite, nonfinite_stages = self._clip_gradients(
             loss_finite=all(math.isfinite(loss) for loss in result.losses))
         runtime.launched(runtime.now)
+        phases.mark("clip")
         lr = lr_at(step, self.cfg.optim, self.cfg.runtime.steps)
         if finite:
             runtime.now = OPTIMIZER_STEP  # a GPU hung in the update is named so, not "finishing the step"
@@ -178,18 +182,23 @@ class Worker(Role):
             if self.dp is not None:
                 self.dp.after_update()
             runtime.launched(OPTIMIZER_STEP)
+        if record:  # the update's kernels inside its part (the step ends synchronized anyway)
+            engine.synchronize()
+        phases.mark("optimizer")
         moe = self._end_moe_step(finite)
         engine.synchronize()
         engine.runtime.now = None
+        phases.mark("end of the step")
         tensor_bytes = None
-        if record:
+        if record:  # after the phases' end: the count is no part of the step's time
             self.tensor_bytes.sample()  # the moments exist from the first update on
             tensor_bytes = {**self.tensor_bytes.result(), "predicted": self.predicted_peak}
         return WorkerStep(rank=self.rank, losses=result.losses, grad_norm=grad_norm, lr=lr,
                           peak_memory=engine.peak_memory(), device_name=engine.device_name, events=result.events,
                           compute_s=time.perf_counter() - t0, cpu_s=_process_cpu_s() - cpu0, applied=finite,
                           nonfinite_stages=nonfinite_stages, moe=moe,
-                          exchanges=resolved(exchanges, engine.runtime.clock), tensor_bytes=tensor_bytes)
+                          exchanges=resolved(exchanges, engine.runtime.clock),
+                          phases=phases.spans if record else [], tensor_bytes=tensor_bytes)
 
     def _held_tensors(self) -> dict:
         """The rank's state by kind (pipegpt.observe.tensor_bytes): the flat buffers, or each parameter and its

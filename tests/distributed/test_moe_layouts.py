@@ -14,7 +14,6 @@ import dataclasses
 import pytest
 import torch
 
-from pipegpt.config import ConfigError
 from pipegpt.model.moe import counted_once, merge_stats
 from pipegpt.train.driver import check
 
@@ -55,11 +54,11 @@ def test_moe_under_tp_and_cp_matches_one_process(workers, p, layout, model, fp32
     assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
 
 
-def test_moe_with_tp_and_cp_is_accepted_and_qk_norm_with_tp_still_refused():
+def test_moe_with_tp_and_cp_and_qk_norms_is_accepted():
     for changes in (dict(tp=2), dict(tp=2, sequence_parallel=True, ep=2), dict(cp=2, ep=2)):
         moe_config(2, **changes).validate({})
-    with pytest.raises(ConfigError, match="qk_norm=head with tp=2 is not supported yet"):
-        moe_config(2, dataclasses.replace(MOE, qk_norm="head"), tp=2).validate({})
+    for qk_norm in ("head", "projection"):  # Qwen3's, OLMoE's
+        moe_config(2, dataclasses.replace(MOE, qk_norm=qk_norm), tp=2).validate({})
 
 
 @pytest.mark.parametrize("sequence_parallel, dropped", [(False, 2.0), (True, 5.0)])

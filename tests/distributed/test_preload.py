@@ -178,3 +178,12 @@ def test_a_shared_servers_workers_die_with_the_driver_that_asked_for_them(shared
 
 def test_a_driver_without_a_shared_server_starts_its_own(tmp_path, monkeypatch):
     assert preload.Preloader.connect(str(tmp_path / "nobody.sock")) is None
+
+
+def test_a_driver_of_another_interpreter_is_refused(server, monkeypatch):
+    """A worker's sys.executable is its server's: a driver run by another interpreter (a virtual environment's
+    twin, a shared server's client) spawns its own, or its workers would look for py-spy beside the wrong one."""
+    monkeypatch.setattr(sys, "executable", "/elsewhere/bin/python")
+    refusal = server.fork(f"{TARGETS}:exit_with", [(0,)], ["pipegpt-rank0"], 60)
+    assert refusal.startswith("the driver's interpreter (/elsewhere/bin/python) is not the preload server's ("), \
+        refusal

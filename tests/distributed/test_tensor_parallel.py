@@ -22,7 +22,7 @@ from pipegpt.config import validate_tp
 from pipegpt.tensor_parallel import (DIM0, DIM1, KV_DIM0, QKV_DIM0, REPLICATED, gather_full, gather_state_dicts,
                                      kv_replicas, shard_state_dict, shard_tensor, tp_shard_spec)
 from pipegpt.tensor_parallel.collectives import scatter_to_sequence, vocab_parallel_cross_entropy
-from pipegpt.tensor_parallel.layers import (replicated_kv_params, sequence_parallel_grad_params, shard_for_tp,
+from pipegpt.tensor_parallel.layers import (replicated_kv_params, partial_grad_params, shard_for_tp,
                                             sum_replicated_kv_grads)
 
 TP = 2
@@ -142,7 +142,7 @@ def run_case(name: str, tp_rank: int = 0, tp_size: int = 1, group=None, bf16: bo
     else:
         out.backward(None if head else grad)
     if tp_size > 1:
-        for p in sequence_parallel_grad_params(model):
+        for p in partial_grad_params(model):
             dist.all_reduce(p.grad, group=group)
         sum_replicated_kv_grads(replicated_kv_params(model), group, cfg.kv_heads, tp_rank, tp_size)
     result["in_grad"] = None if embed else inp.grad.clone()
@@ -151,7 +151,7 @@ def run_case(name: str, tp_rank: int = 0, tp_size: int = 1, group=None, bf16: bo
     result["all_split_linear"] = all(isinstance(m, SplitLinear) for m in model.modules() if isinstance(m, torch.nn.Linear))
     result["tied_local"] = embed and head and model.lm_head.weight is model.wte.weight
     result["sp_params"] = sorted(n for n, p in model.named_parameters()
-                                 if any(p is q for q in sequence_parallel_grad_params(model)))
+                                 if any(p is q for q in partial_grad_params(model)))
     return result
 
 

@@ -24,7 +24,7 @@ from pipegpt.config import ModelConfig
 from pipegpt.model.gpt import GPT
 from pipegpt.state import rng
 from pipegpt.tensor_parallel import gather_full
-from pipegpt.tensor_parallel.layers import sequence_parallel_grad_params, shard_for_tp
+from pipegpt.tensor_parallel.layers import partial_grad_params, shard_for_tp
 
 TP, SEED = 2, 99
 CFG = ModelConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, n_embd=16, dropout=0.3)
@@ -78,7 +78,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         shard_for_tp(model, rank, TP, group, sequence_parallel=sp)
         rng.seed_rank(SEED, 0, 0, torch.device("cpu"))  # as a worker seeds: the same on both tp ranks
         result = train_step(model, Masks())
-        for p in sequence_parallel_grad_params(model):
+        for p in partial_grad_params(model):
             dist.all_reduce(p.grad, group=group)
         result["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         results[name] = result

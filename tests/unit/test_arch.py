@@ -33,7 +33,7 @@ SHAPES = {  # several shapes of each architecture: kv heads split and replicated
     "llama-wide-heads": ModelConfig(arch="llama", vocab_size=64, seq_len=16, n_layer=3, n_head=4, n_kv_head=2,
                                     n_embd=32, head_size=16, bias=False, tie_embeddings=False),  # Qwen3's 2x
     "llama-qk-norm": ModelConfig(arch="llama", vocab_size=64, seq_len=16, n_layer=3, n_head=4, n_kv_head=2,
-                                 n_embd=32, head_size=16, qk_norm="head", bias=False),  # refused at tp > 1
+                                 n_embd=32, head_size=16, qk_norm="head", bias=False),  # gains whole on each tp rank
 }
 SLICES = [(range(0, 3), True, True), (range(0, 1), True, False), (range(1, 2), False, False),
           (range(1, 3), False, True), (range(0, 0), False, True)]

@@ -52,8 +52,6 @@ def test_bad_values_are_refused_in_one_line(args, fragments):
 def test_the_cli_refuses_before_any_worker_starts():
     assert_one_line_error(invoke("run", "--model", "tiny-moe", "--n-experts-per-token", "9"),
                           "n_experts_per_token=9 is above n_experts=8")
-    assert_one_line_error(invoke("run", "--model", "tiny-moe", "--tp", "2", "--qk-norm", "head"),
-                          "qk_norm=head with tp=2 is not supported yet")
 
 
 def test_the_planners_run_command_builds_the_same_moe():

@@ -17,7 +17,7 @@ from pipegpt.observe.exchanges import ExchangeRecorder, recording_exchanges, res
 from pipegpt.observe.metrics import StepMetrics, json_line, tensorboard_scalars
 from pipegpt.observe.plot import plot_runs
 from pipegpt.stages.timing import HostClock
-from pipegpt.train.progress import progress_line
+from pipegpt.observe.progress import progress_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

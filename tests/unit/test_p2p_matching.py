@@ -175,7 +175,7 @@ def _costs(name: str, p: int, head: int, comm=0) -> Costs:
 # receives costs its rank the latency where tag's consumer would start the moment its predecessor ends. Deferring that wait to the compute that needs the
 # message (as torch.distributed.pipelining does) is the runtime's to change, and with it the lowering's places.
 LATENCY_LIMITS = {"gpipe": 1.19, "1f1b": 1.03, "interleaved-1f1b": 1.35, "zb-h1": 1.10, "zbv": 1.16,
-                  "dualpipev": 1.27, "auto": 1.14, "auto-v": 1.32}
+                  "dualpipev": 1.27, "auto": 1.10, "auto-v": 1.31, "1f1b-overlap": 1.06}
 LATENCIES = (0.05, 0.1, 0.2)
 
 

@@ -3,6 +3,7 @@
 layers' own lists), who owns and counts what, and the planner's gradient group, all read from it."""
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from pipegpt.dims import GROUP_AXES, Sharding
 from pipegpt.engine.parallelize import Parallelized, parallelize
 from pipegpt.model.gpt import GPT
 from pipegpt.parallelisms import GRADIENT_AXES, ORDER, stage_parallelism
-from pipegpt.tensor_parallel.layers import TPLayout, replicated_kv_params, sequence_parallel_grad_params
+from pipegpt.tensor_parallel.layers import TPLayout, replicated_kv_params, partial_grad_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,6 +43,21 @@ def test_the_sums_a_layout_needs(sharding, kv_heads, sums):
     assert layout.gradient_ranks == sharding.dp * sharding.cp
 
 
+@pytest.mark.parametrize("qk_norm", ["head", "projection"])
+@pytest.mark.parametrize("sp, rule", [(False, "qk-norms"), (True, "replicated")])
+def test_qk_norm_gains_are_summed_over_tp_with_or_without_sequence_parallelism(sp, rule, qk_norm):
+    """The gains are whole on every tp rank, each applying them to its own heads: one sum over tp, of the gains
+    alone without sequence parallelism, among every replicated parameter with it (never twice)."""
+    layout = stage_parallelism(Sharding(tp=4, sequence_parallel=sp), kv_heads=2, qk_norm=qk_norm)
+    assert [(r.name, r.group, r.params) for r in layout.reductions] == [("partial", "tp", rule),
+                                                                        ("shared kv", "tp", "shared-kv")]
+    assert layout.partial("blocks.0.attn.q_norm.weight") and layout.partial("blocks.3.attn.k_norm.weight")
+    assert layout.partial("blocks.0.ln1.weight") == sp and not layout.partial("blocks.0.attn.k.weight")
+    assert [layout.counted("blocks.0.attn.k_norm.weight", r) for r in range(4)] == [True, False, False, False]
+    assert stage_parallelism(Sharding(tp=4), kv_heads=2).reductions[0].name == "shared kv"  # no gains: no sum
+    assert not stage_parallelism(Sharding(dp=2), qk_norm="head").partial("blocks.0.attn.q_norm.weight")
+
+
 def test_the_planner_reads_the_same_gradient_group():
     for sharding in (Sharding(dp=2, cp=3), Sharding(dp=4, tp=2), Sharding(cp=2, pp=4)):
         assert memory.gradient_group(sharding) == stage_parallelism(sharding).gradient_ranks \
@@ -59,18 +75,22 @@ def test_the_gradient_sum_runs_over_the_mesh_group_of_its_axes():
     assert groups[0] == [0, 2, 8, 10]  # rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i
 
 
-@pytest.mark.parametrize("tp, sp", [(2, True), (4, False), (4, True)])
-def test_the_parameters_each_sum_takes_are_the_tp_layers(tp, sp):
+@pytest.mark.parametrize("tp, sp, qk_norm", [(2, True, "none"), (4, False, "none"), (4, True, "none"),
+                                             (2, False, "head"), (4, True, "head"), (4, False, "projection")])
+def test_the_parameters_each_sum_takes_are_the_tp_layers(tp, sp, qk_norm):
     """The description's rules pick, by name, what tensor_parallel.layers' own lists pick on a slice."""
-    module = GPT(LLAMA, init_seed=0)
+    model = dataclasses.replace(LLAMA, qk_norm=qk_norm)
+    module = GPT(model, init_seed=0)
     module.tensor_parallel = TPLayout(0, tp, sp)  # the lists read only this (no group needed)
-    layout = stage_parallelism(Sharding(tp=tp, sequence_parallel=sp), LLAMA.kv_heads)
+    layout = stage_parallelism(Sharding(tp=tp, sequence_parallel=sp), LLAMA.kv_heads, qk_norm=qk_norm)
     names = {id(p): n for n, p in module.named_parameters()}
     record = Parallelized(module, layout)
     assert [names[id(p)] for p in record.partial_params()] == [names[id(p)] for p in
-                                                               sequence_parallel_grad_params(module)]
+                                                               partial_grad_params(module)]
     assert [names[id(p)] for p in record.shared_kv_params()] == [names[id(p)] for p in replicated_kv_params(module)]
-    assert bool(record.partial_params()) == sp
+    assert bool(record.partial_params()) == (sp or qk_norm != "none")
+    gains = [n for n in map(names.get, map(id, record.partial_params())) if "_norm." in n]
+    assert len(gains) == (0 if qk_norm == "none" else 4)  # q_norm, k_norm of two blocks, with or without sp
     assert len(record.shared_kv_params()) == (4 if tp == 4 else 0)  # attn.k, attn.v weights of two blocks
 
 

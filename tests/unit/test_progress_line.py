@@ -1,7 +1,7 @@
 """The `pipegpt run` progress line: elapsed time and the time left at the pace of the steps after the first."""
 from types import SimpleNamespace
 
-from pipegpt.train.progress import Clock, duration, progress_line
+from pipegpt.observe.progress import Clock, duration, progress_line
 
 
 def _m(step):  # step: its number, from 1

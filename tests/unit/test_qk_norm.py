@@ -127,9 +127,11 @@ def test_bad_values_are_refused_in_one_line(args, fragment):
     assert fragment in line and "\n" not in line, line
 
 
-def test_qk_norm_with_tensor_parallelism_is_refused():
-    with pytest.raises(ConfigError, match="qk_norm=head with tp=2 is not supported yet"):
-        validate_tp(dataclasses.replace(WIDE, qk_norm="head"), 2)
+def test_qk_norms_split_over_tp_as_their_heads_do():
+    for qk_norm in ("head", "projection"):  # whole heads per tp rank; the gains whole on each
+        validate_tp(dataclasses.replace(WIDE, qk_norm=qk_norm), 2)
+    with pytest.raises(ConfigError, match="n_head=4 is not divisible by tp=3"):
+        validate_tp(dataclasses.replace(WIDE, qk_norm="projection"), 3)
     validate_tp(WIDE, 2)  # an explicit head width alone splits by whole heads
     with pytest.raises(ConfigError, match="qk_norm='rms' is not valid"):
         dataclasses.replace(WIDE, qk_norm="rms").validate()
