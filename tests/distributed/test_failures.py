@@ -23,6 +23,7 @@ import time
 import pytest
 
 from helpers import PIPEGPT, ROOT, clean_env, proc_cmdline
+from pipegpt.comm import preload
 
 FAULT_STEP = 3  # counted from 1: steps 1 and 2 run, the third fails at its start
 LIMIT_S = 60.0  # whole command, startup included
@@ -74,6 +75,8 @@ class Job:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None):
         self.t0 = time.monotonic()
+        env = dict(os.environ if env is None else env)
+        env.pop(preload.SHARED_ADDRESS, None)  # its own preload server: the workers are then its family, watched
         self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
         self.pgid = self.proc.pid  # start_new_session: the child leads a new process group
