@@ -82,14 +82,15 @@ def test_expert_memory_divides_by_ep_and_shards_over_edp():
     one = [(range(0, 1), False, False)]
     assert memory_model.parameter_count(MOE_MODEL, range(0, 1), False, False) == 87_296 + 294_912
     assert memory_model.expert_parameter_count(MOE_MODEL, range(0, 1)) == 294_912
-    # dp 4, ZeRO-1, ep 4 (edp 1): the rest P = 87,296 with S = 21,824 -> weights P, gradients P + S, moments 2S;
-    # experts 294,912 / 4 = 73,728 on the rank, unsharded (edp 1): 73,728, 73,728, 147,456; fp32, 4 bytes each
+    # dp 4, ZeRO-1, ep 4 (edp 1): the rest P = 87,296 with S = 21,824 -> weights P, gradients P (the
+    # reduce-scatter writes into the rank's own chunks of the full buffer), moments 2S; experts 294,912 / 4 = 73,728
+    # on the rank, unsharded (edp 1): 73,728, 73,728, 147,456; fp32, 4 bytes each
     x = memory_model.state_bytes(MOE_MODEL, one, sharding=carve(Sharding(dp=4, zero=1), 4), precision="fp32")
     assert (x.parameters, x.weights, x.gradients, x.optimizer) == (
-        87_296 + 73_728, 4 * 161_024, 4 * (109_120 + 73_728), 4 * (43_648 + 147_456))
-    # ep 2 (edp 2): experts 147,456 on the rank, shard 73,728: gradients 147,456 + 73,728, moments 147,456
+        87_296 + 73_728, 4 * 161_024, 4 * (87_296 + 73_728), 4 * (43_648 + 147_456))
+    # ep 2 (edp 2): experts 147,456 on the rank, shard 73,728: gradients 147,456, moments 2 x 73,728
     x = memory_model.state_bytes(MOE_MODEL, one, sharding=carve(Sharding(dp=4, zero=1), 2), precision="fp32")
-    assert (x.weights, x.gradients, x.optimizer) == (4 * (87_296 + 147_456), 4 * (109_120 + 221_184),
+    assert (x.weights, x.gradients, x.optimizer) == (4 * (87_296 + 147_456), 4 * (87_296 + 147_456),
                                                      4 * (43_648 + 147_456))
     assert expert_replicas(carve(Sharding(dp=4, tp=2), 4)) == 2  # dp x cp x tp / ep
     # the planner's per-stage count: the routed part divided by ep (its .experts)
