@@ -83,6 +83,7 @@ def test_a_nan_loss_is_named_with_its_rank_and_stage(tmp_path):
     assert rows(run)[-1]["loss"] is None
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_non_finite_gradients_are_named_where_they_appeared(tmp_path):
     proc = pipegpt_run(tmp_path / "run", "--stages", "2", "--microbatches", "2", "--steps", "3",
                        fault="nan-grad:0:2")

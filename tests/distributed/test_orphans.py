@@ -99,6 +99,7 @@ def _end(family: dict[int, int], driver: subprocess.Popen) -> None:
         driver.wait(timeout=10)
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 @pytest.mark.parametrize("after_s", [0.0, 1.5], ids=["at-once", "while-importing"])
 def test_killing_the_driver_while_workers_start_leaves_no_process(tmp_path, after_s):
     """after_s: how long after the first worker process exists the driver is killed (at once: before the

@@ -262,6 +262,7 @@ def _check_layout(layout, measured) -> list:
     return bad
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_activation_peaks_match_the_replay():
     bad = []
     with one_thread():

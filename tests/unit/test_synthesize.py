@@ -230,6 +230,7 @@ def random_plan(placement, m, rng):
     return Plan("random", m, placement, tuple(map(tuple, ranks)))
 
 
+@pytest.mark.slow  # the default suite's time (issue 43); its claim has a faster test there
 def test_lower_bound_never_exceeds_any_plans_makespan_at_its_own_peak_memory():
     """Every fixed schedule, the synthesized ones at every memory limit and random valid orders: the bound for
     the plan's own peak live memory is never above the plan's makespan."""
