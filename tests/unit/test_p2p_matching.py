@@ -170,12 +170,12 @@ def _costs(name: str, p: int, head: int, comm=0) -> Costs:
 
 
 # Order over tag at comm 0.05-0.2 of a forward, as lowered now; the most over every p 2..8, m p..4p, unit costs
-# and the heavy head (measured; a bound, not a goal). test_with_latency_each_batch_of_receives_costs_its_rank_the_latency
+# and the heavy head (measured; a bound, not a goal; dualpipev with real pairs: 1.326 at p 8, m 32, comm 0.2). test_with_latency_each_batch_of_receives_costs_its_rank_the_latency
 # says why it cannot be 1: a receive is waited for before the compute after its batch, so each batch of
 # receives costs its rank the latency where tag's consumer would start the moment its predecessor ends. Deferring that wait to the compute that needs the
 # message (as torch.distributed.pipelining does) is the runtime's to change, and with it the lowering's places.
 LATENCY_LIMITS = {"gpipe": 1.19, "1f1b": 1.03, "interleaved-1f1b": 1.35, "zb-h1": 1.10, "zbv": 1.16,
-                  "dualpipev": 1.27, "auto": 1.10, "auto-v": 1.31, "1f1b-overlap": 1.06}
+                  "dualpipev": 1.33, "auto": 1.10, "auto-v": 1.31, "1f1b-overlap": 1.06}
 LATENCIES = (0.05, 0.1, 0.2)
 
 
