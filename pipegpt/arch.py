@@ -112,8 +112,9 @@ class LayerKind:
 
 
 def _active_dense(model):
-    """An MoE block's costs: a dense SwiGLU block as wide as a token's active experts (top-k and shared), the
-    router's linear added by block_linears; its parameters are block_shapes' (every expert)."""
+    """An MoE block's costs: a dense block of the architecture's MLP (SwiGLU or GELU) as wide as a token's active
+    experts (top-k and shared), the router's linear added by block_linears; its parameters are block_shapes' (every
+    expert)."""
     active = (model.experts_per_token + model.n_shared_experts) * model.expert_width
     return dataclasses.replace(model, ffn_hidden=active, expert_hidden=model.expert_width)
 
@@ -252,13 +253,14 @@ def _qk_norm_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _moe_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
-    """pipegpt.model.moe.MoE's parameters: the stacked experts, the router, the shared experts' SwiGLU."""
+    """pipegpt.model.moe.MoE's parameters: the stacked experts, the router, the shared experts. Experts are the
+    architecture's MLP without biases: SwiGLU's gate, up, proj; GELU's fc, proj."""
     E, C, H, S = model.n_experts, model.n_embd, model.expert_width, model.n_shared_experts * model.expert_width
-    out = [("mlp.experts_gate", (E, H, C)), ("mlp.experts_up", (E, H, C)), ("mlp.experts_proj", (E, C, H)),
+    inputs = ("gate", "up") if ARCHITECTURES[model.arch].gated_mlp else ("fc",)
+    out = [*((f"mlp.experts_{n}", (E, H, C)) for n in inputs), ("mlp.experts_proj", (E, C, H)),
            ("mlp.router.weight", (E, C))]
     if S:
-        out += [("mlp.shared.gate.weight", (S, C)), ("mlp.shared.up.weight", (S, C)),
-                ("mlp.shared.proj.weight", (C, S))]
+        out += [*((f"mlp.shared.{n}.weight", (S, C)) for n in inputs), ("mlp.shared.proj.weight", (C, S))]
     return out
 
 

@@ -183,8 +183,6 @@ class ModelConfig:
             if router:
                 raise ConfigError(f"{', '.join(router)} set on a model without experts: give n_experts too")
             return
-        if not self.architecture.gated_mlp:
-            raise ConfigError(f"experts are SwiGLU: n_experts={self.n_experts} needs arch llama, not {self.arch}")
         for name in ("n_experts_per_token", "expert_hidden", "moe_every"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pipegpt.dims import GROUP_AXES, REPLICAS, Sharding, expert_axes
 from pipegpt.tensor_parallel.layout import KV_DIM0, REPLICATED, kv_replicas, qk_norm_param, tp_shard_spec
 
-EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_proj")  # pipegpt.model.moe's stacked [E, ...] experts
+EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_fc", "experts_proj")  # pipegpt.model.moe's stacked experts
 ORDER = ("tp", "ep", "cp", "recompute", "compile", "dp")  # how a stage is parallelized, first to last
 GRADIENT_AXES = GROUP_AXES[REPLICAS]  # the ranks of a stage that average its gradients: comm.mesh's REPLICAS group
 

@@ -7,7 +7,7 @@ import functools
 import torch.nn as nn
 
 from pipegpt.expert_parallel.dispatch import ExpertGroup
-from pipegpt.model.moe import EXPERT_PARAMS, MoE, block_steps, moe_layers
+from pipegpt.model.moe import MoE, block_steps, moe_layers
 
 
 def shard_for_ep(module: nn.Module, ep: ExpertGroup) -> None:
@@ -21,7 +21,7 @@ def shard_for_ep(module: nn.Module, ep: ExpertGroup) -> None:
         if layer.n_experts % ep.size:
             raise ValueError(f"{layer.n_experts} experts do not divide over ep = {ep.size}")
         mine = ep.local_experts(layer.n_experts)
-        for name in EXPERT_PARAMS:
+        for name in layer.expert_names:
             full = getattr(layer, name)
             setattr(layer, name, nn.Parameter(full.data[mine].clone(), requires_grad=full.requires_grad))
         layer.expert_parallel = ep

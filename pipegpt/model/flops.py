@@ -43,7 +43,10 @@ def active_block_parameters(model: ModelConfig, kind: LayerKind = DENSE) -> int:
     and the shared ones (a dense block as wide as those, and the router)."""
     if kind is not MOE:
         return block_parameters(model, kind)
-    return block_parameters(kind.block_model(model)) + model.n_experts * model.n_embd
+    dense = kind.block_model(model)
+    # experts have no biases (pipegpt.model.moe): the dense MLP's, with bias (GPT-2's), are not met
+    biases = sum(lin.rows for lin in block_linears(dense) if lin.bias and lin.name.startswith("mlp."))
+    return block_parameters(dense) + model.n_experts * model.n_embd - biases
 
 
 def flops_per_token(model: ModelConfig) -> int:

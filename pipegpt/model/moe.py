@@ -3,9 +3,11 @@
     router       a linear C -> E (mlp.router.weight); scores softmax or sigmoid of its logits; each token goes to
                  its top-k experts by score (plus, for selection only, the load-balancing bias), weighted by its
                  scores there (renormalised to sum to 1 with norm_topk_prob)
-    experts      E SwiGLU experts of width expert_hidden, stacked: mlp.experts_gate and mlp.experts_up [E, H, C],
-                 mlp.experts_proj [E, C, H]
-    shared       n_shared_experts always-active SwiGLU experts as one of width n_shared x H (mlp.shared.*)
+    experts      E experts of width expert_hidden, each the architecture's own MLP without biases (as Megatron-Core
+                 builds its experts from the model's MLP and DeepSpeed-MoE wraps it): SwiGLU (Llama), stacked as
+                 mlp.experts_gate and mlp.experts_up [E, H, C] and mlp.experts_proj [E, C, H]; or GELU (GPT-2),
+                 mlp.experts_fc [E, H, C] and mlp.experts_proj [E, C, H]
+    shared       n_shared_experts always-active experts as one of width n_shared x H (mlp.shared.*), of the same MLP
     capacity     moe_capacity_factor 0: dropless; else each expert takes at most ceil(factor x N x k / E) of a
                  call's N tokens' assignments, in token order, and drops (counts) the rest
     experts over ep ranks (pipegpt.expert_parallel): a layer then holds its ep rank's E/ep experts and
@@ -39,7 +41,9 @@ from torch.utils.checkpoint import checkpoint
 
 from pipegpt.model.split_backward import SplitLinear
 
-EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_proj")  # stacked [E, ...]: cut over ep along dim 0
+# Stacked [E, ...], cut over ep along dim 0: a SwiGLU layer's, a GELU layer's (MoE.expert_names: one layer's)
+SWIGLU_EXPERTS, GELU_EXPERTS = ("experts_gate", "experts_up", "experts_proj"), ("experts_fc", "experts_proj")
+EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_fc", "experts_proj")
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -55,26 +59,32 @@ def use_grouped_mm(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-def expert_outputs(x: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor, proj: torch.Tensor,
+def expert_outputs(x: torch.Tensor, counts: list[int], *weights: torch.Tensor,
                    grouped: bool | None = None) -> torch.Tensor:
-    """Each expert's SwiGLU of its tokens: x [sum(counts), C] sorted by expert (counts[e] rows for expert e),
-    gate and up [E, H, C], proj [E, C, H] -> [sum(counts), C]. grouped: force the path (None: use_grouped_mm)."""
+    """Each expert's MLP of its tokens: x [sum(counts), C] sorted by expert (counts[e] rows for expert e); weights
+    gate, up [E, H, C] and proj [E, C, H] (SwiGLU) or fc [E, H, C] and proj (GELU) -> [sum(counts), C].
+    grouped: force the path (None: use_grouped_mm)."""
+    *inputs, proj = weights
     if grouped is None:
         grouped = use_grouped_mm(x)
     if grouped:
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         dtype = compute_dtype(x)
-        x, w = x.to(dtype), [t.to(dtype) for t in (gate, up, proj)]
-        hidden = (F.silu(torch._grouped_mm(x, w[0].transpose(1, 2), offs=offs))
-                  * torch._grouped_mm(x, w[1].transpose(1, 2), offs=offs))
-        return torch._grouped_mm(hidden, w[2].transpose(1, 2), offs=offs)
-    outs = [F.linear(F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e]), proj[e])
+        x = x.to(dtype)
+        hidden = _activation([torch._grouped_mm(x, w.to(dtype).transpose(1, 2), offs=offs) for w in inputs])
+        return torch._grouped_mm(hidden, proj.to(dtype).transpose(1, 2), offs=offs)
+    outs = [F.linear(_activation([F.linear(xe, w[e]) for w in inputs]), proj[e])
             for e, xe in enumerate(x.split(counts)) if counts[e]]
     if outs:
         return torch.cat(outs)
     # No rows (an ep rank whose experts got no token): still a function of x, so the autograd graph, and the
     # all-to-alls in its backward, are every rank's alike
     return x[:, :0].sum() + x.new_zeros(0, proj.size(1))
+
+
+def _activation(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The hidden layer from the input matmuls' outputs: silu(gate) * up (SwiGLU), or GPT-2's tanh GELU of fc."""
+    return F.silu(inputs[0]) * inputs[1] if len(inputs) == 2 else F.gelu(inputs[0], approximate="tanh")
 
 
 class _InjectAuxLoss(torch.autograd.Function):
@@ -96,14 +106,21 @@ def inject_aux_loss(hidden: torch.Tensor, aux: torch.Tensor, scale: float) -> to
     return _InjectAuxLoss.apply(hidden, aux, scale)
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, C: int, hidden: int):
+class SharedExperts(nn.Module):
+    """The always-active experts, as one MLP of the architecture's kind without biases: SwiGLU (gate, up, proj)
+    or GELU (fc, proj)."""
+
+    def __init__(self, C: int, hidden: int, gated: bool):
         super().__init__()
-        self.gate, self.up = SplitLinear(C, hidden, bias=False), SplitLinear(C, hidden, bias=False)
+        if gated:
+            self.gate, self.up = SplitLinear(C, hidden, bias=False), SplitLinear(C, hidden, bias=False)
+        else:
+            self.fc = SplitLinear(C, hidden, bias=False)
         self.proj = SplitLinear(hidden, C, bias=False)
 
     def forward(self, x):
-        return self.proj(F.silu(self.gate(x)) * self.up(x))
+        inputs = [self.gate, self.up] if hasattr(self, "gate") else [self.fc]
+        return self.proj(_activation([linear(x) for linear in inputs]))
 
 
 class MoE(nn.Module):
@@ -115,10 +132,11 @@ class MoE(nn.Module):
         self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
         self.capacity_factor = config.moe_capacity_factor
         self.router = SplitLinear(C, E, bias=False)
-        self.experts_gate = nn.Parameter(torch.empty(E, H, C))
-        self.experts_up = nn.Parameter(torch.empty(E, H, C))
-        self.experts_proj = nn.Parameter(torch.empty(E, C, H))
-        self.shared = SwiGLU(C, config.n_shared_experts * H) if config.n_shared_experts else None
+        gated = config.architecture.gated_mlp
+        self.expert_names = SWIGLU_EXPERTS if gated else GELU_EXPERTS  # the inputs' [E, H, C], then proj's
+        for name in self.expert_names:
+            setattr(self, name, nn.Parameter(torch.empty((E, C, H) if name == "experts_proj" else (E, H, C))))
+        self.shared = SharedExperts(C, config.n_shared_experts * H, gated) if config.n_shared_experts else None
         self.drop = nn.Dropout(config.dropout)
         self.register_buffer("expert_bias", torch.zeros(E))
         # Since the last end_step: assignments each expert took, assignments dropped, the aux losses' sum and calls
@@ -187,7 +205,7 @@ class MoE(nn.Module):
 
     def experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on rows sorted by them, counts[e] rows for (local) expert e."""
-        return expert_outputs(rows, counts, self.experts_gate, self.experts_up, self.experts_proj)
+        return expert_outputs(rows, counts, *(getattr(self, name) for name in self.expert_names))
 
     def weigh(self, y: torch.Tensor, a: "Assignments", n_tokens: int) -> torch.Tensor:
         """The experts' outputs y (rows as a.tokens) weighted and summed per token: [n_tokens, C]."""

@@ -49,6 +49,7 @@ _SPECS = (  # (name suffix, spec), first match wins; names are one-process names
     # MoE (pipegpt.model.moe): not tensor-parallel (Megatron's ETP 1), whole on every rank (with ep over tp under
     # sequence parallelism, the experts are each tp rank's own ep slice: pipegpt.parallelisms)
     ("mlp.experts_gate", REPLICATED), ("mlp.experts_up", REPLICATED), ("mlp.experts_proj", REPLICATED),
+    ("mlp.experts_fc", REPLICATED), ("mlp.shared.fc.weight", REPLICATED),  # GPT-2's GELU experts
     ("mlp.router.weight", REPLICATED), ("mlp.expert_bias", REPLICATED), ("mlp.shared.gate.weight", REPLICATED),
     ("mlp.shared.up.weight", REPLICATED), ("mlp.shared.proj.weight", REPLICATED),
     # q/k RMSNorm (qk_norm): head's one [head_dim] gain for every head; projection's [n_head x head_dim] one whole

@@ -201,7 +201,8 @@ def family_of(model: ModelConfig) -> Family:
     computes."""
     family = next(f for f in FAMILIES.values() if f.qk_norm == model.qk_norm)
     kinds = layer_kinds(model)
-    why = [(model.bias or model.qkv_bias, "biases"), (model.n_shared_experts, "shared experts"),
+    why = [(model.arch != "llama", "GPT-2-style blocks"), (model.bias or model.qkv_bias, "biases"),
+           (model.n_shared_experts, "shared experts"),
            (model.router_score != "softmax", f"{model.router_score} router scores"),
            (family.always_normalised and not model.norm_topk_prob, "top-k weights not renormalised"),
            (family.model_type != "qwen3_moe" and MOE in kinds and len(set(kinds)) > 1, "dense layers"),

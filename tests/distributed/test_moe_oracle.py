@@ -28,6 +28,11 @@ MOE = ModelConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, n_kv_head=2, 
                   arch="llama", bias=False, tie_embeddings=False, n_experts=4, n_experts_per_token=2,
                   n_shared_experts=1, expert_hidden=32, first_dense_layers=1, router_aux_loss_coef=0.01,
                   router_bias_update_rate=1e-3)
+# GPT-2-style blocks: LayerNorm, learned positions, fused q/k/v, biases and tied embeddings; GELU experts (the
+# architecture's MLP, without biases)
+GPT2_MOE = ModelConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, n_embd=32, arch="gpt2", bias=True,
+                       tie_embeddings=True, n_experts=4, n_experts_per_token=2, n_shared_experts=1, expert_hidden=32,
+                       first_dense_layers=1, router_aux_loss_coef=0.01, router_bias_update_rate=1e-3)
 
 
 def moe_config(p: int, model: ModelConfig = MOE, **changes) -> TrainConfig:
@@ -54,7 +59,8 @@ def reference(cfg: TrainConfig, steps: int):
             set_aux_loss_scale(model, 1 / len(chunks))
             losses = []
             for xm, ym in chunks:
-                loss = model(xm, ym)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.runtime.precision == "bf16"):
+                    loss = model(xm, ym)
                 (loss / len(chunks)).backward()
                 losses.append(loss.item())
             if cfg.optim.grad_clip > 0:
@@ -134,6 +140,39 @@ def test_moe_with_experts_over_ep_ranks_matches_one_process(workers, p, dp, ep, 
     host = workers(cfg)
     assert_moe_matches(cfg, host, steps=1)
     assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
+
+
+# On 4 ranks, ep 2 x pp 2 (dp 2): GPT-2-style blocks; order matching (NCCL's, the CUDA control path, run on gloo:
+# sends in the plan's places, the all-to-alls between them); the synthesized schedule. One order-matched and one
+# GPT-2 case in the default suite (fp32 step only: the grid's workers start once for both), the rest slow.
+GRID_CASES = [pytest.param(dict(p2p_matching="order"), MOE, False, id="ep2-dp2-pp2-order"),
+              pytest.param({}, GPT2_MOE, False, id="gpt2-ep2-dp2-pp2"),
+              pytest.param({}, GPT2_MOE, True, id="gpt2-ep2-dp2-pp2-fp64", marks=pytest.mark.slow),
+              pytest.param(dict(schedule="zb-h1", zero=3), GPT2_MOE, True, id="gpt2-ep2-dp2-pp2-zb-h1-zero3",
+                           marks=pytest.mark.slow),
+              pytest.param(dict(p2p_matching="order"), MOE, True, id="ep2-dp2-pp2-order-fp64", marks=pytest.mark.slow),
+              pytest.param(dict(p2p_matching="order", schedule="zb-h1"), MOE, True, id="ep2-dp2-pp2-order-zb-h1",
+                           marks=pytest.mark.slow),
+              pytest.param(dict(p2p_matching="order", schedule="zb-h1", zero=3), MOE, True,
+                           id="ep2-dp2-pp2-order-zb-h1-zero3", marks=pytest.mark.slow),
+              pytest.param(dict(p2p_matching="order", recompute="full"), NO_AUX_Z_LOSS, True,
+                           id="ep2-dp2-pp2-order-recompute-z-loss", marks=pytest.mark.slow),
+              pytest.param(dict(p2p_matching="order"), GPT2_MOE, True, id="gpt2-ep2-dp2-pp2-order",
+                           marks=pytest.mark.slow),
+              pytest.param(dict(schedule="auto"), MOE, True, id="ep2-dp2-pp2-auto", marks=pytest.mark.slow),
+              pytest.param(dict(schedule="auto", p2p_matching="order"), MOE, True, id="ep2-dp2-pp2-auto-order",
+                           marks=pytest.mark.slow),
+              pytest.param(dict(schedule="auto"), GPT2_MOE, True, id="gpt2-ep2-dp2-pp2-auto", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("changes, model, fp64", GRID_CASES)
+def test_moe_over_ep_and_stages_matches_one_process(workers, changes, model, fp64):  # noqa: F811
+    cfg = moe_config(2, model, dp=2, ep=2, **changes)
+    check(cfg)
+    host = workers(cfg)
+    assert_moe_matches(cfg, host, steps=1)
+    if fp64:
+        assert_moe_matches(cfg.replace(dtype="float64"), host, steps=3)
 
 
 @pytest.mark.slow
