@@ -17,7 +17,7 @@ import torch
 from pipegpt.model.moe import counted_once, merge_stats
 from pipegpt.train.driver import check
 
-from test_moe_oracle import MOE, _restored, _saved, assert_moe_matches, moe_config
+from test_moe_oracle import GPT2_MOE, MOE, _restored, _saved, assert_moe_matches, moe_config
 from test_pipeline_oracle import workers  # noqa: F401 (a fixture)
 
 Z_LOSS = dataclasses.replace(MOE, router_aux_loss_coef=0.0, router_z_loss_coef=1e-3)
@@ -28,6 +28,7 @@ slow = pytest.mark.slow
 # gradients too), for time; its slow twin adds the fp32 step
 CASES = [pytest.param(1, SP, MOE, False, id="tp2-sp"),
          pytest.param(1, SP, MOE, True, id="tp2-sp-fp32", marks=slow),
+         pytest.param(1, SP, GPT2_MOE, True, id="gpt2-tp2-sp", marks=slow),  # fused q/k/v, GELU experts
          pytest.param(1, dict(tp=2), MOE, True, id="tp2", marks=slow),
          pytest.param(1, dict(cp=2), MOE, True, id="cp2", marks=slow),
          pytest.param(1, dict(cp=2, **SP), Z_LOSS, True, id="cp2-tp2-sp-z-loss", marks=slow),
@@ -38,6 +39,7 @@ CASES = [pytest.param(1, SP, MOE, False, id="tp2-sp"),
          pytest.param(1, dict(dp=2, cp=2, zero=1), MOE, True, id="dp2-cp2-zero1", marks=slow),
          # ep carved out of tp (sequence parallelism): each tp rank holds 2 of the 4 experts, whole
          pytest.param(1, dict(ep=2, **SP), MOE, True, id="tp2-sp-ep2", marks=slow),
+         pytest.param(1, dict(ep=2, **SP), GPT2_MOE, True, id="gpt2-tp2-sp-ep2", marks=slow),
          pytest.param(1, dict(dp=2, ep=2, **SP), MOE, True, id="dp2-tp2-sp-ep2", marks=slow),
          pytest.param(1, dict(cp=2, ep=2), MOE, True, id="cp2-ep2", marks=slow),
          # without sequence parallelism ep is carved out of dp: each tp rank exchanges the same tokens

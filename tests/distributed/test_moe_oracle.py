@@ -207,12 +207,12 @@ def _restored(workers, saved_cfg, path, cfg):  # noqa: F811
     reader = CheckpointReader(path)
     host = workers(cfg)
     params, moments, loss = host.resume(cfg, path)
-    assert any(k.endswith("experts_gate") for k in params) and len(params) == len(
+    assert any(k.endswith("experts_proj") for k in params) and len(params) == len(
         [k for k in reader.where if k.startswith("param/") and not k.endswith("expert_bias")])
     for key, value in {**params, **moments}.items():
         name = key.split("/", 1)[1]
         assert torch.equal(value, reader.full(key, name)), key
-    assert params["param/blocks.1.mlp.experts_gate"].shape[0] == MOE.n_experts
+    assert params["param/blocks.1.mlp.experts_proj"].shape[0] == MOE.n_experts
     return loss, dict(host.buffers(cfg))
 
 
@@ -223,20 +223,25 @@ def _saved(workers, cfg, root):  # noqa: F811
     return path, loss, dict(host.buffers(cfg))
 
 
-@pytest.mark.parametrize("saved, restored, dp", [
-    pytest.param(dict(ep=2), dict(ep=1), 2, id="ep2-to-ep1", marks=pytest.mark.slow),
-    pytest.param(dict(ep=1), dict(ep=4), 4, id="ep1-to-ep4", marks=pytest.mark.slow),
-    pytest.param(dict(ep=2, zero=1), dict(ep=4, zero=3), 4, id="ep2-zero1-to-ep4-zero3", marks=pytest.mark.slow)])
-def test_expert_checkpoints_reshard_across_ep(workers, tmp_path, saved, restored, dp):  # noqa: F811
+@pytest.mark.parametrize("saved, restored, dp, model", [
+    pytest.param(dict(ep=2), dict(ep=1), 2, MOE, id="ep2-to-ep1", marks=pytest.mark.slow),
+    pytest.param(dict(ep=2), dict(ep=1), 2, GPT2_MOE, id="gpt2-ep2-to-ep1", marks=pytest.mark.slow),
+    pytest.param(dict(ep=1), dict(ep=4), 4, MOE, id="ep1-to-ep4", marks=pytest.mark.slow),
+    pytest.param(dict(ep=2, zero=1), dict(ep=4, zero=3), 4, MOE, id="ep2-zero1-to-ep4-zero3",
+                 marks=pytest.mark.slow)])
+def test_expert_checkpoints_reshard_across_ep(workers, tmp_path, saved, restored, dp, model):  # noqa: F811
     """A checkpoint written with experts over one ep (and ZeRO) resumes over another: every tensor bitwise, the
-    next step's loss within 1e-5 of the writer's, the router biases after it exactly (float64)."""
+    next step's loss within 1e-5 of the writer's, the router biases after it exactly (float64). Experts under
+    their one-process names, whole: [E, ...]."""
     from pipegpt.state.checkpoint import read_weights
 
-    saved_cfg = moe_config(1, dp=dp, dtype="float64", steps=3, **saved)
+    saved_cfg = moe_config(1, model, dp=dp, dtype="float64", steps=3, **saved)
     path, loss, biases = _saved(workers, saved_cfg, tmp_path)
-    assert read_weights(path)["blocks.2.mlp.experts_proj"].shape[0] == MOE.n_experts
+    weights = read_weights(path)
+    inputs = ("experts_gate", "experts_up") if model.arch == "llama" else ("experts_fc",)
+    assert all(weights[f"blocks.2.mlp.{n}"].shape[0] == model.n_experts for n in (*inputs, "experts_proj"))
     restored_loss, restored_biases = _restored(workers, saved_cfg, path,
-                                               moe_config(1, dp=dp, dtype="float64", steps=3, **restored))
+                                               moe_config(1, model, dp=dp, dtype="float64", steps=3, **restored))
     assert restored_loss == pytest.approx(loss, rel=1e-5)
     assert set(biases) == set(restored_biases) and all(torch.equal(biases[n], restored_biases[n]) for n in biases)
     assert any(b.abs().sum() > 0 for b in biases.values())
