@@ -17,15 +17,31 @@ from pipegpt.stages.stage import PieceRun, interleave
 COMPUTE_S = COMM_S = 0.3  # per piece: as long to compute as to communicate, the case where overlap halves the wait
 
 
-def _halves(pieces: int = 2):
+def _timed(fn, *args) -> tuple[float, float]:
+    started = time.perf_counter()
+    fn(*args)
+    return started, time.perf_counter()
+
+
+def _overlap(first: tuple[float, float], second: tuple[float, float]) -> float:
+    return min(first[1], second[1]) - max(first[0], second[0])
+
+
+def _halves(pieces: int = 2, spans: dict | None = None):
     """Each half yields after computing, and its next step consumes the communication: written as a piece that
-    receives what it waited for."""
+    receives what it waited for. spans gets each compute's and each communication's (start, end)."""
+    spans = {} if spans is None else spans
+
+    def communicate(label):
+        spans[f"{label} comm"] = _timed(time.sleep, COMM_S)
+        return label
+
     def half(name, log):
         received = None
         for k in range(pieces):
             log.append((name, k, "compute", received))
-            time.sleep(COMPUTE_S)
-            received = yield InThread(lambda k=k: time.sleep(COMM_S) or f"{name}{k}")
+            spans[f"{name}{k} compute"] = _timed(time.sleep, COMPUTE_S)
+            received = yield InThread(lambda label=f"{name}{k}": communicate(label))
         return received
     return half
 
@@ -34,17 +50,26 @@ def test_a_pair_hides_each_halfs_communication_under_the_others_compute():
     """Two halves of two pieces, each piece COMPUTE_S of compute then COMM_S of communication. Apart, each half
     waits for its own: 2 x (2 compute + 2 comm) = 2.4 s. As a pair, each half's communication runs while the
     other computes: the compute (1.2 s) plus the last communication (0.3 s) = 1.5 s."""
-    half, log = _halves(), []
+    apart_spans, paired_spans, log = {}, {}, []
+    half = _halves(spans=apart_spans)
     started = time.perf_counter()
     apart = [PieceRun(half(n, log)).finish() for n in "ab"]
     apart_s = time.perf_counter() - started
+    half = _halves(spans=paired_spans)
     started = time.perf_counter()
     paired = interleave(PieceRun(half("a", log)), PieceRun(half("b", log)))
     paired_s = time.perf_counter() - started
     assert apart == paired == ["a1", "b1"]  # each half's last communication, handed to it by its wait
-    compute_s = 4 * COMPUTE_S
     assert apart_s >= 4 * (COMPUTE_S + COMM_S) * 0.98
-    assert compute_s * 0.98 <= paired_s < 0.8 * apart_s  # about the larger of compute and communication, not the sum
+    # Judged by what ran at the same time, not by wall-clock margins (which a loaded machine stretches): apart,
+    # no compute runs during a communication; paired, b's first piece computes during a's first communication and
+    # a's second during b's first.
+    for comm in ("a0", "a1", "b0", "b1"):
+        assert all(_overlap(apart_spans[f"{comm} comm"], span) <= 0
+                   for name, span in apart_spans.items() if name.endswith("compute"))
+    assert _overlap(paired_spans["a0 comm"], paired_spans["b0 compute"]) > COMPUTE_S / 2
+    assert _overlap(paired_spans["b0 comm"], paired_spans["a1 compute"]) > COMPUTE_S / 2
+    assert paired_s < apart_s
     # The loop's order: a's piece, b's piece, then a's next (which waited for a's first communication).
     pair_log = log[4:]
     assert [(n, k) for n, k, *_ in pair_log] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
