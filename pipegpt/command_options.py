@@ -348,6 +348,10 @@ PLAN_OPTIONS = [
     click.option("--moe-imbalance", type=float, default=None,
                   help="The busiest expert rank's tokens over the mean: its expert compute and all-to-alls scale by "
                        "it (default 1.25, Switch Transformers' capacity factor; docs/moe-planning.md)."),
+    click.option("--moe-dispatcher", type=click.Choice(["alltoall", "deepep"]), default=None,
+                  help="How tokens reach their experts in the predicted run: alltoall (default: what pipegpt run "
+                       "does) or deepep, a what-if for a run with DeepEP (one copy per token and remote node; "
+                       "docs/moe-planning.md)."),
     click.option("--zero", "only_zero", type=click.Choice(["0", "1", "2", "3"]), default=None,
                   callback=lambda ctx, param, value: None if value is None else int(value),
                   help="Only layouts at this ZeRO level (as pipegpt run --zero; 1-3 need dp > 1). Default: 0-3 (3 "

@@ -139,7 +139,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from pipegpt.arch import ROW, block_linears, kv_local_heads, layer_mix, stage_ranges
+from pipegpt.arch import MOE, ROW, block_linears, kv_local_heads, layer_mix, stage_ranges
 from pipegpt.config import ConfigError, ModelConfig, validate_tp
 from pipegpt.dims import Sharding
 from pipegpt.schedule.actions import Kind, Plan
@@ -149,6 +149,7 @@ from .experts import tp_model
 
 MEMORY_PRECISIONS = ("fp32", "bf16", "fp64")
 INT64, BOOL = 8, 1
+FP32_BYTES = 4  # the router's scores: fp32 whatever the precision
 
 
 def memory_precision(precision: str = "fp32", dtype: str = "float32") -> str:
@@ -215,8 +216,9 @@ def _check_positive(name: str, value) -> None:
 def _check(model, sharding: Sharding, recompute, device, microbatch_size=1):
     _check_tp(model, sharding.tp, sharding.sequence_parallel)
     _check_positive("microbatch_size", microbatch_size)
-    if recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"recompute={recompute!r} is not valid: use none, selective or full")
+    if recompute not in ("none", "selective", "full", "norm-act"):
+        raise ConfigError(f"recompute={recompute!r} is not valid: use none, selective or full (or norm-act, "
+                          f"Megatron-Core's, for the planner)")
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"device={device!r} is not valid: use cuda or cpu")
 
@@ -233,8 +235,8 @@ def _locals(model, b, sharding: Sharding, precision, device):
 
 
 @functools.lru_cache(maxsize=8192)
-def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device) -> int:
-    """What one block (at its kind's block model) keeps per microbatch in flight."""
+def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device, moe: bool = False) -> int:
+    """What one block (at its kind's block model; moe: an MoE block's) keeps per microbatch in flight."""
     r, c, s, N, Ns, bs, norm_stats = _locals(model, b, sharding, precision, device)
     a, tp, sp = model.n_head, sharding.tp, sharding.splits_sequence
     drop = model.dropout > 0
@@ -243,23 +245,28 @@ def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device) -> 
     math_attention = drop and device == "cpu"  # CPU SDPA has no dropout in its flash kernel
     arch, F = model.architecture, model.ffn_width
     if recompute == "full":
-        return Ns * r  # the block's input, kept by the checkpoint
+        return Ns * r + (_moe_checkpointed(model, b, sharding, precision) if moe else 0)  # the block's input
     # SDPA keeps q, k and v (GPT-2's: views of the qkv output; grouped-query attention repeats k and v to
     # the q heads before the kernel); selective recomputation's checkpoint keeps its inputs, k and v as
     # the kv heads give them
     kv = kv_local_heads(model, tp) * model.head_dim
     Q = N // model.n_embd * model.attention_width  # q and the attention output: n_embd wide unless head_size is set
     attention_inputs = Q // tp + (2 * b * s * kv if recompute == "selective" else 2 * Q // tp)
+    # Megatron-Core's `--recompute-modules layernorm moe_act` (norm-act): the norms' outputs (the column-parallel
+    # linears' inputs) and the MLP's SiLU output and product are recomputed in the backward, not kept
+    norm_act = recompute == "norm-act"
     layer = (2 * Ns * r  # ln1, ln2 inputs
              + 2 * norm_stats  # their statistics
-             + _linear_inputs(model, precision, sp) * N * c  # the column-parallel linears' inputs
+             + (0 if norm_act else _linear_inputs(model, precision, sp) * N * c)  # the column-parallel linears' inputs
              + attention_inputs * c  # q and k (after rotation), v
              + Q // tp * c  # the attention output = the proj input
-             + arch.mlp_saved * b * s * (F // tp) * c)  # the MLP's intermediates
+             + (arch.mlp_saved - (2 if norm_act else 0)) * b * s * (F // tp) * c  # the MLP's intermediates
+             + (_moe_dispatched(model, b, sharding, precision) if moe else 0))  # its rows, experts' outputs
     if arch.rotary and c != 4:
         layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call
     if precision == "bf16":
         layer += _block_weights(model, tp) * 2  # each microbatch's bf16 casts of the block's weights
+        layer += _moe_weight_casts(model, sharding) * 2 if moe else 0
     if math_attention:
         if recompute != "selective":  # softmax output, its dropout mask, the dropout output
             layer += 3 * b * (a // tp) * s * s * c
@@ -279,7 +286,7 @@ def _activation_bytes(model, mix, b, sharding: Sharding, recompute, precision, e
     mask_r = 1 if device == "cuda" else r
     total = 0
     for kind, n in mix:  # each kind's blocks at its block model
-        total += n * _layer_bytes(kind.block_model(model), b, sharding, recompute, precision, device)
+        total += n * _layer_bytes(kind.block_model(model), b, sharding, recompute, precision, device, kind is MOE)
     if embed:
         total += bs * INT64 + (0 if arch.rotary else s * INT64)  # tokens (Stage.inputs), wpe's positions
         if tp > 1:
@@ -296,6 +303,50 @@ def _activation_bytes(model, mix, b, sharding: Sharding, recompute, precision, e
         else:
             total += bs * (Vp // tp) * r + bs * INT64 + 2 * bs * BOOL + INT64 + 2 * r
     return total
+
+
+def _routed(model: ModelConfig, b: int, sharding: Sharding) -> int:
+    """Assignments an MoE block of b sequences computes on a rank, the load balanced: the tokens it routes (its
+    sequence-parallel share: pipegpt.model.moe routes each tp rank's) times top-k (0 for a dense block)."""
+    return sharding.tokens_per_rank(model.seq_len, b) * model.experts_per_token if model.n_experts else 0
+
+
+def _moe_dispatched(model: ModelConfig, b: int, sharding: Sharding, precision: str) -> int:
+    """What an MoE block keeps beyond its dense-equivalent block (a SwiGLU as wide as a token's active experts,
+    pipegpt.arch), as pipegpt.model.moe saves it: three n_embd-wide rows per assignment in the compute dtype (the
+    dispatched rows its grouped matmuls read, cast once; the experts' outputs, which the weighting reads; the
+    weighted outputs, which index_add_ keeps for its backward), and the routing in fp32: the scores (E per token),
+    the chosen experts and their sort (int64), the weights, their sum and the keep mask (33 bytes per assignment
+    and 4 per token). On CPU in fp32 this is what the saved-tensor hooks see (tests/unit/test_plan_moe_terms.py);
+    the loop over experts that stands in for the grouped matmul elsewhere casts a row once per linear."""
+    _, c = _widths(precision)
+    m, n = _routed(model, b, sharding), sharding.tokens_per_rank(model.seq_len, b)
+    return 3 * m * model.n_embd * c + n * (model.n_experts * FP32_BYTES + 4) + 33 * m
+
+
+def _moe_checkpointed(model: ModelConfig, b: int, sharding: Sharding, precision: str) -> int:
+    """What full recomputation keeps of an MoE block beyond its input where ep > 1: pipegpt.model.moe.block_steps
+    checkpoints the parts between the all-to-alls apart (the all-to-alls are not repeated), so the received rows
+    (in the residual dtype, as the dispatch sends them), the experts' combined outputs, their weights and the
+    residual stream past the attention stay too."""
+    if not model.n_experts or "ep" not in sharding.axis_names or sharding.size("ep") == 1:
+        return 0
+    r, c = _widths(precision)
+    m = _routed(model, b, sharding)
+    return m * model.n_embd * (r + c) + m * r + sharding.tokens_per_rank(model.seq_len, b) * model.n_embd * r
+
+
+def _moe_weight_casts(model: ModelConfig, sharding: Sharding) -> int:
+    """Elements of an MoE block's bf16 weight casts beyond its dense-equivalent's MLP: each call casts the rank's
+    E/ep whole experts (and the router) and saves the casts for its backward, where the dense-equivalent counts an
+    MLP as wide as a token's active experts cut over tp."""
+    if not model.n_experts:
+        return 0
+    ep = sharding.size("ep") if "ep" in sharding.axis_names else 1
+    C, H = model.n_embd, model.expert_width
+    active = 3 * (model.ffn_width // sharding.tp) * C  # what _block_weights counted for the MLP
+    shared = 3 * model.n_shared_experts * H * C
+    return model.n_experts // ep * 3 * H * C + model.n_experts * C + shared - active
 
 
 def _linear_inputs(model: ModelConfig, precision: str, sp: bool) -> int:
@@ -385,7 +436,8 @@ class Workspace:
     weight: int  # a W, or the weight gradients of a B: on top of the level before it
 
 
-def _block_workspace(model, b, sharding: Sharding, recompute, precision, device, cp_comm) -> tuple[int, int, int]:
+def _block_workspace(model, b, sharding: Sharding, recompute, precision, device, cp_comm,
+                     moe: bool = False) -> tuple[int, int, int]:
     """One block's (at its kind's block model) forward, backward and weight transients."""
     r, c = _widths(precision)
     tp, cp = sharding.tp, sharding.cp
@@ -399,7 +451,10 @@ def _block_workspace(model, b, sharding: Sharding, recompute, precision, device,
     forward = mlp + 2 * N * r if recompute == "full" else 2 * N * r
     backward = model.architecture.mlp_matrices * b * s * F * r
     if recompute == "full":
-        backward += _layer_bytes(model, b, sharding, "none", precision, device)
+        backward += _layer_bytes(model, b, sharding, "none", precision, device, moe)
+    elif recompute == "norm-act":  # the recomputed norm outputs and SiLU output and product
+        backward += _layer_bytes(model, b, sharding, "none", precision, device, moe) - _layer_bytes(
+            model, b, sharding, recompute, precision, device, moe)
     if model.dropout > 0 and device == "cpu":  # SDPA's math path: the s^2 gradients
         backward += 2 * b * (a // tp) * s * s * r
         if recompute == "selective":  # and the recomputed softmax, mask and dropout output
@@ -421,7 +476,8 @@ def _workspace(model, mix, b, sharding: Sharding, recompute, precision, embed, h
     L = b * s * (Vp // tp) * r  # the logits in the loss's dtype
     forward = backward = weight = 0
     for kind, _ in mix:  # the largest block of the slice's kinds
-        f, bw, w = _block_workspace(kind.block_model(model), b, sharding, recompute, precision, device, cp_comm)
+        f, bw, w = _block_workspace(kind.block_model(model), b, sharding, recompute, precision, device, cp_comm,
+                                    kind is MOE)
         forward, backward, weight = max(forward, f), max(backward, bw), max(weight, w)
     if head:
         # forward: the logits (and their fp32 copy under bf16) next to the saved softmax; backward:

@@ -64,10 +64,13 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
 * mixture of experts: an MoE block costs a dense SwiGLU block as wide as a token's active experts (top-k and
   shared). With ep > 1 (pipegpt.costs.experts) the routed experts' share of its compute is multiplied by
   moe_imbalance (the busiest rank's tokens over the mean, default 1.25), and four all-to-alls join its
-  collectives (dispatch and combine, forward and backward; six with full recomputation): each of the rank's
-  tokens x top-k x C values in the compute precision, times moe_imbalance, (ep-1)/ep of them leaving the rank,
-  those to its node's peers over NVLink while the rest cross the network, the slower counted, a latency each
-  (all_to_all_time; docs/moe-planning.md).
+  collectives (dispatch and combine, forward and backward; full recomputation does not repeat them:
+  pipegpt.model.moe.block_steps checkpoints the parts between them): each of the rank's tokens x top-k x C values
+  in fp32 (pipegpt's all-to-all sends the rows in the residual stream's dtype), times moe_imbalance, (ep-1)/ep of them leaving the rank, those to its node's peers
+  over NVLink while the rest cross the network, the slower counted, a latency each (dispatch_time; with
+  moe_dispatcher "deepep", a what-if, one copy per token and remote node: pipegpt.costs.experts.dispatch_copies;
+  docs/moe-planning.md). Recomputation "norm-act" (Megatron-Core's `--recompute-modules layernorm moe_act`, a
+  what-if the search does not propose) adds the two norms and SiLU x up again in the backward as HBM passes.
 
 Calibrated model (CalibratedCosts, `pipegpt plan --calibrate RUN_DIR`): the same shapes, with each block's F, B
 and W scaled by measured / analytical (each stage's layers at their kinds' blocks: the middle stages' where there
@@ -91,7 +94,7 @@ from pipegpt.dims import Sharding
 from pipegpt.model.flops import block_matmul_weights
 
 from .devices import Cluster
-from .experts import DEFAULT_MOE_IMBALANCE
+from .experts import DEFAULT_MOE_IMBALANCE, DISPATCHERS, RANK_ORDERS, dispatch_copies
 
 DEFAULT_EFFICIENCY = 0.5  # achieved / peak matmul FLOP/s: Megatron-LM reports 44-52% on A100 (Narayanan et al. 2021)
 DEFAULT_LAYER_OVERHEAD_S = 100e-6  # host time to launch one block's forward (backward: twice)
@@ -180,7 +183,8 @@ class AnalyticalCosts:
     kind = "analytical"
 
     def __init__(self, cluster: Cluster, efficiency: float = DEFAULT_EFFICIENCY,
-                 layer_overhead_s: float = DEFAULT_LAYER_OVERHEAD_S, moe_imbalance: float = DEFAULT_MOE_IMBALANCE):
+                 layer_overhead_s: float = DEFAULT_LAYER_OVERHEAD_S, moe_imbalance: float = DEFAULT_MOE_IMBALANCE,
+                 moe_dispatcher: str = "alltoall", rank_order: str = "pipegpt"):
         if not 0 < efficiency <= 1:
             raise ConfigError(f"--efficiency {efficiency} must be in (0, 1]: achieved / peak FLOP/s, e.g. 0.5")
         if layer_overhead_s < 0:
@@ -189,7 +193,13 @@ class AnalyticalCosts:
             raise ConfigError(f"--moe-imbalance {moe_imbalance} must be >= 1: the busiest expert rank's tokens over "
                               f"the mean, e.g. {DEFAULT_MOE_IMBALANCE}")
         self.cluster, self.efficiency, self.layer_overhead_s = cluster, efficiency, layer_overhead_s
+        if moe_dispatcher not in DISPATCHERS:
+            raise ConfigError(f"--moe-dispatcher {moe_dispatcher!r} is not valid: use {' or '.join(DISPATCHERS)}")
+        if rank_order not in RANK_ORDERS:
+            raise ConfigError(f"rank_order {rank_order!r} is not valid: use {' or '.join(RANK_ORDERS)}")
         self.moe_imbalance = moe_imbalance
+        # what-ifs for a run made elsewhere (pipegpt.costs.experts): how tokens reach their experts, where ep lands
+        self.moe_dispatcher, self.rank_order = moe_dispatcher, rank_order
 
     def describe(self) -> str:
         return (f"analytical: {self.efficiency:g} of peak, at least {self.layer_overhead_s * 1e6:g} us per block "
@@ -215,6 +225,9 @@ class AnalyticalCosts:
             li += lf
         elif shape.recompute == "selective":
             li += mbs * 4 * T * model.seq_len * C / tp / rate + merges
+        elif shape.recompute == "norm-act":  # two norms from their inputs, SiLU x up from its inputs: HBM passes
+            tokens = shape.sharding.tokens_per_rank(model.seq_len, mbs)
+            li += (2 * tokens * C * (FP32 + 2) + 3 * mbs * T * model.ffn_width / tp * 2) / hbm
         layer = Piece(lf, li + lw, lw)
         hf = mbs * head_flops_fwd(model) / (tp * cp) / rate
         logits = mbs * T * V / tp * FP32 / hbm  # one pass over the fp32 logits
@@ -270,32 +283,42 @@ class AnalyticalCosts:
 
     def all_to_all_time(self, nbytes: float, n: int, on_node: int) -> float:
         """An all-to-all among n ranks, each holding nbytes for all of them (its own share stays): what goes to
-        the on_node - 1 peers of its node over NVLink while the rest crosses the network, a latency each."""
+        the on_node - 1 peers of its node over NVLink while the rest crosses the network (dispatch_time)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        c = self.cluster
-        inside = (nbytes * (on_node - 1) / n / c.intra_node_bytes_per_s + c.latency_intra_s) if on_node > 1 else 0.0
-        outside = (nbytes * (n - on_node) / n / c.inter_node_bytes_per_s + c.latency_inter_s) if on_node < n else 0.0
-        return max(inside, outside)
+        return self.dispatch_time(nbytes * (on_node - 1) / n, nbytes * (n - on_node) / n, n, on_node)
 
     def with_experts(self, piece: Piece, block: ModelConfig, shape: Shape, on_node: int) -> Piece:
         """An MoE block's piece (piece: its block model's, a dense SwiGLU as wide as a token's active experts) with
         expert parallelism: the routed experts' compute (their share of the block's FLOPs) times moe_imbalance,
-        the busiest rank's; and four all-to-alls of its tokens x top-k x n_embd in the compute dtype (dispatch and
-        combine, forward and backward; six with full recomputation, whose forward dispatches again), as many
-        bytes times moe_imbalance, on the links where the ep group lands (on_node of it share each node)."""
+        the busiest rank's; and four all-to-alls of its tokens x top-k x n_embd in fp32 (dispatch and combine,
+        forward and backward, not repeated by full recomputation), as many bytes times moe_imbalance, on the links
+        where the ep group lands (on_node of it share each node); with moe_dispatcher "deepep" the copies
+        pipegpt.costs.experts.dispatch_copies counts, in the compute dtype."""
         ep = shape.sharding.size("ep") if "ep" in shape.sharding.axis_names else 1
         if ep == 1:
             return piece
         k, x = block.experts_per_token, self.moe_imbalance
         share = 2 * block.seq_len * 3 * k * block.expert_width * block.n_embd / layer_flops_fwd(block)
         extra = (x - 1) * share * piece.f
-        width = 2 if self.cluster.precision == "bf16" else FP32
+        # pipegpt's all-to-all sends the rows in the residual stream's dtype (the routed norm output, fp32; the
+        # combine's with the residual carried past it, pipegpt.expert_parallel.all_to_all.CarriedExchange); DeepEP
+        # in the compute dtype
+        width = 2 if self.cluster.precision == "bf16" and self.moe_dispatcher == "deepep" else FP32
         tokens = shape.sharding.tokens_per_rank(block.seq_len, shape.mbs)
-        a2a = x * self.all_to_all_time(tokens * k * block.n_embd * width, ep, on_node)
-        again = 2 * a2a if shape.recompute == "full" else 0.0
+        inside, across = dispatch_copies(block.n_experts, k, ep, on_node, self.moe_dispatcher)
+        row = x * tokens * block.n_embd * width  # one copy of the rank's tokens, the busiest rank's share
+        a2a = self.dispatch_time(row * inside, row * across, ep, on_node)
         return Piece(piece.f + extra, piece.b + (2 + (shape.recompute == "full")) * extra, piece.w + extra,
-                     piece.comm_f + 2 * a2a, piece.comm_b + 2 * a2a + again)
+                     piece.comm_f + 2 * a2a, piece.comm_b + 2 * a2a)
+
+    def dispatch_time(self, inside: float, across: float, n: int, on_node: int) -> float:
+        """A dispatch (or combine) sending `inside` bytes to the node's peers over NVLink while `across` cross the
+        network, the slower counted, a latency each (all_to_all_time's, with the bytes given)."""
+        c = self.cluster
+        t_in = (inside / c.intra_node_bytes_per_s + c.latency_intra_s) if on_node > 1 else 0.0
+        t_out = (across / c.inter_node_bytes_per_s + c.latency_inter_s) if on_node < n else 0.0
+        return max(t_in, t_out)
 
     def message_bytes(self, model: ModelConfig, shape: Shape) -> float:
         width = 2 if self.cluster.precision == "bf16" else FP32  # pipegpt's default --p2p-dtype: the precision

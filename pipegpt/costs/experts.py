@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding, expert_axes
@@ -26,6 +27,13 @@ from pipegpt.dims import Sharding, expert_axes
 # tokens measured 237 TFLOPS per GPU dropless against 295 with the load forced even (x1.245, whole steps;
 # yanring/Megatron-MoE-ModelZoo best_practice/Qwen3).
 DEFAULT_MOE_IMBALANCE = 1.25
+# How tokens travel to their experts: pipegpt's all-to-all (a copy per (token, expert) pair, as Megatron-Core's
+# alltoall dispatcher), or DeepEP's (a copy per (token, node) across the network, forwarded over NVLink there): a
+# what-if for runs made with DeepEP (`pipegpt run` dispatches with all-to-alls)
+DISPATCHERS = ("alltoall", "deepep")
+# Whose rank order places an ep group on the nodes: pipegpt's (pipegpt.dims: dp outermost), or Megatron-Core's
+# (tp-cp-ep-dp-pp, pp outermost: an ep group is consecutive ranks), a what-if for runs made with Megatron-Core
+RANK_ORDERS = ("pipegpt", "megatron")
 EXPERT_PREFIX = "mlp.experts_"  # the stacked routed experts' parameters (pipegpt.arch's MoE block shapes)
 
 
@@ -86,6 +94,43 @@ def ranks_on_node(sharding: Sharding, gpus_per_node: int) -> int:
             nodes = [r // gpus_per_node for r in group]
             fewest = min(fewest, min(nodes.count(n) for n in nodes))
     return fewest
+
+
+def megatron_ranks_on_node(ep: int, gpus_per_node: int) -> int:
+    """ranks_on_node under Megatron-Core's order: an ep group is ep consecutive ranks (tp, cp and ep fastest, pp
+    outermost), so it shares a node with min(ep, G) of its members where one divides the other (the gcd else)."""
+    return math.gcd(ep, gpus_per_node) if ep > 1 else 1
+
+
+def expected_destinations(n_experts: int, top_k: int, places: int) -> float:
+    """How many of `places` equal parts of the experts (ranks, nodes) a token's top-k distinct experts fall in, on
+    average, the experts drawn uniformly (the balanced load the imbalance factor scales): places x (1 - C(E - E/places,
+    k) / C(E, k))."""
+    if places <= 1:
+        return 1.0
+    per = n_experts // places
+    return places * (1 - math.comb(n_experts - per, top_k) / math.comb(n_experts, top_k))
+
+
+def dispatch_copies(n_experts: int, top_k: int, ep: int, on_node: int, dispatcher: str) -> tuple[float, float]:
+    """(over NVLink, across the network): copies of one token a rank sends in one dispatch (or receives back in one
+    combine) to its ep group's other ranks, on_node of them sharing each node (nodes = ep / on_node).
+
+    alltoall: a copy per (token, expert) pair, k of them spread evenly: k (on_node - 1) / ep to the node's peers, k
+    (ep - on_node) / ep across. deepep: one copy per remote node holding any of the token's experts (the expected
+    count, expected_destinations over the nodes, less its own), forwarded over NVLink there; over NVLink, one per
+    other rank of its own node holding one (expected_destinations over the ranks, times the share of them on the
+    node, less its own)."""
+    if ep <= 1:
+        return 0.0, 0.0
+    if dispatcher == "alltoall":
+        return top_k * (on_node - 1) / ep, top_k * (ep - on_node) / ep
+    if dispatcher != "deepep":
+        raise ConfigError(f"--moe-dispatcher {dispatcher!r} is not valid: use {' or '.join(DISPATCHERS)}")
+    nodes = max(1, ep // on_node)
+    across = expected_destinations(n_experts, top_k, nodes) * (nodes - 1) / nodes
+    inside = expected_destinations(n_experts, top_k, ep) * (on_node - 1) / ep
+    return inside, across
 
 
 def tp_model(model: ModelConfig, tp: int) -> ModelConfig:

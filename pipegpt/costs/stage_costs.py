@@ -75,7 +75,11 @@ class StageCosts:
 
     def ep_ranks_on_node(self, sharding: Sharding) -> int:
         """The fewest ranks of an ep group that share one's node (pipegpt.costs.experts.ranks_on_node; 1 without ep)."""
-        return experts.ranks_on_node(sharding.dims, self.cluster.gpus_per_node) if sharding.carved else 1
+        if not sharding.carved:
+            return 1
+        if getattr(self.cost, "rank_order", "pipegpt") == "megatron":  # a what-if: Megatron-Core's order
+            return experts.megatron_ranks_on_node(experts.expert_ranks(sharding), self.cluster.gpus_per_node)
+        return experts.ranks_on_node(sharding.dims, self.cluster.gpus_per_node)
 
     def message_time(self, nbytes, placement, sharding: Sharding) -> float:
         """The mean time of one message over the placement's links between ranks, in the slowest replica."""

@@ -46,6 +46,7 @@ class PlanOptions:
     cp_comm: str | None = None  # None: the planner's (the ring)
     only_ep: int | None = None  # expert parallelism (carved out of dp x cp x tp, not one of AXES)
     moe_imbalance: float | None = None  # None: pipegpt.costs.experts.DEFAULT_MOE_IMBALANCE
+    moe_dispatcher: str | None = None  # None: alltoall, what pipegpt run dispatches with (deepep: a what-if)
     only_zero: int | None = None
     top: int = 5
     explain: bool = False
@@ -73,6 +74,11 @@ def plan_command(model: ModelConfig, opts: PlanOptions) -> str:
                                 DEFAULT_LAYER_OVERHEAD_S if opts.layer_overhead_us is None
                                 else opts.layer_overhead_us * 1e-6,
                                 DEFAULT_MOE_IMBALANCE if opts.moe_imbalance is None else opts.moe_imbalance)
+    if opts.moe_dispatcher is not None:
+        if not model.n_experts:
+            raise ConfigError(f"--moe-dispatcher {opts.moe_dispatcher} on a model without experts (n_experts=0): "
+                              f"leave it out")
+        costs.moe_dispatcher = AnalyticalCosts(cluster, moe_dispatcher=opts.moe_dispatcher).moe_dispatcher
     if opts.moe_imbalance is not None and not model.n_experts:
         raise ConfigError(f"--moe-imbalance {opts.moe_imbalance:g} on a model without experts (n_experts=0): "
                           f"leave it out")

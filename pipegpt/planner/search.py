@@ -528,7 +528,7 @@ class Search:
         a2a = cs.expert_comm(model, sh, L.recompute, L.microbatch_size)  # expert parallelism's, out of tp_time too
         for kind, n in blocks.items():
             (lc, (cp_f, cp_b)), (ep_f, ep_b) = kinds[kind], a2a.get(kind, (0.0, 0.0))
-            # a full recomputation's second dispatch stays in its recompute, as its tp collectives do
+            # the all-to-alls forward and backward (full recomputation does not repeat them)
             cp_time, ep_time = cp_time + n * (cp_f + cp_b), ep_time + n * (ep_f + min(ep_f, ep_b))
             tp_time -= 2 * n * (min(lc.comm_f, lc.comm_b) - min(lc.comm_f - cp_f - ep_f, lc.comm_b - cp_b - ep_b))
         end = float(timeline.end_time - timeline.start_time)
