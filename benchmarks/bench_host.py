@@ -24,6 +24,12 @@ gloo point-to-point, torch.pp's schedule with its PipelineStages; no RPC, optimi
 thread that runs it, summed over both ranks: the host's own work per step whatever the machine's load, where a step
 time also carries the scheduler's delays. (A process's CPU would not do: gloo's loop thread spins while the pair's
 lock is held elsewhere, so its CPU follows the step time.)
+
+--py-spy DIR: every host-work run is recorded by py-spy (DIR/host-WHO-SCHEDULE-mM-roundR.speedscope.json), and a
+last table splits each contender's stepping threads' samples under step() into parts: the model's forward (the
+module's call, torch.pp's loss_fn), autograd's backward, posting point-to-point messages, waiting for them, and
+the rest, the contender's own work (pipegpt's runtime and Stage; torch.pp's schedule and stage code): ms per step
+at each m and, fitted over m, per microbatch: where the time grows with m.
 """
 from __future__ import annotations
 
@@ -121,13 +127,16 @@ def _host_worker(rank: int, world: int, port: int, who: str, spec: dict, out_pat
     dist.destroy_process_group()
 
 
-def run_host_work(who: str, spec: dict, timeout: float) -> dict:
+def run_host_work(who: str, spec: dict, timeout: float, profile: str | None = None) -> dict:
     """_host_worker on 2 fresh processes (this file run as `_host WHO SPEC OUT`): per step, the summed CPU time
-    of both ranks' stepping threads, as "step_times"."""
+    of both ranks' stepping threads, as "step_times"; profile: a path, where py-spy records the run."""
     with tempfile.TemporaryDirectory(prefix="bench-host-") as workdir:
         spec_path, out_path = os.path.join(workdir, "spec.json"), os.path.join(workdir, "out.json")
         Path(spec_path).write_text(json.dumps(spec))
         cmd = [sys.executable, str(Path(__file__).resolve()), "_host", who, spec_path, out_path]
+        if profile is not None:  # non-blocking: the ranks are not stopped for each sample
+            cmd = [find_py_spy(), "record", "--nonblocking", "-r", str(PY_SPY_HZ), "--subprocesses", "--format",
+                   "speedscope", "-o", profile, "--"] + cmd
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir)
         if not os.path.exists(out_path):
             raise RuntimeError(f"host work of {who} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -152,7 +161,12 @@ def measure(args, base: dict, schedules: list[str]) -> dict:
                 for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
                     try:
                         if kind.endswith(" host"):
-                            r = run_host_work(kind.split()[0], spec, args.timeout)
+                            who = kind.split()[0]
+                            profile = None if args.py_spy is None else \
+                                str(Path(args.py_spy, f"host-{who}-{s}-m{m}-round{rnd + 1}.speedscope.json"))
+                            r = run_host_work(who, spec, args.timeout, profile)
+                            if profile is not None:
+                                r["parts"] = step_parts(profile, spec["steps"])
                         elif kind == CALLS:
                             r = bp.run_contender("pipegpt", dict(spec, steps_per_call=args.steps_per_call),
                                                  args.timeout)
@@ -167,6 +181,61 @@ def measure(args, base: dict, schedules: list[str]) -> dict:
                         print(f"  round {rnd + 1}/{args.rounds}  {s:<6} m={m:<4} {kind:<12} median step "
                               f"{1000 * timed_median(r, args.warmup, kind):7.1f} ms", file=sys.stderr, flush=True)
     return results
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --py-spy: where the stepping threads' time goes
+
+PY_SPY_HZ = 200
+STEP_FRAME = "_host_worker.<locals>.step"
+# (part, the frames that put a sample there): a sample goes to the part of its outermost such frame under
+# step(); a sample under none of them is the contender's own work.
+PARTS = (("forward", ("Module._wrapped_call_impl", "Module._call_impl", "_host_worker.<locals>.loss_fn")),
+         ("backward", ("_run_backward", "_engine_run_backward")),
+         ("p2p post", ("PointToPoint.post", "batch_isend_irecv", "isend", "irecv")),
+         ("p2p wait", ("PointToPoint.wait", "PointToPoint._wait_host", "_wait_batch_p2p")))
+OWN = "own work"
+
+
+def find_py_spy() -> str:
+    from pipegpt.observe.profile import find_py_spy as find
+
+    found = find()
+    if found is None:
+        raise SystemExit("--py-spy: py-spy is not installed beside this interpreter nor on PATH (pip install py-spy)")
+    return found
+
+
+def step_parts(profile: str, steps: int) -> dict[str, float]:
+    """{part: seconds per step} of a py-spy speedscope file: both ranks' samples under step(), by PARTS."""
+    data = json.loads(Path(profile).read_text())
+    names = [f["name"] for f in data["shared"]["frames"]]
+    part_of = {name: part for part, frames in PARTS for name in frames}
+    seconds = dict.fromkeys([part for part, _ in PARTS] + [OWN], 0.0)
+    for thread in data["profiles"]:
+        for stack, weight in zip(thread["samples"], thread["weights"]):
+            frames = [names[i] for i in stack]
+            if STEP_FRAME in frames:
+                under = frames[frames.index(STEP_FRAME) + 1:]
+                seconds[next((part_of[f] for f in under if f in part_of), OWN)] += weight
+    return {part: t / steps for part, t in seconds.items()}
+
+
+def parts_table(results: dict, schedules: list[str], ms: list[int]) -> list[list[str]]:
+    """Per contender and part: the median over rounds of its ms per step at each m, and the slope over m."""
+    rows = [["schedule", "contender", "part"] + [f"m={m} ms" for m in ms] + ["per microbatch ms", "share"]]
+    for s in schedules:
+        for kind in ("pipegpt host", "torch host"):
+            runs = [[r["parts"] for r in results.get((s, kind, m), []) if r and "parts" in r] for m in ms]
+            if not all(runs):
+                continue
+            label = "pipegpt" if kind == "pipegpt host" else f"torch.pp {bp.TORCH_SCHEDULES[s]}"
+            per_m = {part: [statistics.median(r[part] for r in rs) for rs in runs] for part in runs[0][0]}
+            whole = sum(per_m[part][-1] for part in per_m)
+            for part, times in per_m.items():
+                rows.append([s, label, part] + [f"{1000 * t:.2f}" for t in times] +
+                            [f"{1000 * fit(ms, times)[1]:.3f}", f"{times[-1] / whole:.0%}" if whole else "n/a"])
+    return rows
 
 
 def timed_median(result: dict, warmup: int, kind: str, metric: str = "step") -> float:
@@ -279,7 +348,15 @@ def main(argv=None) -> int:
                          "--warmup 10 or more; 1: leave that contender out) [8]")
     ap.add_argument("--no-host-work", dest="host_work", action="store_false",
                     help="leave out the host-work rows (their runs take about 40%% of a round)")
+    ap.add_argument("--py-spy", default=None, metavar="DIR",
+                    help="record every host-work run with py-spy into DIR and add a table of where its stepping "
+                         "threads' time goes (forward, backward, p2p post, p2p wait, own work) per m")
     args = ap.parse_args(argv)
+    if args.py_spy is not None:
+        if not args.host_work:
+            ap.error("--py-spy profiles the host-work runs: not with --no-host-work")
+        find_py_spy()
+        os.makedirs(args.py_spy, exist_ok=True)
     try:
         args.microbatches = sorted({int(m) for m in args.microbatches.split(",") if m.strip()})
     except ValueError:
@@ -326,6 +403,12 @@ def main(argv=None) -> int:
         print("\nThe same with, per m, the median over the rounds; paired: the median over rounds of pipegpt's run "
               "over torch.pp's run of the same round (back to back, so drift between rounds cancels):\n")
         print(text_table(table(results, schedules, args, pick=statistics.median), right=right, rule=True))
+    if args.py_spy is not None:
+        print(f"\nWhere the host work's time goes (py-spy at {PY_SPY_HZ} Hz, both ranks' samples under step(), per "
+              f"step: the median over rounds; per microbatch: the least-squares slope over m; share: at m="
+              f"{args.microbatches[-1]}; profiles in {args.py_spy}):\n")
+        print(text_table(parts_table(results, schedules, args.microbatches), right=set(range(3, 5 + len(
+            args.microbatches))), rule=True))
     print(f"\nTotal wall time {time.perf_counter() - t_start:.0f} s")
     print(bp._other_load(cpu_before, bp._cpu_accounting(), base["cores"]))
     return 0
