@@ -77,7 +77,7 @@ def comm_runs(actions) -> list[tuple[int, int]]:
 def comm_batches(actions, eager_sends: bool = False) -> list[tuple[int, int]]:
     """Index ranges [start, end) of what the runtime posts as one batch. With messages matched by order (NCCL) a
     batch completes as one (one Work), and a rank's batches run one after another: a run is cut after each
-    receive, so that a compute waits only for what it reads, unless the receive after it is read first (its
+    receive, so that a compute waits only for what it reads, unless the receive after it is read no later (its
     reader waits for it anyway: together, neither waits for the other to move); sends after a run's last receive
     are a batch of their own, which no compute waits for (lowering puts a send there so that neither end
     waits). With eager sends (tag matching, gloo) a run is one batch: its receives and the sends that sit there
@@ -90,7 +90,7 @@ def comm_batches(actions, eager_sends: bool = False) -> list[tuple[int, int]]:
     for start, end in runs:
         for i in range(start, end):
             if i == end - 1 or actions[i].kind in _RECVS and not (
-                    actions[i + 1].kind in _RECVS and read_at.get(i + 1, -1) < read_at.get(i, -1)):
+                    actions[i + 1].kind in _RECVS and read_at.get(i + 1, -1) <= read_at.get(i, -1)):
                 batches.append((start, i + 1))
                 start = i + 1
     return batches
