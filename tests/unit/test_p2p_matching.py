@@ -274,6 +274,23 @@ def test_a_send_goes_with_the_receive_posted_at_its_producer_s_end():
     assert simulate(plan, costs).makespan == simulate_order(lowered, costs).makespan == Fraction(181, 5)
 
 
+def test_where_a_rank_s_messages_crowd_its_stream_no_placement_reaches_tag():
+    """interleaved-1f1b, p 3, m 4, comm 0.2 (chunks of half a forward): rank 0 receives forward 0 of stage 3 at
+    1.9 (2F0's end) and sends 0F3's output at 2.0. Apart, the send queues behind the receive on the rank's one
+    stream until 2.1; together, the batch is posted after 0F3 and the receive moves at 2.0. Either way one
+    message is 0.1 late, and the step costs 16.2 against tag's 15.9."""
+    costs = _costs("interleaved-1f1b", 3, 0, comm=Fraction(1, 5))
+    plan = SCHEDULES["interleaved-1f1b"].build(3, 4, None, costs)
+    lowered = validate(lower(plan, costs))
+    assert [str(a) for a in lowered.ranks[0][4:10]] == ["0F2", "0SEND_F2", "3RECV_F0", "0F3", "0SEND_F3", "3RECV_F1"]
+    ranks = [list(r) for r in lowered.ranks]
+    ranks[0].remove(Action.parse("3RECV_F0"))
+    ranks[0].insert(ranks[0].index(Action.parse("0SEND_F3")) + 1, Action.parse("3RECV_F0"))
+    together = validate(lowered.with_ranks(ranks))
+    assert simulate(plan, costs).makespan == Fraction(159, 10)
+    assert simulate_order(lowered, costs).makespan == simulate_order(together, costs).makespan == Fraction(81, 5)
+
+
 def test_a_run_s_sends_after_its_last_receive_are_a_batch_of_their_own():
     actions = [Action.parse(t) for t in "1RECV_F0 1F0 1RECV_B0 1SEND_F0 1SEND_B1 1B0 1SEND_F2 1RECV_F3 1F3".split()]
     assert comm_batches(actions) == [(0, 1), (2, 3), (3, 5), (6, 8)]  # order matching: no compute waits for 3-4
