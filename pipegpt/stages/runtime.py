@@ -25,9 +25,10 @@ whole compute action after the output was ready, with the receiver waiting.
 A send whose SEND is in the batch right after its compute goes with that batch
 instead: as early, and one gloo exchange with the batch's receives, not two.
 A composite pair runs its halves' pieces in turns (stages.stage.interleave): a receive feeding a half (in the
-dtype it computes in) is waited for just before that half's first piece (the other half may compute meanwhile), each half's output is handed on
-(its send posted, where sends go eagerly) as soon as that half ends, and the communication a piece posts
-(stages.overlap) is waited for just before the piece goes on, after the other half's next piece.
+dtype it computes in) is waited for just before that half's first piece (the other half may compute meanwhile),
+each half's output is handed on (its send posted, where sends go eagerly) as soon as that half ends, and the
+communication a piece posts (stages.overlap) is waited for just before the piece goes on, after the other half's
+next piece.
 """
 from __future__ import annotations
 
