@@ -2,8 +2,8 @@
 
 A batch (pipegpt.schedule.messages.comm_batches: a run of comm actions in the
 plan, whose sends after its last receive go apart under order matching) is
-posted at once; receives are waited for before the next compute, sends where
-the schedule says their receiver has them
+posted at once; a receive is waited for at the compute that reads it
+(messages.receive_waits), sends where the schedule says their receiver has them
 (pipegpt.schedule.messages.release_points) or at the end of the step, so a
 send never stalls its rank.
 

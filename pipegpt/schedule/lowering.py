@@ -21,6 +21,7 @@ receives go before it, their sends after it.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 
 from .actions import (COLLECTIVE_KINDS, NO_MICROBATCH, REDUCE_GRAD, Action, Kind, Plan, PlanError, ScheduleError,
@@ -29,8 +30,6 @@ from .messages import peer, recvs_before, sends_after
 from .timing_rule import hop
 from .validate import dependencies
 
-
-_RECVS = (Kind.RECV_F, Kind.RECV_B)
 
 # Costs when none are given: one unit per forward, two per full backward, every stage alike.
 _UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
@@ -52,29 +51,30 @@ def lower(plan: Plan, costs=None) -> Plan:
     of ranks sees its messages in the same order at both ends (NCCL matches point-to-point by order).
 
     Where the SEND goes matters under order matching (NCCL), where a send leaves at its SEND and a rank's
-    batches run one after another (schedule/simulate.py, simulate_order): one put where the consumer asked for it, after
-    whatever its rank was computing then, makes the consumer wait for that compute. So it goes just after
-    the compute that made it, unless the rank has sent or received since: then into that batch if it holds
-    sends alone (or was posted at this moment), else after the compute that follows it, so that no compute
-    waiting for a receive is held behind a send its receiver takes only later. A rank posting receives
-    with outputs still unsent puts each behind those receives, a batch of sends that no compute waits for
-    (messages.comm_batches), where its receiver reaches a boundary before this rank's next batch would
-    start: neither end waits. Otherwise it weighs its consumer's wait (the costs' timeline says when it
-    needs it) against its own (its receiver is busy until its next boundary) and takes the shorter. With a
-    latency, a send whose receiver takes it when this rank posts receives goes into their batch (one NCCL
-    group): behind it, the stream would hold it until they complete (without one, nothing is held, and
-    the places stay as they were).
+    batches run one after another (schedule/simulate.py, simulate_order): one put where the consumer asked for
+    it, after whatever its rank was computing then, makes the consumer wait for that compute. So it goes just
+    after the compute that made it, unless the rank has sent or received since: then into that batch if it
+    holds sends alone (or was posted at this moment), else after the compute that follows it, so that no
+    compute waiting for a receive is held behind a send its receiver takes only later. A rank posting
+    receives with outputs still unsent puts each behind those receives, a batch of sends that no compute
+    waits for (messages.comm_batches), where its receiver reaches a boundary before this rank's next batch
+    would start: neither end waits. Otherwise it weighs its consumer's wait (the costs' timeline says when it
+    needs it) against its own (its receiver is busy until its next boundary) and takes the shorter.
 
-    With a message latency no placement brings order down to tag: the compute after a batch of receives
-    waits for that batch, which starts when the compute before it ends, so each such batch costs its rank
-    the latency where tag's consumer starts the moment its predecessor ends (tests/unit/test_p2p_matching.py
-    works gpipe 2x2 by hand). Only a runtime that waits for a receive at the compute that reads it could.
+    With a message latency (costs.comm), messages go where the timeline of messages matched by tag moves them
+    (_placed_on_the_timeline): a receive is posted as its message leaves, often computes before its reader,
+    which alone waits for it (the runtime waits for a receive at the compute that reads it).
     """
     duration = _unit_duration if costs is None else costs.duration
     comm = 0 if costs is None else getattr(costs, "comm", 0)
     collectives = _collectives_by_anchor(plan)
     plan = plan.compute_only()
-    needed_at, latest = _eager_window(plan, duration, comm)
+    if comm:
+        lowered = _placed_on_the_timeline(plan, duration, comm)
+        if collectives:
+            lowered = [_put_back(acts, anchors) for acts, anchors in zip(lowered, collectives)]
+        return plan.with_ranks(lowered)
+    needed_at, latest = _eager_window(plan, duration, 0)
     num_ranks = plan.num_ranks
     lowered: list[list[Action]] = [[] for _ in range(num_ranks)]
     pos = [0] * num_ranks
@@ -94,8 +94,6 @@ def lower(plan: Plan, costs=None) -> Plan:
         at = comm_end[r]
         if produced >= at:
             at = produced
-        elif comm and comm_receives[r] == now and at == len(lowered[r]) and lowered[r][at - 1].kind in _RECVS:
-            at -= 1  # into the batch of receives posted now, before its last: behind it, the stream would hold it
         elif not (comm_receives[r] is None or comm_receives[r] == now or at == len(lowered[r])):
             at += 1  # after the compute that follows a batch with older receives
         return at if running[r] is None or at <= running[r] else None
@@ -105,19 +103,15 @@ def lower(plan: Plan, costs=None) -> Plan:
         taken at `when`."""
         del outbox[sender][send], inbound[receiver][send]
         joins = at > 0 and lowered[sender][at - 1].kind.is_p2p  # the sender's last batch
-        inside = at < comm_end[sender] and lowered[sender][at].kind in _RECVS  # before that batch's last receive
         _insert(sender, at, send)
-        if inside:
-            comm_end[sender] += 1
-        else:
-            comm_end[sender], comm_receives[sender] = at + 1, comm_receives[sender] if joins else None
+        comm_end[sender], comm_receives[sender] = at + 1, comm_receives[sender] if joins else None
         recv_at = len(lowered[receiver]) if recv_at is None else recv_at
         _insert(receiver, recv_at, recv)
         received[receiver].add(recv)
         comm_end[receiver], comm_receives[receiver] = recv_at + 1, when
         if waiting[receiver] == recv:
             waiting[receiver] = None
-            heapq.heappush(events, (when + comm, receiver))
+            heapq.heappush(events, (when, receiver))
 
     def _insert(r: int, at: int, action: Action) -> None:
         lowered[r].insert(at, action)
@@ -135,7 +129,7 @@ def lower(plan: Plan, costs=None) -> Plan:
             if running[dst] is None:
                 if waiting[dst] is not None:
                     match(r, send, send_place(r, outbox[r][send], now), dst, recv, now)
-            elif started[dst] == now and not comm:
+            elif started[dst] == now:
                 match(r, send, send_place(r, outbox[r][send], now), dst, recv, now, running[dst])
 
     def take_ready(r: int, now) -> None:
@@ -158,7 +152,7 @@ def lower(plan: Plan, costs=None) -> Plan:
             if running[dst] is None:
                 continue
             consumer, then = _consumer(recv, plan), busy_until[dst]
-            if then + comm <= after:  # a batch of its own behind the receives: no compute waits for it
+            if then <= after:  # a batch of its own behind the receives: no compute waits for it
                 match(r, send, comm_end[r], dst, recv, then)
                 continue
             # Each side: how much later than its latest start it goes (the step that much longer), then its wait.
@@ -189,13 +183,10 @@ def lower(plan: Plan, costs=None) -> Plan:
                 waiting[r] = need
                 break
             match(src, send, at, r, need, now)
-        if needs or not comm:  # a receive here anyway (or free): take now whatever else is ready
-            take_ready(r, now)
+        take_ready(r, now)
         if waiting[r] is not None:
             continue
         go_on = hand_over(r, now) if comm_receives[r] == now and comm_end[r] == len(lowered[r]) else now
-        if needs:
-            go_on += comm
         if go_on > now:
             heapq.heappush(events, (go_on, r))
             continue
@@ -212,6 +203,50 @@ def lower(plan: Plan, costs=None) -> Plan:
     if collectives:
         lowered = [_put_back(acts, anchors) for acts, anchors in zip(lowered, collectives)]
     return plan.with_ranks(lowered)
+
+
+def _placed_on_the_timeline(plan: Plan, duration, comm) -> list[list[Action]]:
+    """Each rank's compute actions with their messages placed where the timeline of messages matched by tag
+    (_eager_window) moves them: a message moves at its producer's end, t. Its SEND goes right after the
+    producer; its RECV at the consumer's last boundary at or before t (after its computes that end by t), so
+    that, with the runtime waiting for a receive only at the compute that reads it, the receive is posted
+    when the message is sent and neither end holds it back. At a boundary, messages go in order of (t, the
+    sending stage, microbatch, direction): every rank posts its messages in that one order, so each pair of
+    ranks sees them in the same order at both ends, and a rank's batches, which run one after another
+    under order matching, never wait for one another in a cycle."""
+    starts, _ = _eager_window(plan, duration, comm)
+    ends, position = {}, {}
+    rank_ends = []
+    for actions in plan.ranks:
+        mine = []
+        for k, action in enumerate(actions):
+            end = starts[action] + duration(action)
+            mine.append(end)
+            for name in _names(action):
+                ends[name], position[name] = end, k
+        rank_ends.append(mine)
+    placed: list[dict[int, list]] = [{} for _ in plan.ranks]  # per rank: boundary -> [(order key, comm action)]
+    for r, actions in enumerate(plan.ranks):
+        for k, action in enumerate(actions):
+            t = ends[action]
+            # Times that are equal but for float rounding count as equal: a tie is broken by the message alone.
+            near = round(t, 9)
+            for send in sends_after(action, plan):
+                dst, recv = peer(send, plan)
+                key = (near, send.stage, send.microbatch, send.kind is Kind.SEND_B)
+                placed[r].setdefault(k + 1, []).append((key, send))
+                at = min(bisect.bisect_right(rank_ends[dst], t + 1e-9 * (1 + abs(t))),
+                         position[_consumer(recv, plan)])
+                placed[dst].setdefault(at, []).append((key, recv))
+    lowered = []
+    for r, actions in enumerate(plan.ranks):
+        out = []
+        for k in range(len(actions) + 1):
+            out += [a for _, a in sorted(placed[r].get(k, ()), key=lambda item: item[0])]
+            if k < len(actions):
+                out.append(actions[k])
+        lowered.append(out)
+    return lowered
 
 
 def _consumer(recv: Action, plan: Plan) -> Action:

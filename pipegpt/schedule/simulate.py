@@ -18,7 +18,7 @@ from numbers import Real
 
 from .actions import COMPUTE_KINDS, Action, Kind, Plan, ScheduleError, parts_of
 from .lowering import last_gradient_actions, lower
-from .messages import comm_batches, peer, release_points
+from .messages import comm_batches, peer, receive_waits, release_points
 from .timing_rule import Costs, costs_for_plan, hop, load_costs_json, queued, spans_of
 from .validate import dependencies, validate
 
@@ -318,7 +318,6 @@ def _reached(actions, i: int, ends: dict[Action, Real]) -> Real:
 # Messages matched by tag or by order.
 
 MATCHINGS = ("tag", "order")
-_SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
 def simulate_matching(plan: Plan, costs: Costs, matching: str = "tag") -> Timeline:
@@ -345,9 +344,10 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
     * a message moves once both of its batches have started (rendezvous: activations are larger than NCCL's
       buffers), and takes costs.comm; a batch completes when all its messages have moved, together (NCCL
       hands back one Work for the batch);
-    * the compute after a batch waits for it when it holds a receive (the runtime's wait on the receive waits
-      for the batch), and for the batch of every send released there (release points; the same Work). A
-      batch of sends alone is not waited for: the host and the compute stream go on;
+    * a compute waits for the batch of each receive it reads (the runtime waits for a receive at the compute
+      that reads it, and its wait waits for the batch), and for the batch of every send released there
+      (release points; the same Work). A batch whose receives are read later, or that holds sends alone,
+      holds nothing back: the host and the compute stream go on;
     * the step ends when every batch has completed (settle()).
     On CPU "order" runs with gloo (the CUDA control path): a receive's wait blocks the host and gloo's sends
     run beside each other, so CPU times sit between the two models.
@@ -374,19 +374,18 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
             raise ScheduleError(f"rank {r}: {a} has no {other} on rank {q} (validate the plan)")
         partners[b].append(where[(q, other)])
     releases = release_points(plan, eager_sends=False)
-    waits: list[list[int]] = []  # per batch: the batches the compute after it waits for
-    for r, mine in enumerate(bounds):
-        for start, end in mine:
-            b = batch_id[r][start]
-            receives = any(a.kind not in _SENDS for a in ranks[r][start:end])
-            waits.append(([b] if receives else []) + [where[(r, s)] for s in releases[r].get(start, ())])
+    waits: list[dict[int, list[int]]] = []  # per rank: compute index -> the batches it waits for
+    for r, actions in enumerate(ranks):
+        reads = receive_waits(actions)
+        waits.append({i: sorted({where[(r, actions[k])] for k in reads.get(i, ())}
+                                | {where[(r, send)] for send in releases[r].get(i, ())})
+                      for i in set(reads) | set(releases[r])})
     started: list[Real | None] = [None] * len(owner)
     completed: list[Real | None] = [None] * len(owner)
     batch_end = [dict(mine) for mine in bounds]
 
     pos, compute_free = [0] * n, [0] * n
     stream_free: list[Real | None] = [0] * n  # end of the rank's last batch; None while it is not known
-    pending: list[list[int]] = [[] for _ in range(n)]  # batches the next compute waits for
     ends: dict = {}
     events: list[Event] = []
     todo = list(range(n))
@@ -406,10 +405,10 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
         while pos[r] < len(actions):
             i, a = pos[r], actions[pos[r]]
             if a.kind in COMPUTE_KINDS:
-                if any(completed[b] is None for b in pending[r]):
+                needs = waits[r].get(i, ())
+                if any(completed[b] is None for b in needs):
                     break
-                start = max([compute_free[r]] + [completed[b] for b in pending[r]])
-                pending[r] = []
+                start = max([compute_free[r]] + [completed[b] for b in needs])
                 compute_free[r] = _charge(r, a, start, costs, events, ends)
                 pos[r] += 1
             elif i in batch_id[r]:
@@ -418,7 +417,6 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
                 b = batch_id[r][i]
                 started[b] = max(compute_free[r], stream_free[r])
                 stream_free[r], batch_at[r] = None, b
-                pending[r] += waits[b]
                 pos[r] = batch_end[r][i]
                 complete(b)
                 for p in partners[b]:

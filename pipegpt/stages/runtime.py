@@ -10,22 +10,25 @@ launches the gather of the stage's parameters there (ZeRO-3), a RESHARD frees
 them; before the stage's first compute after an UNSHARD (and before its first
 backward of the step) the runtime calls the collectives' ready(), which waits
 for the gather (so one the plan posts a compute ahead overlaps that compute).
-Each run of consecutive SEND/RECV actions is posted as one batch; receives are
-waited for before the next compute, sends at the release points the schedule
-computes (pipegpt.schedule.messages.release_points: where the receiver is known
-to have the message), the rest at the end of the step. Then the send's message
-is dropped, and with it the last reference to its tensor: message memory follows
-the schedule, not the microbatch count.
+Each run of consecutive SEND/RECV actions is posted as one batch; a receive is
+waited for at the compute that reads it (messages.receive_waits), so one posted
+early moves while the rank computes on, as torch.distributed.pipelining's irecv
+does until its wait(). Sends are waited for at the compute where the schedule says their receiver
+has them, once it has its receives (pipegpt.schedule.messages.release_points), the rest
+at the end of the step. Then the send's message is dropped, and with it the last
+reference to its tensor: message memory follows the schedule, not the microbatch
+count.
 Where the backend matches messages by tag (gloo), a send is posted as soon as
 its tensor exists, and its SEND action only takes it in: lowering places a SEND
 where its receiver needs it in a unit-cost run, which in a real run can be a
 whole compute action after the output was ready, with the receiver waiting.
 A send whose SEND is in the batch right after its compute goes with that batch
 instead: as early, and one gloo exchange with the batch's receives, not two.
-A composite pair runs its halves' pieces in turns (stages.stage.interleave): a receive feeding a half is waited
-for just before that half's first piece (the other half may compute meanwhile), each half's output is handed on
-(its send posted, where sends go eagerly) as soon as that half ends, and the communication a piece posts
-(stages.overlap) is waited for just before the piece goes on, after the other half's next piece.
+A composite pair runs its halves' pieces in turns (stages.stage.interleave): a receive feeding a half (in the
+dtype it computes in) is waited for just before that half's first piece (the other half may compute meanwhile),
+each half's output is handed on (its send posted, where sends go eagerly) as soon as that half ends, and the
+communication a piece posts (stages.overlap) is waited for just before the piece goes on, after the other half's
+next piece.
 """
 from __future__ import annotations
 
@@ -99,6 +102,7 @@ class _Compute(NamedTuple):
     # Where its result goes: (inbox key,) on this rank, else (outbox key, its SEND's fields, posted at once).
     hand: tuple | None
     ready: tuple | None  # (stage, backward, whereabouts) of the collectives' ready() before it (ZeRO-3), or None
+    releases: tuple = ()  # (SEND, whereabouts): the sends to drop once it has its input (release_points)
 
 
 class _Pair(NamedTuple):
@@ -109,6 +113,7 @@ class _Pair(NamedTuple):
     where: tuple
     name: str
     parts: tuple  # a _Compute per part, in the plan's order
+    releases: tuple = ()  # as a _Compute's, dropped after the pair (its parts wait for their inputs inside)
 
 
 class _Arrival:
@@ -141,8 +146,7 @@ class _Batch(NamedTuple):
     where: tuple
     names: tuple[str, ...]
     sends: tuple  # (outbox key, SEND, peer, tag, label, the sending stage's release_output or None, microbatch)
-    recvs: tuple  # (inbox key, peer, tag, label, whereabouts, whether the pair right after waits for it itself)
-    releases: tuple  # (SEND, whereabouts): the sends to wait for and drop once the receives are in
+    recvs: tuple  # (inbox key, peer, tag, label, whereabouts): each waited for by the compute that reads it
 
 
 class CollectiveKind(NamedTuple):
@@ -238,7 +242,8 @@ class PipelineRuntime:
         # action the GPU is in; (whereabouts, mark) of this step.
         self.marker = device_marker(torch.device(device))
         self.marks: list = []
-        self.arriving: dict = {}  # a step's receives a pair's part waits for itself (step())
+        self.arriving: dict = {}  # inbox key -> a step's posted receive (Message, whereabouts), until read (step())
+        self.in_flight: dict = {}  # a step's SENDs posted, not yet released, with their Messages (step())
         self.at = [self._whereabouts(i, a) for i, a in enumerate(self.actions)]
         # Index of a compute action -> the ready() call before it: (stage, backward, where the wait is).
         self.ready_at = {} if self.ready is None else {
@@ -250,7 +255,7 @@ class PipelineRuntime:
         self.index_of = {a: i for i, a in enumerate(self.actions)}
         self.eager_sends = p2p.matches_by_tag
         self.send_of = {_outbox_key(a): a for a in self.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)}
-        # Per comm batch (by its first index): the sends to wait for and drop once its receives are in.
+        # Per compute action (by its index): the sends to wait for and drop once its receives are in.
         releases = release_points(plan, self.eager_sends)[pipeline_ranks.index(rank)]
         self.releases = {i: tuple((a, self.at[self.index_of[a]]) for a in sends) for i, sends in releases.items()}
         # What step() does, one entry per compute action, collective and comm batch: every lookup, tag and label
@@ -342,7 +347,8 @@ class PipelineRuntime:
                 program.append(_Collective(i, a, self.at[i], self.names[i], self.run_collective[a.kind]))
             elif a.kind is Kind.OVERLAP:
                 program.append(_Pair(i, a, self.at[i], self.names[i],
-                                     tuple(self._compute_entry(i, p, (i, j)) for j, p in enumerate(a.parts))))
+                                     tuple(self._compute_entry(i, p, (i, j)) for j, p in enumerate(a.parts)),
+                                     self.releases.get(i, ())))
             else:
                 program.append(self._compute_entry(i, a))
             i += 1
@@ -367,7 +373,8 @@ class PipelineRuntime:
                     hand = ((kind, s, mb), None if send is None else self._send_fields(send),
                             self.eager_sends and not self._sent_next(i, send))
         return _Compute(i, a, self.at[i], self.names[i], a.kind, stage, mb, take, cast, hand,
-                        self.ready_at.get(i if ready_key is None else ready_key))
+                        self.ready_at.get(i if ready_key is None else ready_key),
+                        self.releases.get(i, ()) if ready_key is None else ())
 
     def _sent_next(self, i: int, send: Action | None) -> bool:
         """Whether `send` is in the comm batch right after action i: posted there with that batch's receives,
@@ -378,12 +385,6 @@ class PipelineRuntime:
 
     def _batch(self, first: int, end: int) -> _Batch:
         sends, recvs = [], []
-        after = self.actions[end] if end < len(self.actions) else None
-        # A receive feeding a half of the pair right after the batch, in the dtype it computes in: that half waits
-        # for it before its first piece, so the other half's first piece may run while it arrives.
-        fed = {(Kind.F if p.kind is Kind.F else Kind.B, p.stage, p.microbatch) for p in after.parts
-               if p.kind is not Kind.W} \
-            if after is not None and after.kind is Kind.OVERLAP and self.message_dtype == self.dtype else set()
         for i in range(first, end):
             a = self.actions[i]
             s, mb = a.stage, a.microbatch
@@ -395,10 +396,9 @@ class PipelineRuntime:
                 backward = a.kind is Kind.RECV_B
                 sender = s + 1 if backward else s - 1
                 key = (Kind.B if backward else Kind.F, s, mb)
-                recvs.append((key, self.owner[sender], self._tag(sender, mb, backward), f"receive {a}", self.at[i],
-                              key in fed))
+                recvs.append((key, self.owner[sender], self._tag(sender, mb, backward), f"receive {a}", self.at[i]))
         return _Batch(first, self.actions[first], self.batch_at[first], tuple(self.names[first:end]), tuple(sends),
-                      tuple(recvs), self.releases.get(first, ()))
+                      tuple(recvs))
 
     def _send_fields(self, a: Action) -> tuple[int, int, str]:
         """A SEND's (peer, tag, label)."""
@@ -417,7 +417,7 @@ class PipelineRuntime:
         inbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to consume
         self.arriving = {}  # inbox key -> (its receive's Message, whereabouts): posted, waited for by its consumer
         outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F|B, stage, mb) -> tensor to send
-        in_flight: dict[Action, Message] = {}  # SENDs posted, not yet released
+        self.in_flight = in_flight = {}
         events: list = []
         if record:
             self.clock.start()
@@ -439,13 +439,15 @@ class PipelineRuntime:
                     self._compute_pair(entry, inputs, targets, inbox, outbox, documents)
                 else:
                     entry.run(entry.action.stage)
+                if type(entry) is _Pair and entry.releases:
+                    self._release(entry.releases)
                 if record:
                     events.append((entry.name, t0, clock()))
             if self.marker is not None:
                 marks.append((entry.where, self.marker(entry.action)))
             if self.after_action is not None:
                 self.after_action(inbox, outbox, in_flight)
-        for message, now in self.arriving.values():  # none: every pair takes its receives (kept for safety)
+        for message, now in self.arriving.values():  # none: every compute takes its receives (kept for safety)
             self.now = now
             self.p2p.wait(message)
         self.arriving.clear()
@@ -470,6 +472,8 @@ class PipelineRuntime:
             stage.backward_weight(mb)
             return
         received = self._take(c, inbox)
+        if c.releases:
+            self._release(c.releases)
         if kind is Kind.F:
             out = stage.forward(mb, inputs[mb] if stage.is_first else received,
                                 targets[mb] if stage.is_last else None, None if documents is None else documents[mb])
@@ -498,8 +502,8 @@ class PipelineRuntime:
                 self._compute(c, inputs, targets, inbox, outbox, documents)
             return
         runs = []
-        for c in pair.parts:
-            arriving = self.arriving.pop(c.take, None)
+        for c in pair.parts:  # a receive to cast (another dtype) is waited for before the pair, as _take does
+            arriving = None if c.cast else self.arriving.pop(c.take, None)
             run = self._piece_run(c, inputs, targets, inbox, documents, waited=arriving is None)
             if arriving is not None:
                 run.pending = _Arrival(self, *arriving, pair.where)
@@ -561,18 +565,19 @@ class PipelineRuntime:
                 sends.append((Message(self._on_the_wire(item), peer, tag, label), a))
                 if release is not None:  # the message holds the output's storage now, the stage need not
                     release(mb)
-        for key, peer, tag, label, _, _ in batch.recvs:
+        for key, peer, tag, label, _ in batch.recvs:
             buffer = torch.empty(shape, dtype=self.message_dtype, device=self.device)
             recvs.append(Message(buffer, peer, tag, label))
             inbox[key] = buffer
         self.p2p.post([m for m, _ in sends], recvs)
-        for message, (key, *_, now, by_consumer) in zip(recvs, batch.recvs):
-            if by_consumer:  # the pair after the batch waits for it before the piece that reads it
-                self.arriving[key] = (message, now)
-                continue
-            self.now = now
-            self.p2p.wait(message)
+        for message, (key, *_, now) in zip(recvs, batch.recvs):  # waited for by the compute that reads it
+            self.arriving[key] = (message, now)
         in_flight.update((a, m) for m, a in posted + sends)
-        for action, now in batch.releases:  # the receiver has these: waiting does not stall
+
+    def _release(self, releases: tuple) -> None:
+        """Wait for and drop the sends whose receivers have them (release_points): waiting does not stall."""
+        where = self.now
+        for action, now in releases:
             self.now = now
-            self.p2p.wait(in_flight.pop(action))
+            self.p2p.wait(self.in_flight.pop(action))
+        self.now = where

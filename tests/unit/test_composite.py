@@ -155,14 +155,15 @@ def test_pairs_in_real_schedules_are_timed_alike(name, ranks, microbatches):
 
 def test_message_memory_and_evaluation_read_a_pairs_parts():
     """The message buffers a rank holds (messages.message_peaks) count a pair's parts as the same plan with the
-    parts apart does: zbv's paired plan holds 4 on rank 2, not 6."""
+    parts apart does (zbv's paired plan holds 5 on rank 2 either way), but for the sends released at a pair, which
+    the runtime drops after it (its parts wait for their receives inside): one more on rank 1."""
     from pipegpt.schedule.messages import message_peaks
     from pipegpt.schedule.registry import schedule_spec
 
     plan = _paired(schedule_spec("zbv").build(3, 6))
     lowered = lower(plan, Costs.uniform(plan.num_stages, comm=0.3))
-    assert message_peaks(lowered) == message_peaks(lowered.flattened()) == [6, 6, 4]
-    assert message_peaks(lowered, True) == message_peaks(lowered.flattened(), True) == [6, 7, 4]
+    assert message_peaks(lowered) == message_peaks(lowered, True) == [6, 9, 5]
+    assert message_peaks(lowered.flattened()) == message_peaks(lowered.flattened(), True) == [6, 8, 5]
     assert validate(_plan().forward_only()).ranks[1] == tuple(Action(1, Kind.F, mb) for mb in range(4))
 
 

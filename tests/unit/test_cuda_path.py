@@ -6,7 +6,8 @@
 - Device choice under a torchrun-like environment and in a local launch that inherited LOCAL_RANK.
 - The tensor-parallel reduce-scatter falls back to all-reduce only on gloo; an NCCL error propagates.
 - Actor methods run on one actor thread per worker and make the worker's GPU current there.
-- Sends: posted as soon as their tensor exists on gloo (matched by tag), in plan order on NCCL.
+- Sends: posted as soon as their tensor exists on gloo (matched by tag), in plan order on NCCL; a receive is
+  waited for by the compute that reads it, not by the batch that posted it.
 - The two point-to-point behaviours are chosen apart from the device: "order" (NCCL's) runs on CPU too,
   and what settle() keeps until the end of the step is the Works, never the tensors.
 """
@@ -410,6 +411,44 @@ def test_on_nccl_the_sends_behind_a_run_s_receives_are_a_batch_of_their_own(monk
     backward = lambda mb: ("recv", (mb * 2 + 1) * 2 + 1)  # noqa: E731 - stage 1's gradient
     steady = [batch for mb in (2, 3) for batch in ([backward(mb - 1)], [forward(mb)])]
     assert posts == [[forward(0)], [forward(1), backward(0)], *steady, [backward(3)]], posts
+
+
+@pytest.mark.parametrize("device_type,matching", [("cuda", "auto"), ("cpu", "order")])
+def test_on_nccl_a_receive_posted_early_is_waited_for_by_the_compute_that_reads_it(monkeypatch, device_type,
+                                                                                   matching):
+    """gpipe 2x2 lowered with a latency: rank 0 posts 0RECV_B0 and 0RECV_B1 after 0F1, a batch each, before
+    backward 0. Gradient 0 is waited for just before backward 0, gradient 1 only after it, just before backward 1,
+    which reads what that wait delivered (a receive holds its tag's value once waited for)."""
+    from pipegpt.config import MODEL_PRESETS
+    from pipegpt.model.gpt import GPT
+    from pipegpt.schedule import Action, build_plan, lower
+    from pipegpt.schedule.simulate import Costs
+    from pipegpt.stages import Stage
+    from pipegpt.stages.runtime import PipelineRuntime
+
+    log = []
+
+    class LoggedWork(BatchWork):
+        def wait(self, timeout=None):
+            log.extend(f"wait {'send' if op.op is dist.isend else 'recv'} {op.tag}" for op in self.ops)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (
+        log.extend(f"post {'send' if op.op is dist.isend else 'recv'} {op.tag}" for op in ops), [LoggedWork(ops)])[1])
+    cfg, m = MODEL_PRESETS["tiny"], 2
+    stage = Stage(0, 2, GPT(cfg, layers=range(0, 1), embed=True, head=False, init_seed=0), m)
+    monkeypatch.setattr(stage, "backward",
+                        lambda mb, grad, split=False: log.append(f"backward {mb} {grad.flatten()[0]:g}"))
+    plan = lower(build_plan("gpipe", 2, m), Costs.uniform(2, F=1, B=2, W=1, comm=1))
+    assert plan.ranks[0] == tuple(map(Action.parse, "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1".split()))
+    p2p = PointToPoint(0, 5, device_type, matching=matching)
+    p2p.host_waits = True  # the stand-in's Works complete when waited for, on either path
+    runtime = PipelineRuntime(plan, 0, {0: stage}, p2p, [0, 1], (1, cfg.seq_len, cfg.n_embd), torch.float32, "cpu")
+    runtime.step([torch.zeros(1, cfg.seq_len, dtype=torch.long)] * m, None, record=False)
+    first, second = log.index("backward 0 3"), log.index("backward 1 7")  # each read its own gradient
+    assert log.index("post recv 7") < log.index("wait recv 3") < first, log  # both posted, the first waited for
+    assert "wait recv 7" not in log[:first] and log.index("wait recv 7") < second, log
 
 
 @pytest.mark.parametrize("device_type,matching", [("cuda", "auto"), ("cpu", "order")])

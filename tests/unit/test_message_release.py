@@ -3,7 +3,8 @@ buffers a rank then holds (message_peaks, which the planner's memory model count
 
 A release point must be safe in every real run, whatever the timing: each lowered plan is executed
 here under many random interleavings of its ranks, with the runtime's semantics (a batch posts its
-sends, then waits for its receives; eager sends are posted right after the compute that made them),
+sends and receives, a compute waits for the receives it reads; eager sends are posted right after the compute
+that made them),
 and every release must come after the receiver waited for the message.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from pipegpt.config import ModelConfig
 from pipegpt.schedule import SCHEDULES, Kind, ScheduleError, build_plan, lower
-from pipegpt.schedule.messages import comm_batches, message_peaks, peer, release_points, sends_after
+from pipegpt.schedule.messages import comm_batches, message_peaks, peer, receive_waits, release_points, sends_after
 
 SENDS = (Kind.SEND_F, Kind.SEND_B)
 
@@ -35,8 +36,9 @@ PLANS = dict(_plans())
 def run_randomly(plan, eager: bool, releases, rng: random.Random) -> None:
     """One run of the plan in a random interleaving; fails where a send is released before it arrived."""
     n = plan.num_ranks
-    batches = [dict(comm_batches(actions)) for actions in plan.ranks]
-    pos, posting = [0] * n, [True] * n  # at a batch: its sends are still to be posted
+    batches = [dict(comm_batches(actions, eager)) for actions in plan.ranks]
+    waits = [receive_waits(actions) for actions in plan.ranks]
+    pos = [0] * n
     posted, arrived, released = set(), set(), set()
     while True:
         ready = []
@@ -44,30 +46,26 @@ def run_randomly(plan, eager: bool, releases, rng: random.Random) -> None:
             i = pos[r]
             if i == len(actions):
                 continue
-            if i in batches[r] and not posting[r]:
-                waits = [peer(a, plan)[1] for a in actions[i:batches[r][i]] if a.kind not in SENDS]
-                if not all(send in posted for send in waits):
-                    continue
+            if i in waits[r] and not all(peer(actions[k], plan)[1] in posted for k in waits[r][i]):
+                continue  # a compute waits for the receives it reads
             ready.append(r)
         if not ready:
             break
         r = rng.choice(ready)
         actions, i = plan.ranks[r], pos[r]
-        if i not in batches[r]:
-            if eager:
-                posted.update(sends_after(actions[i], plan))
-            pos[r] += 1
-        elif posting[r]:
-            posted.update(a for a in actions[i:batches[r][i]] if a.kind in SENDS)
-            posting[r] = False
-        else:
-            batch = actions[i:batches[r][i]]
-            arrived.update(peer(a, plan)[1] for a in batch if a.kind not in SENDS)
-            for send in releases[r].get(i, ()):
-                assert send in arrived, f"rank {r} releases {send} at {batch[0]} before its receiver has it"
-                assert send not in released and send in plan.ranks[r][:batches[r][i]]
-                released.add(send)
-            pos[r], posting[r] = batches[r][i], True
+        if i in batches[r]:  # a batch posts its sends (its receives are waited for by their computes)
+            if not eager:
+                posted.update(a for a in actions[i:batches[r][i]] if a.kind in SENDS)
+            pos[r] = batches[r][i]
+            continue
+        arrived.update(peer(actions[k], plan)[1] for k in waits[r].get(i, ()))
+        for send in releases[r].get(i, ()):
+            assert send in arrived, f"rank {r} releases {send} at {actions[i]} before its receiver has it"
+            assert send not in released and send in plan.ranks[r][:i]
+            released.add(send)
+        if eager:
+            posted.update(sends_after(actions[i], plan))
+        pos[r] += 1
     assert all(pos[r] == len(actions) for r, actions in enumerate(plan.ranks)), "the run did not finish"
 
 
@@ -84,10 +82,10 @@ def test_a_send_is_released_only_after_its_receiver_has_it(name, eager):
 def test_1f1b_releases_each_forward_when_its_backward_comes_back():
     plan = lower(build_plan("1f1b", 2, 4))
     releases = release_points(plan)[0]
-    by_batch = {str(plan.ranks[0][i]): [str(a) for a in sends] for i, sends in releases.items()}
-    # Rank 1 takes forward 1 as soon as it is there, before backward 0: the batch bringing gradient 0 back
-    # frees forwards 0 and 1 (the one sending forward 1), each later gradient the forward before it.
-    assert by_batch == {"0SEND_F1": ["0SEND_F0", "0SEND_F1"], "0RECV_B2": ["0SEND_F2"], "0RECV_B3": ["0SEND_F3"]}
+    by_compute = {str(plan.ranks[0][i]): [str(a) for a in sends] for i, sends in releases.items()}
+    # Rank 1 waits for forward 1 only at 1F1, after it sent gradient 0 back: each backward's gradient, waited for
+    # at that backward, frees the forward of its microbatch.
+    assert by_compute == {f"0B{mb}": [f"0SEND_F{mb}"] for mb in range(4)}
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["order", "tag"])

@@ -12,11 +12,7 @@ from .list_scheduler import B_, F_, I_, W_, Problem
 
 
 def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
-    """(makespan, peak live stage-microbatches on any rank), or None where the plan deadlocks. With
-    problem.receive_floor, a compute whose input crosses ranks starts no sooner than the latency after its
-    rank's previous compute ends: under order matching the compute after a batch of receives waits for that
-    batch, which starts once the compute before it ends (schedule.simulate.simulate_order); then the makespan
-    is order's as near as a plan without its messages can say."""
+    """(makespan, peak live stage-microbatches on any rank), or None where the plan deadlocks."""
     n, m, num_ranks = problem.n, problem.m, problem.num_ranks
     nm = n * m
     hop, duration = problem.hop, problem.duration
@@ -32,7 +28,6 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
     level, peak, level_at = [0] * num_ranks, [0] * num_ranks, [None] * num_ranks
     waiters: dict[int, list[int]] = {}
     first_start = last_end = None
-    receive_floor = problem.receive_floor
     todo = list(range(num_ranks))
     while todo:
         r = todo.pop()
@@ -73,8 +68,6 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
                     break
                 if latency:
                     a = a + latency
-                    if receive_floor and start_free + latency > a:
-                        a = start_free + latency
                 if a > start:
                     start = a
             else:

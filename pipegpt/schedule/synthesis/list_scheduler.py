@@ -39,7 +39,6 @@ class Problem:
 
     def __init__(self, stage_to_rank: tuple[int, ...], m: int, costs: Costs):
         self.stage_to_rank, self.m, self.costs = stage_to_rank, m, costs
-        self.receive_floor = False  # fast_simulate.evaluate times a receive as order matching does
         n = self.n = len(stage_to_rank)
         self.num_ranks = max(stage_to_rank) + 1
         self.stages_of = [[s for s in range(n) if stage_to_rank[s] == r] for r in range(self.num_ranks)]

@@ -201,9 +201,8 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
     on every rank (default: 1F1B's memory). `fixed` are the fixed schedules of this placement to beat.
 
     matching "order" (NCCL) times the candidates as they will run there when messages have a latency: the
-    search weighs each with its receives' floor (fast_simulate.evaluate, Problem.receive_floor), and the
-    fastest few so weighed are lowered for the costs and simulated with messages matched by order
-    (simulate_order); the fastest of those wins, and the makespans are order's."""
+    search's winner and the fastest few it found are lowered for the costs and simulated with messages matched
+    by order (simulate_order); the fastest of those wins, and the makespans are order's."""
     stage_to_rank = tuple(stage_to_rank)
     m = num_microbatches
     if m < 1:
@@ -218,7 +217,6 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
     problem = Problem(stage_to_rank, m, costs)
     bound = lower_bound(stage_to_rank, m, costs, max_live)
     by_order = matching == "order" and costs.comm > 0  # without latency order costs what tag costs
-    problem.receive_floor = by_order
 
     best_plan = best_ranks = best_time = None  # a fixed Plan, or the codes of a synthesized order
     best_fixed = best_fixed_time = None
@@ -249,7 +247,7 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
         if key in seen:
             continue
         seen.add(key)
-        if any(costs.dp_comm) or by_order:  # the all-reduces after the last W/B may end the step; receives
+        if any(costs.dp_comm):  # the all-reduces after the last W/B may end the step
             makespan, peak = evaluate(problem, ranks)
         if peak <= max_live:
             candidates.append((makespan, None, ranks))
@@ -274,11 +272,8 @@ def synthesize(stage_to_rank: tuple[int, ...], num_microbatches: int, costs: Cos
             best_plan, best_ranks = None, paired
     if best_plan is None:
         best_plan = Plan("synthesized", m, stage_to_rank, problem.decode(best_ranks))
-    if by_order:  # the plan searched for by tag joins in: the floor is a guide, not the order model itself
-        by_tag = synthesize(stage_to_rank, m, costs, max_live, name, fixed, search_evaluations).plan
-        by_tag = replace(by_tag, name=by_tag.meta["from"])
-        best_plan, best_time, best_fixed_time = _fastest_by_order(problem, [best_plan, by_tag], candidates,
-                                                                  best_fixed)
+    if by_order:
+        best_plan, best_time, best_fixed_time = _fastest_by_order(problem, [best_plan], candidates, best_fixed)
         meta["p2p_matching"] = "order"
     plan = replace(best_plan, name=name, meta={**dict(meta), "from": best_plan.name})
     return Synthesis(plan, best_time, bound, max_live, best_fixed, best_fixed_time, tried)
@@ -317,7 +312,7 @@ def _sample(problem: Problem, base: Variant, makespan: Real, max_live: int, boun
         if result is None:
             continue
         ranks, time, peak = result
-        if any(problem.costs.dp_comm) or problem.receive_floor:
+        if any(problem.costs.dp_comm):
             time, peak = evaluate(problem, ranks)
         if peak <= max_live and time < makespan:
             best, makespan, kept = ranks, time, flips
