@@ -5,10 +5,12 @@ without pairs (--overlap off), measured beside the simulator's prediction of bot
     .venv/bin/python benchmarks/bench_overlap.py --stages 1 --schedule 1f1b-overlap --link-rate none,400mbit
 
 Each round runs `pipegpt run --model tiny-moe --stages S --dp D --ep E` (one thread per rank) with --overlap on
-and off, which goes first alternating, and once with --ep 1; a cell is the median of every step but each run's
-first; "per round" is the median over rounds of a round's on / off, the two run next to each other. The
-all-to-all's share of an unpaired step is measured against the --ep 1 run (the same tokens and, on
-balanced loads, the same expert compute per rank, no exchange): share = 1 - ep1 / off.
+and off, which goes first alternating; a cell is the median of every step but each run's first; "per round" is
+the median over rounds of a round's on / off, the two run next to each other. The all-to-all's share of an
+unpaired step is read from the off runs' traces (the last step's measured timeline): per rank, the time its
+exchanges took (posted to waited for, which off does at once) over its actions' span, the mean over ranks. (A run
+with --ep 1 is no baseline: its MoE layer computes its experts another way, about twice as slowly on one stage
+per rank.)
 
 The link: on CPU gloo's all-to-all is memory copies and socket calls, CPU work that the other half of a pair
 cannot hide on a busy core; on GPUs it runs on the NIC and copy engines while the cores compute. --link-rate
@@ -21,9 +23,9 @@ with a kernel that lacks the qdisc, the bench refuses before running anything.
 
 The simulator: costs F=1,B=2,W=1 per rank (a microbatch's F + B = 3; W is B's weight part) with a2a, the
 all-to-all of one forward (a backward makes as many), fitted so that the simulated unpaired step over the
-simulated one without exchanges equals the measured off / ep1; it then predicts on / off. Its seconds are scaled
-so that off's prediction is off's measurement. The load average (the machine's, 1 minute) is printed per row:
-other processes on the cores take from the ranks' compute, which the simulator does not model.
+simulated one without exchanges is 1 / (1 - share); it then predicts on / off. Its seconds are scaled so that off's
+prediction is off's measurement. The load average (the machine's, 1 minute) is printed per row: other processes
+on the cores take from the ranks' compute, which the simulator does not model.
 """
 from __future__ import annotations
 
@@ -87,6 +89,30 @@ def step_times(run_dir: Path) -> list[float]:
     return [float(r["step_time_s"]) for r in rows if "step_time_s" in r][1:]  # the first step: warm-up
 
 
+def exchange_share(run_dir: Path) -> float:
+    """The share of the traced step that ranks spent in expert all-to-alls: per rank the union of its exchanges'
+    spans over its actions' span, the mean over ranks."""
+    trace = json.loads((run_dir / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    shares = []
+    for rank in sorted({e["pid"] for e in events if e.get("ph") == "X"}):
+        actions = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("pid") == rank and e.get("ph") == "X"]
+        spans, opened = [], {}
+        for e in sorted((e for e in events if e.get("pid") == rank and e.get("cat") == "expert all-to-all"),
+                        key=lambda e: e["ts"]):
+            if e["ph"] == "B":
+                opened[e["tid"]] = e["ts"]
+            elif e["ph"] == "E" and e["tid"] in opened:
+                spans.append((opened.pop(e["tid"]), e["ts"]))
+        covered, end = 0.0, float("-inf")
+        for start, stop in sorted(spans):  # the union: exchanges on two lanes at once count once
+            covered += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        span = max(b for _, b in actions) - min(a for a, _ in actions)
+        shares.append(covered / span if span > 0 else 0.0)
+    return statistics.mean(shares) if shares else 0.0
+
+
 def run(args, prefix: list[str], run_dir: Path, *extra: str) -> list[float]:
     cmd = [*prefix, *PIPEGPT, "run", "--model", "tiny-moe", "--stages", str(args.stages), "--dp", str(args.dp),
            "--schedule", args.schedule, "--microbatches", str(args.microbatches),
@@ -94,7 +120,7 @@ def run(args, prefix: list[str], run_dir: Path, *extra: str) -> list[float]:
            "--threads-per-worker", "1", "--seed", "1", "--run-dir", str(run_dir), "--overwrite",
            *shlex.split(args.run_args), *extra]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=1800)
-    return step_times(run_dir)
+    return step_times(run_dir), exchange_share(run_dir)
 
 
 def simulated(schedule: str, stages: int, microbatches: int, a2a: float, overlap: str) -> float:
@@ -151,33 +177,37 @@ def main(argv=None) -> int:
     setups = links(args)
     for _, prefix in setups:
         check_link(prefix)
-    runs = {(label, k): [] for label, _ in setups for k in ("on", "off", "ep1")}  # per round: its steps' times
+    runs = {(label, k): [] for label, _ in setups for k in ("on", "off")}  # per round: its steps' times
+    shares: dict[str, list[float]] = {label: [] for label, _ in setups}  # per off run
     loads: dict[str, list[float]] = {label: [] for label, _ in setups}
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
         for k in range(args.rounds):
             for label, prefix in setups:
                 loads[label].append(os.getloadavg()[0])
                 for overlap in (("on", "off") if k % 2 == 0 else ("off", "on")):
-                    runs[label, overlap].append(run(args, prefix, Path(tmp) / f"{overlap}-{k}", "--ep", str(args.ep),
-                                                    "--overlap", overlap))
-                runs[label, "ep1"].append(run(args, prefix, Path(tmp) / f"ep1-{k}", "--ep", "1", "--overlap", "off"))
+                    steps, share = run(args, prefix, Path(tmp) / f"{overlap}-{k}", "--ep", str(args.ep),
+                                       "--overlap", overlap)
+                    runs[label, overlap].append(steps)
+                    if overlap == "off":
+                        shares[label].append(share)
                 loads[label].append(os.getloadavg()[0])
     print(f"tiny-moe, {args.schedule}, dp {args.dp} x ep {args.ep} x pp {args.stages} on CPU ({args.dp * args.stages}"
           f" ranks, gloo, a thread each, {os.cpu_count()} cores); m {args.microbatches} x {args.microbatch_size} "
           f"sequences; {args.rounds} rounds x {args.steps} steps, on/off alternated; ms are medians")
     print()
-    print("| link | load | ep 1 ms | a2a share | a2a fit | off ms | on ms | on / off | per round | predicted off | "
+    print("| link | load | a2a share | a2a fit | off ms | on ms | on / off | per round | predicted off | "
           "predicted on | predicted on / off |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, _ in setups:
-        on, off, ep1 = (statistics.median(t for steps in runs[label, k] for t in steps) for k in ("on", "off", "ep1"))
+        on, off = (statistics.median(t for steps in runs[label, k] for t in steps) for k in ("on", "off"))
+        share = statistics.median(shares[label])
         # each round's on over its off, run next to each other: steadier than the medians where the load drifts
         per_round = statistics.median(statistics.median(a) / statistics.median(b)
                                       for a, b in zip(runs[label, "on"], runs[label, "off"]))
-        a2a = fit_a2a(args.schedule, args.stages, args.microbatches, off / ep1)
+        a2a = fit_a2a(args.schedule, args.stages, args.microbatches, 1 / (1 - min(share, 0.99)))
         sim_on, sim_off = (simulated(args.schedule, args.stages, args.microbatches, a2a, o) for o in ("on", "off"))
         scale = off / sim_off
-        print(f"| {label} | {statistics.mean(loads[label]):.1f} | {ep1 * 1e3:.0f} | {max(0.0, 1 - ep1 / off):.1%} | "
+        print(f"| {label} | {statistics.mean(loads[label]):.1f} | {share:.1%} | "
               f"{a2a:.3f} | {off * 1e3:.0f} | {on * 1e3:.0f} | {on / off:.3f} | {per_round:.3f} | {sim_off * scale * 1e3:.0f} | "
               f"{sim_on * scale * 1e3:.0f} | {sim_on / sim_off:.3f} |")
     return 0

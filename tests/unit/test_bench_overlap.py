@@ -82,3 +82,19 @@ def test_the_fitted_all_to_all_gives_the_measured_slowdown(bench, schedule, stag
         assert a2a == pytest.approx(0.3, rel=1e-6)
     assert bench.simulated(schedule, stages, 8, a2a, "on") < off  # pairs hide some of it
     assert bench.fit_a2a(schedule, stages, 8, 0.9) == 0.0  # ep 1 slower than off: no exchange to fit
+
+
+def test_the_exchange_share_is_the_union_of_a_ranks_exchanges_over_its_actions(bench, tmp_path):
+    """Rank 0: actions over 0..100 us, exchanges 10..30 and 20..40 on two lanes (their union: 30) and 60..70: 40%.
+    Rank 1: actions over 0..200, one exchange of 20: 10%. The share is the ranks' mean, 25%."""
+    def x(rank, ts, dur):
+        return {"ph": "X", "pid": rank, "tid": 0, "ts": ts, "dur": dur, "name": "F0"}
+
+    def a2a(rank, lane, start, stop):
+        return [{"ph": "B", "pid": rank, "tid": lane, "ts": start, "cat": "expert all-to-all", "name": "dispatch"},
+                {"ph": "E", "pid": rank, "tid": lane, "ts": stop, "cat": "expert all-to-all", "name": "dispatch"}]
+
+    events = [x(0, 0, 50), x(0, 50, 50), *a2a(0, 1, 10, 30), *a2a(0, 2, 20, 40), *a2a(0, 1, 60, 70),
+              x(1, 0, 200), *a2a(1, 1, 100, 120), {"ph": "M", "pid": 0, "tid": 1, "name": "thread_name"}]
+    (tmp_path / "trace.json").write_text(bench.json.dumps({"traceEvents": events}))
+    assert bench.exchange_share(tmp_path) == pytest.approx(0.25)
