@@ -9,8 +9,8 @@ and off, which goes first alternating; a cell is the median of every step but ea
 the median over rounds of a round's on / off, the two run next to each other. The all-to-all's share of an
 unpaired step is read from the off runs' traces (the last step's measured timeline): per rank, the time its
 exchanges took (posted to waited for, which off does at once) over its actions' span, the mean over ranks. (A run
-with --ep 1 is no baseline: its MoE layer computes its experts another way, about twice as slowly on one stage
-per rank.)
+with --ep 1 is no baseline here: on one stage per rank its actions measured about twice as slow as ep 2's, the
+exchanges included, for a reason not yet known.)
 
 The link: on CPU gloo's all-to-all is memory copies and socket calls, CPU work that the other half of a pair
 cannot hide on a busy core; on GPUs it runs on the NIC and copy engines while the cores compute. --link-rate
