@@ -1,16 +1,17 @@
 """An MoE model with expert parallelism on CPU: its pairs overlapped (--overlap on) against the same schedule
-without pairs (--overlap off), measured beside the simulator's prediction of both, one table row per link.
+without pairs (--overlap off), measured beside the simulator's prediction of both: a row per layout and link.
 
-    .venv/bin/python benchmarks/bench_overlap.py                        # dualpipev, dp 2 x ep 2 x pp 2, 4 ranks
-    .venv/bin/python benchmarks/bench_overlap.py --stages 1 --schedule 1f1b-overlap --link-rate none,400mbit
+    .venv/bin/python benchmarks/bench_overlap.py          # dualpipev, dp 2 x ep 2 x pp 2 (4 ranks), plain loopback
+    .venv/bin/python benchmarks/bench_overlap.py --schedule 1f1b-overlap,dualpipev --stages 1,2 --link-rate none,600mbit
+    (2 and 4 ranks, each on the plain loopback and on an emulated 600 Mbit/s link)
 
-Each round runs `pipegpt run --model tiny-moe --stages S --dp D --ep E` (one thread per rank) with --overlap on
-and off, which goes first alternating; a cell is the median of every step but each run's first; "per round" is
-the median over rounds of a round's on / off, the two run next to each other. The all-to-all's share of an
-unpaired step is read from the off runs' traces (the last step's measured timeline): per rank, the time its
-exchanges took (posted to waited for, which off does at once) over its actions' span, the mean over ranks. (A run
-with --ep 1 is no baseline here: on one stage per rank its actions measured about twice as slow as ep 2's, the
-exchanges included, for a reason not yet known.)
+Each round runs, per layout (a schedule with its --stages) and link, `pipegpt run --model tiny-moe --stages S
+--dp D --ep E` (one thread per rank) with --overlap on and off, which goes first alternating; a cell is the
+median of every step but each run's first; "per round" is the median over rounds of a round's on / off, the two
+run next to each other. The all-to-all's share of an unpaired step is read from the off runs' traces (the last
+step's measured timeline): per rank, the time its exchanges took (posted to waited for, which off does at once)
+over its actions' span, the mean over ranks. (A run with --ep 1 is no baseline here: on one stage per rank its
+actions measured about twice as slow as ep 2's, the exchanges included, for a reason not yet known.)
 
 The link: on CPU gloo's all-to-all is memory copies and socket calls, CPU work that the other half of a pair
 cannot hide on a busy core; on GPUs it runs on the NIC and copy engines while the cores compute. --link-rate
@@ -113,9 +114,10 @@ def exchange_share(run_dir: Path) -> float:
     return statistics.mean(shares) if shares else 0.0
 
 
-def run(args, prefix: list[str], run_dir: Path, *extra: str) -> list[float]:
-    cmd = [*prefix, *PIPEGPT, "run", "--model", "tiny-moe", "--stages", str(args.stages), "--dp", str(args.dp),
-           "--schedule", args.schedule, "--microbatches", str(args.microbatches),
+def run(args, schedule: str, stages: int, prefix: list[str], run_dir: Path, *extra: str) -> tuple[list, float]:
+    """One `pipegpt run` (under the link's prefix): its timed steps and its traced step's exchange share."""
+    cmd = [*prefix, *PIPEGPT, "run", "--model", "tiny-moe", "--stages", str(stages), "--dp", str(args.dp),
+           "--schedule", schedule, "--microbatches", str(args.microbatches),
            "--microbatch-size", str(args.microbatch_size), "--steps", str(args.steps + 1), "--device", "cpu",
            "--threads-per-worker", "1", "--seed", "1", "--run-dir", str(run_dir), "--overwrite",
            *shlex.split(args.run_args), *extra]
@@ -159,10 +161,20 @@ def links(args) -> list[tuple[str, list[str]]]:
     return out
 
 
+def layouts(args) -> list[tuple[str, int]]:
+    """(schedule, pipeline ranks) per layout: --schedule and --stages, comma lists paired in order (one of
+    either goes with every entry of the other)."""
+    schedules, stages = args.schedule.split(","), [int(p) for p in str(args.stages).split(",")]
+    if len(schedules) != len(stages) and 1 not in (len(schedules), len(stages)):
+        raise SystemExit(f"--schedule has {len(schedules)} entries and --stages {len(stages)}: pair them")
+    n = max(len(schedules), len(stages))
+    return list(zip(schedules * (n // len(schedules)), stages * (n // len(stages))))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedule", default="dualpipev")
-    ap.add_argument("--stages", type=int, default=2, help="pipeline ranks (pp)")
+    ap.add_argument("--schedule", default="dualpipev", help="a schedule, or a comma list paired with --stages'")
+    ap.add_argument("--stages", default="2", help="pipeline ranks (pp), or a comma list paired with --schedule's")
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
@@ -177,38 +189,41 @@ def main(argv=None) -> int:
     setups = links(args)
     for _, prefix in setups:
         check_link(prefix)
-    runs = {(label, k): [] for label, _ in setups for k in ("on", "off")}  # per round: its steps' times
-    shares: dict[str, list[float]] = {label: [] for label, _ in setups}  # per off run
-    loads: dict[str, list[float]] = {label: [] for label, _ in setups}
+    rows = [(schedule, stages, label, prefix) for schedule, stages in layouts(args) for label, prefix in setups]
+    runs = {(row[:3], k): [] for row in rows for k in ("on", "off")}  # per round: its steps' times
+    shares = {row[:3]: [] for row in rows}  # per off run
+    loads = {row[:3]: [] for row in rows}
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
         for k in range(args.rounds):
-            for label, prefix in setups:
-                loads[label].append(os.getloadavg()[0])
+            for schedule, stages, label, prefix in rows:
+                key = (schedule, stages, label)
+                loads[key].append(os.getloadavg()[0])
                 for overlap in (("on", "off") if k % 2 == 0 else ("off", "on")):
-                    steps, share = run(args, prefix, Path(tmp) / f"{overlap}-{k}", "--ep", str(args.ep),
-                                       "--overlap", overlap)
-                    runs[label, overlap].append(steps)
+                    steps, share = run(args, schedule, stages, prefix, Path(tmp) / f"{overlap}-{k}", "--ep",
+                                       str(args.ep), "--overlap", overlap)
+                    runs[key, overlap].append(steps)
                     if overlap == "off":
-                        shares[label].append(share)
-                loads[label].append(os.getloadavg()[0])
-    print(f"tiny-moe, {args.schedule}, dp {args.dp} x ep {args.ep} x pp {args.stages} on CPU ({args.dp * args.stages}"
-          f" ranks, gloo, a thread each, {os.cpu_count()} cores); m {args.microbatches} x {args.microbatch_size} "
-          f"sequences; {args.rounds} rounds x {args.steps} steps, on/off alternated; ms are medians")
+                        shares[key].append(share)
+                loads[key].append(os.getloadavg()[0])
+    print(f"tiny-moe on CPU, dp {args.dp} x ep {args.ep} x pp (ranks: dp x pp, gloo, a thread each; {os.cpu_count()} "
+          f"cores); m {args.microbatches} x {args.microbatch_size} sequences; {args.rounds} rounds x {args.steps} "
+          f"steps, on/off alternated; ms are medians; load: the 1-minute load average during the row's runs")
     print()
-    print("| link | load | a2a share | a2a fit | off ms | on ms | on / off | per round | predicted off | "
-          "predicted on | predicted on / off |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for label, _ in setups:
-        on, off = (statistics.median(t for steps in runs[label, k] for t in steps) for k in ("on", "off"))
-        share = statistics.median(shares[label])
+    print("| schedule | pp | link | load | a2a share | a2a fit | off ms | on ms | on / off | per round | "
+          "predicted off | predicted on | predicted on / off |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for schedule, stages, label, _ in rows:
+        key = (schedule, stages, label)
+        on, off = (statistics.median(t for steps in runs[key, k] for t in steps) for k in ("on", "off"))
+        share = statistics.median(shares[key])
         # each round's on over its off, run next to each other: steadier than the medians where the load drifts
         per_round = statistics.median(statistics.median(a) / statistics.median(b)
-                                      for a, b in zip(runs[label, "on"], runs[label, "off"]))
-        a2a = fit_a2a(args.schedule, args.stages, args.microbatches, 1 / (1 - min(share, 0.99)))
-        sim_on, sim_off = (simulated(args.schedule, args.stages, args.microbatches, a2a, o) for o in ("on", "off"))
+                                      for a, b in zip(runs[key, "on"], runs[key, "off"]))
+        a2a = fit_a2a(schedule, stages, args.microbatches, 1 / (1 - min(share, 0.99)))
+        sim_on, sim_off = (simulated(schedule, stages, args.microbatches, a2a, o) for o in ("on", "off"))
         scale = off / sim_off
-        print(f"| {label} | {statistics.mean(loads[label]):.1f} | {share:.1%} | "
-              f"{a2a:.3f} | {off * 1e3:.0f} | {on * 1e3:.0f} | {on / off:.3f} | {per_round:.3f} | {sim_off * scale * 1e3:.0f} | "
+        print(f"| {schedule} | {stages} | {label} | {statistics.mean(loads[key]):.1f} | {share:.1%} | {a2a:.3f} | "
+              f"{off * 1e3:.0f} | {on * 1e3:.0f} | {on / off:.3f} | {per_round:.3f} | {sim_off * scale * 1e3:.0f} | "
               f"{sim_on * scale * 1e3:.0f} | {sim_on / sim_off:.3f} |")
     return 0
 

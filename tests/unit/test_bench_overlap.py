@@ -98,3 +98,14 @@ def test_the_exchange_share_is_the_union_of_a_ranks_exchanges_over_its_actions(b
               x(1, 0, 200), *a2a(1, 1, 100, 120), {"ph": "M", "pid": 0, "tid": 1, "name": "thread_name"}]
     (tmp_path / "trace.json").write_text(bench.json.dumps({"traceEvents": events}))
     assert bench.exchange_share(tmp_path) == pytest.approx(0.25)
+
+
+def test_layouts_pair_schedules_with_their_stages(bench):
+    def of(schedule, stages):
+        return bench.layouts(bench.argparse.Namespace(schedule=schedule, stages=stages))
+
+    assert of("1f1b-overlap,dualpipev", "1,2") == [("1f1b-overlap", 1), ("dualpipev", 2)]
+    assert of("dualpipev", "1,2") == [("dualpipev", 1), ("dualpipev", 2)]
+    assert of("dualpipev", "2") == [("dualpipev", 2)]
+    with pytest.raises(SystemExit, match="pair them"):
+        of("a,b,c", "1,2")
