@@ -18,9 +18,9 @@ received tensor as a leaf; nothing of the communication is in the autograd graph
 
 Run alone (a whole action, Stage.forward), each handle is waited for at once. Run in a pair
 (stages.stage.interleave), the handle is waited for just before the piece goes on, after the other half's next
-piece has run: that half's compute hides the communication. A block offers such a piece by a `forward_steps(x,
-documents)` method (a generator of handles that returns the block's output); the Stage then runs it in place
-of the block's plain forward when it runs pieces.
+steps have run (up to the one that posts its own communication): that half's compute hides it. A block offers
+such a piece by a `forward_steps(x, documents)` method (a generator of handles that returns the block's output);
+the Stage then runs it in place of the block's plain forward when it runs pieces.
 
 A handle is anything with wait() -> result (None where there is nothing to hand back):
 - Posted(work, result): a torch.distributed collective posted with async_op=True (gloo progresses it on its own

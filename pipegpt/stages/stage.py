@@ -79,20 +79,23 @@ def _finish(walk: Generator):
 
 
 def interleave(*runs: PieceRun, done: Callable[[int, object], None] | None = None) -> list:
-    """Run the runs' pieces in turns (one step of each, in the order given) until every one is done: two
-    microbatches' actions as one composite action. A run's posted communication (its `pending` handle) is
-    waited for at its next step, after the other runs' steps have computed. done(i, result), where given, is
-    told as soon as run i ends (the runtime posts its output's send then, while the other still computes).
+    """Run the runs' pieces in turns until every one is done: two microbatches' actions as one composite action.
+    A run keeps the turn while its steps post nothing (its next piece hides nobody's communication by waiting)
+    and gives it to the next run once a step has posted communication (its `pending` handle), which is waited for
+    at its next step, after the other runs' steps have computed. The turns depend on what the steps post, not on
+    when anything arrives, so every rank of a collective posts in the same order. done(i, result), where given,
+    is told as soon as run i ends (the runtime posts its output's send then, while the other still computes).
     Returns their results, in the order given."""
-    live = list(enumerate(runs))
+    live, turn = list(enumerate(runs)), 0
     while live:
-        still = []
-        for i, run in live:
-            if run.step():
-                still.append((i, run))
-            elif done is not None:
+        i, run = live[turn]
+        if not run.step():
+            del live[turn]
+            if done is not None:
                 done(i, run.result)
-        live = still
+        elif run.pending is not None:
+            turn += 1
+        turn = turn % len(live) if live else 0
     return [run.result for run in runs]
 
 

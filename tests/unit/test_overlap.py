@@ -76,21 +76,24 @@ def test_a_pair_hides_each_halfs_communication_under_the_others_compute():
     assert pair_log[2][3] == "a0" and pair_log[3][3] == "b0"
 
 
+class _Logged:
+    """A handle that logs its wait and hands back its name."""
+
+    def __init__(self, name, events):
+        self.name, self.events = name, events
+
+    def wait(self):
+        self.events.append(f"wait {self.name}")
+        return self.name
+
+
 def test_a_handle_is_waited_for_before_its_consumer_and_not_before():
     """interleave waits a half's handle at that half's next step, after the other half's step has run."""
     events = []
 
-    class Handle:
-        def __init__(self, name):
-            self.name = name
-
-        def wait(self):
-            events.append(f"wait {self.name}")
-            return self.name
-
     def half(name):
         events.append(f"{name} piece 0")
-        got = yield Handle(name)
+        got = yield _Logged(name, events)
         events.append(f"{name} piece 1 got {got}")
         return name
 
@@ -101,6 +104,45 @@ def test_a_handle_is_waited_for_before_its_consumer_and_not_before():
     events.clear()
     assert PieceRun(half("alone")).finish() == "alone"
     assert events == ["alone piece 0", "wait alone", "alone piece 1 got alone"]
+
+
+def test_a_half_keeps_the_turn_until_it_posts_communication():
+    """A step that posts nothing hides nobody's communication by giving way: its half goes on, and hands the turn
+    over at the step that posts (an MoE block's dispatch after its attention, here). The other half's posted
+    communication is then waited for after all of that compute, not after its first piece."""
+    events = []
+
+    def forward():  # two pieces with nothing posted (a piece boundary), then one that posts
+        events.append("f embedding")
+        yield
+        events.append("f attention")
+        yield _Logged("f dispatch", events)
+        events.append("f experts")
+        return "f"
+
+    def backward():
+        events.append("b head")
+        yield _Logged("b combine grad", events)
+        events.append("b experts")
+        yield
+        events.append("b attention")
+        return "b"
+
+    done = []
+    assert interleave(PieceRun(forward()), PieceRun(backward()), done=lambda i, _: done.append(i)) == ["f", "b"]
+    assert events == ["f embedding", "f attention", "b head", "wait f dispatch", "f experts",
+                      "wait b combine grad", "b experts", "b attention"]
+    assert done == [0, 1]
+
+    def dense(name):  # nothing posted at all: each half runs whole, the first handed on first
+        for piece in range(3):
+            events.append(f"{name} {piece}")
+            yield
+        return name
+
+    events.clear()
+    assert interleave(PieceRun(dense("f")), PieceRun(dense("b")), done=lambda i, _: done.append(i)) == ["f", "b"]
+    assert events == ["f 0", "f 1", "f 2", "b 0", "b 1", "b 2"] and done == [0, 1, 0, 1]
 
 
 def test_an_error_in_the_communication_reaches_the_waiter():
