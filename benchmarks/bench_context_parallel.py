@@ -114,7 +114,7 @@ def predicted(cp: int, comm: str, seq: int, args) -> tuple[int, int | None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--memory-seq", type=int, default=4096)
+    ap.add_argument("--memory-seq", type=int, default=4096, help="0: no memory table")
     ap.add_argument("--time-seq", type=int, default=2048)
     ap.add_argument("--cps", default="1,2,4")
     ap.add_argument("--comms", default="ring,allgather")
@@ -132,6 +132,12 @@ def main() -> None:
     print(f"model: {args.arch} {args.n_layer} layers x {args.n_embd} wide, {args.n_head} heads"
           f"{f' ({args.n_kv_head} kv)' if args.n_kv_head else ''}, microbatch {args.microbatch_size}; "
           f"{args.cores} cores, threads per rank = cores / cp")
+    if args.memory_seq:
+        memory_table(cps, comms, args)
+    time_table(cps, comms, args)
+
+
+def memory_table(cps, comms, args) -> None:
     print(f"\nactivation bytes per rank and bytes sent per forward + backward, seq {args.memory_seq}:")
     print("| cp | comm | activation MiB | predicted MiB | vs cp 1 | sent MiB | predicted sent MiB |")
     print("|---|---|---|---|---|---|---|")
@@ -144,6 +150,9 @@ def main() -> None:
             print(f"| {cp} | {comm if cp > 1 else '-'} | {got['activation'] / 2**20:.1f} | {act / 2**20:.1f} | "
                   f"{got['activation'] / base:.2f} | {got['sent'] / 2**20:.2f} | "
                   f"{'-' if sent is None else f'{sent / 2**20:.2f}'} |")
+
+
+def time_table(cps, comms, args) -> None:
     print(f"\nforward + backward ms, seq {args.time_seq} (median of {args.repeats} per run; {args.rounds} rounds "
           f"alternated):")
     configs = [(cp, comm) for cp in cps for comm in (comms if cp > 1 else comms[:1])]
