@@ -195,11 +195,20 @@ def _all_gather(x: torch.Tensor, what: str, group, cp_rank: int, cp_size: int, h
 def _reduce_scatter(x: torch.Tensor, group, cp_rank: int, cp_size: int, host_waits: bool) -> torch.Tensor:
     """x [cp, ...] summed over the group, rank r keeping x[r]."""
     x = x.contiguous()
+    _sent[0] += (cp_size - 1) * _nbytes(x[0])
+    what = (f"reduce-scattering dK/dV over cp ranks 0..{cp_size - 1} "
+            f"(global ranks {dist.get_process_group_ranks(group)})")
+    if host_waits:  # gloo reduce-scatters by all-reducing the whole of x: each share goes to its rank instead
+        others = [s for s in range(cp_size) if s != cp_rank]
+        shares = [torch.empty_like(x[cp_rank]) for _ in others]
+        ranks = [dist.get_global_rank(group, s) for s in others]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x[s], g, group, 2) for s, g in zip(others, ranks)]
+                                       + [dist.P2POp(dist.irecv, t, g, group, 2) for t, g in zip(shares, ranks)])
+        _wait(works, host_waits, what, cp_rank)
+        return torch.stack(shares).sum(0).add_(x[cp_rank]) if len(shares) > 1 else shares[0].add_(x[cp_rank])
     out = x.new_empty(x.shape[1:])
     work = _reduce_scatter_single(out, x.view(-1, *x.shape[2:]), group=group, async_op=True)  # splits dim 0
-    _sent[0] += (cp_size - 1) * _nbytes(out)
-    _wait([work], host_waits, f"reduce-scattering dK/dV over cp ranks 0..{cp_size - 1} "
-                              f"(global ranks {dist.get_process_group_ranks(group)})", cp_rank)
+    _wait([work], host_waits, what, cp_rank)
     return out
 
 
