@@ -116,14 +116,15 @@ def cp_block_bytes(model: ModelConfig, microbatch_size: int, sharding, precision
 
 def cp_bytes_per_layer(model: ModelConfig, microbatch_size: int, sharding, comm: str,
                        precision: str = "fp32") -> float:
-    """Bytes one cp rank sends per layer in a forward and backward, as the time model counts them: (cp - 1)
-    K/V blocks forward; backward K/V again and dK/dV, which the ring passes one hop further, home to its owner
-    (cp blocks; the all-gather's reduce-scatter sends cp - 1)."""
+    """Bytes one cp rank sends per layer in a forward and backward: (cp - 1) K/V blocks forward; backward K/V
+    again and (cp - 1) blocks of dK/dV, ring or all-gather (the ring's begin at the rank after their owner, so
+    the owner's share never travels; the all-gather's reduce-scatter sends the others' shares). The time model
+    charges the ring's backward one overlapped dK/dV block more than this (context_parallel: cp - 1 steps of
+    K/V and dK/dV, then the hop home): it shows only where a step's transfer outlasts its attention."""
     cp = sharding.cp
     if cp == 1:
         return 0.0
-    blocks = 2 * (cp - 1) + (cp if comm == "ring" else cp - 1)
-    return blocks * cp_block_bytes(model, microbatch_size, sharding, precision)
+    return 3 * (cp - 1) * cp_block_bytes(model, microbatch_size, sharding, precision)
 
 
 @dataclass(frozen=True)
