@@ -54,8 +54,9 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   log-sum-exp (forward; the backward accumulates dQ alike): 3 passes over the fp32 output block, mbs L C / tp
   values, at HBM speed, in the block's compute; and its kernels raise the block's host floor by a sixth per
   step (RING_STEP_LAUNCH). allgather: K/V gathered forward ((cp-1) steps of a block), gathered
-  again and dK/dV reduce-scattered backward (nothing of the sequence is kept), none of it overlapped. In
-  this model the ring never costs more than the all-gather. Recomputation (selective or full) reruns the
+  again and dK/dV reduce-scattered backward (nothing of the sequence is kept), none of it overlapped; its
+  compute is the ring's blocks, at most three, whose one or two merges are not charged. In this model the
+  ring never costs more than the all-gather. Recomputation (selective or full) reruns the
   forward's share in the backward. These exposed times join the block's collectives (the simulator's
   tp_comm); the gradient all-reduce and ZeRO-1 span dp x cp ranks (pipegpt.costs.stage_costs).
 * Llama's blocks cost what their FLOPs say (above) and move what GPT-2's move (two all-reduces of mbs T C
