@@ -11,10 +11,12 @@ ring (default): K/V (with GQA only the kv heads) travel to the next cp rank in b
   rank r holds the block of rank (r - s) mod cp; with the load-balanced chunks it computes: its own block causally
   (local order is global order), an earlier rank's block only against that rank's first chunk (its second is later
   than all of r's queries), a later rank's block only for r's second chunk (r's first is earlier than all its keys).
-  Every step after the first is L x L/2 pairs on every rank. The backward is a ring too: dK/dV (fp32) travel with
-  their block, each rank adding its share, and a last hop returns them to their owner.
-allgather (Llama 3's): K, V and documents gathered once, the local queries attend to the keys they can see (the
-  sequence up to their last chunk); the backward re-gathers K/V and reduce-scatters dK/dV.
+  Every step after the first is L x L/2 pairs on every rank. The backward is a ring too: a block's dK/dV (fp32)
+  begin at the first rank after its owner and travel with the block, each rank adding its share; the last hop
+  brings them to the owner, which adds its own (cp - 1 hops of dK/dV: none for the owner's share).
+allgather (Llama 3's): K, V and documents gathered once; the local queries attend to the ring's blocks, the
+  earlier ranks' key chunks joined into one block and the later ranks' into another (at most three kernels, no
+  pair the causal mask drops); the backward re-gathers K/V and reduce-scatters dK/dV.
 
 Every wait is bounded by TIMEOUT_S (set_timeout) where the backend's Work takes a timeout (gloo; on CUDA NCCL's
 own group timeout bounds the stream wait) and a failure raises ContextParallelError naming the peer. bytes_sent()
@@ -27,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipegpt.context_parallel.chunks import join_sequence, local_positions, shard_sequence
+from pipegpt.context_parallel.chunks import local_positions
 from pipegpt.context_parallel.kernels import block_backward, block_forward, merge_into
 from pipegpt.tensor_parallel.collectives import _all_gather_single, _reduce_scatter_single  # torch's names by version
 
@@ -160,21 +162,23 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, documents = ctx.saved_tensors
         peers = _Peers(ctx.group, ctx.cp_rank, ctx.cp_size, q.device)
-        dq = dkv_posted = None
-        for qs, ks, causal, k_block, v_block, allowed in _ring_blocks(peers, k, v, documents, ctx.cp_rank,
-                                                                       ctx.cp_size):
+        dq = own = posted = None
+        blocks = _ring_blocks(peers, k, v, documents, ctx.cp_rank, ctx.cp_size)
+        for step, (qs, ks, causal, k_block, v_block, allowed) in enumerate(blocks):
             dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_block, v_block, out[:, :, qs],
                                               lse[:, :, qs], causal, allowed)
-            if dq is None:
-                dq, dkv = dq_b, torch.zeros((2, *k.shape), dtype=dk_b.dtype, device=k.device)
-            else:
-                dq[:, :, qs] += dq_b
-                dkv = peers.wait(dkv_posted)[0]  # this block's dK/dV from the ranks that held it before
+            if step == 0:  # this rank's own block: its share stays here until the others' come home
+                dq, own = dq_b, torch.stack((dk_b, dv_b))
+                continue
+            dq[:, :, qs] += dq_b
+            # the block's dK/dV so far: begun by the first rank after its owner, then from the rank before
+            dkv = torch.zeros((2, *k.shape), dtype=dk_b.dtype, device=k.device) if step == 1 else \
+                peers.wait(posted)[0]
             dkv[0][:, :, ks] += dk_b
             dkv[1][:, :, ks] += dv_b
-            dkv_posted = peers.shift([dkv], 1, "passing dK/dV")  # the last hop reaches the owner
-        dkv = peers.wait(dkv_posted)[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+            posted = peers.shift([dkv], 1, "passing dK/dV")  # after the last step, to the block's owner
+        own += peers.wait(posted)[0]
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
 
 
 def _all_gather(x: torch.Tensor, what: str, group, cp_rank: int, cp_size: int, host_waits: bool) -> torch.Tensor:
@@ -191,44 +195,58 @@ def _all_gather(x: torch.Tensor, what: str, group, cp_rank: int, cp_size: int, h
 def _reduce_scatter(x: torch.Tensor, group, cp_rank: int, cp_size: int, host_waits: bool) -> torch.Tensor:
     """x [cp, ...] summed over the group, rank r keeping x[r]."""
     x = x.contiguous()
+    _sent[0] += (cp_size - 1) * _nbytes(x[0])
+    what = (f"reduce-scattering dK/dV over cp ranks 0..{cp_size - 1} "
+            f"(global ranks {dist.get_process_group_ranks(group)})")
+    if host_waits:  # gloo reduce-scatters by all-reducing the whole of x: each share goes to its rank instead
+        others = [s for s in range(cp_size) if s != cp_rank]
+        shares = [torch.empty_like(x[cp_rank]) for _ in others]
+        ranks = [dist.get_global_rank(group, s) for s in others]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x[s], g, group, 2) for s, g in zip(others, ranks)]
+                                       + [dist.P2POp(dist.irecv, t, g, group, 2) for t, g in zip(shares, ranks)])
+        _wait(works, host_waits, what, cp_rank)
+        return torch.stack(shares).sum(0).add_(x[cp_rank]) if len(shares) > 1 else shares[0].add_(x[cp_rank])
     out = x.new_empty(x.shape[1:])
     work = _reduce_scatter_single(out, x.view(-1, *x.shape[2:]), group=group, async_op=True)  # splits dim 0
-    _sent[0] += (cp_size - 1) * _nbytes(out)
-    _wait([work], host_waits, f"reduce-scattering dK/dV over cp ranks 0..{cp_size - 1} "
-                              f"(global ranks {dist.get_process_group_ranks(group)})", cp_rank)
+    _wait([work], host_waits, what, cp_rank)
     return out
 
 
-def _visible_keys(seq_len: int, cp_rank: int, cp_size: int) -> int:
-    """How many leading positions rank cp_rank's queries can see: up to the end of its second chunk."""
-    return (2 * cp_size - cp_rank) * seq_len // (2 * cp_size)
+def _gathered_blocks(r: int, n: int, half: int) -> list[tuple[slice, list[tuple[int, slice]], bool]]:
+    """The blocks rank r computes from every rank's K/V: (query slice, [(source rank, key slice)], causal). The
+    ring's blocks (_ring_block), with the earlier ranks' key chunks joined into one block and the later ranks'
+    into another (softmax does not care in what order keys come): at most three kernels whatever cp, and none
+    computes a pair the causal mask would drop."""
+    blocks = [(slice(None), [(r, slice(None))], True)]
+    if r > 0:
+        blocks.append((slice(None), [(s, slice(0, half)) for s in range(r)], False))
+    if r < n - 1:
+        blocks.append((slice(half, None), [(s, slice(None)) for s in range(r + 1, n)], False))
+    return blocks
 
 
-def _gathered(k, v, documents, group, r, n, host_waits):
-    """The whole sequence's K/V [2, B, Hkv, T', hd] (T' = the visible prefix) and documents [B, T'], global order."""
-    seq_len, visible = n * k.size(2), _visible_keys(n * k.size(2), r, n)
-    kv = join_sequence(list(_all_gather(torch.stack((k, v)), "K/V", group, r, n, host_waits).unbind(0)), dim=3)
-    docs = None
-    if documents is not None:
-        docs = join_sequence(list(_all_gather(documents, "document ids", group, r, n, host_waits).unbind(0)), dim=1)[:, :visible]
-    return kv[:, :, :, :visible], docs, seq_len
-
-
-def _allgather_mask(documents, docs_k, seq_len, r, n, device):
-    positions = local_positions(seq_len, r, n, device=device)
-    visible = _visible_keys(seq_len, r, n)
-    allowed = (torch.arange(visible, device=device)[None, :] <= positions[:, None])[None]
-    same = _same_document(documents, docs_k)
-    return allowed if same is None else allowed & same
+def _keys(gathered: torch.Tensor, parts, dim: int) -> torch.Tensor:
+    """gathered [cp, ...]'s key slices `parts` along `dim` (of one rank's tensor), joined along it."""
+    pieces = [gathered[s][(slice(None),) * dim + (ks,)] for s, ks in parts]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, documents, group, cp_rank, cp_size):
         host_waits = q.device.type != "cuda"
-        kv, docs_k, seq_len = _gathered(k, v, documents, group, cp_rank, cp_size, host_waits)
-        allowed = _allgather_mask(documents, docs_k, seq_len, cp_rank, cp_size, q.device)
-        out, lse = block_forward(q, kv[0], kv[1], False, allowed)
+        kv = _all_gather(torch.stack((k, v)), "K/V", group, cp_rank, cp_size, host_waits)  # [cp, 2, B, H, L, hd]
+        docs = None if documents is None else _all_gather(documents, "document ids", group, cp_rank, cp_size,
+                                                          host_waits)
+        out = lse = None
+        for qs, parts, causal in _gathered_blocks(cp_rank, cp_size, k.size(2) // 2):
+            kv_block = _keys(kv, parts, 3)
+            allowed = None if docs is None else _same_document(documents[:, qs], _keys(docs, parts, 1))
+            block_out, block_lse = block_forward(q[:, :, qs], kv_block[0], kv_block[1], causal, allowed)
+            if out is None:  # the diagonal block first: its lse is finite
+                out, lse = block_out.to(block_lse.dtype), block_lse
+            else:
+                merge_into(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, documents)  # local only: K/V are gathered again in backward
         ctx.group, ctx.cp_rank, ctx.cp_size = group, cp_rank, cp_size
@@ -238,13 +256,25 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, documents = ctx.saved_tensors
         r, n, host_waits = ctx.cp_rank, ctx.cp_size, q.device.type != "cuda"
-        kv, docs_k, seq_len = _gathered(k, v, documents, ctx.group, r, n, host_waits)
-        allowed = _allgather_mask(documents, docs_k, seq_len, r, n, q.device)
-        dq, dk, dv = block_backward(dout, q, kv[0], kv[1], out, lse, False, allowed)
-        dkv = torch.stack((dk, dv))
-        dkv = torch.nn.functional.pad(dkv, (0, 0, 0, seq_len - dkv.size(3)))  # keys no one here could see
-        shards = torch.stack([shard_sequence(dkv, s, n, dim=3) for s in range(n)])
-        dkv = _reduce_scatter(shards, ctx.group, r, n, host_waits)
+        kv = _all_gather(torch.stack((k, v)), "K/V", ctx.group, r, n, host_waits)
+        docs = None if documents is None else _all_gather(documents, "document ids", ctx.group, r, n, host_waits)
+        dq = dkv = None
+        for qs, parts, causal in _gathered_blocks(r, n, k.size(2) // 2):
+            kv_block = _keys(kv, parts, 3)
+            allowed = None if docs is None else _same_document(documents[:, qs], _keys(docs, parts, 1))
+            dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], kv_block[0], kv_block[1], out[:, :, qs],
+                                              lse[:, :, qs], causal, allowed)
+            if dq is None:
+                dq, dkv = dq_b, torch.zeros((n, 2, *k.shape), dtype=dk_b.dtype, device=k.device)
+            else:
+                dq[:, :, qs] += dq_b
+            start = 0
+            for s, ks in parts:  # each source's keys back to its own rows
+                rows = dkv[s][:, :, :, ks]
+                rows[0] += dk_b[:, :, start:start + rows.size(3)]
+                rows[1] += dv_b[:, :, start:start + rows.size(3)]
+                start += rows.size(3)
+        dkv = _reduce_scatter(dkv, ctx.group, r, n, host_waits)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 

@@ -84,7 +84,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     scale = 1.0 / math.sqrt(hd)
     kernel = kernel or choose_kernel(q.device.type, q.dtype, hd, allowed is not None)
     k, v = _expand_heads(k, q.size(1)), _expand_heads(v, q.size(1))
-    mask = _full_mask(causal, allowed, Lq, Lk, q.device)
+    # a causal block alone needs no mask but in plain torch: the fused kernels take the flag, and a square
+    # causal block leaves no row empty
+    mask = _full_mask(causal, allowed, Lq, Lk, q.device) if allowed is not None or kernel == "math" else None
     with torch.autocast(q.device.type, enabled=False):
         if kernel == "math":
             s = _math_scores(q, k, mask, scale)
@@ -122,7 +124,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     scale = 1.0 / math.sqrt(hd)
     kernel = kernel or choose_kernel(q.device.type, q.dtype, hd, allowed is not None)
     ke, ve = _expand_heads(k, Hq), _expand_heads(v, Hq)
-    mask = _full_mask(causal, allowed, Lq, Lk, q.device)
+    mask = _full_mask(causal, allowed, Lq, Lk, q.device) if allowed is not None or kernel == "math" else None
     lse = lse.contiguous()
     with torch.autocast(q.device.type, enabled=False):
         if kernel == "math":

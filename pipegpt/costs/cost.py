@@ -54,8 +54,9 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   log-sum-exp (forward; the backward accumulates dQ alike): 3 passes over the fp32 output block, mbs L C / tp
   values, at HBM speed, in the block's compute; and its kernels raise the block's host floor by a sixth per
   step (RING_STEP_LAUNCH). allgather: K/V gathered forward ((cp-1) steps of a block), gathered
-  again and dK/dV reduce-scattered backward (nothing of the sequence is kept), none of it overlapped. In
-  this model the ring never costs more than the all-gather. Recomputation (selective or full) reruns the
+  again and dK/dV reduce-scattered backward (nothing of the sequence is kept), none of it overlapped; its
+  compute is the ring's blocks, at most three, whose one or two merges are not charged. In this model the
+  ring never costs more than the all-gather. Recomputation (selective or full) reruns the
   forward's share in the backward. These exposed times join the block's collectives (the simulator's
   tp_comm); the gradient all-reduce and ZeRO-1 span dp x cp ranks (pipegpt.costs.stage_costs).
 * Llama's blocks cost what their FLOPs say (above) and move what GPT-2's move (two all-reduces of mbs T C
@@ -119,14 +120,15 @@ def cp_block_bytes(model: ModelConfig, microbatch_size: int, sharding, precision
 
 def cp_bytes_per_layer(model: ModelConfig, microbatch_size: int, sharding, comm: str,
                        precision: str = "fp32") -> float:
-    """Bytes one cp rank sends per layer in a forward and backward, as the time model counts them: (cp - 1)
-    K/V blocks forward; backward K/V again and dK/dV, which the ring passes one hop further, home to its owner
-    (cp blocks; the all-gather's reduce-scatter sends cp - 1)."""
+    """Bytes one cp rank sends per layer in a forward and backward: (cp - 1) K/V blocks forward; backward K/V
+    again and (cp - 1) blocks of dK/dV, ring or all-gather (the ring's begin at the rank after their owner, so
+    the owner's share never travels; the all-gather's reduce-scatter sends the others' shares). The time model
+    charges the ring's backward one overlapped dK/dV block more than this (context_parallel: cp - 1 steps of
+    K/V and dK/dV, then the hop home): it shows only where a step's transfer outlasts its attention."""
     cp = sharding.cp
     if cp == 1:
         return 0.0
-    blocks = 2 * (cp - 1) + (cp if comm == "ring" else cp - 1)
-    return blocks * cp_block_bytes(model, microbatch_size, sharding, precision)
+    return 3 * (cp - 1) * cp_block_bytes(model, microbatch_size, sharding, precision)
 
 
 @dataclass(frozen=True)

@@ -183,15 +183,14 @@ def test_matches_one_process_attention_longer_sequences(tmp_path):
 
 
 def expected_bytes(c):
-    """What one rank sends: forward, backward. Ring: (cp-1) K/V (+ documents) hops each way, cp hops of dK/dV
-    (accumulated in fp32, fp64 for fp64); all-gather: K/V (+ documents) to cp-1 ranks each way, dK/dV's share."""
+    """What one rank sends: forward, backward. Ring: (cp-1) K/V (+ documents) hops each way, cp-1 hops of dK/dV
+    (accumulated in fp32, fp64 for fp64; the owner's share never travels); all-gather: K/V (+ documents) to cp-1
+    ranks each way, dK/dV's share: the same bytes."""
     n, L = c["cp"], c["seq"] // c["cp"]
     size = DTYPES[c["dtype"]].itemsize
     kv = 2 * c["batch"] * c["hkv"] * L * c["hd"]
     docs = c["batch"] * L * 8 if c["docs"] else 0
     grads = kv * (8 if c["dtype"] == "f64" else 4)
-    if c["comm"] == "ring":
-        return (n - 1) * (kv * size + docs), (n - 1) * (kv * size + docs) + n * grads
     return (n - 1) * (kv * size + docs), (n - 1) * (kv * size + docs + grads)
 
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import assert_one_line_error, invoke
 from pipegpt.config import MODEL_PRESETS, TrainConfig
 from pipegpt.costs import memory as memory_model
-from pipegpt.costs.cost import AnalyticalCosts, Shape
+from pipegpt.costs.cost import AnalyticalCosts, Shape, cp_bytes_per_layer
 from pipegpt.costs.devices import make_cluster
 from pipegpt.dims import ParallelDims, Sharding
 from pipegpt.planner.candidates import Layout, Request
@@ -156,6 +156,17 @@ def test_a_cp_group_across_nodes_pays_the_inter_node_link():
         3 * (outside_cluster.latency_inter_s + block / 1e9), rel=1e-12)
     for group in ParallelDims(dp=2, cp=2, tp=2).groups(["cp"]):  # the mesh's order puts a group in a node of 4
         assert len({rank // 4 for rank in group}) == 1
+
+
+def test_a_cp_rank_sends_three_blocks_per_layer_and_peer():
+    """cp 4, seq 256, fp32, one sequence: a block is 64 tokens x (k, v) x 2 kv heads x 32 x 4 bytes = 32 KiB;
+    forward 3 K/V blocks, backward 3 K/V and 3 dK/dV (the owner's share stays home), ring or all-gather alike;
+    benchmarks/bench_context_parallel.py counts what the attention sends against this."""
+    block = 64 * 2 * 2 * 32 * FP32
+    for comm in ("ring", "allgather"):
+        assert cp_bytes_per_layer(LLAMA, 1, Sharding(cp=4), comm) == 9 * block == 294912
+    assert cp_bytes_per_layer(LLAMA, 2, Sharding(cp=2), "ring", "bf16") == 3 * (2 * 128 * 2 * 2 * 32 * 2)
+    assert cp_bytes_per_layer(LLAMA, 1, Sharding(), "ring") == 0
 
 
 # ---------------------------------------------------------------------------------------------------------
