@@ -78,7 +78,7 @@ from .bounds import layout_lower_bound, makespan_lower_bound
 from .candidates import (MAX_ACTIONS, Candidate, Layout, LayoutChoice, Refusal, Request, Result, SearchResult,
                          memory_parts, zero_choices, zero_name)
 from pipegpt.costs.stage_costs import PER_SEQUENCE, StageCosts
-from .structure import compute_groups, held_peaks, splits_backward, stage_placement, structure
+from .structure import compute_groups, held_peaks, schedulable, splits_backward, stage_placement, structure
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 _check_tp = memory_model._check_tp  # validate_tp, and the shapes the memory model assumes
@@ -335,9 +335,7 @@ class Search:
         m = self.req.batch_size // dp // mbs
         placement = stage_placement(schedule, pp, v)
         layers = cs.split(m_tp, sh, rc, placement, cand.balanced)
-        try:
-            st = structure(schedule, pp, m, v)
-        except ScheduleError:
+        if not schedulable(schedule, pp, m, v):  # the verdict cached apart from the plan (its cache turns over)
             self.stats["schedule_refused"] += 1
             return None
         F, B, W, TP, saved, deferred, msg = cs.vectors(m_tp, sh, rc, mbs, layers)
@@ -347,7 +345,7 @@ class Search:
         # A lower bound first (state + held activations, no walk over the plan), then the memory model.
         held = held_peaks(schedule, pp, m, v, saved, deferred)
         S, ranges = len(layers), stage_ranges(layers)  # which layers a stage holds: their kinds count
-        held_stages = [[(ranges[s], s == 0, s == S - 1) for s in st.plan.stages_of(r)] for r in range(pp)]
+        held_stages = [[(ranges[s], s == 0, s == S - 1) for s, q in enumerate(placement) if q == r] for r in range(pp)]
         states = {z: [memory_model.state_bytes(m_tp, x, sharding=zs, precision=self.precision, unshard=z[1],
                                                microbatches=m) for x in held_stages] for z, zs in zoned.items()}
         least = {z: [x.weights + x.gradients + x.optimizer + h for x, h in zip(states[z], held)] for z in zoned}
@@ -359,8 +357,8 @@ class Search:
             self._refuse(cand.dims, least[z][r], {"weights": x.weights, "gradients": x.gradients,
                                                   "optimizer": x.optimizer, "activations": held[r]}, what(z))
             return None
-        base = memory_model.plan_memory(m_tp, st.plan, layers, microbatch_size=mbs, sharding=sh, recompute=rc,
-                                        precision=self.precision, cp_comm=cand.cp_comm)
+        base = memory_model.plan_memory(m_tp, structure(schedule, pp, m, v).plan, layers, microbatch_size=mbs,
+                                        sharding=sh, recompute=rc, precision=self.precision, cp_comm=cand.cp_comm)
         mem = {z: [replace(x, weights=states[z][x.rank].weights, gradients=states[z][x.rank].gradients,
                            optimizer=states[z][x.rank].optimizer) for x in base] for z in zoned}
         fits = [z for z, ranks in mem.items() if max(x.total for x in ranks) <= cap]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipegpt.schedule import SCHEDULES, build_plan
-from pipegpt.schedule.actions import Kind
+from pipegpt.schedule.actions import Kind, ScheduleError
 
 
 @dataclass
@@ -25,6 +25,17 @@ def structure(schedule: str, p: int, m: int, v: int | None) -> Structure:
     # `pipegpt run --schedule auto` writes it again for the costs it measures, so the estimate is cautious.
     plan = spec.synthesize(p, m, v, search_evaluations=0).plan if spec.synthesized else build_plan(schedule, p, m, v)
     return Structure(plan, any(a.kind is Kind.W for r in plan.ranks for a in r))
+
+
+@lru_cache(maxsize=None)
+def schedulable(schedule: str, p: int, m: int, v: int | None) -> bool:
+    """Whether structure() builds (p, m, v) rather than raising ScheduleError: the planner asks for thousands of
+    structures, more than their cache keeps, and a refusal can take as long as a build."""
+    try:
+        structure(schedule, p, m, v)
+    except ScheduleError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=8192)

@@ -121,50 +121,53 @@ def _greedy_zero_bubble(stage_to_rank: tuple[int, ...], m: int, limits: list[int
     microbatches in order. Deterministic: the same integers give the same plan.
     """
     num_stages, num_ranks = len(stage_to_rank), max(stage_to_rank) + 1
-    stages_of = [[s for s in range(num_stages) if stage_to_rank[s] == r] for r in range(num_ranks)]
-    done: dict[Action, int] = {}  # action -> finish time
+    # Deepest stage first, for backwards (it unblocks everything upstream) and forwards (it reaches the loss sooner).
+    deepest_first = [[s for s in reversed(range(num_stages)) if stage_to_rank[s] == r] for r in range(num_ranks)]
+    # When each F and I finishes, by stage and microbatch (None: not yet): the planner builds thousands of these
+    # plans, and looking up Action keys was most of their time.
+    done_f = [[None] * m for _ in range(num_stages)]
+    done_i = [[None] * m for _ in range(num_stages)]
+    last = num_stages - 1
     next_f = [0] * num_stages
     next_i = [0] * num_stages
     pending_w: list[deque[Action]] = [deque() for _ in range(num_ranks)]
     live = [0] * num_ranks
-    free_at = [0] * num_ranks
     plan: list[list[Action]] = [[] for _ in range(num_ranks)]
     total = 3 * num_stages * m
+    scheduled = 0
     t = 0
-    while sum(map(len, plan)) < total:
-        for r in range(num_ranks):
-            if free_at[r] > t:
-                continue
+    while scheduled < total:
+        for r in range(num_ranks):  # every action takes one step, so every rank is free at each step
             choice = None
-            # Deepest stage first: its backward unblocks everything upstream.
-            for s in sorted(stages_of[r], reverse=True):
+            for s in deepest_first[r]:
                 mb = next_i[s]
-                if mb < next_f[s] and (s == num_stages - 1 or done.get(I(s + 1, mb), t + 1) <= t):
-                    if done.get(F(s, mb), t + 1) <= t:
+                if mb < next_f[s]:
+                    downstream = done_i[s + 1][mb] if s != last else t
+                    made = done_f[s][mb]
+                    if downstream is not None and downstream <= t and made is not None and made <= t:
                         choice = I(s, mb)
+                        done_i[s][mb] = t + 1
+                        next_i[s] = mb + 1
+                        pending_w[r].append(W(s, mb))
                         break
             if choice is None and live[r] < limits[r]:
-                # Deepest stage first for forwards too: it reaches the loss sooner.
-                for s in sorted(stages_of[r], reverse=True):
+                for s in deepest_first[r]:
                     mb = next_f[s]
-                    if mb < m and (s == 0 or done.get(F(s - 1, mb), t + 1) <= t):
-                        choice = F(s, mb)
-                        break
+                    if mb < m:
+                        upstream = done_f[s - 1][mb] if s else t
+                        if upstream is not None and upstream <= t:
+                            choice = F(s, mb)
+                            done_f[s][mb] = t + 1
+                            next_f[s] = mb + 1
+                            live[r] += 1
+                            break
             if choice is None and pending_w[r]:
                 choice = pending_w[r].popleft()
+                live[r] -= 1
             if choice is None:
                 continue
             plan[r].append(choice)
-            done[choice] = t + 1
-            free_at[r] = t + 1
-            if choice.kind is Kind.F:
-                next_f[choice.stage] += 1
-                live[r] += 1
-            elif choice.kind is Kind.I:
-                next_i[choice.stage] += 1
-                pending_w[r].append(W(choice.stage, choice.microbatch))
-            else:
-                live[r] -= 1
+            scheduled += 1
         t += 1
         if t > 10 * total + 10:  # cannot happen for sane limits; never loop forever
             raise ScheduleError(f"greedy zero-bubble scheduling made no progress (limits={limits})")

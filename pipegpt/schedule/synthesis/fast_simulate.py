@@ -15,7 +15,7 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
     """(makespan, peak live stage-microbatches on any rank), or None where the plan deadlocks."""
     n, m, num_ranks = problem.n, problem.m, problem.num_ranks
     nm = n * m
-    hop, duration = problem.hop, problem.duration
+    hop = problem.hop
     # ends[slot] for F, ends[nm + slot] for I or B, ends[2 nm + slot] for W, where slot = stage * m + microbatch;
     # needs[kind][stage]: (offset from the action's own index to a dependency's, message latency on the way)
     ends: list = [None] * (3 * nm)
@@ -23,6 +23,8 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
              [((-nm, 0), (m, hop[s])) if s + 1 < n else ((-nm, 0),) for s in range(n)],
              [((-nm, 0),)] * n]
     needs.append(needs[I_])
+    slot_of, waits_for, took, kind_of = _tables(problem, needs)
+    base = problem.composite_base
     pos = [0] * num_ranks
     free = [0] * num_ranks
     level, peak, level_at = [0] * num_ranks, [0] * num_ranks, [None] * num_ranks
@@ -33,10 +35,9 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
         r = todo.pop()
         acts, k, start_free = ranks[r], pos[r], free[r]
         while k < len(acts):
-            rest, mb = divmod(acts[k], m)
-            kind, s = divmod(rest, n)
-            if kind > B_:  # a composite pair: rare, so out of this loop
-                spans = _composite(problem, acts[k], start_free, needs, ends, waiters, r)
+            code = acts[k]
+            if code >= base:  # a composite pair: rare, so out of this loop
+                spans = _composite(problem, code, start_free, needs, ends, waiters, r)
                 if spans is None:
                     break
                 # The live level and span as below, per part: repeated, not shared, since a call or a loop per
@@ -59,20 +60,21 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
                     if woken:
                         todo.extend(woken)
                 continue
-            index = (kind if kind != B_ else I_) * nm + s * m + mb
+            index = slot_of[code]
             start = start_free
-            for offset, latency in needs[kind][s]:
-                a = ends[index + offset]
+            for dependency, latency in waits_for[code]:
+                a = ends[dependency]
                 if a is None:
-                    waiters.setdefault(index + offset, []).append(r)
+                    waiters.setdefault(dependency, []).append(r)
                     break
                 if latency:
                     a = a + latency
                 if a > start:
                     start = a
             else:
-                end = start + duration[kind][s]
+                end = start + took[code]
                 start_free = ends[index] = end
+                kind = kind_of[code]
                 k += 1
                 # Live stage-microbatches: up at an F's start, down at the end of its W (or B). Times along a
                 # rank never decrease, and at one time the simulator counts releases before allocations, so
@@ -104,6 +106,24 @@ def evaluate(problem: Problem, ranks: list[list[int]]) -> tuple | None:
     if any(problem.costs.dp_comm):
         step_end = max(last_end, _gradient_sync_end(problem, ranks, ends))
     return step_end - first_start, max(peak)
+
+
+def _tables(problem: Problem, needs: list) -> tuple:
+    """Per code of a plain action, what evaluate() would otherwise work out on every visit: its slot in ends,
+    (slot, message latency) of each action it waits for, its duration and its kind; built once per problem."""
+    if problem.evaluation_tables is None:
+        n, m, nm = problem.n, problem.m, problem.n * problem.m
+        slot_of, waits_for, took, kind_of = [], [], [], []
+        for code in range(problem.composite_base):
+            rest, mb = divmod(code, m)
+            kind, s = divmod(rest, n)
+            index = (kind if kind != B_ else I_) * nm + s * m + mb
+            slot_of.append(index)
+            waits_for.append(tuple((index + offset, latency) for offset, latency in needs[kind][s]))
+            took.append(problem.duration[kind][s])
+            kind_of.append(kind)
+        problem.evaluation_tables = slot_of, waits_for, took, kind_of
+    return problem.evaluation_tables
 
 
 def _composite(problem: Problem, code: int, start, needs, ends: list, waiters: dict, r: int):

@@ -48,6 +48,7 @@ class Problem:
         self.composite_base = len(KINDS) * n * self.m  # codes from here on are composites
         self.composites: list[tuple[int, ...]] = []  # each composite's parts, as codes
         self._composite_codes: dict[tuple[int, ...], int] = {}
+        self.evaluation_tables = None  # fast_simulate's per-code tables, made on its first call
 
     def code(self, action: Action | Composite) -> int:
         if action.kind is Kind.OVERLAP:
