@@ -197,13 +197,21 @@ class CarriedExchange:
         return self._start(grad, recv_splits, send_splits, f"{self._what} (backward)")
 
     def unpack(self, received: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """received (wait()'s layout) -> the carried tensors (their shapes and dtypes) and the received rows."""
+        """received (wait()'s layout) -> the carried tensors (their shapes and dtypes) and the received rows.
+        Where the rows' dtype is narrower than the flat tensor's (bf16 rows beside the fp32 residual stream), the
+        carried tensors are copied out and received's storage is freed: autograd keeps received (the Stage's leaf)
+        for its gradient alone, which it does not read, and the rows are kept once, in their own dtype."""
         out, at = [], 0
+        narrower = self._dtypes[-1] != received.dtype
         for shape, dtype in zip(self._shapes, self._dtypes):
             n = math.prod(shape)
-            out.append(received[at:at + n].view(shape).to(dtype))
+            part = received[at:at + n].view(shape)
+            out.append(part.clone() if narrower and dtype == received.dtype else part.to(dtype))
             at += n
-        return out, received[at:].view(-1, *self._width).to(self._dtypes[-1])
+        rows = received[at:].view(-1, *self._width).to(self._dtypes[-1])
+        if narrower:
+            received.data = received.new_empty(0)
+        return out, rows
 
 
 class _Joined:
