@@ -148,6 +148,9 @@ class MoE(nn.Module):
         self.aux_loss_scale = 1.0  # the gradient each call's aux loss gets: the stage's loss scale (1/microbatches)
         self.expert_parallel = None  # pipegpt.expert_parallel's ExpertGroup where experts are spread over ranks
         self.cast_weights = CastOnce()
+        # False where the layer's calls keep nothing for their backward (full recomputation, set by GPT): a cast
+        # kept for the step would only add memory there
+        self.cast_once = True
         # Where a call's tokens are spread over ranks (sequence parallelism over tp, cp): functions summing a tensor
         # over each group holding the call's other tokens, autograd-correct for that group's gradient sums
         # (set by shard_for_tp and shard_for_cp), so the aux loss is the one-process call's
@@ -213,11 +216,12 @@ class MoE(nn.Module):
     def expert_weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """This rank's expert weights in `dtype` (the experts' matmuls'): the parameters where they are in it; else,
         while autograd records, one cast shared by every call until the weights change or end_step (a cast per
-        call would keep a bf16 copy of the rank's experts per microbatch in flight)."""
+        call would keep a bf16 copy of the rank's experts per microbatch in flight); a cast per call under full
+        recomputation (cast_once False), whose checkpoints keep none."""
         params = [getattr(self, name) for name in self.expert_names]
         if all(p.dtype == dtype for p in params):
             return params
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self.cast_once:
             return [p.to(dtype) for p in params]
         return self.cast_weights.get(params, dtype)
 

@@ -70,6 +70,16 @@ def test_the_cast_is_shared_until_the_weights_change_or_the_step_ends():
     assert copy.deepcopy(layer).cast_weights.weights is None
 
 
+def test_full_recomputation_casts_per_call():
+    """Its checkpoints keep nothing of a call, so a cast kept for the step would only add memory."""
+    full, none = GPT(MOE, recompute="full"), GPT(MOE)
+    assert [b.mlp.cast_once for b in full.blocks.values()] == [False, False]
+    assert [b.mlp.cast_once for b in none.blocks.values()] == [True, True]
+    layer = full.blocks["0"].mlp
+    with torch.autocast(**BF16):
+        assert layer.expert_weights(torch.bfloat16)[0] is not layer.expert_weights(torch.bfloat16)[0]
+
+
 class _Recording:
     """An ep group of one that records the rows the layer hands it to dispatch."""
 
