@@ -327,26 +327,26 @@ def _moe_dispatched(model: ModelConfig, b: int, sharding: Sharding, precision: s
 def _moe_checkpointed(model: ModelConfig, b: int, sharding: Sharding, precision: str) -> int:
     """What full recomputation keeps of an MoE block beyond its input where ep > 1: pipegpt.model.moe.block_steps
     checkpoints the parts between the all-to-alls apart (the all-to-alls are not repeated), so the received rows
-    (in the residual dtype, as the dispatch sends them), the experts' combined outputs, their weights and the
-    residual stream past the attention stay too."""
+    and the experts' combined outputs (both in the compute dtype, as the all-to-alls send them), their weights and
+    the residual stream past the attention stay too."""
     if not model.n_experts or "ep" not in sharding.axis_names or sharding.size("ep") == 1:
         return 0
     r, c = _widths(precision)
     m = _routed(model, b, sharding)
-    return m * model.n_embd * (r + c) + m * r + sharding.tokens_per_rank(model.seq_len, b) * model.n_embd * r
+    return m * model.n_embd * 2 * c + m * r + sharding.tokens_per_rank(model.seq_len, b) * model.n_embd * r
 
 
 def _moe_weight_casts(model: ModelConfig, sharding: Sharding) -> int:
-    """Elements of an MoE block's bf16 weight casts beyond its dense-equivalent's MLP: each call casts the rank's
-    E/ep whole experts (and the router) and saves the casts for its backward, where the dense-equivalent counts an
-    MLP as wide as a token's active experts cut over tp."""
+    """Elements of an MoE block's bf16 weight casts per call beyond its dense-equivalent's MLP: each call casts the
+    router and the shared experts and saves the casts for its backward, where the dense-equivalent counts an MLP as
+    wide as a token's active experts cut over tp (negative where that is the larger). The rank's E/ep routed
+    experts are cast once per step and shared by every call: pipegpt.costs.memory counts that copy once."""
     if not model.n_experts:
         return 0
-    ep = sharding.size("ep") if "ep" in sharding.axis_names else 1
     C, H = model.n_embd, model.expert_width
     active = 3 * (model.ffn_width // sharding.tp) * C  # what _block_weights counted for the MLP
     shared = 3 * model.n_shared_experts * H * C
-    return model.n_experts // ep * 3 * H * C + model.n_experts * C + shared - active
+    return model.n_experts * C + shared - active
 
 
 def _linear_inputs(model: ModelConfig, precision: str, sp: bool) -> int:

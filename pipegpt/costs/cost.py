@@ -67,7 +67,8 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   moe_imbalance (the busiest rank's tokens over the mean, default 1.25), and four all-to-alls join its
   collectives (dispatch and combine, forward and backward; full recomputation does not repeat them:
   pipegpt.model.moe.block_steps checkpoints the parts between them): each of the rank's tokens x top-k x C values
-  in fp32 (pipegpt's all-to-all sends the rows in the residual stream's dtype), times moe_imbalance, (ep-1)/ep of them leaving the rank, those to its node's peers
+  in the compute dtype (bf16 rows under bf16: pipegpt.model.moe casts them before the dispatch), times
+  moe_imbalance, (ep-1)/ep of them leaving the rank, those to its node's peers
   over NVLink while the rest cross the network, the slower counted, a latency each (dispatch_time; with
   moe_dispatcher "deepep", a what-if, one copy per token and remote node: pipegpt.costs.experts.dispatch_copies;
   docs/moe-planning.md). Recomputation "norm-act" (Megatron-Core's `--recompute-modules layernorm moe_act`, a
@@ -293,20 +294,19 @@ class AnalyticalCosts:
     def with_experts(self, piece: Piece, block: ModelConfig, shape: Shape, on_node: int) -> Piece:
         """An MoE block's piece (piece: its block model's, a dense SwiGLU as wide as a token's active experts) with
         expert parallelism: the routed experts' compute (their share of the block's FLOPs) times moe_imbalance,
-        the busiest rank's; and four all-to-alls of its tokens x top-k x n_embd in fp32 (dispatch and combine,
-        forward and backward, not repeated by full recomputation), as many bytes times moe_imbalance, on the links
-        where the ep group lands (on_node of it share each node); with moe_dispatcher "deepep" the copies
-        pipegpt.costs.experts.dispatch_copies counts, in the compute dtype."""
+        the busiest rank's; and four all-to-alls of its tokens x top-k x n_embd in the compute dtype (dispatch and
+        combine, forward and backward, not repeated by full recomputation), as many bytes times moe_imbalance, on
+        the links where the ep group lands (on_node of it share each node); with moe_dispatcher "deepep" the
+        copies pipegpt.costs.experts.dispatch_copies counts."""
         ep = shape.sharding.size("ep") if "ep" in shape.sharding.axis_names else 1
         if ep == 1:
             return piece
         k, x = block.experts_per_token, self.moe_imbalance
         share = 2 * block.seq_len * 3 * k * block.expert_width * block.n_embd / layer_flops_fwd(block)
         extra = (x - 1) * share * piece.f
-        # pipegpt's all-to-all sends the rows in the residual stream's dtype (the routed norm output, fp32; the
-        # combine's with the residual carried past it, pipegpt.expert_parallel.all_to_all.CarriedExchange); DeepEP
-        # in the compute dtype
-        width = 2 if self.cluster.precision == "bf16" and self.moe_dispatcher == "deepep" else FP32
+        # the rows travel in the experts' dtype, as DeepEP sends them: the dispatched rows cast to it
+        # (pipegpt.model.moe.MoE.dispatched), the combine's the experts' outputs
+        width = 2 if self.cluster.precision == "bf16" else FP32
         tokens = shape.sharding.tokens_per_rank(block.seq_len, shape.mbs)
         inside, across = dispatch_copies(block.n_experts, k, ep, on_node, self.moe_dispatcher)
         row = x * tokens * block.n_embd * width  # one copy of the rank's tokens, the busiest rank's share

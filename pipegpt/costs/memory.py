@@ -47,7 +47,9 @@ copy of wte.
 State (exact)
 -------------
 weights and gradients: 4 bytes per parameter (8 with fp64; bf16 autocast keeps fp32 master weights
-and fp32 .grad). AdamW: exp_avg and exp_avg_sq, 2 x the parameter bytes (the per-tensor `step` is a
+and fp32 .grad; a mixture of experts' weights add, at the step's peak, the bf16 cast of the rank's routed
+experts that every microbatch shares, 2 bytes per parameter, except under full recomputation). AdamW: exp_avg
+and exp_avg_sq, 2 x the parameter bytes (the per-tensor `step` is a
 4-byte host scalar, left out). ZeRO (pipegpt.data_parallel) cuts each bucket of a stage's flat buffer
 into dp equal chunks, whatever the tensors' boundaries: each dp rank's shard is S = ceil(P/dp) of the rank's P
 parameters (a bucket's padding, under dp elements, left out). At the step's peak (between steps in brackets):
@@ -159,7 +161,7 @@ def gradient_group(sharding: Sharding) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _state_bytes(model, stages, sharding: Sharding, precision, between_steps: bool = False, unshard: str = "step",
-                 microbatches: int = 2) -> StateBytes:
+                 microbatches: int = 2, full_recompute: bool = False) -> StateBytes:
     r, _ = _widths(precision)
     tp, dp, zero = sharding.tp, gradient_group(sharding), sharding.zero
     ends = {(embed, head) for _, embed, head in stages}
@@ -171,18 +173,22 @@ def _state_bytes(model, stages, sharding: Sharding, precision, between_steps: bo
         shapes = stage_parameter_shapes(model, layers, embed, head, tp)
         per_stage.append(sum(_numel(shape) for name, shape in shapes if not (share_tied and name == "lm_head.weight")))
         experts.append(sum(_numel(shape) for name, shape in shapes if name.startswith(EXPERT_PREFIX)))
-    edp = expert_replicas(sharding)
-    if not any(experts) or (edp == dp and expert_ranks(sharding) == 1):  # every parameter alike
+    edp, ep = expert_replicas(sharding), expert_ranks(sharding)
+    mine = [-(-e // ep) for e in experts]
+    # under bf16 the step's one cast of the rank's routed experts, which every microbatch's call shares
+    # (pipegpt.model.moe.MoE.expert_weights), from the first forward to the step's end; none kept under full
+    # recomputation (a cast per call, which its checkpoint does not keep)
+    casts = 2 * sum(mine) if precision == "bf16" and not between_steps and not full_recompute else 0
+    if not any(experts) or (edp == dp and ep == 1):  # every parameter alike
         params = sum(per_stage)
         weights, gradients, optimizer = zero_state(per_stage, dp, zero, unshard, microbatches, between_steps)
-        return StateBytes(params, weights * r, gradients * r, optimizer * r)
+        return StateBytes(params, weights * r + casts, gradients * r, optimizer * r)
     # experts: 1/ep of them here, their state sharded over edp; the rest over dp x cp
-    ep = expert_ranks(sharding)
-    mine = [-(-e // ep) for e in experts]
     dense = zero_state([p - e for p, e in zip(per_stage, experts)], dp, zero, unshard, microbatches, between_steps)
     routed = zero_state(mine, edp, zero, unshard, microbatches, between_steps)
     params = sum(p - e + m for p, e, m in zip(per_stage, experts, mine))
-    return StateBytes(params, *(r * (a + b) for a, b in zip(dense, routed)))
+    weights, gradients, optimizer = (r * (a + b) for a, b in zip(dense, routed))
+    return StateBytes(params, weights + casts, gradients, optimizer)
 
 
 def zero_state(stage_params: Sequence[int], dp: int, zero: int, unshard: str = "step", microbatches: int = 2,
@@ -207,14 +213,16 @@ def zero_state(stage_params: Sequence[int], dp: int, zero: int, unshard: str = "
 
 def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
                 precision: str = "fp32", between_steps: bool = False, unshard: str = "step",
-                microbatches: int = 2) -> StateBytes:
+                microbatches: int = 2, recompute: str = "none") -> StateBytes:
     """Weights, gradients and AdamW state of one rank holding `stages`, each (layers, embed, head)
     (layers: a count or a range, a range where the model's layers differ), cut over sharding.tp, and over
     dp x cp by ZeRO (sharding.zero): at the step's peak, or what stays between steps. unshard: ZeRO-3's gather
-    policy (step or microbatch); microbatches: per step (one lets ZeRO-2/3 free each stage's full gradients early). See the module docstring."""
+    policy (step or microbatch); microbatches: per step (one lets ZeRO-2/3 free each stage's full gradients early);
+    recompute: the layout's (all but full keep the experts' bf16 cast for the step). See the module docstring."""
     _check_positive("dp", sharding.dp)
     key = tuple((_layers_key(model, layers), bool(embed), bool(head)) for layers, embed, head in stages)
-    return _state_bytes(model, key, sharding, precision, between_steps, unshard, min(microbatches, 2))
+    return _state_bytes(model, key, sharding, precision, between_steps, unshard, min(microbatches, 2),
+                        recompute == "full")
 
 
 # ---------------------------------------------------------------------------
@@ -290,7 +298,8 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     for rank in range(plan.num_ranks):
         mine = plan.stages_of(rank)
         state = state_bytes(model, [(counts[s], s == 0, s == last) for s in mine], sharding=sharding,
-                            precision=precision, unshard=unshard, microbatches=plan.num_microbatches)
+                            precision=precision, unshard=unshard, microbatches=plan.num_microbatches,
+                            recompute=recompute)
         out.append(MemoryBreakdown(
             rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
             optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],

@@ -155,6 +155,8 @@ class CarriedExchange:
     Each side of the cut must reach the other only through it (the Stage runs each side's backward apart), so what
     the compute after the cut needs from before it (a residual stream, routing weights) travels in `sent` beside
     the rows: sent is one flat tensor, the carried tensors then the rows, in a dtype that holds them all exactly.
+    Only the rows travel, in their own dtype (bf16 rows under autocast: 2 bytes an element, though the carried
+    residual stream makes the flat tensor fp32); the carried part stays on this rank.
     wait() gives the same layout with the rows received; transpose(grad) posts the rows' gradient back (the splits
     swapped) and hands the carried part's gradient straight through. `unpack(received)` splits a received flat
     tensor (or its leaf) back into the carried tensors and the received rows."""
@@ -179,7 +181,8 @@ class CarriedExchange:
 
     def _start(self, flat: torch.Tensor, send_splits, recv_splits, what) -> "_Joined":
         kept = self._carried_size
-        rows = flat[kept:].view(-1, *self._width)
+        # exact both ways: the rows' values (and their gradient, unpack's cast's) are the rows' dtype's
+        rows = flat[kept:].view(-1, *self._width).to(self._dtypes[-1])
         return _Joined(flat[:kept], _post(rows, send_splits, recv_splits, self._group, self._timeout_s, what))
 
     def wait(self) -> torch.Tensor:
@@ -194,13 +197,21 @@ class CarriedExchange:
         return self._start(grad, recv_splits, send_splits, f"{self._what} (backward)")
 
     def unpack(self, received: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """received (wait()'s layout) -> the carried tensors (their shapes and dtypes) and the received rows."""
+        """received (wait()'s layout) -> the carried tensors (their shapes and dtypes) and the received rows.
+        Where the rows' dtype is narrower than the flat tensor's (bf16 rows beside the fp32 residual stream), the
+        carried tensors are copied out and received's storage is freed: autograd keeps received (the Stage's leaf)
+        for its gradient alone, which it does not read, and the rows are kept once, in their own dtype."""
         out, at = [], 0
+        narrower = self._dtypes[-1] != received.dtype
         for shape, dtype in zip(self._shapes, self._dtypes):
             n = math.prod(shape)
-            out.append(received[at:at + n].view(shape).to(dtype))
+            part = received[at:at + n].view(shape)
+            out.append(part.clone() if narrower and dtype == received.dtype else part.to(dtype))
             at += n
-        return out, received[at:].view(-1, *self._width).to(self._dtypes[-1])
+        rows = received[at:].view(-1, *self._width).to(self._dtypes[-1])
+        if narrower:
+            received.data = received.new_empty(0)
+        return out, rows
 
 
 class _Joined:
@@ -212,4 +223,4 @@ class _Joined:
         self.kept, self.pending = kept, pending
 
     def wait(self) -> torch.Tensor:
-        return torch.cat((self.kept, self.pending.wait().reshape(-1)))
+        return torch.cat((self.kept, self.pending.wait().reshape(-1).to(self.kept.dtype)))

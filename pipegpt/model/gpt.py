@@ -339,6 +339,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(kinds[i].block_model(config), recompute == "selective", i,
                                                    kinds[i] is MOE)
                                      for i in layers})
+        for block in self.blocks.values():  # full recomputation keeps no cast of the experts (model.moe)
+            if isinstance(block.mlp, MoE):
+                block.mlp.cast_once = recompute != "full"
         if head:
             self.ln_f = make_norm(config)
             self.lm_head = SplitLinear(C, V, bias=False)

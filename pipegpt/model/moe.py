@@ -27,7 +27,9 @@ Load balancing:
                  `end_step` moves it by rate x sign(mean load - load) after each optimizer step (DeepSeek-V3).
 
 `expert_outputs` is the one place that chooses how experts are computed: torch._grouped_mm on a CUDA device that
-has it (bf16), else a loop over each expert's contiguous tokens.
+has it (bf16), else a loop over each expert's contiguous tokens. Under autocast (bf16) a layer casts its experts'
+weights once per step (expert_weights) and every call of the step shares the cast, and the rows it dispatches to
+other ranks travel in bf16 (the dtype the experts read them in), as Megatron-Core and DeepEP send them.
 """
 from __future__ import annotations
 
@@ -145,6 +147,10 @@ class MoE(nn.Module):
         self.aux_sum, self.calls = 0.0, 0
         self.aux_loss_scale = 1.0  # the gradient each call's aux loss gets: the stage's loss scale (1/microbatches)
         self.expert_parallel = None  # pipegpt.expert_parallel's ExpertGroup where experts are spread over ranks
+        self.cast_weights = CastOnce()
+        # False where the layer's calls keep nothing for their backward (full recomputation, set by GPT): a cast
+        # kept for the step would only add memory there
+        self.cast_once = True
         # Where a call's tokens are spread over ranks (sequence parallelism over tp, cp): functions summing a tensor
         # over each group holding the call's other tokens, autograd-correct for that group's gradient sums
         # (set by shard_for_tp and shard_for_cp), so the aux loss is the one-process call's
@@ -205,7 +211,24 @@ class MoE(nn.Module):
 
     def experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on rows sorted by them, counts[e] rows for (local) expert e."""
-        return expert_outputs(rows, counts, *(getattr(self, name) for name in self.expert_names))
+        return expert_outputs(rows, counts, *self.expert_weights(compute_dtype(rows)))
+
+    def expert_weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's expert weights in `dtype` (the experts' matmuls'): the parameters where they are in it; else,
+        while autograd records, one cast shared by every call until the weights change or end_step (a cast per
+        call would keep a bf16 copy of the rank's experts per microbatch in flight); a cast per call under full
+        recomputation (cast_once False), whose checkpoints keep none."""
+        params = [getattr(self, name) for name in self.expert_names]
+        if all(p.dtype == dtype for p in params):
+            return params
+        if not torch.is_grad_enabled() or not self.cast_once:
+            return [p.to(dtype) for p in params]
+        return self.cast_weights.get(params, dtype)
+
+    def dispatched(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows about to travel to the experts' ranks, in the dtype the experts compute in (the same values they
+        would read after the cast; under bf16, half the bytes)."""
+        return rows.to(compute_dtype(rows))
 
     def weigh(self, y: torch.Tensor, a: "Assignments", n_tokens: int) -> torch.Tensor:
         """The experts' outputs y (rows as a.tokens) weighted and summed per token: [n_tokens, C]."""
@@ -229,11 +252,37 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         a = self.assign(x)
         y = (self.experts(x[a.tokens], a.counts.tolist()) if self.expert_parallel is None
-             else self.expert_parallel.run(x[a.tokens], a.counts, self.experts))
+             else self.expert_parallel.run(self.dispatched(x[a.tokens]), a.counts, self.experts))
         out = self.weigh(y, a, x.size(0))
         if self.shared is not None:
             out = out + self.shared(x)
         return self.account(self.drop(out.view(shape)), a)
+
+
+class CastOnce:
+    """An MoE layer's expert weights cast for its matmuls, kept while the parameters are unchanged (same version
+    and storage) and until forget(). The cast's backward (a dtype conversion) saves no tensor, so every call's
+    backward runs through it and adds into the fp32 weights' .grad exactly as a cast per call does."""
+
+    __slots__ = ("key", "weights")
+
+    def __init__(self):
+        self.key, self.weights = None, None
+
+    def get(self, params: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        key = (dtype, *((p._version, p.data_ptr(), p.requires_grad) for p in params))
+        if key != self.key:
+            self.key, self.weights = key, [p.to(dtype) for p in params]
+        return self.weights
+
+    def forget(self) -> None:
+        self.key, self.weights = None, None
+
+    def __deepcopy__(self, memo):  # a copied layer casts its own (autograd's tensors do not deep-copy)
+        return CastOnce()
+
+    def __reduce__(self):
+        return CastOnce, ()
 
 
 @dataclasses.dataclass
@@ -274,7 +323,7 @@ def block_steps(block: nn.Module, x: torch.Tensor, documents, full_recompute: bo
         xn = block.ln2(h).reshape(-1, shape[-1])
         a = moe.assign(xn)
         shared = moe.shared(xn) if moe.shared is not None else xn.new_zeros(0)
-        return moe.account(h, a), shared, a.weights, xn[a.tokens], a
+        return moe.account(h, a), shared, a.weights, moe.dispatched(xn[a.tokens]), a
 
     h, shared, weights, rows, a = run(before, x)
     received_counts = yield ep.post_counts(a.counts)  # a plain handle: no gradient goes back
@@ -341,6 +390,8 @@ def end_step(module: nn.Module, rate: float, all_reduce=None) -> dict:
         layer.tokens_per_expert.zero_()
         layer.dropped.zero_()
         layer.aux_sum, layer.calls = 0.0, 0
+        # the step's update may have written the weights without a version ZeRO-3's gathers keep (p.data = ...)
+        layer.cast_weights.forget()
     return {"aux_loss": sum(s["aux_loss"] for s in per_layer),
             "moe_imbalance": max(s["imbalance"] for s in per_layer),
             "moe_dropped": sum(s["dropped"] for s in per_layer), "moe_layers": per_layer}

@@ -347,7 +347,8 @@ class Search:
         S, ranges = len(layers), stage_ranges(layers)  # which layers a stage holds: their kinds count
         held_stages = [[(ranges[s], s == 0, s == S - 1) for s, q in enumerate(placement) if q == r] for r in range(pp)]
         states = {z: [memory_model.state_bytes(m_tp, x, sharding=zs, precision=self.precision, unshard=z[1],
-                                               microbatches=m) for x in held_stages] for z, zs in zoned.items()}
+                                               microbatches=m, recompute=rc) for x in held_stages]
+                  for z, zs in zoned.items()}
         least = {z: [x.weights + x.gradients + x.optimizer + h for x, h in zip(states[z], held)] for z in zoned}
         if min(max(least[z]) for z in zoned) > cap:
             self.stats["memory_refused"] += 1

@@ -40,15 +40,22 @@ def test_an_moe_block_keeps_its_rows_and_outputs():
     assert one_block(MOE_MODEL) - one_block(DENSE_EQUIVALENT) == 196_608 + 2_304 + 4_224
 
 
-def test_an_moe_block_keeps_the_bf16_casts_of_its_ranks_experts():
-    # bf16, ep 2 out of dp 2: rows and outputs 3 x 128 x 128 x 2 bytes = 98,304, the routing 6,528 (above); the
-    # casts of 4 experts'
-    # gate, up, proj (4 x 3 x 96 x 128 = 147,456), the router (8 x 128 = 1,024) and the shared expert
-    # (3 x 96 x 128 = 36,864) in place of the dense equivalent's MLP (3 x 288 x 128 = 110,592): 74,752 x 2 bytes
+def test_an_moe_block_keeps_the_bf16_casts_of_its_ranks_experts_once_per_step():
+    # bf16, ep 2 out of dp 2, per microbatch: rows and outputs 3 x 128 x 128 x 2 bytes = 98,304, the routing 6,528
+    # (above); each call's casts of the router (8 x 128 = 1,024) and the shared expert (3 x 96 x 128 = 36,864) in
+    # place of the dense equivalent's MLP (3 x 288 x 128 = 110,592): -72,704 x 2 bytes
     sh = carve(Sharding(dp=2), 2)
     extra = one_block(MOE_MODEL, sharding=sh, precision="bf16") - one_block(DENSE_EQUIVALENT, sharding=sh,
                                                                            precision="bf16")
-    assert extra == 98_304 + 6_528 + 149_504
+    assert extra == 98_304 + 6_528 - 145_408
+    # once per step, whatever the microbatches in flight: the cast of the rank's 4 experts' gate, up, proj
+    # (4 x 3 x 96 x 128 = 147,456 x 2 bytes), beside their fp32 master weights; nothing between steps
+    def weights(precision, between_steps=False, recompute="none"):
+        return memory_model.state_bytes(MOE_MODEL, [(ONE, False, False)], sharding=sh, precision=precision,
+                                        between_steps=between_steps, recompute=recompute).weights
+    assert weights("bf16") - weights("fp32") == 294_912
+    assert weights("bf16", between_steps=True) == weights("fp32", between_steps=True)
+    assert weights("bf16", recompute="full") == weights("fp32")  # a cast per call, which its checkpoint drops
 
 
 def test_full_recomputation_with_ep_keeps_what_block_steps_checkpoints():
@@ -57,6 +64,8 @@ def test_full_recomputation_with_ep_keeps_what_block_steps_checkpoints():
     sh = carve(Sharding(dp=2), 2)
     assert one_block(MOE_MODEL, sharding=sh, recompute="full") == 32_768 + 131_072 + 512 + 32_768
     assert one_block(MOE_MODEL, recompute="full") == 32_768  # one process: the whole block checkpointed
+    # bf16: the rows received and combined in bf16 (128 x 128 x (2 + 2)), the weights and residual stream in fp32
+    assert one_block(MOE_MODEL, sharding=sh, recompute="full", precision="bf16") == 32_768 + 65_536 + 512 + 32_768
 
 
 def test_norm_act_recomputation_drops_the_norm_outputs_and_the_activation():
@@ -110,9 +119,9 @@ def test_full_recomputation_does_not_repeat_the_all_to_alls():
     shape = Shape(sh, "full", 1)
     base = cost.pieces(block, shape).layer
     piece = cost.with_experts(base, block, shape, on_node=8)
-    # 64 tokens x top-2 x 128 values in fp32 (pipegpt's all-to-all sends the residual stream's dtype under bf16
-    # too), 7/8 of them to the node's peers
-    a2a = 64 * 2 * 128 * 4 * 7 / 8 / 450e9 + 5e-6
+    # 64 tokens x top-2 x 128 values in bf16 (the rows travel in the experts' dtype), 7/8 of them to the node's
+    # peers
+    a2a = 64 * 2 * 128 * 2 * 7 / 8 / 450e9 + 5e-6
     assert piece.comm_b - base.comm_b == pytest.approx(2 * a2a)  # dispatch and combine, once each
 
 
