@@ -197,9 +197,11 @@ def _costs(name: str, p: int, head: int, comm=0) -> Costs:
 # cells, all at unit costs with comm 0.1 or 0.2, up to 1.035 at p 8, m 32. There a rank's messages come half a
 # forward apart or less, and NCCL runs a rank's batches one after another on one stream: two messages less than
 # a latency apart, the later made by a compute of that rank, either share a batch posted after that compute (the
-# earlier waits for it) or queue (the later waits for the earlier), and no placement spares both.
+# earlier waits for it) or queue (the later waits for the earlier), and no placement spares both. auto-v (two
+# stages a rank, as interleaved) meets the same: 3 of its 336 unit-cost cells, all at comm 0.2, up to 1.019 (p 6,
+# m 8: 32.8 against 32.2), measured over every size.
 LATENCY_LIMITS = {"gpipe": 1.01, "1f1b": 1.01, "interleaved-1f1b": 1.035, "zb-h1": 1.01, "zbv": 1.01,
-                  "dualpipev": 1.01, "auto": 1.01, "auto-v": 1.01, "1f1b-overlap": 1.01}
+                  "dualpipev": 1.01, "auto": 1.01, "auto-v": 1.02, "1f1b-overlap": 1.01}
 LATENCIES = (0.05, 0.1, 0.2)
 
 
