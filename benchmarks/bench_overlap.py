@@ -10,8 +10,8 @@ Each round runs, per layout (a schedule with its --stages) and link, `pipegpt ru
 median of every step but each run's first; "per round" is the median over rounds of a round's on / off, the two
 run next to each other. The all-to-all's share of an unpaired step is read from the off runs' traces (the last
 step's measured timeline): per rank, the time its exchanges took (posted to waited for, which off does at once)
-over its actions' span, the mean over ranks. (A run with --ep 1 is no baseline here: on one stage per rank its
-actions measured about twice as slow as ep 2's, the exchanges included, for a reason not yet known.)
+over its actions' span, the mean over ranks. (A run with --ep 1 was the baseline before; under load it measured
+slower than ep 2, which a quiet machine does not repeat: 392 against 649 ms a step at pp 1, --overlap off.)
 
 The link: on CPU gloo's all-to-all is memory copies and socket calls, CPU work that the other half of a pair
 cannot hide on a busy core; on GPUs it runs on the NIC and copy engines while the cores compute. --link-rate
