@@ -439,8 +439,6 @@ class PipelineRuntime:
                     self._compute_pair(entry, inputs, targets, inbox, outbox, documents)
                 else:
                     entry.run(entry.action.stage)
-                if type(entry) is _Pair and entry.releases:
-                    self._release(entry.releases)
                 if record:
                     events.append((entry.name, t0, clock()))
             if self.marker is not None:
@@ -500,7 +498,12 @@ class PipelineRuntime:
         if any(c.take is not None and c.take not in inbox for c in pair.parts):
             for c in pair.parts:
                 self._compute(c, inputs, targets, inbox, outbox, documents)
-            return
+        else:
+            self._interleave_parts(pair, inputs, targets, inbox, outbox, documents)
+        if pair.releases:  # after the pair: its parts wait for their inputs inside it
+            self._release(pair.releases)
+
+    def _interleave_parts(self, pair: _Pair, inputs, targets, inbox, outbox, documents) -> None:
         runs = []
         for c in pair.parts:  # a receive to cast (another dtype) is waited for before the pair, as _take does
             arriving = None if c.cast else self.arriving.pop(c.take, None)
