@@ -231,17 +231,22 @@ def _keys(gathered: torch.Tensor, parts, dim: int) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
+def _allgather_blocks(k, v, documents, group, r: int, n: int):
+    """K/V (and document ids) gathered from every cp rank, then per block of _gathered_blocks: (query slice, its
+    key parts, causal, the block's K/V [2, B, Hkv, keys, hd], its same-document mask or None)."""
+    host_waits = k.device.type != "cuda"
+    kv = _all_gather(torch.stack((k, v)), "K/V", group, r, n, host_waits)  # [cp, 2, B, Hkv, L, hd]
+    docs = None if documents is None else _all_gather(documents, "document ids", group, r, n, host_waits)
+    for qs, parts, causal in _gathered_blocks(r, n, k.size(2) // 2):
+        allowed = None if docs is None else _same_document(documents[:, qs], _keys(docs, parts, 1))
+        yield qs, parts, causal, _keys(kv, parts, 3), allowed
+
+
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, documents, group, cp_rank, cp_size):
-        host_waits = q.device.type != "cuda"
-        kv = _all_gather(torch.stack((k, v)), "K/V", group, cp_rank, cp_size, host_waits)  # [cp, 2, B, H, L, hd]
-        docs = None if documents is None else _all_gather(documents, "document ids", group, cp_rank, cp_size,
-                                                          host_waits)
         out = lse = None
-        for qs, parts, causal in _gathered_blocks(cp_rank, cp_size, k.size(2) // 2):
-            kv_block = _keys(kv, parts, 3)
-            allowed = None if docs is None else _same_document(documents[:, qs], _keys(docs, parts, 1))
+        for qs, _, causal, kv_block, allowed in _allgather_blocks(k, v, documents, group, cp_rank, cp_size):
             block_out, block_lse = block_forward(q[:, :, qs], kv_block[0], kv_block[1], causal, allowed)
             if out is None:  # the diagonal block first: its lse is finite
                 out, lse = block_out.to(block_lse.dtype), block_lse
@@ -256,12 +261,8 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, documents = ctx.saved_tensors
         r, n, host_waits = ctx.cp_rank, ctx.cp_size, q.device.type != "cuda"
-        kv = _all_gather(torch.stack((k, v)), "K/V", ctx.group, r, n, host_waits)
-        docs = None if documents is None else _all_gather(documents, "document ids", ctx.group, r, n, host_waits)
         dq = dkv = None
-        for qs, parts, causal in _gathered_blocks(r, n, k.size(2) // 2):
-            kv_block = _keys(kv, parts, 3)
-            allowed = None if docs is None else _same_document(documents[:, qs], _keys(docs, parts, 1))
+        for qs, parts, causal, kv_block, allowed in _allgather_blocks(k, v, documents, ctx.group, r, n):
             dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], kv_block[0], kv_block[1], out[:, :, qs],
                                               lse[:, :, qs], causal, allowed)
             if dq is None:
