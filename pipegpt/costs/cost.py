@@ -62,8 +62,11 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
 * Llama's blocks cost what their FLOPs say (above) and move what GPT-2's move (two all-reduces of mbs T C
   activations per pass: attn.proj's and mlp.proj's outputs); RMSNorm, rotary and SiLU are elementwise, counted
   as GPT-2's LayerNorm and GELU are: not at all.
-* mixture of experts: an MoE block costs a dense SwiGLU block as wide as a token's active experts (top-k and
-  shared). With ep > 1 (pipegpt.costs.experts) the routed experts' share of its compute is multiplied by
+* mixture of experts: an MoE block costs a dense block of the architecture's MLP as wide as a token's active
+  experts (top-k and shared), with the routed experts' part of each pass never below the HBM time of their
+  weights on the rank (a roofline: n_experts / ep experts read forward and for the input gradient, their weight
+  gradient added into the fp32 .grad, every microbatch: pipegpt.costs.experts.expert_weight_bytes), which is what
+  makes few rows per expert slow and is half of why ep pays on a GPU. With ep > 1 (pipegpt.costs.experts) the routed experts' share of its compute is multiplied by
   moe_imbalance (the busiest rank's tokens over the mean, default 1.25), and four all-to-alls join its
   collectives (dispatch and combine, forward and backward; full recomputation does not repeat them:
   pipegpt.model.moe.block_steps checkpoints the parts between them): each of the rank's tokens x top-k x C values
@@ -96,7 +99,7 @@ from pipegpt.dims import Sharding
 from pipegpt.model.flops import block_matmul_weights
 
 from .devices import Cluster
-from .experts import DEFAULT_MOE_IMBALANCE, DISPATCHERS, RANK_ORDERS, dispatch_copies
+from .experts import DEFAULT_MOE_IMBALANCE, DISPATCHERS, RANK_ORDERS, dispatch_copies, expert_weight_bytes
 
 DEFAULT_EFFICIENCY = 0.5  # achieved / peak matmul FLOP/s: Megatron-LM reports 44-52% on A100 (Narayanan et al. 2021)
 DEFAULT_LAYER_OVERHEAD_S = 100e-6  # host time to launch one block's forward (backward: twice)
@@ -292,18 +295,27 @@ class AnalyticalCosts:
         return self.dispatch_time(nbytes * (on_node - 1) / n, nbytes * (n - on_node) / n, n, on_node)
 
     def with_experts(self, piece: Piece, block: ModelConfig, shape: Shape, on_node: int) -> Piece:
-        """An MoE block's piece (piece: its block model's, a dense SwiGLU as wide as a token's active experts) with
-        expert parallelism: the routed experts' compute (their share of the block's FLOPs) times moe_imbalance,
-        the busiest rank's; and four all-to-alls of its tokens x top-k x n_embd in the compute dtype (dispatch and
-        combine, forward and backward, not repeated by full recomputation), as many bytes times moe_imbalance, on
-        the links where the ep group lands (on_node of it share each node); with moe_dispatcher "deepep" the
-        copies pipegpt.costs.experts.dispatch_copies counts."""
+        """An MoE block's piece (piece: its block model's, a dense MLP as wide as a token's active experts) with
+        the routed experts' compute as the busiest rank's: their share of the block's FLOPs times moe_imbalance
+        with ep > 1, and never less than the HBM time of the experts' weights the rank holds
+        (pipegpt.costs.experts.expert_weight_bytes: read forward and for the input gradient, the weight gradient
+        added into the fp32 .grad, each microbatch), a roofline that makes few rows per expert memory-bound; and,
+        with ep > 1, four all-to-alls of its tokens x top-k x n_embd in the compute dtype (dispatch and combine,
+        forward and backward, not repeated by full recomputation), as many bytes times moe_imbalance, on the links
+        where the ep group lands (on_node of it share each node); with moe_dispatcher "deepep" the copies
+        pipegpt.costs.experts.dispatch_copies counts."""
         ep = shape.sharding.size("ep") if "ep" in shape.sharding.axis_names else 1
+        k, x = block.experts_per_token, (self.moe_imbalance if ep > 1 else 1.0)
+        matrices = block.architecture.mlp_matrices
+        share = 2 * block.seq_len * matrices * k * block.expert_width * block.n_embd / layer_flops_fwd(block)
+        routed = share * piece.f  # the routed experts' forward (= input gradient = weight gradient) at the mean load
+        read, read_again, gradient = (n / self.cluster.hbm_bytes_per_s for n in self.expert_weight_bytes(block, ep))
+        busiest = x * routed
+        f, i, w = (max(busiest, read), max(busiest, read_again), max(busiest, gradient))
+        recompute = max(busiest, read) - routed if shape.recompute == "full" else 0.0
+        f, i, w = f - routed, i - routed + recompute, w - routed
         if ep == 1:
-            return piece
-        k, x = block.experts_per_token, self.moe_imbalance
-        share = 2 * block.seq_len * 3 * k * block.expert_width * block.n_embd / layer_flops_fwd(block)
-        extra = (x - 1) * share * piece.f
+            return Piece(piece.f + f, piece.b + i + w, piece.w + w, piece.comm_f, piece.comm_b)
         # the rows travel in the experts' dtype, as DeepEP sends them: the dispatched rows cast to it
         # (pipegpt.model.moe.MoE.dispatched), the combine's the experts' outputs
         width = 2 if self.cluster.precision == "bf16" else FP32
@@ -311,8 +323,11 @@ class AnalyticalCosts:
         inside, across = dispatch_copies(block.n_experts, k, ep, on_node, self.moe_dispatcher)
         row = x * tokens * block.n_embd * width  # one copy of the rank's tokens, the busiest rank's share
         a2a = self.dispatch_time(row * inside, row * across, ep, on_node)
-        return Piece(piece.f + extra, piece.b + (2 + (shape.recompute == "full")) * extra, piece.w + extra,
-                     piece.comm_f + 2 * a2a, piece.comm_b + 2 * a2a)
+        return Piece(piece.f + f, piece.b + i + w, piece.w + w, piece.comm_f + 2 * a2a, piece.comm_b + 2 * a2a)
+
+    def expert_weight_bytes(self, block: ModelConfig, ep: int) -> tuple[float, float, float]:
+        """The experts' weight traffic per microbatch the roofline in with_experts charges (none when calibrated)."""
+        return expert_weight_bytes(block, ep, self.cluster.precision)
 
     def dispatch_time(self, inside: float, across: float, n: int, on_node: int) -> float:
         """A dispatch (or combine) sending `inside` bytes to the node's peers over NVLink while `across` cross the
@@ -408,6 +423,9 @@ class CalibratedCosts(AnalyticalCosts):
 
     def message_time(self, nbytes: float, same_node: bool) -> float:
         return self.message_s
+
+    def expert_weight_bytes(self, block: ModelConfig, ep: int) -> tuple[float, float, float]:
+        return 0.0, 0.0, 0.0  # the measured compute holds the run's own memory traffic
 
     def optimizer_time(self, params: float, tensors: int) -> float:
         if self.optimizer_s_per_byte is not None:

@@ -133,6 +133,29 @@ def dispatch_copies(n_experts: int, top_k: int, ep: int, on_node: int, dispatche
     return inside, across
 
 
+def expert_weights(model: ModelConfig, ep: int) -> int:
+    """The routed experts' weight elements one rank holds in an MoE layer: n_experts / ep whole experts (never cut
+    over tp), each the architecture's MLP matrices of n_embd x expert_width."""
+    return model.n_experts // ep * model.architecture.mlp_matrices * model.n_embd * model.expert_width
+
+
+# HBM bytes per expert weight element and microbatch, besides the FLOPs: the matmuls read the weights in the
+# compute dtype (bf16: the cast made once per step, pipegpt.model.moe.CastOnce; fp32 the parameters themselves);
+# the weight gradient is written in that dtype, read by the cast's backward and written as fp32, and then added
+# into the fp32 .grad (read both, write one), as eager autograd runs it each microbatch.
+WEIGHT_READ_BYTES = {"bf16": 2, "fp32": 4}
+GRADIENT_BYTES = {"bf16": 2 + 2 + 4 + 4 + 4 + 4, "fp32": 4 + 4 + 4 + 4}
+
+
+def expert_weight_bytes(model: ModelConfig, ep: int, precision: str) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) HBM bytes of one MoE layer's routed experts on one rank per
+    microbatch that do not shrink with the microbatch: the weights read forward and again for the input gradient,
+    the weight gradient's traffic into the fp32 .grad (WEIGHT_READ_BYTES, GRADIENT_BYTES). The activations' bytes
+    are left out: per row they are C + 2H values against 2 x 3 C H FLOPs, far above any GPU's FLOPs per byte."""
+    n = expert_weights(model, ep)
+    return n * WEIGHT_READ_BYTES[precision], n * WEIGHT_READ_BYTES[precision], n * GRADIENT_BYTES[precision]
+
+
 def tp_model(model: ModelConfig, tp: int) -> ModelConfig:
     """The model whose tensor-parallel split pipegpt.config.validate_tp checks: a model with experts as its
     attention and dense layers alone (its experts stay whole on each tp rank; the planner pairs them with sequence
