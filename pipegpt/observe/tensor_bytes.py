@@ -66,6 +66,7 @@ class PeakTensorBytes:
         self.saved: list[weakref.ref] = []  # what autograd saved this step, alive until its graph is freed
         self.peak: dict[str, int] = {}
         self.peak_total = 0
+        self.kind_peaks: dict[str, int] = {}  # each kind's own largest sample (the planner's kinds are these)
         self.sampling_s = 0.0  # what the samples cost the step (the accounting's own price)
         self.samples = 0
 
@@ -92,6 +93,7 @@ class PeakTensorBytes:
         total = sum(counts.values())
         if total >= self.peak_total or not self.peak:
             self.peak, self.peak_total = counts, total
+        self.kind_peaks = {k: max(n, self.kind_peaks.get(k, 0)) for k, n in counts.items()}
         self.sampling_s += time.perf_counter() - t0
         self.samples += 1
 
@@ -99,6 +101,7 @@ class PeakTensorBytes:
     def measure(self, runtime):
         """Sample through a step: after each of the runtime's actions, and where the caller calls sample()."""
         self.saved, self.peak, self.peak_total, self.sampling_s, self.samples = [], {}, 0, 0.0, 0
+        self.kind_peaks = {}
         runtime.after_action = self.sample
         try:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t) if self.hook_saved \
@@ -111,12 +114,15 @@ class PeakTensorBytes:
             self.saved = []
 
     def result(self) -> dict:
-        """{"total": the peak's bytes, "by_kind": what was held at the largest sample, "samples" and
-        "sampling_s": how many samples the step took and what they cost it}."""
+        """{"total": the peak's bytes, "by_kind": what was held at the largest sample, "kind_peaks": each kind's
+        own peak over the samples (kinds peak at different actions: gathered parameters at a stage's run with its
+        prefetch, full gradients in the backward), "samples" and "sampling_s": how many samples the step took
+        and what they cost it}."""
         total = self.peak_total
         if self.device.type == "cuda":  # the allocator saw every transient between the samples
             total = max(total, torch.cuda.max_memory_allocated(self.device))
-        return {"total": int(total), "by_kind": dict(self.peak), "samples": self.samples,
+        return {"total": int(total), "by_kind": dict(self.peak), "kind_peaks": dict(self.kind_peaks),
+                "samples": self.samples,
                 "sampling_s": self.sampling_s}
 
 
