@@ -241,7 +241,18 @@ def walked_zero_state(model: ModelConfig, plan: Plan, rank: int, stages: tuple, 
     backward of a stage that reads it until the rank's next REDUCE_GRAD after its own has settled it. None
     elsewhere (zero_state's bound applies): below zero 2, one replica, experts, a plan without them.
     stages: the rank's (layers, embed, head) as stage_units takes them."""
-    dp, zero, r = gradient_group(sharding), sharding.zero, _widths(precision)[0]
+    walk = _zero_walk(model, plan, rank, stages, sharding)
+    if walk is None:
+        return None
+    r = _widths(precision)[0]
+    weights, gradients = zip(*walk)
+    return r * max(weights), r * max(gradients)
+
+
+def _zero_walk(model: ModelConfig, plan: Plan, rank: int, stages: tuple, sharding: Sharding) -> list | None:
+    """walked_zero_state's walk: (weights, gradients) elements after each of the rank's actions (flattened), or
+    None where it does not apply."""
+    dp, zero = gradient_group(sharding), sharding.zero
     actions = plan.flattened().ranks[rank]
     reduce_at = {a.stage: i for i, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD}
     mine = plan.stages_of(rank)
@@ -260,9 +271,10 @@ def walked_zero_state(model: ModelConfig, plan: Plan, rank: int, stages: tuple, 
         for s in ends:
             reads[s].append("shared")
         reduced_with[max(ends, key=reduce_at.__getitem__)].append("shared")
+    params = sum(size.values())
+    shard = -(-params // dp)
     holders = {u: set() for u in size}
-    full, reducing, backed = set(), [], set()
-    gathered = grads = 0
+    full, reducing, backed, out = set(), [], set(), []
     for a in actions:
         kind, s = a.kind, a.stage
         if kind is Kind.UNSHARD:
@@ -277,11 +289,27 @@ def walked_zero_state(model: ModelConfig, plan: Plan, rank: int, stages: tuple, 
         elif kind.is_compute and kind is not Kind.F and s not in backed:
             backed.add(s)
             full.update(reads[s])
-        gathered = max(gathered, sum(size[u] for u, h in holders.items() if h))
-        grads = max(grads, sum(size[u] for u in full))
-    params = sum(size.values())
-    shard = -(-params // dp)
-    return r * (shard + gathered if zero >= 3 else params), r * (shard + grads)
+        gathered = sum(size[u] for u, h in holders.items() if h)
+        out.append((shard + gathered if zero >= 3 else params, shard + sum(size[u] for u in full)))
+    return out
+
+
+def held_levels(plan: Plan, rank: int, saved: Sequence[int], deferred: Sequence[int]) -> list[int]:
+    """The activations the rank holds after each of its actions (flattened), as activation_peaks' held walks
+    them."""
+    level, out = 0, []
+    for a in plan.flattened().ranks[rank]:
+        kind, s = a.kind, a.stage
+        if kind is Kind.F:
+            level += saved[s]
+        elif kind is Kind.B:
+            level -= saved[s]
+        elif kind is Kind.I:
+            level += deferred[s] - saved[s]
+        elif kind is Kind.W:
+            level -= deferred[s]
+        out.append(level)
+    return out
 
 
 def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
@@ -383,6 +411,26 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
             p2p_buffers=message * messages[rank],
             dp_buffers=0, overlap_dp=len(mine) > 1))
     return out
+
+
+def held_peak(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, rank: int, **kwargs) -> int:
+    """The most bytes the rank holds at one point between its actions (what a count after each action sees:
+    pipegpt.observe.tensor_bytes, no action's workspace): its weights and gradients (walked over the run's plan
+    where walked_zero_state applies, else their peaks) and the activations it holds after the same action
+    (held_levels), with its optimizer state and its messages' peak. plan_memory's total adds each kind's own peak
+    and the workspace: a bound above this. kwargs: plan_memory's."""
+    x = plan_memory(model, plan, layers_per_stage, **kwargs)[rank]
+    counts = stage_ranges(layers_per_stage)
+    kw = {k: kwargs[k] for k in ("microbatch_size", "sharding", "precision", "recompute", "device", "cp_comm")
+          if k in kwargs}
+    saved, deferred, _ = stage_activation_bytes(model, counts, **kw)
+    last = plan.num_stages - 1
+    stages = tuple((_layers_key(model, counts[s]), s == 0, s == last) for s in plan.stages_of(rank))
+    walk = _zero_walk(model, plan, rank, stages, kwargs.get("sharding", Sharding()))
+    levels = held_levels(plan, rank, saved, deferred)
+    r = _widths(kwargs.get("precision", "fp32"))[0]
+    state = [r * (w + g) for w, g in walk] if walk else [x.weights + x.gradients] * len(levels)
+    return x.optimizer + x.p2p_buffers + max(a + b for a, b in zip(state, levels))
 
 
 def rank_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, rank: int, *,

@@ -128,19 +128,21 @@ class PeakTensorBytes:
 
 def predicted_peak(cfg, plan, pipeline_rank: int, device: str) -> dict:
     """The planner's peak for one pipeline rank (pipegpt.costs.memory.plan_memory) in the kinds above:
-    {"total": bytes, "by_kind": {...}}; weights split into the rank's own (what stays between steps) and
-    ZeRO-3's gathered rest; activations with their workspace."""
+    {"total": bytes, "by_kind": {...}, "held": bytes}; weights split into the rank's own (what stays between steps)
+    and ZeRO-3's gathered rest; activations with their workspace. by_kind is each kind's own peak, the total their
+    sum (a bound: the kinds peak at different actions); held: the most the rank holds at one point between its
+    actions, what the samples here can see (pipegpt.costs.memory.held_peak)."""
     from pipegpt.costs.activations import memory_precision
-    from pipegpt.costs.memory import plan_memory, state_bytes
+    from pipegpt.costs.memory import held_peak, plan_memory, state_bytes
     from pipegpt.model.partition import partition_layers
 
     p, m = cfg.parallel, cfg.model
     layers = partition_layers(m.n_layer, plan.num_stages, p.layers_per_stage)
     precision = memory_precision(cfg.runtime.precision, cfg.runtime.dtype)
     unshard = p.unshard or "step"
-    rank = plan_memory(m, plan, layers, microbatch_size=p.microbatch_size, sharding=p.sharding,
-                       recompute=p.recompute, precision=precision, device=device, cp_comm=p.cp_comm,
-                       unshard=unshard)[pipeline_rank]
+    kw = dict(microbatch_size=p.microbatch_size, sharding=p.sharding, recompute=p.recompute, precision=precision,
+              device=device, cp_comm=p.cp_comm, unshard=unshard)
+    rank = plan_memory(m, plan, layers, **kw)[pipeline_rank]
     last = plan.num_stages - 1
     mine = [(layers[s], s == 0, s == last) for s in plan.stages_of(pipeline_rank)]
     own = state_bytes(m, mine, sharding=p.sharding, precision=precision, between_steps=True,
@@ -148,4 +150,5 @@ def predicted_peak(cfg, plan, pipeline_rank: int, device: str) -> dict:
     kinds = {"parameters": own, "gathered": rank.weights - own, "gradients": rank.gradients,
              "optimizer": rank.optimizer, "messages": rank.p2p_buffers,
              "activations": rank.activations + rank.workspace}
-    return {"total": int(rank.total), "by_kind": {k: int(v) for k, v in kinds.items()}}
+    return {"total": int(rank.total), "by_kind": {k: int(v) for k, v in kinds.items()},
+            "held": int(held_peak(m, plan, layers, pipeline_rank, **kw))}
