@@ -90,6 +90,7 @@ batch of token ids the loader holds for the step (a few KB).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
@@ -296,20 +297,11 @@ def _zero_walk(model: ModelConfig, plan: Plan, rank: int, stages: tuple, shardin
 
 def held_levels(plan: Plan, rank: int, saved: Sequence[int], deferred: Sequence[int]) -> list[int]:
     """The activations the rank holds after each of its actions (flattened), as activation_peaks' held walks
-    them."""
-    level, out = 0, []
-    for a in plan.flattened().ranks[rank]:
-        kind, s = a.kind, a.stage
-        if kind is Kind.F:
-            level += saved[s]
-        elif kind is Kind.B:
-            level -= saved[s]
-        elif kind is Kind.I:
-            level += deferred[s] - saved[s]
-        elif kind is Kind.W:
-            level -= deferred[s]
-        out.append(level)
-    return out
+    them: an F adds its stage's saved bytes, a B frees them, an I keeps the deferred bytes, a W frees those."""
+    change = {Kind.F: lambda s: saved[s], Kind.B: lambda s: -saved[s], Kind.I: lambda s: deferred[s] - saved[s],
+              Kind.W: lambda s: -deferred[s]}
+    return list(itertools.accumulate(change[a.kind](a.stage) if a.kind in change else 0
+                                     for a in plan.flattened().ranks[rank]))
 
 
 def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
