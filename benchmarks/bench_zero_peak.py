@@ -1,6 +1,7 @@
 """ZeRO's peak memory per rank: the peak of tensor bytes by kind (pipegpt.observe.tensor_bytes) and the process's
-peak RSS, beside the planner's predicted peak (pipegpt.costs.memory.plan_memory), for zero 0-3 and both of
-ZeRO-3's gather policies at dp 2 and dp 4.
+peak RSS, beside the planner's predicted peak (pipegpt.costs.memory.plan_memory: each kind's own peak, their sum;
+held_peak: the most held at one point between actions, what the count sees), for zero 0-3 and both of ZeRO-3's
+gather policies at dp 2 and dp 4.
 
     python benchmarks/bench_zero_peak.py                                   # the issue's model: 8 x 512, vocab 4096
     python benchmarks/bench_zero_peak.py --n-layer 4 --n-embd 256 --dp 2   # smaller, quicker
@@ -84,18 +85,19 @@ def main() -> None:
           f"{args.microbatches} x {args.microbatch_size} sequences per replica, a stage per block on one pipeline "
           f"rank, fp32, CPU gloo{'; ' + ' '.join(f'{k}={v}' for k, v in env.items()) if env else ''}")
     print("MiB per rank at the step's peak (the largest rank): measured tensor bytes by kind, their total, the "
-          "planner's total, the process's peak RSS")
+          "planner's total (each kind's peak, with workspace) and held peak (one point, no workspace), the "
+          "process's peak RSS")
     print(f"{'dp':>3}{'zero':>5}{'gather':>11}" + "".join(f"{k[:8]:>10}" for k in KINDS)
-          + f"{'total':>10}{'planned':>10}{'RSS':>9}{'counting':>14}")
+          + f"{'total':>10}{'planned':>10}{'held':>8}{'RSS':>9}{'counting':>14}")
     for dp in args.dp:
         for zero, policy in layouts:
             got = run_child({**base, "dp": dp, "zero": zero, "unshard": policy}, env)
             worst = max(range(dp), key=lambda r: got["tensor_bytes"][r]["total"])
             tb = got["tensor_bytes"][worst]
-            planned = (tb.get("predicted") or {}).get("total")
+            planned, held = ((tb.get("predicted") or {}).get(k) for k in ("total", "held"))
             print(f"{dp:>3}{zero:>5}{policy if zero == 3 else '':>11}"
                   + "".join(f"{mib(tb['by_kind'][k]):>10}" for k in KINDS)
-                  + f"{mib(tb['total']):>10}{mib(planned):>10}{mib(max(got['rss'])):>9}"
+                  + f"{mib(tb['total']):>10}{mib(planned):>10}{mib(held):>8}{mib(max(got['rss'])):>9}"
                   + f"{1e3 * tb['sampling_s']:>7.1f}/{1e3 * got['step_s'][worst]:.0f}ms", flush=True)
 
 

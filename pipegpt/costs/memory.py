@@ -64,7 +64,12 @@ gather is posted one run ahead, so at most two of the rank's stages are whole at
 largest stages. At zero >= 2 a stage's full gradient buffer is freed once its reduce-scatter (after the stage's
 last backward of the step) completes: with one microbatch per step at most two stages' full gradients coexist
 (S + the two largest), with several an interleaved order runs every stage's first backward before any stage's
-last, so all of them live through the step (P + S). A rank of one or two stages holds P either way.
+last, so all of them live through the step (P + S). A rank of one or two stages holds P either way. The tied
+embedding whose two ends are stages of one rank (FSDP per block, a V) is a unit of its own at zero >= 2
+(stage_units): whole whenever either end's stage is, its full gradients from the head's backward to the
+embedding's, so the bounds add it to the two largest stages' own parameters. Those are bounds over the policy;
+on the run's plan, which carries its REDUCE_GRAD, UNSHARD and RESHARD, plan_memory walks the rank's actions as
+the runtime runs them instead (walked_zero_state: each kind's peak, to the byte).
 
 Activations, deferred bytes, workspace and the peaks: pipegpt.costs.activations (re-exported here).
 
@@ -85,14 +90,15 @@ batch of token ids the loader holds for the step (a few KB).
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+import itertools
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 from pipegpt.arch import kv_local_heads, stage_ranges, stage_shapes, uniform  # noqa: F401 (kv_local_heads: callers')
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.parallelisms import stage_parallelism
-from pipegpt.schedule.actions import Plan
+from pipegpt.schedule.actions import Kind, Plan
 from pipegpt.schedule.lowering import lower
 from pipegpt.schedule.messages import message_peaks
 
@@ -160,19 +166,30 @@ def gradient_group(sharding: Sharding) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
+def stage_units(model: ModelConfig, stages: tuple, tp: int = 1) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(each stage's own parameters, its routed experts' among them, the shared tensor's) in elements, for one
+    rank holding `stages` ((layers, embed, head), layers as _layers_key gives them). Shared: the tied embedding
+    when both ends are stages of the rank (the worker makes them one tensor), a unit of ZeRO's of its own
+    (pipegpt.data_parallel.replicas) and in neither stage's count; 0 otherwise."""
+    ends = {(embed, head) for _, embed, head in stages}
+    share_tied = model.tie_embeddings and any(e for e, _ in ends) and any(h for _, h in ends) \
+        and not any(e and h for e, h in ends)
+    own, experts, shared = [], [], 0
+    for layers, embed, head in stages:
+        shapes = stage_parameter_shapes(model, layers, embed, head, tp)
+        tied = [_numel(shape) for name, shape in shapes if share_tied and name in ("wte.weight", "lm_head.weight")]
+        shared = max([shared, *tied])
+        own.append(sum(_numel(shape) for _, shape in shapes) - sum(tied))
+        experts.append(sum(_numel(shape) for name, shape in shapes if name.startswith(EXPERT_PREFIX)))
+    return tuple(own), tuple(experts), shared
+
+
+@functools.lru_cache(maxsize=4096)
 def _state_bytes(model, stages, sharding: Sharding, precision, between_steps: bool = False, unshard: str = "step",
                  microbatches: int = 2, full_recompute: bool = False) -> StateBytes:
     r, _ = _widths(precision)
     tp, dp, zero = sharding.tp, gradient_group(sharding), sharding.zero
-    ends = {(embed, head) for _, embed, head in stages}
-    # a V-shape's head shares one tensor with the rank's wte (the worker ties them): counted once
-    share_tied = model.tie_embeddings and any(e for e, _ in ends) and any(h for _, h in ends) \
-        and not any(e and h for e, h in ends)
-    per_stage, experts = [], []
-    for layers, embed, head in stages:
-        shapes = stage_parameter_shapes(model, layers, embed, head, tp)
-        per_stage.append(sum(_numel(shape) for name, shape in shapes if not (share_tied and name == "lm_head.weight")))
-        experts.append(sum(_numel(shape) for name, shape in shapes if name.startswith(EXPERT_PREFIX)))
+    per_stage, experts, shared = stage_units(model, stages, tp)
     edp, ep = expert_replicas(sharding), expert_ranks(sharding)
     mine = [-(-e // ep) for e in experts]
     # under bf16 the step's one cast of the rank's routed experts, which every microbatch's call shares
@@ -181,25 +198,30 @@ def _state_bytes(model, stages, sharding: Sharding, precision, between_steps: bo
     casts = 2 * sum(mine) if precision == "bf16" and not between_steps and not full_recompute else 0
     if not any(experts) or (edp == dp and ep == 1):  # every parameter alike
         params = sum(per_stage)
-        weights, gradients, optimizer = zero_state(per_stage, dp, zero, unshard, microbatches, between_steps)
-        return StateBytes(params, weights * r + casts, gradients * r, optimizer * r)
+        weights, gradients, optimizer = zero_state(per_stage, dp, zero, unshard, microbatches, between_steps, shared)
+        return StateBytes(params + shared, weights * r + casts, gradients * r, optimizer * r)
     # experts: 1/ep of them here, their state sharded over edp; the rest over dp x cp
-    dense = zero_state([p - e for p, e in zip(per_stage, experts)], dp, zero, unshard, microbatches, between_steps)
+    dense = zero_state([p - e for p, e in zip(per_stage, experts)], dp, zero, unshard, microbatches, between_steps,
+                       shared)
     routed = zero_state(mine, edp, zero, unshard, microbatches, between_steps)
-    params = sum(p - e + m for p, e, m in zip(per_stage, experts, mine))
+    params = shared + sum(p - e + m for p, e, m in zip(per_stage, experts, mine))
     weights, gradients, optimizer = (r * (a + b) for a, b in zip(dense, routed))
     return StateBytes(params, weights + casts, gradients, optimizer)
 
 
 def zero_state(stage_params: Sequence[int], dp: int, zero: int, unshard: str = "step", microbatches: int = 2,
-               between_steps: bool = False) -> tuple[int, int, int]:
+               between_steps: bool = False, shared: int = 0) -> tuple[int, int, int]:
     """(weights, gradients, AdamW moments) in elements of a rank whose stages hold stage_params, under ZeRO level
-    `zero` over dp ranks (see the module docstring's table)."""
-    params = sum(stage_params)
+    `zero` over dp ranks (see the module docstring's table); shared: a tensor two of the stages compute with, in
+    none of stage_params (the tied embedding when both ends are stages of the rank)."""
+    params = sum(stage_params) + shared
     if not zero or dp == 1:
         return params, params, 2 * params
     shard = -(-params // dp)
-    two = sum(sorted(stage_params)[-2:])  # the two largest stages: what the microbatch policy keeps whole
+    # the two largest stages: what the microbatch policy keeps whole; and the shared tensor, a unit of its own
+    # whole whenever one of its stages is (zero >= 2: gathered with either, its full gradients from the first
+    # of their backwards until the last)
+    two = sum(sorted(stage_params)[-2:]) + shared
     if zero >= 3:
         weights = shard + (0 if between_steps else two if unshard == "microbatch" else params)
     else:
@@ -209,6 +231,77 @@ def zero_state(stage_params: Sequence[int], dp: int, zero: int, unshard: str = "
     else:
         gradients = params  # zero 1 reduce-scatters in place: its shard is its chunks of the full buffer
     return weights, gradients, 2 * shard
+
+
+def walked_zero_state(model: ModelConfig, plan: Plan, rank: int, stages: tuple, sharding: Sharding,
+                      precision: str = "fp32") -> tuple[int, int] | None:
+    """(weights, gradients) bytes of a ZeRO-2/3 pipeline rank at their peaks over its actions, walked as
+    pipegpt.data_parallel runs them, for a plan that carries its collectives (the run's plan: REDUCE_GRAD, and at
+    zero 3 UNSHARD/RESHARD; pipegpt.planner.run_plan.make_plan): a unit (a stage's own parameters, the shared
+    tensor: stage_units) is whole while a stage that reads it holds an UNSHARD, its full gradients from the first
+    backward of a stage that reads it until the rank's next REDUCE_GRAD after its own has settled it. None
+    elsewhere (zero_state's bound applies): below zero 2, one replica, experts, a plan without them.
+    stages: the rank's (layers, embed, head) as stage_units takes them."""
+    walk = _zero_walk(model, plan, rank, stages, sharding)
+    if walk is None:
+        return None
+    r = _widths(precision)[0]
+    weights, gradients = zip(*walk)
+    return r * max(weights), r * max(gradients)
+
+
+def _zero_walk(model: ModelConfig, plan: Plan, rank: int, stages: tuple, sharding: Sharding) -> list | None:
+    """walked_zero_state's walk: (weights, gradients) elements after each of the rank's actions (flattened), or
+    None where it does not apply."""
+    dp, zero = gradient_group(sharding), sharding.zero
+    actions = plan.flattened().ranks[rank]
+    reduce_at = {a.stage: i for i, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD}
+    mine = plan.stages_of(rank)
+    if zero < 2 or dp == 1 or set(reduce_at) != set(mine) or (
+            zero >= 3 and not any(a.kind is Kind.UNSHARD for a in actions)):
+        return None
+    own, experts, shared = stage_units(model, stages, sharding.tp)
+    if any(experts):
+        return None
+    size = dict(zip(mine, own))
+    reads = {s: [s] for s in mine}
+    reduced_with = {s: [s] for s in mine}
+    if shared:  # read by both ends; reduced with the one whose gradients complete last (Engine.params_by_stage)
+        ends = [s for s in mine if s in (0, plan.num_stages - 1)]
+        size["shared"] = shared
+        for s in ends:
+            reads[s].append("shared")
+        reduced_with[max(ends, key=reduce_at.__getitem__)].append("shared")
+    params = sum(size.values())
+    shard = -(-params // dp)
+    holders = {u: set() for u in size}
+    full, reducing, backed, out = set(), [], set(), []
+    for a in actions:
+        kind, s = a.kind, a.stage
+        if kind is Kind.UNSHARD:
+            for u in reads[s]:
+                holders[u].add(s)
+        elif kind is Kind.RESHARD:
+            for u in reads[s]:
+                holders[u].discard(s)
+        elif kind is Kind.REDUCE_GRAD:  # the reduce-scatters in flight settle, this stage's start
+            full -= set(reducing)
+            reducing = reduced_with[s]
+        elif kind.is_compute and kind is not Kind.F and s not in backed:
+            backed.add(s)
+            full.update(reads[s])
+        gathered = sum(size[u] for u, h in holders.items() if h)
+        out.append((shard + gathered if zero >= 3 else params, shard + sum(size[u] for u in full)))
+    return out
+
+
+def held_levels(plan: Plan, rank: int, saved: Sequence[int], deferred: Sequence[int]) -> list[int]:
+    """The activations the rank holds after each of its actions (flattened), as activation_peaks' held walks
+    them: an F adds its stage's saved bytes, a B frees them, an I keeps the deferred bytes, a W frees those."""
+    change = {Kind.F: lambda s: saved[s], Kind.B: lambda s: -saved[s], Kind.I: lambda s: deferred[s] - saved[s],
+              Kind.W: lambda s: -deferred[s]}
+    return list(itertools.accumulate(change[a.kind](a.stage) if a.kind in change else 0
+                                     for a in plan.flattened().ranks[rank]))
 
 
 def state_bytes(model: ModelConfig, stages: Sequence[tuple], *, sharding: Sharding = Sharding(),
@@ -297,15 +390,39 @@ def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, m
     out = []
     for rank in range(plan.num_ranks):
         mine = plan.stages_of(rank)
-        state = state_bytes(model, [(counts[s], s == 0, s == last) for s in mine], sharding=sharding,
-                            precision=precision, unshard=unshard, microbatches=plan.num_microbatches,
-                            recompute=recompute)
+        held = [(counts[s], s == 0, s == last) for s in mine]
+        state = state_bytes(model, held, sharding=sharding, precision=precision, unshard=unshard,
+                            microbatches=plan.num_microbatches, recompute=recompute)
+        zero_walk = walked_zero_state(model, plan, rank, tuple((_layers_key(model, n), e, h) for n, e, h in held),
+                                      sharding, precision)
+        if zero_walk is not None:  # the run's plan: what its gathers and reductions hold, not the policy's bound
+            state = replace(state, weights=zero_walk[0], gradients=zero_walk[1])
         out.append(MemoryBreakdown(
             rank=rank, parameters=state.parameters, weights=state.weights, gradients=state.gradients,
             optimizer=state.optimizer, activations=int(peaks[rank]), workspace=walked[rank][1] - walked[rank][0],
             p2p_buffers=message * messages[rank],
             dp_buffers=0, overlap_dp=len(mine) > 1))
     return out
+
+
+def held_peak(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, rank: int, **kwargs) -> int:
+    """The most bytes the rank holds at one point between its actions (what a count after each action sees:
+    pipegpt.observe.tensor_bytes, no action's workspace): its weights and gradients (walked over the run's plan
+    where walked_zero_state applies, else their peaks) and the activations it holds after the same action
+    (held_levels), with its optimizer state and its messages' peak. plan_memory's total adds each kind's own peak
+    and the workspace: a bound above this. kwargs: plan_memory's."""
+    x = plan_memory(model, plan, layers_per_stage, **kwargs)[rank]
+    counts = stage_ranges(layers_per_stage)
+    kw = {k: kwargs[k] for k in ("microbatch_size", "sharding", "precision", "recompute", "device", "cp_comm")
+          if k in kwargs}
+    saved, deferred, _ = stage_activation_bytes(model, counts, **kw)
+    last = plan.num_stages - 1
+    stages = tuple((_layers_key(model, counts[s]), s == 0, s == last) for s in plan.stages_of(rank))
+    walk = _zero_walk(model, plan, rank, stages, kwargs.get("sharding", Sharding()))
+    levels = held_levels(plan, rank, saved, deferred)
+    r = _widths(kwargs.get("precision", "fp32"))[0]
+    state = [r * (w + g) for w, g in walk] if walk else [x.weights + x.gradients] * len(levels)
+    return x.optimizer + x.p2p_buffers + max(a + b for a, b in zip(state, levels))
 
 
 def rank_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, rank: int, *,

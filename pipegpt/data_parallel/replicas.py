@@ -16,6 +16,12 @@ two stages' full gradients at most. A gather (UNSHARD) runs asynchronously too: 
 calls before the stage's compute, waits for it, so a gather the plan posts ahead (a prefetch) overlaps the
 compute between. Every member of the group runs the same plan, so they launch the same collectives in the
 same order.
+
+At zero >= 2 a tensor two of the rank's stages compute with (the tied embedding when both ends are stages of
+this rank: FSDP per block, a V) gets flat buffers of its own, reduced with the stage it was under: the other
+stage's run then gathers (zero 3) and allocates gradients for that tensor alone, not for the whole of its
+owner's stage (which held three stages' parameters gathered at the head's run, and the embedding's stage's full
+gradients from the head's backward on).
 """
 from __future__ import annotations
 
@@ -38,6 +44,20 @@ def merged_held(parts) -> dict[str, list[torch.Tensor]]:
         for kind, tensors in part.items():
             out.setdefault(kind, []).extend(tensors)
     return out
+
+
+SHARED = "shared"  # the key of a stage's unit of tensors another of the rank's stages computes with: (stage, SHARED)
+
+
+def shared_tensors(params_of_stage: dict[int, list[torch.Tensor]]) -> set[int]:
+    """ids of the tensors more than one stage computes with."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for ps in params_of_stage.values():
+        ids = {id(p) for p in ps}
+        shared |= seen & ids
+        seen |= ids
+    return shared
 
 
 class HeldPiece(NamedTuple):
@@ -63,16 +83,26 @@ class DataParallel:
         self.size = 1 if one else dist.get_world_size(group)
         self.divisor = divisor or self.size
         self.ops = ops or choose_shard_ops(ONE_RANK if one else dist.get_backend(group))
-        self.buffers = {s: StageBuffers(s, ps, zero, self.size, index, alone)
-                        for s, ps in params_by_stage.items() if ps}
-        holder = {id(p): buf for buf in self.buffers.values() for p in buf.params}
-        # The buffers a stage's compute reads: gathered while any of its stages is unsharded (ZeRO-3).
-        self.users = {s: sorted({holder[id(p)].stage for p in ps if id(p) in holder})
+        # Each unit of buffers by key: a stage's (key: the stage), or at zero >= 2 the tensors it shares with
+        # another of the rank's stages (key: (stage, SHARED)); the stage's REDUCE_GRAD reduces both.
+        self.buffers: dict = {}
+        shared = shared_tensors(params_of_stage) if zero >= 2 else set()
+        for s, ps in params_by_stage.items():
+            for key, part in ((s, [p for p in ps if id(p) not in shared]),
+                              ((s, SHARED), [p for p in ps if id(p) in shared])):
+                if part:
+                    self.buffers[key] = StageBuffers(s, part, zero, self.size, index, alone)
+        self.reduced_with: dict[int, list] = {}  # stage -> the keys of the units its REDUCE_GRAD reduces
+        for key, buf in self.buffers.items():
+            self.reduced_with.setdefault(buf.stage, []).append(key)
+        holder = {id(p): key for key, buf in self.buffers.items() for p in buf.params}
+        # The units a stage's compute reads: gathered while any of its stages is unsharded (ZeRO-3).
+        self.users = {s: list(dict.fromkeys(holder[id(p)] for p in ps if id(p) in holder))
                       for s, ps in params_of_stage.items()}
-        self.unsharded: dict[int, set[int]] = {s: set() for s in self.buffers}  # buffer -> stages holding it
+        self.unsharded: dict = {key: set() for key in self.buffers}  # unit -> stages holding it
         self.pending: list = []  # zero 0/1: the step's reductions, waited for in finish()
-        self.reducing: dict[int, list] = {}  # zero >= 2: stage -> its reduce-scatters in flight
-        self.gathering: dict[int, list] = {}  # zero 3: buffer -> its all-gathers in flight, until ready()
+        self.reducing: dict = {}  # zero >= 2: unit -> its reduce-scatters in flight
+        self.gathering: dict = {}  # zero 3: unit -> its all-gathers in flight, until ready()
         self.reduced: set[int] = set()
 
     # the plan's collectives
@@ -80,14 +110,17 @@ class DataParallel:
     def reduce_grad(self, stage: int) -> None:
         """Launch the reduction of the stage's gradient buckets (its last backward on this rank has run)."""
         self.reduced.add(stage)
-        buf = self.buffers.get(stage)
-        if buf is None:
-            return
-        if self.zero >= 2:
+        keys = self.reduced_with.get(stage, ())
+        if keys and self.zero >= 2:
             self._settle_reductions()  # the earlier stages' full gradients go before this one's reduction runs
-            if buf.grad_flat is None:
-                raise ValueError(f"rank {self.rank}: {stage}REDUCE_GRAD with no gradient buffer: the runtime "
-                                 f"called no ready({stage}) before the stage's backward")
+        for key in keys:
+            self._reduce(key, self.buffers[key])
+
+    def _reduce(self, key, buf: StageBuffers) -> None:
+        stage = buf.stage
+        if self.zero >= 2 and buf.grad_flat is None:
+            raise ValueError(f"rank {self.rank}: {stage}REDUCE_GRAD with no gradient buffer: the runtime "
+                             f"called no ready({stage}) before the stage's backward")
         works = []
         for k, b in enumerate(buf.layout.buckets):
             if self.zero:
@@ -99,23 +132,24 @@ class DataParallel:
                 work = all_reduce(bucket, self.group)
             works.append(work)
         if self.zero >= 2:
-            self.reducing[stage] = works
+            self.reducing[key] = works
         else:
             self.pending += works
 
     def _settle_reductions(self) -> None:
-        """Zero >= 2: wait for the reduce-scatters in flight and free those stages' full gradient buffers."""
-        for stage, works in self.reducing.items():
-            self._wait(works, f"gradient reduce-scatter of stage {stage}")
-            self.buffers[stage].free_grads()
+        """Zero >= 2: wait for the reduce-scatters in flight and free those units' full gradient buffers."""
+        for key, works in self.reducing.items():
+            buf = self.buffers[key]
+            self._wait(works, f"gradient reduce-scatter of stage {buf.stage}")
+            buf.free_grads()
         self.reducing.clear()
 
     def unshard(self, stage: int) -> None:
         """Launch the gather of the parameters the stage computes with (ZeRO-3); ready() waits for it."""
-        for s in self.users.get(stage, ()):
-            holders = self.unsharded[s]
+        for key in self.users.get(stage, ()):
+            holders = self.unsharded[key]
             if not holders and self.zero >= 3:
-                self.gathering[s] = self._gather(self.buffers[s])
+                self.gathering[key] = self._gather(self.buffers[key])
             holders.add(stage)
 
     def ready(self, stage: int, backward: bool = False) -> None:
@@ -123,23 +157,23 @@ class DataParallel:
         its first backward of a step): wait for the gathers of what it reads; before a backward, zero >= 2
         allocate the full gradient buffers it adds into. Nothing pending, nothing to allocate: a dict lookup."""
         if self.gathering:
-            for s in self.users.get(stage, ()):
-                works = self.gathering.pop(s, None)
+            for key in self.users.get(stage, ()):
+                works = self.gathering.pop(key, None)
                 if works:
-                    self._wait(works, f"parameter all-gather of stage {s}")
+                    self._wait(works, f"parameter all-gather of stage {self.buffers[key].stage}")
         if backward and self.zero >= 2:
-            for s in self.users.get(stage, ()):
-                self.buffers[s].need_grads()
+            for key in self.users.get(stage, ()):
+                self.buffers[key].need_grads()
 
     def reshard(self, stage: int) -> None:
-        for s in self.users.get(stage, ()):
-            holders = self.unsharded[s]
+        for key in self.users.get(stage, ()):
+            holders = self.unsharded[key]
             holders.discard(stage)
             if not holders and self.zero >= 3:
-                works = self.gathering.pop(s, None)
+                works = self.gathering.pop(key, None)
                 if works:  # gathered and freed with no compute between: the gather must not write a freed buffer
-                    self._wait(works, f"parameter all-gather of stage {s}")
-                self.buffers[s].reshard()
+                    self._wait(works, f"parameter all-gather of stage {self.buffers[key].stage}")
+                self.buffers[key].reshard()
 
     def _gather(self, buf: StageBuffers, full: torch.Tensor | None = None) -> list:
         """Launch the all-gather of every bucket's shard into a full buffer (a new one unless given)."""
@@ -161,7 +195,7 @@ class DataParallel:
 
     def finish(self) -> None:
         """Wait for the step's reductions; refuse a plan that reduced some stage's gradients nowhere."""
-        missing = sorted(s for s in self.buffers if s not in self.reduced)
+        missing = sorted(s for s in self.reduced_with if s not in self.reduced)
         self.reduced.clear()
         if missing:
             raise ValueError(f"rank {self.rank}: the plan has no {missing[0]}REDUCE_GRAD, so stage {missing[0]}'s "
@@ -216,8 +250,7 @@ class DataParallel:
     def whole(self):
         """Every parameter gathered for the duration (ZeRO-3; a collective over the group: every member calls it)."""
         stage = -1  # a holder that is no stage of the plan
-        for s in self.buffers:
-            self.users.setdefault(stage, []).append(s)
+        self.users[stage] = list(self.buffers)
         try:
             self.unshard(stage)
             self.ready(stage)

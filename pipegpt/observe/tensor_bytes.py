@@ -66,6 +66,7 @@ class PeakTensorBytes:
         self.saved: list[weakref.ref] = []  # what autograd saved this step, alive until its graph is freed
         self.peak: dict[str, int] = {}
         self.peak_total = 0
+        self.kind_peaks: dict[str, int] = {}  # each kind's own largest sample (the planner's kinds are these)
         self.sampling_s = 0.0  # what the samples cost the step (the accounting's own price)
         self.samples = 0
 
@@ -92,6 +93,7 @@ class PeakTensorBytes:
         total = sum(counts.values())
         if total >= self.peak_total or not self.peak:
             self.peak, self.peak_total = counts, total
+        self.kind_peaks = {k: max(n, self.kind_peaks.get(k, 0)) for k, n in counts.items()}
         self.sampling_s += time.perf_counter() - t0
         self.samples += 1
 
@@ -99,6 +101,7 @@ class PeakTensorBytes:
     def measure(self, runtime):
         """Sample through a step: after each of the runtime's actions, and where the caller calls sample()."""
         self.saved, self.peak, self.peak_total, self.sampling_s, self.samples = [], {}, 0, 0.0, 0
+        self.kind_peaks = {}
         runtime.after_action = self.sample
         try:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t) if self.hook_saved \
@@ -111,30 +114,35 @@ class PeakTensorBytes:
             self.saved = []
 
     def result(self) -> dict:
-        """{"total": the peak's bytes, "by_kind": what was held at the largest sample, "samples" and
-        "sampling_s": how many samples the step took and what they cost it}."""
+        """{"total": the peak's bytes, "by_kind": what was held at the largest sample, "kind_peaks": each kind's
+        own peak over the samples (kinds peak at different actions: gathered parameters at a stage's run with its
+        prefetch, full gradients in the backward), "samples" and "sampling_s": how many samples the step took
+        and what they cost it}."""
         total = self.peak_total
         if self.device.type == "cuda":  # the allocator saw every transient between the samples
             total = max(total, torch.cuda.max_memory_allocated(self.device))
-        return {"total": int(total), "by_kind": dict(self.peak), "samples": self.samples,
+        return {"total": int(total), "by_kind": dict(self.peak), "kind_peaks": dict(self.kind_peaks),
+                "samples": self.samples,
                 "sampling_s": self.sampling_s}
 
 
 def predicted_peak(cfg, plan, pipeline_rank: int, device: str) -> dict:
     """The planner's peak for one pipeline rank (pipegpt.costs.memory.plan_memory) in the kinds above:
-    {"total": bytes, "by_kind": {...}}; weights split into the rank's own (what stays between steps) and
-    ZeRO-3's gathered rest; activations with their workspace."""
+    {"total": bytes, "by_kind": {...}, "held": bytes}; weights split into the rank's own (what stays between steps)
+    and ZeRO-3's gathered rest; activations with their workspace. by_kind is each kind's own peak, the total their
+    sum (a bound: the kinds peak at different actions); held: the most the rank holds at one point between its
+    actions, what the samples here can see (pipegpt.costs.memory.held_peak)."""
     from pipegpt.costs.activations import memory_precision
-    from pipegpt.costs.memory import plan_memory, state_bytes
+    from pipegpt.costs.memory import held_peak, plan_memory, state_bytes
     from pipegpt.model.partition import partition_layers
 
     p, m = cfg.parallel, cfg.model
     layers = partition_layers(m.n_layer, plan.num_stages, p.layers_per_stage)
     precision = memory_precision(cfg.runtime.precision, cfg.runtime.dtype)
     unshard = p.unshard or "step"
-    rank = plan_memory(m, plan, layers, microbatch_size=p.microbatch_size, sharding=p.sharding,
-                       recompute=p.recompute, precision=precision, device=device, cp_comm=p.cp_comm,
-                       unshard=unshard)[pipeline_rank]
+    kw = dict(microbatch_size=p.microbatch_size, sharding=p.sharding, recompute=p.recompute, precision=precision,
+              device=device, cp_comm=p.cp_comm, unshard=unshard)
+    rank = plan_memory(m, plan, layers, **kw)[pipeline_rank]
     last = plan.num_stages - 1
     mine = [(layers[s], s == 0, s == last) for s in plan.stages_of(pipeline_rank)]
     own = state_bytes(m, mine, sharding=p.sharding, precision=precision, between_steps=True,
@@ -142,4 +150,5 @@ def predicted_peak(cfg, plan, pipeline_rank: int, device: str) -> dict:
     kinds = {"parameters": own, "gathered": rank.weights - own, "gradients": rank.gradients,
              "optimizer": rank.optimizer, "messages": rank.p2p_buffers,
              "activations": rank.activations + rank.workspace}
-    return {"total": int(rank.total), "by_kind": {k: int(v) for k, v in kinds.items()}}
+    return {"total": int(rank.total), "by_kind": {k: int(v) for k, v in kinds.items()},
+            "held": int(held_peak(m, plan, layers, pipeline_rank, **kw))}
