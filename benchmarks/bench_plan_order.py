@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_plan_order.py                # 8 layouts, 2 rounds (about 2 minutes on 2 cores)
     .venv/bin/python benchmarks/bench_plan_order.py --rounds 4
+    .venv/bin/python benchmarks/bench_plan_order.py --threads-per-worker default   # cores / ranks: pp 1 on 2 threads
 
 One small model (4 layers, 256 wide, sequence 128), a fixed global batch of 16 sequences, 8 layouts: pp 1 and 2,
 gpipe / 1f1b / zb-h1, 4 and 8 microbatches. Each is a `pipegpt run` of --steps steps with one thread per worker
@@ -10,6 +11,9 @@ Rounds alternate the order of the layouts; a layout's measured time is the media
 each run. Costs are calibrated from the first round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`), and each
 layout is predicted by the planner's own evaluate_layout. Measure on a quiet machine: this was a slow test once,
 and a busy CI machine's 16% between two layouts that cost the same (gpipe and 1f1b at m 8) broke its rank order.
+With `--threads-per-worker default` no thread count is given: each worker gets the cores over the ranks (pp 1 two
+threads, pp 2 one each), and the calibrated model scales pp 1's compute by a block timed at 2 threads over 1
+(pipegpt.costs.calibrated.ThreadScaling; its figure is in the costs' line printed).
 
 Two predictions: "old", all that the calibrated step spent after its last action spread per parameter of the
 busiest rank; "new", the step's parts from its trace (pipegpt.observe.step_time): the optimizer per parameter
@@ -59,10 +63,11 @@ def spearman(a, b) -> float:
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
-def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int) -> list[float]:
+def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: str = "1") -> list[float]:
+    given = [] if threads == "default" else ["--threads-per-worker", threads]
     subprocess.run([sys.executable, "-m", "pipegpt", "run", *FLAGS, "--stages", str(pp), "--schedule", schedule,
                     "--microbatches", str(m), "--microbatch-size", str(BATCH // m), "--steps", str(steps),
-                    "--threads-per-worker", "1", "--run-dir", str(run_dir), "--log-every", "100"],
+                    *given, "--run-dir", str(run_dir), "--log-every", "100"],
                    check=True, capture_output=True, cwd=ROOT, timeout=600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows[1:]]  # step 0 warms up
@@ -80,6 +85,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first left out)")
+    ap.add_argument("--threads-per-worker", default="1",
+                    help="each worker's intra-op threads, or 'default' (cores / ranks, as pipegpt run's default)")
     args = ap.parse_args(argv)
     model = ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256)
     measured = {x: [] for x in LAYOUTS}
@@ -88,7 +95,7 @@ def main(argv=None) -> int:
         for k in range(args.rounds):
             for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
                 run_dir = Path(tmp) / f"{pp}-{s}-{m}-{k}"
-                measured[(pp, s, m)] += measure(run_dir, pp, s, m, args.steps)
+                measured[(pp, s, m)] += measure(run_dir, pp, s, m, args.steps, args.threads_per_worker)
                 traced[(pp, s, m)].append(breakdown(json.loads((run_dir / "trace.json").read_text())))
         cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
         costs = calibrate_costs(str(Path(tmp) / "2-1f1b-8-0"), cluster)
