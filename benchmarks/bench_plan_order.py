@@ -19,7 +19,8 @@ Two predictions: "old", all that the calibrated step spent after its last action
 busiest rank; "new", the step's parts from its trace (pipegpt.observe.step_time): the optimizer per parameter
 byte, the rest (the driver's round trip, the batch, the clip, the sync's tail) a time per step. The calibrated
 step's breakdown is printed first; last, per layout, the measured actions' span beside the planner's makespan and
-the time outside them beside the planner's after-term, which says which of the two a difference comes from.
+the time outside them beside the planner's after-term, which says which of the two a difference comes from, and one
+microbatch's compute over all stages: pp 1 m 8's over pp 2 m 8's says whether a rank computes faster alone.
 """
 from __future__ import annotations
 
@@ -73,6 +74,19 @@ def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: 
     return [r["step_time_s"] for r in rows[1:]]  # step 0 warms up
 
 
+def microbatch_compute(run_dir: Path) -> float:
+    """One microbatch's forward and backward over all stages of a run (each stage's median F and B from its trace,
+    pipegpt.schedule.calibrate): pp 1's one stage against pp 2's two is the same work, so their ratio is how much
+    faster a rank computes in the one layout than in the other."""
+    from pipegpt.run_files import read_measured_run
+    from pipegpt.schedule.calibrate import calibrate_run
+    from pipegpt.schedule.schedule_file import load_schedule_file
+
+    files = read_measured_run(str(run_dir))
+    costs = calibrate_run(load_schedule_file(files.plan_path), files)[1].costs
+    return sum(costs.forward) + sum(costs.backward)
+
+
 def main(argv=None) -> int:
     from pipegpt.config import ModelConfig
     from pipegpt.costs.calibrated import calibrate_costs
@@ -91,12 +105,14 @@ def main(argv=None) -> int:
     model = ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256)
     measured = {x: [] for x in LAYOUTS}
     traced = {x: [] for x in LAYOUTS}  # each run's last step in parts (pipegpt.observe.step_time)
+    computed = {x: [] for x in LAYOUTS}  # each run's one microbatch over all stages
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
                 run_dir = Path(tmp) / f"{pp}-{s}-{m}-{k}"
                 measured[(pp, s, m)] += measure(run_dir, pp, s, m, args.steps, args.threads_per_worker)
                 traced[(pp, s, m)].append(breakdown(json.loads((run_dir / "trace.json").read_text())))
+                computed[(pp, s, m)].append(microbatch_compute(run_dir))
         cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
         costs = calibrate_costs(str(Path(tmp) / "2-1f1b-8-0"), cluster)
         parts = breakdown(json.loads((Path(tmp) / "2-1f1b-8-0" / "trace.json").read_text()))
@@ -120,13 +136,17 @@ def main(argv=None) -> int:
     print(f"Spearman (predicted, measured): {spearman(predicted, observed):.3f} "
           f"(old {spearman(predicted_old, observed):.3f})")
     print("\nwhere the difference lies (measured: the median over rounds of each run's last step):")
-    print(f"{'layout':16} {'actions ms':>10} {'makespan ms':>11} {'outside ms':>10} {'after ms':>8}")
+    print(f"{'layout':16} {'actions ms':>10} {'makespan ms':>11} {'outside ms':>10} {'after ms':>8} "
+          f"{'microbatch ms':>13}")
     for (pp, s, m), r in zip(LAYOUTS, results):
         parts_of = [b for b in traced[(pp, s, m)] if b is not None]
         actions = statistics.median(b.part("actions") for b in parts_of) if parts_of else float("nan")
         outside = statistics.median(b.total - b.part("actions") for b in parts_of) if parts_of else float("nan")
         print(f"{f'pp{pp} {s} m{m}':16} {actions * 1e3:10.1f} {r.makespan * 1e3:11.1f} {outside * 1e3:10.1f} "
-              f"{r.after * 1e3:8.1f}")
+              f"{r.after * 1e3:8.1f} {statistics.median(computed[(pp, s, m)]) * 1e3:13.2f}")
+    alone, calibrated = (statistics.median(computed[(pp, "1f1b", 8)]) for pp in (1, 2))
+    print(f"microbatch ms: F + B of every stage, the median over rounds; pp 1 1f1b m8 over pp 2 1f1b m8 (the same "
+          f"microbatch, one rank against two): {alone / calibrated:.3f}")
     return 0
 
 
