@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_plan_order.py                # 8 layouts, 2 rounds (about 2 minutes on 2 cores)
     .venv/bin/python benchmarks/bench_plan_order.py --rounds 4
+    .venv/bin/python benchmarks/bench_plan_order.py --threads-per-worker default   # cores / ranks: pp 1 on 2 threads
 
 One small model (4 layers, 256 wide, sequence 128), a fixed global batch of 16 sequences, 8 layouts: pp 1 and 2,
 gpipe / 1f1b / zb-h1, 4 and 8 microbatches. Each is a `pipegpt run` of --steps steps with one thread per worker
@@ -10,12 +11,16 @@ Rounds alternate the order of the layouts; a layout's measured time is the media
 each run. Costs are calibrated from the first round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`), and each
 layout is predicted by the planner's own evaluate_layout. Measure on a quiet machine: this was a slow test once,
 and a busy CI machine's 16% between two layouts that cost the same (gpipe and 1f1b at m 8) broke its rank order.
+With `--threads-per-worker default` no thread count is given: each worker gets the cores over the ranks (pp 1 two
+threads, pp 2 one each), and the calibrated model scales pp 1's compute by a block timed at 2 threads over 1
+(pipegpt.costs.calibrated.ThreadScaling; its figure is in the costs' line printed).
 
 Two predictions: "old", all that the calibrated step spent after its last action spread per parameter of the
 busiest rank; "new", the step's parts from its trace (pipegpt.observe.step_time): the optimizer per parameter
 byte, the rest (the driver's round trip, the batch, the clip, the sync's tail) a time per step. The calibrated
 step's breakdown is printed first; last, per layout, the measured actions' span beside the planner's makespan and
-the time outside them beside the planner's after-term, which says which of the two a difference comes from.
+the time outside them beside the planner's after-term, which says which of the two a difference comes from, and one
+microbatch's compute over all stages: pp 1 m 8's over pp 2 m 8's says whether a rank computes faster alone.
 """
 from __future__ import annotations
 
@@ -59,13 +64,27 @@ def spearman(a, b) -> float:
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
-def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int) -> list[float]:
+def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: str = "1") -> list[float]:
+    given = [] if threads == "default" else ["--threads-per-worker", threads]
     subprocess.run([sys.executable, "-m", "pipegpt", "run", *FLAGS, "--stages", str(pp), "--schedule", schedule,
                     "--microbatches", str(m), "--microbatch-size", str(BATCH // m), "--steps", str(steps),
-                    "--threads-per-worker", "1", "--run-dir", str(run_dir), "--log-every", "100"],
+                    *given, "--run-dir", str(run_dir), "--log-every", "100"],
                    check=True, capture_output=True, cwd=ROOT, timeout=600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows[1:]]  # step 0 warms up
+
+
+def microbatch_compute(run_dir: Path) -> float:
+    """One microbatch's forward and backward over all stages of a run (each stage's median F and B from its trace,
+    pipegpt.schedule.calibrate): pp 1's one stage against pp 2's two is the same work, so their ratio is how much
+    faster a rank computes in the one layout than in the other."""
+    from pipegpt.run_files import read_measured_run
+    from pipegpt.schedule.calibrate import calibrate_run
+    from pipegpt.schedule.schedule_file import load_schedule_file
+
+    files = read_measured_run(str(run_dir))
+    costs = calibrate_run(load_schedule_file(files.plan_path), files)[1].costs
+    return sum(costs.forward) + sum(costs.backward)
 
 
 def main(argv=None) -> int:
@@ -80,16 +99,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first left out)")
+    ap.add_argument("--threads-per-worker", default="1",
+                    help="each worker's intra-op threads, or 'default' (cores / ranks, as pipegpt run's default)")
     args = ap.parse_args(argv)
     model = ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256)
     measured = {x: [] for x in LAYOUTS}
     traced = {x: [] for x in LAYOUTS}  # each run's last step in parts (pipegpt.observe.step_time)
+    computed = {x: [] for x in LAYOUTS}  # each run's one microbatch over all stages
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
                 run_dir = Path(tmp) / f"{pp}-{s}-{m}-{k}"
-                measured[(pp, s, m)] += measure(run_dir, pp, s, m, args.steps)
+                measured[(pp, s, m)] += measure(run_dir, pp, s, m, args.steps, args.threads_per_worker)
                 traced[(pp, s, m)].append(breakdown(json.loads((run_dir / "trace.json").read_text())))
+                computed[(pp, s, m)].append(microbatch_compute(run_dir))
         cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
         costs = calibrate_costs(str(Path(tmp) / "2-1f1b-8-0"), cluster)
         parts = breakdown(json.loads((Path(tmp) / "2-1f1b-8-0" / "trace.json").read_text()))
@@ -113,13 +136,17 @@ def main(argv=None) -> int:
     print(f"Spearman (predicted, measured): {spearman(predicted, observed):.3f} "
           f"(old {spearman(predicted_old, observed):.3f})")
     print("\nwhere the difference lies (measured: the median over rounds of each run's last step):")
-    print(f"{'layout':16} {'actions ms':>10} {'makespan ms':>11} {'outside ms':>10} {'after ms':>8}")
+    print(f"{'layout':16} {'actions ms':>10} {'makespan ms':>11} {'outside ms':>10} {'after ms':>8} "
+          f"{'microbatch ms':>13}")
     for (pp, s, m), r in zip(LAYOUTS, results):
         parts_of = [b for b in traced[(pp, s, m)] if b is not None]
         actions = statistics.median(b.part("actions") for b in parts_of) if parts_of else float("nan")
         outside = statistics.median(b.total - b.part("actions") for b in parts_of) if parts_of else float("nan")
         print(f"{f'pp{pp} {s} m{m}':16} {actions * 1e3:10.1f} {r.makespan * 1e3:11.1f} {outside * 1e3:10.1f} "
-              f"{r.after * 1e3:8.1f}")
+              f"{r.after * 1e3:8.1f} {statistics.median(computed[(pp, s, m)]) * 1e3:13.2f}")
+    alone, calibrated = (statistics.median(computed[(pp, "1f1b", 8)]) for pp in (1, 2))
+    print(f"microbatch ms: F + B of every stage, the median over rounds; pp 1 1f1b m8 over pp 2 1f1b m8 (the same "
+          f"microbatch, one rank against two): {alone / calibrated:.3f}")
     return 0
 
 

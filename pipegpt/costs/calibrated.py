@@ -2,11 +2,24 @@
 plan.txt, trace.json, config.json and metrics.jsonl; pipegpt.schedule.calibrate turns the trace of the plan into
 per-stage costs and its step's parts outside the actions (the optimizer, the sync's tail, the rest: step_times);
 pipegpt.costs.cost scales the FLOP model to them (fit_calibrated_costs).
+
+A CPU run's compute is what it measured at its own intra-op threads per rank: --threads-per-worker, else the
+machine's cores over its ranks (pipegpt.train.driver's default). A layout whose ranks get another number (the
+default for fewer or more ranks; every layout runs at an explicit --threads-per-worker) has its F, B and W scaled by
+the block's measured time at that number over its time at the calibration run's (ThreadScaling), not by an assumed
+linear speedup: one block of the run's model at its microbatch size, timed in a child process on this machine
+(pipegpt.stages.thread_speedup) the first time a layout needs it. Calibrate on the machine the run ran on, and a
+quiet one: a second thread on a busy core runs slower than one.
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
 
 from pipegpt.arch import stage_ranges
 from pipegpt.config import ConfigError, ModelConfig
@@ -22,8 +35,10 @@ from .devices import Cluster
 from .memory import parameter_count
 
 
-def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
-    """CalibratedCosts from a `pipegpt run` directory (its plan.txt, trace.json, config.json, metrics.jsonl)."""
+def calibrate_costs(run_dir: str, cluster: Cluster,
+                    measure: Callable[[tuple[int, ...]], dict[int, float]] | None = None) -> CalibratedCosts:
+    """CalibratedCosts from a `pipegpt run` directory (its plan.txt, trace.json, config.json, metrics.jsonl).
+    measure: {threads: seconds of one block} for thread counts (default: block_timer's child process)."""
     try:
         files = read_measured_run(run_dir)
         plan = load_schedule_file(files.plan_path)
@@ -37,8 +52,11 @@ def calibrate_costs(run_dir: str, cluster: Cluster) -> CalibratedCosts:
         params[plan.stage_to_rank[s]] += parameter_count(shape.model, layers, s == 0, s == S - 1, shape.sharding.tp)
     par = (files.config or {}).get("parallel", {})
     replicas = int(par.get("dp", 1)) * int(par.get("cp", 1))
-    return fit_calibrated_costs(cluster, shape, calibration.costs, measured.makespan, params, os.fspath(run_dir),
-                                step_times(breakdown(files.trace)), replicas, int(par.get("zero", 0)))
+    fit = fit_calibrated_costs(cluster, shape, calibration.costs, measured.makespan, params, os.fspath(run_dir),
+                               step_times(breakdown(files.trace)), replicas, int(par.get("zero", 0)))
+    fit.threads = thread_scaling(files.config, read_metrics(run_dir), plan.num_ranks * replicas * shape.sharding.tp,
+                                 measure or block_timer(files.config, shape.mbs))
+    return fit
 
 
 def step_times(parts: StepBreakdown | None) -> StepTimes | None:
@@ -65,3 +83,76 @@ def run_shape(run_dir: str, config: dict | None, plan) -> RunShape:
     return RunShape(model, sharding, str(par.get("recompute", "none")), int(par.get("microbatch_size", 1)),
                     tuple(layers), tuple(plan.stage_to_rank), step_time,
                     {"precision": config.get("runtime", {}).get("precision")})
+
+
+@dataclass
+class ThreadScaling:
+    """A CPU run's compute at other intra-op threads per rank than its own: each layout's threads (the calibration
+    run's explicit --threads-per-worker, else cores // the ranks on the machine, as the driver gives them) and the
+    block's measured seconds at them. scale(ranks) = seconds at the layout's threads / seconds at the calibration
+    run's; measured once, at every count a layout on this machine can get, when the first layout needs another."""
+
+    calibrated: int  # the calibration run's threads per rank
+    explicit: bool  # --threads-per-worker was given: every layout runs at it
+    cores: int  # the machine's (os.cpu_count(): the driver's default divides it)
+    measure: Callable[[tuple[int, ...]], dict[int, float]]
+    seconds: dict = field(default_factory=dict)  # threads -> one block's forward + backward, as measured
+
+    def threads(self, ranks: int) -> int:
+        """The intra-op threads of each of `ranks` workers on one machine."""
+        return self.calibrated if self.explicit else max(1, self.cores // max(1, ranks))
+
+    def scale(self, ranks: int) -> float:
+        n = self.threads(ranks)
+        if n == self.calibrated:
+            return 1.0
+        if n not in self.seconds:
+            counts = sorted({self.calibrated, n, *(max(1, self.cores // r) for r in range(1, self.cores + 1))})
+            self.seconds.update(self.measure(tuple(t for t in counts if t not in self.seconds)))
+        return self.seconds[n] / self.seconds[self.calibrated]
+
+    def describe(self) -> str:
+        said = f"{self.calibrated} thread{'s' * (self.calibrated > 1)} per rank"
+        if self.explicit:
+            return f"{said} (--threads-per-worker: every layout's)"
+        if len(self.seconds) < 2:
+            return f"{said} (cores / ranks: other counts measured when a layout needs them)"
+        base = self.seconds[self.calibrated]
+        return (f"{said} (cores / ranks); a block at "
+                + ", ".join(f"{t}: x{base / s:.2f}" for t, s in sorted(self.seconds.items()) if t != self.calibrated)
+                + " its speed")
+
+
+def thread_scaling(config: dict | None, rows: list, ranks: int, measure, cores: int | None = None
+                   ) -> ThreadScaling | None:
+    """The calibration run's ThreadScaling (None for a run on a GPU: threads drive no kernels there). Its device:
+    config.json's, and under "auto" a CPU where its metrics have no MFU (known for every GPU of the table)."""
+    runtime = (config or {}).get("runtime", {})
+    device = runtime.get("device", "auto")
+    on_gpu = device == "cuda" or (device == "auto" and any(r.get("mfu") is not None for r in rows))
+    if on_gpu or device not in ("cpu", "auto", "cuda"):
+        return None
+    cores = cores or os.cpu_count() or 1
+    given = runtime.get("threads_per_worker")
+    return ThreadScaling(int(given) if given else max(1, cores // max(1, ranks)), bool(given), cores, measure)
+
+
+def block_timer(config: dict | None, microbatch_size: int) -> Callable[[tuple[int, ...]], dict[int, float]]:
+    """measure for ThreadScaling: one block of the run's model timed at each thread count in a child process
+    (pipegpt.stages.thread_speedup; the planner imports no torch)."""
+    runtime = (config or {}).get("runtime", {})
+    request = {"model": (config or {}).get("model", {}), "microbatch_size": microbatch_size,
+               "recompute": (config or {}).get("parallel", {}).get("recompute", "none"),
+               "dtype": runtime.get("dtype", "float32"), "bf16": runtime.get("precision") == "bf16"}
+
+    def measure(threads: tuple[int, ...]) -> dict[int, float]:
+        args = [sys.executable, "-m", "pipegpt.stages.thread_speedup", json.dumps({**request, "threads": threads})]
+        try:
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", None) or str(e)
+            raise ConfigError(f"--calibrate: timing a block at {threads} threads failed: "
+                              f"{detail.strip().splitlines()[-1] if detail.strip() else e}") from None
+        return {int(t): float(s) for t, s in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+    return measure

@@ -191,7 +191,8 @@ class StageCosts:
         """Per-stage quantities as ({layer kind: per block}, {(embed, head): the stage's fixed part}): saved and
         deferred activation bytes, and F, B, W, tp_comm; and one message's bytes."""
         cut = sharding.tensor_cut
-        key = (model.padded_vocab_size, cut, rc, mbs, self.ep_ranks_on_node(sharding))
+        k = self.cost.compute_scale(sharding)  # the layout's threads per rank against a calibration run's: compute only
+        key = (model.padded_vocab_size, cut, rc, mbs, self.ep_ranks_on_node(sharding), k)
         hit = self._linear.get(key)
         if hit is not None:
             return hit
@@ -203,7 +204,7 @@ class StageCosts:
 
         def piece_parts(piece):
             sym = min(piece.comm_f, piece.comm_b)
-            return (piece.f + piece.comm_f - sym, piece.b + piece.comm_b - sym, piece.w, sym)
+            return (piece.f * k + piece.comm_f - sym, piece.b * k + piece.comm_b - sym, piece.w * k, sym)
 
         per = {kind: piece_parts(piece) for kind, piece in self.layer_pieces(model, sharding, rc, mbs).items()}
         embed, head = piece_parts(P.embed), piece_parts(P.head)

@@ -10,11 +10,12 @@ from dataclasses import replace
 from pipegpt.config import ConfigError, TrainConfig
 from pipegpt.model.partition import partition_layers
 from pipegpt.costs.balance import stage_costs
+from pipegpt.costs.devices import LATENCY_INTRA_S
 from pipegpt.parallelisms import stage_parallelism
 from pipegpt.schedule import (SCHEDULES, Kind, Plan, ScheduleError, add_reduce_grad, add_unshard_reshard, lower,
                               schedule_spec, validate, without_reduce_grad, without_unshard_reshard)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
-from pipegpt.schedule.simulate import Costs
+from pipegpt.schedule.simulate import Costs, simulate_order
 
 
 def make_plan(cfg: TrainConfig) -> Plan:
@@ -53,7 +54,7 @@ def _pipeline_plan(cfg: TrainConfig) -> Plan:
             plan = load_schedule_file(p.schedule_file)
             check_against_file(plan, p.schedule_file, p.stages, p.microbatches)
             plan = plan.flattened() if apart else plan
-            return plan if plan.is_lowered else validate(lower(plan, lowering_costs(cfg, plan.stage_to_rank)))
+            return plan if plan.is_lowered else validate(lowered(plan, lowering_costs(cfg, plan.stage_to_rank)))
         spec = schedule_spec(p.schedule)
         if not spec.synthesized:
             if p.max_live is not None:
@@ -63,7 +64,7 @@ def _pipeline_plan(cfg: TrainConfig) -> Plan:
         else:
             plan = synthesized_plan(cfg, spec)
         plan = plan.flattened() if apart else plan
-        return validate(lower(plan, lowering_costs(cfg, plan.stage_to_rank)))
+        return validate(lowered(plan, lowering_costs(cfg, plan.stage_to_rank)))
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
 
@@ -75,8 +76,7 @@ def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
     placement = spec.stage_to_rank(p.stages, p.virtual_stages)
     layers = [len(r) for r in partition_layers(m.n_layer, len(placement), p.layers_per_stage)]
     costs = stage_costs_for(layers, p.schedule_costs or estimated_layer_costs(m))
-    r = cfg.runtime  # NCCL matches by order: written for it where the run is known to use it
-    matching = "order" if r.p2p_matching == "order" or (r.p2p_matching == "auto" and r.device == "cuda") else "tag"
+    matching = "order" if order_matched(cfg) else "tag"  # written for NCCL's order where the run is known to use it
     synthesis = spec.synthesize(p.stages, p.microbatches, p.virtual_stages, costs, p.max_live, matching=matching)
     meta = {**synthesis.plan.meta, "predicted_s": float(synthesis.makespan),
             "lower_bound_s": float(synthesis.lower_bound), "best_fixed": synthesis.best_fixed,
@@ -85,19 +85,46 @@ def synthesized_plan(cfg: TrainConfig, spec) -> Plan:
     return replace(synthesis.plan, meta=meta)
 
 
+def order_matched(cfg: TrainConfig) -> bool:
+    """Whether the run's messages are known to match by order (NCCL, or --p2p-matching order), not by tag."""
+    r = cfg.runtime
+    return r.p2p_matching == "order" or (r.p2p_matching == "auto" and r.device == "cuda")
+
+
 def lowering_costs(cfg: TrainConfig, stage_to_rank) -> Costs | None:
     """The per-stage costs the plan's messages are placed for (schedule.lowering): what the run measured
-    (auto's order, --balance cost's split), auto's estimate until then; None (unit costs) otherwise."""
+    (auto's order, --balance cost's split), auto's estimate until then; None (unit costs) otherwise.
+
+    Measured costs are seconds, so a message latency can stand beside them: on a GPU (NCCL, which matches by
+    order) the intra-node latency of pipegpt.costs.devices (NCCL's typical, every preset's), with which the
+    lowering places each message on the timeline of messages matched by tag, where order matching costs what tag
+    matching does (schedule.lowering). Estimated and unit costs have no unit a latency could be given in, and
+    gloo's latency is not known before a run's trace measures it: those lower as for none."""
     p = cfg.parallel
     pieces = p.schedule_costs
     if pieces is None and p.balanced_costs is not None:  # forward + backward of each piece: B = 2F, W = F
         pieces = tuple(x for total in p.balanced_costs for x in (total / 3, 2 * total / 3, total / 3))
+    measured = pieces is not None
     if pieces is None and p.schedule_file is None and schedule_spec(p.schedule).synthesized:
         pieces = estimated_layer_costs(cfg.model)
     if pieces is None:
         return None
     layers = [len(r) for r in partition_layers(cfg.model.n_layer, len(stage_to_rank), p.layers_per_stage)]
-    return stage_costs_for(layers, pieces)
+    costs = stage_costs_for(layers, pieces)
+    if measured and cfg.runtime.device == "cuda" and order_matched(cfg):
+        return replace(costs, comm=LATENCY_INTRA_S)
+    return costs
+
+
+def lowered(plan: Plan, costs: Costs | None) -> Plan:
+    """The plan lowered for its costs: with a latency, placed for it or as for none, whichever order matching
+    (simulate_order, at that latency) runs sooner, the latency's on a tie. Placing for the latency reaches tag
+    matching's makespan nearly everywhere; where it does not (zb-h1 at some costs, by 0.1-0.2%), the placement for
+    none can."""
+    if costs is None or not costs.comm:
+        return lower(plan, costs)
+    return min((lower(plan, costs), lower(plan, replace(costs, comm=0))),
+               key=lambda placed: simulate_order(placed, costs).makespan)
 
 
 def stage_costs_for(layers: list[int], layer_costs: tuple[float, ...], tp: int = 1) -> Costs:

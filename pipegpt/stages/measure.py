@@ -27,11 +27,11 @@ PIECES = ("embed", "block", "head")
 
 def measure_layer_costs(model: ModelConfig, microbatch_size: int, device: torch.device, dtype: torch.dtype,
                         recompute: str = "none", autocast_dtype: torch.dtype | None = None, repeats: int = 15,
-                        warmup: int = 3, seed: int = 0) -> dict[str, float]:
+                        warmup: int = 3, seed: int = 0, pieces: tuple[str, ...] | None = None) -> dict[str, float]:
     """{"embed": s, "block": s, "head": s} (and "block.<kind>" for each other layer kind): least seconds of one
     microbatch's forward + backward of each piece; "<piece>_forward" and "<piece>_weight": the forward's share and
     the weight gradients' (the schedule synthesizer's F and W; the backward is timed as its two halves, the input
-    gradient then the weights')."""
+    gradient then the weights'). pieces: only these (None: all)."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
@@ -45,6 +45,7 @@ def measure_layer_costs(model: ModelConfig, microbatch_size: int, device: torch.
         slices = {"embed": (0, dict(layers=range(0), embed=True, head=False)),
                   **{piece: (1, dict(layers=range(i, i + 1), embed=False, head=False)) for piece, i in first.items()},
                   "head": (2, dict(layers=range(0), embed=False, head=True))}
+        slices = {piece: at for piece, at in slices.items() if pieces is None or piece in pieces}
         out = {}
         for piece, (index, where) in slices.items():
             module = GPT(model, recompute=recompute, init_seed=seed, **where).to(device, dtype)
