@@ -2,18 +2,19 @@
 
     .venv/bin/python benchmarks/bench_plan_order.py                # 8 layouts, 2 rounds (about 2 minutes on 2 cores)
     .venv/bin/python benchmarks/bench_plan_order.py --rounds 4
-    .venv/bin/python benchmarks/bench_plan_order.py --threads-per-worker default   # cores / ranks: pp 1 on 2 threads
+    .venv/bin/python benchmarks/bench_plan_order.py --threads-per-worker 1   # pp 1 on one thread, a core to spare
 
 One small model (4 layers, 256 wide, sequence 128), a fixed global batch of 16 sequences, 8 layouts: pp 1 and 2,
-gpipe / 1f1b / zb-h1, 4 and 8 microbatches. Each is a `pipegpt run` of --steps steps with one thread per worker
-(pp 2 uses both cores of a 2-core machine, pp 1 one: more ranks than cores is a case the simulator does not model).
+gpipe / 1f1b / zb-h1, 4 and 8 microbatches. Each is a `pipegpt run` of --steps steps at pipegpt run's default
+threads, the cores over the ranks (pp 1 on two threads, pp 2 on one each: every layout uses the whole machine).
 Rounds alternate the order of the layouts; a layout's measured time is the median of its steps after the first of
 each run. Costs are calibrated from the first round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`), and each
 layout is predicted by the planner's own evaluate_layout. Measure on a quiet machine: this was a slow test once,
 and a busy CI machine's 16% between two layouts that cost the same (gpipe and 1f1b at m 8) broke its rank order.
-With `--threads-per-worker default` no thread count is given: each worker gets the cores over the ranks (pp 1 two
-threads, pp 2 one each), and the calibrated model scales pp 1's compute by a block timed at 2 threads over 1
-(pipegpt.costs.calibrated.ThreadScaling; its figure is in the costs' line printed).
+The calibrated model scales pp 1's compute by a block timed at 2 threads over 1
+(pipegpt.costs.calibrated.ThreadScaling; its figure is in the costs' line printed). `--threads-per-worker 1` runs
+every layout on one thread: pp 1 then leaves a core idle, which the model does not see (one rank alone computes
+about 8% faster than each of two ranks at once on this machine, the last table's ratio).
 
 Two predictions: "old", all that the calibrated step spent after its last action spread per parameter of the
 busiest rank; "new", the step's parts from its trace (pipegpt.observe.step_time): the optimizer per parameter
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first left out)")
-    ap.add_argument("--threads-per-worker", default="1",
+    ap.add_argument("--threads-per-worker", default="default",
                     help="each worker's intra-op threads, or 'default' (cores / ranks, as pipegpt run's default)")
     args = ap.parse_args(argv)
     model = ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256)
