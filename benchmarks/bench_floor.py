@@ -1,0 +1,339 @@
+"""The heavy-head model's pipelined step against the physical floor, and where the rest of the step goes.
+
+    .venv/bin/python benchmarks/bench_floor.py                                      # 3 rounds, m 8 and 16
+    .venv/bin/python benchmarks/bench_floor.py --rounds 1 --steps 5 --warmup 3 --microbatches 8
+
+The model is issue 48's heavy head: 8 layers x 256, 4 heads, seq 256, vocabulary 16,384, untied, microbatch 1
+(its head costs 4.4-5.3 blocks), 2 stages, a core per rank (pinned where there are as many cores as ranks;
+--no-bind-cores: not). Contenders, alternated in every round, each a fresh set of processes:
+
+  floor        bench_matrix's floor: the step's work (the same microbatches, optimizer and clip) in one process on
+               one thread (bench_pipeline's one-process contender), its median step over the cores
+  auto         `pipegpt run --schedule auto --balance cost`
+  --fixed      the fixed schedules (zb-h1), `--balance cost` as well
+
+Per contender and microbatch count: the step (median of every run's timed steps) and of floor = floor / step (its
+range: each round's floor run over that round's step).
+
+The gap, per pipegpt row. Its timed steps are traced (--trace-steps); each step's time S (the driver's call, from
+the trace's step parts: pipegpt.observe.step_time) splits into parts that sum to it, averaged over the traced steps:
+
+  floor        Fc + Fo: the floor's forwards and backwards (Fc) and the rest of its step (Fo: zeroing, the batch,
+               the clip and the optimizer), each over the cores
+  (e) compute  Fc (e - 1), e = the ranks' mean compute / Fc. A rank's compute is its compute actions' time less
+               each one's wait for its input from the other rank (inside the action: the runtime waits for a
+               receive at the compute that reads it), the wait being from the action's start to the end of the
+               action it depends on there. Two ranks on two cores compute slower than one process alone.
+  (a) split    Fc e (a - 1), a = the busiest rank's work over the mean rank's, for the run's split and the costs
+               it measured before step 0 (config.json): --balance cost's split, the best of whole layers
+  (b) bubble   Fc e a (b - 1), b = the plan (plan.txt) simulated with those costs: makespan / busiest rank's work
+  (c) runtime  A - Fc e a b: the actions' measured span A beyond the simulated span at the ranks' measured
+               compute: the runtime between actions (its loop, posting messages, their waits) and whatever the
+               costs measured before step 0 get wrong (the trace's per-rank table shows the runtime's share)
+  (d) outside  S - A - Fo: the step outside the actions' span (the driver's round trip, the batch, the gradient
+               sync, clip, optimizer) beyond the floor's own
+  sum          floor + (e) + (a) + (b) + (c) + (d) = S
+
+And a split finer than a layer, computed (no run does it): a's cap if a stage boundary could fall between a
+block's attention and its MLP (each half's share of the block's cost from their FLOPs), or anywhere (a = 1), and
+the of floor each would give with every other part as measured: how much of the gap the layer granularity holds.
+
+This file's parent never imports torch: every contender runs in its own processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_matrix as bm  # noqa: E402  (the model's spec and the floor)
+import bench_pipeline as bp  # noqa: E402  (the contenders)
+
+GAP_PARTS = ("floor", "(e) compute", "(a) split", "(b) bubble", "(c) runtime", "(d) outside")
+
+
+def mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the arithmetic (torch-free, no timing: tests/unit/test_bench_floor.py works it by hand)
+
+def gap_parts(step: float, span: float, floor_compute: float, floor_outside: float, inflation: float, cap: float,
+              bubble: float) -> list[tuple[str, float]]:
+    """The step S in parts that sum to it (the module's docstring): the floor (Fc + Fo), then (e) Fc (e - 1),
+    (a) Fc e (a - 1), (b) Fc e a (b - 1), (c) A - Fc e a b, (d) S - A - Fo."""
+    fc, e, a, b = floor_compute, inflation, cap, bubble
+    return [("floor", fc + floor_outside), ("(e) compute", fc * (e - 1)), ("(a) split", fc * e * (a - 1)),
+            ("(b) bubble", fc * e * a * (b - 1)), ("(c) runtime", span - fc * e * a * b),
+            ("(d) outside", step - span - floor_outside)]
+
+
+def split_cap(layer_costs: list[float], embed: float, head: float, stage_to_rank, layers=None) -> float:
+    """The busiest rank's work over the mean rank's: for `layers` (blocks per stage), or the best split of
+    these pieces (pipegpt.costs.balance, exact for one stage per rank)."""
+    from pipegpt.costs.balance import balance, rank_loads
+
+    if layers is None:
+        layers = balance(layer_costs, embed, head, stage_to_rank).layers
+    loads = rank_loads(layers, layer_costs, embed, head, stage_to_rank)
+    return max(loads) / mean(loads)
+
+
+def attention_share(model: dict) -> float:
+    """A block's attention's share of the block's training FLOPs (nanoGPT's count, pipegpt.model.flops): its
+    linears' 6 x weights plus the scores' and weighted sum's 12 x width x seq, against the MLP's 6 x weights."""
+    from pipegpt.arch import block_linears
+    from pipegpt.config import ModelConfig
+
+    cfg = ModelConfig(**model)
+    linears = block_linears(cfg)
+    attention = 6 * sum(x.rows * x.cols for x in linears if x.name.startswith("attn.")) + \
+        12 * cfg.attention_width * cfg.seq_len
+    mlp = 6 * sum(x.rows * x.cols for x in linears if x.name.startswith("mlp."))
+    return attention / (attention + mlp)
+
+
+def finer_caps(block: float, embed: float, head: float, n_layer: int, share: float, stage_to_rank) -> dict:
+    """a for the best split of whole layers, of half layers (a boundary between a block's attention, `share` of
+    its cost, and its MLP), and of anything (1: the work halved exactly)."""
+    halves = [x for _ in range(n_layer) for x in (share * block, (1 - share) * block)]
+    return {"layers": split_cap([block] * n_layer, embed, head, stage_to_rank),
+            "attention | MLP": split_cap(halves, embed, head, stage_to_rank), "anywhere": 1.0}
+
+
+def compute_and_waits(timeline, plan) -> tuple[list[float], list[float]]:
+    """Per rank: its compute actions' time less their waits, and the waits (from an action's start to the end
+    of the action it depends on on another rank, when that is later: the runtime waits inside the action)."""
+    from pipegpt.schedule.validate import dependencies
+
+    ends = {e.action: e.end for e in timeline.compute_events()}
+    compute, waits = [0.0] * timeline.num_ranks, [0.0] * timeline.num_ranks
+    for e in timeline.compute_events():
+        arrived = max((ends[d] for d in dependencies(e.action, plan)
+                       if plan.stage_to_rank[d.stage] != e.rank and d in ends), default=e.start)
+        wait = min(max(0.0, arrived - e.start), e.end - e.start)
+        compute[e.rank] += e.end - e.start - wait
+        waits[e.rank] += wait
+    return compute, waits
+
+
+def planned_factors(parallel: dict, plan, model: dict) -> dict:
+    """From the costs the run measured before step 0 (config.json's "parallel"): a (its split's cap), b (its plan
+    simulated: makespan / busiest rank's work) and a for finer splits."""
+    from pipegpt.planner.run_plan import stage_costs_for
+    from pipegpt.schedule.simulate import simulate
+
+    embed, block, head = parallel["balanced_costs"]
+    layers = parallel["layers_per_stage"]
+    # auto's nine numbers; a fixed schedule's split alone was measured: B = 2F, W = F, as run_plan.lowering_costs
+    pieces = parallel.get("schedule_costs") or [x for t in (embed, block, head) for x in (t / 3, 2 * t / 3, t / 3)]
+    predicted = simulate(plan, stage_costs_for(layers, pieces))
+    busy = predicted.busy_per_rank
+    return {"cap": split_cap([block] * sum(layers), embed, head, plan.stage_to_rank, layers),
+            "bubble": predicted.makespan / max(busy), "layers": list(layers),
+            "finer": finer_caps(block, embed, head, sum(layers), attention_share(model), plan.stage_to_rank)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a pipegpt run and its traced steps
+
+def traced_step(run_dir: str, step: int) -> dict:
+    """One traced step's figures: S, the actions' span A, the parts outside it, per rank compute, waits,
+    message batches, gaps (idle within the span), clip and optimizer."""
+    from pipegpt.run_files import read_measured_run
+    from pipegpt.schedule import calibrate
+    from pipegpt.schedule.schedule_file import load_schedule_file
+
+    measured = read_measured_run(run_dir, step)
+    plan = load_schedule_file(measured.plan_path)
+    parts = calibrate.breakdown(measured.trace)
+    compute, waits = compute_and_waits(calibrate.trace_timeline(measured.trace, plan), plan)
+    per_rank = [parts.per_rank[r] for r in range(plan.num_ranks)]
+    return {"step": parts.total, "span": parts.part(calibrate.ACTIONS), "parts": dict(parts.parts),
+            "compute": compute, "waits": waits, "messages": [r["messages"] for r in per_rank],
+            "gaps": [r["idle"] for r in per_rank], "clip": [r.get(calibrate.CLIP, 0.0) for r in per_rank],
+            "optimizer": [r.get(calibrate.OPTIMIZER, 0.0) for r in per_rank]}
+
+
+def run_pipegpt(spec: dict, timeout: float) -> dict:
+    """bench_pipeline's pipegpt contender with --balance cost and its timed steps traced; the run's figures."""
+    from pipegpt.run_files import read_json
+    from pipegpt.schedule.schedule_file import load_schedule_file
+
+    workdir = tempfile.mkdtemp(prefix="bench-floor-")
+    try:
+        t0 = time.perf_counter()
+        result = bp.run_pipegpt(spec, workdir, timeout)
+        run_dir = os.path.join(workdir, "run")
+        parallel = read_json(os.path.join(run_dir, "config.json"), "config")["parallel"]
+        plan = load_schedule_file(os.path.join(run_dir, "plan.txt"))
+        result["planned"] = planned_factors(parallel, plan, spec["model"])
+        result["traced"] = [traced_step(run_dir, n) for n in range(spec["warmup"] + 1, spec["steps"] + 1)]
+        result["wall_s"] = time.perf_counter() - t0
+        return result
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_gap(run: dict, floor_compute: float, floor_outside: float) -> dict:
+    """A run's gap parts (gap_parts over its traced steps' means) and the factors they came from."""
+    steps = run["traced"]
+    ranks = len(steps[0]["compute"])
+    step, span = mean(s["step"] for s in steps), mean(s["span"] for s in steps)
+    rank_compute = [mean(s["compute"][r] for s in steps) for r in range(ranks)]
+    inflation = mean(rank_compute) / floor_compute
+    planned = run["planned"]
+    parts = gap_parts(step, span, floor_compute, floor_outside, inflation, planned["cap"], planned["bubble"])
+    per_rank = {k: [mean(s[k][r] for s in steps) for r in range(ranks)]
+                for k in ("compute", "waits", "messages", "gaps", "clip", "optimizer")}
+    outside = {k: mean(s["parts"].get(k, 0.0) for s in steps) for k in steps[0]["parts"]}
+    return {"parts": dict(parts), "step": step, "span": span, "inflation": inflation,
+            "cap": planned["cap"], "bubble": planned["bubble"], "measured_cap": max(rank_compute) / mean(rank_compute),
+            "per_rank": per_rank, "outside": outside}
+
+
+def finer_floor(gap: dict, planned: dict, floor_s: float, floor_compute: float) -> dict:
+    """Of floor with each finer split's a, every other part as measured: the step less Fc e b (a - a')."""
+    lost = floor_compute * gap["inflation"] * gap["bubble"]
+    return {name: floor_s / (gap["step"] - lost * (gap["cap"] - cap)) for name, cap in planned["finer"].items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the parent: rounds of alternated contenders, the tables
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--microbatches", default="8,16", help="microbatch counts, comma-separated [8,16]")
+    ap.add_argument("--fixed", default="zb-h1", help="fixed schedules beside auto, comma-separated [zb-h1]")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of alternated contenders [3]")
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=3, help="leading steps left out: the first ones run slower [3]")
+    ap.add_argument("--n-layer", type=int, default=8)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--vocab-size", type=int, default=16384)
+    ap.add_argument("--microbatch-size", type=int, default=1)
+    ap.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
+                    help="leave ranks unpinned (default: a core each where there are as many cores as ranks)")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", dest="json_out", default=None, help="also write every measurement to this file")
+    args = ap.parse_args(argv)
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
+    cores = os.cpu_count() or 1
+    args.schedules = ",".join(["auto"] + [s for s in args.fixed.split(",") if s])
+    base, schedules = bm.base_spec(args, cores, bind_cores=args.bind_cores and 2 <= cores)
+    counts = [int(x) for x in args.microbatches.split(",")]
+    traced = ",".join(str(n) for n in range(args.warmup + 1, args.steps + 1))
+    m = base["model"]
+    print(f"the floor -- CPU, gloo, {cores} cores; model {m['n_layer']} x {m['n_embd']}, {m['n_head']} heads, seq "
+          f"{m['seq_len']}, vocab {m['vocab_size']}, untied; microbatch {args.microbatch_size}; 2 stages, "
+          f"{base['threads_per_worker']} thread(s) per rank{', pinned' if base['bind_cores'] else ''}; "
+          f"{args.steps} steps per run, the first {args.warmup} untimed; {args.rounds} rounds alternated; "
+          f"load average at the start {os.getloadavg()[0]:.1f}", flush=True)
+
+    jobs = []
+    for M in counts:
+        jobs.append((("floor", M), "single", bm.floor_spec(base, M)))
+        for s in schedules:
+            spec = dict(base, microbatches=M, schedule=s, extra_args=["--balance", "cost", "--trace-steps", traced])
+            jobs.append(((f"{s} --balance cost", M), "pipegpt", spec))
+    runs: dict = {key: [] for key, _, _ in jobs}
+    t_start, cpu_before = time.perf_counter(), bp._cpu_accounting()
+    for rnd in range(args.rounds):
+        for key, kind, spec in jobs:
+            try:
+                r = run_pipegpt(spec, args.timeout) if kind == "pipegpt" else \
+                    bp.run_contender(kind, spec, args.timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # one failed run must not lose the others
+                print(f"  round {rnd + 1} {key[0]} m={key[1]} FAILED: {str(e).splitlines()[-1:]}", file=sys.stderr)
+                continue
+            r["round"] = rnd
+            runs[key].append(r)
+            print(f"  round {rnd + 1}/{args.rounds} {key[0]:<24} m={key[1]:<3} median step "
+                  f"{1e3 * statistics.median(r['step_times'][args.warmup:]):8.1f} ms", file=sys.stderr, flush=True)
+
+    report = tables(runs, counts, args.warmup, cores)
+    print()
+    print(report["text"])
+    print(f"(total wall time {time.perf_counter() - t_start:.0f} s)")
+    print(bp._other_load(cpu_before, bp._cpu_accounting(), cores))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"config": base, "runs": {f"{k[0]} m{k[1]}": v
+                                                                             for k, v in runs.items()},
+                                                   "rows": report["rows"]}, indent=1))
+    return 0
+
+
+def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
+    """The three tables' text, and their figures per row."""
+    from pipegpt.schedule.render import text_table
+
+    step_rows = [["contender", "m", "step ms", "of floor", "(rounds)", "split"]]
+    gap_rows = [["row", "m", "S ms"] + [f"{p}" for p in GAP_PARTS] + ["e / a / b", "cap in the run"]]
+    rank_rows = [["row", "m", "rank", "compute", "waits", "messages", "gaps", "clip", "optimizer"]]
+    finer_rows = [["row", "m", "a: layers", "attention | MLP", "of floor: now", "attention | MLP", "anywhere"]]
+    figures = {}
+    for M in counts:
+        floors = runs.get(("floor", M)) or []
+        if not floors:
+            continue
+        floor_s, floor_compute = (bm.floor_seconds(floors, warmup, cores, key) for key in ("step_times",
+                                                                                           "compute_times"))
+        floor_by_round = {r["round"]: statistics.median(r["step_times"][warmup:]) / cores for r in floors}
+        step_rows.append(["floor (one thread / cores)", M, f"{1e3 * floor_s:.0f}", "1.000", "", ""])
+        for (label, m), rs in runs.items():
+            if m != M or label == "floor" or not rs:
+                continue
+            step = statistics.median([t for r in rs for t in r["step_times"][warmup:]])
+            ratios = [floor_by_round[r["round"]] / statistics.median(r["step_times"][warmup:])
+                      for r in rs if r["round"] in floor_by_round]
+            splits = sorted({",".join(map(str, r["planned"]["layers"])) for r in rs})
+            step_rows.append([label, M, f"{1e3 * step:.0f}", f"{floor_s / step:.3f}",
+                              f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-", " ".join(splits)])
+            gaps = [run_gap(r, floor_compute, floor_s - floor_compute) for r in rs]
+            parts = {p: mean(g["parts"][p] for g in gaps) for p in GAP_PARTS}
+            S = mean(g["step"] for g in gaps)
+            factors = {k: mean(g[k] for g in gaps) for k in ("inflation", "cap", "bubble", "measured_cap")}
+            gap_rows.append([label, M, f"{1e3 * S:.0f}"] +
+                            [f"{1e3 * parts[p]:.0f} ({100 * parts[p] / S:.1f}%)" for p in GAP_PARTS] +
+                            [f"{factors['inflation']:.3f} / {factors['cap']:.3f} / {factors['bubble']:.3f}",
+                             f"{factors['measured_cap']:.3f}"])
+            for rank in range(len(gaps[0]["per_rank"]["compute"])):
+                rank_rows.append([label, M, rank] + [f"{1e3 * mean(g['per_rank'][k][rank] for g in gaps):.1f}"
+                                                     for k in ("compute", "waits", "messages", "gaps", "clip",
+                                                               "optimizer")])
+            finer = [finer_floor(g, r["planned"], floor_s, floor_compute) for g, r in zip(gaps, rs)]
+            caps = {k: mean(r["planned"]["finer"][k] for r in rs) for k in ("layers", "attention | MLP")}
+            finer_rows.append([label, M, f"{caps['layers']:.3f}", f"{caps['attention | MLP']:.3f}",
+                               f"{floor_s / S:.3f}"] + [f"{mean(f[k] for f in finer):.3f}"
+                                                        for k in ("attention | MLP", "anywhere")])
+            figures[f"{label} m{M}"] = {"step_s": step, "floor_s": floor_s, "floor_compute_s": floor_compute,
+                                        "of_floor": floor_s / step, "of_floor_rounds": ratios, "gap": parts,
+                                        "traced_step_s": S, **factors}
+    text = "\n\n".join([
+        text_table(step_rows, right={1, 2, 3}, rule=True),
+        "where the step goes (ms, share of the step; means over the traced steps; the parts sum to S):\n"
+        + text_table(gap_rows, right=set(range(1, len(gap_rows[0]))), rule=True),
+        "per rank, from the traces (ms a step: compute less waits, waits inside compute, message batches, gaps "
+        "within the actions' span, then clip and optimizer):\n" + text_table(rank_rows, right=set(range(1, 9)),
+                                                                              rule=True),
+        "a split finer than a layer (computed): a with a boundary between a block's attention and its MLP (FLOPs), "
+        "and of floor with that a or a = 1 (anywhere), every other part as measured:\n"
+        + text_table(finer_rows, right=set(range(1, 7)), rule=True)])
+    return {"text": text, "rows": figures}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
