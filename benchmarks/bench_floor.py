@@ -27,16 +27,21 @@ the trace's step parts: pipegpt.observe.step_time) splits into parts that sum to
   (a) split    Fc e (a - 1), a = the busiest rank's work over the mean rank's, for the run's split and the costs
                it measured before step 0 (config.json): --balance cost's split, the best of whole layers
   (b) bubble   Fc e a (b - 1), b = the plan (plan.txt) simulated with those costs: makespan / busiest rank's work
-  (c) runtime  A - Fc e a b: the actions' measured span A beyond the simulated span at the ranks' measured
-               compute: the runtime between actions (its loop, posting messages, their waits) and whatever the
-               costs measured before step 0 get wrong (the trace's per-rank table shows the runtime's share)
+  (f) run's    P - Fc e a b, P = the plan simulated with the run's own compute times (each stage's median F, B,
+      costs    W with the waits taken out, messages free: pipegpt.schedule.calibrate): where the costs in the run
+               differ from those measured before step 0 (a heavier head, the spread between microbatches)
+  (c) runtime  A - P: the actions' measured span A beyond P: the runtime between actions (its loop, posting
+               messages, each message's way to the other rank)
   (d) outside  S - A - Fo: the step outside the actions' span (the driver's round trip, the batch, the gradient
                sync, clip, optimizer) beyond the floor's own
-  sum          floor + (e) + (a) + (b) + (c) + (d) = S
+  sum          floor + (e) + (a) + (b) + (f) + (c) + (d) = S
 
 And a split finer than a layer, computed (no run does it): a's cap if a stage boundary could fall between a
 block's attention and its MLP (each half's share of the block's cost from their FLOPs), or anywhere (a = 1), and
 the of floor each would give with every other part as measured: how much of the gap the layer granularity holds.
+Beside them the bound 1 / (a b): of floor were the ranks to compute as fast as the floor, the runtime to cost
+nothing between actions and nothing to lie outside them; and zb-h1's plan, simulated with each row's costs at 8 to
+64 microbatches, with its bound: how far more microbatches move it.
 
 This file's parent never imports torch: every contender runs in its own processes.
 """
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -57,7 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_matrix as bm  # noqa: E402  (the model's spec and the floor)
 import bench_pipeline as bp  # noqa: E402  (the contenders)
 
-GAP_PARTS = ("floor", "(e) compute", "(a) split", "(b) bubble", "(c) runtime", "(d) outside")
+BOUND_MICROBATCHES = (8, 16, 32, 64)
+GAP_PARTS = ("floor", "(e) compute", "(a) split", "(b) bubble", "(f) run's costs", "(c) runtime", "(d) outside")
 
 
 def mean(xs):
@@ -68,14 +75,15 @@ def mean(xs):
 # ----------------------------------------------------------------------------------------------------------
 # the arithmetic (torch-free, no timing: tests/unit/test_bench_floor.py works it by hand)
 
-def gap_parts(step: float, span: float, floor_compute: float, floor_outside: float, inflation: float, cap: float,
-              bubble: float) -> list[tuple[str, float]]:
+def gap_parts(step: float, span: float, compute_span: float, floor_compute: float, floor_outside: float,
+              inflation: float, cap: float, bubble: float) -> list[tuple[str, float]]:
     """The step S in parts that sum to it (the module's docstring): the floor (Fc + Fo), then (e) Fc (e - 1),
-    (a) Fc e (a - 1), (b) Fc e a (b - 1), (c) A - Fc e a b, (d) S - A - Fo."""
+    (a) Fc e (a - 1), (b) Fc e a (b - 1), (f) P - Fc e a b, (c) A - P, (d) S - A - Fo, where A is the actions'
+    measured span and P the plan's span with the run's own compute times."""
     fc, e, a, b = floor_compute, inflation, cap, bubble
     return [("floor", fc + floor_outside), ("(e) compute", fc * (e - 1)), ("(a) split", fc * e * (a - 1)),
-            ("(b) bubble", fc * e * a * (b - 1)), ("(c) runtime", span - fc * e * a * b),
-            ("(d) outside", step - span - floor_outside)]
+            ("(b) bubble", fc * e * a * (b - 1)), ("(f) run's costs", compute_span - fc * e * a * b),
+            ("(c) runtime", span - compute_span), ("(d) outside", step - span - floor_outside)]
 
 
 def split_cap(layer_costs: list[float], embed: float, head: float, stage_to_rank, layers=None) -> float:
@@ -111,37 +119,61 @@ def finer_caps(block: float, embed: float, head: float, n_layer: int, share: flo
             "attention | MLP": split_cap(halves, embed, head, stage_to_rank), "anywhere": 1.0}
 
 
-def compute_and_waits(timeline, plan) -> tuple[list[float], list[float]]:
-    """Per rank: its compute actions' time less their waits, and the waits (from an action's start to the end
-    of the action it depends on on another rank, when that is later: the runtime waits inside the action)."""
+def without_waits(timeline, plan):
+    """The timeline with each compute action's wait for its input from another rank taken out: it starts at the
+    end of the action it depends on there, where that is later than its start (the runtime waits for a receive
+    inside the compute that reads it)."""
+    from dataclasses import replace
+
     from pipegpt.schedule.validate import dependencies
 
     ends = {e.action: e.end for e in timeline.compute_events()}
-    compute, waits = [0.0] * timeline.num_ranks, [0.0] * timeline.num_ranks
-    for e in timeline.compute_events():
-        arrived = max((ends[d] for d in dependencies(e.action, plan)
-                       if plan.stage_to_rank[d.stage] != e.rank and d in ends), default=e.start)
-        wait = min(max(0.0, arrived - e.start), e.end - e.start)
-        compute[e.rank] += e.end - e.start - wait
-        waits[e.rank] += wait
-    return compute, waits
+    events = []
+    for e in timeline.events:
+        if e.action.kind.is_compute:
+            arrived = max((ends[d] for d in dependencies(e.action, plan)
+                           if plan.stage_to_rank[d.stage] != e.rank and d in ends), default=e.start)
+            e = replace(e, start=min(max(e.start, arrived), e.end))
+        events.append(e)
+    return replace(timeline, events=events)
+
+
+def compute_span(plan, computing) -> float:
+    """The plan's span with a run's own compute times (a timeline without waits): simulated with each stage's
+    median F, B, W in it (pipegpt.schedule.calibrate) and messages that cost nothing."""
+    from dataclasses import replace
+
+    from pipegpt.schedule.calibrate import calibrate
+    from pipegpt.schedule.simulate import simulate
+
+    return float(simulate(plan, replace(calibrate(plan, computing).costs, comm=0)).makespan)
 
 
 def planned_factors(parallel: dict, plan, model: dict) -> dict:
     """From the costs the run measured before step 0 (config.json's "parallel"): a (its split's cap), b (its plan
     simulated: makespan / busiest rank's work) and a for finer splits."""
     from pipegpt.planner.run_plan import stage_costs_for
-    from pipegpt.schedule.simulate import simulate
+    from pipegpt.schedule import build_plan
 
     embed, block, head = parallel["balanced_costs"]
     layers = parallel["layers_per_stage"]
     # auto's nine numbers; a fixed schedule's split alone was measured: B = 2F, W = F, as run_plan.lowering_costs
     pieces = parallel.get("schedule_costs") or [x for t in (embed, block, head) for x in (t / 3, 2 * t / 3, t / 3)]
-    predicted = simulate(plan, stage_costs_for(layers, pieces))
-    busy = predicted.busy_per_rank
+    costs = stage_costs_for(layers, pieces)
     return {"cap": split_cap([block] * sum(layers), embed, head, plan.stage_to_rank, layers),
-            "bubble": predicted.makespan / max(busy), "layers": list(layers),
-            "finer": finer_caps(block, embed, head, sum(layers), attention_share(model), plan.stage_to_rank)}
+            "bubble": bubble(plan, costs), "layers": list(layers),
+            "finer": finer_caps(block, embed, head, sum(layers), attention_share(model), plan.stage_to_rank),
+            # zb-h1's bubble at more microbatches, for these costs: how far the bound moves with m
+            "zb-h1 bubble by m": {m: bubble(build_plan("zb-h1", plan.num_ranks, m), costs)
+                                  for m in BOUND_MICROBATCHES} if plan.num_stages == plan.num_ranks else {}}
+
+
+def bubble(plan, costs) -> float:
+    """The plan simulated with these costs: its makespan over the busiest rank's work."""
+    from pipegpt.schedule.simulate import simulate
+
+    timeline = simulate(plan, costs)
+    return timeline.makespan / max(timeline.busy_per_rank)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,10 +189,13 @@ def traced_step(run_dir: str, step: int) -> dict:
     measured = read_measured_run(run_dir, step)
     plan = load_schedule_file(measured.plan_path)
     parts = calibrate.breakdown(measured.trace)
-    compute, waits = compute_and_waits(calibrate.trace_timeline(measured.trace, plan), plan)
+    timeline = calibrate.trace_timeline(measured.trace, plan)
+    computing = without_waits(timeline, plan)
+    compute = [float(x) for x in computing.busy_per_rank]
     per_rank = [parts.per_rank[r] for r in range(plan.num_ranks)]
-    return {"step": parts.total, "span": parts.part(calibrate.ACTIONS), "parts": dict(parts.parts),
-            "compute": compute, "waits": waits, "messages": [r["messages"] for r in per_rank],
+    return {"step": parts.total, "span": parts.part(calibrate.ACTIONS), "compute_span": compute_span(plan, computing),
+            "parts": dict(parts.parts), "compute": compute,
+            "waits": [float(b) - c for b, c in zip(timeline.busy_per_rank, compute)], "messages": [r["messages"] for r in per_rank],
             "gaps": [r["idle"] for r in per_rank], "clip": [r.get(calibrate.CLIP, 0.0) for r in per_rank],
             "optimizer": [r.get(calibrate.OPTIMIZER, 0.0) for r in per_rank]}
 
@@ -189,11 +224,12 @@ def run_gap(run: dict, floor_compute: float, floor_outside: float) -> dict:
     """A run's gap parts (gap_parts over its traced steps' means) and the factors they came from."""
     steps = run["traced"]
     ranks = len(steps[0]["compute"])
-    step, span = mean(s["step"] for s in steps), mean(s["span"] for s in steps)
+    step, span, at_compute = (mean(s[k] for s in steps) for k in ("step", "span", "compute_span"))
     rank_compute = [mean(s["compute"][r] for s in steps) for r in range(ranks)]
     inflation = mean(rank_compute) / floor_compute
     planned = run["planned"]
-    parts = gap_parts(step, span, floor_compute, floor_outside, inflation, planned["cap"], planned["bubble"])
+    parts = gap_parts(step, span, at_compute, floor_compute, floor_outside, inflation, planned["cap"],
+                      planned["bubble"])
     per_rank = {k: [mean(s[k][r] for s in steps) for r in range(ranks)]
                 for k in ("compute", "waits", "messages", "gaps", "clip", "optimizer")}
     outside = {k: mean(s["parts"].get(k, 0.0) for s in steps) for k in steps[0]["parts"]}
@@ -202,10 +238,10 @@ def run_gap(run: dict, floor_compute: float, floor_outside: float) -> dict:
             "per_rank": per_rank, "outside": outside}
 
 
-def finer_floor(gap: dict, planned: dict, floor_s: float, floor_compute: float) -> dict:
-    """Of floor with each finer split's a, every other part as measured: the step less Fc e b (a - a')."""
+def finer_savings(gap: dict, planned: dict, floor_compute: float) -> dict:
+    """What each finer split's a would take off the step, every other factor as measured: Fc e b (a - a')."""
     lost = floor_compute * gap["inflation"] * gap["bubble"]
-    return {name: floor_s / (gap["step"] - lost * (gap["cap"] - cap)) for name, cap in planned["finer"].items()}
+    return {name: lost * (gap["cap"] - cap) for name, cap in planned["finer"].items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -277,20 +313,22 @@ def main(argv=None) -> int:
 
 
 def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
-    """The three tables' text, and their figures per row."""
+    """The tables' text, and their figures per row."""
     from pipegpt.schedule.render import text_table
 
     step_rows = [["contender", "m", "step ms", "of floor", "(rounds)", "split"]]
-    gap_rows = [["row", "m", "S ms"] + [f"{p}" for p in GAP_PARTS] + ["e / a / b", "cap in the run"]]
+    gap_rows = [["row", "m", "S ms"] + list(GAP_PARTS) + ["e / a / b", "a in the run"]]
     rank_rows = [["row", "m", "rank", "compute", "waits", "messages", "gaps", "clip", "optimizer"]]
-    finer_rows = [["row", "m", "a: layers", "attention | MLP", "of floor: now", "attention | MLP", "anywhere"]]
+    finer_rows = [["row", "m", "a: layers", "a: attention | MLP", "of floor", "with attention | MLP", "anywhere",
+                   "bound: layers", "attention | MLP", "anywhere"]]
+    by_m_rows = [["row", "m"] + [f"b / bound at m {m}" for m in BOUND_MICROBATCHES]]
     figures = {}
     for M in counts:
         floors = runs.get(("floor", M)) or []
         if not floors:
             continue
-        floor_s, floor_compute = (bm.floor_seconds(floors, warmup, cores, key) for key in ("step_times",
-                                                                                           "compute_times"))
+        floor_s, floor_compute = (bm.floor_seconds(floors, warmup, cores, key)
+                                  for key in ("step_times", "compute_times"))
         floor_by_round = {r["round"]: statistics.median(r["step_times"][warmup:]) / cores for r in floors}
         step_rows.append(["floor (one thread / cores)", M, f"{1e3 * floor_s:.0f}", "1.000", "", ""])
         for (label, m), rs in runs.items():
@@ -305,23 +343,30 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
             gaps = [run_gap(r, floor_compute, floor_s - floor_compute) for r in rs]
             parts = {p: mean(g["parts"][p] for g in gaps) for p in GAP_PARTS}
             S = mean(g["step"] for g in gaps)
-            factors = {k: mean(g[k] for g in gaps) for k in ("inflation", "cap", "bubble", "measured_cap")}
-            gap_rows.append([label, M, f"{1e3 * S:.0f}"] +
-                            [f"{1e3 * parts[p]:.0f} ({100 * parts[p] / S:.1f}%)" for p in GAP_PARTS] +
-                            [f"{factors['inflation']:.3f} / {factors['cap']:.3f} / {factors['bubble']:.3f}",
-                             f"{factors['measured_cap']:.3f}"])
+            f = {k: mean(g[k] for g in gaps) for k in ("inflation", "cap", "bubble", "measured_cap")}
+            gap_rows.append([label, M, f"{1e3 * S:.0f}"]
+                            + [f"{1e3 * parts[p]:.0f} ({100 * parts[p] / S:.1f}%)" for p in GAP_PARTS]
+                            + [f"{f['inflation']:.3f} / {f['cap']:.3f} / {f['bubble']:.3f}",
+                               f"{f['measured_cap']:.3f}"])
             for rank in range(len(gaps[0]["per_rank"]["compute"])):
                 rank_rows.append([label, M, rank] + [f"{1e3 * mean(g['per_rank'][k][rank] for g in gaps):.1f}"
                                                      for k in ("compute", "waits", "messages", "gaps", "clip",
                                                                "optimizer")])
-            finer = [finer_floor(g, r["planned"], floor_s, floor_compute) for g, r in zip(gaps, rs)]
-            caps = {k: mean(r["planned"]["finer"][k] for r in rs) for k in ("layers", "attention | MLP")}
+            saved = [finer_savings(g, r["planned"], floor_compute) for g, r in zip(gaps, rs)]
+            caps = {k: mean(r["planned"]["finer"][k] for r in rs) for k in ("layers", "attention | MLP", "anywhere")}
+            # the bound: of floor were compute as fast as the floor's and the runtime and outside free, 1 / (a b)
+            bounds = {k: 1 / (cap * f["bubble"]) for k, cap in caps.items()}
             finer_rows.append([label, M, f"{caps['layers']:.3f}", f"{caps['attention | MLP']:.3f}",
-                               f"{floor_s / S:.3f}"] + [f"{mean(f[k] for f in finer):.3f}"
-                                                        for k in ("attention | MLP", "anywhere")])
+                               f"{floor_s / S:.3f}"]
+                              + [f"{floor_s / (S - mean(x[k] for x in saved)):.3f}"
+                                 for k in ("attention | MLP", "anywhere")]
+                              + [f"{bounds[k]:.3f}" for k in caps])
+            by_m = {n: mean(r["planned"]["zb-h1 bubble by m"].get(n, math.nan) for r in rs) for n in BOUND_MICROBATCHES}
+            by_m_rows.append([label, M] + [f"{b:.3f} / {1 / (caps['layers'] * b):.3f}" for b in by_m.values()])
             figures[f"{label} m{M}"] = {"step_s": step, "floor_s": floor_s, "floor_compute_s": floor_compute,
                                         "of_floor": floor_s / step, "of_floor_rounds": ratios, "gap": parts,
-                                        "traced_step_s": S, **factors}
+                                        "traced_step_s": S, **f, "caps": caps, "bounds": bounds,
+                                        "zb-h1 bubble by m": by_m}
     text = "\n\n".join([
         text_table(step_rows, right={1, 2, 3}, rule=True),
         "where the step goes (ms, share of the step; means over the traced steps; the parts sum to S):\n"
@@ -329,9 +374,12 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
         "per rank, from the traces (ms a step: compute less waits, waits inside compute, message batches, gaps "
         "within the actions' span, then clip and optimizer):\n" + text_table(rank_rows, right=set(range(1, 9)),
                                                                               rule=True),
-        "a split finer than a layer (computed): a with a boundary between a block's attention and its MLP (FLOPs), "
-        "and of floor with that a or a = 1 (anywhere), every other part as measured:\n"
-        + text_table(finer_rows, right=set(range(1, 7)), rule=True)])
+        "a split finer than a layer (computed): a with a boundary between a block's attention and its MLP (their "
+        "FLOPs); of floor now, with that a, with a = 1 (anywhere), every other part as measured; the bound 1 / (a b) "
+        "(compute as fast as the floor's, no runtime, nothing outside the actions) for each:\n"
+        + text_table(finer_rows, right=set(range(1, len(finer_rows[0]))), rule=True),
+        "zb-h1's plan with each row's costs at more microbatches: its bubble b and the bound 1 / (a b), whole layers:\n"
+        + text_table(by_m_rows, right=set(range(1, len(by_m_rows[0]))), rule=True)])
     return {"text": text, "rows": figures}
 
 

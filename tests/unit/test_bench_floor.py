@@ -1,6 +1,5 @@
 """benchmarks/bench_floor.py's arithmetic, worked by hand (no run, no timing): the step's parts sum to it, the
 split's cap for whole and half layers, the attention's FLOP share, a compute action's wait for its input."""
-import math
 import sys
 from pathlib import Path
 
@@ -14,10 +13,11 @@ from pipegpt.schedule.simulate import Event, Timeline  # noqa: E402
 
 
 def test_gap_parts_by_hand():
-    # Fc 600 ms, Fo 50; e 1.1, a 1.05, b 1.02; the actions' span 900 ms of a 1000 ms step
-    parts = dict(bench_floor.gap_parts(1.0, 0.9, 0.6, 0.05, 1.1, 1.05, 1.02))
+    # Fc 600 ms, Fo 50; e 1.1, a 1.05, b 1.02: the model's span 0.6 x 1.1 x 1.05 x 1.02 = 706.86 ms; the plan
+    # at the run's own compute times 750 ms; the actions' span 900 ms of a 1000 ms step
+    parts = dict(bench_floor.gap_parts(1.0, 0.9, 0.75, 0.6, 0.05, 1.1, 1.05, 1.02))
     expected = {"floor": 0.65, "(e) compute": 0.06, "(a) split": 0.033, "(b) bubble": 0.01386,
-                "(c) runtime": 0.9 - 0.70686, "(d) outside": 0.05}
+                "(f) run's costs": 0.75 - 0.70686, "(c) runtime": 0.15, "(d) outside": 0.05}
     assert list(parts) == list(bench_floor.GAP_PARTS)
     for name, seconds in expected.items():
         assert parts[name] == pytest.approx(seconds, abs=1e-12), name
@@ -51,17 +51,22 @@ def test_compute_less_the_wait_for_the_other_rank():
     times = {"0F0": (0, 0, 1), "0F1": (0, 1, 2), "0B0": (0, 2, 5), "0B1": (0, 5, 7),
              "1F0": (1, 0.5, 2), "1B0": (1, 2, 4), "1F1": (1, 4, 5), "1B1": (1, 5, 6.5)}
     events = [Event(rank, Action.parse(name), start, end) for name, (rank, start, end) in times.items()]
-    compute, waits = bench_floor.compute_and_waits(Timeline(events, 2), plan)
+    computing = bench_floor.without_waits(Timeline(events, 2), plan)
     # 0B0 waits for 1B0 (ends 4): 2 of its 3; 0B1 for 1B1 (6.5): 1.5 of 2; 1F0 for 0F0 (1): 0.5 of 1.5;
     # 1F1's input (0F1, ended 2) was there at its start 4; 1B0 depends on its own rank only
-    assert compute == pytest.approx([3.5, 5.5])
-    assert waits == pytest.approx([3.5, 0.5])
+    starts = {str(e.action): e.start for e in computing.events}
+    assert starts == {"0F0": 0, "0F1": 1, "0B0": 4, "0B1": 6.5, "1F0": 1, "1B0": 2, "1F1": 4, "1B1": 5}
+    assert computing.busy_per_rank == pytest.approx([3.5, 5.5])
+    # the plan simulated at each stage's median F and B (stage 0: 1 and 0.75, stage 1: 1 and 1.75), messages
+    # free: rank 1 from 0F0's end at 1, F B F B, then rank 0's 0B1
+    span = bench_floor.compute_span(plan, computing)
+    assert span == pytest.approx(1 + 1 + 1.75 + 1 + 1.75 + 0.75)
     assert {a.kind for a in plan.ranks[0]} == {Kind.F, Kind.B}
 
 
 def test_run_gap_sums_to_the_traced_steps_mean():
     def step(s, span, c0, c1):
-        return {"step": s, "span": span, "parts": {"actions": span, "optimizer": s - span},
+        return {"step": s, "span": span, "compute_span": span - 0.1, "parts": {"actions": span, "optimizer": s - span},
                 "compute": [c0, c1], "waits": [0.0, 0.0], "messages": [0.0, 0.0], "gaps": [0.0, 0.0],
                 "clip": [0.0, 0.0], "optimizer": [s - span] * 2}
 
@@ -74,8 +79,6 @@ def test_run_gap_sums_to_the_traced_steps_mean():
     assert gap["measured_cap"] == pytest.approx(0.75 / 0.7)
     assert sum(gap["parts"].values()) == pytest.approx(1.1)
     assert gap["parts"]["(d) outside"] == pytest.approx(1.1 - 1.0 - 0.05)
-    # a = 1 takes Fc e b (a - 1) = 0.6 x 7/6 x 1.02 x 0.05 off the step
-    finer = bench_floor.finer_floor(gap, run["planned"], floor_s=0.65, floor_compute=0.6)
-    assert finer["anywhere"] == pytest.approx(0.65 / (1.1 - 0.7 * 1.02 * 0.05))
-    assert finer["layers"] == pytest.approx(0.65 / 1.1)
-    assert not math.isnan(finer["attention | MLP"])
+    # a = 1 takes Fc e b (a - 1) = 0.6 x 7/6 x 1.02 x 0.05 off the step, as does a' = 1 between attention and MLP
+    saved = bench_floor.finer_savings(gap, run["planned"], floor_compute=0.6)
+    assert saved == pytest.approx({"layers": 0.0, "attention | MLP": 0.7 * 1.02 * 0.05, "anywhere": 0.7 * 1.02 * 0.05})
