@@ -27,9 +27,9 @@ the trace's step parts: pipegpt.observe.step_time) splits into parts that sum to
   (a) split    Fc e (a - 1), a = the busiest rank's work over the mean rank's, for the run's split and the costs
                it measured before step 0 (config.json): --balance cost's split, the best of whole layers
   (b) bubble   Fc e a (b - 1), b = the plan (plan.txt) simulated with those costs: makespan / busiest rank's work
-  (f) run's    P - Fc e a b, P = the plan simulated with the run's own compute times (each stage's median F, B,
-      costs    W with the waits taken out, messages free: pipegpt.schedule.calibrate): where the costs in the run
-               differ from those measured before step 0 (a heavier head, the spread between microbatches)
+  (f) run's    P - Fc e a b, P = the plan replayed at the run's own compute times (each compute action's time
+      costs    with its wait taken out, messages free): where the costs in the run differ from those measured
+               before step 0 (a heavier head, the spread between microbatches and the interference that makes it)
   (c) runtime  A - P: the actions' measured span A beyond P: the runtime between actions (its loop, posting
                messages, each message's way to the other rank)
   (d) outside  S - A - Fo: the step outside the actions' span (the driver's round trip, the batch, the gradient
@@ -39,9 +39,10 @@ the trace's step parts: pipegpt.observe.step_time) splits into parts that sum to
 And a split finer than a layer, computed (no run does it): a's cap if a stage boundary could fall between a
 block's attention and its MLP (each half's share of the block's cost from their FLOPs), or anywhere (a = 1), and
 the of floor each would give with every other part as measured: how much of the gap the layer granularity holds.
-Beside them the bound 1 / (a b): of floor were the ranks to compute as fast as the floor, the runtime to cost
-nothing between actions and nothing to lie outside them; and zb-h1's plan, simulated with each row's costs at 8 to
-64 microbatches, with its bound: how far more microbatches move it.
+Beside them the bound (Fc + Fo) / (Fc a b + Fo): of floor were the ranks to compute as fast as the floor, the run
+to cost what its plan costs and the runtime and the rest of the step nothing beyond the floor's own; and zb-h1's
+plan, simulated with each row's costs at 8 to 64 microbatches, with its bound (Fc scaled by the microbatches):
+how far more microbatches move it.
 
 This file's parent never imports torch: every contender runs in its own processes.
 """
@@ -139,14 +140,25 @@ def without_waits(timeline, plan):
 
 
 def compute_span(plan, computing) -> float:
-    """The plan's span with a run's own compute times (a timeline without waits): simulated with each stage's
-    median F, B, W in it (pipegpt.schedule.calibrate) and messages that cost nothing."""
-    from dataclasses import replace
+    """The plan replayed at each compute action's own time in a run (a timeline without waits), messages free:
+    each rank's compute actions in plan order, each from when its rank is free and its inputs are done."""
+    from pipegpt.schedule.validate import dependencies
 
-    from pipegpt.schedule.calibrate import calibrate
-    from pipegpt.schedule.simulate import simulate
-
-    return float(simulate(plan, replace(calibrate(plan, computing).costs, comm=0)).makespan)
+    took = {e.action: e.end - e.start for e in computing.compute_events()}
+    queues = [[a for a in actions if a.kind.is_compute] for actions in plan.ranks]
+    ends, free, done = {}, [0.0] * len(queues), [0] * len(queues)
+    moved = True
+    while moved:
+        moved = False
+        for r, queue in enumerate(queues):
+            while done[r] < len(queue) and all(d in ends for d in dependencies(queue[done[r]], plan)):
+                action = queue[done[r]]
+                start = max([free[r]] + [ends[d] for d in dependencies(action, plan)])
+                ends[action] = free[r] = start + took[action]
+                done[r], moved = done[r] + 1, True
+    if done != [len(q) for q in queues]:
+        raise ValueError(f"the plan's compute does not replay: stuck at {done} of {[len(q) for q in queues]}")
+    return max(free)
 
 
 def planned_factors(parallel: dict, plan, model: dict) -> dict:
@@ -195,7 +207,8 @@ def traced_step(run_dir: str, step: int) -> dict:
     per_rank = [parts.per_rank[r] for r in range(plan.num_ranks)]
     return {"step": parts.total, "span": parts.part(calibrate.ACTIONS), "compute_span": compute_span(plan, computing),
             "parts": dict(parts.parts), "compute": compute,
-            "waits": [float(b) - c for b, c in zip(timeline.busy_per_rank, compute)], "messages": [r["messages"] for r in per_rank],
+            "waits": [float(b) - c for b, c in zip(timeline.busy_per_rank, compute)],
+            "messages": [r["messages"] for r in per_rank],
             "gaps": [r["idle"] for r in per_rank], "clip": [r.get(calibrate.CLIP, 0.0) for r in per_rank],
             "optimizer": [r.get(calibrate.OPTIMIZER, 0.0) for r in per_rank]}
 
@@ -236,6 +249,12 @@ def run_gap(run: dict, floor_compute: float, floor_outside: float) -> dict:
     return {"parts": dict(parts), "step": step, "span": span, "inflation": inflation,
             "cap": planned["cap"], "bubble": planned["bubble"], "measured_cap": max(rank_compute) / mean(rank_compute),
             "per_rank": per_rank, "outside": outside}
+
+
+def bound(floor_compute: float, floor_outside: float, cap: float, bubble: float) -> float:
+    """Of floor with no compute inflation, the run's costs as planned, no runtime and nothing outside the
+    actions beyond the floor's own: (Fc + Fo) / (Fc a b + Fo)."""
+    return (floor_compute + floor_outside) / (floor_compute * cap * bubble + floor_outside)
 
 
 def finer_savings(gap: dict, planned: dict, floor_compute: float) -> dict:
@@ -354,15 +373,16 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
                                                                "optimizer")])
             saved = [finer_savings(g, r["planned"], floor_compute) for g, r in zip(gaps, rs)]
             caps = {k: mean(r["planned"]["finer"][k] for r in rs) for k in ("layers", "attention | MLP", "anywhere")}
-            # the bound: of floor were compute as fast as the floor's and the runtime and outside free, 1 / (a b)
-            bounds = {k: 1 / (cap * f["bubble"]) for k, cap in caps.items()}
+            fo = floor_s - floor_compute
+            bounds = {k: bound(floor_compute, fo, cap, f["bubble"]) for k, cap in caps.items()}
             finer_rows.append([label, M, f"{caps['layers']:.3f}", f"{caps['attention | MLP']:.3f}",
                                f"{floor_s / S:.3f}"]
                               + [f"{floor_s / (S - mean(x[k] for x in saved)):.3f}"
                                  for k in ("attention | MLP", "anywhere")]
                               + [f"{bounds[k]:.3f}" for k in caps])
             by_m = {n: mean(r["planned"]["zb-h1 bubble by m"].get(n, math.nan) for r in rs) for n in BOUND_MICROBATCHES}
-            by_m_rows.append([label, M] + [f"{b:.3f} / {1 / (caps['layers'] * b):.3f}" for b in by_m.values()])
+            by_m_rows.append([label, M] + [f"{b:.3f} / {bound(floor_compute * n / M, fo, caps['layers'], b):.3f}"
+                                           for n, b in by_m.items()])
             figures[f"{label} m{M}"] = {"step_s": step, "floor_s": floor_s, "floor_compute_s": floor_compute,
                                         "of_floor": floor_s / step, "of_floor_rounds": ratios, "gap": parts,
                                         "traced_step_s": S, **f, "caps": caps, "bounds": bounds,
@@ -375,10 +395,11 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
         "within the actions' span, then clip and optimizer):\n" + text_table(rank_rows, right=set(range(1, 9)),
                                                                               rule=True),
         "a split finer than a layer (computed): a with a boundary between a block's attention and its MLP (their "
-        "FLOPs); of floor now, with that a, with a = 1 (anywhere), every other part as measured; the bound 1 / (a b) "
+        "FLOPs); of floor now, with that a, with a = 1 (anywhere), every other part as measured; the bound "
+        "(Fc + Fo) / (Fc a b + Fo) "
         "(compute as fast as the floor's, no runtime, nothing outside the actions) for each:\n"
         + text_table(finer_rows, right=set(range(1, len(finer_rows[0]))), rule=True),
-        "zb-h1's plan with each row's costs at more microbatches: its bubble b and the bound 1 / (a b), whole layers:\n"
+        "zb-h1's plan with each row's costs at more microbatches: its bubble b and the bound, whole layers:\n"
         + text_table(by_m_rows, right=set(range(1, len(by_m_rows[0]))), rule=True)])
     return {"text": text, "rows": figures}
 

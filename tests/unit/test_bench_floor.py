@@ -57,10 +57,11 @@ def test_compute_less_the_wait_for_the_other_rank():
     starts = {str(e.action): e.start for e in computing.events}
     assert starts == {"0F0": 0, "0F1": 1, "0B0": 4, "0B1": 6.5, "1F0": 1, "1B0": 2, "1F1": 4, "1B1": 5}
     assert computing.busy_per_rank == pytest.approx([3.5, 5.5])
-    # the plan simulated at each stage's median F and B (stage 0: 1 and 0.75, stage 1: 1 and 1.75), messages
-    # free: rank 1 from 0F0's end at 1, F B F B, then rank 0's 0B1
-    span = bench_floor.compute_span(plan, computing)
-    assert span == pytest.approx(1 + 1 + 1.75 + 1 + 1.75 + 0.75)
+    # the plan replayed at those times, messages free: rank 1 from 0F0's end at 1: F 1, B 2, F 1, B 1.5 to 6.5,
+    # then rank 0's 0B1 0.5
+    assert bench_floor.compute_span(plan, computing) == pytest.approx(7.0)
+    slower = Timeline([e if str(e.action) != "1B1" else Event(1, e.action, 5, 8) for e in computing.events], 2)
+    assert bench_floor.compute_span(plan, slower) == pytest.approx(8.5)  # 1B1 takes 3: 0B1 from 8
     assert {a.kind for a in plan.ranks[0]} == {Kind.F, Kind.B}
 
 
@@ -82,3 +83,5 @@ def test_run_gap_sums_to_the_traced_steps_mean():
     # a = 1 takes Fc e b (a - 1) = 0.6 x 7/6 x 1.02 x 0.05 off the step, as does a' = 1 between attention and MLP
     saved = bench_floor.finer_savings(gap, run["planned"], floor_compute=0.6)
     assert saved == pytest.approx({"layers": 0.0, "attention | MLP": 0.7 * 1.02 * 0.05, "anywhere": 0.7 * 1.02 * 0.05})
+    # the bound: e = 1, the plan's costs, nothing else: (0.6 + 0.05) / (0.6 x 1.05 x 1.02 + 0.05)
+    assert bench_floor.bound(0.6, 0.05, 1.05, 1.02) == pytest.approx(0.65 / 0.6926)
