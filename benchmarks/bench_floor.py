@@ -173,7 +173,7 @@ def planned_factors(parallel: dict, plan, model: dict) -> dict:
     pieces = parallel.get("schedule_costs") or [x for t in (embed, block, head) for x in (t / 3, 2 * t / 3, t / 3)]
     costs = stage_costs_for(layers, pieces)
     return {"cap": split_cap([block] * sum(layers), embed, head, plan.stage_to_rank, layers),
-            "bubble": bubble(plan, costs), "layers": list(layers),
+            "bubble": bubble(plan, costs), "layers": list(layers), "head_blocks": head / block,
             "finer": finer_caps(block, embed, head, sum(layers), attention_share(model), plan.stage_to_rank),
             # zb-h1's bubble at more microbatches, for these costs: how far the bound moves with m
             "zb-h1 bubble by m": {m: bubble(build_plan("zb-h1", plan.num_ranks, m), costs)
@@ -335,7 +335,7 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
     """The tables' text, and their figures per row."""
     from pipegpt.schedule.render import text_table
 
-    step_rows = [["contender", "m", "step ms", "of floor", "(rounds)", "split"]]
+    step_rows = [["contender", "m", "step ms", "of floor", "(rounds)", "split (the costs measured before step 0)"]]
     gap_rows = [["row", "m", "S ms"] + list(GAP_PARTS) + ["e / a / b", "a in the run"]]
     rank_rows = [["row", "m", "rank", "compute", "waits", "messages", "gaps", "clip", "optimizer"]]
     finer_rows = [["row", "m", "a: layers", "a: attention | MLP", "of floor", "with attention | MLP", "anywhere",
@@ -357,8 +357,10 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
             ratios = [floor_by_round[r["round"]] / statistics.median(r["step_times"][warmup:])
                       for r in rs if r["round"] in floor_by_round]
             splits = sorted({",".join(map(str, r["planned"]["layers"])) for r in rs})
+            heads = [r["planned"]["head_blocks"] for r in rs]
             step_rows.append([label, M, f"{1e3 * step:.0f}", f"{floor_s / step:.3f}",
-                              f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-", " ".join(splits)])
+                              f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-",
+                              f"{' '.join(splits)}, head {min(heads):.2f}-{max(heads):.2f} blocks"])
             gaps = [run_gap(r, floor_compute, floor_s - floor_compute) for r in rs]
             parts = {p: mean(g["parts"][p] for g in gaps) for p in GAP_PARTS}
             S = mean(g["step"] for g in gaps)
