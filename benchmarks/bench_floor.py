@@ -9,6 +9,8 @@ The model is issue 48's heavy head: 8 layers x 256, 4 heads, seq 256, vocabulary
 
   floor        bench_matrix's floor: the step's work (the same microbatches, optimizer and clip) in one process on
                one thread (bench_pipeline's one-process contender), its median step over the cores
+  floor, every the same in as many processes at once as there are cores, each with its share of the
+  core         microbatches (where they divide): the floor's compute with every core busy, as a pipeline's are
   auto         `pipegpt run --schedule auto --balance cost`
   --fixed      the fixed schedules (zb-h1), `--balance cost` as well
 
@@ -23,7 +25,10 @@ the trace's step parts: pipegpt.observe.step_time) splits into parts that sum to
   (e) compute  Fc (e - 1), e = the ranks' mean compute / Fc. A rank's compute is its compute actions' time less
                each one's wait for its input from the other rank (inside the action: the runtime waits for a
                receive at the compute that reads it), the wait being from the action's start to the end of the
-               action it depends on there. Two ranks on two cores compute slower than one process alone.
+               action it depends on there. Two ranks on two cores compute slower than one process alone. In two:
+               (e1) Fc (s - 1), s = the floor's compute with every core busy / Fc: the machine shared (memory,
+               caches, clocks), which no runtime avoids; (e2) Fc (e - s): the ranks beyond that (gloo's and the
+               driver's threads, the runtime's work inside an action)
   (a) split    Fc e (a - 1), a = the busiest rank's work over the mean rank's, for the run's split and the costs
                it measured before step 0 (config.json): --balance cost's split, the best of whole layers
   (b) bubble   Fc e a (b - 1), b = the plan (plan.txt) simulated with those costs: makespan / busiest rank's work
@@ -34,7 +39,7 @@ the trace's step parts: pipegpt.observe.step_time) splits into parts that sum to
                messages, each message's way to the other rank)
   (d) outside  S - A - Fo: the step outside the actions' span (the driver's round trip, the batch, the gradient
                sync, clip, optimizer) beyond the floor's own
-  sum          floor + (e) + (a) + (b) + (f) + (c) + (d) = S
+  sum          floor + (e1) + (e2) + (a) + (b) + (f) + (c) + (d) = S
 
 And a split finer than a layer, computed (no run does it): a's cap if a stage boundary could fall between a
 block's attention and its MLP (each half's share of the block's cost from their FLOPs), or anywhere (a = 1), and
@@ -65,7 +70,8 @@ import bench_matrix as bm  # noqa: E402  (the model's spec and the floor)
 import bench_pipeline as bp  # noqa: E402  (the contenders)
 
 BOUND_MICROBATCHES = (8, 16, 32, 64)
-GAP_PARTS = ("floor", "(e) compute", "(a) split", "(b) bubble", "(f) run's costs", "(c) runtime", "(d) outside")
+GAP_PARTS = ("floor", "(e1) cores shared", "(e2) ranks", "(a) split", "(b) bubble", "(f) run's costs",
+             "(c) runtime", "(d) outside")
 
 
 def mean(xs):
@@ -77,12 +83,14 @@ def mean(xs):
 # the arithmetic (torch-free, no timing: tests/unit/test_bench_floor.py works it by hand)
 
 def gap_parts(step: float, span: float, compute_span: float, floor_compute: float, floor_outside: float,
-              inflation: float, cap: float, bubble: float) -> list[tuple[str, float]]:
-    """The step S in parts that sum to it (the module's docstring): the floor (Fc + Fo), then (e) Fc (e - 1),
-    (a) Fc e (a - 1), (b) Fc e a (b - 1), (f) P - Fc e a b, (c) A - P, (d) S - A - Fo, where A is the actions'
-    measured span and P the plan's span with the run's own compute times."""
+              inflation: float, cap: float, bubble: float, shared: float = 1.0) -> list[tuple[str, float]]:
+    """The step S in parts that sum to it (the module's docstring): the floor (Fc + Fo), then (e1) Fc (s - 1),
+    (e2) Fc (e - s), (a) Fc e (a - 1), (b) Fc e a (b - 1), (f) P - Fc e a b, (c) A - P, (d) S - A - Fo, where s is
+    the floor's compute with every core busy over Fc (`shared`; 1 where not measured), A the actions' measured
+    span and P the plan's span with the run's own compute times."""
     fc, e, a, b = floor_compute, inflation, cap, bubble
-    return [("floor", fc + floor_outside), ("(e) compute", fc * (e - 1)), ("(a) split", fc * e * (a - 1)),
+    return [("floor", fc + floor_outside), ("(e1) cores shared", fc * (shared - 1)),
+            ("(e2) ranks", fc * (e - shared)), ("(a) split", fc * e * (a - 1)),
             ("(b) bubble", fc * e * a * (b - 1)), ("(f) run's costs", compute_span - fc * e * a * b),
             ("(c) runtime", span - compute_span), ("(d) outside", step - span - floor_outside)]
 
@@ -233,7 +241,18 @@ def run_pipegpt(spec: dict, timeout: float) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run_gap(run: dict, floor_compute: float, floor_outside: float) -> dict:
+def run_shared(spec: dict, cores: int, timeout: float) -> dict:
+    """The floor's contender in `cores` processes at once, each on one thread with its share of the microbatches
+    (spec's): per step, the slowest process's step and compute (the machine's step)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(cores) as pool:
+        processes = list(pool.map(lambda _: bp.run_contender("single", spec, timeout), range(cores)))
+    return {key: [max(times) for times in zip(*(r[key] for r in processes))]
+            for key in ("step_times", "compute_times")}
+
+
+def run_gap(run: dict, floor_compute: float, floor_outside: float, shared: float = 1.0) -> dict:
     """A run's gap parts (gap_parts over its traced steps' means) and the factors they came from."""
     steps = run["traced"]
     ranks = len(steps[0]["compute"])
@@ -242,7 +261,7 @@ def run_gap(run: dict, floor_compute: float, floor_outside: float) -> dict:
     inflation = mean(rank_compute) / floor_compute
     planned = run["planned"]
     parts = gap_parts(step, span, at_compute, floor_compute, floor_outside, inflation, planned["cap"],
-                      planned["bubble"])
+                      planned["bubble"], shared)
     per_rank = {k: [mean(s[k][r] for s in steps) for r in range(ranks)]
                 for k in ("compute", "waits", "messages", "gaps", "clip", "optimizer")}
     outside = {k: mean(s["parts"].get(k, 0.0) for s in steps) for k in steps[0]["parts"]}
@@ -301,6 +320,8 @@ def main(argv=None) -> int:
     jobs = []
     for M in counts:
         jobs.append((("floor", M), "single", bm.floor_spec(base, M)))
+        if cores > 1 and M % cores == 0:  # the floor's compute with every core busy (e1)
+            jobs.append((("floor, every core", M), "shared", bm.floor_spec(base, M // cores)))
         for s in schedules:
             spec = dict(base, microbatches=M, schedule=s, extra_args=["--balance", "cost", "--trace-steps", traced])
             jobs.append(((f"{s} --balance cost", M), "pipegpt", spec))
@@ -310,6 +331,7 @@ def main(argv=None) -> int:
         for key, kind, spec in jobs:
             try:
                 r = run_pipegpt(spec, args.timeout) if kind == "pipegpt" else \
+                    run_shared(spec, cores, args.timeout) if kind == "shared" else \
                     bp.run_contender(kind, spec, args.timeout)
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # one failed run must not lose the others
                 print(f"  round {rnd + 1} {key[0]} m={key[1]} FAILED: {str(e).splitlines()[-1:]}", file=sys.stderr)
@@ -341,7 +363,7 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
     finer_rows = [["row", "m", "a: layers", "a: attention | MLP", "of floor", "with attention | MLP", "anywhere",
                    "bound: layers", "attention | MLP", "anywhere"]]
     by_m_rows = [["row", "m"] + [f"b / bound at m {m}" for m in BOUND_MICROBATCHES]]
-    figures = {}
+    figures, notes = {}, []
     for M in counts:
         floors = runs.get(("floor", M)) or []
         if not floors:
@@ -350,8 +372,14 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
                                   for key in ("step_times", "compute_times"))
         floor_by_round = {r["round"]: statistics.median(r["step_times"][warmup:]) / cores for r in floors}
         step_rows.append(["floor (one thread / cores)", M, f"{1e3 * floor_s:.0f}", "1.000", "", ""])
+        shared_runs = runs.get(("floor, every core", M)) or []
+        shared = bm.floor_seconds(shared_runs, warmup, 1, "compute_times") / floor_compute if shared_runs else 1.0
+        notes.append(f"m {M}: the floor's compute, one process alone {1e3 * floor_compute:.0f} ms a core; "
+                     + (f"{cores} processes at once, each with {M // cores} microbatches, "
+                        f"{1e3 * floor_compute * shared:.0f} ms (x{shared:.3f}: (e1))" if shared_runs
+                        else "with every core busy not measured ((e1) counted as 0)"))
         for (label, m), rs in runs.items():
-            if m != M or label == "floor" or not rs:
+            if m != M or label.startswith("floor") or not rs:
                 continue
             step = statistics.median([t for r in rs for t in r["step_times"][warmup:]])
             ratios = [floor_by_round[r["round"]] / statistics.median(r["step_times"][warmup:])
@@ -361,7 +389,7 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
             step_rows.append([label, M, f"{1e3 * step:.0f}", f"{floor_s / step:.3f}",
                               f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-",
                               f"{' '.join(splits)}, head {min(heads):.2f}-{max(heads):.2f} blocks"])
-            gaps = [run_gap(r, floor_compute, floor_s - floor_compute) for r in rs]
+            gaps = [run_gap(r, floor_compute, floor_s - floor_compute, shared) for r in rs]
             parts = {p: mean(g["parts"][p] for g in gaps) for p in GAP_PARTS}
             S = mean(g["step"] for g in gaps)
             f = {k: mean(g[k] for g in gaps) for k in ("inflation", "cap", "bubble", "measured_cap")}
@@ -387,10 +415,10 @@ def tables(runs: dict, counts: list[int], warmup: int, cores: int) -> dict:
                                            for n, b in by_m.items()])
             figures[f"{label} m{M}"] = {"step_s": step, "floor_s": floor_s, "floor_compute_s": floor_compute,
                                         "of_floor": floor_s / step, "of_floor_rounds": ratios, "gap": parts,
-                                        "traced_step_s": S, **f, "caps": caps, "bounds": bounds,
+                                        "traced_step_s": S, **f, "shared": shared, "caps": caps, "bounds": bounds,
                                         "zb-h1 bubble by m": by_m}
     text = "\n\n".join([
-        text_table(step_rows, right={1, 2, 3}, rule=True),
+        text_table(step_rows, right={1, 2, 3}, rule=True) + "\n" + "\n".join(notes),
         "where the step goes (ms, share of the step; means over the traced steps; the parts sum to S):\n"
         + text_table(gap_rows, right=set(range(1, len(gap_rows[0]))), rule=True),
         "per rank, from the traces (ms a step: compute less waits, waits inside compute, message batches, gaps "

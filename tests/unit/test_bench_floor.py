@@ -15,8 +15,9 @@ from pipegpt.schedule.simulate import Event, Timeline  # noqa: E402
 def test_gap_parts_by_hand():
     # Fc 600 ms, Fo 50; e 1.1, a 1.05, b 1.02: the model's span 0.6 x 1.1 x 1.05 x 1.02 = 706.86 ms; the plan
     # at the run's own compute times 750 ms; the actions' span 900 ms of a 1000 ms step
-    parts = dict(bench_floor.gap_parts(1.0, 0.9, 0.75, 0.6, 0.05, 1.1, 1.05, 1.02))
-    expected = {"floor": 0.65, "(e) compute": 0.06, "(a) split": 0.033, "(b) bubble": 0.01386,
+    # (e) 60 ms: 30 of it the machine shared (every core busy, the floor computes 5% slower), 30 the ranks
+    parts = dict(bench_floor.gap_parts(1.0, 0.9, 0.75, 0.6, 0.05, 1.1, 1.05, 1.02, shared=1.05))
+    expected = {"floor": 0.65, "(e1) cores shared": 0.03, "(e2) ranks": 0.03, "(a) split": 0.033, "(b) bubble": 0.01386,
                 "(f) run's costs": 0.75 - 0.70686, "(c) runtime": 0.15, "(d) outside": 0.05}
     assert list(parts) == list(bench_floor.GAP_PARTS)
     for name, seconds in expected.items():
