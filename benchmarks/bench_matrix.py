@@ -44,6 +44,29 @@ def timed(result: dict, warmup: int, key: str = "step_times") -> list:
     return result[key][warmup:]
 
 
+def base_spec(args, cores: int, bind_cores: bool = False) -> tuple[dict, list[str]]:
+    """bench_pipeline's spec of the model args name (n_layer, n_embd, n_head, seq_len, vocab_size; untied), with
+    their microbatch size, steps, warmup and schedules (bench_pipeline.build_specs), and the schedules."""
+    bench_args = argparse.Namespace(model="tiny", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                                    seq_len=args.seq_len, vocab_size=args.vocab_size, untied=True, cores=cores,
+                                    stages=2, microbatches=8, microbatch_size=args.microbatch_size,
+                                    steps=args.steps, warmup=args.warmup, lr=6e-4, grad_clip=1.0, seed=1337,
+                                    threads_per_worker=None, virtual_stages=None, schedules=args.schedules,
+                                    schedule=None, bind_cores=bind_cores)
+    return bp.build_specs(bench_args)
+
+
+def floor_spec(base: dict, microbatches: int) -> dict:
+    """The floor's run: the step's work (the same microbatches, optimizer and clip) in one process on one thread."""
+    return dict(base, microbatches=microbatches, schedule=None, torch_schedule=None, single_threads=1)
+
+
+def floor_seconds(runs: list[dict], warmup: int, cores: int, key: str = "step_times") -> float:
+    """The floor: the one-thread runs' median (of `key`: the step, or its forward and backward) over the cores;
+    no runtime on this machine can step faster."""
+    return median([t for r in runs for t in timed(r, warmup, key)]) / cores
+
+
 def row_figures(runs: dict[str, list[dict]], spec: dict, floor_s: float) -> dict:
     w = spec["warmup"]
     tokens = spec["microbatches"] * spec["microbatch_size"] * spec["model"]["seq_len"]
@@ -83,13 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", dest="json_out", default=None, help="also write every measurement to this file")
     args = ap.parse_args(argv)
     cores = os.cpu_count() or 1
-    bench_args = argparse.Namespace(model="tiny", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                                    seq_len=args.seq_len, vocab_size=args.vocab_size, untied=True, cores=cores,
-                                    stages=2, microbatches=8, microbatch_size=args.microbatch_size,
-                                    steps=args.steps, warmup=args.warmup, lr=6e-4, grad_clip=1.0, seed=1337,
-                                    threads_per_worker=None, virtual_stages=None, schedules=args.schedules,
-                                    schedule=None)
-    base, schedules = bp.build_specs(bench_args)
+    base, schedules = base_spec(args, cores)
     depths = [int(x) for x in args.stages.split(",")]
     counts = [int(x) for x in args.microbatches.split(",")]
     m = base["model"]
@@ -101,9 +118,8 @@ def main(argv=None) -> int:
     t_start, cpu_before = time.perf_counter(), bp._cpu_accounting()
     floors = {}
     for M in counts:  # the floor: the step's work on one thread, spread perfectly over the cores
-        spec = dict(base, microbatches=M, schedule=None, torch_schedule=None, single_threads=1)
-        runs = [bp.run_contender("single", spec, args.timeout) for _ in range(args.repeats)]
-        floors[M] = median([t for r in runs for t in timed(r, args.warmup)]) / cores
+        runs = [bp.run_contender("single", floor_spec(base, M), args.timeout) for _ in range(args.repeats)]
+        floors[M] = floor_seconds(runs, args.warmup, cores)
         print(f"  floor M={M}: one thread {floors[M] * cores * 1000:.0f} ms / {cores} cores", file=sys.stderr, flush=True)
 
     rows, skipped = [], []

@@ -300,23 +300,24 @@ def run_single(spec: dict, out_path: str) -> None:
     optimizer = make_optimizer(named, optim_cfg(spec))
     sampler = sampler_for(spec)
     m, mbs = spec["microbatches"], spec["microbatch_size"]
-    step_times, losses = [], []
+    step_times, compute_times, losses = [], [], []
     for step in range(spec["steps"]):
         t0 = time.perf_counter()
         for _, p in named:
             p.grad = None
         x, y = sampler.batch(step)
-        total = 0.0
+        total, t1 = 0.0, time.perf_counter()
         for xm, ym in zip(x.split(mbs), y.split(mbs)):
             loss = model(xm, ym)
             (loss / m).backward()
             total += float(loss.detach())
+        compute_times.append(time.perf_counter() - t1)  # the forwards and backwards alone (bench_floor's split)
         clip_(named, set(), spec["grad_clip"])
         optimizer.step()
         step_times.append(time.perf_counter() - t0)
         losses.append(total / m)
-    Path(out_path).write_text(json.dumps({"step_times": step_times, "losses": losses,
-                                          "peak_memory_per_rank": [peak_rss_bytes()]}))
+    Path(out_path).write_text(json.dumps({"step_times": step_times, "compute_times": compute_times,
+                                          "losses": losses, "peak_memory_per_rank": [peak_rss_bytes()]}))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -344,6 +345,7 @@ def pipegpt_command(spec: dict, run_dir: str) -> list[str]:
         cmd += ["--bind-cores"]
     if "steps_per_call" in spec:  # else pipegpt's default (auto)
         cmd += ["--steps-per-call", str(spec["steps_per_call"])]
+    cmd += spec.get("extra_args", [])  # a benchmark's own flags (bench_floor: --balance cost, --trace-steps)
     v = virtual_stages_for(spec["schedule"], spec["virtual_stages"])
     if v:
         cmd += ["--virtual-stages", str(v)]
