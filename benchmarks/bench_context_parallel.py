@@ -5,6 +5,8 @@ planner's model (pipegpt.costs).
     .venv/bin/python benchmarks/bench_context_parallel.py --memory-seq 8192 --cps 1,2,4 --repeats 5
     .venv/bin/python benchmarks/bench_context_parallel.py --memory-seq 0 --cps 1,2 --repeats 7 --rounds 5
                                                                              # time only, cp 2 on 2 cores
+    .venv/bin/python benchmarks/bench_context_parallel.py --profile --cps 2 --repeats 5
+                                                          # CPU by op and thread: a cp rank beside one process
 
 Every cp rank is a process (gloo) holding the whole one-stage model and two chunks of each sequence, as a
 `pipegpt run --cp N --stages 1` rank does. Measured per configuration:
@@ -18,6 +20,9 @@ Every cp rank is a process (gloo) holding the whole one-stage model and two chun
   for each other lose whole time slices when other processes hold the cores);
 - bytes sent per forward + backward by the attention (context_parallel.attention.bytes_sent), beside the count
   the cost model uses.
+--profile instead: one process on one thread over the whole sequence, then every cp rank on one thread, each op's
+CPU time (the thread's, around each aten op) and each thread's (schedstat), by category and by op beside the one
+process's share: where a rank's CPU goes beyond its share, gloo's threads included.
 """
 from __future__ import annotations
 
