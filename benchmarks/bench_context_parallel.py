@@ -5,6 +5,8 @@ planner's model (pipegpt.costs).
     .venv/bin/python benchmarks/bench_context_parallel.py --memory-seq 8192 --cps 1,2,4 --repeats 5
     .venv/bin/python benchmarks/bench_context_parallel.py --memory-seq 0 --cps 1,2 --repeats 7 --rounds 5
                                                                              # time only, cp 2 on 2 cores
+    .venv/bin/python benchmarks/bench_context_parallel.py --profile --cps 2 --repeats 5
+                                                          # CPU by op and thread: a cp rank beside one process
 
 Every cp rank is a process (gloo) holding the whole one-stage model and two chunks of each sequence, as a
 `pipegpt run --cp N --stages 1` rank does. Measured per configuration:
@@ -18,6 +20,9 @@ Every cp rank is a process (gloo) holding the whole one-stage model and two chun
   for each other lose whole time slices when other processes hold the cores);
 - bytes sent per forward + backward by the attention (context_parallel.attention.bytes_sent), beside the count
   the cost model uses.
+--profile instead: one process on one thread over the whole sequence, then every cp rank on one thread, each op's
+CPU time (the thread's, around each aten op) and each thread's (schedstat), by category and by op beside the one
+process's share: where a rank's CPU goes beyond its share, gloo's threads included.
 """
 from __future__ import annotations
 
@@ -40,16 +45,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, cp: int, comm: str, seq: int, args, port: int, threads: int, out) -> None:
+def _setup(rank: int, cp: int, comm: str, seq: int, args, port: int, threads: int):
+    """This rank's one-stage model (cp-sharded) and its chunks of one batch of tokens, the same on every run."""
     import torch
     import torch.distributed as dist
 
     from pipegpt.config import ModelConfig
-    from pipegpt.context_parallel import attention
     from pipegpt.context_parallel.chunks import shard_sequence
     from pipegpt.context_parallel.layers import shard_for_cp
     from pipegpt.model.gpt import GPT
-    from plan_memory_harness import StorageTracker
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp,
@@ -60,7 +64,16 @@ def _rank(rank: int, cp: int, comm: str, seq: int, args, port: int, threads: int
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (args.microbatch_size, seq), generator=g)
     y = torch.randint(0, 256, (args.microbatch_size, seq), generator=g)
-    x, y = shard_sequence(x, rank, cp), shard_sequence(y, rank, cp)
+    return model, shard_sequence(x, rank, cp), shard_sequence(y, rank, cp)
+
+
+def _rank(rank: int, cp: int, comm: str, seq: int, args, port: int, threads: int, out) -> None:
+    import torch.distributed as dist
+
+    from pipegpt.context_parallel import attention
+    from plan_memory_harness import StorageTracker
+
+    model, x, y = _setup(rank, cp, comm, seq, args, port, threads)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     times, cpu, activation, sent = [], [], None, None
     for i in range(args.repeats + 1):
@@ -84,18 +97,23 @@ def _rank(rank: int, cp: int, comm: str, seq: int, args, port: int, threads: int
     dist.destroy_process_group()
 
 
-def measure(cp: int, comm: str, seq: int, args, threads: int | None = None) -> dict:
+def _spawn(target, cp: int, comm: str, seq: int, args, threads: int) -> list:
+    """Run target in one process per cp rank; what each put on the queue, in rank order."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), _free_port()
-    threads = threads or max(1, args.cores // cp)
-    procs = [ctx.Process(target=_rank, args=(r, cp, comm, seq, args, port, threads, out)) for r in range(cp)]
+    procs = [ctx.Process(target=target, args=(r, cp, comm, seq, args, port, threads, out)) for r in range(cp)]
     for p in procs:
         p.start()
-    rows = [out.get(timeout=600) for _ in procs]
+    rows = sorted(out.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=60)
+    return rows
+
+
+def measure(cp: int, comm: str, seq: int, args, threads: int | None = None) -> dict:
+    rows = _spawn(_rank, cp, comm, seq, args, threads or max(1, args.cores // cp))
     return {"activation": max(r[1] for r in rows), "sent": max(r[2] for r in rows),
             "ms": max(r[3] for r in rows) * 1e3, "cpu_ms": max(r[4] for r in rows) * 1e3}
 
@@ -133,11 +151,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds of the timing runs")
     ap.add_argument("--cores", type=int, default=os.cpu_count())
+    ap.add_argument("--profile", action="store_true",
+                    help="only the table of CPU time by op: one cp rank beside one process on one thread")
     args = ap.parse_args()
     cps, comms = [int(c) for c in args.cps.split(",")], args.comms.split(",")
     print(f"model: {args.arch} {args.n_layer} layers x {args.n_embd} wide, {args.n_head} heads"
           f"{f' ({args.n_kv_head} kv)' if args.n_kv_head else ''}, microbatch {args.microbatch_size}; "
           f"{args.cores} cores, threads per rank = cores / cp")
+    if args.profile:
+        return profile_table(cps, comms, args)
     if args.memory_seq:
         memory_table(cps, comms, args)
     time_table(cps, comms, args)
@@ -181,6 +203,157 @@ def time_table(cps, comms, args) -> None:
         print(f"| {cp} | {comm if cp > 1 else '-'} | {threads} | {wall[c]:.0f} | {min(ms):.0f}..{max(ms):.0f} | "
               f"{wall[c] / wall[first]:.2f} | {cpu[c]:.0f} | {cpu[c] / (cpu[work] / cp):.2f} |")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+# --profile: where a cp rank's CPU goes, op by op, beside one process on one thread doing the whole sequence.
+# Every figure is CPU time of the thread that spent it (CLOCK_THREAD_CPUTIME_ID around each aten op; each thread's
+# schedstat run time), so another process holding the cores stretches the walls but hardly these.
+
+_KERNELS = {"_scaled_dot_product_flash_attention_for_cpu": "attention kernel forward",
+            "_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel backward"}
+_CP_REGIONS = {"merge_into": "log-sum-exp merges", "shift": "gloo send/recv posted (main thread)",
+               "wait": "gloo send/recv posted (main thread)", "block_forward": "around the block kernels",
+               "block_backward": "around the block kernels"}
+
+
+def _op_timer():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCpuTimes(TorchDispatchMode):
+        """Thread CPU ns per (where, aten op): where is the innermost pipegpt.context_parallel function on the
+        stack (or "model"), read outside the timed span."""
+
+        def __init__(self):
+            super().__init__()
+            self.ns: dict = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.thread_time_ns()
+            result = func(*args, **(kwargs or {}))
+            spent = time.thread_time_ns() - t0
+            frame, where = sys._getframe(1), "model"
+            while frame is not None:
+                if f"pipegpt{os.sep}context_parallel{os.sep}" in frame.f_code.co_filename:
+                    where = frame.f_code.co_name
+                    break
+                frame = frame.f_back
+            key = (where, str(func.overloadpacket).removeprefix("aten."))
+            self.ns[key] = self.ns.get(key, 0) + spent
+            return result
+
+    del torch
+    return OpCpuTimes()
+
+
+def _thread_cpu_ns() -> dict[int, tuple[str, int]]:
+    """{thread id: (name, ns on a CPU so far)} of this process (Linux schedstat)."""
+    threads = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            threads[int(task.name)] = (stat[stat.index("(") + 1:stat.rindex(")")],
+                                       int((task / "schedstat").read_text().split()[0]))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return threads
+
+
+def _profile_rank(rank: int, cp: int, comm: str, seq: int, args, port: int, threads: int, out) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    model, x, y = _setup(rank, cp, comm, seq, args, port, threads)
+    main = threading.get_native_id()
+    model(x, y).backward()  # warm-up: kernels chosen, buffers allocated, gloo's pairs connected
+    per_thread: list[dict[str, float]] = []
+    for _ in range(args.repeats):
+        if cp > 1:
+            dist.barrier()
+        before = _thread_cpu_ns()
+        model(x, y).backward()
+        spent: dict[str, float] = {}
+        for tid, (name, ns) in _thread_cpu_ns().items():
+            name = "main thread" if tid == main else f"thread {name}"
+            spent[name] = spent.get(name, 0.0) + (ns - before.get(tid, (name, 0))[1]) / 1e6
+        per_thread.append(spent)
+    ops: dict = {}
+    for _ in range(args.repeats):
+        if cp > 1:
+            dist.barrier()
+        with _op_timer() as timer:
+            model(x, y).backward()
+        for key, ns in timer.ns.items():
+            ops[key] = ops.get(key, 0.0) + ns / 1e6 / args.repeats
+    threads_ms = {name: statistics.median(p.get(name, 0.0) for p in per_thread) for p in per_thread for name in p}
+    out.put((rank, threads_ms, ops))
+    if cp > 1:
+        dist.destroy_process_group()
+
+
+def _category(where: str, op: str) -> str:
+    if op in _KERNELS:
+        return _KERNELS[op]
+    if op.startswith("c10d."):
+        return "gloo send/recv posted (main thread)"
+    if where == "model":
+        return "model (matmuls, GELU, norms, loss...)"
+    return _CP_REGIONS.get(where, "ring/all-gather bookkeeping (stack, slices, zeros, +=, casts)")
+
+
+def profile_table(cps, comms, args) -> None:
+    """One process on one thread over the whole sequence, then each cp configuration (one thread per rank): per
+    category and per op, CPU ms per forward + backward (mean of --repeats instrumented passes) and each rank's
+    excess over its share (the one process's / cp)."""
+    seq = args.time_seq
+    base = _spawn(_profile_rank, 1, comms[0], seq, args, 1)[0]
+    print(f"\nCPU ms per forward + backward by category and op, seq {seq}, one thread per process (thread CPU time, "
+          f"mean of {args.repeats} passes under a dispatch-mode timer; threads: median of {args.repeats} plain passes):")
+    for cp in [c for c in cps if c > 1]:
+        for comm in comms:
+            rows = _spawn(_profile_rank, cp, comm, seq, args, 1)
+            _print_profile(cp, comm, base, rows)
+
+
+def _print_profile(cp: int, comm: str, base, rows) -> None:
+    ranks = [f"rank {r[0]}" for r in rows]
+    share = {k: v / cp for k, v in base[2].items()}
+    print(f"\ncp {cp} {comm}:")
+    print(f"| category | one process | its share (/{cp}) | " + " | ".join(ranks) + " | mean rank - share |")
+    print("|---|---|---|" + "---|" * len(ranks) + "---|")
+    cats: dict = {}
+    for src, table in [("one", base[2])] + [(name, r[2]) for name, r in zip(ranks, rows)]:
+        for (where, op), ms in table.items():
+            row = cats.setdefault(_category(where, op), {})
+            row[src] = row.get(src, 0.0) + ms
+    for src, r in [("one", base)] + list(zip(ranks, rows)):
+        for name, ms in r[1].items():
+            if name != "main thread" and ms >= 0.05:
+                cats.setdefault(f"{name} (gloo's: the transfers)", {})[src] = ms
+        # plain passes' main thread less the timed passes' ops: Python and autograd (noisy on a loaded machine)
+        timed = sum(r[2].values())
+        cats.setdefault("main thread outside the ops", {})[src] = r[1]["main thread"] - timed
+    total = {src: sum(row.get(src, 0.0) for row in cats.values()) for src in ["one"] + ranks}
+    for name, row in sorted(cats.items(), key=lambda kv: -kv[1].get("one", 0.0) - kv[1].get(ranks[0], 0.0)) + [
+            ("total (all threads)", total)]:
+        mean = sum(row.get(r, 0.0) for r in ranks) / len(ranks)
+        print(f"| {name} | {row.get('one', 0.0):.2f} | {row.get('one', 0.0) / cp:.2f} | "
+              + " | ".join(f"{row.get(r, 0.0):.2f}" for r in ranks) + f" | {mean - row.get('one', 0.0) / cp:+.2f} |")
+    main = {src: r[1]["main thread"] for src, r in [("one", base)] + list(zip(ranks, rows))}
+    print("CPU per rank over its share, all threads: " + ", ".join(
+        f"{r} {total[r] / (total['one'] / cp):.3f}" for r in ranks) + "; the main thread alone: " + ", ".join(
+        f"{r} {main[r] / (main['one'] / cp):.3f}" for r in ranks))
+    print(f"\n| op (where) | one process / {cp} | " + " | ".join(ranks) + " |")
+    print("|---|---|" + "---|" * len(ranks))
+    keys = set(base[2]) | {k for r in rows for k in r[2]}
+    diffs = {k: sum(r[2].get(k, 0.0) for r in rows) / len(rows) - share.get(k, 0.0) for k in keys}
+    for key in sorted(keys, key=lambda k: -abs(diffs[k])):
+        if abs(diffs[key]) < 0.1 and share.get(key, 0.0) < 1.0:
+            continue
+        print(f"| {key[1]} ({key[0]}) | {share.get(key, 0.0):.2f} | "
+              + " | ".join(f"{r[2].get(key, 0.0):.2f}" for r in rows) + " |")
+
 
 if __name__ == "__main__":
     main()

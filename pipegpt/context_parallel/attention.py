@@ -132,12 +132,15 @@ def _ring_blocks(peers: _Peers, k, v, documents, r: int, n: int):
     """Each step's (query slice, key slice, causal, k, v, same-document mask) on rank r; the next block travels
     while the caller computes on this one."""
     half = k.size(2) // 2
-    kv, docs = torch.stack((k, v)), documents
+    kv, docs = torch.stack((k, v)) if n > 1 else None, documents  # one contiguous message
     for step in range(n):
         posted = peers.shift([kv] if docs is None else [kv, docs], 0, "passing K/V") if step < n - 1 else None
         qs, ks, causal = _ring_block(r, (r - step) % n, half)
         allowed = None if docs is None else _same_document(documents[:, qs], docs[:, ks])
-        yield qs, ks, causal, kv[0][:, :, ks], kv[1][:, :, ks], allowed
+        # the own block from k and v themselves: the kernel's dK/dV then come in their layout, which the
+        # model's view of them back to [B, L, C] takes without a copy
+        yield (qs, ks, causal, k, v, allowed) if step == 0 else (qs, ks, causal, kv[0][:, :, ks], kv[1][:, :, ks],
+                                                                 allowed)
         if posted is not None:
             kv, docs = (peers.wait(posted) + [None])[:2]
 
@@ -168,17 +171,27 @@ class _RingAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_block, v_block, out[:, :, qs],
                                               lse[:, :, qs], causal, allowed)
             if step == 0:  # this rank's own block: its share stays here until the others' come home
-                dq, own = dq_b, torch.stack((dk_b, dv_b))
+                dq, dk, dv = dq_b, dk_b, dv_b
                 continue
             dq[:, :, qs] += dq_b
             # the block's dK/dV so far: begun by the first rank after its owner, then from the rank before
-            dkv = torch.zeros((2, *k.shape), dtype=dk_b.dtype, device=k.device) if step == 1 else \
-                peers.wait(posted)[0]
-            dkv[0][:, :, ks] += dk_b
-            dkv[1][:, :, ks] += dv_b
+            dkv = _begin_dkv(dk_b, dv_b, ks, k.size(2)) if step == 1 else peers.wait(posted)[0]
+            if step > 1:
+                dkv[0][:, :, ks] += dk_b
+                dkv[1][:, :, ks] += dv_b
             posted = peers.shift([dkv], 1, "passing dK/dV")  # after the last step, to the block's owner
-        own += peers.wait(posted)[0]
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+        dkv = peers.wait(posted)[0]
+        return dq.to(q.dtype), dk.add_(dkv[0]).to(k.dtype), dv.add_(dkv[1]).to(v.dtype), None, None, None, None
+
+
+def _begin_dkv(dk_b: torch.Tensor, dv_b: torch.Tensor, ks: slice, length: int) -> torch.Tensor:
+    """[2, B, Hkv, length, hd]: a block's first dK/dV share (keys `ks` of `length`), zero for the other keys."""
+    if ks == slice(None):
+        return torch.stack((dk_b, dv_b))
+    dkv = dk_b.new_zeros((2, *dk_b.shape[:2], length, dk_b.size(3)))
+    dkv[0][:, :, ks] = dk_b
+    dkv[1][:, :, ks] = dv_b
+    return dkv
 
 
 def _all_gather(x: torch.Tensor, what: str, group, cp_rank: int, cp_size: int, host_waits: bool) -> torch.Tensor:
@@ -265,10 +278,14 @@ class _AllGatherAttention(torch.autograd.Function):
         for qs, parts, causal, kv_block, allowed in _allgather_blocks(k, v, documents, ctx.group, r, n):
             dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], kv_block[0], kv_block[1], out[:, :, qs],
                                               lse[:, :, qs], causal, allowed)
-            if dq is None:
-                dq, dkv = dq_b, torch.zeros((n, 2, *k.shape), dtype=dk_b.dtype, device=k.device)
-            else:
-                dq[:, :, qs] += dq_b
+            if dq is None:  # the diagonal block, all of this rank's keys: its rows start as this block's
+                dq, dkv = dq_b, torch.empty((n, 2, *k.shape), dtype=dk_b.dtype, device=k.device)
+                dkv[r][0], dkv[r][1] = dk_b, dv_b
+                for s in range(n):
+                    if s != r:
+                        dkv[s].zero_()
+                continue
+            dq[:, :, qs] += dq_b
             start = 0
             for s, ks in parts:  # each source's keys back to its own rows
                 rows = dkv[s][:, :, :, ks]
