@@ -66,9 +66,9 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   experts (top-k and shared), with the routed experts' part of each pass never below the HBM time of their
   weights on the rank (a roofline: n_experts / ep experts read forward and for the input gradient, their weight
   gradient added into the fp32 .grad, every microbatch: pipegpt.costs.experts.expert_weight_bytes), which is what
-  makes few rows per expert slow and is half of why ep pays on a GPU. With ep > 1 (pipegpt.costs.experts) the routed experts' share of its compute is multiplied by
-  moe_imbalance (the busiest rank's tokens over the mean, default 1.25), and four all-to-alls join its
-  collectives (dispatch and combine, forward and backward; full recomputation does not repeat them:
+  makes few rows per expert slow and a rank holding fewer experts faster. With ep > 1 (pipegpt.costs.experts) the
+  routed experts' share of its compute is multiplied by moe_imbalance (the busiest rank's tokens over the mean,
+  default 1.25), and four all-to-alls join its collectives (dispatch and combine, forward and backward; full recomputation does not repeat them:
   pipegpt.model.moe.block_steps checkpoints the parts between them): each of the rank's tokens x top-k x C values
   in the compute dtype (bf16 rows under bf16: pipegpt.model.moe casts them before the dispatch), times
   moe_imbalance, (ep-1)/ep of them leaving the rank, those to its node's peers
