@@ -68,8 +68,8 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   gradient added into the fp32 .grad, every microbatch: pipegpt.costs.experts.expert_weight_bytes), which is what
   makes few rows per expert slow and a rank holding fewer experts faster. With ep > 1 (pipegpt.costs.experts) the
   routed experts' share of its compute is multiplied by moe_imbalance (the busiest rank's tokens over the mean,
-  default 1.25), and four all-to-alls join its collectives (dispatch and combine, forward and backward; full recomputation does not repeat them:
-  pipegpt.model.moe.block_steps checkpoints the parts between them): each of the rank's tokens x top-k x C values
+  default 1.25), and four all-to-alls join its collectives (dispatch and combine, forward and backward; full
+  recomputation does not repeat them: pipegpt.model.moe.block_steps checkpoints the parts between them): each of the rank's tokens x top-k x C values
   in the compute dtype (bf16 rows under bf16: pipegpt.model.moe casts them before the dispatch), times
   moe_imbalance, (ep-1)/ep of them leaving the rank, those to its node's peers
   over NVLink while the rest cross the network, the slower counted, a latency each (dispatch_time; with
