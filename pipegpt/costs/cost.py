@@ -62,20 +62,20 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
 * Llama's blocks cost what their FLOPs say (above) and move what GPT-2's move (two all-reduces of mbs T C
   activations per pass: attn.proj's and mlp.proj's outputs); RMSNorm, rotary and SiLU are elementwise, counted
   as GPT-2's LayerNorm and GELU are: not at all.
-* mixture of experts: an MoE block costs a dense block of the architecture's MLP as wide as a token's active
-  experts (top-k and shared), with the routed experts' part of each pass never below the HBM time of their
-  weights on the rank (a roofline: n_experts / ep experts read forward and for the input gradient, their weight
-  gradient added into the fp32 .grad, every microbatch: pipegpt.costs.experts.expert_weight_bytes), which is what
-  makes few rows per expert slow and a rank holding fewer experts faster. With ep > 1 (pipegpt.costs.experts) the
-  routed experts' share of its compute is multiplied by moe_imbalance (the busiest rank's tokens over the mean,
-  default 1.25), and four all-to-alls join its collectives (dispatch and combine, forward and backward; full
-  recomputation does not repeat them: pipegpt.model.moe.block_steps checkpoints the parts between them): each of the rank's tokens x top-k x C values
-  in the compute dtype (bf16 rows under bf16: pipegpt.model.moe casts them before the dispatch), times
-  moe_imbalance, (ep-1)/ep of them leaving the rank, those to its node's peers
-  over NVLink while the rest cross the network, the slower counted, a latency each (dispatch_time; with
-  moe_dispatcher "deepep", a what-if, one copy per token and remote node: pipegpt.costs.experts.dispatch_copies;
-  docs/moe-planning.md). Recomputation "norm-act" (Megatron-Core's `--recompute-modules layernorm moe_act`, a
-  what-if the search does not propose) adds the two norms and SiLU x up again in the backward as HBM passes.
+* mixture of experts: an MoE block costs a dense block of the architecture's MLP as wide as a token's active experts
+  (top-k and shared), with the routed experts' part of each pass never below the HBM time of their weights on the
+  rank (a roofline: n_experts / ep experts read forward and for the input gradient, their weight gradient added into
+  the fp32 .grad, every microbatch: pipegpt.costs.experts.expert_weight_bytes), which is what makes few rows per
+  expert slow and a rank holding fewer experts faster. With ep > 1 (pipegpt.costs.experts) the routed experts' share
+  of its compute is multiplied by moe_imbalance (the busiest rank's tokens over the mean, default 1.25), and four
+  all-to-alls join its collectives (dispatch and combine, forward and backward; full recomputation does not repeat
+  them: pipegpt.model.moe.block_steps checkpoints the parts between them): each of the rank's tokens x top-k x C
+  values in the compute dtype (bf16 rows under bf16: pipegpt.model.moe casts them before the dispatch), times
+  moe_imbalance, (ep-1)/ep of them leaving the rank, those to its node's peers over NVLink while the rest cross the
+  network, the slower counted, a latency each (dispatch_time; with moe_dispatcher "deepep", a what-if, one copy per
+  token and remote node: pipegpt.costs.experts.dispatch_copies; docs/moe-planning.md). Recomputation "norm-act"
+  (Megatron-Core's `--recompute-modules layernorm moe_act`, a what-if the search does not propose) adds the two
+  norms and SiLU x up again in the backward as HBM passes.
 
 Calibrated model (CalibratedCosts, `pipegpt plan --calibrate RUN_DIR`): the same shapes, with each block's F, B
 and W scaled by measured / analytical (each stage's layers at their kinds' blocks: the middle stages' where there
