@@ -12,16 +12,19 @@ each run. Costs are calibrated from the first round's pp 2, 1f1b, m 8 run (`pipe
 layout is predicted by the planner's own evaluate_layout. Measure on a quiet machine: this was a slow test once,
 and a busy CI machine's 16% between two layouts that cost the same (gpipe and 1f1b at m 8) broke its rank order.
 The calibrated model scales pp 1's compute by a block timed at 2 threads over 1
-(pipegpt.costs.calibrated.ThreadScaling; its figure is in the costs' line printed). `--threads-per-worker 1` runs
-every layout on one thread: pp 1 then leaves a core idle, which the model does not see (one rank alone computes
-about 8% faster than each of two ranks at once on this machine, the last table's ratio).
+(pipegpt.costs.calibrated.ThreadScaling), and m 4's (4 sequences per microbatch against the calibrated run's 2)
+by a block's time per sequence at 4 over at 2 (MicrobatchScaling); their figures are in the costs' line printed.
+`--threads-per-worker 1` runs every layout on one thread: pp 1 then leaves a core idle, which the model does not
+see (one rank alone computes about 8% faster than each of two ranks at once on this machine, the last table's
+ratio).
 
-Two predictions: "old", all that the calibrated step spent after its last action spread per parameter of the
+Three predictions: "old", all that the calibrated step spent after its last action spread per parameter of the
 busiest rank; "new", the step's parts from its trace (pipegpt.observe.step_time): the optimizer per parameter
-byte, the rest (the driver's round trip, the batch, the clip, the sync's tail) a time per step. The calibrated
-step's breakdown is printed first; last, per layout, the measured actions' span beside the planner's makespan and
-the time outside them beside the planner's after-term, which says which of the two a difference comes from, and one
-microbatch's compute over all stages: pp 1 m 8's over pp 2 m 8's says whether a rank computes faster alone.
+byte, the rest (the driver's round trip, the batch, the clip, the sync's tail) a time per step; "linear", new
+without the microbatch-size term (compute linear in tokens, as before it). The calibrated step's breakdown is
+printed first; last, per layout, the measured actions' span beside the planner's makespan and the time outside
+them beside the planner's after-term, which says which of the two a difference comes from, and one microbatch's
+compute over all stages: pp 1 m 8's over pp 2 m 8's says whether a rank computes faster alone.
 """
 from __future__ import annotations
 
@@ -119,6 +122,8 @@ def main(argv=None) -> int:
         parts = breakdown(json.loads((Path(tmp) / "2-1f1b-8-0" / "trace.json").read_text()))
     old = copy.copy(costs)  # the model before the step's parts: all after the last action per parameter
     old.optimizer_s_per_byte, old.per_step_s = None, 0.0
+    linear = copy.copy(costs)  # without the microbatch-size term
+    linear.microbatch = None
 
     def predict(c):
         return [evaluate_layout(Request(model, BATCH, cluster, c), Layout(1, pp, 1, s, 1, m, BATCH // m))
@@ -126,16 +131,18 @@ def main(argv=None) -> int:
 
     results = predict(costs)
     predicted, predicted_old = [r.step_time for r in results], [r.step_time for r in predict(old)]
+    predicted_linear = [r.step_time for r in predict(linear)]
     observed = [statistics.median(measured[x]) for x in LAYOUTS]
     if parts is not None:
         print("the calibrated run's last step:\n" + breakdown_text(parts) + "\n")
     print(costs.describe())
-    print(f"{'layout':16} {'predicted ms':>12} {'(old)':>8} {'measured ms':>11} {'measured/predicted':>18} "
-          f"{'(old)':>6}")
-    for (pp, s, m), p, q, o in zip(LAYOUTS, predicted, predicted_old, observed):
-        print(f"{f'pp{pp} {s} m{m}':16} {p * 1e3:12.1f} {q * 1e3:8.1f} {o * 1e3:11.1f} {o / p:18.2f} {o / q:6.2f}")
+    print(f"{'layout':16} {'predicted ms':>12} {'(old)':>8} {'(linear)':>8} {'measured ms':>11} "
+          f"{'measured/predicted':>18} {'(old)':>6} {'(linear)':>8}")
+    for (pp, s, m), p, q, n, o in zip(LAYOUTS, predicted, predicted_old, predicted_linear, observed):
+        print(f"{f'pp{pp} {s} m{m}':16} {p * 1e3:12.1f} {q * 1e3:8.1f} {n * 1e3:8.1f} {o * 1e3:11.1f} "
+              f"{o / p:18.2f} {o / q:6.2f} {o / n:8.2f}")
     print(f"Spearman (predicted, measured): {spearman(predicted, observed):.3f} "
-          f"(old {spearman(predicted_old, observed):.3f})")
+          f"(old {spearman(predicted_old, observed):.3f}, linear {spearman(predicted_linear, observed):.3f})")
     print("\nwhere the difference lies (measured: the median over rounds of each run's last step):")
     print(f"{'layout':16} {'actions ms':>10} {'makespan ms':>11} {'outside ms':>10} {'after ms':>8} "
           f"{'microbatch ms':>13}")

@@ -7,9 +7,14 @@ A CPU run's compute is what it measured at its own intra-op threads per rank: --
 machine's cores over its ranks (pipegpt.train.driver's default). A layout whose ranks get another number (the
 default for fewer or more ranks; every layout runs at an explicit --threads-per-worker) has its F, B and W scaled by
 the block's measured time at that number over its time at the calibration run's (ThreadScaling), not by an assumed
-linear speedup: one block of the run's model at its microbatch size, timed in a child process on this machine
-(pipegpt.stages.thread_speedup) the first time a layout needs it. Calibrate on the machine the run ran on, and a
-quiet one: a second thread on a busy core runs slower than one.
+linear speedup. Its compute is also what the run measured at its own microbatch size, and the FLOP model is linear
+in tokens, where a larger microbatch's larger matmuls run at a higher rate: a layout of another size has its
+compute scaled by the block's measured time per sequence at that size over at the run's (MicrobatchScaling). Both
+time one block of the run's model in a child process on this machine (pipegpt.stages.block_timing) the first time
+a layout needs it. Calibrate on the machine the run ran on, and a quiet one: a second thread on a busy core runs
+slower than one. On a GPU neither applies (the block would have to be timed on the run's GPU): the run's rate is
+every size's. The analytical model's per-block floor is its own microbatch-size term; calibrated costs have none,
+so nothing counts twice.
 """
 from __future__ import annotations
 
@@ -35,10 +40,13 @@ from .devices import Cluster
 from .memory import parameter_count
 
 
-def calibrate_costs(run_dir: str, cluster: Cluster,
-                    measure: Callable[[tuple[int, ...]], dict[int, float]] | None = None) -> CalibratedCosts:
+Settings = tuple[tuple[int, int], ...]  # (intra-op threads, sequences per microbatch) for each timing of a block
+Timer = Callable[[Settings], dict[tuple[int, int], float]]  # {(threads, size): seconds of one block}
+
+
+def calibrate_costs(run_dir: str, cluster: Cluster, measure: Timer | None = None) -> CalibratedCosts:
     """CalibratedCosts from a `pipegpt run` directory (its plan.txt, trace.json, config.json, metrics.jsonl).
-    measure: {threads: seconds of one block} for thread counts (default: block_timer's child process)."""
+    measure: one block's seconds under each setting asked (default: block_timer's child process)."""
     try:
         files = read_measured_run(run_dir)
         plan = load_schedule_file(files.plan_path)
@@ -54,8 +62,11 @@ def calibrate_costs(run_dir: str, cluster: Cluster,
     replicas = int(par.get("dp", 1)) * int(par.get("cp", 1))
     fit = fit_calibrated_costs(cluster, shape, calibration.costs, measured.makespan, params, os.fspath(run_dir),
                                step_times(breakdown(files.trace)), replicas, int(par.get("zero", 0)))
+    timer = measure or block_timer(files.config)
     fit.threads = thread_scaling(files.config, read_metrics(run_dir), plan.num_ranks * replicas * shape.sharding.tp,
-                                 measure or block_timer(files.config, shape.mbs))
+                                 at_size(timer, shape.mbs))
+    if fit.threads is not None:
+        fit.microbatch = MicrobatchScaling(fit.threads, shape.mbs, timer)
     return fit
 
 
@@ -137,22 +148,66 @@ def thread_scaling(config: dict | None, rows: list, ranks: int, measure, cores: 
     return ThreadScaling(int(given) if given else max(1, cores // max(1, ranks)), bool(given), cores, measure)
 
 
-def block_timer(config: dict | None, microbatch_size: int) -> Callable[[tuple[int, ...]], dict[int, float]]:
-    """measure for ThreadScaling: one block of the run's model timed at each thread count in a child process
-    (pipegpt.stages.thread_speedup; the planner imports no torch)."""
+def at_size(timer: Timer, size: int) -> Callable[[tuple[int, ...]], dict[int, float]]:
+    """ThreadScaling's measure from a Timer: {threads: seconds} of the block at each count, at `size`."""
+    return lambda threads: {t: s for (t, _), s in timer(tuple((t, size) for t in threads)).items()}
+
+
+@dataclass
+class MicrobatchScaling:
+    """A CPU run's compute at other microbatch sizes than its own: a larger microbatch's larger matmuls run more
+    tokens a second, which a compute model linear in tokens does not see. scale(ranks, size) = one block's seconds
+    per sequence at `size` over at the calibration run's size, both at the layout's threads (`threads`), so that
+    with ThreadScaling's factor (the run's size at the layout's threads over at the run's) the product is the block
+    at the layout's threads and size over at the run's. The first layout at a thread count that needs another size
+    measures, in one child process, the run's size, the layout's and every power of two below the larger."""
+
+    threads: ThreadScaling  # each layout's threads per rank
+    calibrated: int  # the calibration run's sequences per microbatch
+    measure: Timer
+    seconds: dict = field(default_factory=dict)  # (threads, size) -> one block's forward + backward, as measured
+
+    def scale(self, ranks: int, size: int) -> float:
+        if size == self.calibrated:
+            return 1.0
+        n = self.threads.threads(ranks)
+        if (n, size) not in self.seconds:
+            top = max(size, self.calibrated)
+            sizes = sorted({self.calibrated, size, *(1 << k for k in range(top.bit_length()))})
+            self.seconds.update(self.measure(tuple((n, s) for s in sizes if (n, s) not in self.seconds)))
+        return self.seconds[n, size] / size / (self.seconds[n, self.calibrated] / self.calibrated)
+
+    def describe(self) -> str:
+        said = f"microbatches of {self.calibrated} sequence{'s' * (self.calibrated > 1)}"
+        counts = sorted({n for n, _ in self.seconds})
+        if not counts:
+            return f"{said} (other sizes measured when a layout needs them)"
+        per = {key: s / key[1] for key, s in self.seconds.items()}
+        return (f"{said}; a block's time per sequence against the run's size "
+                + "; ".join(f"at {n} thread{'s' * (n > 1)}: "
+                            + ", ".join(f"{size}: x{per[n, size] / per[n, self.calibrated]:.3f}"
+                                        for m, size in sorted(self.seconds) if m == n and size != self.calibrated)
+                            for n in counts))
+
+
+def block_timer(config: dict | None) -> Timer:
+    """measure for ThreadScaling and MicrobatchScaling: one block of the run's model timed under each setting in a
+    child process (pipegpt.stages.block_timing; the planner imports no torch)."""
     runtime = (config or {}).get("runtime", {})
-    request = {"model": (config or {}).get("model", {}), "microbatch_size": microbatch_size,
+    request = {"model": (config or {}).get("model", {}),
                "recompute": (config or {}).get("parallel", {}).get("recompute", "none"),
                "dtype": runtime.get("dtype", "float32"), "bf16": runtime.get("precision") == "bf16"}
 
-    def measure(threads: tuple[int, ...]) -> dict[int, float]:
-        args = [sys.executable, "-m", "pipegpt.stages.thread_speedup", json.dumps({**request, "threads": threads})]
+    def measure(settings: Settings) -> dict[tuple[int, int], float]:
+        args = [sys.executable, "-m", "pipegpt.stages.block_timing",
+                json.dumps({**request, "settings": [list(x) for x in settings]})]
         try:
             proc = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", None) or str(e)
-            raise ConfigError(f"--calibrate: timing a block at {threads} threads failed: "
+            said = "; ".join(f"{t} thread{'s' * (t > 1)}, {n} sequence{'s' * (n > 1)}" for t, n in settings)
+            raise ConfigError(f"--calibrate: timing a block ({said}) failed: "
                               f"{detail.strip().splitlines()[-1] if detail.strip() else e}") from None
-        return {int(t): float(s) for t, s in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+        return {(int(t), int(size)): float(s) for t, size, s in json.loads(proc.stdout.strip().splitlines()[-1])}
 
     return measure

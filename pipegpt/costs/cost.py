@@ -382,9 +382,10 @@ class AnalyticalCosts:
         the batch, the clip): none in the analytical model (its host floor is per layer)."""
         return 0.0
 
-    def compute_scale(self, sharding) -> float:
-        """What a layout's compute (F, B, W) is multiplied by for its ranks' threads (sharding: the whole layout's):
-        1 here; a calibrated CPU run's measured thread speedup (pipegpt.costs.calibrated.ThreadScaling)."""
+    def compute_scale(self, sharding, mbs: int) -> float:
+        """What a layout's compute (F, B, W) is multiplied by for its ranks' threads (sharding: the whole layout's)
+        and its microbatch size: 1 here; a calibrated CPU run's measured thread speedup and microbatch-size rate
+        (pipegpt.costs.calibrated.ThreadScaling, MicrobatchScaling)."""
         return 1.0
 
 
@@ -405,8 +406,9 @@ class CalibratedCosts(AnalyticalCosts):
         # seconds per token of the first and the last stage's measured F, B, W beyond what the scaled FLOP model
         # gives them (the embedding's and the head's, the loss's): set by fit_calibrated_costs
         self.embed_extra, self.head_extra = (0.0, 0.0, 0.0), (0.0, 0.0, 0.0)
-        # a CPU run's compute at other threads per rank than its own: set by pipegpt.costs.calibrated
-        self.threads = None
+        # a CPU run's compute at other threads per rank, other microbatch sizes than its own: set by
+        # pipegpt.costs.calibrated
+        self.threads = self.microbatch = None
 
     def describe(self) -> str:
         text = (f"calibrated from {self.source}: compute x{self.scale_f:.3g} (F), x{self.scale_b:.3g} (B), "
@@ -417,8 +419,9 @@ class CalibratedCosts(AnalyticalCosts):
         if self.optimizer_s_per_byte is not None:
             text += (f"; optimizer {self.optimizer_s_per_byte * 1e9:.3g} ms per MB of fp32 parameters; "
                      f"{self.per_step_s * 1e3:.3g} ms a step besides (round trip, batch, clip)")
-        if self.threads is not None:
-            text += f"; {self.threads.describe()}"
+        for scaling in (self.threads, self.microbatch):
+            if scaling is not None:
+                text += f"; {scaling.describe()}"
         return text
 
     def compute(self, model: ModelConfig, shape: Shape) -> tuple[Piece, Piece, Piece]:
@@ -444,10 +447,10 @@ class CalibratedCosts(AnalyticalCosts):
     def per_step_time(self) -> float:
         return self.per_step_s
 
-    def compute_scale(self, sharding) -> float:
-        if self.threads is None:
-            return 1.0
-        return self.threads.scale(min(sharding.world_size, self.cluster.gpus_per_node))  # the ranks of one machine
+    def compute_scale(self, sharding, mbs: int) -> float:
+        ranks = min(sharding.world_size, self.cluster.gpus_per_node)  # the ranks of one machine
+        k = 1.0 if self.threads is None else self.threads.scale(ranks)
+        return k if self.microbatch is None else k * self.microbatch.scale(ranks, mbs)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ class StageCosts:
         """Per-stage quantities as ({layer kind: per block}, {(embed, head): the stage's fixed part}): saved and
         deferred activation bytes, and F, B, W, tp_comm; and one message's bytes."""
         cut = sharding.tensor_cut
-        k = self.cost.compute_scale(sharding)  # the layout's threads per rank against a calibration run's: compute only
+        k = self.cost.compute_scale(sharding, mbs)  # threads per rank, microbatch size against a calibration run's
         key = (model.padded_vocab_size, cut, rc, mbs, self.ep_ranks_on_node(sharding), k)
         hit = self._linear.get(key)
         if hit is not None:

@@ -87,11 +87,12 @@ def test_the_planners_compute_scales_by_the_layouts_threads():
     assert predict(explicit, 1).makespan == pytest.approx(predict(None, 1).makespan)
 
 
-def test_the_child_process_answers_seconds_per_thread_count(capsys):
-    """The measurement the planner runs as a child process: one block at each count asked, in JSON."""
-    from pipegpt.stages.thread_speedup import main
+def test_the_child_process_answers_seconds_per_setting(capsys):
+    """The measurement the planner runs as a child process: one block under each [threads, microbatch size] asked,
+    in JSON, in the order asked."""
+    from pipegpt.stages.block_timing import main
 
     model = {"vocab_size": 64, "seq_len": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
-    assert main([json.dumps({"model": model, "microbatch_size": 1, "threads": [1]})]) == 0
+    assert main([json.dumps({"model": model, "settings": [[1, 1], [1, 2]]})]) == 0
     answer = json.loads(capsys.readouterr().out)
-    assert list(answer) == ["1"] and answer["1"] > 0
+    assert [(t, size) for t, size, _ in answer] == [(1, 1), (1, 2)] and all(s > 0 for _, _, s in answer)

@@ -1,0 +1,67 @@
+"""What one block of a model costs on this machine's CPU under several settings, each an intra-op thread count and
+a microbatch size: what `pipegpt plan --calibrate` scales a CPU run's compute by where a layout's ranks get another
+number of threads than the calibration run's (pipegpt.costs.calibrated.ThreadScaling), or carry another number of
+sequences per microbatch (MicrobatchScaling).
+
+The planner is torch-free, so it runs this as a child process of its own (as planner/trial.py runs `pipegpt run`):
+
+    python -m pipegpt.stages.block_timing '{"model": {...}, "settings": [[1, 2], [2, 2]]}'
+
+prints [[1, 2, seconds], [2, 2, seconds]]: for each [threads, microbatch size], the least of the forward + backward
+passes of one block of the run's model (pipegpt.stages.measure, the --balance cost measurement, block alone) over
+rounds that take the settings in turn, `repeats` passes each: a burst of load elsewhere then falls on every
+setting, not on one. At least `rounds` rounds, and more while they take under `budget_s` in all: a small block's
+ratios of a few percent need many passes on a shared machine to find each setting's quiet one, a large block's
+need few. A fresh process holds nothing else, and the block is what the calibrated scale applies
+to; a plain matmul would leave out attention, the norms and the elementwise passes, which threads and larger
+microbatches speed up less.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from pipegpt.config import ModelConfig
+from pipegpt.stages.measure import measure_layer_costs
+
+REPEATS = 3  # the least of the passes: interference only adds time (pipegpt.stages.measure)
+ROUNDS = 3
+BUDGET_S = 3.0
+MAX_ROUNDS = 30
+
+
+def block_seconds(model: ModelConfig, settings, recompute: str = "none", dtype: str = "float32",
+                  bf16: bool = False, repeats: int = REPEATS, rounds: int = ROUNDS,
+                  budget_s: float = BUDGET_S) -> dict[tuple[int, int], float]:
+    """{(threads, microbatch size): least seconds of one block's forward + backward on the CPU}."""
+    out, before, start, done = {}, torch.get_num_threads(), time.perf_counter(), 0
+    try:
+        while done < rounds or (done < MAX_ROUNDS and time.perf_counter() - start < budget_s):
+            done += 1
+            for threads, size in settings:
+                torch.set_num_threads(int(threads))
+                seconds = measure_layer_costs(model, int(size), torch.device("cpu"), getattr(torch, dtype),
+                                              recompute, torch.bfloat16 if bf16 else None, repeats=repeats,
+                                              warmup=1, pieces=("block",))["block"]
+                key = (int(threads), int(size))
+                out[key] = min(out.get(key, seconds), seconds)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def main(argv=None) -> int:
+    request = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    fields = set(ModelConfig.__dataclass_fields__)
+    model = ModelConfig(**{k: v for k, v in request["model"].items() if k in fields})
+    seconds = block_seconds(model, request["settings"], request.get("recompute", "none"),
+                            request.get("dtype", "float32"), bool(request.get("bf16", False)))
+    print(json.dumps([[threads, size, s] for (threads, size), s in seconds.items()]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
