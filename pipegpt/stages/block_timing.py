@@ -11,10 +11,10 @@ prints [[1, 2, seconds], [2, 2, seconds]]: for each [threads, microbatch size], 
 passes of one block of the run's model (pipegpt.stages.measure, the --balance cost measurement, block alone) over
 rounds that take the settings in turn, `repeats` passes each: a burst of load elsewhere then falls on every
 setting, not on one. At least `rounds` rounds, and more while they take under `budget_s` in all: a small block's
-ratios of a few percent need many passes on a shared machine to find each setting's quiet one, a large block's
-need few. A fresh process holds nothing else, and the block is what the calibrated scale applies
-to; a plain matmul would leave out attention, the norms and the elementwise passes, which threads and larger
-microbatches speed up less.
+ratios of a few percent need many passes on a shared machine to find each setting's quiet one, and a large
+block's passes are long enough to need few. A fresh process holds nothing else, and the block is what the
+calibrated scale applies to; a plain matmul would leave out attention, the norms and the elementwise passes,
+which threads and larger microbatches speed up less.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pipegpt.config import ModelConfig
 from pipegpt.stages.measure import measure_layer_costs
 
 REPEATS = 3  # the least of the passes: interference only adds time (pipegpt.stages.measure)
-ROUNDS = 3
+ROUNDS = 2
 BUDGET_S = 3.0
 MAX_ROUNDS = 30
 
