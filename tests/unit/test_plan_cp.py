@@ -141,6 +141,11 @@ def test_a_cp_rank_computes_its_share():
     merges = 3 * 3 * 2 * 64 * 128 * FP32 / 2e12  # cp - 1 steps, 3 passes, mbs 2 x 64 tokens x 128
     assert ring[0].f == pytest.approx(gather[0].f + merges, rel=1e-12)
     assert ring[0].b - ring[0].w == pytest.approx(gather[0].b - gather[0].w + merges, rel=1e-12)
+    # selective recomputation leaves cp's attention alone (pipegpt.model.gpt): nothing more to compute; at cp 1
+    # it recomputes attention's two T x T products, 4 x 256^2 x 128 FLOPs a sequence at 50 TFLOP/s
+    assert costs.compute(LLAMA, Shape(Sharding(cp=4), "selective", 2, "ring")) == ring
+    selective = costs.compute(LLAMA, Shape(Sharding(), "selective", 2))
+    assert selective[0].b - one[0].b == pytest.approx(2 * 4 * 256 * 256 * 128 / 50e12, rel=1e-12)
 
 
 def test_the_ring_shows_only_what_the_blocks_attention_does_not_hide():
