@@ -372,3 +372,9 @@ def test_bad_input_is_refused():
     odd = torch.zeros(1, 4, 5, 8)
     with pytest.raises(ValueError, match="local sequence of 5 does not hold two equal chunks"):
         context_parallel_attention(odd, odd, odd, None, 0, 2)
+
+
+def test_the_planner_keeps_the_peers_block_where_attention_does():
+    from pipegpt.costs import activations
+
+    assert attention.KEEP_PEER_CP == activations.KEEP_PEER_CP == 2
