@@ -19,7 +19,14 @@ Every cp rank is a process (gloo) holding the whole one-stage model and two chun
   its share, which a loaded machine changes far less than the wall time (two ranks or two threads that wait
   for each other lose whole time slices when other processes hold the cores);
 - bytes sent per forward + backward by the attention (context_parallel.attention.bytes_sent), beside the count
-  the cost model uses.
+  the cost model uses;
+- the planner's prediction (pipegpt.planner.search.evaluate_layout, one stage, one microbatch: the simulator's
+  compute and exposed cp communication, no gradient sync) on this machine as a cluster of CPU ranks: compute
+  at the speed that makes its one-process step the measured one on one thread, links measured first (two gloo
+  processes on one thread each swapping 4 KiB, then a K/V block, each way: latency and bandwidth), memory
+  bandwidth from one thread copying the merged output block (the ring's merges). Beside the walls: predicted
+  over cp 1 at the cores' threads (its wall measured: the calibrated planner's thread scaling, measured too);
+  beside the CPU: predicted over one thread's work / cp.
 --profile instead: one process on one thread over the whole sequence, then every cp rank on one thread, each op's
 CPU time (the thread's, around each aten op) and each thread's (schedstat), by category and by op beside the one
 process's share: where a rank's CPU goes beyond its share, gloo's threads included.
@@ -112,6 +119,86 @@ def _spawn(target, cp: int, comm: str, seq: int, args, threads: int) -> list:
     return rows
 
 
+def _link_rank(rank: int, cp: int, comm: str, seq: int, args, port: int, threads: int, out) -> None:
+    """Two ranks swap a small message and a K/V block (both ways at once, as a ring step), each --repeats x 10
+    times: (median seconds of each, seconds of one thread cloning the fp32 output block)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    tokens = args.microbatch_size * seq // 2
+    kv_width = 2 * (args.n_kv_head or args.n_head) * (args.n_embd // args.n_head)
+    times = []
+    for numel in (1024, tokens * kv_width):
+        send, recv = torch.ones(numel), torch.empty(numel)
+        spent = []
+        for i in range(10 * args.repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, 1 - rank),
+                                                dist.P2POp(dist.irecv, recv, 1 - rank)]):
+                work.wait()
+            spent.append(time.perf_counter() - t0)
+        times.append(statistics.median(spent[2:]))
+    block, into = torch.randn(tokens * args.n_embd), torch.empty(tokens * args.n_embd)
+    copies = []
+    for _ in range(10 * args.repeats + 2):
+        t0 = time.perf_counter()
+        into.copy_(block)  # into a buffer already touched, as the merges' in-place passes
+        copies.append(time.perf_counter() - t0)
+    copies = copies[2:]
+    out.put((rank, times[0], times[1], statistics.median(copies)))
+    dist.destroy_process_group()
+
+
+def measure_link(seq: int, args) -> dict:
+    """This machine as the planner's cluster sees it: gloo's latency and bandwidth between two processes,
+    one thread's copy bandwidth (the cost model's HBM)."""
+    rows = _spawn(_link_rank, 2, "ring", seq, args, 1)
+    small, large, copy = (max(r[i] for r in rows) for i in (1, 2, 3))
+    kv_bytes = 4 * args.microbatch_size * seq // 2 * 2 * (args.n_kv_head or args.n_head) * (args.n_embd // args.n_head)
+    out_bytes = 4 * args.microbatch_size * seq // 2 * args.n_embd
+    link = {"latency_s": small, "bytes_per_s": kv_bytes / max(large - small, 1e-9), "copy_bytes_per_s": out_bytes / copy}
+    print(f"this machine's links (gloo, two processes on one thread each): {small * 1e6:.0f} us a 4 KiB swap, "
+          f"{large * 1e3:.3f} ms a K/V block of {kv_bytes / 2**20:.2f} MiB: {link['bytes_per_s'] / 1e9:.2f} GB/s; "
+          f"one thread copies {link['copy_bytes_per_s'] / 1e9:.1f} GB/s")
+    return link
+
+
+def planner_ms(cp: int, comm: str, seq: int, args, link: dict, one_thread_ms: float) -> dict:
+    """The planner's forward + backward for one cp rank on one thread (see the module docstring): {"ms", "cp_ms"
+    (exposed cp communication), "describe"}. Compute is scaled so that cp 1's prediction is one_thread_ms."""
+    from dataclasses import replace
+
+    from pipegpt.config import ModelConfig
+    from pipegpt.costs.cost import AnalyticalCosts
+    from pipegpt.costs.devices import make_cluster
+    from pipegpt.planner.candidates import Layout, Request
+    from pipegpt.planner.search import evaluate_layout
+
+    model = ModelConfig(vocab_size=256, seq_len=seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                        arch=args.arch, n_kv_head=args.n_kv_head, bias=args.arch == "gpt2")
+
+    def predict(c: int, tflops: float) -> dict:
+        cluster = make_cluster(c, c, gpu_memory="64GiB", gpu_tflops=tflops, intra_node=link["bytes_per_s"],
+                               precision="fp32", hbm=link["copy_bytes_per_s"], reserve=0,
+                               name="CPU rank (this machine)")
+        cluster = replace(cluster, latency_intra_s=link["latency_s"])
+        costs = AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0)  # the measurement has the host
+        result = evaluate_layout(Request(model, args.microbatch_size, cluster, costs),
+                                 Layout(1, 1, 1, "1f1b", 1, 1, args.microbatch_size, cp=c, cp_comm=comm))
+        parts = result.breakdown  # the busiest rank's; the bench runs no gradient sync and no optimizer
+        ms = sum(parts[k] for k in ("compute", "recompute", "tp_comm", "cp_comm", "idle")) * 1e3
+        return {"ms": ms, "cp_ms": parts["cp_comm"] * 1e3}
+
+    tflops = 1.0
+    for _ in range(4):  # compute ~ 1 / tflops; the memory-bound terms make it a fixed point
+        tflops *= predict(1, tflops)["ms"] / one_thread_ms
+    return predict(cp, tflops) | {"tflops": tflops}
+
+
 def measure(cp: int, comm: str, seq: int, args, threads: int | None = None) -> dict:
     rows = _spawn(_rank, cp, comm, seq, args, threads or max(1, args.cores // cp))
     return {"activation": max(r[1] for r in rows), "sent": max(r[2] for r in rows),
@@ -194,14 +281,23 @@ def time_table(cps, comms, args) -> None:
     wall = {c: statistics.median(r["ms"] for r in rs) for c, rs in runs.items()}
     cpu = {c: statistics.median(r["cpu_ms"] for r in rs) for c, rs in runs.items()}
     first = configs[1]
+    link = measure_link(args.time_seq, args)
+    planned = {c: planner_ms(c[0], c[1], args.time_seq, args, link, wall[work]) for c in configs}
+    print(f"the planner's CPU ranks: those links, compute at {planned[first]['tflops'] * 1e3:.1f} GFLOP/s (fitted)")
     print("| cp | comm | threads per rank | wall ms (median of rounds) | rounds min..max | wall vs cp 1 | "
-          "CPU ms per rank (busiest) | CPU vs one thread's / cp |")
-    print("|---|---|---|---|---|---|---|---|")
+          "predicted vs cp 1 | CPU ms per rank (busiest) | CPU vs one thread's / cp | "
+          "predicted vs one thread's / cp | predicted cp comm ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c, rs in runs.items():
         cp, comm, threads = c
-        ms = [r["ms"] for r in rs]
+        ms, pred = [r["ms"] for r in rs], planned[c]
+        # cp 1 at the cores' threads: its wall stands for the planner's (the calibrated planner measures the
+        # threads' speedup too), so the predicted columns are for one thread per rank
+        ahead, share = (f"{pred['ms'] / wall[first]:.2f}", f"{pred['ms'] / (planned[work]['ms'] / cp):.3f}") \
+            if threads == 1 else ("1.00", "-")
         print(f"| {cp} | {comm if cp > 1 else '-'} | {threads} | {wall[c]:.0f} | {min(ms):.0f}..{max(ms):.0f} | "
-              f"{wall[c] / wall[first]:.2f} | {cpu[c]:.0f} | {cpu[c] / (cpu[work] / cp):.2f} |")
+              f"{wall[c] / wall[first]:.2f} | {ahead} | {cpu[c]:.0f} | {cpu[c] / (cpu[work] / cp):.2f} | "
+              f"{share} | {pred['cp_ms']:.2f} |")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
@@ -308,12 +404,18 @@ def profile_table(cps, comms, args) -> None:
     excess over its share (the one process's / cp)."""
     seq = args.time_seq
     base = _spawn(_profile_rank, 1, comms[0], seq, args, 1)[0]
+    link = measure_link(seq, args)
     print(f"\nCPU ms per forward + backward by category and op, seq {seq}, one thread per process (thread CPU time, "
           f"mean of {args.repeats} passes under a dispatch-mode timer; threads: median of {args.repeats} plain passes):")
     for cp in [c for c in cps if c > 1]:
         for comm in comms:
             rows = _spawn(_profile_rank, cp, comm, seq, args, 1)
             _print_profile(cp, comm, base, rows)
+            # the planner calibrated to the one process's CPU (all threads): a rank's time over its share
+            one = sum(base[1].values())
+            pred = planner_ms(cp, comm, seq, args, link, one)
+            print(f"the planner: a rank at x{pred['ms'] / (one / cp):.3f} of its share, {pred['cp_ms']:.2f} ms of it "
+                  f"cp communication exposed, the rest its merges")
 
 
 def _print_profile(cp: int, comm: str, base, rows) -> None:

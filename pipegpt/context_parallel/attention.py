@@ -4,7 +4,10 @@
 
 q [B, Hq, L, hd], k and v [B, Hkv, L, hd]: this rank's L = T / cp tokens (chunk r, then chunk 2cp-1-r), positions
 already applied. A query attends to the keys at global positions <= its own (and, given documents [B, L], of its own
-document). Two autograd Functions; each saves only local tensors (q, k, v, out, the log-sum-exp, documents):
+document). Two autograd Functions; each saves local tensors (q, k, v, out, the log-sum-exp, documents) and, at
+cp 2 (KEEP_PEER_CP), the peer's K/V block (and document ids) it received, so that the backward sends dK/dV only:
+one K/V block more per layer kept, one exchange of three per layer saved. Under torch's checkpoint (full
+recomputation) the first forward keeps nothing and the recomputed one passes K/V again and keeps the block.
 
 ring (default): K/V (with GQA only the kv heads) travel to the next cp rank in batched point-to-point, each block's
   attention computed while the next is in flight, partial outputs merged by their log-sum-exp in fp32. At step s
@@ -13,10 +16,12 @@ ring (default): K/V (with GQA only the kv heads) travel to the next cp rank in b
   than all of r's queries), a later rank's block only for r's second chunk (r's first is earlier than all its keys).
   Every step after the first is L x L/2 pairs on every rank. The backward is a ring too: a block's dK/dV (fp32)
   begin at the first rank after its owner and travel with the block, each rank adding its share; the last hop
-  brings them to the owner, which adds its own (cp - 1 hops of dK/dV: none for the owner's share).
+  brings them to the owner, which adds its own (cp - 1 hops of dK/dV: none for the owner's share). At cp 2 the
+  backward's K/V is the forward's kept block: only the dK/dV hop travels.
 allgather (Llama 3's): K, V and documents gathered once; the local queries attend to the ring's blocks, the
   earlier ranks' key chunks joined into one block and the later ranks' into another (at most three kernels, no
-  pair the causal mask drops); the backward re-gathers K/V and reduce-scatters dK/dV.
+  pair the causal mask drops); the backward re-gathers K/V (at cp 2: the kept peer's block, copied out of the
+  gathered buffer in the forward) and reduce-scatters dK/dV.
 
 Every wait is bounded by TIMEOUT_S (set_timeout) where the backend's Work takes a timeout (gloo; on CUDA NCCL's
 own group timeout bounds the stream wait) and a failure raises ContextParallelError naming the peer. bytes_sent()
@@ -35,6 +40,7 @@ from pipegpt.tensor_parallel.collectives import _all_gather_single, _reduce_scat
 
 COMMS = ("ring", "allgather")
 TIMEOUT_S = 60.0  # any one wait; pipegpt's --timeout through set_timeout
+KEEP_PEER_CP = 2  # at this cp the forward keeps the peer's K/V block for the backward (one block per layer)
 _sent = [0]  # bytes this process sent through this module
 
 
@@ -128,13 +134,17 @@ def _ring_block(r: int, source: int, half: int):
     return slice(half, None), slice(None), False
 
 
-def _ring_blocks(peers: _Peers, k, v, documents, r: int, n: int):
+def _ring_blocks(peers: _Peers, k, v, documents, r: int, n: int, kept=None, keep: list | None = None):
     """Each step's (query slice, key slice, causal, k, v, same-document mask) on rank r; the next block travels
-    while the caller computes on this one."""
+    while the caller computes on this one. kept: at cp 2, the peer's (K/V, document ids) the forward received,
+    so nothing travels; keep: a list the peer's block received last is appended to (the forward's, at cp 2)."""
     half = k.size(2) // 2
-    kv, docs = torch.stack((k, v)) if n > 1 else None, documents  # one contiguous message
+    kv = torch.stack((k, v)) if n > 1 and kept is None else None  # one contiguous message
+    docs = documents
     for step in range(n):
-        posted = peers.shift([kv] if docs is None else [kv, docs], 0, "passing K/V") if step < n - 1 else None
+        posted = None
+        if step < n - 1 and kept is None:
+            posted = peers.shift([kv] if docs is None else [kv, docs], 0, "passing K/V")
         qs, ks, causal = _ring_block(r, (r - step) % n, half)
         allowed = None if docs is None else _same_document(documents[:, qs], docs[:, ks])
         # the own block from k and v themselves: the kernel's dK/dV then come in their layout, which the
@@ -143,6 +153,10 @@ def _ring_blocks(peers: _Peers, k, v, documents, r: int, n: int):
                                                                  allowed)
         if posted is not None:
             kv, docs = (peers.wait(posted) + [None])[:2]
+        elif kept is not None:
+            kv, docs = kept
+    if keep is not None and n > 1:
+        keep.append((kv, docs))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -150,23 +164,27 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, documents, group, cp_rank, cp_size):
         peers = _Peers(group, cp_rank, cp_size, q.device)
         out = lse = None
-        for qs, ks, causal, k_block, v_block, allowed in _ring_blocks(peers, k, v, documents, cp_rank, cp_size):
+        keep = [] if cp_size == KEEP_PEER_CP else None
+        for qs, ks, causal, k_block, v_block, allowed in _ring_blocks(peers, k, v, documents, cp_rank, cp_size,
+                                                                      keep=keep):
             block_out, block_lse = block_forward(q[:, :, qs], k_block, v_block, causal, allowed)
             if out is None:  # the diagonal block: every query sees itself, so lse starts finite
                 out, lse = block_out.to(block_lse.dtype), block_lse
             else:
                 merge_into(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, documents)
+        peer_kv, peer_docs = keep[0] if keep else (None, None)  # at cp 2: the peer's block, for the backward
+        ctx.save_for_backward(q, k, v, out, lse, documents, peer_kv, peer_docs)
         ctx.group, ctx.cp_rank, ctx.cp_size = group, cp_rank, cp_size
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, documents = ctx.saved_tensors
+        q, k, v, out, lse, documents, peer_kv, peer_docs = ctx.saved_tensors
         peers = _Peers(ctx.group, ctx.cp_rank, ctx.cp_size, q.device)
-        dq = own = posted = None
-        blocks = _ring_blocks(peers, k, v, documents, ctx.cp_rank, ctx.cp_size)
+        dq = posted = None
+        kept = None if peer_kv is None else (peer_kv, peer_docs)
+        blocks = _ring_blocks(peers, k, v, documents, ctx.cp_rank, ctx.cp_size, kept)
         for step, (qs, ks, causal, k_block, v_block, allowed) in enumerate(blocks):
             dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_block, v_block, out[:, :, qs],
                                               lse[:, :, qs], causal, allowed)
@@ -244,12 +262,21 @@ def _keys(gathered: torch.Tensor, parts, dim: int) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
-def _allgather_blocks(k, v, documents, group, r: int, n: int):
+def _allgather_blocks(k, v, documents, group, r: int, n: int, kept=None, keep: list | None = None):
     """K/V (and document ids) gathered from every cp rank, then per block of _gathered_blocks: (query slice, its
-    key parts, causal, the block's K/V [2, B, Hkv, keys, hd], its same-document mask or None)."""
+    key parts, causal, the block's K/V [2, B, Hkv, keys, hd], its same-document mask or None). kept: at cp 2, the
+    peer's (K/V, document ids) from the forward: nothing is gathered; keep: a list the peer's are appended to,
+    copied out of the gathered buffer (whose other half is this rank's own K/V, kept already)."""
     host_waits = k.device.type != "cuda"
-    kv = _all_gather(torch.stack((k, v)), "K/V", group, r, n, host_waits)  # [cp, 2, B, Hkv, L, hd]
-    docs = None if documents is None else _all_gather(documents, "document ids", group, r, n, host_waits)
+    if kept is None:
+        kv = _all_gather(torch.stack((k, v)), "K/V", group, r, n, host_waits)  # [cp, 2, B, Hkv, L, hd]
+        docs = None if documents is None else _all_gather(documents, "document ids", group, r, n, host_waits)
+        if keep is not None:
+            keep.append((kv[1 - r].clone(), None if docs is None else docs[1 - r].clone()))
+    else:  # cp 2: this rank's and the peer's, in cp rank order
+        (peer_kv, peer_docs), own = kept, torch.stack((k, v))
+        kv = (own, peer_kv) if r == 0 else (peer_kv, own)
+        docs = None if documents is None else ((documents, peer_docs) if r == 0 else (peer_docs, documents))
     for qs, parts, causal in _gathered_blocks(r, n, k.size(2) // 2):
         allowed = None if docs is None else _same_document(documents[:, qs], _keys(docs, parts, 1))
         yield qs, parts, causal, _keys(kv, parts, 3), allowed
@@ -259,23 +286,28 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, documents, group, cp_rank, cp_size):
         out = lse = None
-        for qs, _, causal, kv_block, allowed in _allgather_blocks(k, v, documents, group, cp_rank, cp_size):
+        keep = [] if cp_size == KEEP_PEER_CP else None
+        for qs, _, causal, kv_block, allowed in _allgather_blocks(k, v, documents, group, cp_rank, cp_size,
+                                                                  keep=keep):
             block_out, block_lse = block_forward(q[:, :, qs], kv_block[0], kv_block[1], causal, allowed)
             if out is None:  # the diagonal block first: its lse is finite
                 out, lse = block_out.to(block_lse.dtype), block_lse
             else:
                 merge_into(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, documents)  # local only: K/V are gathered again in backward
+        # local only, but at cp 2 the peer's K/V (one block); at cp > 2 K/V are gathered again in backward
+        peer_kv, peer_docs = keep[0] if keep else (None, None)
+        ctx.save_for_backward(q, k, v, out, lse, documents, peer_kv, peer_docs)
         ctx.group, ctx.cp_rank, ctx.cp_size = group, cp_rank, cp_size
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, documents = ctx.saved_tensors
+        q, k, v, out, lse, documents, peer_kv, peer_docs = ctx.saved_tensors
         r, n, host_waits = ctx.cp_rank, ctx.cp_size, q.device.type != "cuda"
         dq = dkv = None
-        for qs, parts, causal, kv_block, allowed in _allgather_blocks(k, v, documents, ctx.group, r, n):
+        kept = None if peer_kv is None else (peer_kv, peer_docs)
+        for qs, parts, causal, kv_block, allowed in _allgather_blocks(k, v, documents, ctx.group, r, n, kept):
             dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], kv_block[0], kv_block[1], out[:, :, qs],
                                               lse[:, :, qs], causal, allowed)
             if dq is None:  # the diagonal block, all of this rank's keys: its rows start as this block's

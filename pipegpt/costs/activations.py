@@ -115,10 +115,13 @@ Context parallelism (sharding.cp > 1)
 A rank holds L = s/cp tokens of every sequence (two chunks), and its blocks keep what they keep for s tokens
 with s = L (the ring's autograd Function saves its local q, k, v, output and logsumexp: O(L)); so does
 the head, and the embedding's tokens and positions. Every per-token term above divides by cp; weights do not.
+At cp 2 (KEEP_PEER_CP) each block also keeps the peer's K/V, b*L*2*kv*hd*c bytes (kv: the rank's kv heads),
+for its backward (none under full recomputation, whose checkpoint keeps the block's input only).
 In flight while a block's attention runs (workspace, not held): blocks of K and V of b*L*2*kv*hd*c bytes
-(kv: the rank's kv heads, only they travel): the ring two in the forward (the one computed on, the one
-arriving) and four in the backward (K/V and dK/dV); the all-gather the whole gathered K/V (cp blocks)
-forward and K/V with dK/dV (2*cp blocks) backward.
+(only kv heads travel): the ring two in the forward (the one computed on, the one arriving; at cp 2 the
+arriving one stays, held) and four in the backward (K/V and dK/dV; at cp 2 dK/dV's two); the all-gather the
+whole gathered K/V (cp blocks) forward and K/V with dK/dV (2*cp blocks) backward (at cp 2 the own K/V stacked
+beside the kept peer's and dK/dV: 3).
 
 Workspace (an estimate)
 -----------------------
@@ -145,6 +148,8 @@ from pipegpt.dims import Sharding
 from pipegpt.schedule.actions import Kind, Plan
 
 from .experts import tp_model
+
+KEEP_PEER_CP = 2  # cp at which a block keeps the peer's K/V (pipegpt.context_parallel.attention's)
 
 
 MEMORY_PRECISIONS = ("fp32", "bf16", "fp64")
@@ -262,6 +267,8 @@ def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device, moe
              + Q // tp * c  # the attention output = the proj input
              + (arch.mlp_saved - (2 if norm_act else 0)) * b * s * (F // tp) * c  # the MLP's intermediates
              + (_moe_dispatched(model, b, sharding, precision) if moe else 0))  # its rows, experts' outputs
+    if sharding.cp == KEEP_PEER_CP:
+        layer += 2 * b * s * kv * c  # the peer's K/V block, for the backward
     if arch.rotary and c != 4:
         layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call
     if precision == "bf16":
@@ -461,8 +468,9 @@ def _block_workspace(model, b, sharding: Sharding, recompute, precision, device,
             backward += 3 * b * (a // tp) * s * s * c
     if cp > 1:  # K/V blocks in flight (see the module docstring)
         kv_block = b * s * 2 * kv_local_heads(model, tp) * model.head_dim * c
-        forward += kv_block * (cp if cp_comm == "allgather" else 2)
-        backward += kv_block * (2 * cp if cp_comm == "allgather" else 4)
+        kept = cp == KEEP_PEER_CP  # the peer's block stays after the forward (held) and never travels back
+        forward += kv_block * (cp if cp_comm == "allgather" else 1 if kept else 2)
+        backward += kv_block * ((2 * cp - 1 if kept else 2 * cp) if cp_comm == "allgather" else 2 if kept else 4)
     widest = F * h // tp
     return forward, backward, widest * (r + (2 if precision == "bf16" else 0))  # the largest weight's gradient
 

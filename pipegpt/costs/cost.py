@@ -54,11 +54,16 @@ vocabulary V, tp tensor-parallel ranks, one device of peak P FLOP/s at efficienc
   log-sum-exp (forward; the backward accumulates dQ alike): 3 passes over the fp32 output block, mbs L C / tp
   values, at HBM speed, in the block's compute; and its kernels raise the block's host floor by a sixth per
   step (RING_STEP_LAUNCH). allgather: K/V gathered forward ((cp-1) steps of a block), gathered
-  again and dK/dV reduce-scattered backward (nothing of the sequence is kept), none of it overlapped; its
-  compute is the ring's blocks, at most three, whose one or two merges are not charged. In this model the
-  ring never costs more than the all-gather. Recomputation (selective or full) reruns the
-  forward's share in the backward. These exposed times join the block's collectives (the simulator's
-  tp_comm); the gradient all-reduce and ZeRO-1 span dp x cp ranks (pipegpt.costs.stage_costs).
+  again and dK/dV reduce-scattered backward, none of it overlapped; its
+  compute is the ring's blocks, at most three, whose one or two merges are not charged. At cp 2 (KEEP_PEER_CP)
+  the forward keeps the peer's K/V block, so the backward passes dK/dV only: the ring's one hop home, the
+  all-gather's reduce-scatter. On CPU ranks (the cluster's unit "rank": gloo over TCP) the bytes are copied by
+  the cores that compute (the sender's writev, the receiver's event-loop thread), so only a transfer's latency
+  hides behind the ring's attention, never its copy (block / bandwidth). In this model the ring never costs
+  more than the all-gather. Full recomputation reruns the forward's share in the backward; selective
+  recomputes nothing of cp's attention (its Function keeps O(L): pipegpt.model.gpt). These exposed times join
+  the block's collectives (the simulator's tp_comm); the gradient all-reduce and ZeRO-1 span dp x cp ranks
+  (pipegpt.costs.stage_costs).
 * Llama's blocks cost what their FLOPs say (above) and move what GPT-2's move (two all-reduces of mbs T C
   activations per pass: attn.proj's and mlp.proj's outputs); RMSNorm, rotary and SiLU are elementwise, counted
   as GPT-2's LayerNorm and GELU are: not at all.
@@ -98,6 +103,7 @@ from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.model.flops import block_matmul_weights
 
+from .activations import KEEP_PEER_CP
 from .devices import Cluster
 from .experts import DEFAULT_MOE_IMBALANCE, DISPATCHERS, RANK_ORDERS, dispatch_copies, expert_weight_bytes
 
@@ -125,14 +131,17 @@ def cp_block_bytes(model: ModelConfig, microbatch_size: int, sharding, precision
 def cp_bytes_per_layer(model: ModelConfig, microbatch_size: int, sharding, comm: str,
                        precision: str = "fp32") -> float:
     """Bytes one cp rank sends per layer in a forward and backward: (cp - 1) K/V blocks forward; backward K/V
-    again and (cp - 1) blocks of dK/dV, ring or all-gather (the ring's begin at the rank after their owner, so
-    the owner's share never travels; the all-gather's reduce-scatter sends the others' shares). The time model
-    charges the ring's backward one overlapped dK/dV block more than this (context_parallel: cp - 1 steps of
-    K/V and dK/dV, then the hop home): it shows only where a step's transfer outlasts its attention."""
+    again (but at cp 2, KEEP_PEER_CP: the forward kept the peer's) and (cp - 1) blocks of dK/dV, ring or
+    all-gather (the ring's begin at the rank after their owner, so the owner's share never travels; the
+    all-gather's reduce-scatter sends the others' shares). Without recomputation (full recomputation's forward
+    passes K/V again). The time model charges the ring's backward at cp > 2 one overlapped dK/dV block more
+    than this (context_parallel: cp - 1 steps of K/V and dK/dV, then the hop home): it shows only where a
+    step's transfer outlasts its attention."""
     cp = sharding.cp
     if cp == 1:
         return 0.0
-    return 3 * (cp - 1) * cp_block_bytes(model, microbatch_size, sharding, precision)
+    passes = 2 if cp == KEEP_PEER_CP else 3
+    return passes * (cp - 1) * cp_block_bytes(model, microbatch_size, sharding, precision)
 
 
 @dataclass(frozen=True)
@@ -229,8 +238,8 @@ class AnalyticalCosts:
         lf, lw, li = max(f + merges, block_floor), max(f, floor), max(f + merges, block_floor)
         if shape.recompute == "full":
             li += lf
-        elif shape.recompute == "selective":
-            li += mbs * 4 * T * model.seq_len * C / tp / rate + merges
+        elif shape.recompute == "selective" and cp == 1:  # cp's attention keeps O(L) and recomputes nothing
+            li += mbs * 4 * T * model.seq_len * C / tp / rate
         elif shape.recompute == "norm-act":  # two norms from their inputs, SiLU x up from its inputs: HBM passes
             tokens = shape.sharding.tokens_per_rank(model.seq_len, mbs)
             li += (2 * tokens * C * (FP32 + 2) + 3 * mbs * T * model.ffn_width / tp * 2) / hbm
@@ -270,16 +279,28 @@ class AnalyticalCosts:
         block = cp_block_bytes(model, shape.mbs, sh, c.precision)
         bw, lat = self._link(c.gpus_per_node % (tp * cp) == 0)  # every group of tp x cp consecutive ranks in a node
         step = lat + block / bw
+        kept = cp == KEEP_PEER_CP  # the backward passes no K/V: the forward kept the peer's block
         if shape.cp_comm == "allgather":
             forward = (cp - 1) * step
-            backward = 2 * forward  # K/V gathered again, dK/dV reduce-scattered
+            backward = forward if kept else 2 * forward  # dK/dV reduce-scattered (and K/V gathered again)
         else:
-            attention = shape.mbs * 2 * L * L * model.attention_width / tp / self._rate()  # one causal block
-            forward = (cp - 1) * max(0.0, step - attention)
-            backward = (cp - 1) * max(0.0, lat + 2 * block / bw - 2 * attention) + step  # dK/dV's last hop home
-        if shape.recompute in ("full", "selective"):
+            attention = self.attention_time(shape.mbs * 2 * L * L * model.attention_width / tp)  # a causal block
+            copy = block / bw if c.unit == "rank" else 0.0  # CPU ranks copy the bytes on the computing cores
+
+            def exposed(blocks: int, overlapped: float) -> float:  # one ring step moving `blocks` blocks
+                return max(0.0, lat + blocks * (block / bw - copy) - overlapped) + blocks * copy
+
+            forward = (cp - 1) * exposed(1, attention)
+            backward = step  # dK/dV's last hop home, after the last block
+            if not kept:
+                backward += (cp - 1) * exposed(2, 2 * attention)  # K/V and dK/dV against a block's backward
+        if shape.recompute == "full":
             backward += forward  # the recomputed attention passes K/V again
         return forward, backward
+
+    def attention_time(self, flops: float) -> float:
+        """Seconds of `flops` of a cp block's attention, what a ring step's transfer overlaps."""
+        return flops / self._rate()
 
     def _link(self, same_node: bool) -> tuple[float, float]:
         """(bytes per second, latency) of one GPU's link to a peer."""
@@ -435,6 +456,9 @@ class CalibratedCosts(AnalyticalCosts):
 
     def message_time(self, nbytes: float, same_node: bool) -> float:
         return self.message_s
+
+    def attention_time(self, flops: float) -> float:
+        return super().attention_time(flops) * self.scale_f  # the forward's measured speed
 
     def expert_weight_bytes(self, block: ModelConfig, ep: int) -> tuple[float, float, float]:
         return 0.0, 0.0, 0.0  # the measured compute holds the run's own memory traffic

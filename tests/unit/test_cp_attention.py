@@ -21,21 +21,24 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from pipegpt.context_parallel import attention, kernels
 from pipegpt.context_parallel.attention import attention_pairs, context_parallel_attention
 from pipegpt.context_parallel.chunks import join_sequence, local_positions, shard_sequence
 from pipegpt.context_parallel.kernels import block_backward, block_forward, choose_kernel
+from plan_memory_harness import StorageTracker, storages_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WORLD = 4
 DTYPES = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16}
 
 
-def case(cp, comm, hq, hkv, docs, dtype="f64", kernel=None, batch=2, seq=24, hd=8):
-    name = f"cp{cp}-{comm}-h{hq}kv{hkv}{'-docs' if docs else ''}-{dtype}{'-' + kernel if kernel else ''}-T{seq}"
+def case(cp, comm, hq, hkv, docs, dtype="f64", kernel=None, batch=2, seq=24, hd=8, recompute=False):
+    name = (f"cp{cp}-{comm}-h{hq}kv{hkv}{'-docs' if docs else ''}-{dtype}{'-' + kernel if kernel else ''}-T{seq}"
+            f"{'-recompute' if recompute else ''}")
     return dict(name=name, cp=cp, comm=comm, hq=hq, hkv=hkv, docs=docs, dtype=dtype, kernel=kernel, batch=batch,
-                seq=seq, hd=hd)
+                seq=seq, hd=hd, recompute=recompute)
 
 
 HEADS = [(2, 2), (4, 2), (4, 1)]  # GPT-2-like, GQA, MQA
@@ -43,7 +46,10 @@ CASES = ([case(cp, comm, hq, hkv, docs) for cp in (2, 4) for comm in ("ring", "a
           for docs in (False, True)]
          + [case(cp, comm, 4, 2, True, kernel="math") for cp in (2, 4) for comm in ("ring", "allgather")]
          + [case(cp, comm, 4, 2, True, "bf16") for cp in (2, 4) for comm in ("ring", "allgather")]
-         + [case(4, comm, 4, 1, True, "f32") for comm in ("ring", "allgather")])
+         + [case(4, comm, 4, 1, True, "f32") for comm in ("ring", "allgather")]
+         # under torch's checkpoint (full recomputation): the first forward keeps nothing, the recomputed one
+         # keeps the peer's K/V at cp 2 and the backward uses it
+         + [case(cp, comm, 4, 2, True, recompute=True) for cp in (2, 4) for comm in ("ring", "allgather")])
 SLOW_CASES = [case(cp, comm, hq, hkv, docs, dtype, kernel, batch=3, seq=96, hd=16)
               for cp in (2, 4) for comm in ("ring", "allgather") for hq, hkv in HEADS + [(8, 2)] for docs in (False, True)
               for dtype, kernel in (("f64", None), ("f32", None), ("f64", "math"), ("bf16", None))]
@@ -91,14 +97,21 @@ def run_case(c, group, cp_rank):
         saved.append(t.numel() * t.element_size())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = context_parallel_attention(q, k, v, group, cp_rank, c["cp"], c["comm"], docs)
+    args = (q, k, v, group, cp_rank, c["cp"], c["comm"], docs)
+    if c["recompute"]:  # what the forward leaves alive beside its output: nothing but its inputs
+        with StorageTracker() as tracker:
+            out = checkpoint(context_parallel_attention, *args, use_reentrant=False)
+        held = tracker.held(storages_of([out, *leaves, docs]))  # aliases of the inputs are seen
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = context_parallel_attention(*args)
+        held = None
     forward_bytes = attention.bytes_sent()
     out.backward(local[3].transpose(1, 2))
     kernels.FORCE_KERNEL = None
     dq, dk, dv = (t.grad.transpose(1, 2) for t in leaves)
     return dict(out=out.detach(), dq=dq, dk=dk, dv=dv, forward_bytes=forward_bytes,
-                backward_bytes=attention.bytes_sent() - forward_bytes, saved=sum(saved))
+                backward_bytes=attention.bytes_sent() - forward_bytes, saved=sum(saved), held=held)
 
 
 def worker(rank, port, cases, out_path):
@@ -185,26 +198,35 @@ def test_matches_one_process_attention_longer_sequences(tmp_path):
 def expected_bytes(c):
     """What one rank sends: forward, backward. Ring: (cp-1) K/V (+ documents) hops each way, cp-1 hops of dK/dV
     (accumulated in fp32, fp64 for fp64; the owner's share never travels); all-gather: K/V (+ documents) to cp-1
-    ranks each way, dK/dV's share: the same bytes."""
+    ranks each way, dK/dV's share: the same bytes. At cp 2 the backward sends no K/V (the forward kept the peer's)
+    but under recomputation, whose forward passes them again."""
     n, L = c["cp"], c["seq"] // c["cp"]
     size = DTYPES[c["dtype"]].itemsize
     kv = 2 * c["batch"] * c["hkv"] * L * c["hd"]
     docs = c["batch"] * L * 8 if c["docs"] else 0
     grads = kv * (8 if c["dtype"] == "f64" else 4)
-    return (n - 1) * (kv * size + docs), (n - 1) * (kv * size + docs + grads)
+    passes = (n > 2) + c["recompute"]  # K/V again in the backward: at cp > 2, and in the recomputed forward
+    return (n - 1) * (kv * size + docs), (n - 1) * (passes * (kv * size + docs) + grads)
 
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c["name"])
 def test_bytes_sent_and_saved_activations_are_local(results, c):
-    """Bytes match the count; what autograd keeps is q, k, v, out, lse and documents of this rank only."""
+    """Bytes match the count; what autograd keeps is q, k, v, out, lse and documents of this rank only, and at
+    cp 2 the peer's K/V (and documents): one block. Under checkpoint the forward leaves nothing alive but its
+    output (and its inputs, not counted)."""
     L = c["seq"] // c["cp"]
     size = DTYPES[c["dtype"]].itemsize
     lse_size = 8 if c["dtype"] == "f64" else 4
-    local = c["batch"] * L * ((2 * c["hq"] + 2 * c["hkv"]) * c["hd"] * size + c["hq"] * lse_size + (8 if c["docs"] else 0))
+    docs = 8 if c["docs"] else 0
+    local = c["batch"] * L * ((2 * c["hq"] + 2 * c["hkv"]) * c["hd"] * size + c["hq"] * lse_size + docs)
+    peer = c["batch"] * L * (2 * c["hkv"] * c["hd"] * size + docs) if c["cp"] == 2 else 0
     for r in range(c["cp"]):
         row = results[r][c["name"]]
         assert (row["forward_bytes"], row["backward_bytes"]) == expected_bytes(c)
-        assert row["saved"] == local
+        if c["recompute"]:
+            assert (row["saved"], row["held"]) == (0, 0)
+        else:
+            assert row["saved"] == local + peer
 
 
 def test_a_silent_peer_ends_the_wait_naming_it(results):
@@ -350,3 +372,9 @@ def test_bad_input_is_refused():
     odd = torch.zeros(1, 4, 5, 8)
     with pytest.raises(ValueError, match="local sequence of 5 does not hold two equal chunks"):
         context_parallel_attention(odd, odd, odd, None, 0, 2)
+
+
+def test_the_planner_keeps_the_peers_block_where_attention_does():
+    from pipegpt.costs import activations
+
+    assert attention.KEEP_PEER_CP == activations.KEEP_PEER_CP == 2

@@ -33,17 +33,21 @@ def _act(sharding, precision="fp32", **where):
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
 def test_a_cp_rank_keeps_the_activations_of_its_tokens(tp, sp):
     """Every per-token term halves at cp 2; what does not depend on the sequence stays: the loss's scalars
-    (3 fp32 at tp 1; an int64 and 2 fp32 at tp 2) and, under bf16, each block's bf16 weight casts."""
+    (3 fp32 at tp 1; an int64 and 2 fp32 at tp 2) and, under bf16, each block's bf16 weight casts. At cp 2 each
+    block keeps the peer's K/V besides: 2 sequences x 128 tokens x (k, v) x the rank's kv heads (2, or 1 at
+    tp 2) x 32."""
     one, two = Sharding(tp=tp, sequence_parallel=sp), Sharding(tp=tp, cp=2, sequence_parallel=sp)
+    peer_kv = lambda size: 2 * 128 * 2 * (2 // tp) * 32 * size  # noqa: E731
     for where in ({"layers": 3}, {"embed": True}, {"layers": 2, "embed": True}):
-        assert _act(one, **where) == 2 * _act(two, **where) > 0
+        kept = where.get("layers", 0) * peer_kv(FP32)
+        assert _act(one, **where) == 2 * (_act(two, **where) - kept) > 0
     scalars = 3 * FP32 if tp == 1 else 8 + 2 * FP32
     assert _act(one, head=True) == 2 * _act(two, head=True) - scalars
     # bf16: q 128x128, k and v 64x128 (two kv heads of 32), proj 128x128, gate and up 352x128, proj 128x352, / tp
     casts = (128 * 128 + 2 * 64 * 128 + 128 * 128 + 3 * 352 * 128) // tp * 2
     if tp == 2:  # one kv head per rank: k and v are 32 x 128 there, not 64 / 2 rows of the whole
         casts = (64 * 128 + 2 * 32 * 128 + 128 * 64 + 3 * 176 * 128) * 2
-    assert _act(one, "bf16", layers=3) == 2 * _act(two, "bf16", layers=3) - 3 * casts
+    assert _act(one, "bf16", layers=3) == 2 * (_act(two, "bf16", layers=3) - 3 * peer_kv(2)) - 3 * casts
     deferred = lambda sh: memory_model.deferred_bytes(LLAMA, 3, microbatch_size=2, sharding=sh)  # noqa: E731
     assert deferred(one) == 2 * deferred(two)
 
@@ -73,6 +77,27 @@ def test_kv_blocks_in_flight_are_the_cp_workspace():
     base_forward, base_backward = 2 * 64 * 128 * FP32, 3 * 64 * 352 * FP32  # a block's temporaries, its gradients
     assert (ring.forward, ring.backward) == (base_forward + 2 * block, base_backward + 4 * block)
     assert (gather.forward, gather.backward) == (base_forward + 4 * block, base_backward + 8 * block)
+
+
+def test_at_cp_2_a_block_keeps_the_peers_k_v_but_not_under_full_recomputation():
+    """One block, fp32, one sequence of 256 at cp 2: the peer's K/V is 128 tokens x (k, v) x 2 kv heads x 32 x 4
+    bytes = 64 KiB beside what cp 4's arithmetic gives at 128 tokens; selective recomputes nothing of cp's
+    attention, so it keeps the block too; full keeps the block's input only. In flight at cp 2: the ring's
+    forward sends its own block (the arriving one stays, held), its backward passes dK/dV only (two blocks);
+    the all-gather's forward gathers two, its backward stacks its own beside the kept one with dK/dV (three)."""
+    peer = 128 * 2 * 2 * 32 * FP32
+    act = lambda recompute, cp: memory_model.activation_bytes(LLAMA, 1, microbatch_size=1,  # noqa: E731
+                                                               sharding=Sharding(cp=cp), recompute=recompute)
+    per_token = lambda recompute: act(recompute, 4) * 2  # cp 4's 64 tokens, doubled  # noqa: E731
+    assert act("none", 2) == per_token("none") + peer == 2 * 624_128 + 65_536  # cp 4 by hand: the test above
+    assert act("selective", 2) == per_token("selective") + peer
+    assert act("full", 2) == per_token("full") == 128 * 128 * FP32  # the block's input
+    work = lambda comm: memory_model.workspace_bytes(LLAMA, 1, microbatch_size=1, sharding=Sharding(cp=2),  # noqa: E731
+                                                     cp_comm=comm)
+    base_forward, base_backward = 2 * 128 * 128 * FP32, 3 * 128 * 352 * FP32
+    assert (work("ring").forward, work("ring").backward) == (base_forward + peer, base_backward + 2 * peer)
+    assert (work("allgather").forward, work("allgather").backward) == (base_forward + 2 * peer,
+                                                                       base_backward + 3 * peer)
 
 
 def test_weights_stay_whole_and_zero_shards_over_dp_times_cp():
@@ -116,11 +141,17 @@ def test_a_cp_rank_computes_its_share():
     merges = 3 * 3 * 2 * 64 * 128 * FP32 / 2e12  # cp - 1 steps, 3 passes, mbs 2 x 64 tokens x 128
     assert ring[0].f == pytest.approx(gather[0].f + merges, rel=1e-12)
     assert ring[0].b - ring[0].w == pytest.approx(gather[0].b - gather[0].w + merges, rel=1e-12)
+    # selective recomputation leaves cp's attention alone (pipegpt.model.gpt): nothing more to compute; at cp 1
+    # it recomputes attention's two T x T products, 4 x 256^2 x 128 FLOPs a sequence at 50 TFLOP/s
+    assert costs.compute(LLAMA, Shape(Sharding(cp=4), "selective", 2, "ring")) == ring
+    selective = costs.compute(LLAMA, Shape(Sharding(), "selective", 2))
+    assert selective[0].b - one[0].b == pytest.approx(2 * 4 * 256 * 256 * 128 / 50e12, rel=1e-12)
 
 
 def test_the_ring_shows_only_what_the_blocks_attention_does_not_hide():
     """seq 16384 at cp 2, tp 1, one sequence, bf16: a block is 8192 tokens x (k, v) x 2 kv heads x 32 x 2 bytes
-    = 2 MiB; a causal block's attention 2 x 8192^2 x 128 FLOPs at 50 TFLOP/s (100 at 0.5): 344 us."""
+    = 2 MiB; a causal block's attention 2 x 8192^2 x 128 FLOPs at 50 TFLOP/s (100 at 0.5): 344 us. At cp 2 the
+    forward keeps the peer's K/V, so the backward passes only dK/dV, home after the last block."""
     model = replace(LLAMA, seq_len=16384)
     block, attention = 8192 * 2 * 2 * 32 * 2, 2 * 8192 * 8192 * 128 / 50e12
     shape = Shape(Sharding(cp=2), "none", 1, "ring")
@@ -136,11 +167,62 @@ def test_the_ring_shows_only_what_the_blocks_attention_does_not_hide():
     assert step > attention  # 21 ms: shows less the attention it overlaps
     forward, backward = slow.context_parallel(model, shape)
     assert forward == pytest.approx(step - attention, rel=1e-12)  # cp - 1 = 1 step
-    assert backward == pytest.approx(lat + 2 * block / 100e6 - 2 * attention + step, rel=1e-12)  # K/V, dK/dV
+    assert backward == pytest.approx(step, rel=1e-12)  # dK/dV home: nothing after it to hide behind
     gathered = fast.context_parallel(model, replace(shape, cp_comm="allgather"))  # never overlapped
-    assert gathered == pytest.approx((lat + block / 400e9, 2 * (lat + block / 400e9)), rel=1e-12)
+    assert gathered == pytest.approx((fast_step, fast_step), rel=1e-12)  # backward: the reduce-scatter alone
     full = slow.context_parallel(model, replace(shape, recompute="full"))
     assert full == pytest.approx((forward, backward + forward), rel=1e-12)  # the recomputed forward's again
+    # selective recomputes nothing of cp's attention (its Function keeps O(L)): no K/V again
+    assert slow.context_parallel(model, replace(shape, recompute="selective")) == (forward, backward)
+
+
+def test_at_cp_4_the_ring_passes_k_v_and_dk_dv_against_each_blocks_backward():
+    """seq 16384 at cp 4: blocks of 4096 tokens, 1 MiB in bf16, a causal block's attention 2 x 4096^2 x 128
+    FLOPs at 50 TFLOP/s: 86 us. Over 100 MB/s each backward step's K/V and dK/dV (2 MiB) outlast two blocks'."""
+    model = replace(LLAMA, seq_len=16384)
+    block, attention = 4096 * 2 * 2 * 32 * 2, 2 * 4096 * 4096 * 128 / 50e12
+    cluster, slow = _costs(intra="100MB/s")
+    lat = cluster.latency_intra_s
+    step = lat + block / 100e6
+    forward, backward = slow.context_parallel(model, Shape(Sharding(cp=4), "none", 1, "ring"))
+    assert forward == pytest.approx(3 * (step - attention), rel=1e-12)
+    assert backward == pytest.approx(3 * (lat + 2 * block / 100e6 - 2 * attention) + step, rel=1e-12)
+    gathered = slow.context_parallel(model, Shape(Sharding(cp=4), "none", 1, "allgather"))
+    assert gathered == pytest.approx((3 * step, 6 * step), rel=1e-12)  # K/V gathered again, dK/dV scattered
+
+
+def test_on_cpu_ranks_the_ring_hides_only_latency_not_the_copy():
+    """CPU ranks (gloo over TCP) copy the bytes on the cores that compute. seq 2048, GPT-2 width 128 (4 heads of
+    32), fp32, cp 2: a block is 1024 tokens x (k, v) x 128 x 4 bytes = 1 MiB; over 2.5 GB/s with 100 us latency
+    a hop is 519 us, of which 419 us the copy; a causal block's attention 2 x 1024^2 x 128 FLOPs at 0.2 TFLOP/s:
+    1.34 ms, longer than the hop. On GPUs the same figures hide the whole hop."""
+    model = replace(MODEL_PRESETS["tiny"], n_layer=2, n_embd=128, n_head=4, seq_len=2048, vocab_size=256)
+    block, copy = 1024 * 2 * 128 * FP32, 1024 * 2 * 128 * FP32 / 2.5e9
+    shape = Shape(Sharding(cp=2), "none", 1, "ring")
+    cpu = make_cluster(2, 2, gpu_memory="8GiB", gpu_tflops=0.2, intra_node="2.5GB/s", precision="fp32",
+                       hbm=10e9, reserve=0, name="CPU rank (this machine)")
+    cpu = replace(cpu, latency_intra_s=100e-6)
+    gpu = replace(cpu, name="custom GPU")
+    assert (block, 1024 * 1024 * 256 / 0.2e12) == (2**20, pytest.approx(1.342e-3, rel=1e-3))
+    def on(cluster, **kw):
+        return AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0).context_parallel(model, replace(shape, **kw))
+
+    assert on(gpu) == pytest.approx((0.0, 100e-6 + copy), rel=1e-12)  # the forward's hop hidden, dK/dV's home not
+    assert on(cpu) == pytest.approx((copy, 100e-6 + copy), rel=1e-12)  # the forward's copy shows
+    assert on(cpu, cp_comm="allgather") == on(gpu, cp_comm="allgather") == pytest.approx((100e-6 + copy,) * 2)
+
+
+def test_calibrated_costs_hide_transfers_behind_attention_at_its_measured_speed():
+    """A calibrated model computes at scale x the FLOP model at peak: a ring step's attention too."""
+    from pipegpt.costs.cost import CalibratedCosts
+    model = replace(LLAMA, seq_len=16384)
+    cluster, _ = _costs(intra="100MB/s")
+    shape = Shape(Sharding(cp=2), "none", 1, "ring")
+    block, attention = 8192 * 2 * 2 * 32 * 2, 2 * 8192 * 8192 * 128 / 100e12  # at peak
+    calibrated = CalibratedCosts(cluster, 30.0, 60.0, 30.0, 0.0, 0.0)
+    step = cluster.latency_intra_s + block / 100e6
+    assert calibrated.context_parallel(model, shape)[0] == pytest.approx(step - 30 * attention, rel=1e-12)
+    assert 30 * attention < step
 
 
 def test_a_cp_group_across_nodes_pays_the_inter_node_link():
@@ -165,7 +247,8 @@ def test_a_cp_rank_sends_three_blocks_per_layer_and_peer():
     block = 64 * 2 * 2 * 32 * FP32
     for comm in ("ring", "allgather"):
         assert cp_bytes_per_layer(LLAMA, 1, Sharding(cp=4), comm) == 9 * block == 294912
-    assert cp_bytes_per_layer(LLAMA, 2, Sharding(cp=2), "ring", "bf16") == 3 * (2 * 128 * 2 * 2 * 32 * 2)
+    # cp 2: the backward's K/V is the forward's kept block: forward K/V and backward dK/dV only
+    assert cp_bytes_per_layer(LLAMA, 2, Sharding(cp=2), "ring", "bf16") == 2 * (2 * 128 * 2 * 2 * 32 * 2)
     assert cp_bytes_per_layer(LLAMA, 1, Sharding(), "ring") == 0
 
 
