@@ -61,7 +61,7 @@ def fit(ms: list[int], times: list[float]) -> tuple[float, float]:
 def base_spec(args) -> dict:
     ns = argparse.Namespace(**TINY, stages=2, microbatches=max(args.microbatches), microbatch_size=1,
                             steps=args.steps, warmup=args.warmup, lr=1e-3, grad_clip=1.0, seed=1337, cores=None,
-                            threads_per_worker=1, virtual_stages=None, bind_cores=False, schedules=None,
+                            threads_per_worker=1, virtual_stages=None, bind_cores=args.bind_cores, schedules=None,
                             schedule="1f1b")
     base, _ = bp.build_specs(ns)
     return base
@@ -80,6 +80,9 @@ def _host_worker(rank: int, world: int, port: int, who: str, spec: dict, out_pat
     from pipegpt.stages import Stage, partition_layers
 
     torch.set_num_threads(1)
+    if spec.get("bind_cores"):  # as bench_pipeline's workers: rank r on a core of its own
+        from pipegpt.engine.placement import worker_cores
+        os.sched_setaffinity(0, worker_cores(rank, world, 1))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg, m, last = bp.model_cfg(spec), spec["microbatches"], world - 1
     module = GPT(cfg, layers=partition_layers(cfg.n_layer, world)[rank], embed=rank == 0, head=rank == last,
@@ -346,6 +349,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-call", default="8",
                     help="also run pipegpt with --steps-per-call N or auto (auto decides after 10 steps: give "
                          "--warmup 10 or more; 1: leave that contender out) [8]")
+    ap.add_argument("--bind-cores", action="store_true",
+                    help="pin each rank of both contenders to a core of its own, as `pipegpt run --bind-cores`")
     ap.add_argument("--no-host-work", dest="host_work", action="store_false",
                     help="leave out the host-work rows (their runs take about 40%% of a round)")
     ap.add_argument("--py-spy", default=None, metavar="DIR",
