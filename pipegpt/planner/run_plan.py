@@ -91,15 +91,24 @@ def order_matched(cfg: TrainConfig) -> bool:
     return r.p2p_matching == "order" or (r.p2p_matching == "auto" and r.device == "cuda")
 
 
+# The latency, in forwards of a rank's share, that an order-matched run places its messages for where it knows
+# none in its costs' unit (unit or estimated costs, gloo in order). Placed for no latency, a plan loses under order
+# matching as soon as messages take time: at a tenth of a forward up to 3.7% (1f1b), 7% (zbv), 20%
+# (interleaved-1f1b). Placed for this one (or for none where that simulates faster: lowered), at most 1.8% from no
+# latency to a tenth, p 2..8 (tests/unit/test_run_plan_latency.py); at a fifth interleaved-1f1b 5.4%, not 38%.
+ASSUMED_LATENCY_FORWARDS = 0.05
+
+
 def lowering_costs(cfg: TrainConfig, stage_to_rank) -> Costs | None:
     """The per-stage costs the plan's messages are placed for (schedule.lowering): what the run measured
     (auto's order, --balance cost's split), auto's estimate until then; None (unit costs) otherwise.
 
-    Measured costs are seconds, so a message latency can stand beside them: on a GPU (NCCL, which matches by
-    order) the intra-node latency of pipegpt.costs.devices (NCCL's typical, every preset's), with which the
+    Where messages match by order (NCCL, or --p2p-matching order), the costs carry a latency, with which the
     lowering places each message on the timeline of messages matched by tag, where order matching costs what tag
-    matching does (schedule.lowering). Estimated and unit costs have no unit a latency could be given in, and
-    gloo's latency is not known before a run's trace measures it: those lower as for none."""
+    matching does (schedule.lowering). Measured costs on a GPU are seconds: the intra-node latency of
+    pipegpt.costs.devices (NCCL's typical, every preset's). Elsewhere (unit or estimated costs, which have no
+    unit, or gloo, whose latency is not known before a run's trace measures it) ASSUMED_LATENCY_FORWARDS of a
+    rank's forward, over unit costs where there are none. Tag-matched runs lower as for none."""
     p = cfg.parallel
     pieces = p.schedule_costs
     if pieces is None and p.balanced_costs is not None:  # forward + backward of each piece: B = 2F, W = F
@@ -107,13 +116,20 @@ def lowering_costs(cfg: TrainConfig, stage_to_rank) -> Costs | None:
     measured = pieces is not None
     if pieces is None and p.schedule_file is None and schedule_spec(p.schedule).synthesized:
         pieces = estimated_layer_costs(cfg.model)
-    if pieces is None:
-        return None
-    layers = [len(r) for r in partition_layers(cfg.model.n_layer, len(stage_to_rank), p.layers_per_stage)]
-    costs = stage_costs_for(layers, pieces)
-    if measured and cfg.runtime.device == "cuda" and order_matched(cfg):
-        return replace(costs, comm=LATENCY_INTRA_S)
-    return costs
+    if not order_matched(cfg):
+        return None if pieces is None else _stage_costs(cfg, stage_to_rank, pieces)
+    if measured and cfg.runtime.device == "cuda":
+        return replace(_stage_costs(cfg, stage_to_rank, pieces), comm=LATENCY_INTRA_S)
+    ranks = max(stage_to_rank) + 1
+    costs = _stage_costs(cfg, stage_to_rank, pieces) if pieces is not None else \
+        Costs.uniform(len(stage_to_rank), F=ranks / len(stage_to_rank), B=2 * ranks / len(stage_to_rank),
+                      W=ranks / len(stage_to_rank))  # lowering's unit costs, a rank's forward made 1
+    return replace(costs, comm=ASSUMED_LATENCY_FORWARDS * sum(costs.forward) / ranks)
+
+
+def _stage_costs(cfg: TrainConfig, stage_to_rank, pieces: tuple[float, ...]) -> Costs:
+    layers = [len(r) for r in partition_layers(cfg.model.n_layer, len(stage_to_rank), cfg.parallel.layers_per_stage)]
+    return stage_costs_for(layers, pieces)
 
 
 def lowered(plan: Plan, costs: Costs | None) -> Plan:
