@@ -101,6 +101,7 @@ from pipegpt.parallelisms import stage_parallelism
 from pipegpt.schedule.actions import Kind, Plan
 from pipegpt.schedule.lowering import lower
 from pipegpt.schedule.messages import message_peaks
+from pipegpt.schedule.simulate import assumed_latency, lowered
 
 from .experts import EXPERT_PREFIX, expert_ranks, expert_replicas
 from .activations import (BOOL, INT64, MEMORY_PRECISIONS, Workspace, _check, _check_positive, _check_tp,  # noqa: F401
@@ -357,8 +358,11 @@ def _layer_counts(model: ModelConfig, plan: Plan, layers_per_stage) -> list[int]
 
 @functools.lru_cache(maxsize=1024)
 def held_messages(plan: Plan, device: str = "cuda") -> tuple[int, ...]:
-    """Per rank, the most message buffers the runtime holds at once (sends are posted eagerly off CUDA)."""
-    return tuple(message_peaks(plan if plan.is_lowered else lower(plan), eager_sends=device != "cuda"))
+    """Per rank, the most message buffers the runtime holds at once (sends are posted eagerly off CUDA), the plan
+    lowered as a run lowers it: on CUDA (NCCL matches by order) for an assumed latency (planner.run_plan)."""
+    if not plan.is_lowered:
+        plan = lowered(plan, assumed_latency(plan.stage_to_rank)) if device == "cuda" else lower(plan)
+    return tuple(message_peaks(plan, eager_sends=device != "cuda"))
 
 
 def plan_memory(model: ModelConfig, plan: Plan, layers_per_stage: Sequence, *, microbatch_size: int,

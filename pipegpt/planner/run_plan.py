@@ -15,7 +15,7 @@ from pipegpt.parallelisms import stage_parallelism
 from pipegpt.schedule import (SCHEDULES, Kind, Plan, ScheduleError, add_reduce_grad, add_unshard_reshard, lower,
                               schedule_spec, validate, without_reduce_grad, without_unshard_reshard)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
-from pipegpt.schedule.simulate import Costs, simulate_order
+from pipegpt.schedule.simulate import ASSUMED_LATENCY_FORWARDS, Costs, assumed_latency, lowered  # noqa: F401 (lowered: callers')
 
 
 def make_plan(cfg: TrainConfig) -> Plan:
@@ -91,14 +91,6 @@ def order_matched(cfg: TrainConfig) -> bool:
     return r.p2p_matching == "order" or (r.p2p_matching == "auto" and r.device == "cuda")
 
 
-# The latency, in forwards of a rank's share, that an order-matched run places its messages for where it knows
-# none in its costs' unit (unit or estimated costs, gloo in order). Placed for no latency, a plan loses under order
-# matching as soon as messages take time: at a tenth of a forward up to 3.7% (1f1b), 7% (zbv), 20%
-# (interleaved-1f1b). Placed for this one (or for none where that simulates faster: lowered), at most 1.8% from no
-# latency to a tenth, p 2..8 (tests/unit/test_run_plan_latency.py); at a fifth interleaved-1f1b 5.4%, not 38%.
-ASSUMED_LATENCY_FORWARDS = 0.05
-
-
 def lowering_costs(cfg: TrainConfig, stage_to_rank) -> Costs | None:
     """The per-stage costs the plan's messages are placed for (schedule.lowering): what the run measured
     (auto's order, --balance cost's split), auto's estimate until then; None (unit costs) otherwise.
@@ -120,27 +112,15 @@ def lowering_costs(cfg: TrainConfig, stage_to_rank) -> Costs | None:
         return None if pieces is None else _stage_costs(cfg, stage_to_rank, pieces)
     if measured and cfg.runtime.device == "cuda":
         return replace(_stage_costs(cfg, stage_to_rank, pieces), comm=LATENCY_INTRA_S)
-    ranks = max(stage_to_rank) + 1
-    costs = _stage_costs(cfg, stage_to_rank, pieces) if pieces is not None else \
-        Costs.uniform(len(stage_to_rank), F=ranks / len(stage_to_rank), B=2 * ranks / len(stage_to_rank),
-                      W=ranks / len(stage_to_rank))  # lowering's unit costs, a rank's forward made 1
-    return replace(costs, comm=ASSUMED_LATENCY_FORWARDS * sum(costs.forward) / ranks)
+    if pieces is None:
+        return assumed_latency(stage_to_rank)
+    costs = _stage_costs(cfg, stage_to_rank, pieces)
+    return replace(costs, comm=ASSUMED_LATENCY_FORWARDS * sum(costs.forward) / (max(stage_to_rank) + 1))
 
 
 def _stage_costs(cfg: TrainConfig, stage_to_rank, pieces: tuple[float, ...]) -> Costs:
     layers = [len(r) for r in partition_layers(cfg.model.n_layer, len(stage_to_rank), cfg.parallel.layers_per_stage)]
     return stage_costs_for(layers, pieces)
-
-
-def lowered(plan: Plan, costs: Costs | None) -> Plan:
-    """The plan lowered for its costs: with a latency, placed for it or as for none, whichever order matching
-    (simulate_order, at that latency) runs sooner, the latency's on a tie. Placing for the latency reaches tag
-    matching's makespan nearly everywhere; where it does not (zb-h1 at some costs, by 0.1-0.2%), the placement for
-    none can."""
-    if costs is None or not costs.comm:
-        return lower(plan, costs)
-    return min((lower(plan, costs), lower(plan, replace(costs, comm=0))),
-               key=lambda placed: simulate_order(placed, costs).makespan)
 
 
 def stage_costs_for(layers: list[int], layer_costs: tuple[float, ...], tp: int = 1) -> Costs:
