@@ -12,9 +12,8 @@ from pipegpt.comm.p2p import PointToPoint
 from pipegpt.config import ModelConfig, TrainConfig
 from pipegpt.model.gpt import GPT
 from pipegpt.stages.runtime import PipelineRuntime
-from pipegpt.schedule import Action, Kind, ScheduleError, add_reduce_grad, build_plan
+from pipegpt.schedule import Action, Kind, ScheduleError, add_reduce_grad, build_plan, lower
 from pipegpt.schedule.schedule_file import dump_schedule_text
-from pipegpt.schedule.simulate import assumed_latency, lowered
 from pipegpt.stages import Stage
 from pipegpt.planner.run_plan import make_plan
 
@@ -95,8 +94,7 @@ def test_the_drivers_plan_reduces_gradients_with_replicas_only(schedule):
     cfg = TrainConfig.build(MODEL, stages=2, microbatches=4, schedule=schedule)
     one = make_plan(cfg)
     two = make_plan(cfg.replace(dp=2))
-    plan = build_plan(schedule, 2, 4)
-    assert reductions(one) == [] and one == lowered(plan, assumed_latency(plan.stage_to_rank))
+    assert reductions(one) == [] and one == lower(build_plan(schedule, 2, 4))
     assert sorted(reductions(two)) == [f"{s}REDUCE_GRAD" for s in range(two.num_stages)]
     assert two == add_reduce_grad(one)
 
