@@ -99,6 +99,7 @@ from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
 from pipegpt.parallelisms import stage_parallelism
 from pipegpt.schedule.actions import Kind, Plan
+from pipegpt.schedule.lowering import lower
 from pipegpt.schedule.messages import message_peaks
 from pipegpt.schedule.simulate import assumed_latency, lowered
 
@@ -358,9 +359,9 @@ def _layer_counts(model: ModelConfig, plan: Plan, layers_per_stage) -> list[int]
 @functools.lru_cache(maxsize=1024)
 def held_messages(plan: Plan, device: str = "cuda") -> tuple[int, ...]:
     """Per rank, the most message buffers the runtime holds at once (sends are posted eagerly off CUDA), the plan
-    lowered as a run without measured costs lowers it: for an assumed latency (planner.run_plan.lowering_costs)."""
+    lowered as a run lowers it: on CUDA (NCCL matches by order) for an assumed latency (planner.run_plan)."""
     if not plan.is_lowered:
-        plan = lowered(plan, assumed_latency(plan.stage_to_rank))
+        plan = lowered(plan, assumed_latency(plan.stage_to_rank)) if device == "cuda" else lower(plan)
     return tuple(message_peaks(plan, eager_sends=device != "cuda"))
 
 

@@ -91,16 +91,16 @@ def order_matched(cfg: TrainConfig) -> bool:
     return r.p2p_matching == "order" or (r.p2p_matching == "auto" and r.device == "cuda")
 
 
-def lowering_costs(cfg: TrainConfig, stage_to_rank) -> Costs:
+def lowering_costs(cfg: TrainConfig, stage_to_rank) -> Costs | None:
     """The per-stage costs the plan's messages are placed for (schedule.lowering): what the run measured
-    (auto's order, --balance cost's split), auto's estimate until then; lowering's unit costs otherwise.
+    (auto's order, --balance cost's split), auto's estimate until then; None (unit costs) otherwise.
 
-    The costs carry a latency, with which the lowering places each message on the timeline of messages matched by
-    tag, where order matching costs what tag matching does (schedule.lowering). Measured costs on a GPU are
-    seconds: the intra-node latency of pipegpt.costs.devices (NCCL's typical, every preset's). Elsewhere (unit or
-    estimated costs, which have no unit, or gloo, whose latency is not known before a run's trace measures it)
-    ASSUMED_LATENCY_FORWARDS of a rank's forward. Gloo matches by tag, but its messages take time too: placed so,
-    a receive is posted before its message leaves (benchmarks/README.md, bench_p2p_matching)."""
+    Where messages match by order (NCCL, or --p2p-matching order), the costs carry a latency, with which the
+    lowering places each message on the timeline of messages matched by tag, where order matching costs what tag
+    matching does (schedule.lowering). Measured costs on a GPU are seconds: the intra-node latency of
+    pipegpt.costs.devices (NCCL's typical, every preset's). Elsewhere (unit or estimated costs, which have no
+    unit, or gloo, whose latency is not known before a run's trace measures it) ASSUMED_LATENCY_FORWARDS of a
+    rank's forward, over unit costs where there are none. Tag-matched runs lower as for none."""
     p = cfg.parallel
     pieces = p.schedule_costs
     if pieces is None and p.balanced_costs is not None:  # forward + backward of each piece: B = 2F, W = F
@@ -108,7 +108,9 @@ def lowering_costs(cfg: TrainConfig, stage_to_rank) -> Costs:
     measured = pieces is not None
     if pieces is None and p.schedule_file is None and schedule_spec(p.schedule).synthesized:
         pieces = estimated_layer_costs(cfg.model)
-    if measured and cfg.runtime.device == "cuda" and order_matched(cfg):
+    if not order_matched(cfg):
+        return None if pieces is None else _stage_costs(cfg, stage_to_rank, pieces)
+    if measured and cfg.runtime.device == "cuda":
         return replace(_stage_costs(cfg, stage_to_rank, pieces), comm=LATENCY_INTRA_S)
     if pieces is None:
         return assumed_latency(stage_to_rank)

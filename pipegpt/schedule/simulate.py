@@ -441,14 +441,13 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Lowering where a run knows no latency in its costs' unit
+# Lowering for order matching: where a run knows no latency in its costs' unit
 
-# The latency, in forwards of a rank's share, that a run places its messages for where it knows none in its costs'
-# unit (unit or estimated costs, gloo). Placed for no latency, a plan loses under order matching as soon as messages
-# take time: at a tenth of a forward up to 3.7% (1f1b), 7% (zbv), 20% (interleaved-1f1b). Placed for this one (or
-# for none where that simulates faster: lowered), at most 1.8% from no latency to a tenth, p 2..8
-# (tests/unit/test_run_plan_latency.py); at a fifth interleaved-1f1b 5.4%, not 38%. Under gloo's tag matching the
-# placement decides when receives are posted: 6-10% faster steps measured (benchmarks/README.md).
+# The latency, in forwards of a rank's share, that an order-matched run places its messages for where it knows
+# none in its costs' unit (unit or estimated costs, gloo in order). Placed for no latency, a plan loses under order
+# matching as soon as messages take time: at a tenth of a forward up to 3.7% (1f1b), 7% (zbv), 20%
+# (interleaved-1f1b). Placed for this one (or for none where that simulates faster: lowered), at most 1.8% from no
+# latency to a tenth, p 2..8 (tests/unit/test_run_plan_latency.py); at a fifth interleaved-1f1b 5.4%, not 38%.
 ASSUMED_LATENCY_FORWARDS = 0.05
 
 
