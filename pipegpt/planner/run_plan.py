@@ -15,7 +15,7 @@ from pipegpt.parallelisms import stage_parallelism
 from pipegpt.schedule import (SCHEDULES, Kind, Plan, ScheduleError, add_reduce_grad, add_unshard_reshard, lower,
                               schedule_spec, validate, without_reduce_grad, without_unshard_reshard)
 from pipegpt.schedule.schedule_file import check_against_file, load_schedule_file
-from pipegpt.schedule.simulate import ASSUMED_LATENCY_FORWARDS, Costs, assumed_latency, lowered  # noqa: F401 (lowered: callers')
+from pipegpt.schedule.simulate import ASSUMED_LATENCY_FORWARDS, Costs, assumed_latency, lowered
 
 
 def make_plan(cfg: TrainConfig) -> Plan:
