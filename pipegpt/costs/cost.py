@@ -133,8 +133,8 @@ def cp_bytes_per_layer(model: ModelConfig, microbatch_size: int, sharding, comm:
     """Bytes one cp rank sends per layer in a forward and backward: (cp - 1) K/V blocks forward; backward K/V
     again (but at cp 2, KEEP_PEER_CP: the forward kept the peer's) and (cp - 1) blocks of dK/dV, ring or
     all-gather (the ring's begin at the rank after their owner, so the owner's share never travels; the
-    all-gather's reduce-scatter sends the others' shares). Without recomputation (full recomputation's forward
-    passes K/V again). The time model charges the ring's backward at cp > 2 one overlapped dK/dV block more
+    all-gather's reduce-scatter sends the others' shares). This counts no recomputation: under full
+    recomputation the recomputed forward passes K/V once more. The time model charges the ring's backward at cp > 2 one overlapped dK/dV block more
     than this (context_parallel: cp - 1 steps of K/V and dK/dV, then the hop home): it shows only where a
     step's transfer outlasts its attention."""
     cp = sharding.cp
