@@ -8,7 +8,8 @@ One small model (4 layers, 256 wide, sequence 128), a fixed global batch of 16 s
 gpipe / 1f1b / zb-h1, 4 and 8 microbatches. Each is a `pipegpt run` of --steps steps at pipegpt run's default
 threads, the cores over the ranks (pp 1 on two threads, pp 2 on one each: every layout uses the whole machine).
 Rounds alternate the order of the layouts; a layout's measured time is the median of its steps after the first of
-each run. Costs are calibrated from the first round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`), and each
+each run. Costs are calibrated from the first round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`, over every
+step of it after the first: the run traces them all), and each
 layout is predicted by the planner's own evaluate_layout. Measure on a quiet machine: this was a slow test once,
 and a busy CI machine's 16% between two layouts that cost the same (gpipe and 1f1b at m 8) broke its rank order.
 The calibrated model scales pp 1's compute by a block timed at 2 threads over 1
@@ -42,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 FLAGS = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "128"]
 BATCH = 16
+CALIBRATION = "2-1f1b-8-0"  # the run the costs are calibrated from: round 0's pp 2, 1f1b, m 8
 LAYOUTS = [(1, "1f1b", 4), (1, "1f1b", 8), (2, "gpipe", 4), (2, "1f1b", 4), (2, "zb-h1", 4),
            (2, "gpipe", 8), (2, "1f1b", 8), (2, "zb-h1", 8)]
 
@@ -68,8 +70,10 @@ def spearman(a, b) -> float:
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
-def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: str = "1") -> list[float]:
+def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: str = "1",
+            traced: bool = False) -> list[float]:
     given = [] if threads == "default" else ["--threads-per-worker", threads]
+    given += ["--trace-steps", "all"] if traced else []  # the calibration run: every step's trace
     subprocess.run([sys.executable, "-m", "pipegpt", "run", *FLAGS, "--stages", str(pp), "--schedule", schedule,
                     "--microbatches", str(m), "--microbatch-size", str(BATCH // m), "--steps", str(steps),
                     *given, "--run-dir", str(run_dir), "--log-every", "100"],
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first left out)")
+    ap.add_argument("--steps", type=int, default=6, help="steps per run (the first left out) [6]")
     ap.add_argument("--threads-per-worker", default="default",
                     help="each worker's intra-op threads, or 'default' (cores / ranks, as pipegpt run's default)")
     args = ap.parse_args(argv)
@@ -114,12 +118,13 @@ def main(argv=None) -> int:
         for k in range(args.rounds):
             for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
                 run_dir = Path(tmp) / f"{pp}-{s}-{m}-{k}"
-                measured[(pp, s, m)] += measure(run_dir, pp, s, m, args.steps, args.threads_per_worker)
+                measured[(pp, s, m)] += measure(run_dir, pp, s, m, args.steps, args.threads_per_worker,
+                                                traced=run_dir.name == CALIBRATION)
                 traced[(pp, s, m)].append(breakdown(json.loads((run_dir / "trace.json").read_text())))
                 computed[(pp, s, m)].append(microbatch_compute(run_dir))
         cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
-        costs = calibrate_costs(str(Path(tmp) / "2-1f1b-8-0"), cluster)
-        parts = breakdown(json.loads((Path(tmp) / "2-1f1b-8-0" / "trace.json").read_text()))
+        costs = calibrate_costs(str(Path(tmp) / CALIBRATION), cluster)
+        parts = breakdown(json.loads((Path(tmp) / CALIBRATION / "trace.json").read_text()))
     old = copy.copy(costs)  # the model before the step's parts: all after the last action per parameter
     old.optimizer_s_per_byte, old.per_step_s = None, 0.0
     linear = copy.copy(costs)  # without the microbatch-size term

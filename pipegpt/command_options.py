@@ -325,7 +325,8 @@ PLAN_OPTIONS = [
     click.option("--layer-overhead-us", type=float, default=None,
                   help="Least host time of one block's forward, microseconds (default 100; backward twice)."),
     click.option("--calibrate", "calibrate_dir", type=click.Path(), default=None, metavar="RUN_DIR",
-                  help="Scale compute to a run's measured F/B/W (its trace.json) instead of --efficiency."),
+                  help="Scale compute to a run's measured F/B/W instead of --efficiency: the median over the "
+                       "steps it traced (trace.json and --trace-steps' traces/)."),
     click.option("--schedule", "-s", "schedules", default="all", show_default=True,
                   help="Schedules to consider: a comma list or 'all' (every generated one; name auto or auto-v to add "
                        "them, written for unit costs here and for the measured ones by pipegpt run)."),

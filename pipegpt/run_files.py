@@ -22,7 +22,7 @@ import errno
 import json
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 CONFIG, PLAN, METRICS, TRACE, PLOT = "config.json", "plan.txt", "metrics.jsonl", "trace.json", "plot.svg"
 CONFIGS, TRACES, PROFILES, CHECKPOINTS = "configs", "traces", "profiles", "checkpoints"
@@ -164,6 +164,7 @@ class MeasuredRun:
     trace_path: str
     trace: object
     config: dict | None
+    step: int | None = None  # the step the trace measured (metrics.jsonl's number), where known
 
 
 def read_measured_run(run_dir, step: int | None = None) -> MeasuredRun:
@@ -186,4 +187,16 @@ def read_measured_run(run_dir, step: int | None = None) -> MeasuredRun:
                                f"{', '.join(map(str, steps)) or 'none'}")
     config_path = os.path.join(run_dir, CONFIG)
     config = read_json(config_path, "config") if os.path.isfile(config_path) else None
-    return MeasuredRun(run_dir, os.path.join(run_dir, PLAN), trace, read_json(trace, "trace"), config)
+    return MeasuredRun(run_dir, os.path.join(run_dir, PLAN), trace, read_json(trace, "trace"), config, step)
+
+
+def read_measured_steps(run_dir) -> list[MeasuredRun]:
+    """Every step a run directory has a trace of, each once: the steps --trace-steps named (traces/step-N.json)
+    and the last (trace.json). The first step, which warms up (allocations, threads starting), is left out
+    where another is there. A calibration takes the median over them: one step's time moves by a few percent
+    from the next's on a CPU."""
+    rows = read_metrics(run_dir)
+    last = int(rows[-1]["step"]) if rows else None
+    runs = [read_measured_run(run_dir, s) for s in traced_steps(run_dir) if s != last]
+    runs.append(replace(read_measured_run(run_dir), step=last))  # trace.json: the last step's
+    return [r for r in runs if r.step != 1] or runs

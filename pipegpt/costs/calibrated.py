@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -29,9 +30,9 @@ from typing import Callable
 from pipegpt.arch import stage_ranges
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
-from pipegpt.run_files import CONFIG, RunReadError, read_measured_run, read_metrics
+from pipegpt.run_files import CONFIG, RunReadError, read_measured_steps, read_metrics
 from pipegpt.schedule import ScheduleError
-from pipegpt.schedule.calibrate import OPTIMIZER, SYNC, StepBreakdown, breakdown, calibrate_run
+from pipegpt.schedule.calibrate import OPTIMIZER, SYNC, StepBreakdown, breakdown, calibrate_run, median_calibration
 from pipegpt.schedule.schedule_file import load_schedule_file
 
 from .balance import even_layers
@@ -48,20 +49,24 @@ def calibrate_costs(run_dir: str, cluster: Cluster, measure: Timer | None = None
     """CalibratedCosts from a `pipegpt run` directory (its plan.txt, trace.json, config.json, metrics.jsonl).
     measure: one block's seconds under each setting asked (default: block_timer's child process)."""
     try:
-        files = read_measured_run(run_dir)
-        plan = load_schedule_file(files.plan_path)
-        measured, calibration = calibrate_run(plan, files)
+        steps = read_measured_steps(run_dir)
+        plan = load_schedule_file(steps[0].plan_path)
+        calibrated = [calibrate_run(plan, step) for step in steps]
     except (RunReadError, ScheduleError) as e:
         raise ConfigError(f"--calibrate: {e}") from None
-    shape = run_shape(run_dir, files.config, plan)
+    files = steps[-1]
+    calibration = median_calibration([c for _, c in calibrated])
+    makespan = statistics.median(float(measured.makespan) for measured, _ in calibrated)
+    shape = run_shape(run_dir, files.config, plan, [s.step for s in steps])
     S = plan.num_stages
     params = [0] * plan.num_ranks
     for s, layers in enumerate(stage_ranges(shape.layers)):  # which layers: their kinds count
         params[plan.stage_to_rank[s]] += parameter_count(shape.model, layers, s == 0, s == S - 1, shape.sharding.tp)
     par = (files.config or {}).get("parallel", {})
     replicas = int(par.get("dp", 1)) * int(par.get("cp", 1))
-    fit = fit_calibrated_costs(cluster, shape, calibration.costs, measured.makespan, params, os.fspath(run_dir),
-                               step_times(breakdown(files.trace)), replicas, int(par.get("zero", 0)))
+    fit = fit_calibrated_costs(cluster, shape, calibration.costs, makespan, params, os.fspath(run_dir),
+                               median_step_times([step_times(breakdown(s.trace)) for s in steps]), replicas,
+                               int(par.get("zero", 0)))
     timer = measure or block_timer(files.config)
     fit.threads = thread_scaling(files.config, read_metrics(run_dir), plan.num_ranks * replicas * shape.sharding.tp,
                                  at_size(timer, shape.mbs))
@@ -77,8 +82,17 @@ def step_times(parts: StepBreakdown | None) -> StepTimes | None:
     return StepTimes(optimizer=parts.part(OPTIMIZER), sync=parts.part(SYNC), rest=parts.rest)
 
 
-def run_shape(run_dir: str, config: dict | None, plan) -> RunShape:
-    """The run's model and layout from its config.json's contents, its last step's time from metrics.jsonl."""
+def median_step_times(steps: list[StepTimes | None]) -> StepTimes | None:
+    """Each term outside the actions, the median over the traced steps that have their parts."""
+    known = [s for s in steps if s is not None]
+    if not known:
+        return None
+    return StepTimes(*(statistics.median(getattr(s, k) for s in known) for k in ("optimizer", "sync", "rest")))
+
+
+def run_shape(run_dir: str, config: dict | None, plan, steps: list[int | None] | None = None) -> RunShape:
+    """The run's model and layout from its config.json's contents; from metrics.jsonl, the median time of the
+    traced `steps` (None: trace.json's, the last step of the attempt that went on)."""
     if config is None:
         missing = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.path.join(run_dir, CONFIG))
         raise ConfigError(f"--calibrate {run_dir}: cannot read its config.json ({missing})")
@@ -89,7 +103,8 @@ def run_shape(run_dir: str, config: dict | None, plan) -> RunShape:
     if layers is None:
         layers = even_layers(model.n_layer, plan.num_stages)
     rows = read_metrics(run_dir)  # each step's row from the attempt that went on (a resumed run has several)
-    step_time = float(rows[-1]["step_time_s"]) if rows else None  # trace.json is the last step's
+    times = [float(r["step_time_s"]) for r in rows if steps and int(r["step"]) in steps and r.get("step_time_s")]
+    step_time = statistics.median(times) if times else float(rows[-1]["step_time_s"]) if rows else None
     sharding = Sharding(tp=int(par.get("tp", 1)), sequence_parallel=bool(par.get("sequence_parallel", False)))
     return RunShape(model, sharding, str(par.get("recompute", "none")), int(par.get("microbatch_size", 1)),
                     tuple(layers), tuple(plan.stage_to_rank), step_time,

@@ -255,6 +255,21 @@ def calibrate(plan: Plan, measured: Timeline) -> Calibration:
     return Calibration(Costs(tuple(forward), tuple(backward), tuple(weight), comm), samples)
 
 
+def median_calibration(calibrations: list[Calibration]) -> Calibration:
+    """One calibration from several steps' of the same plan: each figure the median over the steps (one step's
+    time moves by a few percent from the next's on a CPU), the samples they rest on summed."""
+    if len(calibrations) == 1:
+        return calibrations[0]
+    costs = [c.costs for c in calibrations]
+    per_stage = (tuple(map(statistics.median, zip(*column))) for column in
+                 ([c.forward for c in costs], [c.backward for c in costs], [c.weight for c in costs]))
+    forward, backward, weight = per_stage
+    samples = {k: [sum(n) for n in zip(*(c.samples[k] for c in calibrations))] for k in ("F", "B", "I", "W")}
+    samples["comm"] = sum(c.samples["comm"] for c in calibrations)
+    comm = statistics.median(c.comm for c in costs)
+    return Calibration(Costs(forward, backward, weight, comm), samples)
+
+
 def comm_samples(plan: Plan, measured: Timeline) -> list:
     """Consumer start - producer end on each cross-rank dependency that its consumer's rank waited for.
 

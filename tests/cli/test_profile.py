@@ -62,6 +62,40 @@ def test_simulate_reads_a_traced_step(traced_run):
     assert summary["measured"]["step_span"] != last["measured"]["step_span"]  # step 2's trace, not trace.json
 
 
+def test_plan_calibrates_from_every_traced_step(traced_run, monkeypatch):
+    """plan --calibrate reads steps 2 and 4 (trace.json, the last, once): each measured figure and the step span
+    the medians over them, the step time their metrics rows' median."""
+    import statistics
+
+    from pipegpt.costs import calibrated
+    from pipegpt.costs.devices import make_cluster
+    from pipegpt.run_files import read_measured_run
+    from pipegpt.schedule.calibrate import calibrate_run
+    from pipegpt.schedule.schedule_file import load_schedule_file
+
+    proc, run_dir = traced_run
+    _ok(proc)
+    seen = {}
+    plan = load_schedule_file(str(run_dir / "plan.txt"))
+    per_step = [calibrate_run(plan, read_measured_run(run_dir, n)) for n in (2, 4)]
+    real_fit = calibrated.fit_calibrated_costs
+
+    def capture(cluster, shape, measured, makespan, *rest):
+        seen.update(shape=shape, measured=measured, makespan=makespan)
+        return real_fit(cluster, shape, measured, makespan, *rest)
+
+    monkeypatch.setattr(calibrated, "fit_calibrated_costs", capture)
+    cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
+    calibrated.calibrate_costs(str(run_dir), cluster, measure=lambda settings: {x: 1.0 for x in settings})
+    assert seen["measured"].forward == tuple(statistics.median(c.costs.forward[s] for _, c in per_step)
+                                             for s in range(2))
+    assert seen["measured"].backward == tuple(statistics.median(c.costs.backward[s] for _, c in per_step)
+                                              for s in range(2))
+    assert seen["makespan"] == statistics.median(float(m.makespan) for m, _ in per_step)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert seen["shape"].step_time_s == statistics.median(r["step_time_s"] for r in rows if r["step"] in (2, 4))
+
+
 def test_simulate_refuses_a_step_that_was_not_traced(traced_run):
     proc, run_dir = traced_run
     _ok(proc)
