@@ -115,15 +115,16 @@ Context parallelism (sharding.cp > 1)
 -------------------------------------
 A rank holds L = s/cp tokens of every sequence (two chunks), and its blocks keep what they keep for s tokens
 with s = L (the ring's autograd Function saves its local q, k, v, output and logsumexp: O(L)); so does
-the head, and the embedding's tokens and positions. Every per-token term above divides by cp; weights do not.
-Three terms differ from one process's (measured to the byte, tests/unit/test_cp_memory.py):
+the head, and the embedding's tokens. Every per-token term above divides by cp; weights do not.
+Four terms differ from one process's (measured to the byte, tests/unit/test_cp_memory.py):
 - the Function keeps k and v as the kv heads give them, 2*b*L*kv*hd*c, where SDPA keeps them repeated to
   the query heads (Llama with 1 kv head of 4 at cp 4, b 2, L 64, h 128, fp32: 96 KiB less per layer);
 - it keeps its logsumexp (fp32; fp64 in fp64) under selective recomputation too, which never checkpoints
   cp's attention: selective keeps what none keeps;
 - rotary's cos and sin for q and for k are indexed at the rank's positions per call, 4*L*hd*c in fp32 too
   (one process's fp32 tables are views of the cached one). The cached table itself, 2*seq_len*hd*4 bytes
-  with cp, is a per-rank constant and not counted.
+  with cp, is a per-rank constant and not counted;
+- wpe's positions (GPT-2) are the rank's, cached (pipegpt.context_parallel.layers): not per microbatch.
 At cp 2 (KEEP_PEER_CP) each block also keeps the peer's K/V, b*L*2*kv*hd*c bytes (kv: the rank's kv heads),
 for its backward (none under full recomputation, whose checkpoint keeps the block's input only).
 In flight while a block's attention runs (workspace, not held): blocks of K and V of b*L*2*kv*hd*c bytes
@@ -305,7 +306,8 @@ def _activation_bytes(model, mix, b, sharding: Sharding, recompute, precision, e
     for kind, n in mix:  # each kind's blocks at its block model
         total += n * _layer_bytes(kind.block_model(model), b, sharding, recompute, precision, device, kind is MOE)
     if embed:
-        total += bs * INT64 + (0 if arch.rotary else s * INT64)  # tokens (Stage.inputs), wpe's positions
+        # tokens (Stage.inputs), wpe's positions (made per call; with cp a rank's are cached, a per-rank constant)
+        total += bs * INT64 + (0 if arch.rotary or sharding.cp > 1 else s * INT64)
         if tp > 1:
             total += bs * INT64 + bs * BOOL  # the vocabulary shard's local ids and outside-mask
         if drop:

@@ -2,9 +2,10 @@
 pipegpt.costs.activations.activation_bytes for the same blocks, to the byte.
 
 One spawn of 4 gloo processes (a module fixture): cp 4 over all of them, cp 2 on ranks 0-1 and 2-3. Each case builds
-a middle stage (blocks only) of a small model sharded for cp, runs one forward and backward first (the rotary table
-and the rank's positions are cached once per rank, not per microbatch), then counts the storages alive after a
-forward (plan_memory_harness.StorageTracker), less the parameters and the stage's output (released once sent).
+a middle stage (blocks only; one case the first stage, tokens in) of a small model sharded for cp, runs one forward
+and backward first (the rotary table and the rank's positions are cached once per rank, not per microbatch), then
+counts the storages alive after a forward (plan_memory_harness.StorageTracker), less the parameters and the stage's
+output (released once sent).
 
 The cases pin what cp's attention keeps beside what one process's SDPA keeps: its autograd Function saves k and v
 as the kv heads give them (SDPA keeps them repeated to the query heads: at one kv head of four, 1.5 hidden states
@@ -33,8 +34,10 @@ MQA = replace(LLAMA, n_kv_head=1)  # one kv head
 GPT2 = replace(MODEL_PRESETS["tiny"], seq_len=256, n_layer=2, dropout=0.0)
 
 
-def case(name, model: ModelConfig, cp, comm="ring", recompute="none", precision="fp32", dtype="float32"):
-    return dict(name=name, model=model, cp=cp, comm=comm, recompute=recompute, precision=precision, dtype=dtype)
+def case(name, model: ModelConfig, cp, comm="ring", recompute="none", precision="fp32", dtype="float32",
+         embed=False):
+    return dict(name=name, model=model, cp=cp, comm=comm, recompute=recompute, precision=precision, dtype=dtype,
+                embed=embed)
 
 
 CASES = [
@@ -45,13 +48,14 @@ CASES = [
     case("mqa-cp2-ring-float64", MQA, 2, dtype="float64"),
     case("mqa-cp2-ring-full", MQA, 2, recompute="full"),
     case("gpt2-cp2-ring-selective", GPT2, 2, recompute="selective"),  # fused qkv: q, k, v views of one output
+    case("gpt2-cp2-ring-embed", GPT2, 2, embed=True),  # the first stage: its tokens; wpe's positions are cached
 ]
 
 
 def predicted(c) -> int:
     return activation_bytes(c["model"], c["model"].n_layer, microbatch_size=2, sharding=Sharding(cp=c["cp"]),
                             recompute=c["recompute"], precision=memory_precision(c["precision"], c["dtype"]),
-                            device="cpu")
+                            embed=c["embed"], device="cpu")
 
 
 def held_after_forward(c, group, cp_rank: int) -> int:
@@ -60,13 +64,16 @@ def held_after_forward(c, group, cp_rank: int) -> int:
 
     cfg, dtype = c["model"], getattr(torch, c["dtype"])
     layers = range(cfg.n_layer)
-    module = GPT(cfg, layers, embed=False, head=False, recompute=c["recompute"], init_seed=1).to(dtype)
+    module = GPT(cfg, layers, embed=c["embed"], head=False, recompute=c["recompute"], init_seed=1).to(dtype)
     model = shard_for_cp(module, cp_rank, c["cp"], group, c["comm"])
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=c["precision"] == "bf16")
     shape = (2, cfg.seq_len // c["cp"], cfg.n_embd)
 
     def forward():
-        x = torch.randn(shape, dtype=dtype, requires_grad=True)  # the stage input: the first block's, counted there
+        if c["embed"]:  # the tokens, which the stage keeps (Stage.inputs)
+            x = torch.randint(0, cfg.vocab_size, shape[:2])
+        else:  # the stage input: the first block's, counted there
+            x = torch.randn(shape, dtype=dtype, requires_grad=True)
         with autocast:
             return model(x)
 
