@@ -95,11 +95,12 @@ saved-tensor hooks and the replay at tp 1 and 2, tests/unit/test_plan_llama.py):
     q (rotated), k (rotated), v       3*N/t*c: grouped-query attention repeats k and v to the rank's query
                                       heads before SDPA, which keeps the repeated ones, so GQA saves no
                                       activation memory here; with selective recomputation the checkpoint
-                                      keeps its inputs instead: q N/t*c and k, v 2*b*s*kv*hd*c (kv wide)
-    attention output, logsumexp       N/t*c, b*a/t*s*r (as GPT-2's; selective drops the logsumexp)
+                                      (with cp, the attention Function) keeps its inputs instead: q N/t*c and
+                                      k, v 2*b*s*kv*hd*c (kv wide)
+    attention output, logsumexp       N/t*c, b*a/t*s*r (as GPT-2's; selective drops the logsumexp, but with cp)
     SwiGLU                            4*b*s*F/t*c: gate output (SiLU's input), up output, SiLU output,
                                       their product (mlp.proj's input)
-    rotary tables                     4*s*hd*c when the compute dtype is not fp32 (cos and sin cast for q
+    rotary tables                     4*s*hd*c when the compute dtype is not fp32, or with cp (cos and sin for q
                                       and for k); in fp32 the cached tables are shared, a per-rank constant
                                       of 2*s*hd*4 bytes not counted
     bf16 weight casts                 the rank's seven block matrices x 2 bytes (bf16 only)
@@ -114,7 +115,16 @@ Context parallelism (sharding.cp > 1)
 -------------------------------------
 A rank holds L = s/cp tokens of every sequence (two chunks), and its blocks keep what they keep for s tokens
 with s = L (the ring's autograd Function saves its local q, k, v, output and logsumexp: O(L)); so does
-the head, and the embedding's tokens and positions. Every per-token term above divides by cp; weights do not.
+the head, and the embedding's tokens. Every per-token term above divides by cp; weights do not.
+Four terms differ from one process's (measured to the byte, tests/unit/test_cp_memory.py):
+- the Function keeps k and v as the kv heads give them, 2*b*L*kv*hd*c, where SDPA keeps them repeated to
+  the query heads (Llama with 1 kv head of 4 at cp 4, b 2, L 64, h 128, fp32: 96 KiB less per layer);
+- it keeps its logsumexp (fp32; fp64 in fp64) under selective recomputation too, which never checkpoints
+  cp's attention: selective keeps what none keeps;
+- rotary's cos and sin for q and for k are indexed at the rank's positions per call, 4*L*hd*c in fp32 too
+  (one process's fp32 tables are views of the cached one). The cached table itself, 2*seq_len*hd*4 bytes
+  with cp, is a per-rank constant and not counted;
+- wpe's positions (GPT-2) are the rank's, cached (pipegpt.context_parallel.layers): not per microbatch.
 At cp 2 (KEEP_PEER_CP) each block also keeps the peer's K/V, b*L*2*kv*hd*c bytes (kv: the rank's kv heads),
 for its backward (none under full recomputation, whose checkpoint keeps the block's input only).
 In flight while a block's attention runs (workspace, not held): blocks of K and V of b*L*2*kv*hd*c bytes
@@ -253,10 +263,11 @@ def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device, moe
         return Ns * r + (_moe_checkpointed(model, b, sharding, precision) if moe else 0)  # the block's input
     # SDPA keeps q, k and v (GPT-2's: views of the qkv output; grouped-query attention repeats k and v to
     # the q heads before the kernel); selective recomputation's checkpoint keeps its inputs, k and v as
-    # the kv heads give them
+    # the kv heads give them, and so does cp's attention Function (it repeats them per block, transiently)
+    cp = sharding.cp > 1
     kv = kv_local_heads(model, tp) * model.head_dim
     Q = N // model.n_embd * model.attention_width  # q and the attention output: n_embd wide unless head_size is set
-    attention_inputs = Q // tp + (2 * b * s * kv if recompute == "selective" else 2 * Q // tp)
+    attention_inputs = Q // tp + (2 * b * s * kv if recompute == "selective" or cp else 2 * Q // tp)
     # Megatron-Core's `--recompute-modules layernorm moe_act` (norm-act): the norms' outputs (the column-parallel
     # linears' inputs) and the MLP's SiLU output and product are recomputed in the backward, not kept
     norm_act = recompute == "norm-act"
@@ -269,7 +280,7 @@ def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device, moe
              + (_moe_dispatched(model, b, sharding, precision) if moe else 0))  # its rows, experts' outputs
     if sharding.cp == KEEP_PEER_CP:
         layer += 2 * b * s * kv * c  # the peer's K/V block, for the backward
-    if arch.rotary and c != 4:
+    if arch.rotary and (c != 4 or cp):  # cp: cos and sin indexed at the rank's positions, per call, any dtype
         layer += 4 * s * model.head_dim * c  # rotary cos and sin cast to q's and k's dtype, per call
     if precision == "bf16":
         layer += _block_weights(model, tp) * 2  # each microbatch's bf16 casts of the block's weights
@@ -277,8 +288,8 @@ def _layer_bytes(model, b, sharding: Sharding, recompute, precision, device, moe
     if math_attention:
         if recompute != "selective":  # softmax output, its dropout mask, the dropout output
             layer += 3 * b * (a // tp) * s * s * c
-    elif recompute != "selective":
-        layer += b * (a // tp) * s * r  # SDPA's logsumexp
+    elif recompute != "selective" or cp:  # selective never checkpoints cp's attention, which keeps it
+        layer += b * (a // tp) * s * r  # SDPA's (or cp's attention Function's, fp32 or fp64) logsumexp
     if drop:
         layer += 2 * Ns * mask_c  # the attention and MLP residual dropouts' masks
     return layer
@@ -295,7 +306,8 @@ def _activation_bytes(model, mix, b, sharding: Sharding, recompute, precision, e
     for kind, n in mix:  # each kind's blocks at its block model
         total += n * _layer_bytes(kind.block_model(model), b, sharding, recompute, precision, device, kind is MOE)
     if embed:
-        total += bs * INT64 + (0 if arch.rotary else s * INT64)  # tokens (Stage.inputs), wpe's positions
+        # tokens (Stage.inputs), wpe's positions (made per call; with cp a rank's are cached, a per-rank constant)
+        total += bs * INT64 + (0 if arch.rotary or sharding.cp > 1 else s * INT64)
         if tp > 1:
             total += bs * INT64 + bs * BOOL  # the vocabulary shard's local ids and outside-mask
         if drop:

@@ -145,16 +145,17 @@ def worker(rank, port, cases, out_path):
     os._exit(0)  # the broken group's receive is still posted: skip the teardown that would wait for it
 
 
-def spawn(cases, out_path, timeout_s):
+def spawn(cases, out_path, timeout_s, target=worker):
+    """target(rank, port, cases, out_path) in WORLD processes; what each saved to out_path.<rank>, in rank order."""
     from pipegpt.comm.rpc import free_port
 
-    context = mp.start_processes(worker, args=(free_port(), cases, out_path), nprocs=WORLD, join=False,
+    context = mp.start_processes(target, args=(free_port(), cases, out_path), nprocs=WORLD, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the cp attention workers took over {timeout_s}s")
+                raise TimeoutError(f"the cp workers ({target.__name__}) took over {timeout_s}s")
     finally:
         for p in context.processes:
             if p.is_alive():

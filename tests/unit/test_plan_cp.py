@@ -35,11 +35,15 @@ def test_a_cp_rank_keeps_the_activations_of_its_tokens(tp, sp):
     """Every per-token term halves at cp 2; what does not depend on the sequence stays: the loss's scalars
     (3 fp32 at tp 1; an int64 and 2 fp32 at tp 2) and, under bf16, each block's bf16 weight casts. At cp 2 each
     block keeps the peer's K/V besides: 2 sequences x 128 tokens x (k, v) x the rank's kv heads (2, or 1 at
-    tp 2) x 32."""
+    tp 2) x 32. Its attention Function keeps its own k and v that wide too, where cp 1's SDPA keeps them repeated
+    to the rank's query heads (4, or 2 at tp 2); and rotary's cos and sin for q and k (128 x 32 each) are indexed
+    at the rank's positions per call, where in fp32 cp 1 keeps views of the cached table (in bf16 both keep casts)."""
     one, two = Sharding(tp=tp, sequence_parallel=sp), Sharding(tp=tp, cp=2, sequence_parallel=sp)
     peer_kv = lambda size: 2 * 128 * 2 * (2 // tp) * 32 * size  # noqa: E731
+    repeated = lambda size: 2 * 128 * 2 * (4 // tp) * 32 * size  # noqa: E731
+    rotary = 4 * 128 * 32 * FP32
     for where in ({"layers": 3}, {"embed": True}, {"layers": 2, "embed": True}):
-        kept = where.get("layers", 0) * peer_kv(FP32)
+        kept = where.get("layers", 0) * (2 * peer_kv(FP32) - repeated(FP32) + rotary)
         assert _act(one, **where) == 2 * (_act(two, **where) - kept) > 0
     scalars = 3 * FP32 if tp == 1 else 8 + 2 * FP32
     assert _act(one, head=True) == 2 * _act(two, head=True) - scalars
@@ -47,7 +51,8 @@ def test_a_cp_rank_keeps_the_activations_of_its_tokens(tp, sp):
     casts = (128 * 128 + 2 * 64 * 128 + 128 * 128 + 3 * 352 * 128) // tp * 2
     if tp == 2:  # one kv head per rank: k and v are 32 x 128 there, not 64 / 2 rows of the whole
         casts = (64 * 128 + 2 * 32 * 128 + 128 * 64 + 3 * 176 * 128) * 2
-    assert _act(one, "bf16", layers=3) == 2 * (_act(two, "bf16", layers=3) - 3 * peer_kv(2)) - 3 * casts
+    kept = 3 * (2 * peer_kv(2) - repeated(2))
+    assert _act(one, "bf16", layers=3) == 2 * (_act(two, "bf16", layers=3) - kept) - 3 * casts
     deferred = lambda sh: memory_model.deferred_bytes(LLAMA, 3, microbatch_size=2, sharding=sh)  # noqa: E731
     assert deferred(one) == 2 * deferred(two)
 
@@ -58,7 +63,9 @@ def test_cp_four_holds_a_quarter_of_a_layers_activations_by_hand():
     expected = (2 * N * FP32  # ln1, ln2 inputs
                 + 2 * 64 * FP32  # their rstd (CUDA's fused RMSNorm)
                 + 2 * N * FP32  # the two norm outputs the linears read
-                + 3 * N * FP32  # q, k, v as SDPA keeps them (k, v repeated to the query heads)
+                + N * FP32  # q, as cp's attention Function keeps it
+                + 2 * 64 * 2 * 32 * FP32  # k and v, kept by it as the 2 kv heads give them (not repeated)
+                + 4 * 64 * 32 * FP32  # rotary's cos and sin for q and k, indexed at the rank's 64 positions
                 + N * FP32  # attention output
                 + 4 * 64 * 352 * FP32  # SwiGLU: gate, up, SiLU, product
                 + 4 * 64 * FP32)  # logsumexp, 4 heads
@@ -82,7 +89,8 @@ def test_kv_blocks_in_flight_are_the_cp_workspace():
 def test_at_cp_2_a_block_keeps_the_peers_k_v_but_not_under_full_recomputation():
     """One block, fp32, one sequence of 256 at cp 2: the peer's K/V is 128 tokens x (k, v) x 2 kv heads x 32 x 4
     bytes = 64 KiB beside what cp 4's arithmetic gives at 128 tokens; selective recomputes nothing of cp's
-    attention, so it keeps the block too; full keeps the block's input only. In flight at cp 2: the ring's
+    attention, so it keeps the block too (and the rest of what no recomputation keeps: the Function's log-sum-exp
+    and its k and v); full keeps the block's input only. In flight at cp 2: the ring's
     forward sends its own block (the arriving one stays, held), its backward passes dK/dV only (two blocks);
     the all-gather's forward gathers two, its backward stacks its own beside the kept one with dK/dV (three)."""
     peer = 128 * 2 * 2 * 32 * FP32
@@ -90,7 +98,7 @@ def test_at_cp_2_a_block_keeps_the_peers_k_v_but_not_under_full_recomputation():
                                                                sharding=Sharding(cp=cp), recompute=recompute)
     per_token = lambda recompute: act(recompute, 4) * 2  # cp 4's 64 tokens, doubled  # noqa: E731
     assert act("none", 2) == per_token("none") + peer == 2 * 624_128 + 65_536  # cp 4 by hand: the test above
-    assert act("selective", 2) == per_token("selective") + peer
+    assert act("selective", 2) == per_token("selective") + peer == act("none", 2)
     assert act("full", 2) == per_token("full") == 128 * 128 * FP32  # the block's input
     work = lambda comm: memory_model.workspace_bytes(LLAMA, 1, microbatch_size=1, sharding=Sharding(cp=2),  # noqa: E731
                                                      cp_comm=comm)
