@@ -8,10 +8,12 @@ One small model (4 layers, 256 wide, sequence 128), a fixed global batch of 16 s
 gpipe / 1f1b / zb-h1, 4 and 8 microbatches. Each is a `pipegpt run` of --steps steps at pipegpt run's default
 threads, the cores over the ranks (pp 1 on two threads, pp 2 on one each: every layout uses the whole machine).
 Rounds alternate the order of the layouts; a layout's measured time is the median of its steps after the first of
-each run. Costs are calibrated from the first round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`, over every
-step of it after the first: the run traces them all), and each
-layout is predicted by the planner's own evaluate_layout. Measure on a quiet machine: this was a slow test once,
-and a busy CI machine's 16% between two layouts that cost the same (gpipe and 1f1b at m 8) broke its rank order.
+each run. Each round's costs are calibrated from that round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`, over
+every step of it after the first: the run traces them all) and predict that round's layouts: the machine's speed
+drifts by a few percent from one round to the next, and each layout is held against costs measured beside it.
+measured / predicted is the median over rounds of each round's ratio. The planner's own evaluate_layout predicts.
+Measure on a quiet machine: this was a slow test once, and a busy CI machine's 16% between two layouts that cost
+the same (gpipe and 1f1b at m 8) broke its rank order.
 The calibrated model scales pp 1's compute by a block timed at 2 threads over 1
 (pipegpt.costs.calibrated.ThreadScaling), and m 4's (4 sequences per microbatch against the calibrated run's 2)
 by a block's time per sequence at 4 over at 2 (MicrobatchScaling); their figures are in the costs' line printed.
@@ -43,7 +45,12 @@ sys.path.insert(0, str(ROOT))
 
 FLAGS = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "128"]
 BATCH = 16
-CALIBRATION = "2-1f1b-8-0"  # the run the costs are calibrated from: round 0's pp 2, 1f1b, m 8
+CALIBRATION = (2, "1f1b", 8)  # the layout each round's costs are calibrated from
+
+
+def calibration_run(k: int) -> str:
+    pp, s, m = CALIBRATION
+    return f"{pp}-{s}-{m}-{k}"
 LAYOUTS = [(1, "1f1b", 4), (1, "1f1b", 8), (2, "gpipe", 4), (2, "1f1b", 4), (2, "zb-h1", 4),
            (2, "gpipe", 8), (2, "1f1b", 8), (2, "zb-h1", 8)]
 
@@ -79,7 +86,7 @@ def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: 
                     *given, "--run-dir", str(run_dir), "--log-every", "100"],
                    check=True, capture_output=True, cwd=ROOT, timeout=600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time_s"] for r in rows[1:]]  # step 0 warms up
+    return [r["step_time_s"] for r in rows[1:]]  # step 1 warms up
 
 
 def microbatch_compute(run_dir: Path) -> float:
@@ -111,55 +118,68 @@ def main(argv=None) -> int:
                     help="each worker's intra-op threads, or 'default' (cores / ranks, as pipegpt run's default)")
     args = ap.parse_args(argv)
     model = ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256)
-    measured = {x: [] for x in LAYOUTS}
+    measured = {x: [] for x in LAYOUTS}  # each round's run: the median of its steps after the first
     traced = {x: [] for x in LAYOUTS}  # each run's last step in parts (pipegpt.observe.step_time)
     computed = {x: [] for x in LAYOUTS}  # each run's one microbatch over all stages
+    cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
+    calibrated = []  # per round: the costs calibrated from that round's pp 2, 1f1b, m 8 run
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
                 run_dir = Path(tmp) / f"{pp}-{s}-{m}-{k}"
-                measured[(pp, s, m)] += measure(run_dir, pp, s, m, args.steps, args.threads_per_worker,
-                                                traced=run_dir.name == CALIBRATION)
+                steps = measure(run_dir, pp, s, m, args.steps, args.threads_per_worker,
+                                traced=(pp, s, m) == CALIBRATION)
+                measured[(pp, s, m)].append(statistics.median(steps))
                 traced[(pp, s, m)].append(breakdown(json.loads((run_dir / "trace.json").read_text())))
                 computed[(pp, s, m)].append(microbatch_compute(run_dir))
-        cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
-        costs = calibrate_costs(str(Path(tmp) / CALIBRATION), cluster)
-        parts = breakdown(json.loads((Path(tmp) / CALIBRATION / "trace.json").read_text()))
-    old = copy.copy(costs)  # the model before the step's parts: all after the last action per parameter
-    old.optimizer_s_per_byte, old.per_step_s = None, 0.0
-    linear = copy.copy(costs)  # without the microbatch-size term
-    linear.microbatch = None
+            calibrated.append(calibrate_costs(str(Path(tmp) / calibration_run(k)), cluster))
+        parts = breakdown(json.loads((Path(tmp) / calibration_run(0) / "trace.json").read_text()))
+
+    def variants(costs):
+        old = copy.copy(costs)  # the model before the step's parts: all after the last action per parameter
+        old.optimizer_s_per_byte, old.per_step_s = None, 0.0
+        linear = copy.copy(costs)  # without the microbatch-size term
+        linear.microbatch = None
+        return costs, old, linear
 
     def predict(c):
         return [evaluate_layout(Request(model, BATCH, cluster, c), Layout(1, pp, 1, s, 1, m, BATCH // m))
                 for pp, s, m in LAYOUTS]
 
-    results = predict(costs)
-    predicted, predicted_old = [r.step_time for r in results], [r.step_time for r in predict(old)]
-    predicted_linear = [r.step_time for r in predict(linear)]
+    # per round: every layout predicted from that round's calibration (the machine's speed drifts by a few
+    # percent between rounds, and a layout is measured against the costs measured beside it)
+    per_round = [[predict(c) for c in variants(costs)] for costs in calibrated]
+    ratio = [[statistics.median(measured[x][k] / per_round[k][v][i].step_time for k in range(args.rounds))
+              for i, x in enumerate(LAYOUTS)] for v in range(3)]
+    predicted, predicted_old, predicted_linear = ([statistics.median(r[v][i].step_time for r in per_round)
+                                                   for i in range(len(LAYOUTS))] for v in range(3))
     observed = [statistics.median(measured[x]) for x in LAYOUTS]
     if parts is not None:
-        print("the calibrated run's last step:\n" + breakdown_text(parts) + "\n")
-    print(costs.describe())
+        print("the first calibrated run's last step:\n" + breakdown_text(parts) + "\n")
+    for costs in calibrated:
+        print(costs.describe())
+    print(f"\npredicted: the median over rounds, each round's from its own calibration; measured / predicted: the "
+          f"median over rounds of each round's ratio")
     print(f"{'layout':16} {'predicted ms':>12} {'(old)':>8} {'(linear)':>8} {'measured ms':>11} "
           f"{'measured/predicted':>18} {'(old)':>6} {'(linear)':>8}")
-    for (pp, s, m), p, q, n, o in zip(LAYOUTS, predicted, predicted_old, predicted_linear, observed):
+    for i, ((pp, s, m), p, q, n, o) in enumerate(zip(LAYOUTS, predicted, predicted_old, predicted_linear, observed)):
         print(f"{f'pp{pp} {s} m{m}':16} {p * 1e3:12.1f} {q * 1e3:8.1f} {n * 1e3:8.1f} {o * 1e3:11.1f} "
-              f"{o / p:18.2f} {o / q:6.2f} {o / n:8.2f}")
+              f"{ratio[0][i]:18.2f} {ratio[1][i]:6.2f} {ratio[2][i]:8.2f}")
     print(f"Spearman (predicted, measured): {spearman(predicted, observed):.3f} "
           f"(old {spearman(predicted_old, observed):.3f}, linear {spearman(predicted_linear, observed):.3f})")
     print("\nwhere the difference lies (measured: the median over rounds of each run's last step):")
     print(f"{'layout':16} {'actions ms':>10} {'makespan ms':>11} {'outside ms':>10} {'after ms':>8} "
           f"{'microbatch ms':>13}")
-    for (pp, s, m), r in zip(LAYOUTS, results):
+    for i, (pp, s, m) in enumerate(LAYOUTS):
+        makespan, after = (statistics.median(getattr(r[0][i], a) for r in per_round) for a in ("makespan", "after"))
         parts_of = [b for b in traced[(pp, s, m)] if b is not None]
         actions = statistics.median(b.part("actions") for b in parts_of) if parts_of else float("nan")
         outside = statistics.median(b.total - b.part("actions") for b in parts_of) if parts_of else float("nan")
-        print(f"{f'pp{pp} {s} m{m}':16} {actions * 1e3:10.1f} {r.makespan * 1e3:11.1f} {outside * 1e3:10.1f} "
-              f"{r.after * 1e3:8.1f} {statistics.median(computed[(pp, s, m)]) * 1e3:13.2f}")
-    alone, calibrated = (statistics.median(computed[(pp, "1f1b", 8)]) for pp in (1, 2))
+        print(f"{f'pp{pp} {s} m{m}':16} {actions * 1e3:10.1f} {makespan * 1e3:11.1f} {outside * 1e3:10.1f} "
+              f"{after * 1e3:8.1f} {statistics.median(computed[(pp, s, m)]) * 1e3:13.2f}")
+    alone, together = (statistics.median(computed[(pp, "1f1b", 8)]) for pp in (1, 2))
     print(f"microbatch ms: F + B of every stage, the median over rounds; pp 1 1f1b m8 over pp 2 1f1b m8 (the same "
-          f"microbatch, one rank against two): {alone / calibrated:.3f}")
+          f"microbatch, one rank against two): {alone / together:.3f}")
     return 0
 
 
