@@ -88,6 +88,9 @@ def _rank(rank: int, cp: int, comm: str, seq: int, args, port: int, threads: int
             p.grad = None
         attention.reset_bytes_sent()
         if i == 0:  # the first pass (not timed) measures what the forward keeps
+            model(x, y).backward()  # after a warm pass: what the first forward caches once (rotary tables,
+            for p in model.parameters():  # a cp rank's positions) is no activation
+                p.grad = None
             with StorageTracker() as tracker:
                 loss = model(x, y)
                 activation = tracker.held(params)
