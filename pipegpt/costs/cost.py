@@ -409,6 +409,11 @@ class AnalyticalCosts:
         (pipegpt.costs.calibrated.ThreadScaling, MicrobatchScaling)."""
         return 1.0
 
+    def optimizer_scale(self, sharding) -> float:
+        """What the optimizer's step is multiplied by for the layout's ranks' threads: 1 here; a calibrated CPU
+        run's measured speedup of the step (pipegpt.costs.calibrated.ThreadScaling.optimizer_scale)."""
+        return 1.0
+
 
 class CalibratedCosts(AnalyticalCosts):
     """AnalyticalCosts whose compute is scaled per kind to a measured run (see the module docstring)."""
@@ -475,6 +480,11 @@ class CalibratedCosts(AnalyticalCosts):
         ranks = min(sharding.world_size, self.cluster.gpus_per_node)  # the ranks of one machine
         k = 1.0 if self.threads is None else self.threads.scale(ranks)
         return k if self.microbatch is None else k * self.microbatch.scale(ranks, mbs)
+
+    def optimizer_scale(self, sharding) -> float:
+        if self.threads is None or self.optimizer_s_per_byte is None:
+            return 1.0
+        return self.threads.optimizer_scale(min(sharding.world_size, self.cluster.gpus_per_node))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -156,15 +156,15 @@ class StageCosts:
             routed[r] += stage_experts[s]
         inside = sharding.world_size <= c.gpus_per_node
         edp = experts.expert_replicas(sharding)
-        worst = 0.0
+        worst, threads = 0.0, self.cost.optimizer_scale(sharding)
         for r in range(pp):
             if sharding.zero and dp > 1:
                 shard = (params[r] - routed[r]) / dp + routed[r] / edp if routed[r] else params[r] / dp
-                t = self.cost.optimizer_time(shard, max(1, -(-tensors[r] // dp)))
+                t = threads * self.cost.optimizer_time(shard, max(1, -(-tensors[r] // dp)))
                 if not (sharding.zero >= 3 and unshard == "microbatch"):
                     t += self.cost.shard_collective_time(params[r] * 4, dp, inside)
             else:
-                t = self.cost.optimizer_time(params[r], tensors[r])
+                t = threads * self.cost.optimizer_time(params[r], tensors[r])
             worst = max(worst, t)
         if model.tie_embeddings and placement[0] != placement[-1]:
             G = c.gpus_per_node

@@ -14,7 +14,8 @@ setting, not on one. At least `rounds` rounds, and more while they take under `b
 ratios of a few percent need many passes on a shared machine to find each setting's quiet one, and a large
 block's passes are long enough to need few. A fresh process holds nothing else, and the block is what the
 calibrated scale applies to; a plain matmul would leave out attention, the norms and the elementwise passes,
-which threads and larger microbatches speed up less.
+which threads and larger microbatches speed up less. A size of 0 asks for the optimizer instead: one AdamW step over
+the model's parameters at that thread count (what a calibrated CPU run's optimizer term scales by).
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ REPEATS = 3  # the least of the passes: interference only adds time (pipegpt.sta
 ROUNDS = 2
 BUDGET_S = 3.0
 MAX_ROUNDS = 30
+OPTIMIZER = 0  # a setting's size 0: the optimizer's step over the model's parameters, not the block
+OPTIMIZER_PARAMS = 64 * 2**20  # at most this many parameters timed (1 GiB with the moments and gradients)
 
 
 def block_seconds(model: ModelConfig, settings, recompute: str = "none", dtype: str = "float32",
@@ -43,6 +46,11 @@ def block_seconds(model: ModelConfig, settings, recompute: str = "none", dtype: 
             done += 1
             for threads, size in settings:
                 torch.set_num_threads(int(threads))
+                if int(size) == OPTIMIZER:
+                    seconds = optimizer_step_seconds(model, repeats)
+                    key = (int(threads), OPTIMIZER)
+                    out[key] = min(out.get(key, seconds), seconds)
+                    continue
                 seconds = measure_layer_costs(model, int(size), torch.device("cpu"), getattr(torch, dtype),
                                               recompute, torch.bfloat16 if bf16 else None, repeats=repeats,
                                               warmup=1, pieces=("block",))["block"]
@@ -51,6 +59,32 @@ def block_seconds(model: ModelConfig, settings, recompute: str = "none", dtype: 
     finally:
         torch.set_num_threads(before)
     return out
+
+
+def optimizer_step_seconds(model: ModelConfig, repeats: int = REPEATS) -> float:
+    """Least seconds of one AdamW step (foreach, as on a CPU rank: pipegpt.train.optim) over the whole model's fp32
+    parameters, up to OPTIMIZER_PARAMS of them: elementwise and bound by memory, so a second thread's gain depends
+    on what the step's tensors and moments take against the caches (one block's: x2.8 at 2 threads on 2 cores;
+    a 3.3M-parameter model's: x1.5), and the model's own size is what its ranks update."""
+    from pipegpt.model.gpt import GPT
+
+    with torch.device("meta"):  # the shapes alone, at any size
+        shapes = [p.shape for p in GPT(model, init_seed=0).parameters()]
+    params, total = [], 0
+    for shape in shapes:
+        if total >= OPTIMIZER_PARAMS:
+            break
+        params.append(torch.nn.Parameter(torch.randn(shape)))
+        params[-1].grad = torch.randn(shape)
+        total += params[-1].numel()
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    times = []
+    for k in range(1 + repeats):
+        t0 = time.perf_counter()
+        optimizer.step()
+        if k:
+            times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def main(argv=None) -> int:

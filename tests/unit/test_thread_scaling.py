@@ -96,3 +96,39 @@ def test_the_child_process_answers_seconds_per_setting(capsys):
     assert main([json.dumps({"model": model, "settings": [[1, 1], [1, 2]]})]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert [(t, size) for t, size, _ in answer] == [(1, 1), (1, 2)] and all(s > 0 for _, _, s in answer)
+
+
+def test_the_optimizer_scales_by_its_own_measured_step_not_the_blocks():
+    """Calibrated from 2 ranks on 2 cores (1 thread each), its optimizer at 0.5 ms per MB of fp32 parameters and
+    4 ms a step besides. pp 1's one rank updates every parameter on both cores, where the optimizer's step took 8 of
+    the 10 ms it took on one (the block: 6 of 10): its after-term's optimizer part is x0.8, the 4 ms unchanged. pp 2
+    runs as calibrated: nothing scaled, nothing measured for it."""
+    model = ModelConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    run = RunShape(model, Sharding(), "none", 1, (1, 1), (0, 1), 2.0)
+    cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
+    measured = Costs((1e-3, 1e-3), (2e-3, 2e-3), (1e-3, 1e-3), 1e-4)
+    block, _ = timer({1: 0.010, 2: 0.006})
+    step, step_calls = timer({1: 0.010, 2: 0.008})
+
+    def predict(threads, pp):
+        fit = fit_calibrated_costs(cluster, run, measured, 1.0, [1000, 1500], "run")
+        fit.optimizer_s_per_byte, fit.per_step_s, fit.threads = 0.5e-9, 0.004, threads
+        return evaluate_layout(Request(model, 4, cluster, fit), Layout(1, pp, 1, "1f1b", 1, 4, 1))
+
+    scaled = ThreadScaling(calibrated=1, explicit=False, cores=2, measure=block, measure_optimizer=step)
+    plain = predict(None, 1).after
+    assert plain > 0.004
+    assert predict(scaled, 1).after == pytest.approx(0.8 * (plain - 0.004) + 0.004)
+    assert step_calls == [(1, 2)] and "the optimizer at 2: x1.25" in scaled.describe()
+    assert predict(scaled, 2).after == pytest.approx(predict(None, 2).after) and step_calls == [(1, 2)]
+    assert ThreadScaling(calibrated=1, explicit=False, cores=2, measure=block).optimizer_scale(1) == 1.0
+
+
+def test_the_child_process_times_the_optimizer_at_size_zero(capsys):
+    """Size 0 asks for one AdamW step over the model's parameters, not the block."""
+    from pipegpt.stages.block_timing import main
+
+    model = {"vocab_size": 64, "seq_len": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
+    assert main([json.dumps({"model": model, "settings": [[1, 0], [2, 0]]})]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert [(t, size) for t, size, _ in answer] == [(1, 0), (2, 0)] and all(s > 0 for _, _, s in answer)
