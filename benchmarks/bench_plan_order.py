@@ -1,6 +1,6 @@
 """Does the calibrated planner order layouts as they measure? Predicted beside measured step time, and Spearman.
 
-    .venv/bin/python benchmarks/bench_plan_order.py                # 8 layouts, 2 rounds (about 2 minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_plan_order.py                # 8 layouts, 2 rounds (about 2.5 minutes on 2 cores)
     .venv/bin/python benchmarks/bench_plan_order.py --rounds 4
     .venv/bin/python benchmarks/bench_plan_order.py --threads-per-worker 1   # pp 1 on one thread, a core to spare
 
