@@ -10,7 +10,9 @@ threads, the cores over the ranks (pp 1 on two threads, pp 2 on one each: every 
 Rounds alternate the order of the layouts; a layout's measured time is the median of its steps after the first of
 each run. Each round's costs are calibrated from that round's pp 2, 1f1b, m 8 run (`pipegpt plan --calibrate`, over
 every step of it after the first: the run traces them all) and predict that round's layouts: the machine's speed
-drifts by a few percent from one round to the next, and each layout is held against costs measured beside it.
+drifts by a few percent from one round to the next, and each layout is held against costs measured beside it. The
+block's timings behind the thread and microbatch-size terms are the machine's, not a round's: timed once for all
+rounds, the least of two child processes.
 measured / predicted is the median over rounds of each round's ratio. The planner's own evaluate_layout predicts.
 Measure on a quiet machine: this was a slow test once, and a busy CI machine's 16% between two layouts that cost
 the same (gpipe and 1f1b at m 8) broke its rank order.
@@ -89,6 +91,25 @@ def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: 
     return [r["step_time_s"] for r in rows[1:]]  # step 1 warms up
 
 
+def shared_block_timer(config: dict, passes: int = 2):
+    """calibrate_costs' block timer for every round: each setting timed once, as the least of `passes` child
+    processes (pipegpt.stages.block_timing; each already the least of its own passes), and kept. A burst of load
+    during one child's seconds then moves no round's thread or microbatch term."""
+    from pipegpt.costs.calibrated import block_timer
+
+    measure = block_timer(config)  # the calibration run's config.json: its model, dtype and recomputation
+    kept: dict = {}
+
+    def timed(settings):
+        new = tuple(x for x in settings if x not in kept)
+        if new:
+            runs = [measure(new) for _ in range(passes)]
+            kept.update({x: min(r[x] for r in runs) for x in new})
+        return {x: kept[x] for x in settings}
+
+    return timed
+
+
 def microbatch_compute(run_dir: Path) -> float:
     """One microbatch's forward and backward over all stages of a run (each stage's median F and B from its trace,
     pipegpt.schedule.calibrate): pp 1's one stage against pp 2's two is the same work, so their ratio is how much
@@ -123,6 +144,7 @@ def main(argv=None) -> int:
     computed = {x: [] for x in LAYOUTS}  # each run's one microbatch over all stages
     cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
     calibrated = []  # per round: the costs calibrated from that round's pp 2, 1f1b, m 8 run
+    timer = None  # the block's timings are the machine's: one set for every round
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
@@ -132,7 +154,9 @@ def main(argv=None) -> int:
                 measured[(pp, s, m)].append(statistics.median(steps))
                 traced[(pp, s, m)].append(breakdown(json.loads((run_dir / "trace.json").read_text())))
                 computed[(pp, s, m)].append(microbatch_compute(run_dir))
-            calibrated.append(calibrate_costs(str(Path(tmp) / calibration_run(k)), cluster))
+            run_dir = Path(tmp) / calibration_run(k)
+            timer = timer or shared_block_timer(json.loads((run_dir / "config.json").read_text()))
+            calibrated.append(calibrate_costs(str(run_dir), cluster, timer))
         parts = breakdown(json.loads((Path(tmp) / calibration_run(0) / "trace.json").read_text()))
 
     def variants(costs):
