@@ -138,7 +138,7 @@ class ThreadScaling:
 
     def optimizer_scale(self, ranks: int) -> float:
         """The optimizer step's seconds at the layout's threads over at the run's: an elementwise pass over the
-        parameters, which a second thread speeds up less than a block (x1.45 against x1.85 on 2 cores)."""
+        parameters, bound by memory, which more threads speed up less than a block's matmuls."""
         if self.measure_optimizer is None:
             return 1.0
         return self._ratio(ranks, self.measure_optimizer, self.optimizer_seconds)

@@ -39,7 +39,8 @@ OPTIMIZER_PARAMS = 64 * 2**20  # at most this many parameters timed (1 GiB with 
 def block_seconds(model: ModelConfig, settings, recompute: str = "none", dtype: str = "float32",
                   bf16: bool = False, repeats: int = REPEATS, rounds: int = ROUNDS,
                   budget_s: float = BUDGET_S) -> dict[tuple[int, int], float]:
-    """{(threads, microbatch size): least seconds of one block's forward + backward on the CPU}."""
+    """{(threads, microbatch size): least seconds of one block's forward + backward on the CPU (size 0: of one
+    optimizer step, optimizer_step_seconds)}."""
     out, before, start, done = {}, torch.get_num_threads(), time.perf_counter(), 0
     try:
         while done < rounds or (done < MAX_ROUNDS and time.perf_counter() - start < budget_s):
@@ -48,12 +49,10 @@ def block_seconds(model: ModelConfig, settings, recompute: str = "none", dtype: 
                 torch.set_num_threads(int(threads))
                 if int(size) == OPTIMIZER:
                     seconds = optimizer_step_seconds(model, repeats)
-                    key = (int(threads), OPTIMIZER)
-                    out[key] = min(out.get(key, seconds), seconds)
-                    continue
-                seconds = measure_layer_costs(model, int(size), torch.device("cpu"), getattr(torch, dtype),
-                                              recompute, torch.bfloat16 if bf16 else None, repeats=repeats,
-                                              warmup=1, pieces=("block",))["block"]
+                else:
+                    seconds = measure_layer_costs(model, int(size), torch.device("cpu"), getattr(torch, dtype),
+                                                  recompute, torch.bfloat16 if bf16 else None, repeats=repeats,
+                                                  warmup=1, pieces=("block",))["block"]
                 key = (int(threads), int(size))
                 out[key] = min(out.get(key, seconds), seconds)
     finally:
@@ -64,8 +63,8 @@ def block_seconds(model: ModelConfig, settings, recompute: str = "none", dtype: 
 def optimizer_step_seconds(model: ModelConfig, repeats: int = REPEATS) -> float:
     """Least seconds of one AdamW step (foreach, as on a CPU rank: pipegpt.train.optim) over the whole model's fp32
     parameters, up to OPTIMIZER_PARAMS of them: elementwise and bound by memory, so a second thread's gain depends
-    on what the step's tensors and moments take against the caches (one block's: x2.8 at 2 threads on 2 cores;
-    a 3.3M-parameter model's: x1.5), and the model's own size is what its ranks update."""
+    on what the step's tensors and moments take against the caches (one block's fit them far better than a
+    model's), and the model's own size is what its ranks update."""
     from pipegpt.model.gpt import GPT
 
     with torch.device("meta"):  # the shapes alone, at any size
