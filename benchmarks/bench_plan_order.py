@@ -47,14 +47,14 @@ sys.path.insert(0, str(ROOT))
 
 FLAGS = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "128"]
 BATCH = 16
+LAYOUTS = [(1, "1f1b", 4), (1, "1f1b", 8), (2, "gpipe", 4), (2, "1f1b", 4), (2, "zb-h1", 4),
+           (2, "gpipe", 8), (2, "1f1b", 8), (2, "zb-h1", 8)]
 CALIBRATION = (2, "1f1b", 8)  # the layout each round's costs are calibrated from
 
 
 def calibration_run(k: int) -> str:
     pp, s, m = CALIBRATION
     return f"{pp}-{s}-{m}-{k}"
-LAYOUTS = [(1, "1f1b", 4), (1, "1f1b", 8), (2, "gpipe", 4), (2, "1f1b", 4), (2, "zb-h1", 4),
-           (2, "gpipe", 8), (2, "1f1b", 8), (2, "zb-h1", 8)]
 
 
 def ranks(values) -> list[float]:
@@ -182,8 +182,8 @@ def main(argv=None) -> int:
         print("the first calibrated run's last step:\n" + breakdown_text(parts) + "\n")
     for costs in calibrated:
         print(costs.describe())
-    print(f"\npredicted: the median over rounds, each round's from its own calibration; measured / predicted: the "
-          f"median over rounds of each round's ratio")
+    print("\npredicted: the median over rounds, each round's from its own calibration; measured / predicted: the "
+          "median over rounds of each round's ratio")
     print(f"{'layout':16} {'predicted ms':>12} {'(old)':>8} {'(linear)':>8} {'measured ms':>11} "
           f"{'measured/predicted':>18} {'(old)':>6} {'(linear)':>8}")
     for i, ((pp, s, m), p, q, n, o) in enumerate(zip(LAYOUTS, predicted, predicted_old, predicted_linear, observed)):
