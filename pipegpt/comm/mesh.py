@@ -23,6 +23,8 @@ class Mesh:
     rank: int
     groups: dict = field(default_factory=dict)  # name -> process group (None: a group of one)
     members: dict = field(default_factory=dict)  # name -> the global ranks of this rank's group, in rank order
+    pairs: dict | None = None  # pipeline neighbour's rank -> the group of the two (pair_groups()); None: not made
+
 
     @property
     def coords(self) -> Coords:
@@ -41,6 +43,19 @@ class Mesh:
 
     def group(self, name: str):
         return self.groups.get(name)
+
+    def pair_groups(self) -> dict:
+        """This rank's pipeline neighbours, each with a process group of the two alone: messages matched by order
+        (NCCL) queue on their communicator's stream, so with a group a pair no message to one neighbour waits
+        behind another's (schedule.simulate.simulate_order). Made on the first call, which every rank makes at
+        the same point (a collective, as new_group is)."""
+        if self.pairs is None:
+            self.pairs = {}
+            for pair in pipeline_pairs(self.dims):
+                group = dist.new_group(list(pair))
+                if self.rank in pair:
+                    self.pairs[pair[1] if pair[0] == self.rank else pair[0]] = group
+        return self.pairs
 
 
 # NCCL's watchdog, on a timeout or an error, by default (3, SkipCleanUp) kills the process: the driver then only
@@ -96,3 +111,16 @@ def group_members(dims: ParallelDims, embedding_pp_indices: tuple[int, ...] = ()
         if set(axes) <= set(dims.axis_names) and (at is None or len(set(embedding_pp_indices)) > 1):
             out[name] = dims.groups(axes, at)
     return out
+
+
+def pipeline_pairs(dims: ParallelDims) -> list[tuple[int, int]]:
+    """Every pair of pipeline neighbours, sorted, each once, in the order every rank creates their groups: pipeline
+    positions i and i + 1, and the last with the first (an interleaved schedule's round hands its last stage's
+    output to rank 0), in each pipeline group."""
+    pairs = []
+    for members in dims.groups(("pp",)):
+        for i in range(len(members) if len(members) > 2 else len(members) - 1):
+            pair = tuple(sorted((members[i], members[(i + 1) % len(members)])))
+            if pair not in pairs:
+                pairs.append(pair)
+    return pairs

@@ -17,6 +17,12 @@ Two behaviours, chosen apart from the device (`matching`):
   in a CommError naming it. On CPU (the CUDA control path run there) `wait()`
   blocks the host instead, standing in for the stream wait.
 
+Matched by order, a batch goes out per peer, each on the process group of
+that pair of ranks alone where comm/mesh.py made one (pair_groups): NCCL runs
+a communicator's operations one after another on its stream, so on one
+communicator for the whole pipeline a message to one neighbour queued behind
+another neighbour's (schedule.simulate.simulate_order models the pairs).
+
 Backends differ in what a batch returns: gloo gives one Work per operation,
 NCCL (which coalesces a batch into one group call) gives one Work for the
 whole batch. So every message keeps the Works of its batch, and waiting for
@@ -76,8 +82,12 @@ def resolve_matching(matching: str, device_type: str) -> str:
 
 
 class PointToPoint:
-    def __init__(self, rank: int, timeout_s: float, device_type: str = "cpu", matching: str = "auto"):
+    def __init__(self, rank: int, timeout_s: float, device_type: str = "cpu", matching: str = "auto",
+                 pairs: dict | None = None):
+        """pairs: a pipeline neighbour's rank -> the process group of the two (comm/mesh.py pair_groups), where
+        messages matched by order go, each pair's on its own communicator; a peer without one: the default group."""
         self.rank = rank
+        self.pairs = pairs or {}
         self.timeout = timedelta(seconds=timeout_s)
         self.matching = resolve_matching(matching, device_type)
         self.matches_by_tag = self.matching == "tag"
@@ -91,23 +101,35 @@ class PointToPoint:
         if not self.world_known and dist.is_initialized():  # decided once, with the default group there
             self.world_known = True
             self.world = dist.group.WORLD if dist.get_backend() == "gloo" else None
-        if self.world is not None:
-            # gloo coalesces nothing (a Work per operation), so each goes straight to the process group:
-            # what dist.isend / irecv would call, without their checks and wrappers, per message.
-            for m in sends:
-                m.works = [self.world.send([m.tensor], m.peer, m.tag)]
-            for m in recvs:
-                m.works = [self.world.recv([m.tensor], m.peer, m.tag)]
-            if not self.matches_by_tag:
-                self.unsettled += [(m.works, m.peer, m.label) for m in sends + recvs]
-            return
-        ops = [dist.P2POp(dist.isend, m.tensor, m.peer, tag=m.tag) for m in sends]
-        ops += [dist.P2POp(dist.irecv, m.tensor, m.peer, tag=m.tag) for m in recvs]
-        if not ops:
-            return
-        attach_works(sends + recvs, dist.batch_isend_irecv(ops))
+        if self.pairs and not self.matches_by_tag:  # a batch per peer, each on its pair's communicator
+            peers = list(dict.fromkeys(m.peer for m in sends + recvs))
+            for peer in peers:
+                self._post([m for m in sends if m.peer == peer], [m for m in recvs if m.peer == peer],
+                           self.pairs.get(peer))
+        else:
+            self._post(sends, recvs, None)
         if not self.matches_by_tag:
             self.unsettled += [(m.works, m.peer, m.label) for m in sends + recvs]
+
+    def _post(self, sends: list[Message], recvs: list[Message], group) -> None:
+        """One batch on `group` (None: the default group)."""
+        if self.world is not None:
+            # gloo coalesces nothing (a Work per operation), so each goes straight to the process group:
+            # what dist.isend / irecv would call, without their checks and wrappers, per message. A pair's
+            # group holds the two ranks sorted.
+            pg = self.world if group is None else group
+            for m in sends:
+                m.works = [pg.send([m.tensor], self._group_rank(m.peer, group), m.tag)]
+            for m in recvs:
+                m.works = [pg.recv([m.tensor], self._group_rank(m.peer, group), m.tag)]
+            return
+        ops = [dist.P2POp(dist.isend, m.tensor, m.peer, group=group, tag=m.tag) for m in sends]
+        ops += [dist.P2POp(dist.irecv, m.tensor, m.peer, group=group, tag=m.tag) for m in recvs]
+        if ops:
+            attach_works(sends + recvs, dist.batch_isend_irecv(ops))
+
+    def _group_rank(self, peer: int, group) -> int:
+        return peer if group is None else int(peer > self.rank)
 
     def wait(self, message: Message) -> None:
         """What follows may use the message's tensor, or drop it (the stream waits on CUDA, the host elsewhere)."""

@@ -12,7 +12,7 @@ import resource
 import torch
 
 from pipegpt.comm.mesh import init_mesh
-from pipegpt.comm.p2p import PointToPoint
+from pipegpt.comm.p2p import PointToPoint, resolve_matching
 from pipegpt.config import TrainConfig
 from pipegpt.engine.parallelize import Parallelized, parallelize
 from pipegpt.engine.placement import cuda_device_index, resolve_device
@@ -57,7 +57,9 @@ class Engine:
         self.plan = plan
         p, last = cfg.parallel, plan.num_stages - 1
         # Here, not in start(): a build() with another runtime.p2p_matching must get it (nothing is in flight now).
-        self.p2p = PointToPoint(self.rank, cfg.runtime.wait_timeout_s, self.device.type, cfg.runtime.p2p_matching)
+        matching = resolve_matching(cfg.runtime.p2p_matching, self.device.type)
+        pairs = self.mesh.pair_groups() if matching == "order" else None  # every rank builds: a collective
+        self.p2p = PointToPoint(self.rank, cfg.runtime.wait_timeout_s, self.device.type, matching, pairs)
         ranges = partition_layers(cfg.model.n_layer, plan.num_stages, p.layers_per_stage)
         self.dtype = dtype = getattr(torch, cfg.runtime.dtype)
         self.stages, self.parallelized = {}, {}

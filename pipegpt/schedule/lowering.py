@@ -51,7 +51,7 @@ def lower(plan: Plan, costs=None) -> Plan:
     of ranks sees its messages in the same order at both ends (NCCL matches point-to-point by order).
 
     Where the SEND goes matters under order matching (NCCL), where a send leaves at its SEND and a rank's
-    batches run one after another (schedule/simulate.py, simulate_order): one put where the consumer asked for
+    batches with one peer run one after another (schedule/simulate.py, simulate_order): one put where the consumer asked for
     it, after whatever its rank was computing then, makes the consumer wait for that compute. So it goes just
     after the compute that made it, unless the rank has sent or received since: then into that batch if it
     holds sends alone (or was posted at this moment), else after the compute that follows it, so that no

@@ -76,7 +76,7 @@ def comm_runs(actions) -> list[tuple[int, int]]:
 
 def comm_batches(actions, eager_sends: bool = False) -> list[tuple[int, int]]:
     """Index ranges [start, end) of what the runtime posts as one batch. With messages matched by order (NCCL) a
-    batch completes as one (one Work), and a rank's batches run one after another: a run is cut after each
+    batch completes as one (one Work), and a rank's batches with one peer run one after another: a run is cut after each
     receive, so that a compute waits only for what it reads, unless the receive after it is read no later (its
     reader waits for it anyway: together, neither waits for the other to move); sends after a run's last receive
     are a batch of their own, which no compute waits for (lowering puts a send there so that neither end

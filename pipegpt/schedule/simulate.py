@@ -335,12 +335,13 @@ def simulate_matching(plan: Plan, costs: Costs, matching: str = "tag") -> Timeli
 def simulate_order(plan: Plan, costs: Costs) -> Timeline:
     """The lowered plan run with messages matched by order (NCCL): a send goes out where its SEND stands.
     What pipegpt.stages.runtime and comm/p2p.py do there on a GPU, modelled action by action:
-    * each comm batch is one batch_isend_irecv: one NCCL group, on the communicator of the whole pipeline
-      group (a coalesced batch uses the device's communicator, not a per-pair one), so a rank's batches run
-      one after another on one NCCL stream. A run of comm actions is one batch, or two where sends follow its
-      last receive (messages.comm_batches): those sends then hold no compute back;
-    * a batch starts once the compute before it has ended (the NCCL stream waits for the compute stream when
-      the batch is enqueued) and the rank's previous batch has completed;
+    * each comm batch is posted per peer: one batch_isend_irecv (one NCCL group) on the communicator of that
+      pair of ranks alone (comm/mesh.py's pair groups), so a rank's messages with one peer run one batch after
+      another on that pair's NCCL stream, and its messages with another peer beside them on another. A run of
+      comm actions is one batch, or two where sends follow its last receive (messages.comm_batches): those
+      sends then hold no compute back;
+    * a pair's batch starts once the compute before it has ended (the NCCL stream waits for the compute stream
+      when the batch is enqueued) and the rank's previous batch with that peer has completed;
     * a message moves once both of its batches have started (rendezvous: activations are larger than NCCL's
       buffers), and takes costs.comm; a batch completes when all its messages have moved, together (NCCL
       hands back one Work for the batch);
@@ -354,19 +355,26 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
     """
     _check_stages(plan, costs)
     ranks, n = plan.ranks, plan.num_ranks
-    # Batches by number: bounds, rank; each message's two batches; per batch start, what its compute waits for.
+    # Batches by number, one per (run of comm actions, peer): owner rank, its pair's lane (rank, peer); each
+    # message's two batches; per compute, the batches it waits for.
     bounds: list[list[tuple[int, int]]] = [comm_batches(acts) for acts in ranks]
-    batch_id: list[dict[int, int]] = []  # per rank: first index of a batch -> its number
+    batches_at: list[dict[int, list[int]]] = []  # per rank: first index of a run's batch -> its per-peer batches
     owner: list[int] = []
+    lane: list[tuple[int, int]] = []
     where: dict = {}  # (rank, comm action) -> its batch
     for r, mine in enumerate(bounds):
         ids = {}
         for start, end in mine:
-            ids[start] = len(owner)
+            by_peer: dict[int, int] = {}
             for a in ranks[r][start:end]:
-                where[(r, a)] = len(owner)
-            owner.append(r)
-        batch_id.append(ids)
+                q = peer(a, plan)[0]
+                if q not in by_peer:
+                    by_peer[q] = len(owner)
+                    owner.append(r)
+                    lane.append((r, q))
+                where[(r, a)] = by_peer[q]
+            ids[start] = list(by_peer.values())
+        batches_at.append(ids)
     partners: list[list[int]] = [[] for _ in owner]
     for (r, a), b in where.items():
         q, other = peer(a, plan)
@@ -385,7 +393,8 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
     batch_end = [dict(mine) for mine in bounds]
 
     pos, compute_free = [0] * n, [0] * n
-    stream_free: list[Real | None] = [0] * n  # end of the rank's last batch; None while it is not known
+    lane_free: dict[tuple[int, int], Real | None] = {}  # end of the lane's last batch; None while not known
+    lane_last: dict[tuple[int, int], int] = {}  # the lane's last started batch
     ends: dict = {}
     events: list[Event] = []
     todo = list(range(n))
@@ -393,12 +402,10 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
     def complete(b: int) -> None:  # once it and every partner have started
         if completed[b] is None and all(started[p] is not None for p in partners[b]):
             completed[b] = max(max(started[b], started[p]) + costs.comm for p in partners[b])
-            r = owner[b]
-            if stream_free[r] is None and batch_at[r] == b:
-                stream_free[r] = completed[b]
-            todo.append(r)
+            if lane_last[lane[b]] == b:
+                lane_free[lane[b]] = completed[b]
+            todo.append(owner[b])
 
-    batch_at: list[int | None] = [None] * n  # the rank's last started batch
     while todo:
         r = todo.pop()
         actions = ranks[r]
@@ -411,20 +418,23 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
                 start = max([compute_free[r]] + [completed[b] for b in needs])
                 compute_free[r] = _charge(r, a, start, costs, events, ends)
                 pos[r] += 1
-            elif i in batch_id[r]:
-                if stream_free[r] is None:
+            elif i in batches_at[r]:
+                mine = batches_at[r][i]
+                if any(lane_free.get(lane[b], 0) is None for b in mine):
                     break
-                b = batch_id[r][i]
-                started[b] = max(compute_free[r], stream_free[r])
-                stream_free[r], batch_at[r] = None, b
+                for b in mine:
+                    started[b] = max(compute_free[r], lane_free.get(lane[b], 0))
+                    lane_free[lane[b]], lane_last[lane[b]] = None, b
                 pos[r] = batch_end[r][i]
-                complete(b)
-                for p in partners[b]:
-                    if started[p] is not None:
-                        complete(p)
+                for b in mine:
+                    complete(b)
+                    for p in partners[b]:
+                        if started[p] is not None:
+                            complete(p)
             else:  # a collective: launched, not waited for
                 pos[r] += 1
-    stuck = [r for r in range(n) if pos[r] < len(ranks[r]) or stream_free[r] is None]
+    stuck = [r for r in range(n) if pos[r] < len(ranks[r])] + \
+        [r for (r, _), free in lane_free.items() if free is None]
     if stuck:
         r = stuck[0]
         at = ranks[r][pos[r]] if pos[r] < len(ranks[r]) else "the end of the step"
@@ -445,9 +455,9 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
 
 # The latency, in forwards of a rank's share, that an order-matched run places its messages for where it knows
 # none in its costs' unit (unit or estimated costs, gloo in order). Placed for no latency, a plan loses under order
-# matching as soon as messages take time: at a tenth of a forward up to 3.7% (1f1b), 7% (zbv), 20%
-# (interleaved-1f1b). Placed for this one (or for none where that simulates faster: lowered), at most 1.8% from no
-# latency to a tenth, p 2..8 (tests/unit/test_run_plan_latency.py); at a fifth interleaved-1f1b 5.4%, not 38%.
+# matching as soon as messages take time: at a tenth of a forward up to 3.7% (1f1b), 6% (zbv), 7.5%
+# (interleaved-1f1b). Placed for this one, every fixed schedule at p 2..8 costs what tag matching costs at true
+# latencies from a fiftieth to a fifth of a forward (tests/unit/test_run_plan_latency.py).
 ASSUMED_LATENCY_FORWARDS = 0.05
 
 
@@ -461,8 +471,8 @@ def assumed_latency(stage_to_rank) -> Costs:
 def lowered(plan: Plan, costs: Costs | None) -> Plan:
     """The plan lowered for its costs: with a latency, placed for it or as for none, whichever order matching
     (simulate_order, at that latency) runs sooner, the latency's on a tie. Placing for the latency reaches tag
-    matching's makespan nearly everywhere; where it does not (zb-h1 at some costs, by 0.1-0.2%), the placement for
-    none can."""
+    matching's makespan on every fixed schedule measured; the placement for none is the fallback where it would
+    not (with one NCCL stream a rank, zb-h1 at some costs by 0.1-0.2%)."""
     if costs is None or not costs.comm:
         return lower(plan, costs)
     return min((lower(plan, costs), lower(plan, replace(costs, comm=0))),

@@ -179,6 +179,15 @@ def test_order_matching_matches_one_process(workers, schedule, m):
     assert_matches(cfg, workers(cfg))
 
 
+# Each pair of pipeline neighbours on a group of its own (comm/mesh.py pair_groups), where a peer's rank in it is
+# not its global one: the second pipeline of dp 2, and interleaved's hand-over from the last rank to the first.
+@pytest.mark.parametrize("p,dp,schedule", [(2, 2, "zb-h1"), (4, 1, "interleaved-1f1b")])
+def test_order_matching_on_pair_groups_matches_one_process(workers, p, dp, schedule):
+    cfg = base_config(p, dp=dp, schedule=schedule, microbatches=4, p2p_matching="order")
+    check(cfg)
+    assert_matches(cfg, workers(cfg))
+
+
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_recompute_matches(workers, matching, schedule, recompute):

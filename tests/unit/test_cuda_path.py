@@ -59,7 +59,8 @@ def coalescing_backend(monkeypatch):
         posted.append(BatchWork(ops))
         return [posted[-1]]
 
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, group=group, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
     return posted
 
@@ -95,7 +96,8 @@ def test_a_send_is_done_only_when_its_batch_is(coalescing_backend):
 
 def test_one_work_per_operation_is_kept_per_message(monkeypatch):
     """gloo's form: each message waits only for its own operation."""
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, group=group, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [BatchWork([op]) for op in ops])
     p2p = PointToPoint(rank=0, timeout_s=5)
     send, recvs = _messages()
@@ -106,13 +108,60 @@ def test_one_work_per_operation_is_kept_per_message(monkeypatch):
 
 
 def test_on_cuda_a_receive_that_never_comes_ends_the_step_with_the_message_named(monkeypatch):
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, group=group, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [BatchWork(ops, arrives=False)])
     p2p = PointToPoint(rank=3, timeout_s=2, device_type="cuda")
     recv = Message(torch.zeros(3), peer=2, tag=0, label="receive 3RECV_F0")
     p2p.post([], [recv])
     with pytest.raises(CommError, match=r"rank 3: receive 3RECV_F0 with rank 2 failed after at most 2s"):
         p2p.settle()
+
+
+def test_matched_by_order_each_peer_s_messages_go_on_their_pair_s_group(coalescing_backend):
+    """Rank 1 of three sends to rank 2 and receives from rank 0 in one run: one batch per peer, each on the group
+    of that pair alone, so each message waits only for its own pair's Work (on one group, NCCL would run them one
+    after the other on one stream)."""
+    groups = {0: "group 0-1", 2: "group 1-2"}
+    p2p = PointToPoint(rank=1, timeout_s=5, device_type="cuda", pairs=groups)
+    send = Message(torch.zeros(3), peer=2, tag=4, label="send 1SEND_F0")
+    recv = Message(torch.zeros(3), peer=0, tag=7, label="receive 1RECV_B3")
+    p2p.post([send], [recv])
+    assert [[(op.peer, op.group) for op in batch.ops] for batch in coalescing_backend] == \
+        [[(2, "group 1-2")], [(0, "group 0-1")]]
+    p2p.wait(recv)
+    assert p2p.done(recv) and not p2p.done(send)
+    assert p2p.unsettled_peers() == (0, 2)
+
+
+def test_matched_by_tag_or_without_a_pair_s_group_a_batch_is_one_on_the_default_group(coalescing_backend):
+    for p2p in (PointToPoint(rank=1, timeout_s=5, device_type="cpu", matching="tag", pairs={0: "g", 2: "g"}),
+                PointToPoint(rank=1, timeout_s=5, device_type="cuda", pairs={0: "group 0-1"})):
+        coalescing_backend.clear()
+        p2p.post([Message(torch.zeros(3), peer=2, tag=4, label="send")],
+                 [Message(torch.zeros(3), peer=2, tag=5, label="receive")])
+        assert [[op.group for op in batch.ops] for batch in coalescing_backend] == [[None, None]]
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_every_schedule_s_messages_go_between_pipeline_pairs(p):
+    """comm/mesh.py makes a group for each pair of pipeline neighbours (the last with the first too); every
+    registered schedule's stage hand-overs go between such a pair, so no message of theirs takes the default
+    group. With data and tensor parallelism the pairs stay within each pipeline."""
+    from pipegpt.comm.mesh import pipeline_pairs
+    from pipegpt.dims import ParallelDims
+    from pipegpt.schedule import SCHEDULES
+
+    pairs = set(pipeline_pairs(ParallelDims(pp=p)))
+    assert len(pairs) == (p if p > 2 else 1)
+    for name, spec in SCHEDULES.items():
+        placement = spec.stage_to_rank(p)
+        hand_overs = {tuple(sorted(ab)) for ab in zip(placement, placement[1:]) if ab[0] != ab[1]}
+        assert hand_overs <= pairs, (name, hand_overs - pairs)
+    dims = ParallelDims(dp=2, pp=p, tp=2)
+    pipelines = dims.groups(("pp",))
+    assert all(any({a, b} <= set(members) for members in pipelines) for a, b in pipeline_pairs(dims))
+    assert len(pipeline_pairs(dims)) == len(pairs) * 4
 
 
 class TokenWork:
@@ -135,7 +184,8 @@ def test_settle_keeps_the_works_not_the_tensors(monkeypatch):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     works = []
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, group=group, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (works.append(TokenWork()), [works[-1]])[1])
     p2p = PointToPoint(rank=0, timeout_s=5, device_type="cuda")
     send = Message(torch.zeros(1024), peer=1, tag=0, label="send 0SEND_F0")
@@ -331,7 +381,8 @@ def _first_stage_log(monkeypatch, device_type: str, matching: str = "auto") -> l
     from pipegpt.stages import Stage
 
     log = []
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, group=group, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (
         log.extend(f"post send tag {op.tag}" for op in ops if op.op is dist.isend), [BatchWork([op]) for op in ops])[1])
     cfg = MODEL_PRESETS["tiny"]
@@ -366,7 +417,8 @@ def test_on_gloo_a_send_whose_send_follows_its_compute_goes_with_that_batch(monk
     from pipegpt.stages import Stage
 
     posts = []
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, group=group, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (
         posts.append(sorted(("send" if op.op is dist.isend else "recv", op.tag) for op in ops)),
         [BatchWork([op]) for op in ops])[1])
@@ -396,7 +448,8 @@ def test_on_nccl_the_sends_behind_a_run_s_receives_are_a_batch_of_their_own(monk
     from pipegpt.stages import Stage
 
     posts = []
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, group=group, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (
         posts.append([("send" if op.op is dist.isend else "recv", op.tag) for op in ops]), [BatchWork(ops)])[1])
     cfg, m = MODEL_PRESETS["tiny"], 4
@@ -433,7 +486,8 @@ def test_on_nccl_a_receive_posted_early_is_waited_for_by_the_compute_that_reads_
             log.extend(f"wait {'send' if op.op is dist.isend else 'recv'} {op.tag}" for op in self.ops)
             return super().wait(timeout)
 
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, group=group, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (
         log.extend(f"post {'send' if op.op is dist.isend else 'recv'} {op.tag}" for op in ops), [LoggedWork(ops)])[1])
     cfg, m = MODEL_PRESETS["tiny"], 2

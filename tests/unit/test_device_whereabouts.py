@@ -54,8 +54,8 @@ def middle_rank(monkeypatch, posted_at: list):
     stage = Stage(1, 3, GPT(MODEL, layers=range(1, 2), embed=False, head=False, init_seed=0), plan.num_microbatches)
     runtime = PipelineRuntime(plan, 1, {1: stage}, PointToPoint(1, 5.0, "cpu", "order"), [0, 1, 2],
                               (1, MODEL.seq_len, MODEL.n_embd), torch.float32, "cpu")
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer,
-                                                                                      tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: posted_at.append(runtime.now) or [Work(ops)])
     return runtime
 

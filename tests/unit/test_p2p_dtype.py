@@ -36,7 +36,8 @@ class Work:
 @pytest.mark.parametrize("message_dtype", [torch.bfloat16, torch.float32, None])
 def test_messages_travel_in_the_message_dtype(monkeypatch, matching, message_dtype):
     posted = []
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (posted.extend(ops), [Work(op) for op in ops])[1])
     cfg = MODEL_PRESETS["tiny"]
     stage = Stage(0, 2, GPT(cfg, layers=range(0, 1), embed=True, head=False, init_seed=0), 2)

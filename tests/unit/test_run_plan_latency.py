@@ -26,8 +26,8 @@ def measured(schedule: str, device: str, costs=LIGHT, **settings) -> TrainConfig
 
 
 def test_a_gpu_runs_measured_plan_is_placed_for_nccls_latency():
-    """1F1B, 4 x 8 on GPUs: placed for the latency, order matching runs 605 us, 2 over tag matching's 603 (0.3%);
-    placed as for none (what a run on gloo gets), 663 (+10%): sends waited behind computes their receivers
+    """1F1B, 4 x 8 on GPUs: placed for the latency, order matching runs tag matching's 603 us (605 when a rank's
+    messages shared one NCCL stream); placed as for none (what a run on gloo gets), 663 (+10%): sends waited behind computes their receivers
     did not need. validate() accepts it (make_plan validates; again here)."""
     gpu, cpu = measured("1f1b", "cuda"), measured("1f1b", "cpu")
     costs = lowering_costs(gpu, (0, 1, 2, 3))
@@ -37,20 +37,22 @@ def test_a_gpu_runs_measured_plan_is_placed_for_nccls_latency():
     assert plan == validate(lower(build_plan("1f1b", 4, 8), costs))
     tag = simulate(plan, costs).makespan
     assert tag == pytest.approx(603e-6)
-    assert simulate_order(plan, costs).makespan == pytest.approx(605e-6)
+    assert simulate_order(plan, costs).makespan == pytest.approx(603e-6)
     assert simulate_order(untimed, costs).makespan == pytest.approx(663e-6)
 
 
-def test_where_placing_for_the_latency_is_later_the_placement_for_none_is_kept():
-    """zb-h1 with a 20 us block forward: placed for the latency, order matching takes 1038 us, 2 more than tag's
-    1036, which the placement for none reaches; the run keeps that one."""
+def test_placed_for_the_latency_zb_h1_costs_what_tag_costs_and_wins_the_tie():
+    """zb-h1 with a 20 us block forward: placed for the latency, order matching takes tag's 1036 us, as the
+    placement for none does; the run keeps the latency's. (With one NCCL stream a rank it took 1038, and the
+    placement for none was kept.)"""
     gpu = measured("zb-h1", "cuda", (3e-6, 6e-5, 6e-5))
     costs = lowering_costs(gpu, (0, 1, 2, 3))
     plan = build_plan("zb-h1", 4, 8)
-    for_latency = validate(lower(plan, costs))
-    assert simulate_order(for_latency, costs).makespan == pytest.approx(1038e-6)
-    assert make_plan(gpu) == lowered(plan, costs) == lower(plan, replace(costs, comm=0))
-    assert simulate_order(make_plan(gpu), costs).makespan == simulate(plan, costs).makespan == pytest.approx(1036e-6)
+    for_latency, for_none = validate(lower(plan, costs)), validate(lower(plan, replace(costs, comm=0)))
+    assert for_latency != for_none
+    assert simulate_order(for_latency, costs).makespan == simulate_order(for_none, costs).makespan \
+        == simulate(plan, costs).makespan == pytest.approx(1036e-6)
+    assert make_plan(gpu) == lowered(plan, costs) == for_latency
 
 
 def test_costs_without_seconds_or_without_nccl_get_an_assumed_latency_where_messages_match_by_order():
@@ -100,7 +102,7 @@ def _worst_over_tag(name: str, ranks) -> dict[float, float]:
             except ScheduleError:  # dualpipev below 2p microbatches
                 continue
             v = plan.num_stages // p
-            costs = [Costs.uniform(plan.num_stages, F=1 / v, B=2 / v, W=1 / v, comm=c) for c in (0.05, 0.02, 0.1)]
+            costs = [Costs.uniform(plan.num_stages, F=1 / v, B=2 / v, W=1 / v, comm=c) for c in (0.05, 0.02, 0.1, 0.2)]
             placed = lowered(plan, costs[0])
             for true in costs:
                 ratio = simulate_order(placed, true).makespan / simulate(plan, true).makespan
@@ -109,14 +111,14 @@ def _worst_over_tag(name: str, ranks) -> dict[float, float]:
 
 
 @pytest.mark.parametrize("name", FIXED)
-def test_placed_for_the_assumed_latency_order_stays_within_2_percent_of_tag(name):
-    """At true latencies of 0.02-0.1 of a rank's forward, p 2 and 4 (placed as for none: up to 1.9% over tag at
-    0.05 for 1f1b, 3.7% at 0.1, interleaved-1f1b 8%, dualpipev 9%). Measured at p 2..8 (the slow test): at most
-    1.6% over tag (interleaved-1f1b at 0.1), 1.1% at 0.02 (zbv)."""
-    assert max(_worst_over_tag(name, (2, 4)).values()) <= 1.02
+def test_placed_for_the_assumed_latency_order_costs_what_tag_costs(name):
+    """At true latencies of 0.02-0.2 of a rank's forward, p 2 and 4, each pair of ranks on its own stream: order
+    costs what tag costs (placed as for none: up to 4.6% over tag at 0.05, 19% at 0.2, interleaved-1f1b). With
+    one NCCL stream a rank it was up to 1.6% over tag at 0.1 (interleaved-1f1b)."""
+    assert max(_worst_over_tag(name, (2, 4)).values()) == pytest.approx(1.0)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FIXED)
-def test_placed_for_the_assumed_latency_order_stays_within_2_percent_of_tag_at_every_p(name):
-    assert max(_worst_over_tag(name, range(2, 9)).values()) <= 1.02
+def test_placed_for_the_assumed_latency_order_costs_what_tag_costs_at_every_p(name):
+    assert max(_worst_over_tag(name, range(2, 9)).values()) == pytest.approx(1.0)

@@ -33,8 +33,8 @@ class Work:
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_a_step_traces_every_action_of_the_plan_in_its_order(monkeypatch, matching, schedule):
     posted = []
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer,
-                                                                                       tag=tag))
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0:
+                        SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: (posted.extend(ops), [Work(op) for op in ops])[1])
     cfg, m = MODEL_PRESETS["tiny"], 3
     plan = lower(build_plan(schedule, 2, m))
