@@ -34,6 +34,7 @@ BALANCE = ("even", "cost")
 CP_COMM = ("ring", "allgather")
 ON_NONFINITE = ("stop", "skip")
 P2P_MATCHING = ("auto", "tag", "order")
+P2P_GROUPS = ("auto", "pairs", "world")
 COMPILE_TIMEOUT_S = 900.0  # the first steps' timeout under --compile (RuntimeConfig.wait_timeout_s)
 COMPILE_STEPS = 2  # steps of a job that may compile: the first, and a recompilation on the second
 STEP_TIMEOUT_FACTOR = 10.0  # a step's deadline without --step-timeout, in --timeout's: a step is many waits
@@ -197,6 +198,12 @@ class RuntimeConfig:
     # elsewhere. order on CPU runs the CUDA control path there, for tests. Not an option: only order is right
     # on CUDA, and on CPU tag lets a send go as soon as its tensor exists.
     p2p_matching: str = "auto"
+    # Which process groups messages matched by order go on (pipegpt.comm.mesh pair_groups): "pairs", one group a
+    # direction of each pair of pipeline neighbours, so that no NCCL stream holds a message behind another lane's;
+    # "world", the default group. auto: pairs on CUDA, world elsewhere: gloo's sends do not queue on a stream, and
+    # each gloo group brings its own device and loop thread (bench_p2p_matching's interleaved-1f1b, p 4, ran 10%
+    # slower on them). pairs on CPU runs the CUDA path's groups there, for tests.
+    p2p_groups: str = "auto"
 
     @property
     def wait_timeout_s(self) -> float:
@@ -371,6 +378,7 @@ class TrainConfig:
             raise ConfigError(f"min_lr={o.min_lr} must be in [0, lr={o.lr}] (default lr/10)")
         _check_choice("precision", r.precision, PRECISIONS)
         _check_choice("p2p_matching", r.p2p_matching, P2P_MATCHING)
+        _check_choice("p2p_groups", r.p2p_groups, P2P_GROUPS)
         _check_choice("p2p_dtype", r.p2p_dtype, P2P_DTYPES)
         if r.p2p_matching == "tag" and r.device == "cuda":
             raise ConfigError("p2p_matching='tag' needs gloo: NCCL matches point-to-point messages by order "

@@ -23,7 +23,9 @@ class Mesh:
     rank: int
     groups: dict = field(default_factory=dict)  # name -> process group (None: a group of one)
     members: dict = field(default_factory=dict)  # name -> the global ranks of this rank's group, in rank order
-    pairs: dict | None = None  # pipeline neighbour's rank -> the group of the two (pair_groups()); None: not made
+    # pipeline neighbour's rank -> (the group this rank's messages to it go on, the one its messages come on);
+    # None: not made (pair_groups())
+    pairs: dict | None = None
 
 
     @property
@@ -45,16 +47,19 @@ class Mesh:
         return self.groups.get(name)
 
     def pair_groups(self) -> dict:
-        """This rank's pipeline neighbours, each with a process group of the two alone: messages matched by order
-        (NCCL) queue on their communicator's stream, so with a group a pair no message to one neighbour waits
-        behind another's (schedule.simulate.simulate_order). Made on the first call, which every rank makes at
-        the same point (a collective, as new_group is)."""
+        """This rank's pipeline neighbours, each with two process groups of the two ranks alone: the one this
+        rank's messages to it go on and the one its messages to this rank come on. Messages matched by order
+        (NCCL) run one after another on their communicator's stream, so with one a direction of each pair no
+        message waits behind one in the other direction or with another neighbour (simulate_order's lanes).
+        Made on the first call, which every rank makes at the same point (a collective, as new_group is)."""
         if self.pairs is None:
             self.pairs = {}
-            for pair in pipeline_pairs(self.dims):
-                group = dist.new_group(list(pair))
-                if self.rank in pair:
-                    self.pairs[pair[1] if pair[0] == self.rank else pair[0]] = group
+            for low, high in pipeline_pairs(self.dims):
+                upward, downward = dist.new_group([low, high]), dist.new_group([low, high])
+                if self.rank == low:
+                    self.pairs[high] = (upward, downward)
+                elif self.rank == high:
+                    self.pairs[low] = (downward, upward)
         return self.pairs
 
 

@@ -17,11 +17,13 @@ Two behaviours, chosen apart from the device (`matching`):
   in a CommError naming it. On CPU (the CUDA control path run there) `wait()`
   blocks the host instead, standing in for the stream wait.
 
-Matched by order, a batch goes out per peer, each on the process group of
-that pair of ranks alone where comm/mesh.py made one (pair_groups): NCCL runs
-a communicator's operations one after another on its stream, so on one
-communicator for the whole pipeline a message to one neighbour queued behind
-another neighbour's (schedule.simulate.simulate_order models the pairs).
+Matched by order, a batch goes out per lane, a peer and a direction, each on
+the process group of that direction of that pair of ranks alone where
+comm/mesh.py made them (pair_groups: on CUDA, or runtime.p2p_groups "pairs").
+NCCL runs a communicator's operations one after another on its stream, so on
+one communicator for the whole pipeline a message queued behind every message
+posted before it, to any neighbour, either way (schedule.simulate.simulate_order
+models the lanes).
 
 Backends differ in what a batch returns: gloo gives one Work per operation,
 NCCL (which coalesces a batch into one group call) gives one Work for the
@@ -84,8 +86,8 @@ def resolve_matching(matching: str, device_type: str) -> str:
 class PointToPoint:
     def __init__(self, rank: int, timeout_s: float, device_type: str = "cpu", matching: str = "auto",
                  pairs: dict | None = None):
-        """pairs: a pipeline neighbour's rank -> the process group of the two (comm/mesh.py pair_groups), where
-        messages matched by order go, each pair's on its own communicator; a peer without one: the default group."""
+        """pairs: a pipeline neighbour's rank -> (the process group of messages to it, of messages from it)
+        (comm/mesh.py pair_groups), where messages matched by order go; a peer without them: the default group."""
         self.rank = rank
         self.pairs = pairs or {}
         self.timeout = timedelta(seconds=timeout_s)
@@ -101,11 +103,15 @@ class PointToPoint:
         if not self.world_known and dist.is_initialized():  # decided once, with the default group there
             self.world_known = True
             self.world = dist.group.WORLD if dist.get_backend() == "gloo" else None
-        if self.pairs and not self.matches_by_tag:  # a batch per peer, each on its pair's communicator
-            peers = list(dict.fromkeys(m.peer for m in sends + recvs))
-            for peer in peers:
-                self._post([m for m in sends if m.peer == peer], [m for m in recvs if m.peer == peer],
-                           self.pairs.get(peer))
+        if self.pairs and not self.matches_by_tag:  # a batch per lane (peer, direction), on the lane's group
+            for peer in dict.fromkeys(m.peer for m in sends + recvs):
+                to_peer = [m for m in sends if m.peer == peer]
+                from_peer = [m for m in recvs if m.peer == peer]
+                if peer in self.pairs:
+                    self._post(to_peer, [], self.pairs[peer][0])
+                    self._post([], from_peer, self.pairs[peer][1])
+                else:  # one batch on the default group, as without pairs
+                    self._post(to_peer, from_peer, None)
         else:
             self._post(sends, recvs, None)
         if not self.matches_by_tag:

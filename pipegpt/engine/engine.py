@@ -58,7 +58,8 @@ class Engine:
         p, last = cfg.parallel, plan.num_stages - 1
         # Here, not in start(): a build() with another runtime.p2p_matching must get it (nothing is in flight now).
         matching = resolve_matching(cfg.runtime.p2p_matching, self.device.type)
-        pairs = self.mesh.pair_groups() if matching == "order" else None  # every rank builds: a collective
+        on_pairs = cfg.runtime.p2p_groups == "pairs" or (cfg.runtime.p2p_groups == "auto" and self.device.type == "cuda")
+        pairs = self.mesh.pair_groups() if matching == "order" and on_pairs else None  # every rank builds: collective
         self.p2p = PointToPoint(self.rank, cfg.runtime.wait_timeout_s, self.device.type, matching, pairs)
         ranges = partition_layers(cfg.model.n_layer, plan.num_stages, p.layers_per_stage)
         self.dtype = dtype = getattr(torch, cfg.runtime.dtype)
@@ -193,6 +194,7 @@ class Engine:
         """What this rank holds and where it runs (a role adds its own state's bytes)."""
         return {"rank": self.rank, "stages": sorted(self.stages), "device": str(self.device),
                 "device_name": self.device_name, "p2p_matching": self.p2p.matching,
+                "p2p_groups": "pairs" if self.p2p.pairs else "world",
                 "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "compiled": any(getattr(st.module, "_compiled_call_impl", None) is not None
                                 for st in self.stages.values()),

@@ -335,13 +335,14 @@ def simulate_matching(plan: Plan, costs: Costs, matching: str = "tag") -> Timeli
 def simulate_order(plan: Plan, costs: Costs) -> Timeline:
     """The lowered plan run with messages matched by order (NCCL): a send goes out where its SEND stands.
     What pipegpt.stages.runtime and comm/p2p.py do there on a GPU, modelled action by action:
-    * each comm batch is posted per peer: one batch_isend_irecv (one NCCL group) on the communicator of that
-      pair of ranks alone (comm/mesh.py's pair groups), so a rank's messages with one peer run one batch after
-      another on that pair's NCCL stream, and its messages with another peer beside them on another. A run of
-      comm actions is one batch, or two where sends follow its last receive (messages.comm_batches): those
-      sends then hold no compute back;
-    * a pair's batch starts once the compute before it has ended (the NCCL stream waits for the compute stream
-      when the batch is enqueued) and the rank's previous batch with that peer has completed;
+    * each comm batch is posted per peer and direction: one batch_isend_irecv (one NCCL group) of its sends to
+      a peer on the communicator that carries that rank's messages to that peer alone, one of its receives from
+      a peer on the one that carries that peer's to it (comm/mesh.py's pair groups, two per pair of neighbours).
+      So a rank's messages in one direction of one pair run one batch after another on that communicator's
+      stream, and every other lane's beside them. A run of comm actions is one batch, or two where sends follow
+      its last receive (messages.comm_batches): those sends then hold no compute back;
+    * a lane's batch starts once the compute before it has ended (the NCCL stream waits for the compute stream
+      when the batch is enqueued) and the rank's previous batch on that lane has completed;
     * a message moves once both of its batches have started (rendezvous: activations are larger than NCCL's
       buffers), and takes costs.comm; a batch completes when all its messages have moved, together (NCCL
       hands back one Work for the batch);
@@ -355,25 +356,25 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
     """
     _check_stages(plan, costs)
     ranks, n = plan.ranks, plan.num_ranks
-    # Batches by number, one per (run of comm actions, peer): owner rank, its pair's lane (rank, peer); each
-    # message's two batches; per compute, the batches it waits for.
+    # Batches by number, one per (run of comm actions, lane): owner rank, its lane (rank, peer, whether it
+    # sends); each message's two batches; per compute, the batches it waits for.
     bounds: list[list[tuple[int, int]]] = [comm_batches(acts) for acts in ranks]
-    batches_at: list[dict[int, list[int]]] = []  # per rank: first index of a run's batch -> its per-peer batches
+    batches_at: list[dict[int, list[int]]] = []  # per rank: first index of a run's batch -> its lanes' batches
     owner: list[int] = []
-    lane: list[tuple[int, int]] = []
+    lane: list[tuple[int, int, bool]] = []
     where: dict = {}  # (rank, comm action) -> its batch
     for r, mine in enumerate(bounds):
         ids = {}
         for start, end in mine:
-            by_peer: dict[int, int] = {}
+            by_lane: dict[tuple, int] = {}
             for a in ranks[r][start:end]:
-                q = peer(a, plan)[0]
-                if q not in by_peer:
-                    by_peer[q] = len(owner)
+                key = (r, peer(a, plan)[0], a.kind in (Kind.SEND_F, Kind.SEND_B))
+                if key not in by_lane:
+                    by_lane[key] = len(owner)
                     owner.append(r)
-                    lane.append((r, q))
-                where[(r, a)] = by_peer[q]
-            ids[start] = list(by_peer.values())
+                    lane.append(key)
+                where[(r, a)] = by_lane[key]
+            ids[start] = list(by_lane.values())
         batches_at.append(ids)
     partners: list[list[int]] = [[] for _ in owner]
     for (r, a), b in where.items():
@@ -393,8 +394,8 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
     batch_end = [dict(mine) for mine in bounds]
 
     pos, compute_free = [0] * n, [0] * n
-    lane_free: dict[tuple[int, int], Real | None] = {}  # end of the lane's last batch; None while not known
-    lane_last: dict[tuple[int, int], int] = {}  # the lane's last started batch
+    lane_free: dict[tuple, Real | None] = {}  # end of the lane's last batch; None while not known
+    lane_last: dict[tuple, int] = {}  # the lane's last started batch
     ends: dict = {}
     events: list[Event] = []
     todo = list(range(n))
@@ -434,7 +435,7 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
             else:  # a collective: launched, not waited for
                 pos[r] += 1
     stuck = [r for r in range(n) if pos[r] < len(ranks[r])] + \
-        [r for (r, _), free in lane_free.items() if free is None]
+        [r for (r, _, _), free in lane_free.items() if free is None]
     if stuck:
         r = stuck[0]
         at = ranks[r][pos[r]] if pos[r] < len(ranks[r]) else "the end of the step"
@@ -455,8 +456,8 @@ def simulate_order(plan: Plan, costs: Costs) -> Timeline:
 
 # The latency, in forwards of a rank's share, that an order-matched run places its messages for where it knows
 # none in its costs' unit (unit or estimated costs, gloo in order). Placed for no latency, a plan loses under order
-# matching as soon as messages take time: at a tenth of a forward up to 3.7% (1f1b), 6% (zbv), 7.5%
-# (interleaved-1f1b). Placed for this one, every fixed schedule at p 2..8 costs what tag matching costs at true
+# matching as soon as messages take time: at a tenth of a forward up to 1.4% (1f1b), 4.3% (interleaved-1f1b),
+# 5.2% (gpipe). Placed for this one, every fixed schedule at p 2..8 costs what tag matching costs at true
 # latencies from a fiftieth to a fifth of a forward (tests/unit/test_run_plan_latency.py).
 ASSUMED_LATENCY_FORWARDS = 0.05
 

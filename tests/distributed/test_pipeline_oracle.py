@@ -179,13 +179,16 @@ def test_order_matching_matches_one_process(workers, schedule, m):
     assert_matches(cfg, workers(cfg))
 
 
-# Each pair of pipeline neighbours on a group of its own (comm/mesh.py pair_groups), where a peer's rank in it is
-# not its global one: the second pipeline of dp 2, and interleaved's hand-over from the last rank to the first.
+# The CUDA path's groups on gloo: each direction of each pair of pipeline neighbours on a group of its own
+# (comm/mesh.py pair_groups), where a peer's rank is not its global one: the second pipeline of dp 2, and
+# interleaved's hand-over from the last rank to the first.
 @pytest.mark.parametrize("p,dp,schedule", [(2, 2, "zb-h1"), (4, 1, "interleaved-1f1b")])
 def test_order_matching_on_pair_groups_matches_one_process(workers, p, dp, schedule):
-    cfg = base_config(p, dp=dp, schedule=schedule, microbatches=4, p2p_matching="order")
+    cfg = base_config(p, dp=dp, schedule=schedule, microbatches=4, p2p_matching="order", p2p_groups="pairs")
     check(cfg)
-    assert_matches(cfg, workers(cfg))
+    host = workers(cfg)
+    assert {d["p2p_groups"] for d in host.build(cfg)} == {"pairs"}
+    assert_matches(cfg, host)
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])

@@ -118,25 +118,26 @@ def test_on_cuda_a_receive_that_never_comes_ends_the_step_with_the_message_named
         p2p.settle()
 
 
-def test_matched_by_order_each_peer_s_messages_go_on_their_pair_s_group(coalescing_backend):
-    """Rank 1 of three sends to rank 2 and receives from rank 0 in one run: one batch per peer, each on the group
-    of that pair alone, so each message waits only for its own pair's Work (on one group, NCCL would run them one
-    after the other on one stream)."""
-    groups = {0: "group 0-1", 2: "group 1-2"}
+def test_matched_by_order_each_lane_s_messages_go_on_its_own_group(coalescing_backend):
+    """Rank 1 of three sends to rank 2 and to rank 0 and receives from rank 0 in one run: one batch per lane (a peer
+    and a direction), each on its own group, so each message waits only for its own lane's Work (on one group NCCL
+    would run them one after the other on one stream)."""
+    groups = {0: ("1 to 0", "0 to 1"), 2: ("1 to 2", "2 to 1")}
     p2p = PointToPoint(rank=1, timeout_s=5, device_type="cuda", pairs=groups)
-    send = Message(torch.zeros(3), peer=2, tag=4, label="send 1SEND_F0")
-    recv = Message(torch.zeros(3), peer=0, tag=7, label="receive 1RECV_B3")
-    p2p.post([send], [recv])
+    to_2 = Message(torch.zeros(3), peer=2, tag=4, label="send 1SEND_F0")
+    to_0 = Message(torch.zeros(3), peer=0, tag=5, label="send 1SEND_B2")
+    from_0 = Message(torch.zeros(3), peer=0, tag=7, label="receive 1RECV_F3")
+    p2p.post([to_2, to_0], [from_0])
     assert [[(op.peer, op.group) for op in batch.ops] for batch in coalescing_backend] == \
-        [[(2, "group 1-2")], [(0, "group 0-1")]]
-    p2p.wait(recv)
-    assert p2p.done(recv) and not p2p.done(send)
+        [[(2, "1 to 2")], [(0, "1 to 0")], [(0, "0 to 1")]]
+    p2p.wait(from_0)
+    assert p2p.done(from_0) and not p2p.done(to_0) and not p2p.done(to_2)
     assert p2p.unsettled_peers() == (0, 2)
 
 
-def test_matched_by_tag_or_without_a_pair_s_group_a_batch_is_one_on_the_default_group(coalescing_backend):
-    for p2p in (PointToPoint(rank=1, timeout_s=5, device_type="cpu", matching="tag", pairs={0: "g", 2: "g"}),
-                PointToPoint(rank=1, timeout_s=5, device_type="cuda", pairs={0: "group 0-1"})):
+def test_matched_by_tag_or_without_a_pair_s_groups_a_batch_is_one_on_the_default_group(coalescing_backend):
+    for p2p in (PointToPoint(rank=1, timeout_s=5, device_type="cpu", matching="tag", pairs={2: ("a", "b")}),
+                PointToPoint(rank=1, timeout_s=5, device_type="cuda", pairs={0: ("1 to 0", "0 to 1")})):
         coalescing_backend.clear()
         p2p.post([Message(torch.zeros(3), peer=2, tag=4, label="send")],
                  [Message(torch.zeros(3), peer=2, tag=5, label="receive")])
@@ -145,7 +146,7 @@ def test_matched_by_tag_or_without_a_pair_s_group_a_batch_is_one_on_the_default_
 
 @pytest.mark.parametrize("p", range(2, 9))
 def test_every_schedule_s_messages_go_between_pipeline_pairs(p):
-    """comm/mesh.py makes a group for each pair of pipeline neighbours (the last with the first too); every
+    """comm/mesh.py makes two groups for each pair of pipeline neighbours (the last with the first too); every
     registered schedule's stage hand-overs go between such a pair, so no message of theirs takes the default
     group. With data and tensor parallelism the pairs stay within each pipeline."""
     from pipegpt.comm.mesh import pipeline_pairs
@@ -216,6 +217,9 @@ def test_tag_matching_is_refused_on_cuda():
     with pytest.raises(ConfigError, match="p2p_matching='tags' is not one of auto, tag, order"):
         TrainConfig.build(p2p_matching="tags").validate()
     TrainConfig.build(device="cpu", p2p_matching="order").validate()
+    with pytest.raises(ConfigError, match="p2p_groups='pair' is not one of auto, pairs, world"):
+        TrainConfig.build(p2p_groups="pair").validate()
+    TrainConfig.build(device="cpu", p2p_matching="order", p2p_groups="pairs").validate()
 
 
 # --------------------------------------------------------------------------------------------------------------
