@@ -202,7 +202,9 @@ class RuntimeConfig:
     # direction of each pair of pipeline neighbours, so that no NCCL stream holds a message behind another lane's;
     # "world", the default group. auto: pairs on CUDA, world elsewhere: gloo's sends do not queue on a stream, and
     # each gloo group brings its own device and loop thread (bench_p2p_matching's interleaved-1f1b, p 4, ran 10%
-    # slower on them). pairs on CPU runs the CUDA path's groups there, for tests.
+    # slower on them). pairs on CPU runs the CUDA path's groups there, for tests. NCCL's kernels wait on the GPU, so
+    # lanes posted in different orders at their two ends rely on the GPU running them side by side; "world" on a
+    # GPU is the way back to one communicator.
     p2p_groups: str = "auto"
 
     @property
