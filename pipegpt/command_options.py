@@ -280,9 +280,9 @@ SIMULATE = [
                       "decode steps, each group's next step waiting for its token; shows the steady state's bubble."),
     click.option("--p2p-matching", type=click.Choice(["tag", "order"]), default=None,
                  help="How messages are matched: tag (gloo: a send leaves as soon as its output exists; the default) "
-                      "or order (NCCL: a send leaves at its SEND, a rank's batches with one peer run one after "
-                      "another and each completes together, a run's sends after its last receive a batch of their own; the plan is "
-                      "lowered for the costs, as a run lowers it)."),
+                      "or order (NCCL: a send leaves at its SEND, a rank's batches on one lane, a peer and a "
+                      "direction, run one after another and each completes together, a run's sends after its last "
+                      "receive a batch of their own; the plan is lowered for the costs, as a run lowers it)."),
     click.option("--overlap", type=click.Choice(["on", "off"]), default=None,
                  help="A schedule's pairs (a forward and a backward of two microbatches run as one action, each "
                       "half's all-to-all, --costs a2a=, under the other's compute): on (the default) or off (each "

@@ -27,7 +27,6 @@ class Mesh:
     # None: not made (pair_groups())
     pairs: dict | None = None
 
-
     @property
     def coords(self) -> Coords:
         return self.dims.coords(self.rank)

@@ -58,7 +58,8 @@ class Engine:
         p, last = cfg.parallel, plan.num_stages - 1
         # Here, not in start(): a build() with another runtime.p2p_matching must get it (nothing is in flight now).
         matching = resolve_matching(cfg.runtime.p2p_matching, self.device.type)
-        on_pairs = cfg.runtime.p2p_groups == "pairs" or (cfg.runtime.p2p_groups == "auto" and self.device.type == "cuda")
+        groups = cfg.runtime.p2p_groups
+        on_pairs = groups == "pairs" or (groups == "auto" and self.device.type == "cuda")
         pairs = self.mesh.pair_groups() if matching == "order" and on_pairs else None  # every rank builds: collective
         self.p2p = PointToPoint(self.rank, cfg.runtime.wait_timeout_s, self.device.type, matching, pairs)
         ranges = partition_layers(cfg.model.n_layer, plan.num_stages, p.layers_per_stage)

@@ -50,16 +50,16 @@ def lower(plan: Plan, costs=None) -> Plan:
     deadlock: every rank's comm actions meet their partners in the order of their places, so every pair
     of ranks sees its messages in the same order at both ends (NCCL matches point-to-point by order).
 
-    Where the SEND goes matters under order matching (NCCL), where a send leaves at its SEND and a rank's
-    batches with one peer run one after another (schedule/simulate.py, simulate_order): one put where the consumer asked for
-    it, after whatever its rank was computing then, makes the consumer wait for that compute. So it goes just
-    after the compute that made it, unless the rank has sent or received since: then into that batch if it
-    holds sends alone (or was posted at this moment), else after the compute that follows it, so that no
-    compute waiting for a receive is held behind a send its receiver takes only later. A rank posting
-    receives with outputs still unsent puts each behind those receives, a batch of sends that no compute
-    waits for (messages.comm_batches), where its receiver reaches a boundary before this rank's next batch
-    would start: neither end waits. Otherwise it weighs its consumer's wait (the costs' timeline says when it
-    needs it) against its own (its receiver is busy until its next boundary) and takes the shorter.
+    Where the SEND goes matters under order matching (NCCL), where a send leaves at its SEND and a rank's batches on
+    one lane (a peer and a direction) run one after another (schedule/simulate.py, simulate_order): one put where
+    the consumer asked for it, after whatever its rank was computing then, makes the consumer wait for that compute.
+    So it goes just after the compute that made it, unless the rank has sent or received since: then into that batch
+    if it holds sends alone (or was posted at this moment), else after the compute that follows it, so that no
+    compute waiting for a receive is held behind a send its receiver takes only later. A rank posting receives with
+    outputs still unsent puts each behind those receives, a batch of sends that no compute waits for
+    (messages.comm_batches), where its receiver reaches a boundary before this rank's next batch would start:
+    neither end waits. Otherwise it weighs its consumer's wait (the costs' timeline says when it needs it) against
+    its own (its receiver is busy until its next boundary) and takes the shorter.
 
     With a message latency (costs.comm), messages go where the timeline of messages matched by tag moves them
     (_placed_on_the_timeline): a receive is posted as its message leaves, often computes before its reader,

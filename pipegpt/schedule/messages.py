@@ -76,12 +76,12 @@ def comm_runs(actions) -> list[tuple[int, int]]:
 
 def comm_batches(actions, eager_sends: bool = False) -> list[tuple[int, int]]:
     """Index ranges [start, end) of what the runtime posts as one batch. With messages matched by order (NCCL) a
-    batch completes as one (one Work), and a rank's batches with one peer run one after another: a run is cut after each
-    receive, so that a compute waits only for what it reads, unless the receive after it is read no later (its
-    reader waits for it anyway: together, neither waits for the other to move); sends after a run's last receive
-    are a batch of their own, which no compute waits for (lowering puts a send there so that neither end
-    waits). With eager sends (tag matching, gloo) a run is one batch: its receives and the sends that sit there
-    go in one exchange."""
+    batch completes as one (one Work), and a rank's batches on one lane (a peer and a direction) run one after
+    another: a run is cut after each receive, so that a compute waits only for what it reads, unless the receive
+    after it is read no later (its reader waits for it anyway: together, neither waits for the other to move); sends
+    after a run's last receive are a batch of their own, which no compute waits for (lowering puts a send there so
+    that neither end waits). With eager sends (tag matching, gloo) a run is one batch: its receives and the sends
+    that sit there go in one exchange."""
     runs = comm_runs(actions)
     if eager_sends:
         return runs

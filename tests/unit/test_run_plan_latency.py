@@ -27,8 +27,8 @@ def measured(schedule: str, device: str, costs=LIGHT, **settings) -> TrainConfig
 
 def test_a_gpu_runs_measured_plan_is_placed_for_nccls_latency():
     """1F1B, 4 x 8 on GPUs: placed for the latency, order matching runs tag matching's 603 us (605 when a rank's
-    messages shared one NCCL stream); placed as for none (what a run on gloo gets), 633 (+5%): sends waited behind computes their receivers
-    did not need. validate() accepts it (make_plan validates; again here)."""
+    messages shared one NCCL stream); placed as for none (what a run on gloo gets), 633 (+5%): sends waited
+    behind computes their receivers did not need. validate() accepts it (make_plan validates; again here)."""
     gpu, cpu = measured("1f1b", "cuda"), measured("1f1b", "cpu")
     costs = lowering_costs(gpu, (0, 1, 2, 3))
     assert costs.comm == LATENCY_INTRA_S and lowering_costs(cpu, (0, 1, 2, 3)).comm == 0
