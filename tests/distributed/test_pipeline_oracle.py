@@ -191,6 +191,29 @@ def test_order_matching_on_pair_groups_matches_one_process(workers, p, dp, sched
     assert_matches(cfg, host)
 
 
+# The same on every schedule at 4 stages (the interleaved ones use the wrap-around pair) and on a dp x pp x tp grid
+# with sequence parallelism: the slow set's pass over the CUDA path's groups.
+PAIRED = [(s, 4, 8) for s in SCHEDULES if not SCHEDULES[s].synthesized and not SCHEDULES[s].for_overlap] + \
+    [("auto", 4, 6), ("auto-v", 4, 5)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,p,m", PAIRED, ids=[f"{s}-p{p}-m{m}" for s, p, m in PAIRED])
+def test_every_schedule_on_pair_groups_matches_one_process(workers, schedule, p, m):
+    cfg = base_config(p, schedule=schedule, microbatches=m, p2p_matching="order", p2p_groups="pairs")
+    check(cfg)
+    assert_matches(cfg, workers(cfg))
+
+
+@pytest.mark.slow
+def test_a_grid_on_pair_groups_matches_one_process(workers):
+    cfg = base_config(2, dp=2, tp=2, schedule="zb-h1", microbatches=4, sequence_parallel=True, p2p_matching="order",
+                      p2p_groups="pairs")
+    check(cfg)
+    assert_matches(cfg, workers(cfg), steps=1)
+    assert_matches(cfg.replace(dtype="float64"), workers(cfg), steps=3)
+
+
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_recompute_matches(workers, matching, schedule, recompute):
