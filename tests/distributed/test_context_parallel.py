@@ -162,9 +162,12 @@ def test_bf16_cp2_is_the_one_process_model_under_autocast(workers, comm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,comm", [("zbv", "ring"), ("1f1b", "allgather")])
-def test_cp2_pp2_under_order_matching_matches_one_process(workers, schedule, comm):
-    """The CUDA control path (NCCL's matching by order) with the cp ring's own point-to-point beside the pipeline's."""
-    cfg = cp_config(2, 2, MODELS["gqa"], schedule=schedule, cp_comm=comm, microbatches=4, p2p_matching="order")
+@pytest.mark.parametrize("schedule,comm,groups", [("zbv", "ring", "auto"), ("1f1b", "allgather", "auto"),
+                                                  ("zbv", "ring", "pairs")])
+def test_cp2_pp2_under_order_matching_matches_one_process(workers, schedule, comm, groups):
+    """The CUDA control path (NCCL's matching by order) with the cp ring's own point-to-point beside the pipeline's;
+    and on the CUDA path's pair groups (a communicator per direction of each pair of pipeline neighbours)."""
+    cfg = cp_config(2, 2, MODELS["gqa"], schedule=schedule, cp_comm=comm, microbatches=4, p2p_matching="order",
+                    p2p_groups=groups)
     check(cfg)
     assert_matches_reordered(cfg, workers(cfg))
