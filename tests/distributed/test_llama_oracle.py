@@ -125,10 +125,10 @@ def test_llama_tensor_parallel_recompute(workers, recompute):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_llama_order_matching(workers, schedule):
-    """The CUDA control path (messages matched by order) on CPU."""
-    cfg = llama_config(2, "gqa", schedule=schedule, microbatches=4, p2p_matching="order")
+@pytest.mark.parametrize("schedule,groups", [("1f1b", "auto"), ("zbv", "auto"), ("zbv", "pairs")])
+def test_llama_order_matching(workers, schedule, groups):
+    """The CUDA control path (messages matched by order) on CPU; on its pair groups too."""
+    cfg = llama_config(2, "gqa", schedule=schedule, microbatches=4, p2p_matching="order", p2p_groups=groups)
     assert_llama_matches(cfg, workers(cfg))
 
 

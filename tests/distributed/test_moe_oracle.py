@@ -172,6 +172,8 @@ GRID_CASES = [pytest.param(dict(p2p_matching="order"), MOE, False, id="ep2-dp2-p
                            marks=pytest.mark.slow),
               pytest.param(dict(p2p_matching="order", schedule="zb-h1", zero=3), MOE, True,
                            id="ep2-dp2-pp2-order-zb-h1-zero3", marks=pytest.mark.slow),
+              pytest.param(dict(p2p_matching="order", p2p_groups="pairs", schedule="zb-h1", zero=3), MOE, True,
+                           id="ep2-dp2-pp2-order-pair-groups-zb-h1-zero3", marks=pytest.mark.slow),
               pytest.param(dict(p2p_matching="order", recompute="full"), NO_AUX_Z_LOSS, True,
                            id="ep2-dp2-pp2-order-recompute-z-loss", marks=pytest.mark.slow),
               pytest.param(dict(p2p_matching="order"), GPT2_MOE, True, id="gpt2-ep2-dp2-pp2-order",
