@@ -6,11 +6,15 @@ from __future__ import annotations
 from cluster_host import ChildHost, serve
 
 
-def _serve(conn, path, layout, timeout_s) -> None:
+def _serve(conn, path, layout, timeout_s, runtime) -> None:
     from pipegpt.infer.job import InferenceJob
 
-    serve(conn, lambda: InferenceJob(path, layout, device="cpu", timeout_s=timeout_s, warn=lambda line: None),
-          COMMANDS)
+    def make():
+        job = InferenceJob(path, layout, device="cpu", timeout_s=timeout_s, warn=lambda line: None)
+        job.cfg = job.cfg.replace(**runtime)  # the engines' settings, for this checkpoint (a load makes them anew)
+        return job
+
+    serve(conn, make, COMMANDS)
 
 
 def _use(job, path) -> None:
@@ -35,8 +39,8 @@ COMMANDS = {"generate": _generate, "hellaswag": _hellaswag}
 
 
 class InferenceHost(ChildHost):
-    def __init__(self, path, layout, timeout_s: float = 60.0):
-        super().__init__(_serve, str(path), layout, timeout_s)
+    def __init__(self, path, layout, timeout_s: float = 60.0, runtime: dict | None = None):
+        super().__init__(_serve, str(path), layout, timeout_s, runtime or {})
 
     def generate(self, path, prompts, settings, batch=None) -> list[list[int]]:
         self.conn.send(("generate", (str(path), prompts, settings, batch)))

@@ -98,6 +98,17 @@ def test_on_workers_equals_one_process(hosts, models, layout, case, tmp_path):
         check_generation(hosts(layout), models, case)
 
 
+@pytest.mark.slow
+def test_generation_under_order_matching_on_pair_groups_equals_one_process(models):
+    """The CUDA path's messages on CPU: matched by order, each direction of each pair of neighbours on its own
+    group; 4 stages, so the tokens go from the last rank back to the first on the wrap-around pair's."""
+    host = InferenceHost(models["gpt2"][0], Layout(4), runtime={"p2p_matching": "order", "p2p_groups": "pairs"})
+    try:
+        check_generation(host, models, "gpt2")
+    finally:
+        host.close()
+
+
 def check_generation(host, models, model):
     """Greedy and seeded, the prompts in one batch and in batches of 2, token for token."""
     path, gpt = models[model]
