@@ -53,9 +53,9 @@ class PipelineLink:
     Receives are waited for at once; sends go when posted and are waited for once done, or at the end.
 
     Every channel carries its messages in the plan's order at both ends, so order matching (NCCL) pairs them as
-    tag matching (gloo) does. With 2 stages the tokens share the pair of ranks with the activations, in the other
-    direction: a token message is a few bytes, which NCCL delivers without waiting for its receive to be posted,
-    so it never holds up a large activation behind it."""
+    tag matching (gloo) does. On a GPU each direction of each pair of neighbours has its own communicator
+    (comm/mesh.py pair_groups): the tokens, going back to the first rank, never queue behind the activations
+    (with 2 stages, the same two ranks the other way)."""
 
     def __init__(self, p2p: PointToPoint, pipeline_ranks: list[int], message_dtype: torch.dtype, device):
         self.p2p, self.ranks, self.message_dtype, self.device = p2p, pipeline_ranks, message_dtype, device
