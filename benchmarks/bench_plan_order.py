@@ -17,11 +17,13 @@ measured / predicted is the median over rounds of each round's ratio. The planne
 Measure on a quiet machine: this was a slow test once, and a busy CI machine's 16% between two layouts that cost
 the same (gpipe and 1f1b at m 8) broke its rank order.
 The calibrated model scales pp 1's compute by a block timed at 2 threads over 1
-(pipegpt.costs.calibrated.ThreadScaling), and m 4's (4 sequences per microbatch against the calibrated run's 2)
-by a block's time per sequence at 4 over at 2 (MicrobatchScaling); their figures are in the costs' line printed.
-`--threads-per-worker 1` runs every layout on one thread: pp 1 then leaves a core idle, which the model does not
-see (one rank alone computes about 8% faster than each of two ranks at once on this machine, the last table's
-ratio).
+(pipegpt.costs.calibrated.ThreadScaling) and by the block timed alone over in two processes at once (pp 1's rank
+has the machine to itself, each of the calibration's two did not), and m 4's (4 sequences per microbatch against
+the calibrated run's 2) by a block's time per sequence at 4 over at 2 (MicrobatchScaling); their figures are in the
+costs' line printed. Both timings are taken once for all rounds.
+`--threads-per-worker 1` runs every layout on one thread: pp 1 then leaves a core idle, and its one rank computes
+alone (the ranks-at-once term; one rank alone once measured about 8% faster than each of two ranks at once here,
+the last table's ratio).
 
 Three predictions: "old", all that the calibrated step spent after its last action spread per parameter of the
 busiest rank; "new", the step's parts from its trace (pipegpt.observe.step_time): the optimizer per parameter
@@ -91,7 +93,7 @@ def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: 
     return [r["step_time_s"] for r in rows[1:]]  # step 1 warms up
 
 
-def shared_block_timer(config: dict, passes: int = 2):
+def round_block_timer(config: dict, passes: int = 2):
     """calibrate_costs' block timer for every round: each setting timed once, as the least of `passes` child
     processes (pipegpt.stages.block_timing; each already the least of its own passes), and kept. A burst of load
     during one child's seconds then moves no round's thread or microbatch term."""
@@ -106,6 +108,21 @@ def shared_block_timer(config: dict, passes: int = 2):
             runs = [measure(new) for _ in range(passes)]
             kept.update({x: min(r[x] for r in runs) for x in new})
         return {x: kept[x] for x in settings}
+
+    return timed
+
+
+def round_sharing_timer(config: dict):
+    """calibrate_costs' timer of the block alone and in ranks at once, for every round: each (threads, size, k)
+    timed once (its child alternates the two, rounds of each) and kept."""
+    from pipegpt.costs.calibrated import shared_block_timer
+
+    measure, kept = shared_block_timer(config), {}
+
+    def timed(threads, size, at_once):
+        if (threads, size, at_once) not in kept:
+            kept[threads, size, at_once] = measure(threads, size, at_once)
+        return kept[threads, size, at_once]
 
     return timed
 
@@ -144,7 +161,7 @@ def main(argv=None) -> int:
     computed = {x: [] for x in LAYOUTS}  # each run's one microbatch over all stages
     cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
     calibrated = []  # per round: the costs calibrated from that round's pp 2, 1f1b, m 8 run
-    timer = None  # the block's timings are the machine's: one set for every round
+    timer = sharing = None  # the block's timings are the machine's: one set for every round
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
@@ -155,8 +172,9 @@ def main(argv=None) -> int:
                 traced[(pp, s, m)].append(breakdown(json.loads((run_dir / "trace.json").read_text())))
                 computed[(pp, s, m)].append(microbatch_compute(run_dir))
             run_dir = Path(tmp) / calibration_run(k)
-            timer = timer or shared_block_timer(json.loads((run_dir / "config.json").read_text()))
-            calibrated.append(calibrate_costs(str(run_dir), cluster, timer))
+            config = json.loads((run_dir / "config.json").read_text())
+            timer, sharing = timer or round_block_timer(config), sharing or round_sharing_timer(config)
+            calibrated.append(calibrate_costs(str(run_dir), cluster, timer, sharing))
         parts = breakdown(json.loads((Path(tmp) / calibration_run(0) / "trace.json").read_text()))
 
     def variants(costs):

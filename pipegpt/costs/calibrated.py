@@ -9,12 +9,14 @@ default for fewer or more ranks; every layout runs at an explicit --threads-per-
 the block's measured time at that number over its time at the calibration run's (ThreadScaling), not by an assumed
 linear speedup. Its compute is also what the run measured at its own microbatch size, and the FLOP model is linear
 in tokens, where a larger microbatch's larger matmuls run at a higher rate: a layout of another size has its
-compute scaled by the block's measured time per sequence at that size over at the run's (MicrobatchScaling). Both
-time one block of the run's model in a child process on this machine (pipegpt.stages.block_timing) the first time
-a layout needs it. Calibrate on the machine the run ran on, and a quiet one: a second thread on a busy core runs
-slower than one. On a GPU neither applies (the block would have to be timed on the run's GPU): the run's rate is
-every size's. The analytical model's per-block floor is its own microbatch-size term; calibrated costs have none,
-so nothing counts twice.
+compute scaled by the block's measured time per sequence at that size over at the run's (MicrobatchScaling). And
+ranks computing at once on one machine slow each other down: a layout with another number of them than the run
+had is scaled by the block timed in that many processes at once over alone, against the run's (ThreadScaling's
+sharing_scale). Each times one block of the run's model in a child process on this machine
+(pipegpt.stages.block_timing) the first time a layout needs it. Calibrate on the machine the run ran on, and a
+quiet one: a second thread on a busy core runs slower than one. On a GPU none applies (the block would have to be
+timed on the run's GPU): the run's rate is every size's. The analytical model's per-block floor is its own
+microbatch-size term; calibrated costs have none, so nothing counts twice.
 """
 from __future__ import annotations
 
@@ -44,11 +46,14 @@ from .memory import parameter_count
 Settings = tuple[tuple[int, int], ...]  # (intra-op threads, sequences per microbatch) for each timing of a block
 OPTIMIZER_STEP = 0  # a setting's size 0: the optimizer's step over the model's parameters (stages.block_timing)
 Timer = Callable[[Settings], dict[tuple[int, int], float]]  # {(threads, size): seconds of one block}
+SharedTimer = Callable[[int, int, int], tuple[float, float]]  # (threads, size, k) -> the block alone, k at once
 
 
-def calibrate_costs(run_dir: str, cluster: Cluster, measure: Timer | None = None) -> CalibratedCosts:
+def calibrate_costs(run_dir: str, cluster: Cluster, measure: Timer | None = None,
+                    shared: SharedTimer | None = None) -> CalibratedCosts:
     """CalibratedCosts from a `pipegpt run` directory (its plan.txt, trace.json, config.json, metrics.jsonl).
-    measure: one block's seconds under each setting asked (default: block_timer's child process)."""
+    measure: one block's seconds under each setting asked (default: block_timer's child process); shared: the
+    block alone and in processes at once (default, where measure is too: shared_block_timer's; else none)."""
     try:
         steps = read_measured_steps(run_dir)
         plan = load_schedule_file(steps[0].plan_path)
@@ -69,10 +74,13 @@ def calibrate_costs(run_dir: str, cluster: Cluster, measure: Timer | None = None
                                median_step_times([step_times(breakdown(s.trace)) for s in steps]), replicas,
                                int(par.get("zero", 0)))
     timer = measure or block_timer(files.config)
+    shared = shared or (shared_block_timer(files.config) if measure is None else None)
     fit.threads = thread_scaling(files.config, read_metrics(run_dir), plan.num_ranks * replicas * shape.sharding.tp,
                                  at_size(timer, shape.mbs))
     if fit.threads is not None:
         fit.threads.measure_optimizer = at_size(timer, OPTIMIZER_STEP)
+        if shared is not None:
+            fit.threads.measure_shared = lambda threads, k: shared(threads, shape.mbs, k)
         fit.microbatch = MicrobatchScaling(fit.threads, shape.mbs, timer)
     return fit
 
@@ -128,13 +136,38 @@ class ThreadScaling:
     # {threads: seconds} of one optimizer step over the model's parameters (None: the optimizer is not scaled)
     measure_optimizer: Callable[[tuple[int, ...]], dict[int, float]] | None = None
     optimizer_seconds: dict = field(default_factory=dict)
+    ranks: int = 1  # the calibration run's ranks on the machine
+    # (threads, k) -> (the block's seconds alone, in k processes at once) (None: ranks at once are not scaled)
+    measure_shared: Callable[[int, int], tuple[float, float]] | None = None
+    shared: dict = field(default_factory=dict)  # (threads, k) -> the block in k processes at once over alone
 
     def threads(self, ranks: int) -> int:
         """The intra-op threads of each of `ranks` workers on one machine."""
         return self.calibrated if self.explicit else max(1, self.cores // max(1, ranks))
 
     def scale(self, ranks: int) -> float:
-        return self._ratio(ranks, self.measure, self.seconds)
+        return self._ratio(ranks, self.measure, self.seconds) * self.sharing_scale(ranks)
+
+    def at_once(self, ranks: int) -> int:
+        """How many of `ranks` workers compute at once on the machine: as many as its cores hold at their threads."""
+        return max(1, min(ranks, self.cores // self.threads(ranks)))
+
+    def sharing_scale(self, ranks: int) -> float:
+        """Ranks at once on one machine slow each other down (memory bandwidth, caches): a layout with fewer of
+        them than the calibration run had computes faster by what its ranks lost, a layout with more slower. The
+        block in as many processes at once as each has, over alone; the layout's over the run's."""
+        mine, run = (self.threads(ranks), self.at_once(ranks)), (self.calibrated, self.at_once(self.ranks))
+        if self.measure_shared is None or mine == run:
+            return 1.0
+        return self._shared(*mine) / self._shared(*run)
+
+    def _shared(self, threads: int, at_once: int) -> float:
+        if at_once == 1:
+            return 1.0
+        if (threads, at_once) not in self.shared:
+            alone, shared = self.measure_shared(threads, at_once)
+            self.shared[threads, at_once] = shared / alone
+        return self.shared[threads, at_once]
 
     def optimizer_scale(self, ranks: int) -> float:
         """The optimizer step's seconds at the layout's threads over at the run's: an elementwise pass over the
@@ -166,6 +199,9 @@ class ThreadScaling:
             base = self.optimizer_seconds[self.calibrated]
             text += ("; the optimizer at " + ", ".join(f"{t}: x{base / s:.2f}" for t, s in
                                                        sorted(self.optimizer_seconds.items()) if t != self.calibrated))
+        if self.shared:
+            text += "; a block in ranks at once, over alone: " + ", ".join(
+                f"{k} at {t} thread{'s' * (t > 1)} x{x:.3f}" for (t, k), x in sorted(self.shared.items()))
         return text
 
 
@@ -180,7 +216,8 @@ def thread_scaling(config: dict | None, rows: list, ranks: int, measure, cores: 
         return None
     cores = cores or os.cpu_count() or 1
     given = runtime.get("threads_per_worker")
-    return ThreadScaling(int(given) if given else max(1, cores // max(1, ranks)), bool(given), cores, measure)
+    return ThreadScaling(int(given) if given else max(1, cores // max(1, ranks)), bool(given), cores, measure,
+                         ranks=ranks)
 
 
 def at_size(timer: Timer, size: int) -> Callable[[tuple[int, ...]], dict[int, float]]:
@@ -225,24 +262,50 @@ class MicrobatchScaling:
                             for n in counts))
 
 
+def _block_request(config: dict | None) -> dict:
+    runtime = (config or {}).get("runtime", {})
+    return {"model": (config or {}).get("model", {}),
+            "recompute": (config or {}).get("parallel", {}).get("recompute", "none"),
+            "dtype": runtime.get("dtype", "float32"), "bf16": runtime.get("precision") == "bf16"}
+
+
+def _timing_child(request: dict, said: str) -> list:
+    """pipegpt.stages.block_timing's answer to `request`, in a child process; ConfigError naming what it timed."""
+    args = [sys.executable, "-m", "pipegpt.stages.block_timing", json.dumps(request)]
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        raise ConfigError(f"--calibrate: timing a block ({said}) failed: "
+                          f"{detail.strip().splitlines()[-1] if detail.strip() else e}") from None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _said(threads: int, size: int) -> str:
+    return f"{threads} thread{'s' * (threads > 1)}, {size} sequence{'s' * (size > 1)}"
+
+
 def block_timer(config: dict | None) -> Timer:
     """measure for ThreadScaling and MicrobatchScaling: one block of the run's model timed under each setting in a
     child process (pipegpt.stages.block_timing; the planner imports no torch)."""
-    runtime = (config or {}).get("runtime", {})
-    request = {"model": (config or {}).get("model", {}),
-               "recompute": (config or {}).get("parallel", {}).get("recompute", "none"),
-               "dtype": runtime.get("dtype", "float32"), "bf16": runtime.get("precision") == "bf16"}
+    request = _block_request(config)
 
     def measure(settings: Settings) -> dict[tuple[int, int], float]:
-        args = [sys.executable, "-m", "pipegpt.stages.block_timing",
-                json.dumps({**request, "settings": [list(x) for x in settings]})]
-        try:
-            proc = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", None) or str(e)
-            said = "; ".join(f"{t} thread{'s' * (t > 1)}, {n} sequence{'s' * (n > 1)}" for t, n in settings)
-            raise ConfigError(f"--calibrate: timing a block ({said}) failed: "
-                              f"{detail.strip().splitlines()[-1] if detail.strip() else e}") from None
-        return {(int(t), int(size)): float(s) for t, size, s in json.loads(proc.stdout.strip().splitlines()[-1])}
+        answer = _timing_child({**request, "settings": [list(x) for x in settings]},
+                               "; ".join(_said(t, n) for t, n in settings))
+        return {(int(t), int(size)): float(s) for t, size, s in answer}
+
+    return measure
+
+
+def shared_block_timer(config: dict | None) -> SharedTimer:
+    """ThreadScaling's measure_shared: one block of the run's model timed alone and in k processes at once,
+    alternated (pipegpt.stages.block_timing with at_once), in a child process."""
+    request = _block_request(config)
+
+    def measure(threads: int, size: int, at_once: int) -> tuple[float, float]:
+        (_, _, alone, shared), = _timing_child({**request, "settings": [[threads, size]], "at_once": at_once},
+                                               f"{_said(threads, size)}, {at_once} processes at once")
+        return float(alone), float(shared)
 
     return measure

@@ -16,10 +16,16 @@ block's passes are long enough to need few. A fresh process holds nothing else, 
 calibrated scale applies to; a plain matmul would leave out attention, the norms and the elementwise passes,
 which threads and larger microbatches speed up less. A size of 0 asks for the optimizer instead: one AdamW step over
 the model's parameters at that thread count (what a calibrated CPU run's optimizer term scales by).
+
+With "at_once": k (one setting), the block is timed alone and in k processes at once, rounds alternating the two:
+prints [[threads, size, alone, shared]]. Ranks on one machine slow each other down (memory bandwidth, caches);
+a layout with fewer of them than the calibration run's computes faster by their ratio (ThreadScaling).
 """
 from __future__ import annotations
 
 import json
+import multiprocessing
+import statistics
 import sys
 import time
 
@@ -50,9 +56,7 @@ def block_seconds(model: ModelConfig, settings, recompute: str = "none", dtype: 
                 if int(size) == OPTIMIZER:
                     seconds = optimizer_step_seconds(model, repeats)
                 else:
-                    seconds = measure_layer_costs(model, int(size), torch.device("cpu"), getattr(torch, dtype),
-                                                  recompute, torch.bfloat16 if bf16 else None, repeats=repeats,
-                                                  warmup=1, pieces=("block",))["block"]
+                    seconds = _block_pass(model, int(size), recompute, dtype, bf16, repeats)
                 key = (int(threads), int(size))
                 out[key] = min(out.get(key, seconds), seconds)
     finally:
@@ -86,12 +90,67 @@ def optimizer_step_seconds(model: ModelConfig, repeats: int = REPEATS) -> float:
     return min(times)
 
 
+SHARED_ROUNDS = 6
+BARRIER_TIMEOUT_S = 300.0  # a process at once that died or hangs ends the timing instead of stalling it
+
+
+def shared_block_seconds(model: ModelConfig, threads: int, size: int, at_once: int, recompute: str = "none",
+                         dtype: str = "float32", bf16: bool = False, rounds: int = SHARED_ROUNDS,
+                         repeats: int = REPEATS) -> tuple[float, float]:
+    """(alone, shared): one block's least seconds timed alone in this process, and that times the median over
+    rounds of each round's shared over alone (shared: the mean over the `at_once` processes of their least
+    seconds timed all at once). Rounds alternate the two, and each round's ratio is of timings taken side by
+    side: a burst of load elsewhere moves a round, not the median."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, answers = ctx.Barrier(at_once, timeout=BARRIER_TIMEOUT_S), ctx.Queue()
+    args = (model, threads, size, recompute, dtype, bf16, rounds, repeats, barrier)
+    others = [ctx.Process(target=_time_beside, args=(*args, answers), daemon=True) for _ in range(at_once - 1)]
+    for process in others:
+        process.start()
+    try:
+        torch.set_num_threads(threads)
+        alone, shared = [], []
+        for _ in range(rounds):
+            barrier.wait()
+            shared.append(_block_pass(model, size, recompute, dtype, bf16, repeats))
+            barrier.wait()  # the others wait at the next round's start while this one times alone
+            alone.append(_block_pass(model, size, recompute, dtype, bf16, repeats))
+        theirs = [answers.get(timeout=BARRIER_TIMEOUT_S) for _ in others]
+    finally:
+        for process in others:
+            process.join(timeout=BARRIER_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+    ratios = [statistics.mean(times) / a for a, times in zip(alone, zip(shared, *theirs))]
+    return min(alone), min(alone) * statistics.median(ratios)
+
+
+def _time_beside(model, threads, size, recompute, dtype, bf16, rounds, repeats, barrier, answers) -> None:
+    torch.set_num_threads(threads)
+    shared = []
+    for _ in range(rounds):
+        barrier.wait()
+        shared.append(_block_pass(model, size, recompute, dtype, bf16, repeats))
+        barrier.wait()
+    answers.put(shared)
+
+
+def _block_pass(model: ModelConfig, size: int, recompute: str, dtype: str, bf16: bool, repeats: int) -> float:
+    return measure_layer_costs(model, size, torch.device("cpu"), getattr(torch, dtype), recompute,
+                               torch.bfloat16 if bf16 else None, repeats=repeats, warmup=1, pieces=("block",))["block"]
+
+
 def main(argv=None) -> int:
     request = json.loads((sys.argv[1:] if argv is None else argv)[0])
     fields = set(ModelConfig.__dataclass_fields__)
     model = ModelConfig(**{k: v for k, v in request["model"].items() if k in fields})
-    seconds = block_seconds(model, request["settings"], request.get("recompute", "none"),
-                            request.get("dtype", "float32"), bool(request.get("bf16", False)))
+    options = (request.get("recompute", "none"), request.get("dtype", "float32"), bool(request.get("bf16", False)))
+    if request.get("at_once"):
+        (threads, size), = request["settings"]
+        alone, shared = shared_block_seconds(model, int(threads), int(size), int(request["at_once"]), *options)
+        print(json.dumps([[threads, size, alone, shared]]))
+        return 0
+    seconds = block_seconds(model, request["settings"], *options)
     print(json.dumps([[threads, size, s] for (threads, size), s in seconds.items()]))
     return 0
 

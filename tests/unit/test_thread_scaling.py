@@ -132,3 +132,34 @@ def test_the_child_process_times_the_optimizer_at_size_zero(capsys):
     assert main([json.dumps({"model": model, "settings": [[1, 0], [2, 0]]})]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert [(t, size) for t, size, _ in answer] == [(1, 0), (2, 0)] and all(s > 0 for _, _, s in answer)
+
+
+def test_a_layout_with_fewer_ranks_at_once_than_the_run_computes_faster_by_what_they_lost_to_each_other():
+    """Calibrated from 2 ranks on 2 cores at 1 thread: the block took 10.4 ms in two processes at once against 10 ms
+    alone. pp 1's one rank has the machine to itself: x0.6 for its 2 threads and x1/1.04 for no neighbour. pp 2 runs
+    as the run did: unchanged, nothing measured. At an explicit 1 thread, pp 1 still computes alone (a core idle)."""
+    measure, _ = timer({1: 0.010, 2: 0.006})
+    asked = []
+
+    def shared(threads, at_once):
+        asked.append((threads, at_once))
+        return 0.010, 0.0104
+
+    scaling = ThreadScaling(calibrated=1, explicit=False, cores=2, measure=measure, ranks=2, measure_shared=shared)
+    assert scaling.scale(2) == 1.0 and asked == []
+    assert [scaling.at_once(r) for r in (1, 2, 4)] == [1, 2, 2]
+    assert scaling.scale(1) == pytest.approx(0.6 / 1.04) and asked == [(1, 2)]
+    assert scaling.scale(4) == 1.0  # four ranks on two cores: two compute at once, as in the run
+    assert "2 at 1 thread x1.040" in scaling.describe()
+    explicit = ThreadScaling(calibrated=1, explicit=True, cores=2, measure=measure, ranks=2, measure_shared=shared)
+    assert explicit.scale(1) == pytest.approx(1 / 1.04) and explicit.scale(2) == 1.0
+
+
+def test_the_child_process_times_the_block_alone_and_in_processes_at_once(capsys):
+    """at_once: the one setting asked, timed alone and in two processes at once, rounds alternating."""
+    from pipegpt.stages.block_timing import main
+
+    model = {"vocab_size": 64, "seq_len": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
+    assert main([json.dumps({"model": model, "settings": [[1, 1]], "at_once": 2})]) == 0
+    (threads, size, alone, shared), = json.loads(capsys.readouterr().out)
+    assert (threads, size) == (1, 1) and alone > 0 and shared > 0
