@@ -107,6 +107,7 @@ def shared_block_seconds(model: ModelConfig, threads: int, size: int, at_once: i
     others = [ctx.Process(target=_time_beside, args=(*args, answers), daemon=True) for _ in range(at_once - 1)]
     for process in others:
         process.start()
+    before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         alone, shared = [], []
@@ -117,6 +118,7 @@ def shared_block_seconds(model: ModelConfig, threads: int, size: int, at_once: i
             alone.append(_block_pass(model, size, recompute, dtype, bf16, repeats))
         theirs = [answers.get(timeout=BARRIER_TIMEOUT_S) for _ in others]
     finally:
+        torch.set_num_threads(before)
         for process in others:
             process.join(timeout=BARRIER_TIMEOUT_S)
             if process.is_alive():
