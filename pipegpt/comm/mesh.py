@@ -121,10 +121,6 @@ def pipeline_pairs(dims: ParallelDims) -> list[tuple[int, int]]:
     """Every pair of pipeline neighbours, sorted, each once, in the order every rank creates their groups: pipeline
     positions i and i + 1, and the last with the first (an interleaved schedule's round hands its last stage's
     output to rank 0), in each pipeline group."""
-    pairs = []
-    for members in dims.groups(("pp",)):
-        for i in range(len(members) if len(members) > 2 else len(members) - 1):
-            pair = tuple(sorted((members[i], members[(i + 1) % len(members)])))
-            if pair not in pairs:
-                pairs.append(pair)
-    return pairs
+    return list(dict.fromkeys(tuple(sorted((members[i], members[(i + 1) % len(members)])))
+                              for members in dims.groups(("pp",))
+                              for i in range(len(members) if len(members) > 2 else len(members) - 1)))
