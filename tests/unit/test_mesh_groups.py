@@ -1,0 +1,60 @@
+"""comm/mesh.py init_mesh: on gloo, axes whose groups hold the same ranks share one process group, and a group of
+every rank is the default one; on NCCL every axis keeps a communicator of its own."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipegpt.comm import mesh as mesh_module
+from pipegpt.comm.mesh import group_members, init_mesh
+from pipegpt.dims import ParallelDims
+
+WORLD = object()
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """The member lists new_group was called with, in order (dist itself stubbed: no process group starts)."""
+    calls = []
+
+    def new_group(members):
+        calls.append(list(members))
+        return ("group", len(calls))
+
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "group", SimpleNamespace(WORLD=WORLD))
+    monkeypatch.setattr(mesh_module, "nccl_environment", lambda: None)
+    return calls
+
+
+def mesh_on(device: str, dims: ParallelDims, rank: int):
+    return init_mesh(dims, rank, torch.device(device), "env://", 60.0, embedding_pp_indices=(0, dims.pp - 1))
+
+
+def test_two_stages_on_gloo_make_no_group_beyond_the_default(made):
+    mesh = mesh_on("cpu", ParallelDims(pp=2), rank=1)
+    assert made == []
+    assert mesh.group("pp") is mesh.group("model") is mesh.group("embedding") is WORLD
+    assert mesh.group("dp") is None and mesh.members["pp"] == [0, 1]
+
+
+def test_gloo_makes_one_group_per_distinct_member_list_and_every_rank_makes_the_same(made):
+    dims = ParallelDims(dp=2, pp=2)
+    mesh = mesh_on("cpu", dims, rank=2)
+    # pp, model and embedding are [0, 1] and [2, 3] alike; dp and dp_cp are [0, 2] and [1, 3] alike
+    assert made == [[0, 2], [1, 3], [0, 1], [2, 3]]
+    assert mesh.group("pp") is mesh.group("model") is mesh.group("embedding") == ("group", 4)
+    assert mesh.group("dp") is mesh.group("dp_cp") == ("group", 1)
+    made.clear()
+    mesh_on("cpu", dims, rank=1)  # new_group is collective: every rank calls it for the same lists, in order
+    assert made == [[0, 2], [1, 3], [0, 1], [2, 3]]
+
+
+def test_nccl_keeps_a_communicator_per_axis(made):
+    dims = ParallelDims(dp=2, pp=2)
+    mesh = mesh_on("cuda", dims, rank=0)
+    every = [members for groups in group_members(dims, (0, 1)).values() for members in groups if len(members) > 1]
+    assert made == every and len(made) == 10
+    assert len({id(mesh.group(name)) for name in ("pp", "model", "embedding", "dp", "dp_cp")}) == 5
