@@ -99,10 +99,9 @@ def init_mesh(dims: ParallelDims, rank: int, device: torch.device, init_method: 
     mesh = Mesh(dims, rank)
     # On gloo, axes whose groups hold the same ranks share one process group, and a group of every rank is the
     # default one: each gloo group brings threads of its own, and idle ones still slowed the pipeline's messages
-    # on the default group (a 2-stage step, 1.3x with the three groups pp, model and embedding besides). Every
-    # rank issues a group's collectives from its one stepping thread in plan order, so the axes sharing a group
-    # keep their order. NCCL keeps a communicator per axis: each has a stream, and collectives on two run side by
-    # side.
+    # on the default group (benchmarks/README.md, bench_host). Every rank issues a group's collectives from its
+    # one stepping thread in plan order, so the axes sharing a group keep their order. NCCL keeps a communicator
+    # per axis: each has a stream, and collectives on two run side by side.
     made: dict[tuple[int, ...], object] = {} if cuda else {tuple(range(dims.world_size)): dist.group.WORLD}
     for name, groups in group_members(dims, embedding_pp_indices).items():
         for members in groups:
