@@ -59,6 +59,8 @@ class Mesh:
                     self.pairs[high] = (upward, downward)
                 elif self.rank == high:
                     self.pairs[low] = (downward, upward)
+            if dist.get_backend() == "gloo":
+                batch_gloo_loops()
         return self.pairs
 
 
@@ -115,7 +117,32 @@ def init_mesh(dims: ParallelDims, rank: int, device: torch.device, init_method: 
                     made[tuple(members)] = group
             if rank in members:
                 mesh.groups[name], mesh.members[name] = group, members
+    if not cuda:
+        batch_gloo_loops()
     return mesh
+
+
+def batch_gloo_loops() -> int:
+    """Put this process's gloo event-loop threads under SCHED_BATCH (woken, they wait for the tick or for a thread
+    to block instead of preempting it); the number of threads changed. Gloo's loop takes a pair's lock with a
+    try-lock and retries at once: woken by a peer's message while this rank's stepping thread held the lock in the
+    middle of its own write, it preempted that thread and spun until the scheduler's tick, about 4 ms, at every
+    exchange where both neighbours posted at once (benchmarks/README.md, bench_host). Call after creating groups:
+    each brings a loop of its own."""
+    if not hasattr(os, "sched_setscheduler"):
+        return 0
+    changed = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() != "gloo_tcp_loop":
+                    continue
+            if os.sched_getscheduler(int(task)) != os.SCHED_BATCH:
+                os.sched_setscheduler(int(task), os.SCHED_BATCH, os.sched_param(0))
+                changed += 1
+        except OSError:  # the thread ended, or the system refuses: the loop runs as it did
+            continue
+    return changed
 
 
 def group_members(dims: ParallelDims, embedding_pp_indices: tuple[int, ...] = ()) -> dict[str, list[list[int]]]:

@@ -1,5 +1,8 @@
 """comm/mesh.py init_mesh: on gloo, axes whose groups hold the same ranks share one process group, and a group of
 every rank is the default one; on NCCL every axis keeps a communicator of its own."""
+import ctypes
+import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -7,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pipegpt.comm import mesh as mesh_module
-from pipegpt.comm.mesh import group_members, init_mesh
+from pipegpt.comm.mesh import batch_gloo_loops, group_members, init_mesh
 from pipegpt.dims import ParallelDims
 
 WORLD = object()
@@ -26,6 +29,7 @@ def made(monkeypatch):
     monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setattr(dist, "group", SimpleNamespace(WORLD=WORLD))
     monkeypatch.setattr(mesh_module, "nccl_environment", lambda: None)
+    monkeypatch.setattr(mesh_module, "batch_gloo_loops", lambda: calls.append("batched"))
     return calls
 
 
@@ -35,7 +39,7 @@ def mesh_on(device: str, dims: ParallelDims, rank: int):
 
 def test_two_stages_on_gloo_make_no_group_beyond_the_default(made):
     mesh = mesh_on("cpu", ParallelDims(pp=2), rank=1)
-    assert made == []
+    assert made == ["batched"]
     assert mesh.group("pp") is mesh.group("model") is mesh.group("embedding") is WORLD
     assert mesh.group("dp") is None and mesh.members["pp"] == [0, 1]
 
@@ -43,13 +47,14 @@ def test_two_stages_on_gloo_make_no_group_beyond_the_default(made):
 def test_gloo_makes_one_group_per_distinct_member_list_and_every_rank_makes_the_same(made):
     dims = ParallelDims(dp=2, pp=2)
     mesh = mesh_on("cpu", dims, rank=2)
+    assert made.pop() == "batched"  # after the groups: each brings its own loop thread
     # pp, model and embedding are [0, 1] and [2, 3] alike; dp and dp_cp are [0, 2] and [1, 3] alike
     assert made == [[0, 2], [1, 3], [0, 1], [2, 3]]
     assert mesh.group("pp") is mesh.group("model") is mesh.group("embedding") == ("group", 4)
     assert mesh.group("dp") is mesh.group("dp_cp") == ("group", 1)
     made.clear()
     mesh_on("cpu", dims, rank=1)  # new_group is collective: every rank calls it for the same lists, in order
-    assert made == [[0, 2], [1, 3], [0, 1], [2, 3]]
+    assert made == [[0, 2], [1, 3], [0, 1], [2, 3], "batched"]
 
 
 def test_nccl_keeps_a_communicator_per_axis(made):
@@ -58,3 +63,31 @@ def test_nccl_keeps_a_communicator_per_axis(made):
     every = [members for groups in group_members(dims, (0, 1)).values() for members in groups if len(members) > 1]
     assert made == every and len(made) == 10
     assert len({id(mesh.group(name)) for name in ("pp", "model", "embedding", "dp", "dp_cp")}) == 5
+
+
+def named_thread(name: str, started: threading.Event, done: threading.Event) -> threading.Thread:
+    """A thread whose kernel name (/proc/self/task/T/comm) is `name`, as gloo names its loop thread."""
+    def run():
+        ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+        started.set()
+        done.wait(30)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling policies")
+def test_gloo_loop_threads_go_under_sched_batch_and_no_other_thread_does():
+    done = threading.Event()
+    loop_started, other_started = threading.Event(), threading.Event()
+    loop = named_thread("gloo_tcp_loop", loop_started, done)
+    other = named_thread("pt_gloo_runloop", other_started, done)
+    try:
+        assert loop_started.wait(10) and other_started.wait(10)
+        assert batch_gloo_loops() == 1
+        assert os.sched_getscheduler(loop.native_id) == os.SCHED_BATCH
+        assert os.sched_getscheduler(other.native_id) == os.SCHED_OTHER
+        assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+        assert batch_gloo_loops() == 0  # already batched: a second call (pair_groups) changes nothing
+    finally:
+        done.set()
