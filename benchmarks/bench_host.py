@@ -64,7 +64,7 @@ def base_spec(args) -> dict:
                             threads_per_worker=1, virtual_stages=None, bind_cores=args.bind_cores, schedules=None,
                             schedule="1f1b")
     base, _ = bp.build_specs(ns)
-    return base
+    return dict(base, torch_batch_gloo_loops=getattr(args, "torch_batch_gloo_loops", False))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -84,6 +84,9 @@ def _host_worker(rank: int, world: int, port: int, who: str, spec: dict, out_pat
         from pipegpt.engine.placement import worker_cores
         os.sched_setaffinity(0, worker_cores(rank, world, 1))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if who == "pipegpt" or spec.get("torch_batch_gloo_loops"):  # as pipegpt's init_mesh does
+        from pipegpt.comm.mesh import batch_gloo_loops
+        batch_gloo_loops()
     cfg, m, last = bp.model_cfg(spec), spec["microbatches"], world - 1
     module = GPT(cfg, layers=partition_layers(cfg.n_layer, world)[rank], embed=rank == 0, head=rank == last,
                  init_seed=spec["seed"])
@@ -351,6 +354,8 @@ def main(argv=None) -> int:
                          "--warmup 10 or more; 1: leave that contender out) [8]")
     ap.add_argument("--bind-cores", action="store_true",
                     help="pin each rank of both contenders to a core of its own, as `pipegpt run --bind-cores`")
+    ap.add_argument("--torch-batch-gloo-loops", action="store_true",
+                    help="give torch.pp's ranks what pipegpt's init_mesh does: gloo's loop threads under SCHED_BATCH")
     ap.add_argument("--no-host-work", dest="host_work", action="store_false",
                     help="leave out the host-work rows (their runs take about 40%% of a round)")
     ap.add_argument("--py-spy", default=None, metavar="DIR",
@@ -393,7 +398,9 @@ def main(argv=None) -> int:
           + "; ".join(f"{s} -> torch {bp.TORCH_SCHEDULES[s] or '(none)'}" for s in schedules))
     print(f"timing      {args.steps} steps per run, first {args.warmup} left out; {args.rounds} rounds, contenders "
           f"back to back, order swapped per round; step time as bench_pipeline measures it (pipegpt: the driver's "
-          f"step_time_s; 'in workers': less the RPC round trip, as torch.pp's workers time themselves)", flush=True)
+          f"step_time_s; 'in workers': less the RPC round trip, as torch.pp's workers time themselves)")
+    print("gloo loops  pipegpt's under SCHED_BATCH (its init_mesh); torch.pp's "
+          + ("too (--torch-batch-gloo-loops)" if args.torch_batch_gloo_loops else "as torch leaves them"), flush=True)
     t_start, cpu_before = time.perf_counter(), bp._cpu_accounting()
     results = measure(args, base, schedules)
     print()
