@@ -35,6 +35,7 @@ CP_COMM = ("ring", "allgather")
 ON_NONFINITE = ("stop", "skip")
 P2P_MATCHING = ("auto", "tag", "order")
 P2P_GROUPS = ("auto", "pairs", "world")
+GLOO_LOOPS = ("batch", "as-is")
 COMPILE_TIMEOUT_S = 900.0  # the first steps' timeout under --compile (RuntimeConfig.wait_timeout_s)
 COMPILE_STEPS = 2  # steps of a job that may compile: the first, and a recompilation on the second
 STEP_TIMEOUT_FACTOR = 10.0  # a step's deadline without --step-timeout, in --timeout's: a step is many waits
@@ -206,6 +207,12 @@ class RuntimeConfig:
     # lanes posted in different orders at their two ends rely on the GPU running them side by side; "world" on a
     # GPU is the way back to one communicator.
     p2p_groups: str = "auto"
+    # gloo's event-loop threads (comm/mesh.py batch_gloo_loops): "batch", under SCHED_BATCH, so a peer's message
+    # never preempts the stepping thread in the middle of its own write (the loop then spins on the pair's lock
+    # until the scheduler's tick, ~4 ms, at every exchange both ranks post at once); "as-is", as torch leaves them,
+    # where a message's handling never waits for the stepping thread to block (benchmarks/README.md, bench_host:
+    # x0.6-0.77 a step with batch on a host-bound model, x1.03-1.04 on a compute-bound one at a rank a core).
+    gloo_loops: str = "batch"
 
     @property
     def wait_timeout_s(self) -> float:
@@ -381,6 +388,7 @@ class TrainConfig:
         _check_choice("precision", r.precision, PRECISIONS)
         _check_choice("p2p_matching", r.p2p_matching, P2P_MATCHING)
         _check_choice("p2p_groups", r.p2p_groups, P2P_GROUPS)
+        _check_choice("gloo_loops", r.gloo_loops, GLOO_LOOPS)
         _check_choice("p2p_dtype", r.p2p_dtype, P2P_DTYPES)
         if r.p2p_matching == "tag" and r.device == "cuda":
             raise ConfigError("p2p_matching='tag' needs gloo: NCCL matches point-to-point messages by order "

@@ -26,6 +26,7 @@ class Mesh:
     # pipeline neighbour's rank -> (the group this rank's messages to it go on, the one its messages come on);
     # None: not made (pair_groups())
     pairs: dict | None = None
+    batch_loops: bool = False  # gloo's loop threads go under SCHED_BATCH (batch_gloo_loops) as groups are made
 
     @property
     def coords(self) -> Coords:
@@ -59,7 +60,7 @@ class Mesh:
                     self.pairs[high] = (upward, downward)
                 elif self.rank == high:
                     self.pairs[low] = (downward, upward)
-            if dist.get_backend() == "gloo":
+            if self.batch_loops:
                 batch_gloo_loops()
         return self.pairs
 
@@ -79,13 +80,14 @@ def nccl_environment(env=os.environ) -> None:
 
 
 def init_mesh(dims: ParallelDims, rank: int, device: torch.device, init_method: str, timeout_s: float,
-              embedding_pp_indices: tuple[int, ...] = ()) -> Mesh:
+              embedding_pp_indices: tuple[int, ...] = (), batch_loops: bool = True) -> Mesh:
     """Join the default process group (NCCL on CUDA, gloo on CPU) and create every subgroup.
 
     new_group must be called by every rank for every group in the same order,
     so each rank builds all of them and keeps the ones it belongs to.
     embedding_pp_indices: pipeline positions that hold a copy of the tied
     embedding (first and last stage) and must sum its gradient.
+    batch_loops: on gloo, put its loop threads under SCHED_BATCH (runtime.gloo_loops).
     """
     cuda = device.type == "cuda"
     if cuda:
@@ -98,7 +100,7 @@ def init_mesh(dims: ParallelDims, rank: int, device: torch.device, init_method: 
     # collective, on whatever device is current then) and subgroups are split from them.
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=dims.world_size,
                             timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None, **rendezvous)
-    mesh = Mesh(dims, rank)
+    mesh = Mesh(dims, rank, batch_loops=batch_loops and not cuda)
     # On gloo, axes whose groups hold the same ranks share one process group, and a group of every rank is the
     # default one: each gloo group brings threads of its own, and idle ones still slowed the pipeline's messages
     # on the default group (benchmarks/README.md, bench_host). Every rank issues a group's collectives from its
@@ -117,7 +119,7 @@ def init_mesh(dims: ParallelDims, rank: int, device: torch.device, init_method: 
                     made[tuple(members)] = group
             if rank in members:
                 mesh.groups[name], mesh.members[name] = group, members
-    if not cuda:
+    if mesh.batch_loops:
         batch_gloo_loops()
     return mesh
 

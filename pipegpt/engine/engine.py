@@ -49,7 +49,8 @@ class Engine:
         # Every schedule puts the first stage on pipeline rank 0 and the last on rank 0 or pp-1,
         # so this group serves any plan a later build() brings.
         self.mesh = init_mesh(p.dims, rank, self.device, self.init_method,
-                              cfg.runtime.wait_timeout_s, embedding_pp_indices=(0, p.stages - 1))
+                              cfg.runtime.wait_timeout_s, embedding_pp_indices=(0, p.stages - 1),
+                              batch_loops=cfg.runtime.gloo_loops == "batch")
 
     def build(self, cfg: TrainConfig, plan: Plan, eval_plan: Plan | None, collectives=None) -> None:
         """This rank's model stages for the plan (whole from the per-name seeds, then cut to its tp shard), the

@@ -114,6 +114,13 @@ def test_cross_field_checks(settings, message):
         TrainConfig.build(**settings).validate({})
 
 
+def test_gloo_loops_is_batch_or_as_is():
+    assert TrainConfig.build().runtime.gloo_loops == "batch"
+    TrainConfig.build(gloo_loops="as-is").validate({})
+    with pytest.raises(ConfigError, match="gloo_loops='idle' is not one of batch, as-is"):
+        TrainConfig.build(gloo_loops="idle").validate({})
+
+
 def test_p2p_dtype_defaults_to_the_compute_precision():
     message = lambda **kw: TrainConfig.build(**kw).validate({}).runtime.message_dtype  # noqa: E731
     assert message() == "float32" and message(dtype="float64") == "float64"  # the oracle's: messages exact

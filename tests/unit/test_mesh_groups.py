@@ -33,8 +33,8 @@ def made(monkeypatch):
     return calls
 
 
-def mesh_on(device: str, dims: ParallelDims, rank: int):
-    return init_mesh(dims, rank, torch.device(device), "env://", 60.0, embedding_pp_indices=(0, dims.pp - 1))
+def mesh_on(device: str, dims: ParallelDims, rank: int, **kw):
+    return init_mesh(dims, rank, torch.device(device), "env://", 60.0, embedding_pp_indices=(0, dims.pp - 1), **kw)
 
 
 def test_two_stages_on_gloo_make_no_group_beyond_the_default(made):
@@ -57,11 +57,16 @@ def test_gloo_makes_one_group_per_distinct_member_list_and_every_rank_makes_the_
     assert made == [[0, 2], [1, 3], [0, 1], [2, 3], "batched"]
 
 
+def test_gloo_loops_as_is_leaves_the_threads_alone(made):
+    mesh_on("cpu", ParallelDims(dp=2, pp=2), rank=0, batch_loops=False)  # runtime.gloo_loops = "as-is"
+    assert "batched" not in made
+
+
 def test_nccl_keeps_a_communicator_per_axis(made):
     dims = ParallelDims(dp=2, pp=2)
     mesh = mesh_on("cuda", dims, rank=0)
     every = [members for groups in group_members(dims, (0, 1)).values() for members in groups if len(members) > 1]
-    assert made == every and len(made) == 10
+    assert made == every and len(made) == 10  # and no "batched": NCCL has no loop thread
     assert len({id(mesh.group(name)) for name in ("pp", "model", "embedding", "dp", "dp_cp")}) == 5
 
 
@@ -91,3 +96,15 @@ def test_gloo_loop_threads_go_under_sched_batch_and_no_other_thread_does():
         assert batch_gloo_loops() == 0  # already batched: a second call (pair_groups) changes nothing
     finally:
         done.set()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling policies")
+def test_torchs_own_gloo_group_has_a_loop_thread_by_that_name():
+    """The name batch_gloo_loops looks for is gloo's: a real gloo group (one rank, in a process of its own) has one."""
+    import subprocess
+    import sys
+    code = ("import tempfile, torch.distributed as dist; from pipegpt.comm.mesh import batch_gloo_loops; "
+            "dist.init_process_group('gloo', store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1); "
+            "print(batch_gloo_loops(), batch_gloo_loops())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[-2:] == ["1", "0"], out.stderr[-2000:]
