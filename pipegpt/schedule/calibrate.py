@@ -9,16 +9,20 @@ measured step span.
 
 How the costs are calibrated (the simulator's meaning of each, measured where it can be seen):
 
-* F, B, W of stage s: the median measured duration of stage s's actions of that kind. A stage whose
-  backward is split gets B = median(I) + median(W) (the simulator runs I for B - W, W for W); W of a
-  stage without W actions is B/2 (the simulator never uses it).
+* F, B, W of stage s: the median measured duration of stage s's actions of that kind, each from its start
+  or, where later, from the end of the last action on another rank whose output it reads. The runtime
+  waits for a received input inside the compute that reads it: that wait is the message's, except its
+  last leg (from the producer's end to the arrival), which stays in the compute. A stage whose backward
+  is split gets B = median(I) + median(W) (the simulator runs I for B - W, W for W); W of a stage without
+  W actions is B/2 (the simulator never uses it).
 * comm: in the simulator, an action whose input comes from another rank can start `comm` after the
   producing action ended (a per-message latency; the receiver spends no time on it). So: on every
   cross-rank dependency (0F2 -> 1F2, 1B2 -> 0B2, ...) whose consumer's rank had finished its previous
   compute before the producer ended -- its start waited on that message -- take consumer start minus
-  producer end; comm is the median of those samples. This folds in all that lies between the two
-  computes: the sender posting its SEND (the lowered plan may place it after later compute), the
-  transfer, the receiver waking up. No such dependency (one rank, or no rank ever waited): comm = 0.
+  producer end (or its end less its calibrated duration, where later: a compute that waited inside); comm
+  is the mean of those samples (a few messages wait far longer than most). This folds in all that lies
+  between the two computes: the sender posting its SEND (the lowered plan may place it after later
+  compute), the transfer, the receiver waking up. No such dependency (one rank, or no rank ever waited): comm = 0.
 * A REDUCE_GRAD's event (with data parallelism) is its launch, not the reduction: it is left out of the
   measured timeline, so it calibrates nothing (dp_comm stays 0) and the step span stays the pipeline's.
 
@@ -232,14 +236,18 @@ def calibrate_run(plan: Plan, run: MeasuredRun) -> tuple[Timeline, Calibration]:
 
 def calibrate(plan: Plan, measured: Timeline) -> Calibration:
     """Per-stage F, B, W and one comm latency from a measured timeline of `plan` (see the module docstring)."""
-    waits = comm_samples(plan, measured)
     durations: dict[tuple[Kind, int], list] = defaultdict(list)
+    inputs_ready = cross_rank_inputs_ready(plan, measured)
     for e in measured.compute_events():
-        durations[(e.action.kind, e.action.stage)].append(e.end - e.start)
+        # the runtime waits for a received input inside the compute that reads it: that wait is not compute
+        start = max(e.start, min(inputs_ready.get(e.action, e.start), e.end))
+        durations[(e.action.kind, e.action.stage)].append(e.end - start)
 
     def median(kind: Kind, stage: int):
         values = durations.get((kind, stage))
         return statistics.median(values) if values else None
+
+    waits = comm_samples(plan, measured, {key: median(*key) for key in durations})
 
     forward, backward, weight = [], [], []
     for s in range(plan.num_stages):
@@ -251,7 +259,7 @@ def calibrate(plan: Plan, measured: Timeline) -> Calibration:
     samples = {k.value: [len(durations.get((k, s), ())) for s in range(plan.num_stages)]
                for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
     samples["comm"] = len(waits)
-    comm = max(statistics.median(waits), 0) if waits else 0
+    comm = max(statistics.fmean(waits), 0) if waits else 0
     return Calibration(Costs(tuple(forward), tuple(backward), tuple(weight), comm), samples)
 
 
@@ -270,11 +278,28 @@ def median_calibration(calibrations: list[Calibration]) -> Calibration:
     return Calibration(Costs(forward, backward, weight, comm), samples)
 
 
-def comm_samples(plan: Plan, measured: Timeline) -> list:
+def cross_rank_inputs_ready(plan: Plan, measured: Timeline) -> dict:
+    """Per compute action with an input from another rank, when the last such input's producer ended: a
+    compute measured from its start holds its wait for that input (the runtime waits inside the compute that
+    reads a message), and from here it holds the compute and the message's last leg only."""
+    ends = {e.action: e.end for e in measured.compute_events()}
+    rank_of = plan.stage_to_rank
+    out = {}
+    for e in measured.compute_events():
+        mine = rank_of[e.action.stage]
+        ready = [ends[dep] for dep in dependencies(e.action, plan) if rank_of[dep.stage] != mine and dep in ends]
+        if ready:
+            out[e.action] = max(ready)
+    return out
+
+
+def comm_samples(plan: Plan, measured: Timeline, compute_time: dict | None = None) -> list:
     """Consumer start - producer end on each cross-rank dependency that its consumer's rank waited for.
 
     Waited for: the consumer's rank had finished its previous compute (or, for its first, started its
-    step: its first event of any kind) no later than the producer ended.
+    step: its first event of any kind) no later than the producer ended. compute_time ((kind, stage) ->
+    the calibrated duration): the consumer's start is taken as its end less that where later, as the runtime
+    waits for a received input inside the compute that reads it.
     """
     ends: dict[Action, object] = {}
     for e in measured.compute_events():
@@ -289,7 +314,8 @@ def comm_samples(plan: Plan, measured: Timeline) -> list:
                 continue
             for dep in dependencies(e.action, plan):
                 if rank_of[dep.stage] != r and dep in ends and ends[dep] >= ready:
-                    out.append(e.start - ends[dep])
+                    own = (compute_time or {}).get((e.action.kind, e.action.stage))
+                    out.append(max(e.start, e.end - own if own is not None else e.start) - ends[dep])
             ready = e.end
     return out
 

@@ -74,7 +74,33 @@ def test_interleaved_has_several_stages_per_rank(tmp_path):
     assert calibrate(plan_read, measured).samples["F"] == [m] * 4
 
 
-def test_comm_is_the_median_of_the_waits():
+def test_a_wait_inside_the_compute_that_reads_the_message_is_not_compute():
+    """The runtime waits for a received input inside the compute that reads it: each such compute starts when
+    its rank is free. Hand-worked on 1F1B, 2 x 4, F 1, B 2, every message 0.5 late (simulated, then each
+    compute moved to start at its rank's previous end). Counted from its start, rank 0's B0 would read 5;
+    from its producer 1B0's end (4.5) it reads 2.5, the compute and the message's last leg. Stage 0's B:
+    0B0 7 - 4.5, 0B1 10 - 8 (started after 1B1's 7.5), 0B2 14 - 11.5, 0B3 17 - 14.5: median 2.5. Stage 1's F:
+    1, 1, 9.5 - 8 (1F2 waited inside for 0F2), 1: median 1. The one message sampled late beyond that is 1F2's:
+    rank 1 was free at 7.5, 0F2 ended at 8 and 1F2 ended at 9.5, so it began its 1 at 8.5: 0.5 late. Every
+    other waited-for message has no time left beyond the compute that holds its last leg: 0B0's, 0B2's and
+    0B3's (end - 2.5 - producer's end = 0). comm = the mean, 0.5 / 4."""
+    import dataclasses
+
+    plan = lower(build_plan("1f1b", 2, 4))
+    simulated = simulate(plan, Costs.uniform(2, 1, 2, comm=0.5))
+    free, moved = {}, []
+    for e in sorted(simulated.events, key=lambda e: (e.rank, e.start)):
+        if e.action.kind.is_compute:
+            moved.append(dataclasses.replace(e, start=free.get(e.rank, e.start)))
+            free[e.rank] = e.end
+        else:
+            moved.append(e)
+    got = calibrate(plan, dataclasses.replace(simulated, events=moved)).costs
+    assert got.forward == (1, 1) and got.backward == (2.5, 2) and got.comm == 0.125
+    assert calibrate(plan, simulated).costs.backward == (2, 2)  # waits outside the computes: as before
+
+
+def test_comm_samples_are_the_waits():
     plan = lower(build_plan("1f1b", 2, 4))
     timeline = simulate(plan, Costs.uniform(2, 1, 2, comm=0.5))
     assert set(comm_samples(plan, timeline)) == {0.5}
