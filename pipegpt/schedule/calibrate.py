@@ -315,7 +315,8 @@ def comm_samples(plan: Plan, measured: Timeline, compute_time: dict | None = Non
             for dep in dependencies(e.action, plan):
                 if rank_of[dep.stage] != r and dep in ends and ends[dep] >= ready:
                     own = (compute_time or {}).get((e.action.kind, e.action.stage))
-                    out.append(max(e.start, e.end - own if own is not None else e.start) - ends[dep])
+                    began = e.start if own is None else max(e.start, e.end - own)
+                    out.append(began - ends[dep])
             ready = e.end
     return out
 
