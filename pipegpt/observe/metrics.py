@@ -310,4 +310,4 @@ def measured_timeline(results: list[WorkerStep], plan: Plan) -> Timeline:
     events = [Event(r.rank, Action.parse(name), start - t0, end - t0)
               for r in results for name, start, end in r.events]
     return Timeline(events, len(results), schedule=plan.name, num_microbatches=plan.num_microbatches,
-                    stage_to_rank=plan.stage_to_rank, time_unit="s")
+                    stage_to_rank=plan.stage_to_rank, time_unit="s", meta={"recorded": True})

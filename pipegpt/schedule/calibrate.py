@@ -9,12 +9,17 @@ measured step span.
 
 How the costs are calibrated (the simulator's meaning of each, measured where it can be seen):
 
-* F, B, W of stage s: the median measured duration of stage s's actions of that kind, each from its start
-  or, where later, from the end of the last action on another rank whose output it reads. The runtime
-  waits for a received input inside the compute that reads it: that wait is the message's, except its
-  last leg (from the producer's end to the arrival), which stays in the compute. A stage whose backward
-  is split gets B = median(I) + median(W) (the simulator runs I for B - W, W for W); W of a stage without
-  W actions is B/2 (the simulator never uses it).
+* F, B, W of stage s: the mean measured duration of stage s's actions of that kind (a busy rank's step is
+  the sum of its actions: n times their mean, which the median of a skewed spread under-states). In a trace
+  the runtime recorded, each counts from the end of its rank's previous compute: the host's time between
+  two computes (the message batches, the dispatch; a few tenths of a millisecond on a CPU) holds the rank
+  as compute does, and the simulator has no other place for it. The runtime waits for a received input
+  inside the compute that reads it: where the input's producer (the last action on another rank whose
+  output it reads) ended after the rank was free, the compute counts from that end, or from its own start
+  where later. That wait is the message's, except its last leg (from the producer's end to the arrival),
+  which stays in the compute. In a simulation's trace a gap between computes is a wait, and each counts
+  from its start. A stage whose backward is split gets B = mean(I) + mean(W) (the simulator runs I for
+  B - W, W for W); W of a stage without W actions is B/2 (the simulator never uses it).
 * comm: in the simulator, an action whose input comes from another rank can start `comm` after the
   producing action ended (a per-message latency; the receiver spends no time on it). So: on every
   cross-rank dependency (0F2 -> 1F2, 1B2 -> 0B2, ...) whose consumer's rank had finished its previous
@@ -26,9 +31,8 @@ How the costs are calibrated (the simulator's meaning of each, measured where it
 * A REDUCE_GRAD's event (with data parallelism) is its launch, not the reduction: it is left out of the
   measured timeline, so it calibrates nothing (dp_comm stays 0) and the step span stays the pipeline's.
 
-What the simulator does not model shows up as a fidelity below 1: time a rank spends in a comm batch
-after its message has already arrived (posting and copying), skew between the ranks' starts, and the
-spread around the medians. Ranks on different machines have different clocks (perf_counter), so
+What the simulator does not model shows up as a fidelity away from 1: skew between the ranks' starts, the
+spread of the actions around their means, and a message delayed by its sender's compute. Ranks on different machines have different clocks (perf_counter), so
 cross-rank gaps, and with them comm, are only meaningful for a trace from one machine.
 
 With data or tensor parallelism the trace holds every global rank; the pipeline of dp index 0, tp
@@ -159,7 +163,8 @@ def trace_timeline(data, plan: Plan, global_ranks: tuple[int, ...] | None = None
     if not isinstance(raw, list):
         raise ScheduleError(f"{path}: expected a Chrome trace (an object with a 'traceEvents' list)")
     other = data.get("otherData") if isinstance(data, dict) else None
-    unit = str((other if isinstance(other, dict) else {}).get("time_unit") or "s")
+    other = other if isinstance(other, dict) else {}
+    unit = str(other.get("time_unit") or "s")
     if unit not in _US_PER:
         raise ScheduleError(f"{path}: unknown time_unit {unit!r}; expected one of {', '.join(_US_PER)}")
     us = _US_PER[unit]
@@ -182,7 +187,8 @@ def trace_timeline(data, plan: Plan, global_ranks: tuple[int, ...] | None = None
     _check_matches(events, plan, path, global_ranks)
     return Timeline(events, plan.num_ranks, schedule=plan.name, num_microbatches=plan.num_microbatches,
                     stage_to_rank=tuple(plan.stage_to_rank), time_unit=unit,
-                    meta={"source": path, "global_ranks": list(global_ranks)})
+                    meta={"source": path, "global_ranks": list(global_ranks),
+                          "recorded": bool(other.get("recorded"))})
 
 
 def _check_matches(events: list[Event], plan: Plan, path: str, global_ranks) -> None:
@@ -238,20 +244,34 @@ def calibrate(plan: Plan, measured: Timeline) -> Calibration:
     """Per-stage F, B, W and one comm latency from a measured timeline of `plan` (see the module docstring)."""
     durations: dict[tuple[Kind, int], list] = defaultdict(list)
     inputs_ready = cross_rank_inputs_ready(plan, measured)
-    for e in measured.compute_events():
-        # the runtime waits for a received input inside the compute that reads it: that wait is not compute
-        start = max(e.start, min(inputs_ready.get(e.action, e.start), e.end))
-        durations[(e.action.kind, e.action.stage)].append(e.end - start)
+    # The runtime waits for a message inside the compute that reads it: in a trace it recorded, time between
+    # two computes is the host's (message batches, the dispatch) and holds the rank as compute does. In a
+    # simulation's, a gap is a wait. (A run's trace from before otherData said "recorded" has message events.)
+    host_gaps = measured.meta.get("recorded") or any(e.action.kind.is_p2p for e in measured.events)
+    for r in range(measured.num_ranks):
+        events = measured.events_of(r)
+        free = events[0].start if events else 0  # the end of the rank's previous compute, or its step's start
+        for e in events:
+            if not e.action.kind.is_compute:
+                continue
+            # a compute whose inputs were there when its rank became free counts from then; one that waited
+            # for a message, from its producer's end (the wait inside) or its own start, where later
+            ready = inputs_ready.get(e.action)
+            if not host_gaps:
+                free = e.start
+            start = free if ready is None or ready <= free else max(e.start, min(ready, e.end))
+            durations[(e.action.kind, e.action.stage)].append(e.end - start)
+            free = e.end
 
-    def median(kind: Kind, stage: int):
+    def mean(kind: Kind, stage: int):
         values = durations.get((kind, stage))
-        return statistics.median(values) if values else None
+        return statistics.fmean(values) if values else None
 
-    waits = comm_samples(plan, measured, {key: median(*key) for key in durations})
+    waits = comm_samples(plan, measured, {key: mean(*key) for key in durations})
 
     forward, backward, weight = [], [], []
     for s in range(plan.num_stages):
-        f, b, i, w = (median(k, s) for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+        f, b, i, w = (mean(k, s) for k in (Kind.F, Kind.B, Kind.I, Kind.W))
         full = i + (w or 0) if i is not None else (b if b is not None else 0)
         forward.append(max(f or 0, 0))
         backward.append(max(full, 0))
@@ -324,8 +344,8 @@ def comm_samples(plan: Plan, measured: Timeline, compute_time: dict | None = Non
 def comm_overhead_per_rank(plan: Plan, measured: Timeline) -> list | None:
     """Per rank, time spent in comm batches after every message it receives there had been sent.
 
-    The simulator has no such time (a rank waits for a message or runs on); it is part of what makes
-    a fidelity below 1. A batch's wait lasts until the last of its RECVs' peers posted the matching SEND
+    The simulator has no such time apart (a rank waits for a message or runs on); calibration counts it in
+    the compute that follows (see the module docstring). A batch's wait lasts until the last of its RECVs' peers posted the matching SEND
     (the start of the peer's batch); the rest of the batch is overhead. None for a trace without comm
     events (one written from a simulation).
     """
@@ -347,7 +367,7 @@ def comm_overhead_per_rank(plan: Plan, measured: Timeline) -> list | None:
 
 def pair_times(measured: Timeline, predicted: Timeline, costs: Costs) -> dict | None:
     """A paired run's pairs (None without): how many, their time in all measured and predicted, and what their
-    halves take apart at the calibrated costs (the lone actions' medians): measured against apart is the overlap
+    halves take apart at the calibrated costs (the lone actions' means): measured against apart is the overlap
     the run achieved."""
     def pairs(t: Timeline) -> list[Event]:  # a trace's pair is one event; the simulator draws its halves
         return [e for e in t.compute_events() if e.action.kind is Kind.OVERLAP or e.pair is not None]
@@ -409,7 +429,7 @@ def comparison_text(comparison: Comparison) -> str:
         lines.append(f"pairs {pairs['count']}: measured {t(pairs['measured'])} in all, predicted "
                      f"{t(pairs['predicted'])}; their halves apart at the calibrated costs {t(pairs['apart'])} "
                      f"(measured / apart {ratio:.3f}; below 1 where the pairs hid communication)")
-    lines += ["", "calibrated costs (medians of the measured actions):"]
+    lines += ["", "calibrated costs (means of the measured actions):"]
     costs, n = s["costs"], s["samples"]
     split = any(n["I"]) or any(n["W"])
     head = ["stage", "rank", "F", "B"] + (["W"] if split else []) + ["measured F/B/I/W"]
@@ -419,10 +439,10 @@ def comparison_text(comparison: Comparison) -> str:
                     + ([t(costs["W"][st])] if split else [])
                     + ["/".join(str(n[k][st]) for k in "FBIW")])
     lines.append(text_table(rows, right=set(range(2, len(head) - 1)), free_last=True))
-    lines.append(f"comm {t(costs['comm'])} per message (median of {n['comm']} waits: consumer start - "
+    lines.append(f"comm {t(costs['comm'])} per message (mean of {n['comm']} waits: consumer start - "
                  f"producer end where the consumer's rank was waiting)")
     if m["comm_overhead_per_rank"] is not None:
-        lines.insert(3, "not modelled: time in comm batches after the peer's send was posted: " + ", ".join(
+        lines.insert(3, "in comm batches after the peer's send was posted (in the next compute's time): " + ", ".join(
             f"r{r} {t(x)}" for r, x in enumerate(m["comm_overhead_per_rank"])))
     lines.extend("note: " + x for x in s["notes"])
     return "\n".join(lines)

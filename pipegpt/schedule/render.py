@@ -434,7 +434,8 @@ def to_chrome_trace(timeline: Timeline) -> dict:
         })
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"schedule": timeline.schedule, "num_microbatches": timeline.num_microbatches,
-                          "time_unit": timeline.time_unit}}
+                          "time_unit": timeline.time_unit,
+                          **({"recorded": True} if timeline.meta.get("recorded") else {})}}
 
 
 def write(timeline: Timeline, path) -> None:

@@ -77,13 +77,13 @@ def test_interleaved_has_several_stages_per_rank(tmp_path):
 def test_a_wait_inside_the_compute_that_reads_the_message_is_not_compute():
     """The runtime waits for a received input inside the compute that reads it: each such compute starts when
     its rank is free. Hand-worked on 1F1B, 2 x 4, F 1, B 2, every message 0.5 late (simulated, then each
-    compute moved to start at its rank's previous end). Counted from its start, rank 0's B0 would read 5;
-    from its producer 1B0's end (4.5) it reads 2.5, the compute and the message's last leg. Stage 0's B:
-    0B0 7 - 4.5, 0B1 10 - 8 (started after 1B1's 7.5), 0B2 14 - 11.5, 0B3 17 - 14.5: median 2.5. Stage 1's F:
-    1, 1, 9.5 - 8 (1F2 waited inside for 0F2), 1: median 1. The one message sampled late beyond that is 1F2's:
-    rank 1 was free at 7.5, 0F2 ended at 8 and 1F2 ended at 9.5, so it began its 1 at 8.5: 0.5 late. Every
-    other waited-for message has no time left beyond the compute that holds its last leg: 0B0's, 0B2's and
-    0B3's (end - 2.5 - producer's end = 0). comm = the mean, 0.5 / 4."""
+    compute moved to start at its rank's previous end, as the runtime records it). Counted from its start,
+    rank 0's B0 would read 5; from its producer 1B0's end (4.5) it reads 2.5, the compute and the message's
+    last leg. Stage 0's B: 0B0 7 - 4.5, 0B1 10 - 8 (started after 1B1's 7.5), 0B2 14 - 11.5, 0B3 17 - 14.5:
+    mean 2.375. Stage 1's F: 1, 1, 9.5 - 8 (1F2 waited inside for 0F2), 1: mean 1.125. The waited-for messages,
+    each from its consumer's end less that mean to its producer's end: 1F2's 9.5 - 1.125 - 8 = 0.375; 0B0's
+    7 - 2.375 - 4.5, 0B2's 14 - 2.375 - 11.5 and 0B3's 17 - 2.375 - 14.5, 0.125 each. comm = their mean,
+    0.75 / 4."""
     import dataclasses
 
     plan = lower(build_plan("1f1b", 2, 4))
@@ -95,9 +95,43 @@ def test_a_wait_inside_the_compute_that_reads_the_message_is_not_compute():
             free[e.rank] = e.end
         else:
             moved.append(e)
-    got = calibrate(plan, dataclasses.replace(simulated, events=moved)).costs
-    assert got.forward == (1, 1) and got.backward == (2.5, 2) and got.comm == 0.125
+    got = calibrate(plan, dataclasses.replace(simulated, events=moved, meta={"recorded": True})).costs
+    assert got.forward == (1, 1.125) and got.backward == (2.375, 2) and got.comm == 0.1875
     assert calibrate(plan, simulated).costs.backward == (2, 2)  # waits outside the computes: as before
+
+
+def test_the_hosts_time_between_computes_is_the_ranks():
+    """In a trace the runtime recorded, the time between two computes (its message batches, the dispatch)
+    holds the rank, and the simulator has no place for it but the computes. Hand-worked on one rank, 1F1B
+    x 2 (F0 B0 F1 B1), F 1, B 2, 0.25 between computes: F0 from the step's start 1, F1 1.25 (mean 1.125), B 2.25
+    each; simulated, 2 x 1.125 + 2 x 2.25 = 6.75, the measured span. Read as a simulation's trace, the gaps are
+    waits on nothing the plan has: F 1, B 2, predicted 6."""
+    import dataclasses
+
+    plan = build_plan("1f1b", 1, 2)
+    simulated = simulate(plan, Costs.uniform(1, 1, 2))
+    shift, gapped = 0.0, []
+    for i, e in enumerate(sorted(simulated.events, key=lambda e: e.start)):
+        shift = 0.25 * i
+        gapped.append(dataclasses.replace(e, start=e.start + shift, end=e.end + shift))
+    recorded = dataclasses.replace(simulated, events=gapped, meta={"recorded": True})
+    assert [str(e.action) for e in gapped] == ["0F0", "0B0", "0F1", "0B1"] and recorded.makespan == 6.75
+    got = calibrate(plan, recorded).costs
+    assert got.forward == (1.125,) and got.backward == (2.25,)
+    assert simulate(plan, got).makespan == 6.75
+    as_simulated = calibrate(plan, dataclasses.replace(recorded, meta={})).costs
+    assert as_simulated.forward == (1,) and as_simulated.backward == (2,)
+
+
+def test_a_runs_trace_says_it_was_recorded(tmp_path):
+    """A run's trace.json says so (otherData.recorded), and reading it back keeps it: calibration reads the
+    gaps between its computes as the host's."""
+    plan = lower(build_plan("1f1b", 2, 4))
+    timeline = simulate(plan, Costs.uniform(2, 1, 2))
+    assert "recorded" not in to_chrome_trace(timeline)["otherData"]
+    timeline.meta["recorded"] = True
+    run_dir = write_run(tmp_path / "run", plan, to_chrome_trace(timeline))
+    assert load_run(run_dir)[1].meta["recorded"] is True
 
 
 def test_comm_samples_are_the_waits():
@@ -241,5 +275,6 @@ def test_real_run_calibrates(tmp_path):
     assert math.isfinite(data["fidelity"]) and 0.5 <= data["fidelity"] <= 2
     assert data["time_unit"] == "s" and data["samples"]["F"] == [4, 4] and data["samples"]["comm"] > 0
     assert len(data["measured"]["comm_overhead_per_rank"]) == 2
+    assert json.loads((run_dir / "trace.json").read_text())["otherData"]["recorded"] is True
     text = simulate_cli("--trace", str(run_dir), "--width", "100")
     assert text.exit_code == 0 and "fidelity" in text.stdout and " ms" in text.stdout
