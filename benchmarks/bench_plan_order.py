@@ -96,10 +96,10 @@ def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: 
 def round_block_timer(config: dict, passes: int = 2):
     """calibrate_costs' block timer for every round: each request (the settings one term compares) timed once, in
     `passes` child processes (pipegpt.stages.block_timing), and kept: its first setting's least over the children,
-    each other's that times the median over the children of its ratio to the first within one. A burst of load during one child's
-    seconds then moves no round's thread or microbatch term. A request's settings are timed together even where
-    an earlier request had one of them: a ratio of two children's timings holds the machine's drift between them
-    (a term read x0.73 that way where one child's read x0.95-1.01)."""
+    each other's that times the median over the children of its ratio to the first within one. A burst of load
+    during one child's seconds then moves no round's thread or microbatch term. A request's settings are timed
+    together even where an earlier request had one of them: a ratio of two children's timings holds the machine's
+    drift between them (a term read x0.73 that way where one child's read x0.95-1.01)."""
     from pipegpt.costs.calibrated import block_timer
 
     measure = block_timer(config)  # the calibration run's config.json: its model, dtype and recomputation

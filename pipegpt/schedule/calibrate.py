@@ -32,8 +32,9 @@ How the costs are calibrated (the simulator's meaning of each, measured where it
   measured timeline, so it calibrates nothing (dp_comm stays 0) and the step span stays the pipeline's.
 
 What the simulator does not model shows up as a fidelity away from 1: skew between the ranks' starts, the
-spread of the actions around their means, and a message delayed by its sender's compute. Ranks on different machines have different clocks (perf_counter), so
-cross-rank gaps, and with them comm, are only meaningful for a trace from one machine.
+spread of the actions around their means, and a message delayed by its sender's compute. Ranks on different
+machines have different clocks (perf_counter), so cross-rank gaps, and with them comm, are only meaningful for
+a trace from one machine.
 
 With data or tensor parallelism the trace holds every global rank; the pipeline of dp index 0, tp
 index 0 is read: pipeline rank r is global rank r * tp (global = (dp_index * pp + r) * tp + tp_index).
@@ -256,10 +257,8 @@ def calibrate(plan: Plan, measured: Timeline) -> Calibration:
                 continue
             # a compute whose inputs were there when its rank became free counts from then; one that waited
             # for a message, from its producer's end (the wait inside) or its own start, where later
-            ready = inputs_ready.get(e.action)
-            if not host_gaps:
-                free = e.start
-            start = free if ready is None or ready <= free else max(e.start, min(ready, e.end))
+            since, ready = free if host_gaps else e.start, inputs_ready.get(e.action)
+            start = since if ready is None or ready <= since else max(e.start, min(ready, e.end))
             durations[(e.action.kind, e.action.stage)].append(e.end - start)
             free = e.end
 
@@ -345,9 +344,9 @@ def comm_overhead_per_rank(plan: Plan, measured: Timeline) -> list | None:
     """Per rank, time spent in comm batches after every message it receives there had been sent.
 
     The simulator has no such time apart (a rank waits for a message or runs on); calibration counts it in
-    the compute that follows (see the module docstring). A batch's wait lasts until the last of its RECVs' peers posted the matching SEND
-    (the start of the peer's batch); the rest of the batch is overhead. None for a trace without comm
-    events (one written from a simulation).
+    the compute that follows (see the module docstring). A batch's wait lasts until the last of its RECVs'
+    peers posted the matching SEND (the start of the peer's batch); the rest of the batch is overhead. None
+    for a trace without comm events (one written from a simulation).
     """
     batches: dict[tuple[int, object, object], list[Action]] = defaultdict(list)
     posted: dict[Action, object] = {}
