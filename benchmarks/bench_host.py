@@ -86,7 +86,7 @@ def _host_worker(rank: int, world: int, port: int, who: str, spec: dict, out_pat
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if who == "pipegpt" or spec.get("torch_batch_gloo_loops"):  # as pipegpt's init_mesh does
         from pipegpt.comm.mesh import batch_gloo_loops
-        batch_gloo_loops()
+        batch_gloo_loops(expected=1)  # the default group's loop
     cfg, m, last = bp.model_cfg(spec), spec["microbatches"], world - 1
     module = GPT(cfg, layers=partition_layers(cfg.n_layer, world)[rank], embed=rank == 0, head=rank == last,
                  init_seed=spec["seed"])

@@ -135,7 +135,7 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if spec.get("torch_batch_gloo_loops"):  # what pipegpt's init_mesh does (comm/mesh.py batch_gloo_loops)
         from pipegpt.comm.mesh import batch_gloo_loops
-        batch_gloo_loops()
+        batch_gloo_loops(expected=1)  # the default group's loop
     cfg = model_cfg(spec)
     num_stages, stage_to_rank = stage_layout(spec["schedule"], world, spec["virtual_stages"])
     last = num_stages - 1

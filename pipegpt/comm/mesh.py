@@ -7,6 +7,7 @@ so tensor-parallel peers sit on one machine.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -61,7 +62,7 @@ class Mesh:
                 elif self.rank == high:
                     self.pairs[low] = (downward, upward)
             if self.batch_loops:
-                batch_gloo_loops()
+                batch_gloo_loops(_gloo_groups(self))
         return self.pairs
 
 
@@ -120,31 +121,57 @@ def init_mesh(dims: ParallelDims, rank: int, device: torch.device, init_method: 
             if rank in members:
                 mesh.groups[name], mesh.members[name] = group, members
     if mesh.batch_loops:
-        batch_gloo_loops()
+        batch_gloo_loops(_gloo_groups(mesh))
     return mesh
 
 
-def batch_gloo_loops() -> int:
+LOOP_NAME_WAIT_S = 1.0  # a new loop thread names itself once it first runs; on a loaded machine, not at once
+
+
+def batch_gloo_loops(expected: int = 0, wait_s: float = LOOP_NAME_WAIT_S) -> int:
     """Put this process's gloo event-loop threads under SCHED_BATCH (woken, they wait for the tick or for a thread
     to block instead of preempting it); the number of threads changed. Gloo's loop takes a pair's lock with a
     try-lock and retries at once: woken by a peer's message while this rank's stepping thread held the lock in the
     middle of its own write, it preempted that thread and spun until the scheduler's tick, about 4 ms, at every
     exchange where both neighbours posted at once (benchmarks/README.md, bench_host). Call after creating groups:
-    each brings a loop of its own."""
+    each gloo group brings a loop of its own. expected: how many gloo groups the process holds; a loop thread
+    is found by the name it gives itself when it first runs, which under load can come after its group was
+    made, so this waits up to wait_s for that many (then changes those there are)."""
     if not hasattr(os, "sched_setscheduler"):
         return 0
+    deadline = time.monotonic() + wait_s
+    loops = _gloo_loop_threads()
+    while len(loops) < expected and time.monotonic() < deadline:
+        time.sleep(0.001)
+        loops = _gloo_loop_threads()
     changed = 0
-    for task in os.listdir("/proc/self/task"):
+    for task in loops:
         try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if f.read().strip() != "gloo_tcp_loop":
-                    continue
-            if os.sched_getscheduler(int(task)) != os.SCHED_BATCH:
-                os.sched_setscheduler(int(task), os.SCHED_BATCH, os.sched_param(0))
+            if os.sched_getscheduler(task) != os.SCHED_BATCH:
+                os.sched_setscheduler(task, os.SCHED_BATCH, os.sched_param(0))
                 changed += 1
         except OSError:  # the thread ended, or the system refuses: the loop runs as it did
             continue
     return changed
+
+
+def _gloo_loop_threads() -> list[int]:
+    """The ids of this process's threads named gloo_tcp_loop."""
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() == "gloo_tcp_loop":
+                    found.append(int(task))
+        except OSError:  # the thread ended
+            continue
+    return found
+
+
+def _gloo_groups(mesh: "Mesh") -> int:
+    """How many gloo process groups this rank holds: the default one, its axes' (shared ones once), its pairs'."""
+    held = [dist.group.WORLD, *mesh.groups.values(), *(g for pair in (mesh.pairs or {}).values() for g in pair)]
+    return len({id(g) for g in held if g is not None})
 
 
 def group_members(dims: ParallelDims, embedding_pp_indices: tuple[int, ...] = ()) -> dict[str, list[list[int]]]:
