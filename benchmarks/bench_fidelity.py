@@ -15,30 +15,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench_plan_order import measure  # its model and batch, run as `pipegpt run` runs them
 
-MODEL = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "128"]
-BATCH = 16
 LAYOUTS = [(1, "1f1b", 8), (2, "gpipe", 8), (2, "1f1b", 4), (2, "1f1b", 8), (2, "zb-h1", 8),
            (2, "interleaved-1f1b", 8), (4, "1f1b", 8)]
 
 
 def name(pp: int, schedule: str, m: int) -> str:
     return f"pp{pp}-{schedule}-m{m}"
-
-
-def run(run_dir: Path, pp: int, schedule: str, m: int, steps: int) -> None:
-    subprocess.run([sys.executable, "-m", "pipegpt", "run", *MODEL, "--stages", str(pp), "--schedule", schedule,
-                    "--microbatches", str(m), "--microbatch-size", str(BATCH // m), "--steps", str(steps),
-                    "--trace-steps", "all", "--run-dir", str(run_dir), "--log-every", "100"],
-                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
 
 
 def fidelities(run_dir: Path) -> list[float]:
@@ -59,7 +47,7 @@ def main(argv=None) -> int:
     for pp, schedule, m in LAYOUTS:
         run_dir = root / name(pp, schedule, m)
         if not args.runs:
-            run(run_dir, pp, schedule, m, args.steps)
+            measure(run_dir, pp, schedule, m, args.steps, threads="default", traced=True)
         f = fidelities(run_dir)
         rows.append((name(pp, schedule, m), statistics.median(f), min(f), max(f), len(f)))
     print(f"{'layout':24s} {'median':>7s} {'least':>7s} {'most':>7s} steps")

@@ -168,7 +168,7 @@ def _gloo_loop_threads() -> list[int]:
     return found
 
 
-def _gloo_groups(mesh: "Mesh") -> int:
+def _gloo_groups(mesh: Mesh) -> int:
     """How many gloo process groups this rank holds: the default one, its axes' (shared ones once), its pairs'."""
     held = [dist.group.WORLD, *mesh.groups.values(), *(g for pair in (mesh.pairs or {}).values() for g in pair)]
     return len({id(g) for g in held if g is not None})
