@@ -25,10 +25,11 @@ costs' line printed. Both timings are taken once for all rounds.
 alone (the ranks-at-once term; one rank alone once measured about 8% faster than each of two ranks at once here,
 the last table's ratio).
 
-Three predictions: "old", all that the calibrated step spent after its last action spread per parameter of the
-busiest rank; "new", the step's parts from its trace (pipegpt.observe.step_time): the optimizer per parameter
-byte, the rest (the driver's round trip, the batch, the clip, the sync's tail) a time per step; "linear", new
-without the microbatch-size term (compute linear in tokens, as before it). The calibrated step's breakdown is
+Three predictions: "new", the planner's (the step's parts from its trace, pipegpt.observe.step_time: the
+optimizer per parameter byte, the rest -- the driver's round trip, the batch, the clip, the sync's tail -- a time
+per step; the host's time between computes once per F and B); "per token", the host's time left inside F and B
+and scaled with them (tokens, layers, threads), as before it was a term of its own; "linear", new without the
+microbatch-size term (compute linear in tokens, as before it). The calibrated step's breakdown is
 printed first; last, per layout, the measured actions' span beside the planner's makespan and the time outside
 them beside the planner's after-term, which says which of the two a difference comes from, and one microbatch's
 compute over all stages: pp 1 m 8's over pp 2 m 8's says whether a rank computes faster alone.
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
     computed = {x: [] for x in LAYOUTS}  # each run's one microbatch over all stages
     cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
     calibrated = []  # per round: the costs calibrated from that round's pp 2, 1f1b, m 8 run
+    per_token = []  # the same with the host's time per compute inside F and B (host_per_action=False)
     timer = sharing = None  # the block's timings are the machine's: one set for every round
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
@@ -180,14 +182,13 @@ def main(argv=None) -> int:
             config = json.loads((run_dir / "config.json").read_text())
             timer, sharing = timer or round_block_timer(config), sharing or round_sharing_timer(config)
             calibrated.append(calibrate_costs(str(run_dir), cluster, timer, sharing))
+            per_token.append(calibrate_costs(str(run_dir), cluster, timer, sharing, host_per_action=False))
         parts = breakdown(json.loads((Path(tmp) / calibration_run(0) / "trace.json").read_text()))
 
-    def variants(costs):
-        old = copy.copy(costs)  # the model before the step's parts: all after the last action per parameter
-        old.optimizer_s_per_byte, old.per_step_s = None, 0.0
+    def variants(costs, host_inside):
         linear = copy.copy(costs)  # without the microbatch-size term
         linear.microbatch = None
-        return costs, old, linear
+        return costs, host_inside, linear
 
     def predict(c):
         return [evaluate_layout(Request(model, BATCH, cluster, c), Layout(1, pp, 1, s, 1, m, BATCH // m))
@@ -195,10 +196,10 @@ def main(argv=None) -> int:
 
     # per round: every layout predicted from that round's calibration (the machine's speed drifts by a few
     # percent between rounds, and a layout is measured against the costs measured beside it)
-    per_round = [[predict(c) for c in variants(costs)] for costs in calibrated]
+    per_round = [[predict(c) for c in variants(*costs)] for costs in zip(calibrated, per_token)]
     ratio = [[statistics.median(measured[x][k] / per_round[k][v][i].step_time for k in range(args.rounds))
               for i, x in enumerate(LAYOUTS)] for v in range(3)]
-    predicted, predicted_old, predicted_linear = ([statistics.median(r[v][i].step_time for r in per_round)
+    predicted, predicted_per_token, predicted_linear = ([statistics.median(r[v][i].step_time for r in per_round)
                                                    for i in range(len(LAYOUTS))] for v in range(3))
     observed = [statistics.median(measured[x]) for x in LAYOUTS]
     if parts is not None:
@@ -207,13 +208,15 @@ def main(argv=None) -> int:
         print(costs.describe())
     print("\npredicted: the median over rounds, each round's from its own calibration; measured / predicted: the "
           "median over rounds of each round's ratio")
-    print(f"{'layout':16} {'predicted ms':>12} {'(old)':>8} {'(linear)':>8} {'measured ms':>11} "
-          f"{'measured/predicted':>18} {'(old)':>6} {'(linear)':>8}")
-    for i, ((pp, s, m), p, q, n, o) in enumerate(zip(LAYOUTS, predicted, predicted_old, predicted_linear, observed)):
-        print(f"{f'pp{pp} {s} m{m}':16} {p * 1e3:12.1f} {q * 1e3:8.1f} {n * 1e3:8.1f} {o * 1e3:11.1f} "
-              f"{ratio[0][i]:18.2f} {ratio[1][i]:6.2f} {ratio[2][i]:8.2f}")
+    print(f"{'layout':16} {'predicted ms':>12} {'(per token)':>11} {'(linear)':>8} {'measured ms':>11} "
+          f"{'measured/predicted':>18} {'(per token)':>11} {'(linear)':>8}")
+    for i, ((pp, s, m), p, q, n, o) in enumerate(zip(LAYOUTS, predicted, predicted_per_token, predicted_linear,
+                                                      observed)):
+        print(f"{f'pp{pp} {s} m{m}':16} {p * 1e3:12.1f} {q * 1e3:11.1f} {n * 1e3:8.1f} {o * 1e3:11.1f} "
+              f"{ratio[0][i]:18.2f} {ratio[1][i]:11.2f} {ratio[2][i]:8.2f}")
     print(f"Spearman (predicted, measured): {spearman(predicted, observed):.3f} "
-          f"(old {spearman(predicted_old, observed):.3f}, linear {spearman(predicted_linear, observed):.3f})")
+          f"(per token {spearman(predicted_per_token, observed):.3f}, "
+          f"linear {spearman(predicted_linear, observed):.3f})")
     print("\nwhere the difference lies (measured: the median over rounds of each run's last step):")
     print(f"{'layout':16} {'actions ms':>10} {'makespan ms':>11} {'outside ms':>10} {'after ms':>8} "
           f"{'microbatch ms':>13}")

@@ -50,10 +50,12 @@ SharedTimer = Callable[[int, int, int], tuple[float, float]]  # (threads, size, 
 
 
 def calibrate_costs(run_dir: str, cluster: Cluster, measure: Timer | None = None,
-                    shared: SharedTimer | None = None) -> CalibratedCosts:
+                    shared: SharedTimer | None = None, host_per_action: bool = True) -> CalibratedCosts:
     """CalibratedCosts from a `pipegpt run` directory (its plan.txt, trace.json, config.json, metrics.jsonl).
     measure: one block's seconds under each setting asked (default: block_timer's child process); shared: the
-    block alone and in processes at once (default, where measure is too: shared_block_timer's; else none)."""
+    block alone and in processes at once (default, where measure is too: shared_block_timer's; else none).
+    host_per_action False: the host's time between computes stays in F and B, scaled with them (as before it was
+    a term of its own; bench_plan_order compares the two)."""
     try:
         steps = read_measured_steps(run_dir)
         plan = load_schedule_file(steps[0].plan_path)
@@ -70,9 +72,10 @@ def calibrate_costs(run_dir: str, cluster: Cluster, measure: Timer | None = None
         params[plan.stage_to_rank[s]] += parameter_count(shape.model, layers, s == 0, s == S - 1, shape.sharding.tp)
     par = (files.config or {}).get("parallel", {})
     replicas = int(par.get("dp", 1)) * int(par.get("cp", 1))
-    fit = fit_calibrated_costs(cluster, shape, calibration.costs, makespan, params, os.fspath(run_dir),
-                               median_step_times([step_times(breakdown(s.trace)) for s in steps]), replicas,
-                               int(par.get("zero", 0)))
+    apart = host_per_action and calibration.compute is not None
+    fit = fit_calibrated_costs(cluster, shape, calibration.compute if apart else calibration.costs, makespan, params,
+                               os.fspath(run_dir), median_step_times([step_times(breakdown(s.trace)) for s in steps]),
+                               replicas, int(par.get("zero", 0)), calibration.host if apart else 0.0)
     timer = measure or block_timer(files.config)
     shared = shared or (shared_block_timer(files.config) if measure is None else None)
     fit.threads = thread_scaling(files.config, read_metrics(run_dir), plan.num_ranks * replicas * shape.sharding.tp,

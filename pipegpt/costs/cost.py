@@ -403,6 +403,11 @@ class AnalyticalCosts:
         the batch, the clip): none in the analytical model (its host floor is per layer)."""
         return 0.0
 
+    def host_per_action(self) -> float:
+        """The host's time before each forward and backward, not scaled with tokens or threads: none in the
+        analytical model (its host floor is per layer)."""
+        return 0.0
+
     def compute_scale(self, sharding, mbs: int) -> float:
         """What a layout's compute (F, B, W) is multiplied by for its ranks' threads (sharding: the whole layout's)
         and its microbatch size: 1 here; a calibrated CPU run's measured thread speedup and microbatch-size rate
@@ -422,13 +427,16 @@ class CalibratedCosts(AnalyticalCosts):
 
     def __init__(self, cluster: Cluster, scale_f: float, scale_b: float, scale_w: float, message_s: float,
                  after_per_param_s: float, source: str = "", notes: tuple = (),
-                 optimizer_s_per_byte: float | None = None, per_step_s: float = 0.0):
+                 optimizer_s_per_byte: float | None = None, per_step_s: float = 0.0, host_s: float = 0.0):
         super().__init__(cluster, efficiency=1.0, layer_overhead_s=0.0)
         self.scale_f, self.scale_b, self.scale_w = scale_f, scale_b, scale_w
         self.message_s, self.after_per_param_s, self.source, self.notes = message_s, after_per_param_s, source, notes
         # from the trace's step parts (StepTimes); without them (an older trace) all that follows the last
         # action is after_per_param_s per parameter of the busiest rank
         self.optimizer_s_per_byte, self.per_step_s = optimizer_s_per_byte, per_step_s
+        # the host's time between two computes (message batches, the dispatch), per forward and backward: a
+        # microbatch twice the size or a stage with twice the layers spends it once
+        self.host_s = host_s
         # seconds per token of the first and the last stage's measured F, B, W beyond what the scaled FLOP model
         # gives them (the embedding's and the head's, the loss's): set by fit_calibrated_costs
         self.embed_extra, self.head_extra = (0.0, 0.0, 0.0), (0.0, 0.0, 0.0)
@@ -445,6 +453,8 @@ class CalibratedCosts(AnalyticalCosts):
         if self.optimizer_s_per_byte is not None:
             text += (f"; optimizer {self.optimizer_s_per_byte * 1e9:.3g} ms per MB of fp32 parameters; "
                      f"{self.per_step_s * 1e3:.3g} ms a step besides (round trip, batch, clip)")
+        if self.host_s:
+            text += f"; {self.host_s * 1e3:.3g} ms of the host's before each F and B"
         for scaling in (self.threads, self.microbatch):
             if scaling is not None:
                 text += f"; {scaling.describe()}"
@@ -475,6 +485,9 @@ class CalibratedCosts(AnalyticalCosts):
 
     def per_step_time(self) -> float:
         return self.per_step_s
+
+    def host_per_action(self) -> float:
+        return self.host_s
 
     def compute_scale(self, sharding, mbs: int) -> float:
         ranks = min(sharding.world_size, self.cluster.gpus_per_node)  # the ranks of one machine
@@ -529,7 +542,7 @@ class StepTimes:
 
 def fit_calibrated_costs(cluster: Cluster, run: RunShape, measured, makespan: float, params_per_rank: list,
                          source: str, parts: StepTimes | None = None, replicas: int = 1,
-                         zero: int = 0) -> CalibratedCosts:
+                         zero: int = 0, host: float = 0.0) -> CalibratedCosts:
     """CalibratedCosts for a run of this shape whose trace calibrated to `measured` (a schedule.simulate.Costs:
     per-stage F, B, W and the message latency) over a step span of `makespan`: each block's F, B and W scaled by
     _block_scale, the first and the last stage's measured rest as the embedding's and the head's extra time per
@@ -537,7 +550,9 @@ def fit_calibrated_costs(cluster: Cluster, run: RunShape, measured, makespan: fl
 
     With the traced step's `parts` besides, the optimizer is a time per byte of the busiest rank's fp32 parameters
     (with ZeRO, 1/replicas of them: its shard) and the rest a time per step;
-    the sync's tail counts there too on one replica (no data-parallel reduction for the model to charge it to)."""
+    the sync's tail counts there too on one replica (no data-parallel reduction for the model to charge it to).
+    `host`: the host's time per compute, which `measured` does not hold (Calibration.compute, Calibration.host):
+    charged once per forward and backward, not per token."""
     unit = AnalyticalCosts(cluster, efficiency=1.0, layer_overhead_s=0.0)
     shape = Shape(run.sharding, run.recompute, run.mbs)
     _, embed, head = unit.compute(run.model, shape)
@@ -570,6 +585,7 @@ def fit_calibrated_costs(cluster: Cluster, run: RunShape, measured, makespan: fl
         per_byte = parts.optimizer / (max(params_per_rank) / (replicas if zero else 1) * FP32)
         per_step = parts.rest + (parts.sync if replicas == 1 else 0.0)
     fit = CalibratedCosts(cluster, scale["f"], scale["b"], scale["w"], float(measured.comm), per_param,
-                          source=source, notes=tuple(notes), optimizer_s_per_byte=per_byte, per_step_s=per_step)
+                          source=source, notes=tuple(notes), optimizer_s_per_byte=per_byte, per_step_s=per_step,
+                          host_s=host)
     fit.embed_extra, fit.head_extra = extra["embed"], extra["head"]
     return fit

@@ -208,8 +208,9 @@ class StageCosts:
 
         per = {kind: piece_parts(piece) for kind, piece in self.layer_pieces(model, sharding, rc, mbs).items()}
         embed, head = piece_parts(P.embed), piece_parts(P.head)
-        vec = (per, {(e, h): tuple((embed[i] if e else 0.0) + (head[i] if h else 0.0) for i in range(4))
-                     for e, h in ENDS})
+        host = self.cost.host_per_action()  # once per F and B of a stage, whatever its layers (W: I holds it)
+        vec = (per, {(e, h): tuple((embed[i] if e else 0.0) + (head[i] if h else 0.0) + (host if i < 2 else 0.0)
+                                   for i in range(4)) for e, h in ENDS})
         hit = self._linear[key] = (act, dfr, vec, P.message_bytes)
         return hit
 

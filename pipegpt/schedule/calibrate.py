@@ -20,6 +20,9 @@ How the costs are calibrated (the simulator's meaning of each, measured where it
   which stays in the compute. In a simulation's trace a gap between computes is a wait, and each counts
   from its start. A stage whose backward is split gets B = mean(I) + mean(W) (the simulator runs I for
   B - W, W for W); W of a stage without W actions is B/2 (the simulator never uses it).
+* The host's time per compute: the mean over computes of what F, B, W count before each compute's own start (0
+  in a simulation's trace). Calibration.compute holds the costs without it: the planner scales those with
+  tokens and threads, and charges the host's time once per action (pipegpt.costs.cost.CalibratedCosts).
 * comm: in the simulator, an action whose input comes from another rank can start `comm` after the
   producing action ended (a per-message latency; the receiver spends no time on it). So: on every
   cross-rank dependency (0F2 -> 1F2, 1B2 -> 0B2, ...) whose consumer's rank had finished its previous
@@ -64,11 +67,15 @@ class Calibration:
 
     costs: Costs
     samples: dict  # "F"/"B"/"I"/"W": per-stage counts; "comm": number of waits measured
+    # costs without the host's time before each compute (its own span, or from its wait's end), and that time's
+    # mean per compute: the planner scales the one with tokens and threads and charges the other per action
+    compute: Costs | None = None
+    host: float = 0.0
 
     def as_dict(self) -> dict:
         return {"costs": {k: ([float(x) for x in v] if isinstance(v, list) else float(v))
                           for k, v in self.costs.as_dict().items()},
-                "samples": self.samples}
+                "samples": self.samples, "host_per_action": float(self.host)}
 
 
 @dataclass
@@ -244,6 +251,7 @@ def calibrate_run(plan: Plan, run: MeasuredRun) -> tuple[Timeline, Calibration]:
 def calibrate(plan: Plan, measured: Timeline) -> Calibration:
     """Per-stage F, B, W and one comm latency from a measured timeline of `plan` (see the module docstring)."""
     durations: dict[tuple[Kind, int], list] = defaultdict(list)
+    own: dict[tuple[Kind, int], list] = defaultdict(list)  # the same without the host's time before each
     inputs_ready = cross_rank_inputs_ready(plan, measured)
     # The runtime waits for a message inside the compute that reads it: in a trace it recorded, time between
     # two computes is the host's (message batches, the dispatch) and holds the rank as compute does. In a
@@ -260,26 +268,34 @@ def calibrate(plan: Plan, measured: Timeline) -> Calibration:
             since, ready = free if host_gaps else e.start, inputs_ready.get(e.action)
             start = since if ready is None or ready <= since else max(e.start, min(ready, e.end))
             durations[(e.action.kind, e.action.stage)].append(e.end - start)
+            own[(e.action.kind, e.action.stage)].append(e.end - max(start, e.start))
             free = e.end
 
+    waits = comm_samples(plan, measured, {key: statistics.fmean(v) for key, v in durations.items()})
+    samples = {k.value: [len(durations.get((k, s), ())) for s in range(plan.num_stages)]
+               for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
+    samples["comm"] = len(waits)
+    comm = max(statistics.fmean(waits), 0) if waits else 0
+    before = [x - y for key in durations for x, y in zip(durations[key], own[key])]
+    S = plan.num_stages
+    return Calibration(_stage_costs(durations, S, comm), samples, _stage_costs(own, S, comm),
+                       statistics.fmean(before) if before else 0.0)
+
+
+def _stage_costs(durations: dict, num_stages: int, comm) -> Costs:
+    """Per-stage F, B, W: the means of each kind's durations; a split backward's B = I + W (module docstring)."""
     def mean(kind: Kind, stage: int):
         values = durations.get((kind, stage))
         return statistics.fmean(values) if values else None
 
-    waits = comm_samples(plan, measured, {key: mean(*key) for key in durations})
-
     forward, backward, weight = [], [], []
-    for s in range(plan.num_stages):
+    for s in range(num_stages):
         f, b, i, w = (mean(k, s) for k in (Kind.F, Kind.B, Kind.I, Kind.W))
         full = i + (w or 0) if i is not None else (b if b is not None else 0)
         forward.append(max(f or 0, 0))
         backward.append(max(full, 0))
         weight.append(min(max(w, 0), backward[-1]) if w is not None else backward[-1] / 2)
-    samples = {k.value: [len(durations.get((k, s), ())) for s in range(plan.num_stages)]
-               for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
-    samples["comm"] = len(waits)
-    comm = max(statistics.fmean(waits), 0) if waits else 0
-    return Calibration(Costs(tuple(forward), tuple(backward), tuple(weight), comm), samples)
+    return Costs(tuple(forward), tuple(backward), tuple(weight), comm)
 
 
 def median_calibration(calibrations: list[Calibration]) -> Calibration:
@@ -287,14 +303,17 @@ def median_calibration(calibrations: list[Calibration]) -> Calibration:
     time moves by a few percent from the next's on a CPU), the samples they rest on summed."""
     if len(calibrations) == 1:
         return calibrations[0]
-    costs = [c.costs for c in calibrations]
-    per_stage = (tuple(map(statistics.median, zip(*column))) for column in
-                 ([c.forward for c in costs], [c.backward for c in costs], [c.weight for c in costs]))
-    forward, backward, weight = per_stage
+    def median_costs(costs: list[Costs]) -> Costs:
+        per_stage = (tuple(map(statistics.median, zip(*column))) for column in
+                     ([c.forward for c in costs], [c.backward for c in costs], [c.weight for c in costs]))
+        return Costs(*per_stage, statistics.median(c.comm for c in costs))
+
     samples = {k: [sum(n) for n in zip(*(c.samples[k] for c in calibrations))] for k in ("F", "B", "I", "W")}
     samples["comm"] = sum(c.samples["comm"] for c in calibrations)
-    comm = statistics.median(c.comm for c in costs)
-    return Calibration(Costs(forward, backward, weight, comm), samples)
+    compute = [c.compute for c in calibrations]
+    return Calibration(median_costs([c.costs for c in calibrations]), samples,
+                       None if None in compute else median_costs(compute),
+                       statistics.median(c.host for c in calibrations))
 
 
 def cross_rank_inputs_ready(plan: Plan, measured: Timeline) -> dict:

@@ -64,7 +64,8 @@ def test_simulate_reads_a_traced_step(traced_run):
 
 def test_plan_calibrates_from_every_traced_step(traced_run, monkeypatch):
     """plan --calibrate reads steps 2 and 4 (trace.json, the last, once): each measured figure and the step span
-    the medians over them, the step time their metrics rows' median."""
+    the medians over them, the step time their metrics rows' median. The computes are fitted without the host's
+    time before each, which is charged per action: the run's trace says it was recorded, and it had some."""
     import statistics
 
     from pipegpt.costs import calibrated
@@ -81,16 +82,17 @@ def test_plan_calibrates_from_every_traced_step(traced_run, monkeypatch):
     real_fit = calibrated.fit_calibrated_costs
 
     def capture(cluster, shape, measured, makespan, *rest):
-        seen.update(shape=shape, measured=measured, makespan=makespan)
+        seen.update(shape=shape, measured=measured, makespan=makespan, host=rest[-1])
         return real_fit(cluster, shape, measured, makespan, *rest)
 
     monkeypatch.setattr(calibrated, "fit_calibrated_costs", capture)
     cluster = make_cluster(2, 2, gpu_memory="64GiB", gpu_tflops=1.0, intra_node="80", precision="fp32")
     calibrated.calibrate_costs(str(run_dir), cluster, measure=lambda settings: {x: 1.0 for x in settings})
-    assert seen["measured"].forward == tuple(statistics.median(c.costs.forward[s] for _, c in per_step)
+    assert seen["measured"].forward == tuple(statistics.median(c.compute.forward[s] for _, c in per_step)
                                              for s in range(2))
-    assert seen["measured"].backward == tuple(statistics.median(c.costs.backward[s] for _, c in per_step)
+    assert seen["measured"].backward == tuple(statistics.median(c.compute.backward[s] for _, c in per_step)
                                               for s in range(2))
+    assert seen["host"] == statistics.median(c.host for _, c in per_step) > 0
     assert seen["makespan"] == statistics.median(float(m.makespan) for m, _ in per_step)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert seen["shape"].step_time_s == statistics.median(r["step_time_s"] for r in rows if r["step"] in (2, 4))

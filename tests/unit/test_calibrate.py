@@ -95,8 +95,10 @@ def test_a_wait_inside_the_compute_that_reads_the_message_is_not_compute():
             free[e.rank] = e.end
         else:
             moved.append(e)
-    got = calibrate(plan, dataclasses.replace(simulated, events=moved, meta={"recorded": True})).costs
+    calibration = calibrate(plan, dataclasses.replace(simulated, events=moved, meta={"recorded": True}))
+    got = calibration.costs
     assert got.forward == (1, 1.125) and got.backward == (2.375, 2) and got.comm == 0.1875
+    assert calibration.host == 0 and calibration.compute == got  # each compute began as its rank came free
     assert calibrate(plan, simulated).costs.backward == (2, 2)  # waits outside the computes: as before
 
 
@@ -105,7 +107,8 @@ def test_the_hosts_time_between_computes_is_the_ranks():
     holds the rank, and the simulator has no place for it but the computes. Hand-worked on one rank, 1F1B
     x 2 (F0 B0 F1 B1), F 1, B 2, 0.25 between computes: F0 from the step's start 1, F1 1.25 (mean 1.125), B 2.25
     each; simulated, 2 x 1.125 + 2 x 2.25 = 6.75, the measured span. Read as a simulation's trace, the gaps are
-    waits on nothing the plan has: F 1, B 2, predicted 6."""
+    waits on nothing the plan has: F 1, B 2, predicted 6. Apart, for the planner: the computes alone F 1, B 2,
+    and the host's (0 + 0.25 x 3) / 4 = 0.1875 per compute."""
     import dataclasses
 
     plan = build_plan("1f1b", 1, 2)
@@ -116,11 +119,15 @@ def test_the_hosts_time_between_computes_is_the_ranks():
         gapped.append(dataclasses.replace(e, start=e.start + shift, end=e.end + shift))
     recorded = dataclasses.replace(simulated, events=gapped, meta={"recorded": True})
     assert [str(e.action) for e in gapped] == ["0F0", "0B0", "0F1", "0B1"] and recorded.makespan == 6.75
-    got = calibrate(plan, recorded).costs
+    calibration = calibrate(plan, recorded)
+    got = calibration.costs
     assert got.forward == (1.125,) and got.backward == (2.25,)
     assert simulate(plan, got).makespan == 6.75
-    as_simulated = calibrate(plan, dataclasses.replace(recorded, meta={})).costs
-    assert as_simulated.forward == (1,) and as_simulated.backward == (2,)
+    assert calibration.compute.forward == (1,) and calibration.compute.backward == (2,)
+    assert calibration.host == 0.1875
+    as_simulated = calibrate(plan, dataclasses.replace(recorded, meta={}))
+    assert as_simulated.costs.forward == (1,) and as_simulated.costs.backward == (2,)
+    assert as_simulated.host == 0 and as_simulated.compute == as_simulated.costs
 
 
 def test_a_runs_trace_says_it_was_recorded(tmp_path):
