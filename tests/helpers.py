@@ -41,9 +41,83 @@ def scrub_environ(monkeypatch) -> None:
 
 def run_pipegpt(*args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd=ROOT,
                 **kwargs) -> subprocess.CompletedProcess:
-    """`pipegpt ARGS` in a fresh process (clean_env() unless env is given); output captured as text."""
-    return subprocess.run([PIPEGPT, *map(str, args)], cwd=cwd, env=clean_env() if env is None else env,
-                          capture_output=True, text=True, timeout=timeout, **kwargs)
+    """`pipegpt ARGS` in a process of its own (clean_env() unless env is given); output captured as text.
+
+    In a test session with a shared preload server (tests/conftest.py) the process is forked from that server,
+    which has torch imported, as a local run's workers are: the console script would import it again, seconds of
+    CPU for each of the suite's many runs. The command runs as the console script runs it (pipegpt.cli.main with
+    sys.argv), in its own process with the given environment, directory and output. Where the server refuses (an
+    environment that differs in what torch reads at import) or keyword arguments ask for more, the console
+    script runs as before; PIPEGPT_TEST_FORK=0 asks for it always."""
+    argv = [str(a) for a in args]
+    env = clean_env() if env is None else env
+    done = None if kwargs or os.environ.get("PIPEGPT_TEST_FORK") == "0" else _forked(argv, env, timeout, cwd)
+    if done is not None:
+        return done
+    return subprocess.run([PIPEGPT, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def console(argv: list[str]) -> None:
+    """The forked command's target: the console script's main, as it runs in a process of its own."""
+    import multiprocessing
+
+    multiprocessing.current_process().daemon = False  # a driver may start processes of its own
+    sys.argv = [PIPEGPT, *argv]
+    from pipegpt.cli import main
+
+    main()
+
+
+def _forked(argv: list[str], env: dict[str, str], timeout: float, cwd) -> subprocess.CompletedProcess | None:
+    """run_pipegpt in a process forked from the session's preload server; None where there is none or it refused."""
+    import threading
+    import time
+
+    address = os.environ.get("PIPEGPT_PRELOAD_ADDRESS")
+    if not address:
+        return None
+    from pipegpt.comm.preload import Preloader
+
+    preloader = Preloader.connect(address)
+    if preloader is None:
+        return None
+    pipes = [os.pipe(), os.pipe()]
+    try:
+        forked = preloader.fork(f"{__name__}:console", [(argv,)], ["pipegpt"], 60, env=env, cwd=os.fspath(cwd),
+                                streams={1: pipes[0][1], 2: pipes[1][1]})
+    finally:
+        for _, write in pipes:
+            os.close(write)
+    if isinstance(forked, str):  # refused: the console script instead
+        preloader.close()
+        for read, _ in pipes:
+            os.close(read)
+        return None
+    chunks: list[list[bytes]] = [[], []]
+
+    def drain(fd: int, into: list[bytes]) -> None:
+        with os.fdopen(fd, "rb") as f:
+            into.extend(iter(lambda: f.read(65536), b""))
+
+    readers = [threading.Thread(target=drain, args=(read, into), daemon=True)
+               for (read, _), into in zip(pipes, chunks)]
+    for t in readers:
+        t.start()
+    command, (driver,) = [PIPEGPT, *argv], forked
+    deadline = time.monotonic() + timeout
+    driver.join(timeout)
+    for t in readers:  # until every process holding the pipes is gone, as subprocess.run reads, within timeout
+        t.join(max(0.0, deadline - time.monotonic()))
+    timed_out = driver.exitcode is None or any(t.is_alive() for t in readers)
+    if timed_out:
+        driver.kill()
+        driver.join(10)
+    preloader.close()  # its server ends, and with it what the driver left
+    out, err = (b"".join(c).decode(errors="replace").replace("\r\n", "\n") for c in chunks)
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, out, err)
+    return subprocess.CompletedProcess(command, driver.exitcode, out, err)
 
 
 def invoke(*args):

@@ -129,7 +129,8 @@ class Preloader:
         self._said = threading.Condition()
         # The server's words are read on a thread of their own: a signal's exception (SIGTERM, ^C) raised in the
         # driver's main thread in the middle of a message would leave the rest of it to be read as the next one.
-        threading.Thread(target=self._read, name="pipegpt-preload-reader", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="pipegpt-preload-reader", daemon=True)
+        self._reader.start()
 
     @classmethod
     def connect(cls, address: str) -> Preloader | None:
@@ -139,21 +140,36 @@ class Preloader:
         except OSError:
             return None
 
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Hang up (a shared server's child then ends, and what it forked with it). The reader sees the end before
+        the descriptor closes, so that it never reads a later descriptor given the same number."""
+        try:
+            with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._reader.join(timeout_s)
+        self.conn.close()
+
     def _exited(self) -> str:
         return (f"the preload server exited (code {self.proc.exitcode})" if self.proc is not None
                 else "the shared preload server closed its connection")
 
-    def fork(self, target: str, args_per_worker: list[tuple], names: list[str],
-             timeout_s: float) -> list[ForkedWorker] | str:
+    def fork(self, target: str, args_per_worker: list[tuple], names: list[str], timeout_s: float,
+             env: dict[str, str] | None = None, cwd: str | None = None,
+             streams: dict[int, int] | None = None) -> list[ForkedWorker] | str:
         """One worker per args, running target ("module:function") with them: the workers, or why not
-        (the caller spawns them instead). Waits for the server's imports, at most timeout_s."""
-        streams = [fd for fd in STREAMS if _is_open(fd)]
-        request = ("fork", target, args_per_worker, names, dict(os.environ), os.getcwd(),
-                   sorted(os.sched_getaffinity(0)), sys.executable, streams)
+        (the caller spawns them instead). Waits for the server's imports, at most timeout_s. The workers get
+        this process's environment, working directory, stdout and stderr, or env, cwd and streams (their fd ->
+        this process's fd that it writes to)."""
+        streams = {fd: fd for fd in STREAMS if _is_open(fd)} if streams is None else streams
+        request = ("fork", target, args_per_worker, names, dict(os.environ) if env is None else dict(env),
+                   os.getcwd() if cwd is None else os.fspath(cwd), sorted(os.sched_getaffinity(0)), sys.executable,
+                   list(streams))
         try:
             self.conn.send(request)
             with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                reduction.sendfds(s, streams)
+                reduction.sendfds(s, list(streams.values()))
         except OSError:
             return self._exited()
         window = WaitWindow(timeout_s)

@@ -59,6 +59,36 @@ def test_a_forked_worker_gets_the_drivers_environment_directory_cores_and_stream
     assert f"reported to {tmp_path / 'seen.json'}" in capfd.readouterr().out  # this process's stdout, as now
 
 
+def test_a_request_may_give_the_environment_directory_and_streams(server, tmp_path):
+    """What a test's command asks for (helpers.run_pipegpt): its own environment, directory and output."""
+    out_read, out_write = os.pipe()
+    env = {**os.environ, "PIPEGPT_PROBE": "given"}
+    try:
+        workers = server.fork(f"{TARGETS}:report", [(str(tmp_path / "seen.json"),)], ["pipegpt"], 60, env=env,
+                              cwd=str(tmp_path), streams={1: out_write})
+    finally:
+        os.close(out_write)
+    assert not isinstance(workers, str), workers
+    workers[0].join(30)
+    with os.fdopen(out_read) as f:
+        assert f.read() == f"reported to {tmp_path / 'seen.json'}\n"
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert (seen["probe"], seen["cwd"], workers[0].exitcode) == ("given", str(tmp_path), 0)
+
+
+def test_close_ends_the_reader_before_the_descriptor_goes():
+    """close() wakes the reader (blocked in recv) with the connection's end and waits for it: a descriptor closed
+    under a blocked reader stays blocked in it, and would read the next descriptor given that number (a test's
+    next pipe) as the server's."""
+    address = os.environ.get(preload.SHARED_ADDRESS)
+    if address is None:
+        pytest.skip("no shared preload server in this session")
+    preloader = preload.Preloader.connect(address)
+    assert preloader._reader.is_alive()
+    preloader.close()
+    assert not preloader._reader.is_alive() and preloader.gone and preloader.conn.closed
+
+
 def test_exits_are_reported_as_multiprocessing_reports_them(server):
     workers = server.fork(f"{TARGETS}:exit_with", [(13,), (0,)], ["pipegpt-rank0", "pipegpt-rank1"], 60)
     for w in workers:
