@@ -74,11 +74,11 @@ def _forked(argv: list[str], env: dict[str, str], timeout: float, cwd) -> subpro
     import threading
     import time
 
-    address = os.environ.get("PIPEGPT_PRELOAD_ADDRESS")
+    from pipegpt.comm.preload import SHARED_ADDRESS, Preloader  # torch-free
+
+    address = os.environ.get(SHARED_ADDRESS)
     if not address:
         return None
-    from pipegpt.comm.preload import Preloader
-
     preloader = Preloader.connect(address)
     if preloader is None:
         return None

@@ -12,7 +12,6 @@ from helpers import ROOT, _forked, assert_one_line_error, clean_env, run_pipegpt
 from pipegpt.comm import preload
 
 
-
 @pytest.fixture(autouse=True)
 def shared_server():
     if preload.SHARED_ADDRESS not in os.environ:  # set by conftest's session fixture, after this module's import
