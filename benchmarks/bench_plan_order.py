@@ -33,6 +33,12 @@ microbatch-size term (compute linear in tokens, as before it). The calibrated st
 printed first; last, per layout, the measured actions' span beside the planner's makespan and the time outside
 them beside the planner's after-term, which says which of the two a difference comes from, and one microbatch's
 compute over all stages: pp 1 m 8's over pp 2 m 8's says whether a rank computes faster alone.
+The machine's speed last: one thread's matmul probe (MachineSpeed) just before and after every run, its range over
+the benchmark and per layout, beside the range of each layout's measured / predicted over rounds. A shared VM's
+speed here moves by up to 2.3x between runs seconds apart. The probe says how far a figure can be trusted and
+corrects nothing: dividing each run's step by its probes made the rounds' ranges wider, not narrower (the speed
+changes within runs, and a one-thread matmul is not a 2-rank step), and each layout's fastest run over the
+fastest calibration round's prediction spread 0.76-1.05.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +60,7 @@ BATCH = 16
 LAYOUTS = [(1, "1f1b", 4), (1, "1f1b", 8), (2, "gpipe", 4), (2, "1f1b", 4), (2, "zb-h1", 4),
            (2, "gpipe", 8), (2, "1f1b", 8), (2, "zb-h1", 8)]
 CALIBRATION = (2, "1f1b", 8)  # the layout each round's costs are calibrated from
+PROBE_MATMULS, PROBE_REPEATS = 12, 5  # one probe: the median of 5 timings of 12 matmuls (about 0.3 s here)
 
 
 def calibration_run(k: int) -> str:
@@ -92,6 +100,29 @@ def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: 
                    check=True, capture_output=True, cwd=ROOT, timeout=600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows[1:]]  # step 1 warms up
+
+
+class MachineSpeed:
+    """One thread's seconds for a fixed matmul (256 x 1024 by 1024 x 1024, PROBE_MATMULS of them, the median of
+    PROBE_REPEATS), timed in this process just before and just after each run: how fast the machine was. A 2-core
+    VM's speed here moves in steps that hold for seconds (one thread's matmul timed every 55 ms for 40 s, nothing
+    else running: 70, then 55, then 45 ms; autocorrelation 0.77 at 1.8 s)."""
+
+    def __init__(self):
+        import torch
+
+        torch.set_num_threads(1)
+        generator = torch.Generator().manual_seed(0)
+        self.a, self.b = (torch.randn(*shape, generator=generator) for shape in ((256, 1024), (1024, 1024)))
+
+    def __call__(self) -> float:
+        times = []
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            for _ in range(PROBE_MATMULS):
+                self.a @ self.b
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
 
 def round_block_timer(config: dict, passes: int = 2):
@@ -169,12 +200,15 @@ def main(argv=None) -> int:
     calibrated = []  # per round: the costs calibrated from that round's pp 2, 1f1b, m 8 run
     per_token = []  # the same with the host's time per compute inside F and B (host_per_action=False)
     timer = sharing = None  # the block's timings are the machine's: one set for every round
+    speed, probed = MachineSpeed(), {x: [] for x in LAYOUTS}  # each round's run: its probes before and after
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             for pp, s, m in (LAYOUTS if k % 2 == 0 else LAYOUTS[::-1]):
                 run_dir = Path(tmp) / f"{pp}-{s}-{m}-{k}"
+                before = speed()
                 steps = measure(run_dir, pp, s, m, args.steps, args.threads_per_worker,
                                 traced=(pp, s, m) == CALIBRATION)
+                probed[(pp, s, m)].append((before, speed()))
                 measured[(pp, s, m)].append(statistics.median(steps))
                 traced[(pp, s, m)].append(breakdown(json.loads((run_dir / "trace.json").read_text())))
                 computed[(pp, s, m)].append(microbatch_compute(run_dir))
@@ -197,8 +231,9 @@ def main(argv=None) -> int:
     # per round: every layout predicted from that round's calibration (the machine's speed drifts by a few
     # percent between rounds, and a layout is measured against the costs measured beside it)
     per_round = [[predict(c) for c in variants(*costs)] for costs in zip(calibrated, per_token)]
-    ratio = [[statistics.median(measured[x][k] / per_round[k][v][i].step_time for k in range(args.rounds))
-              for i, x in enumerate(LAYOUTS)] for v in range(3)]
+    rounds = [[[measured[x][k] / per_round[k][v][i].step_time for k in range(args.rounds)]
+               for i, x in enumerate(LAYOUTS)] for v in range(3)]  # each round's ratio, per variant and layout
+    ratio = [[statistics.median(layout) for layout in variant] for variant in rounds]
     predicted, predicted_per_token, predicted_linear = ([statistics.median(r[v][i].step_time for r in per_round)
                                                    for i in range(len(LAYOUTS))] for v in range(3))
     observed = [statistics.median(measured[x]) for x in LAYOUTS]
@@ -230,7 +265,23 @@ def main(argv=None) -> int:
     alone, together = (statistics.median(computed[(pp, "1f1b", 8)]) for pp in (1, 2))
     print(f"microbatch ms: F + B of every stage, the median over rounds; pp 1 1f1b m8 over pp 2 1f1b m8 (the same "
           f"microbatch, one rank against two): {alone / together:.3f}")
+    print_machine_speed(probed, rounds[0])
     return 0
+
+
+def print_machine_speed(probed, rounds) -> None:
+    """How far the machine's speed moved over the benchmark, and each layout's measured / predicted per round:
+    their range says what the medians above can be held to."""
+    probes = [t for runs in probed.values() for pair in runs for t in pair]
+    moved = sum(abs(a - b) / min(a, b) > 0.05 for runs in probed.values() for a, b in runs)
+    print(f"\nthe machine's speed (MachineSpeed: one thread's {PROBE_MATMULS} matmuls, before and after each run): "
+          f"{min(probes) * 1e3:.1f}-{max(probes) * 1e3:.1f} ms over the benchmark; before and after one run "
+          f"differed by over 5% in {moved} of {len(probes) // 2} runs")
+    print(f"{'layout':16} {'probe ms (min-max)':>18} {'measured/predicted (min-max over rounds)':>41}")
+    for (pp, s, m), ratios in zip(LAYOUTS, rounds):
+        times = [t * 1e3 for pair in probed[pp, s, m] for t in pair]
+        print(f"{f'pp{pp} {s} m{m}':16} {f'{min(times):.1f}-{max(times):.1f}':>18} "
+              f"{f'{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})':>41}")
 
 
 if __name__ == "__main__":
