@@ -1,7 +1,7 @@
 """`pipegpt plan --calibrate RUN_DIR`: CalibratedCosts from a `pipegpt run` directory. pipegpt.run_files reads its
 plan.txt, trace.json, config.json and metrics.jsonl; pipegpt.schedule.calibrate turns the trace of the plan into
 per-stage costs and its step's parts outside the actions (the optimizer, the sync's tail, the rest: step_times);
-pipegpt.costs.cost scales the FLOP model to them (fit_calibrated_costs).
+pipegpt.costs.calibrated_costs scales the FLOP model to them (fit_calibrated_costs).
 
 A CPU run's compute is what it measured at its own intra-op threads per rank: --threads-per-worker, else the
 machine's cores over its ranks (pipegpt.train.driver's default). A layout whose ranks get another number (the
@@ -38,7 +38,7 @@ from pipegpt.schedule.calibrate import OPTIMIZER, SYNC, StepBreakdown, breakdown
 from pipegpt.schedule.schedule_file import load_schedule_file
 
 from .balance import even_layers
-from .cost import CalibratedCosts, RunShape, StepTimes, fit_calibrated_costs
+from .calibrated_costs import CalibratedCosts, RunShape, StepTimes, fit_calibrated_costs
 from .devices import Cluster
 from .memory import parameter_count
 

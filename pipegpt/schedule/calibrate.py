@@ -22,7 +22,7 @@ How the costs are calibrated (the simulator's meaning of each, measured where it
   B - W, W for W); W of a stage without W actions is B/2 (the simulator never uses it).
 * The host's time per compute: the mean over computes of what F, B, W count before each compute's own start (0
   in a simulation's trace). Calibration.compute holds the costs without it: the planner scales those with
-  tokens and threads, and charges the host's time once per action (pipegpt.costs.cost.CalibratedCosts).
+  tokens and threads, and charges the host's time once per action (pipegpt.costs.calibrated_costs.CalibratedCosts).
 * comm: in the simulator, an action whose input comes from another rank can start `comm` after the
   producing action ended (a per-message latency; the receiver spends no time on it). So: on every
   cross-rank dependency (0F2 -> 1F2, 1B2 -> 0B2, ...) whose consumer's rank had finished its previous

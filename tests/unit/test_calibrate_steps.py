@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pipegpt.costs.calibrated import median_step_times, run_shape
-from pipegpt.costs.cost import StepTimes
+from pipegpt.costs.calibrated_costs import StepTimes
 from pipegpt.run_files import read_measured_steps
 from pipegpt.schedule import build_plan, lower
 from pipegpt.schedule.calibrate import Calibration, median_calibration

@@ -1,12 +1,13 @@
 """The host's time between two computes (message batches, the dispatch) in the calibrated planner: charged once per
-forward and backward of a stage, not scaled with its tokens or its layers (pipegpt.costs.cost.CalibratedCosts.host_s,
-from pipegpt.schedule.calibrate's Calibration.host). Hand-worked: the computes are given, nothing is timed."""
+forward and backward of a stage, not scaled with its tokens or its layers
+(pipegpt.costs.calibrated_costs.CalibratedCosts.host_s, from pipegpt.schedule.calibrate's Calibration.host).
+Hand-worked: the computes are given, nothing is timed."""
 from __future__ import annotations
 
 import pytest
 
 from pipegpt.config import ModelConfig
-from pipegpt.costs.cost import RunShape, fit_calibrated_costs
+from pipegpt.costs.calibrated_costs import RunShape, fit_calibrated_costs
 from pipegpt.costs.devices import make_cluster
 from pipegpt.costs.stage_costs import StageCosts
 from pipegpt.dims import Sharding

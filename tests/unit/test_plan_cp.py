@@ -222,7 +222,7 @@ def test_on_cpu_ranks_the_ring_hides_only_latency_not_the_copy():
 
 def test_calibrated_costs_hide_transfers_behind_attention_at_its_measured_speed():
     """A calibrated model computes at scale x the FLOP model at peak: a ring step's attention too."""
-    from pipegpt.costs.cost import CalibratedCosts
+    from pipegpt.costs.calibrated_costs import CalibratedCosts
     model = replace(LLAMA, seq_len=16384)
     cluster, _ = _costs(intra="100MB/s")
     shape = Shape(Sharding(cp=2), "none", 1, "ring")

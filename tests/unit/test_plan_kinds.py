@@ -11,7 +11,7 @@ import json
 import pytest
 
 from pipegpt.config import MODEL_PRESETS
-from pipegpt.costs.cost import RunShape, fit_calibrated_costs
+from pipegpt.costs.calibrated_costs import RunShape, fit_calibrated_costs
 from pipegpt.planner.candidates import Layout, LayoutChoice, Request
 from pipegpt.planner.command import PlanOptions, plan_command
 from pipegpt.planner.search import Search, evaluate_layout, search

@@ -10,7 +10,7 @@ import pytest
 from helpers import invoke
 from pipegpt.config import ModelConfig
 from pipegpt.costs.calibrated import step_times
-from pipegpt.costs.cost import RunShape, StepTimes, fit_calibrated_costs
+from pipegpt.costs.calibrated_costs import RunShape, StepTimes, fit_calibrated_costs
 from pipegpt.costs.devices import make_cluster
 from pipegpt.costs.memory import parameter_count
 from pipegpt.dims import Sharding

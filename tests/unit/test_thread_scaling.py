@@ -9,7 +9,7 @@ import pytest
 
 from pipegpt.config import ModelConfig
 from pipegpt.costs.calibrated import ThreadScaling, thread_scaling
-from pipegpt.costs.cost import RunShape, fit_calibrated_costs
+from pipegpt.costs.calibrated_costs import RunShape, fit_calibrated_costs
 from pipegpt.costs.devices import make_cluster
 from pipegpt.dims import Sharding
 from pipegpt.planner.candidates import Layout, Request
