@@ -173,7 +173,8 @@ class RuntimeConfig:
                                                 "lasting at most 0.5 s. Each step keeps its metrics row. A call ends "
                                                 "early where an evaluation, checkpoint, snapshot or profile is due, "
                                                 "and the first two steps run one a call.")
-    threads_per_worker: int | None = setting(None, "Intra-op threads per worker (default: cores / ranks).")
+    threads_per_worker: int | None = setting(None, "Intra-op threads per worker (default: the cores this process "
+                                                   "may use / ranks).")
     bind_cores: bool = setting(False, "Pin each worker on this machine to cores of its own (local rank r with t "
                                       "threads: the t cores from r x t among those this process may use), as "
                                       "DeepSpeed's --bind_cores_to_rank: no rank migrates or shares a core. "

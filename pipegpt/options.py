@@ -143,8 +143,10 @@ AUTO_LAYOUT_FIELDS = tuple(f.name for f in LAYOUT_FIELDS if f.auto)
 def auto_layout(model: ModelConfig, global_batch: int, settings: dict, say: Callable[[str], None],
                 env=os.environ) -> dict:
     """--layout auto: the planner's layout (pipegpt.planner.auto) for this run's ranks: torchrun's WORLD_SIZE, else
-    the GPUs here, else a rank per core (at most 8). The global batch stays; its split may change."""
+    the GPUs here, else a rank per core this process may use (at most 8). The global batch stays; its split may
+    change."""
     from pipegpt.config import under_torchrun
+    from pipegpt.engine.placement import usable_cores
     from pipegpt.planner.auto import choose_layout
 
     import torch
@@ -153,7 +155,7 @@ def auto_layout(model: ModelConfig, global_batch: int, settings: dict, say: Call
     if under_torchrun(env):
         ranks, per_node = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
     else:
-        ranks = torch.cuda.device_count() if cuda else min(os.cpu_count() or 1, 8)
+        ranks = torch.cuda.device_count() if cuda else min(usable_cores(), 8)
         per_node = ranks
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else None

@@ -32,6 +32,7 @@ from typing import Callable
 from pipegpt.arch import stage_ranges
 from pipegpt.config import ConfigError, ModelConfig
 from pipegpt.dims import Sharding
+from pipegpt.engine.placement import usable_cores
 from pipegpt.run_files import CONFIG, RunReadError, read_measured_steps, read_metrics
 from pipegpt.schedule import ScheduleError
 from pipegpt.schedule.calibrate import OPTIMIZER, SYNC, StepBreakdown, breakdown, calibrate_run, median_calibration
@@ -133,7 +134,7 @@ class ThreadScaling:
 
     calibrated: int  # the calibration run's threads per rank
     explicit: bool  # --threads-per-worker was given: every layout runs at it
-    cores: int  # the machine's (os.cpu_count(): the driver's default divides it)
+    cores: int  # this process's (placement.usable_cores: the driver's default divides them)
     measure: Callable[[tuple[int, ...]], dict[int, float]]
     seconds: dict = field(default_factory=dict)  # threads -> one block's forward + backward, as measured
     # {threads: seconds} of one optimizer step over the model's parameters (None: the optimizer is not scaled)
@@ -217,7 +218,7 @@ def thread_scaling(config: dict | None, rows: list, ranks: int, measure, cores: 
     on_gpu = device == "cuda" or (device == "auto" and any(r.get("mfu") is not None for r in rows))
     if on_gpu or device not in ("cpu", "auto", "cuda"):
         return None
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     given = runtime.get("threads_per_worker")
     return ThreadScaling(int(given) if given else max(1, cores // max(1, ranks)), bool(given), cores, measure,
                          ranks=ranks)

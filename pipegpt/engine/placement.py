@@ -40,6 +40,20 @@ def resolve_device(requested: str, world_size: int, cuda_count: int | None = Non
     return "cuda" if 0 < local_world_size(world_size, env) <= cuda_count else "cpu"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (taskset, a container's or a batch scheduler's cpuset),
+    not the machine's count, which a job pinned to 2 of 16 cores would share 8 threads a worker over."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_threads(world_size: int, env: Mapping[str, str] = os.environ) -> int:
+    """Each local worker's intra-op threads when --threads-per-worker is not given: the usable cores over the
+    ranks on this machine."""
+    return max(1, usable_cores() // max(1, local_world_size(world_size, env)))
+
+
 def worker_cores(local_rank: int, local_ranks: int, threads: int, available: list[int] | None = None
                  ) -> tuple[int, ...]:
     """--bind-cores: the cores a worker is pinned to, `threads` of them from local_rank x threads among the

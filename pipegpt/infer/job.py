@@ -17,7 +17,7 @@ from typing import Callable
 from pipegpt.comm.rpc import ClusterJob, LocalCluster
 from pipegpt.config import ConfigError
 from pipegpt.data.hellaswag import combine_scores, count_correct
-from pipegpt.engine.placement import local_world_size, resolve_device
+from pipegpt.engine.placement import default_threads, local_world_size, resolve_device
 from pipegpt.infer.sampling import SamplingSettings
 from pipegpt.infer.settings import InferenceSettings, Layout
 from pipegpt.infer.worker import InferenceWorker
@@ -80,7 +80,7 @@ class InferenceJob(ClusterJob):
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         warnings.filterwarnings("ignore", category=UserWarning)
         world = self.settings.world_size
-        threads = self.threads or max(1, (os.cpu_count() or 1) // world)
+        threads = self.threads or default_threads(world)
         self.cluster = LocalCluster(world, self.timeout_s, threads)
         self.cluster.spawn(InferenceWorker, lambda r: (r, self.cfg, self.cluster.group_init_method))
         described = self.cluster.call("start", self.plan)

@@ -1,17 +1,15 @@
 """A warning both roles' drivers print (a training run, an inference job): more worker processes than CPU cores."""
 from __future__ import annotations
 
-import os
-
 
 def crowding(settings, device: str) -> str | None:
     """A warning when more worker processes than CPU cores start here on CPU: they take turns on the cores.
     `settings`: the job's (a TrainConfig, an InferenceSettings: what has a world_size)."""
-    from pipegpt.engine.placement import local_world_size
+    from pipegpt.engine.placement import local_world_size, usable_cores
 
     if device != "cpu":
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     workers = local_world_size(settings.world_size)
     if workers <= cores:
         return None

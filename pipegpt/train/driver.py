@@ -10,7 +10,6 @@ step or more; checkpoints, evaluation and profiling hook in between steps, where
 """
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from dataclasses import asdict
@@ -21,7 +20,8 @@ from pipegpt.state import checkpoint, snapshot
 from pipegpt.state.rng import grid_change_line
 from pipegpt.comm.rpc import ClusterJob, LocalCluster, TorchrunCluster, WorkerFailure, WorkerStalled, port_is_free
 from pipegpt.config import COMPILE_STEPS, ConfigError, TrainConfig
-from pipegpt.engine.placement import bind_this_process, resolve_device, torchrun_cores, under_torchrun, worker_cores
+from pipegpt.engine.placement import (bind_this_process, default_threads, resolve_device, torchrun_cores,
+                                      under_torchrun, worker_cores)
 from pipegpt.observe.metrics import RunLog, StepMetrics
 from pipegpt.observe.clocks import measure_offsets, shift_events
 from pipegpt.engine.results import WorkerStep
@@ -75,8 +75,7 @@ class Job(ClusterJob):
         if port is not None and not under_torchrun() and not port_is_free(port):
             raise ConfigError(f"port {port} is in use: choose a free port or leave --port out")
         self.port = port
-        self.threads = threads_per_worker or cfg.runtime.threads_per_worker \
-            or max(1, (os.cpu_count() or 1) // cfg.world_size)
+        self.threads = threads_per_worker or cfg.runtime.threads_per_worker or default_threads(cfg.world_size)
         # --bind-cores: each local worker's cores, checked here so too few cores is one line before any start
         self.cores = None
         if cfg.runtime.bind_cores:

@@ -1,4 +1,5 @@
-"""--bind-cores: each worker pinned to cores of its own, or one line saying how many cores it would need."""
+"""--bind-cores: each worker pinned to cores of its own, or one line saying how many cores it would need; and
+without --threads-per-worker, each worker's share of the cores this process may use."""
 from __future__ import annotations
 
 import os
@@ -7,8 +8,9 @@ import re
 import pytest
 
 from helpers import assert_one_line_error, invoke, run_pipegpt
-from pipegpt.config import ConfigError
-from pipegpt.engine.placement import torchrun_cores, worker_cores
+from pipegpt.config import ConfigError, ModelConfig, TrainConfig
+from pipegpt.engine import placement
+from pipegpt.engine.placement import default_threads, torchrun_cores, usable_cores, worker_cores
 
 AVAILABLE = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 needs_two_cores = pytest.mark.skipif(len(AVAILABLE) < 2, reason="needs two cores this process may use")
@@ -52,3 +54,26 @@ def test_each_worker_runs_on_its_own_core(tmp_path):
     # the cores each worker's own process reports (os.sched_getaffinity inside it)
     line = next(ln for ln in result.stdout.splitlines() if "cores per rank" in ln)
     assert re.findall(r"(\d+): ([\d,]+)", line) == [("0", str(AVAILABLE[0])), ("1", str(AVAILABLE[1]))]
+
+
+@pytest.fixture
+def pinned_to_two_of_sixteen(monkeypatch):
+    """A process a cpuset (taskset, a container, a batch scheduler) allows cores 4 and 5 of a 16-core machine."""
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 16)
+
+
+def test_default_threads_divide_the_cores_this_process_may_use(pinned_to_two_of_sixteen):
+    assert usable_cores() == 2  # not the machine's 16: 2 workers would share 8 threads each over 2 cores
+    assert [default_threads(ranks, env={}) for ranks in (1, 2, 4)] == [2, 1, 1]
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "1"}  # 1 of 8 ranks on this machine
+    assert default_threads(8, env=torchrun) == 2
+
+
+def test_a_run_gives_each_worker_its_share_of_the_allowed_cores(pinned_to_two_of_sixteen):
+    from pipegpt.train.driver import Job
+
+    cfg = TrainConfig.build(ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16), stages=2, microbatches=2,
+                            device="cpu")
+    assert Job(cfg).threads == 1
+    assert Job(cfg, threads_per_worker=3).threads == 3  # given, it is kept
