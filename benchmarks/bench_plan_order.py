@@ -3,7 +3,10 @@
     .venv/bin/python benchmarks/bench_plan_order.py                # 8 layouts, 2 rounds (about 2.5 minutes on 2 cores)
     .venv/bin/python benchmarks/bench_plan_order.py --rounds 4
     .venv/bin/python benchmarks/bench_plan_order.py --threads-per-worker 1   # pp 1 on one thread, a core to spare
+    taskset -c 0,1 python3 benchmarks/bench_plan_order.py --rounds 3        # 2 cores of a larger machine
 
+Made for two cores (the planner's cluster: 2 CPU ranks a node). On a larger machine run it under `taskset` on two:
+every process inherits the affinity, and pipegpt's default threads follow it (pipegpt.engine.placement).
 One small model (4 layers, 256 wide, sequence 128), a fixed global batch of 16 sequences, 8 layouts: pp 1 and 2,
 gpipe / 1f1b / zb-h1, 4 and 8 microbatches. Each is a `pipegpt run` of --steps steps at pipegpt run's default
 threads, the cores over the ranks (pp 1 on two threads, pp 2 on one each: every layout uses the whole machine).
@@ -94,7 +97,9 @@ def measure(run_dir: Path, pp: int, schedule: str, m: int, steps: int, threads: 
             traced: bool = False) -> list[float]:
     given = [] if threads == "default" else ["--threads-per-worker", threads]
     given += ["--trace-steps", "all"] if traced else []  # the calibration run: every step's trace
-    subprocess.run([sys.executable, "-m", "pipegpt", "run", *FLAGS, "--stages", str(pp), "--schedule", schedule,
+    # on CPU, whatever GPUs the machine has (under "auto" pp 1 would take a lone GPU and pp 2 the cores)
+    subprocess.run([sys.executable, "-m", "pipegpt", "run", *FLAGS, "--device", "cpu", "--stages", str(pp),
+                    "--schedule", schedule,
                     "--microbatches", str(m), "--microbatch-size", str(BATCH // m), "--steps", str(steps),
                     *given, "--run-dir", str(run_dir), "--log-every", "100"],
                    check=True, capture_output=True, cwd=ROOT, timeout=600)
