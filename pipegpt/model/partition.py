@@ -14,7 +14,7 @@ def partition_layers(n_layer: int, num_stages: int, layers_per_stage: list[int] 
     if layers_per_stage is None:
         if n_layer < num_stages:
             raise ConfigError(f"n_layer={n_layer} is fewer than the {num_stages} pipeline stages it must fill: "
-                              f"use at most {n_layer} stages or at least {num_stages} layers")
+                              f"use at most {n_layer} stage{'s' * (n_layer > 1)} or at least {num_stages} layers")
         base, extra = divmod(n_layer, num_stages)
         preference = list(range(1, num_stages - 1)) + [0, num_stages - 1]
         counts = [base] * num_stages

@@ -9,6 +9,7 @@ from torch.testing import assert_close
 from helpers import ROOT
 from pipegpt.config import MODEL_PRESETS, ConfigError, ModelConfig, model_config
 from pipegpt.model.gpt import GPT, KVCache, build_reference_model, slice_state_dict
+from pipegpt.model.partition import partition_layers
 from pipegpt.model.split_backward import SplitLinear, defer_weight_grads
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, n_layer=5, n_head=4, n_embd=32)
@@ -326,6 +327,11 @@ def test_config_errors_are_one_line_and_helpful():
     assert "gpt3" in str(e.value) and "tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl" in str(e.value)
     with pytest.raises(ConfigError, match="n_layers.*valid settings"):
         model_config("tiny", n_layers=3)
+    with pytest.raises(ConfigError, match="^n_layer=1 is fewer than the 2 pipeline stages it must fill: use at most "
+                                          "1 stage or at least 2 layers$"):
+        partition_layers(1, 2)
+    with pytest.raises(ConfigError, match="use at most 3 stages or at least 4 layers$"):
+        partition_layers(3, 4)
 
 
 def test_presets():
