@@ -41,8 +41,8 @@ def resolve_device(requested: str, world_size: int, cuda_count: int | None = Non
 
 
 def usable_cores() -> int:
-    """The cores this process may run on: its affinity (taskset, a container's or a batch scheduler's cpuset),
-    not the machine's count, which a job pinned to 2 of 16 cores would share 8 threads a worker over."""
+    """The cores this process may run on: its affinity (taskset, a container's or a batch scheduler's cpuset), not
+    the machine's count (by which 2 workers pinned to 2 of 16 cores got 8 threads each)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
