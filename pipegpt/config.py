@@ -525,6 +525,14 @@ def under_torchrun(env: Mapping[str, str] = os.environ) -> bool:
     return "TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(env)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (taskset, a container's or a batch scheduler's cpuset), not
+    the machine's count (by which 2 workers pinned to 2 of 16 cores got 8 threads each)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def microbatch_size_for(batch_size: int, dp: int, microbatches: int) -> int:
     """Sequences per microbatch for a global batch, or a ConfigError naming the nearest valid batches."""
     per_step = dp * microbatches

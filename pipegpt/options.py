@@ -145,8 +145,7 @@ def auto_layout(model: ModelConfig, global_batch: int, settings: dict, say: Call
     """--layout auto: the planner's layout (pipegpt.planner.auto) for this run's ranks: torchrun's WORLD_SIZE, else
     the GPUs here, else a rank per core this process may use (at most 8). The global batch stays; its split may
     change."""
-    from pipegpt.config import under_torchrun
-    from pipegpt.engine.placement import usable_cores
+    from pipegpt.config import under_torchrun, usable_cores
     from pipegpt.planner.auto import choose_layout
 
     import torch

@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipegpt.arch import stage_ranges
-from pipegpt.config import ConfigError, ModelConfig
+from pipegpt.config import ConfigError, ModelConfig, usable_cores
 from pipegpt.dims import Sharding
-from pipegpt.engine.placement import usable_cores
 from pipegpt.run_files import CONFIG, RunReadError, read_measured_steps, read_metrics
 from pipegpt.schedule import ScheduleError
 from pipegpt.schedule.calibrate import OPTIMIZER, SYNC, StepBreakdown, breakdown, calibrate_run, median_calibration
@@ -134,7 +133,7 @@ class ThreadScaling:
 
     calibrated: int  # the calibration run's threads per rank
     explicit: bool  # --threads-per-worker was given: every layout runs at it
-    cores: int  # this process's (placement.usable_cores: the driver's default divides them)
+    cores: int  # this process's (config.usable_cores: the driver's default divides them)
     measure: Callable[[tuple[int, ...]], dict[int, float]]
     seconds: dict = field(default_factory=dict)  # threads -> one block's forward + backward, as measured
     # {threads: seconds} of one optimizer step over the model's parameters (None: the optimizer is not scaled)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from pipegpt.config import ConfigError, under_torchrun  # config.validate asks it too, and config sits below this module
+# in config: its validate asks under_torchrun, and the planner's costs (below this layer) usable_cores
+from pipegpt.config import ConfigError, under_torchrun, usable_cores
 
 
 def local_world_size(world_size: int, env: Mapping[str, str] = os.environ) -> int:
@@ -38,14 +39,6 @@ def resolve_device(requested: str, world_size: int, cuda_count: int | None = Non
 
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return "cuda" if 0 < local_world_size(world_size, env) <= cuda_count else "cpu"
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity (taskset, a container's or a batch scheduler's cpuset), not
-    the machine's count (by which 2 workers pinned to 2 of 16 cores got 8 threads each)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def default_threads(world_size: int, env: Mapping[str, str] = os.environ) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 def crowding(settings, device: str) -> str | None:
     """A warning when more worker processes than CPU cores start here on CPU: they take turns on the cores.
     `settings`: the job's (a TrainConfig, an InferenceSettings: what has a world_size)."""
-    from pipegpt.engine.placement import local_world_size, usable_cores
+    from pipegpt.config import usable_cores
+    from pipegpt.engine.placement import local_world_size
 
     if device != "cpu":
         return None

@@ -8,9 +8,8 @@ import re
 import pytest
 
 from helpers import assert_one_line_error, invoke, run_pipegpt
-from pipegpt.config import ConfigError, ModelConfig, TrainConfig
-from pipegpt.engine import placement
-from pipegpt.engine.placement import default_threads, torchrun_cores, usable_cores, worker_cores
+from pipegpt.config import ConfigError, ModelConfig, TrainConfig, usable_cores
+from pipegpt.engine.placement import default_threads, torchrun_cores, worker_cores
 
 AVAILABLE = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 needs_two_cores = pytest.mark.skipif(len(AVAILABLE) < 2, reason="needs two cores this process may use")
@@ -59,8 +58,8 @@ def test_each_worker_runs_on_its_own_core(tmp_path):
 @pytest.fixture
 def pinned_to_two_of_sixteen(monkeypatch):
     """A process a cpuset (taskset, a container, a batch scheduler) allows cores 4 and 5 of a 16-core machine."""
-    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
-    monkeypatch.setattr(placement.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
 
 
 def test_default_threads_divide_the_cores_this_process_may_use(pinned_to_two_of_sixteen):
